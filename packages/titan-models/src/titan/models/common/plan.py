@@ -1,0 +1,54 @@
+"""A model's sharding plan: plain data that `titan.dist` interprets (it never imports a model)."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from torch import nn
+
+TP_STYLES = frozenset({"embedding", "colwise", "rowwise", "norm", "block_input", "output"})
+"""Tensor-parallel styles a plan may name (see `ShardingPlan.tensor_parallel`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingPlan:
+    """How a model wants to be split; module names are globs where `*` is one name part.
+
+    `layers.*.attention` matches `layers.0.attention` but not `layers.0.attention.wq`.
+    """
+
+    tensor_parallel: dict[str, str]
+    """Module glob -> TP style: "embedding" (vocab-sharded), "colwise", "rowwise", "norm"
+    (sequence-parallel region when SP is on), "block_input" (first positional input gathered
+    from sequence shards when SP is on), "output" (vocab-sharded logits for loss parallel)."""
+    fsdp_units: tuple[str, ...]
+    """Module globs wrapped with fully_shard, each as its own unit, before the root."""
+    layer_container: str = "layers"
+    """Name of the ModuleDict of blocks: PP splits it, AC and compile wrap each block."""
+    pipeline_first: tuple[str, ...] = ("tok_embeddings",)
+    """Modules only the first pipeline stage keeps (set to None elsewhere)."""
+    pipeline_last: tuple[str, ...] = ("norm", "output")
+    """Modules only the last pipeline stage keeps (set to None elsewhere)."""
+    attention_modules: str = "layers.*.attention.inner_attention"
+    """Glob of the inner attention modules that context parallelism replaces."""
+
+    def __post_init__(self) -> None:
+        bad = {
+            glob: style for glob, style in self.tensor_parallel.items() if style not in TP_STYLES
+        }
+        if bad:
+            raise ValueError(
+                f"unknown tensor-parallel styles {bad}; use one of {sorted(TP_STYLES)}"
+            )
+
+
+def glob_matches(pattern: str, fqn: str) -> bool:
+    """Whether module name `fqn` matches `pattern`, `*` standing for exactly one name part."""
+    parts, names = pattern.split("."), fqn.split(".")
+    return len(parts) == len(names) and all(map(fnmatch.fnmatchcase, names, parts))
+
+
+def match_modules(model: nn.Module, pattern: str) -> list[str]:
+    """Names of `model`'s submodules that `pattern` matches (see `glob_matches`)."""
+    return [name for name, _ in model.named_modules() if name and glob_matches(pattern, name)]

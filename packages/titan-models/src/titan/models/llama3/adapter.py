@@ -1,0 +1,206 @@
+"""Conversion between titan Llama 3 state dicts and Hugging Face `LlamaForCausalLM` ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+from titan.models.common.rope import RopeScaling
+from titan.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
+
+# Non-block parameters: titan name -> HF name.
+_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Parameters inside block i: titan suffix (after "layers.i.") -> HF suffix (after "model.layers.i.").
+_IN_BLOCK = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_ROTATED = ("attention.wq.weight", "attention.wk.weight")  # rows follow the RoPE layout
+_TITAN_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Buffers some older HF checkpoints saved; they are recomputed, never loaded.
+_HF_DERIVED = re.compile(r".*rotary_emb\.inv_freq")
+# Llama 3 special tokens, written to the config only when the vocabulary holds them.
+_BOS_ID, _EOS_ID = 128000, 128001
+
+
+def interleaved_to_half_split(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Reorder q/k projection rows from pairs (x0, y0, x1, y1, ...) to halves (x0, x1, ..., y0, y1, ...).
+
+    Works per head, with the head count read from the shape, so it serves q and GQA's k alike.
+    """
+    return w.unflatten(0, (-1, head_dim // 2, 2)).transpose(1, 2).flatten(0, 2)
+
+
+def half_split_to_interleaved(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Inverse of `interleaved_to_half_split`."""
+    return w.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)
+
+
+class Llama3StateDictAdapter:
+    """Maps Llama 3 weights to and from Hugging Face `LlamaForCausalLM` names and layouts.
+
+    Keys are mapped one by one, so a pipeline stage's partial state dict converts too.
+    titan rotates interleaved channel pairs (Meta layout); HF rotates the two halves of each
+    head, so wq and wk rows are permuted on the way.
+    """
+
+    def __init__(self, args: Llama3Args) -> None:
+        self.args = args
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """titan names/layout -> HF names/layout."""
+        out = {}
+        for key, value in state_dict.items():
+            if _is_rotated(key):
+                value = interleaved_to_half_split(value, self.args.head_dim)
+            out[self._hf_key(key)] = value
+        return out
+
+    def from_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """HF names/layout -> titan names/layout (derived buffers like `inv_freq` are dropped)."""
+        out = {}
+        for key, value in state_dict.items():
+            if _HF_DERIVED.fullmatch(key):
+                continue
+            titan_key = self._titan_key(key)
+            if _is_rotated(titan_key):
+                value = half_split_to_interleaved(value, self.args.head_dim)
+            out[titan_key] = value
+        return out
+
+    @staticmethod
+    def _hf_key(key: str) -> str:
+        block = _TITAN_BLOCK.fullmatch(key)
+        if block is None and key in _TOP_LEVEL:
+            return _TOP_LEVEL[key]
+        if block is not None and block.group(2) in _IN_BLOCK:
+            return f"model.layers.{block.group(1)}.{_IN_BLOCK[block.group(2)]}"
+        raise ValueError(
+            f"{key!r} is not a Llama 3 parameter name; is this state dict from another model?"
+        )
+
+    @staticmethod
+    def _titan_key(key: str) -> str:
+        block = _HF_BLOCK.fullmatch(key)
+        if block is None and key in _FROM_HF_TOP:
+            return _FROM_HF_TOP[key]
+        if block is not None and block.group(2) in _FROM_HF_BLOCK:
+            return f"layers.{block.group(1)}.{_FROM_HF_BLOCK[block.group(2)]}"
+        raise ValueError(
+            f"{key!r} is not a LlamaForCausalLM parameter name; is this checkpoint another model?"
+        )
+
+    def hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
+        """A `config.json` dict for `LlamaForCausalLM` (`transformers.LlamaConfig(**d)` accepts it)."""
+        a = self.args
+        cfg: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": a.dim,
+            "intermediate_size": a.ffn_hidden_dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.n_kv_heads,
+            "head_dim": a.head_dim,
+            "vocab_size": a.vocab_size,
+            "max_position_embeddings": a.max_seq_len,
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta,
+            "rope_scaling": _rope_scaling_to_hf(a.rope_scaling),
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": torch_dtype,
+        }
+        if a.vocab_size > _EOS_ID:
+            cfg.update(bos_token_id=_BOS_ID, eos_token_id=_EOS_ID)
+        return cfg
+
+    @classmethod
+    def args_from_hf_config(cls, cfg: dict[str, Any]) -> Llama3Args:
+        """`Llama3Args` for a HF Llama `config.json` dict (transformers 4 or 5 layout)."""
+        dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or dim // n_heads
+        if head_dim * n_heads != dim:
+            raise ValueError(
+                f"head_dim {head_dim} * num_attention_heads {n_heads} != hidden_size {dim}; unsupported"
+            )
+        rope = _rope_params_from_hf(cfg)
+        return Llama3Args(
+            dim=dim,
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            vocab_size=cfg["vocab_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=rope.get("rope_theta", 10000.0),
+            rope_scaling=_rope_scaling_from_hf(rope),
+            max_seq_len=cfg.get("max_position_embeddings", 2048),
+            **_ffn_fields(dim, cfg["intermediate_size"]),
+        )
+
+
+def _is_rotated(titan_key: str) -> bool:
+    """Whether the rows of this titan parameter follow the RoPE channel layout (wq, wk)."""
+    block = _TITAN_BLOCK.fullmatch(titan_key)
+    return block is not None and block.group(2) in _ROTATED
+
+
+_FROM_HF_TOP = {hf: titan for titan, hf in _TOP_LEVEL.items()}
+_FROM_HF_BLOCK = {hf: titan for titan, hf in _IN_BLOCK.items()}
+
+
+def _rope_scaling_to_hf(scaling: RopeScaling | None) -> dict[str, Any] | None:
+    """HF `rope_scaling` entry for `scaling` (None when scaling is off)."""
+    if scaling is None:
+        return None
+    return {"rope_type": "llama3", **dataclasses.asdict(scaling)}
+
+
+def _rope_params_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One flat dict of RoPE settings: transformers 5 nests them in `rope_parameters`,
+    older configs put `rope_theta` at top level and scaling in `rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if "rope_theta" in cfg:
+        params.setdefault("rope_theta", cfg["rope_theta"])
+    return params
+
+
+def _rope_scaling_from_hf(rope: dict[str, Any]) -> RopeScaling | None:
+    """`RopeScaling` from flat HF RoPE settings; only "default" and "llama3" are supported."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(
+            f"rope_type {kind!r} is not supported by llama3; expected 'llama3' or 'default'"
+        )
+    names = [f.name for f in dataclasses.fields(RopeScaling)]
+    return RopeScaling(**{name: rope[name] for name in names})
+
+
+def _ffn_fields(dim: int, intermediate_size: int) -> dict[str, Any]:
+    """FFN fields reproducing `intermediate_size`: a published flavor's rule when one fits,
+    so a round trip gives back the flavor exactly, else an explicit `ffn_dim`."""
+    for flavor in LLAMA3_FLAVORS.values():
+        if flavor.dim == dim and flavor.ffn_hidden_dim == intermediate_size:
+            return {
+                "multiple_of": flavor.multiple_of,
+                "ffn_dim_multiplier": flavor.ffn_dim_multiplier,
+            }
+    return {"ffn_dim": intermediate_size}
