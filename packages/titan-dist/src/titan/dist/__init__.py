@@ -1,0 +1,53 @@
+"""titan.dist: every parallelism, applied from outside to an unchanged single-device model.
+
+Public API (everything else is internal):
+
+- configs: `ParallelismConfig`, `ActivationCheckpointConfig`, `CompileConfig`
+- process group: `DistEnv`, `init_distributed`, `destroy_distributed`
+- mesh: `ParallelDims`
+- transformation: `parallelize` (fixed order CP -> TP/SP -> EP -> AC -> compile -> FSDP2),
+  and the individual `apply_*` functions
+- reductions: `clip_grad_norm_`, `reduce_mean`, `reduce_max`
+- pipeline: `build_pipeline` -> (schedule, model_parts, has_first_stage, has_last_stage)
+- context parallel: `shard_batch_for_context_parallel`
+- loss parallel: `loss_parallel_context`
+- dry run: `dry_run` (fake process group, meta device, any world size)
+"""
+
+from titan.dist.activation_checkpoint import apply_activation_checkpointing
+from titan.dist.compile import apply_compile
+from titan.dist.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
+from titan.dist.dims import ParallelDims
+from titan.dist.env import DistEnv, destroy_distributed, init_distributed
+from titan.dist.context_parallel import apply_context_parallel, shard_batch_for_context_parallel
+from titan.dist.dry_run import RankEstimate, dry_run
+from titan.dist.fsdp import apply_ddp, apply_fsdp
+from titan.dist.parallelize import parallelize
+from titan.dist.pipeline import build_pipeline
+from titan.dist.tensor_parallel import apply_tensor_parallel, loss_parallel_context
+from titan.dist.reduce import clip_grad_norm_, reduce_max, reduce_mean
+
+__all__ = [
+    "ActivationCheckpointConfig",
+    "CompileConfig",
+    "DistEnv",
+    "ParallelDims",
+    "ParallelismConfig",
+    "RankEstimate",
+    "apply_context_parallel",
+    "apply_ddp",
+    "apply_fsdp",
+    "apply_tensor_parallel",
+    "build_pipeline",
+    "dry_run",
+    "loss_parallel_context",
+    "shard_batch_for_context_parallel",
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "clip_grad_norm_",
+    "destroy_distributed",
+    "init_distributed",
+    "parallelize",
+    "reduce_max",
+    "reduce_mean",
+]

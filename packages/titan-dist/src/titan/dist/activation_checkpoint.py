@@ -1,0 +1,75 @@
+"""Activation checkpointing per transformer block: full, every k-th block, or per op."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from titan.dist.plan import blocks_of
+
+# Outputs worth keeping: matmuls are the expensive ops, attention is expensive and its
+# recompute would need the K/V exchange again, and re-running a collective costs bandwidth.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
+}
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective-checkpoint policy: save matmul/attention/collective outputs, recompute the
+    rest (elementwise ops and norms are cheap to redo and their outputs are large)."""
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_context():
+    return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
+def checkpoint_block(block: nn.Module, *, per_op: bool = False) -> nn.Module:
+    """Make `block` recompute its activations in backward, in place.
+
+    The block's `forward` is wrapped rather than the module itself, so parameter names
+    (and therefore checkpoints and optimizer groups) are the same with and without AC.
+    """
+    inner: Callable = block.forward
+    kwargs = {"context_fn": _op_context} if per_op else {}
+
+    @functools.wraps(inner)
+    def forward(*args, **kw):
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
+                          **kwargs, **kw)
+
+    block.forward = forward
+    return block
+
+
+def apply_activation_checkpointing(model: nn.Module, mesh, config) -> nn.Module:
+    """Apply `ActivationCheckpointConfig` to every block of the model's layer container.
+
+    "full" checkpoints every block; "selective" checkpoints blocks 0, k, 2k, ... with
+    k = `selective_layer_every`, either whole (recompute all) or per op (`selective_op`).
+    `mesh` is unused (AC is local) but kept for the `apply_*` signature.
+    """
+    if config.mode == "none":
+        return model
+    every = 1 if config.mode == "full" else config.selective_layer_every
+    per_op = config.mode == "selective" and config.selective_op
+    for index, (_, block) in enumerate(blocks_of(model)):
+        if index % every == 0:
+            checkpoint_block(block, per_op=per_op)
+    return model

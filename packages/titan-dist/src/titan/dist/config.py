@@ -1,0 +1,150 @@
+"""Configuration sections owned by titan.dist: `--parallelism.*`, `--activation_checkpoint.*`,
+`--compile.*`.
+
+Each is a kw-only dataclass with a docstring per field (tyro turns them into flag help) and a
+`__post_init__` that rejects bad values with a message naming the flag, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PIPELINE_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+RESHARD_POLICIES = ("default", "always", "never")
+DTYPES = ("float32", "bfloat16", "float16")
+AC_MODES = ("none", "full", "selective")
+
+
+def _require(ok: bool, message: str) -> None:
+    """Raise ValueError(message) unless ok: keeps each validation one readable line."""
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_degree(flag: str, value: int, *, allow_rest: bool = False) -> None:
+    lowest = "-1 (the rest) or >= 1" if allow_rest else ">= 1"
+    ok = value >= 1 or (allow_rest and value == -1)
+    _require(ok, f"--parallelism.{flag} must be {lowest}, got {value}")
+
+
+@dataclass(kw_only=True)
+class ParallelismConfig:
+    """How the job is split over ranks (`--parallelism.*`).
+
+    The product of the data-parallel, context, tensor and pipeline degrees is the world size;
+    `data_parallel_shard_degree=-1` takes whatever is left.
+    """
+
+    data_parallel_replicate_degree: int = 1
+    """Replicas of the model (DDP, or the replicate axis of HSDP when shard degree > 1)."""
+    data_parallel_shard_degree: int = -1
+    """FSDP shard-group size; -1 uses every rank the other degrees leave over."""
+    fsdp_reshard_after_forward: str = "default"
+    """Free gathered params after forward: "always", "never", or "default" (yes, except under
+    pipeline parallel where microbatches would re-gather them many times)."""
+    fsdp_cpu_offload: bool = False
+    """Keep sharded params, grads and optimizer states on CPU (FSDP2 CPUOffloadPolicy)."""
+    mixed_precision_param: str = "float32"
+    """dtype FSDP casts parameters to for compute: float32, bfloat16 or float16."""
+    mixed_precision_reduce: str = "float32"
+    """dtype of FSDP gradient reduction: float32 (recommended) or bfloat16."""
+    tensor_parallel_degree: int = 1
+    """Ranks a single layer's matmuls are split over (Megatron column/row parallel)."""
+    enable_sequence_parallel: bool = True
+    """With tensor parallel: shard norms and residuals along the sequence (saves memory)."""
+    enable_loss_parallel: bool = True
+    """With tensor parallel: cross-entropy on vocab-sharded logits, never gathering them."""
+    enable_async_tensor_parallel: bool = False
+    """Overlap TP collectives with matmuls (CUDA + torch.compile only)."""
+    pipeline_parallel_degree: int = 1
+    """Number of pipeline ranks the layers are split over."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """Schedule name: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
+    ZBVZeroBubble or DualPipeV."""
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Transformer blocks per stage; None = one stage per rank (two for V schedules)."""
+    pipeline_parallel_split_points: list[str] | None = None
+    """Explicit split: names of the blocks that start stages 1..n-1 (e.g. layers.2)."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Samples per pipeline microbatch; the local batch must divide by it."""
+    context_parallel_degree: int = 1
+    """Ranks the sequence is split over (exact ring/all-gather attention)."""
+    context_parallel_rotate_method: str = "allgather"
+    """How K/V travel between CP ranks: "allgather" (the one implemented so far)."""
+    expert_parallel_degree: int = 1
+    """Ranks the MoE experts are split over (borrowed from data_parallel_shard x context)."""
+
+    def __post_init__(self) -> None:
+        _check_degree("data_parallel_replicate_degree", self.data_parallel_replicate_degree)
+        _check_degree("data_parallel_shard_degree", self.data_parallel_shard_degree, allow_rest=True)
+        for flag in ("tensor_parallel_degree", "pipeline_parallel_degree",
+                     "context_parallel_degree", "expert_parallel_degree",
+                     "pipeline_parallel_microbatch_size"):
+            _check_degree(flag, getattr(self, flag))
+        self._check_choices()
+        lps = self.pipeline_parallel_layers_per_stage
+        _require(lps is None or lps >= 1,
+                 f"--parallelism.pipeline_parallel_layers_per_stage must be >= 1 or unset, got {lps}")
+        _require(lps is None or not self.pipeline_parallel_split_points,
+                 "set either --parallelism.pipeline_parallel_layers_per_stage or "
+                 "--parallelism.pipeline_parallel_split_points, not both")
+
+    def _check_choices(self) -> None:
+        _require(self.pipeline_parallel_schedule in PIPELINE_SCHEDULES,
+                 f"--parallelism.pipeline_parallel_schedule={self.pipeline_parallel_schedule!r} "
+                 f"is unknown; choose one of {', '.join(PIPELINE_SCHEDULES)}")
+        _require(self.fsdp_reshard_after_forward in RESHARD_POLICIES,
+                 f"--parallelism.fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r} "
+                 f"is unknown; choose one of {', '.join(RESHARD_POLICIES)}")
+        for flag in ("mixed_precision_param", "mixed_precision_reduce"):
+            value = getattr(self, flag)
+            _require(value in DTYPES,
+                     f"--parallelism.{flag}={value!r} is unknown; choose one of {', '.join(DTYPES)}")
+        _require(self.context_parallel_rotate_method == "allgather",
+                 f"--parallelism.context_parallel_rotate_method="
+                 f"{self.context_parallel_rotate_method!r} is not supported; use allgather")
+
+
+@dataclass(kw_only=True)
+class ActivationCheckpointConfig:
+    """Trade compute for memory by recomputing activations in backward
+    (`--activation_checkpoint.*`)."""
+
+    mode: str = "none"
+    """"none"; "full" (recompute every block); "selective" (see the two fields below)."""
+    selective_layer_every: int = 1
+    """selective: checkpoint blocks 0, k, 2k, ... (k = this); 1 = every block."""
+    selective_op: bool = False
+    """selective: inside a checkpointed block keep matmul (and collective) outputs and
+    recompute only the cheap ops in between, instead of recomputing the whole block."""
+
+    def __post_init__(self) -> None:
+        _require(self.mode in AC_MODES,
+                 f"--activation_checkpoint.mode={self.mode!r} is unknown; choose one of "
+                 f"{', '.join(AC_MODES)}")
+        _require(self.selective_layer_every >= 1,
+                 f"--activation_checkpoint.selective_layer_every must be >= 1, got "
+                 f"{self.selective_layer_every}")
+
+
+@dataclass(kw_only=True)
+class CompileConfig:
+    """torch.compile applied to each transformer block (`--compile.*`)."""
+
+    enable: bool = False
+    """Compile every transformer block (inductor on CPU and CUDA)."""
+    backend: str = "inductor"
+    """torch.compile backend; "aot_eager" is handy to debug compile issues quickly."""
+    fullgraph: bool = False
+    """Fail on graph breaks instead of falling back to eager for those ops."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.backend), "--compile.backend must name a torch.compile backend")

@@ -1,0 +1,113 @@
+"""Context parallel: the sequence split over ranks, with an exact attention exchange.
+
+Load balancing (head-tail): the sequence is cut into 2*cp chunks and CP rank r holds chunks
+r and 2*cp-1-r. Under a causal mask early tokens attend to little and late tokens to a lot,
+so pairing an early chunk with a late one gives every rank the same attention work.
+
+Attention exchange (all-gather): each rank all-gathers K and V of the whole sequence (the
+autograd version, whose backward reduce-scatters the K/V gradients back to their owners),
+restores the global token order, and attends its local queries to every key with the causal
+mask built from absolute positions. The result is exactly single-device attention. It uses
+only all-gather / reduce-scatter, so it runs on gloo (CPU) and NCCL (CUDA) alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan.dist.plan import match_modules, sharding_plan
+
+
+def chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """The two sequence chunks (of 2*cp_size) that CP rank `cp_rank` holds."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def shard_positions(seq_len: int, cp_rank: int, cp_size: int,
+                    device: torch.device | None = None) -> torch.Tensor:
+    """Absolute positions [seq_len / cp] of this rank's tokens (for RoPE and the mask)."""
+    chunk = seq_len // (2 * cp_size)
+    a, b = chunk_ids(cp_rank, cp_size)
+    pos = torch.arange(seq_len, device=device)
+    return torch.cat([pos[a * chunk:(a + 1) * chunk], pos[b * chunk:(b + 1) * chunk]])
+
+
+def shard_sequence(t: torch.Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1) -> torch.Tensor:
+    """This rank's head-tail share of `t` along `seq_dim`."""
+    seq_len = t.shape[seq_dim]
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} must be divisible by 2 x "
+                         f"context_parallel_degree = {2 * cp_size}")
+    chunks = t.chunk(2 * cp_size, dim=seq_dim)
+    a, b = chunk_ids(cp_rank, cp_size)
+    return torch.cat([chunks[a], chunks[b]], dim=seq_dim).contiguous()
+
+
+def shard_batch_for_context_parallel(cp_mesh: DeviceMesh | None, *tensors: torch.Tensor,
+                                     seq_dim: int = 1):
+    """Shard a batch (e.g. input_ids, labels) along the sequence for context parallel.
+
+    Returns (sharded tensors..., positions): pass `positions` to the model's forward so
+    RoPE uses the true token positions. Without a CP mesh the tensors come back whole and
+    positions is None.
+    """
+    if cp_mesh is None or cp_mesh.size() == 1:
+        return (*tensors, None)
+    rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
+    seq_len = tensors[0].shape[seq_dim]
+    out = [shard_sequence(t, rank, size, seq_dim) for t in tensors]
+    return (*out, shard_positions(seq_len, rank, size, tensors[0].device))
+
+
+def _unshuffle(gathered: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """[cp*local, ...] gathered along dim 2 in rank order -> global sequence order."""
+    chunks = gathered.chunk(2 * cp_size, dim=2)  # rank r contributed chunks (r, 2cp-1-r)
+    order = [None] * (2 * cp_size)
+    for r in range(cp_size):
+        a, b = chunk_ids(r, cp_size)
+        order[a], order[b] = chunks[2 * r], chunks[2 * r + 1]
+    return torch.cat(order, dim=2)
+
+
+class ContextParallelAttention(nn.Module):
+    """Drop-in for a causal SDPA `inner_attention(q, k, v)` on [B, H, S_local, Dh] inputs
+    whose sequence is head-tail sharded over `cp_mesh`."""
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        super().__init__()
+        self.cp_mesh = cp_mesh
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        size = self.cp_mesh.size()
+        # all_gather concatenates on dim 0: put the sequence there and back.
+        flat = t.transpose(0, 2).contiguous()
+        full = funcol.all_gather_tensor_autograd(flat, gather_dim=0, group=self.cp_mesh)
+        return _unshuffle(full.transpose(0, 2), size)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        size, rank = self.cp_mesh.size(), self.cp_mesh.get_local_rank()
+        k_full, v_full = self._gather(k), self._gather(v)
+        seq_len = k_full.shape[2]
+        q_pos = shard_positions(seq_len, rank, size, q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        mask = q_pos[:, None] >= k_pos[None, :]
+        return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask)
+
+
+def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, config) -> nn.Module:
+    """Replace every attention kernel named by `plan.attention_modules` with the exact
+    context-parallel attention over the 1-D "cp" `mesh`. The replaced kernels are assumed to
+    be causal SDPA with the default scale (the contract's `inner_attention`)."""
+    plan = sharding_plan(model)
+    pattern = getattr(plan, "attention_modules", "layers.*.attention.inner_attention")
+    found = match_modules(model, pattern)
+    if not found and any(True for _ in getattr(model, "layers", {}).values()):
+        raise ValueError(f"context parallel found no attention module matching {pattern!r}")
+    for fqn, _ in found:
+        parent_name, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, ContextParallelAttention(mesh))
+    return model

@@ -1,0 +1,164 @@
+"""Dry run: validate, build the mesh and parallelize for any world size on one CPU.
+
+A fake process group (torch's testing "fake" backend: every collective returns at once)
+stands in for the cluster, and the model lives on the meta device, so a 512-rank 405B
+configuration is checked in seconds without a GPU or any memory for weights. Ranks that
+differ only along data/tensor/context axes hold same-sized shards, so one representative
+rank per pipeline rank is parallelized and reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from titan.dist.dims import ParallelDims
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Activation elements kept per token per block, in units of the model dim (rough figures for
+# a pre-norm attention + SwiGLU block with a fused attention kernel): everything, only what
+# selective checkpointing keeps, or only the block input (full checkpointing).
+_ACT_PER_TOKEN = {"none": 17, "selective": 8, "full": 1}
+
+
+@dataclass
+class RankEstimate:
+    """Per-rank parameter count and memory estimate (bytes) for one pipeline rank."""
+
+    ranks: str
+    pp_rank: int
+    params: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Params + grads + optimizer states + activations."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+    def line(self) -> str:
+        """One human-readable report line."""
+        return (f"ranks {self.ranks:>12} (pp {self.pp_rank}): {self.params:,} params | "
+                f"params {_fmt(self.param_bytes)}, grads {_fmt(self.grad_bytes)}, optimizer "
+                f"{_fmt(self.optimizer_bytes)}, activations {_fmt(self.activation_bytes)}, "
+                f"total {_fmt(self.total_bytes)}")
+
+
+def _fmt(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1."""
+    for unit, scale in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _local_numel(module: nn.Module) -> int:
+    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+               for p in module.parameters())
+
+
+def _model_shape(model: nn.Module) -> tuple[int, int]:
+    """(model dim, vocab size) read from the contract's attribute names."""
+    first = next(iter(model.layers.values()))
+    return first.attention.wq.in_features, model.output.out_features
+
+
+def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac_mode: str,
+                      dim: int, vocab: int, tokens: int) -> int:
+    act_bytes = _BYTES[cfg.mixed_precision_param]
+    layers = sum(len(p.layers) for p in parts)
+    # Sequence parallel shards the residual stream over tp; without it only matmul
+    # intermediates are sharded: count half of it as sharded.
+    tp_div = dims.tp if cfg.enable_sequence_parallel else max(1.0, dims.tp / 2)
+    per_layer = _ACT_PER_TOKEN[ac_mode] * dim * tokens * act_bytes / tp_div
+    logits = tokens * vocab * 4 / dims.tp if any(p.output is not None for p in parts) else 0
+    return int(layers * per_layer + logits)
+
+
+def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, activation_checkpoint,
+                   compile, local_batch_size: int, seq_len: int, optimizer_states: int):
+    from titan.dist.parallelize import parallelize
+    from titan.dist.pipeline import build_pipeline
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+    try:
+        dims.rank = rank
+        root = dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = model_fn()
+        dim, vocab = _model_shape(model)
+        if dims.pp_enabled:
+            _, parts, _, _ = build_pipeline(
+                model, dims, parallelism=parallelism, activation_checkpoint=activation_checkpoint,
+                compile=compile, loss_fn=lambda out, tgt: out.sum(),
+                local_batch_size=local_batch_size, device=torch.device("cpu"))
+            # 1F1B-style schedules keep up to pp microbatches in flight on the first stage.
+            micro = parallelism.pipeline_parallel_microbatch_size
+            tokens = micro * min(dims.pp, local_batch_size // micro) * seq_len // dims.cp
+        else:
+            parts = [parallelize(model, dims, root, parallelism=parallelism,
+                                 activation_checkpoint=activation_checkpoint, compile=compile)]
+            tokens = local_batch_size * seq_len // dims.cp
+        params = sum(_local_numel(p) for p in parts)
+        acts = _activation_bytes(parts, dims, parallelism, activation_checkpoint.mode, dim, vocab,
+                                 tokens)
+        return params, acts
+    finally:
+        dist.destroy_process_group()
+
+
+def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
+            activation_checkpoint, compile, local_batch_size: int, seq_len: int,
+            global_batch_size: int = -1, optimizer_states: int = 2,
+            print_fn: Callable[[str], None] | None = print) -> list[RankEstimate]:
+    """Validate and parallelize a configuration for `world_size` ranks on this one CPU.
+
+    `model_fn()` builds the model (it is called under the meta device). Prints, and returns,
+    one `RankEstimate` per pipeline rank: the local parameter count and a memory estimate of
+    fp32 params, fp32 grads, `optimizer_states` fp32 states per param (AdamW: 2) and
+    activations. Must run in a process without a process group.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("dry_run needs a process without a process group")
+    dims = ParallelDims.from_config(parallelism, world_size)
+    with torch.device("meta"):
+        probe = model_fn()
+    _validate(dims, probe, seq_len, global_batch_size, local_batch_size)
+    per_pp = world_size // dims.pp
+    estimates = []
+    for pp_rank in range(dims.pp):
+        params, acts = _estimate_rank(
+            model_fn, dims, pp_rank * per_pp, parallelism=parallelism,
+            activation_checkpoint=activation_checkpoint, compile=compile,
+            local_batch_size=local_batch_size, seq_len=seq_len,
+            optimizer_states=optimizer_states)
+        est = RankEstimate(ranks=f"{pp_rank * per_pp}-{(pp_rank + 1) * per_pp - 1}",
+                           pp_rank=pp_rank, params=params, param_bytes=4 * params,
+                           grad_bytes=4 * params, optimizer_bytes=4 * optimizer_states * params,
+                           activation_bytes=acts)
+        estimates.append(est)
+        if print_fn is not None:
+            print_fn(est.line())
+    return estimates
+
+
+def _validate(dims: ParallelDims, model: nn.Module, seq_len: int, global_batch: int,
+              local_batch: int) -> None:
+    """ParallelDims.validate_model with the sizes read off the (meta) model."""
+    first = next(iter(model.layers.values()))
+    attn = first.attention
+    # The contract does not name a head count; models that expose head_dim get the exact
+    # KV-head check, others the weaker check on the K projection width.
+    head_dim = getattr(attn, "head_dim", None)
+    n_kv = attn.wk.out_features // head_dim if head_dim else attn.wk.out_features
+    dims.validate_model(n_kv_heads=n_kv, ffn_hidden_dim=first.feed_forward.w1.out_features,
+                        n_layers=len(model.layers), seq_len=seq_len,
+                        global_batch_size=global_batch, local_batch_size=local_batch)

@@ -1,0 +1,74 @@
+"""Process-group set-up from torchrun's environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits: its global and node-local rank, the world size, its device."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0 (the rank that logs and writes shared files)."""
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    try:
+        return default if value is None else int(value)
+    except ValueError as err:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from err
+
+
+def _pick_device(local_rank: int) -> torch.device:
+    """One accelerator per process, chosen by LOCAL_RANK; CPU when there is none."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 300) -> DistEnv:
+    """Read torchrun's RANK / LOCAL_RANK / WORLD_SIZE and start the default process group.
+
+    World size 1 starts no process group at all (a plain single-device run). Otherwise the
+    backend is nccl on CUDA and gloo on CPU; `timeout_s` bounds every collective so a
+    mismatched collective fails instead of hanging.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    device = _pick_device(local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def destroy_distributed() -> None:
+    """Tear the default process group down (no-op when none was started).
+
+    The barrier first makes sure no rank leaves while another still waits on a collective.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,60 @@
+"""Data parallelism: FSDP2 (per block, then the root), HSDP, and DDP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from titan.dist.plan import match_modules, sharding_plan
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def mixed_precision_policy(config) -> MixedPrecisionPolicy:
+    """FSDP2 policy from `--parallelism.mixed_precision_param` / `_reduce`."""
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[config.mixed_precision_param],
+                                reduce_dtype=_DTYPES[config.mixed_precision_reduce])
+
+
+def reshard_after_forward(config, *, pp_enabled: bool) -> bool:
+    """"default" frees gathered params after forward except under pipeline parallel, where
+    every microbatch's forward would gather them again."""
+    policy = config.fsdp_reshard_after_forward
+    return {"always": True, "never": False}.get(policy, not pp_enabled)
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """Submodules the plan names as FSDP units (default: every block), in model order."""
+    plan = sharding_plan(model)
+    patterns = getattr(plan, "fsdp_units", None) or ("layers.*",)
+    return [m for pattern in patterns for _, m in match_modules(model, pattern)
+            if m is not None]
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config, *, pp_enabled: bool = False) -> nn.Module:
+    """Shard parameters with FSDP2: each plan unit (block) first, then the root.
+
+    A 1-D `mesh` shards over it (FSDP); a 2-D (dp_replicate, dp_shard_cp) mesh replicates
+    over the first axis and shards over the second (HSDP). One all-gather per unit lets
+    block i+1's gather overlap block i's compute.
+    """
+    kwargs = dict(mesh=mesh, mp_policy=mixed_precision_policy(config),
+                  offload_policy=CPUOffloadPolicy() if config.fsdp_cpu_offload else OffloadPolicy())
+    reshard = reshard_after_forward(config, pp_enabled=pp_enabled)
+    for unit in fsdp_units(model):
+        fully_shard(unit, reshard_after_forward=reshard, **kwargs)
+    # The root's params (embedding, final norm, output) are needed right at the start of
+    # backward, so keep them gathered unless the user asked for "always".
+    fully_shard(model, reshard_after_forward=config.fsdp_reshard_after_forward == "always",
+                **kwargs)
+    return model
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, config) -> nn.Module:
+    """Replicate the model over `mesh` and all-reduce gradients (DDP, composable form)."""
+    from torch.distributed._composable.replicate import replicate
+
+    replicate(model, device_mesh=mesh, bucket_cap_mb=100)
+    return model

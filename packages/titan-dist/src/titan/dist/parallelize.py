@@ -1,0 +1,58 @@
+"""`parallelize`: the one place that fixes the order the techniques are applied in.
+
+CP -> TP/SP -> EP -> activation checkpointing -> compile -> FSDP2 / DDP.
+
+Why this order: CP swaps the attention kernel, which TP must then see as an ordinary
+submodule; TP turns parameters into DTensors on the "tp" axis before FSDP adds the data
+axes on top (FSDP2 composes over existing TP DTensors, not the reverse); checkpointing
+wraps a block's forward and compile must trace that wrapped forward; FSDP comes last so its
+per-block hooks (all-gather before, reduce-scatter after) sit outside the compiled and
+checkpointed code.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan.dist.activation_checkpoint import apply_activation_checkpointing
+from titan.dist.compile import apply_compile
+from titan.dist.dims import ParallelDims
+
+
+def parallelize(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh | None, *,
+                parallelism, activation_checkpoint, compile) -> nn.Module:
+    """Apply every configured technique to `model` (or to one pipeline stage of it).
+
+    `mesh` is the root mesh from `parallel_dims.build_mesh` (None at world size 1); the
+    axis views are taken from `parallel_dims.mesh(name)`. The model's `sharding_plan()` says
+    which submodules get which tensor-parallel style, which are FSDP units and where the
+    attention kernels are. Returns the same module object, transformed in place.
+    """
+    dims = parallel_dims
+    if dims.cp_enabled:
+        from titan.dist.context_parallel import apply_context_parallel
+        apply_context_parallel(model, dims.mesh("cp"), parallelism)
+    if dims.tp_enabled:
+        from titan.dist.tensor_parallel import apply_tensor_parallel
+        apply_tensor_parallel(model, dims.mesh("tp"), parallelism)
+    if dims.ep_enabled:
+        raise NotImplementedError("expert parallel is not implemented yet; set "
+                                  "--parallelism.expert_parallel_degree 1")
+    apply_activation_checkpointing(model, None, activation_checkpoint)
+    apply_compile(model, None, compile)
+    _apply_data_parallel(model, dims, parallelism)
+    return model
+
+
+def _apply_data_parallel(model: nn.Module, dims: ParallelDims, parallelism) -> None:
+    """FSDP2 (HSDP when also replicating) when parameters are sharded; DDP when only
+    replicated; nothing on a single data-parallel rank. Replication of tensor-parallel
+    DTensor params goes through FSDP2 with a shard group of 1 (torch's DDP cannot take
+    DTensors)."""
+    if dims.fsdp_enabled or (dims.dp_replicate_enabled and dims.tp_enabled):
+        from titan.dist.fsdp import apply_fsdp
+        apply_fsdp(model, dims.mesh("fsdp"), parallelism, pp_enabled=dims.pp_enabled)
+    elif dims.dp_replicate_enabled:
+        from titan.dist.fsdp import apply_ddp
+        apply_ddp(model, dims.mesh("dp_replicate"), parallelism)

@@ -1,0 +1,194 @@
+"""Pipeline parallel: split the model into stages by layer and build a schedule by name.
+
+Splitting works on the model object itself (typically on the meta device, before any
+weights exist): each stage is a deep copy with the other stages' blocks deleted from the
+layer container and the first/last modules of the plan set to None, so the model's own
+forward runs unchanged on its piece.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from titan.dist.dims import ParallelDims
+from titan.dist.plan import layer_container_name, sharding_plan
+
+SCHEDULES = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+}
+SINGLE_STAGE = ("GPipe", "1F1B")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+
+
+def stage_layer_keys(layer_keys: list[str], num_stages: int, config) -> list[list[str]]:
+    """Which blocks each stage holds: from explicit split points, or evenly (earlier
+    stages get the remainder)."""
+    points = config.pipeline_parallel_split_points
+    if points:
+        starts = [_split_index(p, layer_keys) for p in points]
+        if starts != sorted(set(starts)) or len(starts) != num_stages - 1:
+            raise ValueError(f"--parallelism.pipeline_parallel_split_points={points} must name "
+                             f"{num_stages - 1} distinct blocks in model order")
+        bounds = [0, *starts, len(layer_keys)]
+    else:
+        base, extra = divmod(len(layer_keys), num_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+        bounds = [sum(sizes[:s]) for s in range(num_stages + 1)]
+    stages = [layer_keys[bounds[s]:bounds[s + 1]] for s in range(num_stages)]
+    if any(not s for s in stages):
+        raise ValueError(f"{num_stages} pipeline stages for {len(layer_keys)} blocks leaves a "
+                         f"stage empty; lower the pipeline degree or layers per stage")
+    return stages
+
+
+def _split_index(point: str, layer_keys: list[str]) -> int:
+    key = point.rsplit(".", 1)[-1]
+    if key not in layer_keys:
+        raise ValueError(f"pipeline split point {point!r} is not a block of the model "
+                         f"(blocks: {', '.join(layer_keys)})")
+    return layer_keys.index(key)
+
+
+def num_stages_for(n_layers: int, pp: int, config) -> int:
+    """Total stages: explicit split points, or n_layers / layers_per_stage, or one per rank
+    (two per rank for schedules that need several stages per rank)."""
+    if config.pipeline_parallel_split_points:
+        total = len(config.pipeline_parallel_split_points) + 1
+    elif config.pipeline_parallel_layers_per_stage:
+        lps = config.pipeline_parallel_layers_per_stage
+        if n_layers % lps:
+            raise ValueError(f"--parallelism.pipeline_parallel_layers_per_stage={lps} must "
+                             f"divide the model's {n_layers} layers")
+        total = n_layers // lps
+    else:
+        total = pp if config.pipeline_parallel_schedule in SINGLE_STAGE else 2 * pp
+    _check_stage_count(total, pp, config.pipeline_parallel_schedule)
+    return total
+
+
+def _check_stage_count(total: int, pp: int, schedule: str) -> None:
+    per_rank, rest = divmod(total, pp)
+    if rest or per_rank < 1:
+        raise ValueError(f"{total} pipeline stages do not divide evenly over "
+                         f"pipeline_parallel_degree={pp}; adjust the layers per stage")
+    if schedule in SINGLE_STAGE and per_rank != 1:
+        raise ValueError(f"schedule {schedule} runs one stage per rank, but {total} stages over "
+                         f"{pp} ranks gives {per_rank}; use Interleaved1F1B or change the split")
+    if schedule in V_SHAPED and per_rank != 2:
+        raise ValueError(f"schedule {schedule} needs exactly 2 stages per rank, got {per_rank}")
+
+
+def stage_ids_of_rank(pp_rank: int, pp: int, num_stages: int, schedule: str) -> list[int]:
+    """Stages this pipeline rank runs: looped (s % pp == rank) or V-shaped (rank, 2pp-1-rank)."""
+    if schedule in V_SHAPED:
+        return [pp_rank, num_stages - 1 - pp_rank]
+    return list(range(pp_rank, num_stages, pp))
+
+
+def split_stage(model: nn.Module, keep: list[str], *, first: bool, last: bool) -> nn.Module:
+    """A deep copy of `model` holding only the blocks `keep`, without the plan's first-stage
+    modules unless `first`, nor its last-stage modules unless `last`."""
+    plan = sharding_plan(model)
+    stage = copy.deepcopy(model)
+    container = getattr(stage, layer_container_name(model))
+    for key in [k for k in container.keys() if k not in keep]:
+        del container[key]
+    if not first:
+        for name in getattr(plan, "pipeline_first", ("tok_embeddings",)):
+            setattr(stage, name, None)
+    if not last:
+        for name in getattr(plan, "pipeline_last", ("norm", "output")):
+            setattr(stage, name, None)
+    return stage
+
+
+def build_pipeline(model: nn.Module, parallel_dims: ParallelDims, *, parallelism,
+                   activation_checkpoint, compile, loss_fn: Callable, local_batch_size: int,
+                   device: torch.device):
+    """Split `model` into this rank's stages, parallelize each, and build the schedule.
+
+    Returns (schedule, model_parts, has_first_stage, has_last_stage). Drive it with
+    `schedule.step(inputs)` on the first stage, `schedule.step(target=labels, losses=list)`
+    on the last, `schedule.step()` elsewhere. Microbatches: local_batch_size /
+    pipeline_parallel_microbatch_size; `loss_fn(output, target)` runs per microbatch on the
+    last stage and the schedule averages gradients over microbatches.
+    """
+    from titan.dist.parallelize import parallelize
+
+    dims, cfg = parallel_dims, parallelism
+    name = cfg.pipeline_parallel_schedule
+    keys = list(getattr(model, layer_container_name(model)).keys())
+    total = num_stages_for(len(keys), dims.pp, cfg)
+    layers = stage_layer_keys(keys, total, cfg)
+    n_micro = _microbatches(local_batch_size, cfg)
+    pp_rank, pp_mesh = dims.coords["pp"], dims.mesh("pp")
+    parts, stages = [], []
+    for sid in stage_ids_of_rank(pp_rank, dims.pp, total, name):
+        part = split_stage(model, layers[sid], first=sid == 0, last=sid == total - 1)
+        parallelize(part, dims, dims.mesh("root"), parallelism=cfg,
+                    activation_checkpoint=activation_checkpoint, compile=compile)
+        parts.append(part)
+        stages.append(PipelineStage(part, sid, total, device, group=pp_mesh.get_group(),
+                                    get_mesh=_mesh_lookup(dims)))
+    schedule_cls = SCHEDULES[name]
+    target = stages[0] if name in SINGLE_STAGE else stages
+    schedule = schedule_cls(target, n_microbatches=n_micro, loss_fn=loss_fn)
+    _run_steps_under_loss_parallel(schedule, dims, cfg)
+    ids = [s.stage_index for s in stages]
+    return schedule, parts, 0 in ids, total - 1 in ids
+
+
+def _run_steps_under_loss_parallel(schedule, dims: ParallelDims, config) -> None:
+    """The schedule computes the loss and its backward inside `step`: with TP loss parallel
+    both must run in the loss-parallel context, so wrap this schedule's `step` in it."""
+    from titan.dist.tensor_parallel import loss_parallel_context
+
+    if not (dims.tp_enabled and config.enable_loss_parallel):
+        return
+    step = schedule.step
+
+    def step_in_loss_parallel(*args, **kwargs):
+        with loss_parallel_context(dims, config):
+            return step(*args, **kwargs)
+
+    schedule.step = step_in_loss_parallel
+
+
+def _mesh_lookup(dims: ParallelDims):
+    """Callback for the stage to find the mesh of DTensor activations it receives (e.g.
+    sequence-parallel hidden states on the "tp" axis) by their axis names."""
+
+    def get_mesh(mesh_dim_names, mesh_layout):
+        if len(mesh_dim_names) == 1:
+            return dims.mesh(mesh_dim_names[0])
+        return dims.mesh("root")[tuple(mesh_dim_names)]
+
+    return get_mesh
+
+
+def _microbatches(local_batch_size: int, config) -> int:
+    mbs = config.pipeline_parallel_microbatch_size
+    if local_batch_size % mbs:
+        raise ValueError(f"local_batch_size={local_batch_size} must be divisible by "
+                         f"--parallelism.pipeline_parallel_microbatch_size={mbs}")
+    return local_batch_size // mbs

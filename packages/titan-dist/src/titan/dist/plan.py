@@ -1,0 +1,42 @@
+"""Reading a model's declarative sharding plan (duck-typed; titan.dist never imports a model)."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator
+
+import torch.nn as nn
+
+
+def sharding_plan(model: nn.Module):
+    """The model's `ShardingPlan`, or None when the model does not declare one."""
+    get = getattr(model, "sharding_plan", None)
+    return get() if callable(get) else None
+
+
+def layer_container_name(model: nn.Module) -> str:
+    """Name of the ModuleDict of blocks ("layers" unless the plan says otherwise)."""
+    plan = sharding_plan(model)
+    return getattr(plan, "layer_container", "layers") if plan is not None else "layers"
+
+
+def blocks_of(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(key, block) for each block left in the layer container (PP may have removed some)."""
+    container = getattr(model, layer_container_name(model), None)
+    if container is None:
+        return iter(())
+    return iter(list(container.items()))
+
+
+def match_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    """Submodules whose fully-qualified name matches the glob `pattern` ("*" = one name part).
+
+    A "*" never crosses a "." so `layers.*.attention` does not match deeper modules.
+    """
+    parts = pattern.split(".")
+    out = []
+    for name, module in model.named_modules():
+        names = name.split(".") if name else []
+        if len(names) == len(parts) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(names, parts)):
+            out.append((name, module))
+    return out

@@ -1,0 +1,121 @@
+"""Tensor parallel, sequence parallel and loss parallel from a model's declarative plan.
+
+Plan styles (docs/contracts.md) and what they become:
+
+- "embedding":   vocab-sharded embedding (rowwise on the table); output sequence-sharded with SP
+- "colwise":     output features sharded (Megatron f: input replicated)
+- "rowwise":     input features sharded, output reduced (Megatron g); reduce-scattered along
+                 the sequence with SP
+- "norm":        sequence-parallel region (norm on sequence shards) when SP is on, else untouched
+- "block_input": first positional input gathered from sequence shards to replicated (SP only)
+- "output":      final projection; vocab-sharded logits kept as a DTensor for loss parallel
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from titan.dist.plan import match_modules, sharding_plan
+
+STYLES = ("embedding", "colwise", "rowwise", "norm", "block_input", "output")
+
+
+def _style(name: str, *, sp: bool, lp: bool):
+    """The torch ParallelStyle for one plan style (None: nothing to do in this mode)."""
+    seq = Shard(1) if sp else Replicate()
+    # With SP the residual stream stays a sequence-sharded DTensor (not its local shard) so
+    # the model still sees the global sequence length, e.g. when it builds RoPE positions.
+    if name == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
+                               use_local_output=not sp)
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel(output_layouts=seq, use_local_output=not sp)
+    if name == "norm":
+        return SequenceParallel() if sp else None
+    if name == "output":
+        return ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(),
+                               use_local_output=not lp)
+    if name == "block_input":
+        return None  # handled by a hook, see _gather_first_input
+    raise ValueError(f"unknown tensor-parallel style {name!r} in the model's sharding plan; "
+                     f"expected one of {', '.join(STYLES)}")
+
+
+def _gather_first_input(module: nn.Module, mesh: DeviceMesh) -> None:
+    """SP -> TP boundary: all-gather the first positional input along the sequence (kept as
+    a replicated DTensor so the backward reduce-scatters the partial input gradients);
+    any other inputs (e.g. the RoPE table) pass through untouched."""
+
+    def hook(_module, args):
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        return (x.redistribute(mesh, [Replicate()]),) + tuple(args[1:])
+
+    module.register_forward_pre_hook(hook)
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, config) -> nn.Module:
+    """Shard the model's linears over the 1-D "tp" `mesh` as its `sharding_plan()` says.
+
+    `config` is the ParallelismConfig: `enable_sequence_parallel`, `enable_loss_parallel`
+    and `enable_async_tensor_parallel` are read from it.
+    """
+    plan = sharding_plan(model)
+    if plan is None:
+        raise ValueError(f"{type(model).__name__} has no sharding_plan(); tensor parallel needs "
+                         f"one (or set --parallelism.tensor_parallel_degree 1)")
+    _check_async(config, mesh)
+    sp, lp = config.enable_sequence_parallel, config.enable_loss_parallel
+    torch_plan: dict = {}
+    for pattern, style_name in plan.tensor_parallel.items():
+        for fqn, module in match_modules(model, pattern):
+            if module is None:
+                continue  # pipeline parallel removed it from this stage
+            if style_name == "block_input" and sp:
+                _gather_first_input(module, mesh)
+            style = _style(style_name, sp=sp, lp=lp)
+            if style is not None:
+                torch_plan[fqn] = style
+    parallelize_module(model, mesh, torch_plan)
+    if config.enable_async_tensor_parallel:
+        _enable_async_tp(mesh)
+    return model
+
+
+def _check_async(config, mesh: DeviceMesh) -> None:
+    if config.enable_async_tensor_parallel and mesh.device_type != "cuda":
+        raise ValueError(
+            "--parallelism.enable_async_tensor_parallel needs CUDA (symmetric-memory fused "
+            f"collective matmuls); this mesh is on {mesh.device_type!r}. Turn the flag off.")
+
+
+def _enable_async_tp(mesh: DeviceMesh) -> None:
+    """Let inductor fuse TP collectives with the neighbouring matmuls (needs --compile.enable)."""
+    from torch._inductor import config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(mesh.get_group().group_name)
+
+
+def loss_parallel_context(parallel_dims, config):
+    """Context to wrap the loss computation AND its backward in: vocab-parallel
+    cross-entropy on DTensor logits when TP + loss parallel are on; a no-op otherwise."""
+    if parallel_dims.tp_enabled and config.enable_loss_parallel:
+        return loss_parallel()
+    return contextlib.nullcontext()

@@ -1,0 +1,77 @@
+"""Pure-function pieces: pipeline splitting and its errors, CP sharding, TP flag errors."""
+
+import pytest
+import titan_dist_testlib as lib
+import torch
+from titan.dist import ParallelismConfig
+from titan.dist.context_parallel import _unshuffle, shard_positions, shard_sequence
+from titan.dist.pipeline import (
+    num_stages_for,
+    split_stage,
+    stage_ids_of_rank,
+    stage_layer_keys,
+)
+from titan.dist.tensor_parallel import _check_async
+
+KEYS = [str(i) for i in range(4)]
+
+
+def test_stage_counts_and_rank_assignment():
+    cfg = ParallelismConfig(pipeline_parallel_degree=2)
+    assert num_stages_for(4, 2, cfg) == 2
+    cfg = ParallelismConfig(pipeline_parallel_degree=2, pipeline_parallel_schedule="ZBVZeroBubble")
+    assert num_stages_for(4, 2, cfg) == 4
+    assert stage_ids_of_rank(0, 2, 4, "ZBVZeroBubble") == [0, 3]
+    assert stage_ids_of_rank(1, 2, 4, "Interleaved1F1B") == [1, 3]
+
+
+def test_even_and_explicit_splits():
+    assert stage_layer_keys(KEYS + ["4"], 2, ParallelismConfig()) == [["0", "1", "2"], ["3", "4"]]
+    cfg = ParallelismConfig(pipeline_parallel_split_points=["layers.1"])
+    assert stage_layer_keys(KEYS, 2, cfg) == [["0"], ["1", "2", "3"]]
+
+
+@pytest.mark.parametrize("kwargs, n_layers, needle", [
+    ({"pipeline_parallel_layers_per_stage": 3}, 4, "must divide the model's 4 layers"),
+    ({"pipeline_parallel_layers_per_stage": 1, "pipeline_parallel_schedule": "1F1B"}, 4,
+     "one stage per rank"),
+    ({"pipeline_parallel_layers_per_stage": 2, "pipeline_parallel_schedule": "DualPipeV"}, 4,
+     "exactly 2 stages per rank"),
+    ({"pipeline_parallel_split_points": ["layers.1", "layers.2"]}, 4, "do not divide evenly"),
+])
+def test_stage_errors(kwargs, n_layers, needle):
+    with pytest.raises(ValueError, match=needle):
+        num_stages_for(n_layers, 2, ParallelismConfig(pipeline_parallel_degree=2, **kwargs))
+
+
+def test_split_point_must_exist():
+    with pytest.raises(ValueError, match="not a block"):
+        stage_layer_keys(KEYS, 2, ParallelismConfig(pipeline_parallel_split_points=["layers.9"]))
+
+
+def test_split_stage_runs_the_unchanged_forward():
+    model = lib.make_model()
+    first = split_stage(model, ["0", "1"], first=True, last=False)
+    last = split_stage(model, ["2", "3"], first=False, last=True)
+    assert first.output is None and last.tok_embeddings is None and list(last.layers) == ["2", "3"]
+    x = lib.make_batches(1)[0][0]
+    torch.testing.assert_close(last(first(x)), model(x))
+
+
+def test_head_tail_sharding_round_trips():
+    seq = torch.arange(16)[None]
+    shards = [shard_sequence(seq, r, 2) for r in range(2)]
+    assert shards[0].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert shard_positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    gathered = torch.cat([s[None, None] for s in shards], dim=-1).transpose(-1, -1)
+    assert _unshuffle(gathered.view(1, 1, 16), 2).flatten().tolist() == list(range(16))
+    with pytest.raises(ValueError, match="divisible by 2 x context_parallel_degree = 8"):
+        shard_sequence(torch.zeros(1, 12), 0, 4)
+
+
+def test_async_tp_needs_cuda():
+    class CpuMesh:
+        device_type = "cpu"
+
+    with pytest.raises(ValueError, match="enable_async_tensor_parallel needs CUDA"):
+        _check_async(ParallelismConfig(enable_async_tensor_parallel=True), CpuMesh())

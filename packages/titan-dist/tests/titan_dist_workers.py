@@ -1,0 +1,123 @@
+"""Functions run inside spawned gloo ranks (must be importable by the child processes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from titan.dist import ParallelDims, clip_grad_norm_, reduce_max, reduce_mean
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+
+def mesh_and_reductions(rank: int, world_size: int) -> dict:
+    """Build a dp_shard x tp mesh, read every view, reduce metrics, clip a mixed grad set."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=2, pp=1, ep=1,
+                        world_size=world_size)
+    root = dims.build_mesh("cpu")
+    out = {
+        "names": root.mesh_dim_names,
+        "sizes": {n: dims.mesh(n).size() for n in ("pp", "dp_replicate", "dp_shard", "cp",
+                                                   "tp", "dp", "dp_shard_cp", "dp_cp", "fsdp")},
+        "dp_rank": dims.dp_rank,
+        "mesh_dp_rank": dims.mesh("dp").get_local_rank(),
+        "mean": reduce_mean(torch.tensor(float(rank)), root).item(),
+        "max": reduce_max(torch.tensor(float(rank)), dims.mesh("dp_cp")).item(),
+    }
+    # Same full gradients on every rank: one sharded on tp, one replicated (DTensor),
+    # one plain tensor. The mesh-wide norm must equal the single-process norm.
+    torch.manual_seed(0)
+    full = [torch.randn(8, 4), torch.randn(5), torch.randn(3, 3)]
+    out["expected_norm"] = torch.cat([g.flatten() for g in full]).norm().item()
+    tp = dims.mesh("tp")
+    grads = [distribute_tensor(full[0], tp, [Shard(0)]),
+             distribute_tensor(full[1], tp, [Replicate()]), full[2].clone()]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    out["norm"] = clip_grad_norm_(params, 1.0, mesh=root).item()
+    out["clipped0"] = params[0].grad.full_tensor()
+    dist.barrier()
+    return out
+
+
+def _parts_state(parts) -> dict:
+    from titan_dist_testlib import full_state
+
+    out = {}
+    for part in parts:
+        out.update(full_state(part))
+    return out
+
+
+def _dp_slice(dims, *tensors):
+    per = tensors[0].shape[0] // dims.dp_world_size
+    start = dims.dp_rank * per
+    return [t[start:start + per] for t in tensors]
+
+
+def train_case(case: dict, steps: int = 3, lr: float = 0.5) -> dict:
+    """Train the tiny model under one parallel configuration, the way a trainer would:
+    slice the batch by dp rank, shard it along the sequence for CP, run PP through the
+    schedule, compute the loss under loss parallel, clip nothing, reduce the loss metric."""
+    import titan_dist_testlib as lib
+    from titan.dist import ActivationCheckpointConfig, CompileConfig, ParallelismConfig, parallelize
+    from titan.dist.context_parallel import shard_batch_for_context_parallel
+    from titan.dist.pipeline import build_pipeline
+    from titan.dist.tensor_parallel import loss_parallel_context
+
+    pcfg = ParallelismConfig(**case.get("parallelism", {}))
+    ac = ActivationCheckpointConfig(**case.get("ac", {}))
+    comp = CompileConfig(**case.get("compile", {}))
+    dims = ParallelDims.from_config(pcfg, dist.get_world_size())
+    root = dims.build_mesh("cpu")
+    model = lib.make_model()
+    local_batch = lib.BATCH // dims.dp_world_size
+    if dims.pp_enabled:
+        schedule, parts, first, last = build_pipeline(
+            model, dims, parallelism=pcfg, activation_checkpoint=ac, compile=comp,
+            loss_fn=lib.loss_fn, local_batch_size=local_batch, device=torch.device("cpu"))
+    else:
+        parts = [parallelize(model, dims, root, parallelism=pcfg, activation_checkpoint=ac,
+                             compile=comp)]
+    opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=lr)
+    losses = []
+    for inputs, labels in lib.make_batches(steps):
+        inputs, labels = _dp_slice(dims, inputs, labels)
+        inputs, labels, positions = shard_batch_for_context_parallel(
+            dims.mesh("cp") if dims.cp_enabled else None, inputs, labels)
+        if dims.pp_enabled:
+            loss = _pp_step(schedule, first, last, inputs, labels, dims)
+        else:
+            with loss_parallel_context(dims, pcfg):
+                loss = lib.loss_fn(parts[0](inputs, positions), labels)
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(reduce_mean(loss.detach(), dims.mesh("dp_cp")).item())
+    state = _parts_state(parts)
+    dist.barrier()
+    return {"losses": losses, "state": state}
+
+
+def _pp_step(schedule, first, last, inputs, labels, dims):
+    """One pipeline step; the last stage's mean microbatch loss is sent to every pp rank."""
+    step_losses: list = []
+    kwargs = {}
+    if last:
+        kwargs = {"target": labels, "losses": step_losses}
+    if first:
+        schedule.step(inputs, **kwargs)
+    else:
+        schedule.step(**kwargs)
+    from torch.distributed.tensor import DTensor
+
+    # Under TP loss parallel the per-microbatch losses are replicated DTensors.
+    step_losses = [x.to_local() if isinstance(x, DTensor) else x for x in step_losses]
+    loss = torch.stack(step_losses).mean().detach() if last else torch.zeros(())
+    # Only the last stage has the loss: share it over the pp axis (sum of one non-zero).
+    dist.all_reduce(loss, group=dims.mesh("pp").get_group())
+    return loss
+
+
+def train_cases(rank: int, world_size: int, cases: list) -> list:
+    """Several configurations in one process group (spawning costs more than training)."""
+    return [train_case(case) for case in cases]
