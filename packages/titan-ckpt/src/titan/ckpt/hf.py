@@ -1,0 +1,175 @@
+"""Hugging Face safetensors import and export through a model family's state-dict adapter.
+
+An adapter is any object with `to_hf(sd) -> sd`, `from_hf(sd) -> sd` and `hf_config() -> dict`
+(the `config.json` transformers needs). The adapter must convert any subset of keys on its own
+(a per-key mapping): under pipeline parallelism each rank exports only the weights it holds.
+
+Layout written (what `transformers.AutoModelForCausalLM.from_pretrained` reads):
+
+    model-00001-of-0000K.safetensors ...   weights, split at `max_shard_bytes`
+    model.safetensors.index.json           {"metadata": {"total_size": ...}, "weight_map": {...}}
+    config.json                            adapter.hf_config()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from titan.ckpt.errors import CheckpointError
+
+__all__ = ["StateDictAdapter", "save_hf", "load_hf", "DTYPES", "INDEX_FILE", "SINGLE_FILE"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StateDictAdapter(Protocol):
+    """What titan.ckpt needs from a model family to speak Hugging Face."""
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """titan names/layouts -> Hugging Face names/layouts."""
+
+    def from_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hugging Face names/layouts -> titan names/layouts."""
+
+    def hf_config(self) -> dict[str, Any]:
+        """The `config.json` that transformers builds the model from."""
+
+
+def save_hf(
+    state_dict: dict[str, torch.Tensor],
+    folder: str,
+    adapter: StateDictAdapter | None = None,
+    dtype: torch.dtype | str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> dict[str, str]:
+    """Write a titan model state dict as a Hugging Face folder; return the weight map.
+
+    `adapter` converts names (None keeps them); `dtype` casts floating-point tensors (None
+    keeps theirs). Writes `config.json` when an adapter is given.
+    """
+    hf_sd = to_hf_tensors(state_dict, adapter, dtype)
+    os.makedirs(folder, exist_ok=True)
+    groups = plan_shards(hf_sd, max_shard_bytes)
+    weight_map = write_shards(hf_sd, groups, folder, first=0, total=len(groups))
+    write_index(folder, weight_map, total_size=_nbytes(hf_sd.values()))
+    if adapter is not None:
+        write_config(folder, adapter)
+    return weight_map
+
+
+def load_hf(folder: str, adapter: StateDictAdapter | None = None) -> dict[str, torch.Tensor]:
+    """Read a Hugging Face safetensors folder (sharded with an index, or one file) into a
+    titan-named state dict on CPU (`adapter.from_hf`; None keeps the names)."""
+    files = hf_weight_files(folder)
+    hf_sd: dict[str, torch.Tensor] = {}
+    for path in files:
+        # safe_open parses a JSON header and raw buffers: no code runs while loading.
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                hf_sd[key] = f.get_tensor(key)
+    return adapter.from_hf(hf_sd) if adapter is not None else hf_sd
+
+
+def hf_weight_files(folder: str) -> list[str]:
+    """The safetensors files of a Hugging Face folder, or a clear error if it is not one."""
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [name for name in files if not os.path.isfile(os.path.join(folder, name))]
+        if missing:
+            raise CheckpointError(
+                f"{index} names {missing} but they are not in {folder}: the download or copy "
+                "is incomplete"
+            )
+        return [os.path.join(folder, name) for name in files]
+    single = os.path.join(folder, SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single]
+    raise CheckpointError(
+        f"{folder} is not a Hugging Face checkpoint: it has neither {INDEX_FILE} nor "
+        f"{SINGLE_FILE}. Point --checkpoint.initial_load_path at the folder holding the "
+        "safetensors files (or drop --checkpoint.initial_load_in_hf for a DCP checkpoint)."
+    )
+
+
+def to_hf_tensors(
+    state_dict: dict[str, torch.Tensor],
+    adapter: StateDictAdapter | None,
+    dtype: torch.dtype | str | None,
+) -> dict[str, torch.Tensor]:
+    """Convert names through the adapter and cast floating-point tensors to `dtype`."""
+    hf_sd = adapter.to_hf(dict(state_dict)) if adapter is not None else dict(state_dict)
+    target = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    out = {}
+    for key, tensor in hf_sd.items():
+        if target is not None and tensor.is_floating_point():
+            tensor = tensor.to(target)
+        # safetensors needs contiguous, unaliased CPU tensors.
+        out[key] = tensor.detach().to("cpu").contiguous().clone()
+    return out
+
+
+def plan_shards(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Group keys (in sorted order) into files of at most `max_shard_bytes` each (a tensor
+    larger than the limit gets a file of its own)."""
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+    groups: list[list[str]] = []
+    size = 0
+    for key in sorted(state_dict):
+        nbytes = _nbytes([state_dict[key]])
+        if not groups or size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes
+    return groups
+
+
+def shard_name(index: int, total: int) -> str:
+    """Hugging Face's shard file name (1-based)."""
+    return f"model-{index + 1:05d}-of-{total:05d}.safetensors"
+
+
+def write_shards(
+    state_dict: dict[str, torch.Tensor], groups: list[list[str]], folder: str, *,
+    first: int, total: int,
+) -> dict[str, str]:
+    """Write `groups` as shard files numbered from `first` of `total`; return key -> file."""
+    weight_map = {}
+    for offset, keys in enumerate(groups):
+        name = shard_name(first + offset, total)
+        # "format": "pt" is the metadata transformers checks for PyTorch safetensors.
+        save_file({k: state_dict[k] for k in keys}, os.path.join(folder, name),
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys, name))
+    return weight_map
+
+
+def write_index(folder: str, weight_map: dict[str, str], *, total_size: int) -> None:
+    """Write `model.safetensors.index.json` (always, even for one shard: one loading path)."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(folder, INDEX_FILE), "w") as f:
+        json.dump(index, f, indent=2)
+
+
+def write_config(folder: str, adapter: StateDictAdapter) -> None:
+    """Write the adapter's `config.json`."""
+    with open(os.path.join(folder, CONFIG_FILE), "w") as f:
+        json.dump(adapter.hf_config(), f, indent=2)
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,159 @@
+"""The on-disk layout of a checkpoint folder and its atomic publication.
+
+    <folder>/step-<N>/            a complete step: data files + `titan_checkpoint.json`
+    <folder>/step-<N>.tmp/        a step being written (or left by a crash): never loaded
+    <folder>/step-<N>.old/        a step being replaced by a re-save of the same N
+
+A step becomes visible in one `os.rename` of its temporary folder, done by rank 0 after every
+rank finished writing, and only folders that also carry the manifest count as complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from typing import Any
+
+MANIFEST = "titan_checkpoint.json"
+MANIFEST_VERSION = 1
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_TMP_RE = re.compile(r"^step-(\d+)\.(tmp|old)$")
+
+
+def step_path(folder: str, step: int) -> str:
+    """The published folder of `step`."""
+    return os.path.join(folder, f"step-{step}")
+
+
+def tmp_path(folder: str, step: int) -> str:
+    """The folder `step` is written into before it is published."""
+    return os.path.join(folder, f"step-{step}.tmp")
+
+
+def is_complete(path: str) -> bool:
+    """Whether `path` is a published step (its manifest is written last, before the rename)."""
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def complete_steps(folder: str) -> list[int]:
+    """Sorted steps that are complete and loadable."""
+    return sorted(s for s, name in _scan(folder, _STEP_RE) if is_complete(os.path.join(folder, name)))
+
+
+def partial_steps(folder: str) -> list[int]:
+    """Sorted steps with only a half-written folder (a crash during their save)."""
+    done = set(complete_steps(folder))
+    tmp = {s for s, _ in _scan(folder, _TMP_RE)}
+    bare = {s for s, name in _scan(folder, _STEP_RE) if not is_complete(os.path.join(folder, name))}
+    return sorted((tmp | bare) - done)
+
+
+def _scan(folder: str, pattern: re.Pattern) -> list[tuple[int, str]]:
+    """(step, entry name) of the directories in `folder` whose name matches `pattern`."""
+    if not os.path.isdir(folder):
+        return []
+    found = []
+    for name in os.listdir(folder):
+        match = pattern.match(name)
+        if match and os.path.isdir(os.path.join(folder, name)):
+            found.append((int(match.group(1)), name))
+    return found
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest of a complete step (plain JSON: reading it executes nothing)."""
+    with open(os.path.join(path, MANIFEST)) as f:
+        return json.load(f)
+
+
+def make_manifest(step: int, *, fmt: str, states: list[str], model_only: bool,
+                  world_size: int, dtype: str | None = None) -> dict[str, Any]:
+    """What a step holds: its format ("dcp" or "hf"), state names, and how it was written."""
+    return {
+        "version": MANIFEST_VERSION,
+        "step": step,
+        "format": fmt,
+        "states": states,
+        "model_only": model_only,
+        "world_size": world_size,
+        "dtype": dtype,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_manifest(path: str, manifest: dict[str, Any]) -> None:
+    """Write a step folder's manifest durably."""
+    _write_json_durably(os.path.join(path, MANIFEST), manifest)
+
+
+def prepare_tmp(folder: str, step: int) -> str:
+    """Create an empty temporary folder for `step`, removing a stale one a crash left."""
+    path = tmp_path(folder, step)
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+def publish(folder: str, step: int, manifest: dict[str, Any]) -> str:
+    """Write the manifest into the finished temporary folder and rename it into place."""
+    tmp = tmp_path(folder, step)
+    write_manifest(tmp, manifest)
+    final = step_path(folder, step)
+    old = None
+    if os.path.exists(final):
+        # A re-save of the same step (e.g. a run resumed from an earlier step): move the old
+        # one aside first, because a rename cannot replace a non-empty directory.
+        old = os.path.join(folder, f"step-{step}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(folder)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def purge(folder: str, *, keep_latest_k: int, up_to_step: int) -> list[int]:
+    """Delete complete steps beyond the newest `keep_latest_k` (0 keeps all) and leftovers of
+    crashed saves at or below `up_to_step`; return the complete steps deleted.
+
+    Leftovers above `up_to_step` are kept: one may be the save in flight.
+    """
+    for step, name in _scan(folder, _TMP_RE):
+        if step <= up_to_step:
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+    steps = complete_steps(folder)
+    doomed = steps[:-keep_latest_k] if keep_latest_k > 0 else []
+    for step in doomed:
+        # Rename first so a half-deleted folder never looks like a complete step.
+        path = step_path(folder, step)
+        trash = os.path.join(folder, f"step-{step}.old")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
+
+
+def _write_json_durably(path: str, obj: Any) -> None:
+    """Write JSON and fsync it, so the manifest is on disk before the rename publishes it."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    """Persist a rename (the directory entry), where the platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,581 @@
+"""`CheckpointManager`: periodic, atomic, optionally asynchronous DCP checkpoints of a run."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from titan.ckpt import hf, layout
+from titan.ckpt.config import CheckpointConfig
+from titan.ckpt.errors import CheckpointError, check_state_matches, flatten_state
+from titan.ckpt.stateful import ModelWrapper, RankLocal, RNGState
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = ["CheckpointManager"]
+
+logger = logging.getLogger("titan.ckpt")
+
+RESERVED = ("model", "optimizer")
+DCP_METADATA = ".metadata"
+
+
+class CheckpointManager:
+    """Saves and restores a run's named `Stateful` objects as DCP checkpoints.
+
+    Args:
+        config: the `--checkpoint.*` section.
+        dump_folder: the job's output folder; `config.folder` is relative to it unless absolute.
+        states: the trainer's other states by name (`lr_scheduler`, `dataloader`,
+            `train_state`, ...), each with `state_dict()` / `load_state_dict()`.
+        model_parts: the model parts this rank holds (one module, or the pipeline stages);
+            saved as state "model" through `ModelWrapper`.
+        optimizers: a `Stateful` over the optimizers (usually `OptimizerWrapper`), saved as
+            state "optimizer"; None for runs that do not train.
+        hf_adapter: the model family's state-dict adapter (`to_hf`, `from_hf`, `hf_config`);
+            needed for `initial_load_in_hf` and `last_save_in_hf`.
+        rank_local: names of states that differ per rank and are stored per rank.
+            An `RNGState` is added as "rng" unless `states` has one.
+        hf_max_shard_bytes: the size at which Hugging Face exports start a new file.
+        collective_timeout: timeout of the checkpoint group's collectives (None: torch's
+            default); a rank that died mid-save makes the others fail after it.
+
+    All ranks must construct it (it creates a gloo group for checkpoint traffic) and call
+    `load`, `maybe_save`, `wait` and `close` in the same order.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        dump_folder: str,
+        states: dict[str, Any],
+        model_parts: nn.Module | Sequence[nn.Module],
+        optimizers: Any | None = None,
+        hf_adapter: Any | None = None,
+        rank_local: Iterable[str] = ("dataloader", "rng"),
+        hf_max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES,
+        collective_timeout: timedelta | None = None,
+    ) -> None:
+        self.config = config
+        self.folder = os.path.join(dump_folder, config.folder)  # join keeps an absolute folder
+        self.hf_adapter = hf_adapter
+        self.hf_max_shard_bytes = hf_max_shard_bytes
+        self.model = ModelWrapper(model_parts)
+        self._rank, self._world_size = _rank_and_world()
+        self._rank_local = set(rank_local)
+        self.states = self._collect_states(states, optimizers)
+        self._pg = _checkpoint_group(collective_timeout)
+        self._stager = self._make_stager()
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-save")
+        self._purger = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-purge")
+        self._pending: tuple[int, Future] | None = None
+        self._purges: list[Future] = []
+        self._last_saved: int | None = None
+
+    # ----------------------------------------------------------------------------- setup
+
+    def _collect_states(self, states: dict[str, Any], optimizers: Any | None) -> dict[str, Any]:
+        """'model', 'optimizer', the trainer's states, and 'rng'; rank-local ones wrapped."""
+        clash = [name for name in RESERVED if name in states]
+        if clash:
+            raise ValueError(
+                f"states {clash} are reserved: pass the model as model_parts= and the "
+                "optimizers as optimizers="
+            )
+        collected: dict[str, Any] = {"model": self.model}
+        if optimizers is not None:
+            collected["optimizer"] = optimizers
+        collected.update(states)
+        collected.setdefault("rng", RNGState())
+        for name in self._rank_local & collected.keys():
+            collected[name] = RankLocal(collected[name], self._rank)
+        return collected
+
+    def _make_stager(self) -> DefaultStager | None:
+        """A stager kept across saves for "async_with_pinned_mem" (it reuses its buffers)."""
+        if self.config.async_mode != "async_with_pinned_mem":
+            return None
+        accel = torch.accelerator.is_available()
+        if not accel:
+            logger.warning(
+                "--checkpoint.async_mode async_with_pinned_mem: no accelerator, staging into "
+                "reused (unpinned) CPU memory instead"
+            )
+        # Pinned memory, background staging and non-blocking copies all need an accelerator.
+        return DefaultStager(StagingOptions(accel, False, accel, accel))
+
+    # ----------------------------------------------------------------------------- queries
+
+    def steps(self) -> list[int]:
+        """Complete (loadable) steps in the checkpoint folder, oldest first."""
+        return layout.complete_steps(self.folder)
+
+    # ----------------------------------------------------------------------------- load
+
+    def load(self, step: int = -1) -> int | None:
+        """Restore the run before training starts; return the step loaded, or None.
+
+        Resumes from `step` (-1: `--checkpoint.load_step`, whose -1 means the latest complete
+        step) when checkpointing is enabled and the folder has steps. Otherwise warm-starts
+        from `--checkpoint.initial_load_path` (DCP, or HF with `initial_load_in_hf`) and
+        returns 0. Returns None when there is nothing to load.
+        """
+        self.wait()
+        requested = step if step != -1 else self.config.load_step
+        if self.config.enable:
+            chosen = self._resolve_step(requested)
+            if chosen is not None:
+                self._load_step(chosen)
+                self._last_saved = chosen  # already on disk: no need to save it again
+                return chosen
+        if self.config.initial_load_path:
+            self._initial_load(self.config.initial_load_path)
+            return 0
+        return None
+
+    def _resolve_step(self, requested: int) -> int | None:
+        """The complete step to resume from, None if there is none, or a clear error."""
+        if os.path.exists(self.folder) and not os.path.isdir(self.folder):
+            raise CheckpointError(
+                f"--checkpoint.folder {self.folder} is a file, not a checkpoint folder"
+            )
+        complete, partial = layout.complete_steps(self.folder), layout.partial_steps(self.folder)
+        if partial:
+            logger.warning("ignoring half-written steps %s in %s", partial, self.folder)
+        if requested == -1:
+            return complete[-1] if complete else None
+        if requested in complete:
+            return requested
+        if requested in partial:
+            raise CheckpointError(
+                f"step {requested} in {self.folder} is half-written (its save never finished: "
+                f"the job stopped while writing it). Complete steps: {complete or 'none'}; "
+                "pick one with --checkpoint.load_step, or -1 for the latest."
+            )
+        raise CheckpointError(
+            f"--checkpoint.load_step {requested}: no such step in {self.folder}. Complete "
+            f"steps: {complete or 'none'}."
+        )
+
+    def _load_step(self, step: int) -> None:
+        """Load a complete step of this run's folder."""
+        path = layout.step_path(self.folder, step)
+        manifest = layout.read_manifest(path)
+        start = time.monotonic()
+        if manifest["format"] == "hf":
+            self._load_hf_model(path)
+        elif manifest["model_only"]:
+            logger.warning(
+                "step %d holds only model weights: optimizer, data loader and counters start "
+                "fresh", step,
+            )
+            self._dcp_load(path, ["model"])
+        else:
+            self._dcp_load(path, self._names_to_load())
+        logger.info("loaded step %d from %s in %.2fs", step, path, time.monotonic() - start)
+
+    def _initial_load(self, path: str) -> None:
+        """Warm start from `--checkpoint.initial_load_path`."""
+        if not os.path.exists(path):
+            raise CheckpointError(f"--checkpoint.initial_load_path {path} does not exist")
+        if self.config.initial_load_in_hf:
+            self._load_hf_model(path)
+            return
+        complete = layout.complete_steps(path)
+        if complete:  # a whole checkpoint folder: start from its latest step
+            path = layout.step_path(path, complete[-1])
+        names = ["model"] if self.config.initial_load_model_only else self._names_to_load()
+        self._dcp_load(path, names)
+        logger.info("initial load of %s from %s", names, path)
+
+    def _names_to_load(self) -> list[str]:
+        """Every state but the ones `--checkpoint.exclude_from_loading` names."""
+        unknown = sorted(set(self.config.exclude_from_loading) - self.states.keys())
+        if unknown:
+            raise CheckpointError(
+                f"--checkpoint.exclude_from_loading names unknown states {unknown}; this run "
+                f"has {sorted(self.states)}"
+            )
+        return [n for n in self.states if n not in self.config.exclude_from_loading]
+
+    def _dcp_load(self, path: str, names: list[str]) -> None:
+        """Load the named states from a DCP step folder, checking them against its metadata."""
+        if not os.path.isfile(os.path.join(path, DCP_METADATA)):
+            raise CheckpointError(
+                f"{path} is not a DCP checkpoint (no {DCP_METADATA} file). Point at a step "
+                "folder (step-<N>) or a checkpoint folder; for Hugging Face safetensors set "
+                "--checkpoint.initial_load_in_hf."
+            )
+        reader = FileSystemReader(path)
+        saved = reader.read_metadata().state_dict_metadata
+        to_load = {}
+        for name in names:
+            value = self.states[name].state_dict()
+            expected = flatten_state(name, value)
+            if name in self._rank_local and not expected.keys() <= saved.keys():
+                # Another world size wrote this checkpoint: this rank has no state of its own.
+                logger.warning("%s has no '%s' for this rank; it starts fresh", path, name)
+                continue
+            check_state_matches(name, expected, saved, where=path)
+            to_load[name] = value
+        with _quiet_single_process(), _load_errors(path):
+            dcp.load(to_load, storage_reader=reader, planner=_SafeLoadPlanner(),
+                     process_group=self._pg, no_dist=self._pg is None)
+        for name, value in to_load.items():
+            self.states[name].load_state_dict(value)
+
+    def _load_hf_model(self, path: str) -> None:
+        """Load Hugging Face safetensors into the model through the adapter."""
+        if self.hf_adapter is None:
+            raise CheckpointError(
+                f"loading Hugging Face weights from {path} needs the model family's state-dict "
+                "adapter (hf_adapter=); the trainer passes it from the model spec"
+            )
+        full = hf.load_hf(path, self.hf_adapter)
+        template = self.model.state_dict()
+        check_state_matches("model", template, full, where=path)
+        self.model.load_state_dict({k: _like(full[k], t) for k, t in template.items()})
+        logger.info("loaded Hugging Face weights from %s", path)
+
+    # ----------------------------------------------------------------------------- save
+
+    def maybe_save(self, step: int, *, last_step: bool = False) -> bool:
+        """Save when checkpointing is on and `step` is a multiple of `--checkpoint.interval`,
+        or `last_step`. Returns whether a save started. The last step's save is synchronous
+        (model-only / Hugging Face when configured)."""
+        if not self.config.enable or step == self._last_saved:
+            return False
+        if not last_step and (step <= 0 or step % self.config.interval):
+            return False
+        if last_step and self.config.last_save_in_hf:
+            self._save_hf(step)
+        elif last_step and self.config.last_save_model_only:
+            self._save_model_only(step, self.config.export_dtype)
+        elif self.config.async_mode != "disabled" and not last_step:
+            self._save_async(step)
+        else:
+            self._save_sync(step, self._snapshot(), states=list(self.states), model_only=False)
+        self._last_saved = step
+        return True
+
+    def save_seed_checkpoint(self) -> str:
+        """Write the model's current (freshly initialized) weights as step 0, model only.
+
+        Runs on one process, so that every rank of a later multi-rank run starts from the
+        same weights whatever its layout. Returns the step folder.
+        """
+        if self._world_size != 1:
+            raise CheckpointError(
+                f"--checkpoint.create_seed_checkpoint runs on one process; this run has "
+                f"world size {self._world_size}. Launch it with a single rank."
+            )
+        if self.steps():
+            raise CheckpointError(
+                f"{self.folder} already holds steps {self.steps()}; a seed checkpoint goes into "
+                "an empty --checkpoint.folder"
+            )
+        self._save_model_only(0, dtype=None)
+        return layout.step_path(self.folder, 0)
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The state dicts of every state (tensors still alias the live ones)."""
+        return {name: state.state_dict() for name, state in self.states.items()}
+
+    def _save_model_only(self, step: int, dtype: str | None) -> None:
+        """Synchronously save the model weights only, cast to `dtype` (None keeps theirs)."""
+        model_sd = self.model.state_dict()
+        if dtype is not None:
+            target = hf.DTYPES[dtype]
+            model_sd = {k: _cast(v, target) for k, v in model_sd.items()}
+        self._save_sync(step, {"model": model_sd}, states=["model"], model_only=True, dtype=dtype)
+
+    def _save_sync(self, step: int, state: dict[str, Any], *, states: list[str],
+                   model_only: bool, dtype: str | None = None) -> None:
+        """Write `state` as step `step` and publish it before returning."""
+        self.wait()
+        start = time.monotonic()
+        tmp = self._begin(step)
+        with _quiet_single_process(), _save_errors(step, tmp):
+            dcp.save(state, storage_writer=_make_writer(tmp), process_group=self._pg,
+                     no_dist=self._pg is None)
+        self._finish(step, self._manifest(step, "dcp", states, model_only, dtype))
+        logger.info("saved step %d in %.2fs", step, time.monotonic() - start)
+
+    def _save_async(self, step: int) -> None:
+        """Stage the state in CPU memory now; write and publish it in the background."""
+        self.wait()  # saves never overlap: the previous one must be published first
+        start = time.monotonic()
+        tmp = self._begin(step)
+        with _save_errors(step, tmp):
+            self._start_async(step, tmp)
+        logger.info("step %d staged in %.2fs; writing in the background", step,
+                    time.monotonic() - start)
+
+    def _start_async(self, step: int, tmp: str) -> None:
+        """Hand the staged state to DCP's writer thread and queue the publication."""
+        response = dcp.async_save(
+            self._snapshot(), storage_writer=_make_writer(tmp), process_group=self._pg,
+            async_checkpointer_type=AsyncCheckpointerType.THREAD, async_stager=self._stager,
+            no_dist=self._pg is None,
+        )
+        upload = getattr(response, "upload_completion", response)
+        staging = getattr(response, "staging_completion", None)
+        if staging is not None:
+            # Training must not change the weights before their copy is taken.
+            staging.result()
+        manifest = self._manifest(step, "dcp", list(self.states), False, None)
+        self._pending = (step, self._saver.submit(self._finish_after, upload, step, tmp, manifest))
+
+    def _finish_after(self, upload: Future, step: int, tmp: str, manifest: dict[str, Any]) -> None:
+        """Background: wait for the write on every rank, then publish the step."""
+        with _save_errors(step, tmp):
+            upload.result()
+        self._finish(step, manifest)
+
+    def _save_hf(self, step: int) -> None:
+        """Export the model as a Hugging Face folder (safetensors + index + config) step."""
+        if self.hf_adapter is None:
+            raise CheckpointError(
+                "--checkpoint.last_save_in_hf needs the model family's state-dict adapter "
+                "(hf_adapter=)"
+            )
+        self.wait()
+        tmp = self._begin(step)
+        hf_sd = hf.to_hf_tensors(self._owned_full_state(), self.hf_adapter,
+                                 self.config.export_dtype)
+        groups = hf.plan_shards(hf_sd, self.hf_max_shard_bytes) if hf_sd else []
+        counts = self._all_gather(len(groups))
+        first, total = sum(counts[: self._rank]), sum(counts)
+        weight_map = hf.write_shards(hf_sd, groups, tmp, first=first, total=total)
+        gathered = self._all_gather((weight_map, hf._nbytes(hf_sd.values())))
+        if self._rank == 0:
+            merged = {k: v for wm, _ in gathered for k, v in wm.items()}
+            hf.write_index(tmp, merged, total_size=sum(n for _, n in gathered))
+            hf.write_config(tmp, self.hf_adapter)
+        self._finish(step, self._manifest(step, "hf", ["model"], True, self.config.export_dtype))
+        logger.info("exported step %d as Hugging Face safetensors to %s", step,
+                    layout.step_path(self.folder, step))
+
+    def _owned_full_state(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) CPU tensors of the weights this rank writes in an HF export.
+
+        Each weight is written once, by the lowest rank holding it; sharded weights are
+        gathered one at a time (in the same sorted order on every rank of their mesh) so the
+        peak memory is one full tensor on the device.
+        """
+        sd = self.model.state_dict()
+        keys = sorted(sd)
+        owner: dict[str, int] = {}
+        for rank, rank_keys in enumerate(self._all_gather(keys)):
+            for key in rank_keys:
+                owner.setdefault(key, rank)
+        owned = {}
+        for key in keys:
+            value = sd[key]
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            if owner[key] == self._rank:
+                owned[key] = value.detach().cpu()
+        return owned
+
+    # ----------------------------------------------------------------------------- publish
+
+    def _begin(self, step: int) -> str:
+        """Rank 0 clears the step's temporary folder; everyone waits for it."""
+        if self._rank == 0:
+            layout.prepare_tmp(self.folder, step)
+        self._barrier()
+        return layout.tmp_path(self.folder, step)
+
+    def _finish(self, step: int, manifest: dict[str, Any]) -> None:
+        """Every rank has written: rank 0 publishes the step and schedules the purge."""
+        self._barrier()
+        if self._rank == 0:
+            layout.publish(self.folder, step, manifest)
+            self._purges.append(self._purger.submit(self._purge, step))
+        self._barrier()  # nobody goes on before the step is visible
+
+    def _purge(self, step: int) -> None:
+        """Background on rank 0: retention and crash leftovers (never fails the run)."""
+        try:
+            removed = layout.purge(self.folder, keep_latest_k=self.config.keep_latest_k,
+                                   up_to_step=step)
+            if removed:
+                logger.info("purged old steps %s", removed)
+        except OSError as err:
+            logger.warning("could not purge old checkpoints in %s: %s", self.folder, err)
+
+    def _manifest(self, step: int, fmt: str, states: list[str], model_only: bool,
+                  dtype: str | None) -> dict[str, Any]:
+        return layout.make_manifest(step, fmt=fmt, states=states, model_only=model_only,
+                                    world_size=self._world_size, dtype=dtype)
+
+    def _barrier(self) -> None:
+        if self._pg is not None:
+            dist.barrier(group=self._pg)
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        """`obj` from every rank over the checkpoint group (small metadata only)."""
+        if self._pg is None:
+            return [obj]
+        out: list[Any] = [None] * self._world_size
+        dist.all_gather_object(out, obj, group=self._pg)
+        return out
+
+    # ----------------------------------------------------------------------------- drain
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and published; re-raise its
+        failure here, in the training thread."""
+        if self._pending is None:
+            return
+        step, future = self._pending
+        self._pending = None
+        future.result()  # a failure is already a CheckpointError naming the step
+
+    def close(self) -> None:
+        """Drain the save in flight and the purges, then release threads and buffers."""
+        try:
+            self.wait()
+        finally:
+            for future in self._purges:
+                future.result()
+            self._purges.clear()
+            self._saver.shutdown(wait=True)
+            self._purger.shutdown(wait=True)
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            if self._pg is not None:
+                dist.destroy_process_group(self._pg)
+                self._pg = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that non-tensor entries are read with `weights_only=True`.
+
+    DCP stores non-tensor values (ints, lists, ...) with `torch.save`; its default planner reads
+    them back with full unpickling, which could run code from a crafted checkpoint.
+    """
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        """Read one non-tensor entry without executing code."""
+        from torch.distributed.checkpoint._traverse import set_element
+
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as err:
+            raise CheckpointError(
+                f"checkpoint entry '{read_item.dest_index.fqn}' is not plain data (tensors, "
+                f"numbers, strings, lists, dicts); titan does not unpickle objects: {err}"
+            ) from err
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _make_writer(path: str) -> FileSystemWriter:
+    """The DCP writer of a step folder (a seam tests use to inject failures)."""
+    return FileSystemWriter(path, single_file_per_rank=True, sync_files=True)
+
+
+@contextlib.contextmanager
+def _save_errors(step: int, tmp: str) -> Iterator[None]:
+    """Turn a failed write (DCP raises a BaseException subclass) into a CheckpointError."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:
+        raise CheckpointError(
+            f"saving step {step} failed: {_failure_summary(err)}. Nothing was published: the "
+            f"previous complete step is still loadable and the partial {tmp} is ignored."
+        ) from err
+
+
+def _failure_summary(err: BaseException) -> str:
+    """One line per failed rank instead of DCP's stacked tracebacks."""
+    if isinstance(err, CheckpointException):
+        return "; ".join(
+            f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in err.failures.items()
+        )
+    return f"{type(err).__name__}: {err}"
+
+
+@contextlib.contextmanager
+def _load_errors(path: str) -> Iterator[None]:
+    """Turn DCP's load failure (a BaseException subclass) into a CheckpointError."""
+    try:
+        yield
+    except CheckpointException as err:
+        causes = [exc for exc, _ in err.failures.values()]
+        mine = next((c for c in causes if isinstance(c, CheckpointError)), None)
+        if mine is not None:  # already a clear message (e.g. a refused pickled entry)
+            raise CheckpointError(str(mine)) from err
+        raise CheckpointError(f"loading {path} failed: {_failure_summary(err)}") from err
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """Silence DCP's "assuming single process" warning, which is the intent without a group."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _checkpoint_group(timeout: timedelta | None) -> dist.ProcessGroup | None:
+    """A gloo group of all ranks for checkpoint traffic.
+
+    Its own group keeps background-save collectives off the training group (collectives on
+    one group from two threads could interleave), and gloo works on every device type.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """Cast floating-point tensors (DTensors included); leave everything else."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    return value
+
+
+def _like(full: torch.Tensor, template: Any) -> Any:
+    """`full` in the dtype, device and sharding of `template` (a tensor or DTensor)."""
+    if isinstance(template, DTensor):
+        full = full.to(device=template.device, dtype=template.dtype)
+        # src_data_rank=None: every rank already holds the full tensor, so slice locally
+        # instead of broadcasting from rank 0.
+        return distribute_tensor(full, template.device_mesh, template.placements,
+                                 src_data_rank=None)
+    return full.to(device=template.device, dtype=template.dtype)

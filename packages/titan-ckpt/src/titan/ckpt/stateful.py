@@ -1,0 +1,212 @@
+"""`Stateful` helpers the trainer hands to `CheckpointManager`.
+
+They are generic over modules and optimizers: nothing here knows a model family. Model and
+optimizer states use fully qualified parameter names (FQNs) and plain/DTensor values, so a
+checkpoint written under one parallel layout (FSDP, TP, PP) loads under another.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+__all__ = ["ModelWrapper", "OptimizerWrapper", "RNGState", "RankLocal", "TrainState"]
+
+
+def _as_list(parts: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    """Accept one module or a sequence of them (pipeline stages on this rank)."""
+    return [parts] if isinstance(parts, nn.Module) else list(parts)
+
+
+class ModelWrapper:
+    """The weights of every model part on this rank as one `{fqn: tensor}` state dict.
+
+    Under pipeline parallelism each rank holds different parts; FQNs stay those of the full
+    model (the parts keep their original module names), so the union over ranks is the
+    whole model and DCP can reshard it onto any other split.
+    """
+
+    def __init__(self, model_parts: nn.Module | Sequence[nn.Module]) -> None:
+        self.model_parts = _as_list(model_parts)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Merged state of all parts (DTensors stay sharded: each rank writes its shards)."""
+        merged: dict[str, Any] = {}
+        for part in self.model_parts:
+            merged.update(get_model_state_dict(part))
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the entries each part owns; keys of parts held by other ranks are ignored."""
+        # strict=False because the dict holds every part's keys; completeness is checked
+        # against the checkpoint metadata before loading (CheckpointManager).
+        options = StateDictOptions(strict=False)
+        for part in self.model_parts:
+            set_model_state_dict(part, state_dict, options=options)
+
+
+class OptimizerWrapper:
+    """The state of one optimizer per model part, flattened to `state.<fqn>.<name>` keys.
+
+    Flattened keys name parameters by FQN instead of by position inside an optimizer, which
+    is what lets optimizer state follow its parameter across pipeline splits and shardings.
+    """
+
+    def __init__(
+        self,
+        model_parts: nn.Module | Sequence[nn.Module],
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    ) -> None:
+        self.model_parts = _as_list(model_parts)
+        opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        if len(opts) != len(self.model_parts):
+            raise ValueError(
+                f"OptimizerWrapper needs one optimizer per model part: got {len(opts)} "
+                f"optimizers for {len(self.model_parts)} parts"
+            )
+        self.optimizers = opts
+
+    def _options(self) -> StateDictOptions:
+        return StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Merged flattened state of every (part, optimizer) pair."""
+        merged: dict[str, Any] = {}
+        for part, opt in zip(self.model_parts, self.optimizers, strict=True):
+            merged.update(get_optimizer_state_dict(part, opt, options=self._options()))
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Give each optimizer the entries of its own parameters."""
+        for part, opt in zip(self.model_parts, self.optimizers, strict=True):
+            set_optimizer_state_dict(part, opt, state_dict, options=self._options())
+
+
+class RankLocal:
+    """Store a rank-local state (data loader position, RNG) under `rank_<r>`.
+
+    DCP treats equal keys on different ranks as replicated and writes only one copy; keying
+    by rank keeps every rank's own state.
+    """
+
+    def __init__(self, inner: Any, rank: int) -> None:
+        self.inner = inner
+        self.key = f"rank_{rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """`{"rank_<r>": inner.state_dict()}`."""
+        return {self.key: self.inner.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore this rank's entry."""
+        self.inner.load_state_dict(state_dict[self.key])
+
+
+class RNGState:
+    """Random generators of this process: torch (CPU), the accelerator's, Python, numpy.
+
+    Everything is stored as tensors, so nothing is pickled into the checkpoint.
+    """
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Snapshot of every generator present in this process."""
+        state = {"torch": torch.get_rng_state()}
+        state.update(_python_rng_state())
+        state.update(_numpy_rng_state())
+        accel = _accelerator_module()
+        if accel is not None:
+            state["accelerator"] = accel.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore the generators the snapshot holds."""
+        torch.set_rng_state(state["torch"])
+        if "python_state" in state:
+            _set_python_rng_state(state)
+        if "numpy_keys" in state:
+            _set_numpy_rng_state(state)
+        accel = _accelerator_module()
+        if accel is not None and "accelerator" in state:
+            accel.set_rng_state(state["accelerator"])
+
+
+def _accelerator_module() -> Any | None:
+    """`torch.cuda` (or the current accelerator's module), or None on a CPU-only machine."""
+    if not torch.accelerator.is_available():
+        return None
+    return torch.get_device_module(torch.accelerator.current_accelerator().type)
+
+
+def _python_rng_state() -> dict[str, torch.Tensor]:
+    version, internal, gauss = random.getstate()
+    return {
+        "python_version": torch.tensor(version, dtype=torch.int64),
+        "python_state": torch.tensor(internal, dtype=torch.int64),
+        # NaN stands for "no cached gaussian" (None), which a tensor cannot hold.
+        "python_gauss": torch.tensor(math.nan if gauss is None else gauss, dtype=torch.float64),
+    }
+
+
+def _set_python_rng_state(state: dict[str, torch.Tensor]) -> None:
+    gauss = state["python_gauss"].item()
+    random.setstate(
+        (
+            int(state["python_version"].item()),
+            tuple(int(x) for x in state["python_state"].tolist()),
+            None if math.isnan(gauss) else gauss,
+        )
+    )
+
+
+def _numpy_rng_state() -> dict[str, torch.Tensor]:
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional: nothing to save without it
+        return {}
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor(gauss, dtype=torch.float64),
+    }
+
+
+def _set_numpy_rng_state(state: dict[str, torch.Tensor]) -> None:
+    import numpy as np
+
+    pos, has_gauss = (int(x) for x in state["numpy_pos"].tolist())
+    keys = state["numpy_keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, pos, has_gauss, float(state["numpy_gauss"].item())))
+
+
+@dataclass
+class TrainState:
+    """The trainer's counters: optimizer steps taken and tokens consumed."""
+
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Counters as int64 tensors (no pickled Python objects in the checkpoint)."""
+        return {
+            "step": torch.tensor(self.step, dtype=torch.int64),
+            "tokens_seen": torch.tensor(self.tokens_seen, dtype=torch.int64),
+        }
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore the counters."""
+        self.step = int(state["step"].item())
+        self.tokens_seen = int(state["tokens_seen"].item())

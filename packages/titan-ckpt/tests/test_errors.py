@@ -1,0 +1,135 @@
+"""Mistakes a user can make get a message naming the problem and the fix."""
+
+import os
+
+import pytest
+import torch
+from ckpt_testlib import Run, TinyLM
+from titan.ckpt import CheckpointConfig, CheckpointError, CheckpointManager
+
+
+def _cfg(**kw):
+    kw.setdefault("enable", True)
+    return CheckpointConfig(interval=1, last_save_model_only=False, **kw)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A folder with complete steps 1 and 2 of TinyLM(dim=32, 2 layers)."""
+    run = Run(_cfg(), str(tmp_path))
+    run.train(2)
+    run.manager.close()
+    return tmp_path
+
+
+def test_step_not_found_lists_available(saved):
+    run = Run(_cfg(), str(saved))
+    with pytest.raises(CheckpointError, match=r"load_step 7: no such step .* \[1, 2\]"):
+        run.manager.load(step=7)
+    run.manager.close()
+
+
+def test_missing_key_names_key_and_hints_model_size(saved):
+    run = Run(_cfg(), str(saved), model=TinyLM(n_layers=3))
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.2\..*another model family or size"):
+        run.manager.load()
+    run.manager.close()
+
+
+def test_shape_mismatch_names_key_and_both_shapes(saved):
+    run = Run(_cfg(), str(saved), model=TinyLM(dim=48))
+    with pytest.raises(CheckpointError) as info:
+        run.manager.load()
+    message = str(info.value)
+    assert "'model.layers.0.down.bias' has shape [32]" in message
+    assert "but [48] in this run" in message and "model family or size" in message
+    run.manager.close()
+
+
+def test_initial_load_path_that_is_not_a_checkpoint(tmp_path):
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("hello")
+    run = Run(_cfg(initial_load_path=str(junk)), str(tmp_path))
+    with pytest.raises(CheckpointError, match="not a DCP checkpoint .*initial_load_in_hf"):
+        run.manager.load()
+    run.manager.close()
+
+    run = Run(_cfg(initial_load_path=str(junk), initial_load_in_hf=True), str(tmp_path),
+              hf_adapter=object())
+    with pytest.raises(CheckpointError, match="not a Hugging Face checkpoint"):
+        run.manager.load()
+    run.manager.close()
+
+    run = Run(_cfg(initial_load_path=str(tmp_path / "nope")), str(tmp_path))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        run.manager.load()
+    run.manager.close()
+
+
+def test_checkpoint_folder_that_is_a_file(tmp_path):
+    (tmp_path / "checkpoint").write_text("")
+    run = Run(_cfg(), str(tmp_path))
+    with pytest.raises(CheckpointError, match="is a file, not a checkpoint folder"):
+        run.manager.load()
+    run.manager.close()
+
+
+def test_half_written_step_asked_for_explicitly(saved):
+    os.rename(saved / "checkpoint" / "step-2", saved / "checkpoint" / "step-2.tmp")
+    run = Run(_cfg(), str(saved))
+    with pytest.raises(CheckpointError, match=r"step 2 .* half-written.*Complete steps: \[1\]"):
+        run.manager.load(step=2)
+    assert run.manager.load() == 1  # latest complete step, the partial one ignored
+    run.manager.close()
+
+
+def test_unknown_state_in_exclude_from_loading(saved):
+    run = Run(_cfg(exclude_from_loading=["data_loader"]), str(saved))
+    with pytest.raises(CheckpointError, match=r"unknown states \['data_loader'\]"):
+        run.manager.load()
+    run.manager.close()
+
+
+class Evil:
+    """Pickles to a call of os.system: must never run on load."""
+
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+class Holder:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def state_dict(self):
+        return {"obj": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["obj"]
+
+
+def test_pickled_objects_are_refused_on_load(tmp_path):
+    cfg = _cfg()
+    mgr = CheckpointManager(cfg, dump_folder=str(tmp_path), states={"holder": Holder(Evil())},
+                            model_parts=[TinyLM()])
+    mgr.maybe_save(1)
+    mgr.close()
+    mgr = CheckpointManager(cfg, dump_folder=str(tmp_path), states={"holder": Holder(0)},
+                            model_parts=[TinyLM()])
+    with pytest.raises(CheckpointError, match="holder.obj' is not plain data"):
+        mgr.load()
+    mgr.close()
+
+
+def test_seed_checkpoint_refuses_a_used_folder(saved):
+    run = Run(_cfg(), str(saved))
+    with pytest.raises(CheckpointError, match="already holds steps"):
+        run.manager.save_seed_checkpoint()
+    run.manager.close()
+
+
+def test_reserved_state_names(tmp_path):
+    with pytest.raises(ValueError, match="reserved"):
+        CheckpointManager(_cfg(), dump_folder=str(tmp_path), states={"model": torch.nn.Linear(1, 1)},
+                          model_parts=[TinyLM()])

@@ -1,0 +1,165 @@
+"""Single-process save/load: every state comes back, and a resumed run continues bitwise."""
+
+import os
+import random
+
+import numpy as np
+import torch
+from ckpt_testlib import Run, TinyLM, tensors_equal
+from titan.ckpt import CheckpointConfig, CheckpointManager
+
+
+def _cfg(**kw) -> CheckpointConfig:
+    kw.setdefault("enable", True)
+    kw.setdefault("interval", 2)
+    kw.setdefault("last_save_model_only", False)
+    return CheckpointConfig(**kw)
+
+
+class Custom:
+    """A user state with nested values of several kinds."""
+
+    def __init__(self) -> None:
+        self.value = {"count": 0, "name": "x", "hist": [0.0], "t": torch.zeros(3)}
+
+    def state_dict(self) -> dict:
+        return self.value
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state
+
+
+def test_round_trip_restores_every_state(tmp_path):
+    cfg = _cfg()
+    a = Run(cfg, str(tmp_path))
+    a.train(4)
+    custom = Custom()
+    custom.value = {"count": 7, "name": "seven", "hist": [1.5, 2.5], "t": torch.arange(3.0)}
+    mgr = CheckpointManager(cfg, dump_folder=str(tmp_path), states={"custom": custom},
+                            model_parts=[a.model])
+    random.seed(123)
+    np.random.seed(456)
+    torch.manual_seed(789)
+    mgr.maybe_save(6)
+    expected_rng = (random.random(), np.random.rand(), torch.rand(1))
+    mgr.close()
+
+    b = Run(cfg, str(tmp_path), seed=1)
+    assert b.manager.load(step=4) == 4
+    assert tensors_equal(a.model.state_dict(), b.model.state_dict())
+    assert str(a.opt.state_dict()) == str(b.opt.state_dict())
+    assert a.sched.state_dict() == b.sched.state_dict()
+    assert (b.loader.pos, b.train_state.step, b.train_state.tokens_seen) == (4, 4, a.train_state.tokens_seen)
+
+    restored = Custom()
+    mgr2 = CheckpointManager(cfg, dump_folder=str(tmp_path), states={"custom": restored},
+                             model_parts=[TinyLM()])
+    random.seed(0)
+    assert mgr2.load() == 6
+    assert restored.value["count"] == 7 and restored.value["name"] == "seven"
+    assert restored.value["hist"] == [1.5, 2.5] and torch.equal(restored.value["t"], torch.arange(3.0))
+    assert (random.random(), np.random.rand(), torch.rand(1)) == expected_rng
+    a.manager.close(), b.manager.close(), mgr2.close()
+
+
+def test_resume_is_bitwise_equal(tmp_path):
+    cfg = _cfg(interval=3)
+    uninterrupted = Run(cfg, str(tmp_path / "a"))
+    losses = uninterrupted.train(7)
+    uninterrupted.manager.close()
+
+    # A "crashed" run: it saved step 3 and 6; the resumed one starts from 6 with a fresh
+    # process state (other seeds everywhere) and must reproduce step 7 exactly.
+    resumed = Run(cfg, str(tmp_path / "a"), seed=99)
+    torch.manual_seed(1234)
+    assert resumed.manager.load() == 6
+    assert resumed.train(1, save=False) == losses[6:]
+
+    resumed3 = Run(cfg, str(tmp_path / "a"), seed=5)
+    assert resumed3.manager.load(step=3) == 3
+    assert resumed3.train(4, save=False) == losses[3:]
+    resumed.manager.close(), resumed3.manager.close()
+
+
+def test_retention_keeps_exactly_k(tmp_path):
+    run = Run(_cfg(interval=1, keep_latest_k=3), str(tmp_path))
+    run.train(7)
+    run.manager.close()
+    assert run.manager.steps() == [5, 6, 7]
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-5", "step-6", "step-7"]
+
+
+def test_resaving_an_existing_step_replaces_it(tmp_path):
+    first = Run(_cfg(interval=2), str(tmp_path))
+    first.train(4)
+    first.manager.close()
+    again = Run(_cfg(interval=2, exclude_from_loading=["train_state"]), str(tmp_path), seed=8)
+    assert again.manager.load(step=2) == 2
+    again.train_state.step = 2
+    again.train(2)  # saves step 4 again, over the first run's step 4
+    again.manager.close()
+    assert again.manager.steps() == [2, 4]
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-4"]
+    check = Run(_cfg(), str(tmp_path), seed=9)
+    assert check.manager.load() == 4
+    assert tensors_equal(check.model.state_dict(), again.model.state_dict())
+    check.manager.close()
+
+
+def test_retention_zero_keeps_all_and_async_drains(tmp_path):
+    run = Run(_cfg(interval=1, keep_latest_k=0, async_mode="async"), str(tmp_path))
+    run.train(4)
+    run.manager.close()
+    assert run.manager.steps() == [1, 2, 3, 4]
+
+
+def test_last_save_model_only_casts_and_loads(tmp_path):
+    cfg = _cfg(last_save_model_only=True, export_dtype="bfloat16")
+    run = Run(cfg, str(tmp_path))
+    run.train(3, last=3)
+    run.manager.close()
+    fresh = Run(cfg, str(tmp_path), seed=3)
+    assert fresh.manager.load() == 3
+    for key, value in run.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[key], value.to(torch.bfloat16).float()), key
+    assert fresh.train_state.step == 0  # model only: counters start fresh
+    fresh.manager.close()
+
+
+def test_exclude_from_loading_keeps_fresh_state(tmp_path):
+    run = Run(_cfg(), str(tmp_path))
+    run.train(2)
+    run.manager.close()
+    fresh = Run(_cfg(exclude_from_loading=["dataloader", "train_state"]), str(tmp_path), seed=4)
+    assert fresh.manager.load() == 2
+    assert fresh.loader.pos == 0 and fresh.train_state.step == 0
+    assert tensors_equal(run.model.state_dict(), fresh.model.state_dict())
+    fresh.manager.close()
+
+
+def test_seed_checkpoint_then_initial_load(tmp_path):
+    seed = Run(_cfg(create_seed_checkpoint=True), str(tmp_path / "seed"), seed=11)
+    path = seed.manager.save_seed_checkpoint()
+    seed.manager.close()
+    assert os.path.basename(path) == "step-0"
+
+    # A new run whose own folder is empty warm-starts from the seed folder.
+    cfg = _cfg(initial_load_path=str(tmp_path / "seed" / "checkpoint"))
+    run = Run(cfg, str(tmp_path / "run"), seed=12)
+    assert run.manager.load() == 0
+    assert tensors_equal(seed.model.state_dict(), run.model.state_dict())
+    run.manager.close()
+
+
+def test_nothing_to_load_returns_none(tmp_path):
+    run = Run(_cfg(), str(tmp_path))
+    assert run.manager.load() is None
+    run.manager.close()
+
+
+def test_disabled_manager_neither_saves_nor_resumes(tmp_path):
+    run = Run(CheckpointConfig(enable=False), str(tmp_path))
+    run.train(3)
+    assert not (tmp_path / "checkpoint").exists()
+    assert run.manager.load() is None
+    run.manager.close()

@@ -1,0 +1,97 @@
+"""Convert model weights between a titan DCP checkpoint and a Hugging Face folder.
+
+    python tools/convert_hf.py to-hf   CKPT OUT --adapter titan.models.llama3:Llama3StateDictAdapter \
+        --hf-config path/to/config.json           # or --flavors titan.models.llama3:LLAMA3_FLAVORS --flavor 8B
+    python tools/convert_hf.py from-hf HF_DIR OUT --adapter titan.models.llama3:Llama3StateDictAdapter
+
+CKPT is a DCP step folder or a checkpoint folder (its latest complete step is used). OUT of
+`from-hf` is a model-only DCP step folder usable as `--checkpoint.initial_load_path`.
+
+The adapter is built from its class as `Adapter(args)`, where args come from
+`Adapter.args_from_hf_config(config.json)` or from a flavor table; a class that takes no
+argument is built as `Adapter()`. Runs in one process on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+from typing import Any
+
+from titan.ckpt import hf, load_dcp_model, load_hf, save_dcp_model, save_hf
+
+
+def import_object(spec: str) -> Any:
+    """`package.module:attribute` -> the attribute."""
+    module, _, attr = spec.partition(":")
+    if not attr:
+        raise SystemExit(f"expected 'package.module:Name', got {spec!r}")
+    return getattr(importlib.import_module(module), attr)
+
+
+def build_adapter(spec: str, *, hf_config: str | None, flavors: str | None,
+                  flavor: str | None) -> Any:
+    """Instantiate the family adapter named by `spec` from a config.json or a flavor."""
+    cls = import_object(spec)
+    if flavor is not None:
+        if flavors is None:
+            raise SystemExit("--flavor needs --flavors module:TABLE (e.g. a *_FLAVORS dict)")
+        return cls(import_object(flavors)[flavor])
+    if hf_config is not None and hasattr(cls, "args_from_hf_config"):
+        with open(hf_config) as f:
+            return cls(cls.args_from_hf_config(json.load(f)))
+    if _takes_no_arguments(cls):
+        return cls()
+    raise SystemExit(f"{spec} needs model arguments: pass --hf-config or --flavors/--flavor")
+
+
+def _takes_no_arguments(cls: Any) -> bool:
+    params = inspect.signature(cls).parameters.values()
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in params)
+
+
+def to_hf(args: argparse.Namespace) -> None:
+    """DCP checkpoint -> Hugging Face safetensors + index + config.json."""
+    adapter = build_adapter(args.adapter, hf_config=args.hf_config, flavors=args.flavors,
+                            flavor=args.flavor)
+    state = load_dcp_model(args.src)
+    save_hf(state, args.out, adapter, args.dtype, max_shard_bytes=args.max_shard_bytes)
+    print(f"wrote {len(state)} tensors to {args.out}")
+
+
+def from_hf(args: argparse.Namespace) -> None:
+    """Hugging Face safetensors -> a model-only DCP step folder."""
+    config = args.hf_config or os.path.join(args.src, "config.json")
+    adapter = build_adapter(args.adapter, hf_config=config, flavors=args.flavors,
+                            flavor=args.flavor)
+    state = load_hf(args.src, adapter)
+    if args.dtype is not None:
+        state = {k: v.to(hf.DTYPES[args.dtype]) if v.is_floating_point() else v
+                 for k, v in state.items()}
+    save_dcp_model(state, args.out)
+    print(f"wrote {len(state)} tensors to {args.out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("direction", choices=["to-hf", "from-hf"])
+    parser.add_argument("src")
+    parser.add_argument("out")
+    parser.add_argument("--adapter", required=True, help="module:Class of the family adapter")
+    parser.add_argument("--hf-config", help="config.json giving the model arguments")
+    parser.add_argument("--flavors", help="module:TABLE of model arguments by flavor name")
+    parser.add_argument("--flavor", help="the flavor to take from --flavors")
+    parser.add_argument("--dtype", choices=sorted(hf.DTYPES), help="cast floating weights")
+    parser.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_MAX_SHARD_BYTES)
+    args = parser.parse_args(argv)
+    (to_hf if args.direction == "to-hf" else from_hf)(args)
+
+
+if __name__ == "__main__":
+    main()
