@@ -1,0 +1,47 @@
+"""titan.train.data: tokenizers, corpora, packing and the resumable loader.
+
+The trainer needs only `TokenizerConfig.build()`, `DatasetConfig`,
+`validate_data_config` and `build_dataloader` (docs/contracts.md).
+"""
+
+from titan.train.data.config import DatasetConfig, validate_data_config
+from titan.train.data.loader import (
+    PackedDataLoader,
+    build_dataloader,
+    build_source,
+    synthetic_corpus,
+)
+from titan.train.data.packing import DocumentPacker, shard_documents
+from titan.train.data.sources import (
+    DocumentSource,
+    HFDatasetSource,
+    StdlibSource,
+    SyntheticSource,
+    TextSource,
+    stdlib_files,
+)
+from titan.train.data.synthetic import SyntheticCorpus, markov_entropy_floor_nats
+from titan.train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerConfig
+
+__all__ = [
+    "ByteTokenizer",
+    "DatasetConfig",
+    "DocumentPacker",
+    "DocumentSource",
+    "HFDatasetSource",
+    "HFTokenizer",
+    "PackedDataLoader",
+    "StdlibSource",
+    "SyntheticCorpus",
+    "SyntheticSource",
+    "TextSource",
+    "Tokenizer",
+    "TokenizerConfig",
+    "build_dataloader",
+    "build_source",
+    "markov_entropy_floor_nats",
+    "shard_documents",
+    "stdlib_files",
+    "synthetic_corpus",
+    "validate_data_config",
+]

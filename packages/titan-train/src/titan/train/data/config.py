@@ -1,0 +1,138 @@
+"""`--dataset.*`: which documents the loader reads, and the up-front checks."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from titan.train.data.sources import LOCAL_FORMATS, resolve_data_files
+from titan.train.data.tokenizer import ByteTokenizer, TokenizerConfig
+
+__all__ = ["DatasetConfig", "validate_data_config", "BUILTIN_DATASETS"]
+
+# Names that need no download; anything else is a Hugging Face hub name.
+BUILTIN_DATASETS = ("synthetic", "stdlib")
+
+
+@dataclass(kw_only=True)
+class DatasetConfig:
+    """`--dataset.*`: the corpus the training stream is packed from."""
+
+    name: str = "synthetic"
+    """"synthetic" (Markov chain with a known loss floor), "stdlib" (Python's own
+    source files), "text" | "json" | "parquet" (local files at --dataset.path),
+    or a Hugging Face hub dataset name (downloaded through `datasets`)."""
+    path: str | None = None
+    """Local file, directory or glob for "text", "json" and "parquet"."""
+    text_field: str = "text"
+    """Column holding each document's text (json, parquet, hub datasets)."""
+    split: str = "train"
+    """Dataset split to read (local files always form the "train" split)."""
+    subset: str | None = None
+    """Hub dataset configuration name (e.g. "en" for c4)."""
+    text_sample_by: Literal["line", "paragraph", "document"] = "line"
+    """For "text": one document per line (as `datasets` does; blank lines are
+    skipped), per blank-line-separated paragraph, or per whole file."""
+    shuffle: bool = True
+    """Visit documents in a fresh seeded order every epoch."""
+    cache_dir: str | None = None
+    """Where `datasets` caches prepared data (default: its own cache)."""
+    synthetic_symbols: int = 256
+    """Synthetic: number of distinct symbols (at most the tokenizer's non-special ids)."""
+    synthetic_successors: int = 4
+    """Synthetic: successors per symbol; the per-token entropy is log(this) nats."""
+    synthetic_documents: int = 100_000
+    """Synthetic: number of documents before the stream repeats (generated lazily)."""
+    synthetic_mean_length: int = 256
+    """Synthetic: mean document length in symbols (lengths are geometric)."""
+    synthetic_seed: int = 0
+    """Synthetic: seed of the corpus itself (the successor table and every document)."""
+
+    def __post_init__(self) -> None:
+        self._check_source()
+        self._check_synthetic()
+
+    def _check_source(self) -> None:
+        """The name/path combination makes sense."""
+        if not self.name:
+            raise ValueError(
+                "--dataset.name is empty; use synthetic, stdlib, text, json, parquet or a hub name"
+            )
+        if self.name in LOCAL_FORMATS and not self.path:
+            raise ValueError(
+                f"--dataset.name {self.name} reads local files: set --dataset.path to a file, "
+                "directory or glob"
+            )
+        if self.name not in LOCAL_FORMATS and self.path:
+            raise ValueError(
+                f"--dataset.path is only read for local files, but --dataset.name is {self.name!r}; "
+                "set --dataset.name to text, json or parquet, or drop the path"
+            )
+        if not self.text_field:
+            raise ValueError("--dataset.text_field is empty; name the column holding the text")
+        if not self.split:
+            raise ValueError("--dataset.split is empty; use e.g. train")
+        if self.text_sample_by not in ("line", "paragraph", "document"):
+            raise ValueError(
+                f"--dataset.text_sample_by must be line, paragraph or document, got {self.text_sample_by!r}"
+            )
+
+    def _check_synthetic(self) -> None:
+        """Synthetic corpus parameters are in range (checked whatever the name,
+        since they are plain numbers and a bad one is a typo either way)."""
+        for flag, value in (
+            ("synthetic_symbols", self.synthetic_symbols),
+            ("synthetic_successors", self.synthetic_successors),
+            ("synthetic_documents", self.synthetic_documents),
+            ("synthetic_mean_length", self.synthetic_mean_length),
+        ):
+            if value < 1:
+                raise ValueError(f"--dataset.{flag} must be >= 1, got {value}")
+        if self.synthetic_successors > self.synthetic_symbols:
+            raise ValueError(
+                f"--dataset.synthetic_successors {self.synthetic_successors} exceeds "
+                f"--dataset.synthetic_symbols {self.synthetic_symbols}; a symbol's successors are "
+                "distinct symbols, so lower the first or raise the second"
+            )
+
+    @property
+    def is_local(self) -> bool:
+        """Whether this reads local files through `datasets`."""
+        return self.name in LOCAL_FORMATS
+
+    @property
+    def is_hub(self) -> bool:
+        """Whether this is a Hugging Face hub dataset name."""
+        return self.name not in LOCAL_FORMATS and self.name not in BUILTIN_DATASETS
+
+
+def validate_data_config(dataset: DatasetConfig, tokenizer: TokenizerConfig | None = None) -> None:
+    """Checks that need the filesystem, run before any work starts.
+
+    `__post_init__` cannot do these (a recipe may be built on a machine that
+    lacks the files); the trainer calls this first thing on the machine that
+    trains. Raises FileNotFoundError / ValueError naming the flag to fix.
+    """
+    if dataset.is_local:
+        resolve_data_files(dataset.name, dataset.path)
+    if tokenizer is not None and tokenizer.kind == "hf":
+        _check_tokenizer_path(tokenizer.path)
+    if tokenizer is not None and tokenizer.kind == "byte" and dataset.name == "synthetic":
+        # Byte vocab is known without building anything; hf vocabularies are
+        # checked when the loader is built with the real tokenizer.
+        room = ByteTokenizer.vocab_size - len(ByteTokenizer().special_ids)
+        if dataset.synthetic_symbols > room:
+            raise ValueError(
+                f"--dataset.synthetic_symbols {dataset.synthetic_symbols} exceeds the {room} "
+                "non-special ids of the byte tokenizer; lower it or use --tokenizer.kind hf"
+            )
+
+
+def _check_tokenizer_path(path: str) -> None:
+    """The tokenizer file (or a directory holding tokenizer.json) exists."""
+    target = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(target):
+        raise FileNotFoundError(
+            f"--tokenizer.path {path!r}: no tokenizer file at {target}; fix the path"
+        )

@@ -1,0 +1,219 @@
+"""The resumable, data-parallel training loader (`build_dataloader`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from titan.train.data.config import DatasetConfig
+from titan.train.data.packing import DocumentPacker, shard_documents
+from titan.train.data.sources import (
+    DocumentSource,
+    HFDatasetSource,
+    StdlibSource,
+    SyntheticSource,
+    resolve_data_files,
+)
+from titan.train.data.synthetic import SyntheticCorpus
+from titan.train.data.tokenizer import Tokenizer
+from torch.utils.data import DataLoader, IterableDataset
+
+__all__ = ["PackedDataLoader", "build_dataloader", "build_source", "synthetic_corpus"]
+
+# Bumped when the meaning of the saved position changes.
+_STATE_VERSION = 1
+
+
+def synthetic_corpus(cfg: DatasetConfig, tokenizer: Tokenizer) -> SyntheticCorpus:
+    """The synthetic corpus `cfg` describes, its symbols mapped to `tokenizer`'s
+    non-special ids (lowest first). Also how a trainer gets the loss floor."""
+    symbol_ids = _non_special_ids(tokenizer, cfg.synthetic_symbols)
+    return SyntheticCorpus(
+        n_symbols=cfg.synthetic_symbols,
+        successors=cfg.synthetic_successors,
+        n_documents=cfg.synthetic_documents,
+        mean_length=cfg.synthetic_mean_length,
+        symbol_ids=symbol_ids,
+        seed=cfg.synthetic_seed,
+    )
+
+
+def _non_special_ids(tokenizer: Tokenizer, count: int) -> list[int]:
+    """The first `count` ids that are not BOS/EOS/PAD (fewer if the vocab is short)."""
+    specials = tokenizer.special_ids
+    wanted = count + len(specials)  # never need to look further than this
+    return [i for i in range(min(wanted, tokenizer.vocab_size)) if i not in specials][:count]
+
+
+def build_source(cfg: DatasetConfig, tokenizer: Tokenizer) -> DocumentSource:
+    """The map-style document source `cfg` names."""
+    if cfg.name == "synthetic":
+        return SyntheticSource(synthetic_corpus(cfg, tokenizer))
+    if cfg.name == "stdlib":
+        return StdlibSource(tokenizer)
+    return HFDatasetSource(_load_hf_dataset(cfg), tokenizer, cfg.text_field)
+
+
+def _load_hf_dataset(cfg: DatasetConfig):
+    """Local files (text/json/parquet) or a hub dataset, as a map-style Dataset."""
+    import datasets  # deferred: importing it costs ~1 s, synthetic runs never need it
+
+    if cfg.is_local:
+        files = resolve_data_files(cfg.name, cfg.path)  # raises before datasets does any work
+        extra = {"sample_by": cfg.text_sample_by} if cfg.name == "text" else {}
+        return datasets.load_dataset(
+            cfg.name, data_files=files, split=cfg.split, cache_dir=cfg.cache_dir, **extra
+        )
+    return datasets.load_dataset(cfg.name, cfg.subset, split=cfg.split, cache_dir=cfg.cache_dir)
+
+
+class _PackedBatches(IterableDataset):
+    """Batches [B, seq_len + 1] cut from a packer, split into inputs and labels.
+
+    Batches are produced on demand (no prefetch), so the packer's position is
+    always exactly "after the last batch handed out".
+    """
+
+    def __init__(self, packer: DocumentPacker, batch_size: int, seq_len: int) -> None:
+        self.packer, self.batch_size, self.seq_len = packer, batch_size, seq_len
+        self.batches_yielded = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            yield self.next_batch()
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """Fill one batch of windows and shift it into (input_ids, labels)."""
+        window = np.empty((self.batch_size, self.seq_len + 1), dtype=np.int64)
+        for row in window:
+            self.packer.fill(row)
+        tokens = torch.from_numpy(window)
+        self.batches_yielded += 1
+        # Packing leaves no padding, so every label is a real target (no -100).
+        return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+
+
+class PackedDataLoader(DataLoader):
+    """An endless `torch.utils.data.DataLoader` of packed batches, resumable.
+
+    Iterate it (`for batch in loader`, or `next(loader)`); every iterator
+    draws from the same position. `state_dict()` is keyed by data parallel
+    rank, so a checkpoint of all ranks holds one distinct entry per rank.
+    Batches are built in the calling process (num_workers=0): packing is
+    cheap, and it keeps the saved position exact.
+    """
+
+    def __init__(
+        self, dataset: _PackedBatches, *, dp_rank: int, dp_world_size: int, num_documents: int
+    ) -> None:
+        super().__init__(dataset, batch_size=None, num_workers=0)
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.num_documents = num_documents
+        self._own_iterator: Iterator | None = None
+
+    @property
+    def packer(self) -> DocumentPacker:
+        """The packer behind this loader (its position is the loader's state)."""
+        return self.dataset.packer
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._own_iterator is None:
+            self._own_iterator = iter(self)
+        return next(self._own_iterator)
+
+    @property
+    def _state_key(self) -> str:
+        """Per-rank key: ranks' states must not collide in a shared checkpoint."""
+        return f"dp_rank_{self.dp_rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """`{"dp_rank_<r>": {...}}` with plain ints/bools only."""
+        state = dict(self.packer.state_dict())
+        state.update(
+            version=_STATE_VERSION,
+            dp_world_size=self.dp_world_size,
+            num_documents=self.num_documents,
+            shuffle=self.packer.shuffle,
+            batches_yielded=self.dataset.batches_yielded,
+        )
+        return {self._state_key: state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue exactly where the saved loader stopped. An empty dict is a
+        fresh start (nothing was saved)."""
+        if not state_dict:
+            return
+        if self._state_key not in state_dict:
+            raise ValueError(
+                f"the data loader state has no entry for data parallel rank {self.dp_rank} "
+                f"(found {sorted(state_dict)}); resume with the same data parallel degree"
+            )
+        state = state_dict[self._state_key]
+        self._check_compatible(state)
+        self.packer.load_state_dict(state)
+        self.dataset.batches_yielded = int(state["batches_yielded"])
+
+    def _check_compatible(self, state: dict[str, Any]) -> None:
+        """A position is only meaningful for the same sharding of the same corpus."""
+        if int(state.get("version", -1)) != _STATE_VERSION:
+            raise ValueError(
+                f"data loader state version {state.get('version')} != {_STATE_VERSION}"
+            )
+        expected = {
+            "dp_world_size": self.dp_world_size,
+            "num_documents": self.num_documents,
+            "shuffle": self.packer.shuffle,
+        }
+        for key, value in expected.items():
+            if state[key] != value:
+                raise ValueError(
+                    f"cannot resume the data loader: the checkpoint has {key}={state[key]}, this run "
+                    f"has {value}; resume with the same dataset and data parallel degree"
+                )
+
+
+def build_dataloader(
+    cfg: DatasetConfig,
+    tokenizer: Tokenizer,
+    *,
+    dp_rank: int,
+    dp_world_size: int,
+    local_batch_size: int,
+    seq_len: int,
+    seed: int,
+) -> PackedDataLoader:
+    """An endless loader of `{"input_ids", "labels"}` LongTensors [B, S] for one rank.
+
+    Documents are sharded by index % dp_world_size (see `shard_documents`),
+    framed with BOS/EOS, packed into windows of seq_len + 1 and shifted by
+    one. `seed` orders documents within each epoch (when --dataset.shuffle).
+    """
+    _check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
+    source = build_source(cfg, tokenizer)
+    packer = DocumentPacker(
+        source,
+        shard_documents(len(source), dp_rank, dp_world_size),
+        bos_id=tokenizer.bos_id,
+        eos_id=tokenizer.eos_id,
+        shuffle=cfg.shuffle,
+        seed=seed,
+        rank=dp_rank,
+    )
+    batches = _PackedBatches(packer, local_batch_size, seq_len)
+    return PackedDataLoader(
+        batches, dp_rank=dp_rank, dp_world_size=dp_world_size, num_documents=len(source)
+    )
+
+
+def _check_loader_args(
+    dp_rank: int, dp_world_size: int, local_batch_size: int, seq_len: int
+) -> None:
+    """Reject impossible shapes and ranks before touching any data."""
+    if dp_world_size < 1 or not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank {dp_rank} must be in [0, dp_world_size={dp_world_size})")
+    if local_batch_size < 1:
+        raise ValueError(f"local batch size must be >= 1, got {local_batch_size}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")

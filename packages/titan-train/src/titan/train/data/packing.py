@@ -1,0 +1,150 @@
+"""Packing documents into fixed windows, with a resumable position.
+
+Each document becomes ``BOS tokens EOS`` (just ``tokens EOS`` when the
+tokenizer's BOS and EOS are one token, so separators are never doubled);
+documents are laid end to end and cut into windows of seq_len + 1 tokens.
+Windows do not overlap, so every window is a distinct sample; the one
+prediction across a window boundary is lost, which keeps samples
+independent of each other (and of the batch they land in).
+
+The whole position is three ints: the epoch, the cursor into this epoch's
+document order, and the token offset into that document. Restoring it only
+re-tokenizes one document, whatever the corpus size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from titan.train.data.sources import DocumentSource
+
+__all__ = ["DocumentPacker", "shard_documents"]
+
+
+def shard_documents(num_documents: int, dp_rank: int, dp_world_size: int) -> np.ndarray:
+    """Indices of the documents owned by `dp_rank`: those with i % world == rank.
+
+    Sharding documents (not samples) lets every rank pack on its own, with no
+    communication, and still guarantees no two ranks ever see the same
+    document, hence the same sample. Ranks may hold slightly different token
+    counts; since the stream loops over epochs, that only shifts when each
+    rank starts its next epoch.
+    """
+    indices = np.arange(dp_rank, num_documents, dp_world_size, dtype=np.int64)
+    if len(indices) == 0:
+        raise ValueError(
+            f"the dataset has {num_documents} documents, fewer than the {dp_world_size} data "
+            "parallel ranks; use more documents (e.g. --dataset.synthetic_documents) or fewer ranks"
+        )
+    return indices
+
+
+class DocumentPacker:
+    """Turns one rank's documents into an endless stream of fixed windows.
+
+    Epoch e visits `doc_indices` in a permutation seeded by (seed, e, rank)
+    when `shuffle`, else in order. Empty documents are skipped entirely (no
+    lone BOS/EOS pairs from blank lines or empty files).
+    """
+
+    def __init__(
+        self,
+        source: DocumentSource,
+        doc_indices: np.ndarray,
+        *,
+        bos_id: int,
+        eos_id: int,
+        shuffle: bool,
+        seed: int,
+        rank: int = 0,
+    ) -> None:
+        self.source = source
+        self.doc_indices = np.asarray(doc_indices, dtype=np.int64)
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.shuffle, self.seed, self.rank = shuffle, seed, rank
+        self.epoch = self.cursor = self.offset = 0
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, order) cache
+        self._doc: tuple[tuple[int, int], np.ndarray] | None = None  # ((epoch, cursor), ids)
+
+    @property
+    def bos_separator(self) -> bool:
+        """Whether documents start with their own BOS (False if BOS == EOS)."""
+        return self.bos_id != self.eos_id
+
+    def fill(self, out: np.ndarray) -> None:
+        """Write the next len(out) stream tokens into the 1-D array `out`.
+
+        Cost is linear in len(out) plus the tokenization of the documents
+        entered, each tokenized once per epoch.
+        """
+        pos, empty_run = 0, 0
+        while pos < len(out):
+            doc = self._current_document()
+            take = min(len(doc) - self.offset, len(out) - pos)
+            out[pos : pos + take] = doc[self.offset : self.offset + take]
+            pos += take
+            self.offset += take
+            if self.offset >= len(doc):
+                empty_run = empty_run + 1 if len(doc) == 0 else 0
+                self._check_not_all_empty(empty_run)
+                self._advance_document()
+
+    def _current_document(self) -> np.ndarray:
+        """Framed ids of the document under the cursor (cached until it is left)."""
+        key = (self.epoch, self.cursor)
+        if self._doc is None or self._doc[0] != key:
+            doc_index = int(self._epoch_order()[self.cursor])
+            self._doc = (key, self._frame(self.source.tokens(doc_index)))
+        return self._doc[1]
+
+    def _frame(self, ids: np.ndarray) -> np.ndarray:
+        """`BOS ids EOS` (or `ids EOS` with a shared BOS/EOS); empty stays empty."""
+        if len(ids) == 0:
+            return ids
+        head = [self.bos_id] if self.bos_separator else []
+        return np.concatenate([np.asarray(head, np.int64), ids.astype(np.int64), [self.eos_id]])
+
+    def _epoch_order(self) -> np.ndarray:
+        """This epoch's document order (one permutation computed per epoch)."""
+        if self._order is None or self._order[0] != self.epoch:
+            order = self.doc_indices
+            if self.shuffle:
+                rng = np.random.default_rng([self.seed, self.epoch, self.rank])
+                order = order[rng.permutation(len(order))]
+            self._order = (self.epoch, order)
+        return self._order[1]
+
+    def _advance_document(self) -> None:
+        """Move to the next document, wrapping into the next epoch."""
+        self.offset = 0
+        self.cursor += 1
+        if self.cursor == len(self.doc_indices):
+            self.cursor = 0
+            self.epoch += 1
+
+    def _check_not_all_empty(self, empty_run: int) -> None:
+        """Fail instead of looping forever when every document is empty."""
+        if empty_run > len(self.doc_indices):
+            raise ValueError(
+                "every document of this rank's shard is empty after tokenization; "
+                "check --dataset.path and --dataset.text_field"
+            )
+
+    def state_dict(self) -> dict[str, int]:
+        """The stream position: plain ints."""
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "offset": self.offset,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Jump to a saved position; the next `fill` continues from it exactly."""
+        self.epoch, self.cursor, self.offset = (
+            int(state["epoch"]),
+            int(state["cursor"]),
+            int(state["offset"]),
+        )
+        # The saved seed wins: the data order is part of the run being resumed.
+        self.seed = int(state["seed"])
+        self._order = self._doc = None

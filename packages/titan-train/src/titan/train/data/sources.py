@@ -1,0 +1,173 @@
+"""Document sources: map-style collections of documents, indexed 0..len-1.
+
+Being indexable (rather than streams) is what makes resuming cheap: the
+loader's position is a document index plus a token offset. Sources hand out
+token ids (`tokens(i)`), tokenizing lazily so the first batch never waits
+for a whole corpus.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from collections.abc import Sequence
+
+import numpy as np
+from titan.train.data.tokenizer import Tokenizer
+
+__all__ = [
+    "DocumentSource",
+    "TextSource",
+    "StdlibSource",
+    "HFDatasetSource",
+    "SyntheticSource",
+    "LOCAL_FORMATS",
+    "resolve_data_files",
+    "stdlib_files",
+]
+
+# Local file formats `datasets` reads, and the file endings we collect when
+# --dataset.path names a directory.
+LOCAL_FORMATS: dict[str, tuple[str, ...]] = {
+    "text": (".txt", ".text", ".md"),
+    "json": (".json", ".jsonl", ".json.gz", ".jsonl.gz"),
+    "parquet": (".parquet",),
+}
+
+
+class DocumentSource:
+    """Base class: `len(source)` documents, `tokens(i)` their ids (no separators)."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def tokens(self, index: int) -> np.ndarray:
+        """Token ids (int64) of document `index`, without BOS/EOS."""
+        raise NotImplementedError
+
+
+class TextSource(DocumentSource):
+    """A source of text documents, tokenized on access."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def text(self, index: int) -> str:
+        """The raw text of document `index`."""
+        raise NotImplementedError
+
+    def tokens(self, index: int) -> np.ndarray:
+        """Tokenize document `index` now (never cached: memory stays flat)."""
+        return np.asarray(self.tokenizer.encode(self.text(index)), dtype=np.int64)
+
+
+class StdlibSource(TextSource):
+    """Python's own standard library `.py` files, one document per file.
+
+    Real, varied text present on every machine with Python, so tests and
+    smoke runs need neither a download nor committed third-party text.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, files: Sequence[str] | None = None) -> None:
+        super().__init__(tokenizer)
+        self.files = list(stdlib_files() if files is None else files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def text(self, index: int) -> str:
+        """Read file `index` (undecodable bytes replaced, never an error)."""
+        with open(self.files[index], encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+
+# Directories under the stdlib that are not the standard library proper
+# (third-party installs) or are huge and repetitive (test suites, fixtures).
+_STDLIB_SKIP_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
+)
+
+
+def stdlib_files(root: str | None = None) -> list[str]:
+    """Sorted paths of the stdlib's `.py` files (deterministic for one Python)."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Pruning in place stops os.walk from descending; sorting is done at the end.
+        dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS]
+        found.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
+    if not found:
+        raise FileNotFoundError(f"no .py files under the standard library at {root}")
+    return sorted(found)
+
+
+class HFDatasetSource(TextSource):
+    """A map-style `datasets.Dataset`, one row per document, text in `text_field`."""
+
+    def __init__(self, dataset, tokenizer: Tokenizer, text_field: str) -> None:
+        super().__init__(tokenizer)
+        if text_field not in dataset.column_names:
+            raise ValueError(
+                f"--dataset.text_field {text_field!r} is not a column of the dataset; "
+                f"available columns: {', '.join(dataset.column_names)}"
+            )
+        # Selecting the column once avoids decoding every other column per access.
+        self.dataset = dataset.select_columns([text_field])
+        self.text_field = text_field
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def text(self, index: int) -> str:
+        """Row `index`'s text (None, e.g. a null in parquet, reads as empty)."""
+        value = self.dataset[int(index)][self.text_field]
+        return "" if value is None else str(value)
+
+
+class SyntheticSource(DocumentSource):
+    """Adapter exposing a `SyntheticCorpus` as a `DocumentSource`."""
+
+    def __init__(self, corpus) -> None:
+        self.corpus = corpus
+
+    def __len__(self) -> int:
+        return len(self.corpus)
+
+    def tokens(self, index: int) -> np.ndarray:
+        """The corpus already produces tokenizer ids."""
+        return self.corpus.tokens(index)
+
+
+def resolve_data_files(name: str, path: str) -> list[str]:
+    """The local files `--dataset.path` names: a file, a directory or a glob.
+
+    Raises FileNotFoundError naming the flag when nothing matches, so a typo
+    fails before any process group, model or dataset is built.
+    """
+    if os.path.isfile(path):
+        return [path]
+    if os.path.isdir(path):
+        files = _files_in_dir(path, LOCAL_FORMATS[name])
+        if not files:
+            raise FileNotFoundError(
+                f"--dataset.path {path!r} is a directory with no {'/'.join(LOCAL_FORMATS[name])} "
+                f"files for --dataset.name {name}; point it at the files or a glob"
+            )
+        return files
+    files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+    if not files:
+        raise FileNotFoundError(
+            f"--dataset.path {path!r} does not exist (no file, directory or glob match); "
+            "fix the path"
+        )
+    return files
+
+
+def _files_in_dir(directory: str, endings: tuple[str, ...]) -> list[str]:
+    """Files below `directory` with one of `endings`, sorted for determinism."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(directory):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        found.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(endings))
+    return sorted(found)

@@ -1,0 +1,227 @@
+"""Tokenizers: the interface the data pipeline and the trainer code against.
+
+Two implementations: `ByteTokenizer` (needs no file, used by tests and the
+synthetic/stdlib corpora) and `HFTokenizer` (a `tokenizer.json` read with the
+`tokenizers` library, i.e. what a real model ships with).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "TokenizerConfig"]
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids, plus the special ids the packer needs.
+
+    Implementations expose `vocab_size`, `bos_id`, `eos_id` and `pad_id` as
+    plain ints (attributes or properties).
+    """
+
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+
+    @abstractmethod
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        """Token ids of `text`, optionally framed by BOS and/or EOS."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`; special tokens are dropped."""
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of BOS, EOS and PAD (some may coincide)."""
+        return frozenset((self.bos_id, self.eos_id, self.pad_id))
+
+    def _frame(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
+        """Add the requested separators around already-encoded ids."""
+        if bos:
+            ids.insert(0, self.bos_id)
+        if eos:
+            ids.append(self.eos_id)
+        return ids
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255, then BOS=256, EOS=257, PAD=258.
+
+    Needs no file and round-trips any text exactly, so it is the default for
+    tests and for the built-in corpora.
+    """
+
+    vocab_size = 259
+    bos_id = 256
+    eos_id = 257
+    pad_id = 258
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        """UTF-8 bytes of `text` (lone surrogates become '?')."""
+        return self._frame(list(text.encode("utf-8", errors="replace")), bos, eos)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Bytes back to text; specials dropped, invalid UTF-8 replaced."""
+        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+
+# Spellings of the special tokens used by common model families, tried in
+# order when neither the caller nor a tokenizer_config.json names them.
+_BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>", "[CLS]")
+_EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>", "[SEP]")
+_PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<|finetune_right_pad_id|>")
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizer.json`, loaded with the `tokenizers` library.
+
+    `path` is the file itself or a directory holding it. BOS/EOS/PAD are taken
+    from the explicit arguments, else from a `tokenizer_config.json` next to
+    the file, else from well-known spellings among the file's special tokens.
+    Without a BOS token, EOS doubles as the document separator; without a PAD
+    token, EOS is used (padding positions carry label -100 anyway).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+    ) -> None:
+        self.path = _resolve_tokenizer_file(path)
+        self._tok = _load_tokenizer_file(self.path)
+        named = _tokens_from_tokenizer_config(os.path.dirname(self.path))
+        self.eos_id = self._find_special("eos", eos_token or named.get("eos"), _EOS_CANDIDATES)
+        bos = self._find_special(
+            "bos", bos_token or named.get("bos"), _BOS_CANDIDATES, required=False
+        )
+        self.bos_id = self.eos_id if bos is None else bos
+        pad = self._find_special(
+            "pad", pad_token or named.get("pad"), _PAD_CANDIDATES, required=False
+        )
+        self.pad_id = self.eos_id if pad is None else pad
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        """Ids of `text`; the file's own post-processor is bypassed so that
+        separators are added exactly once, here."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return self._frame(list(ids), bos, eos)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, skipping special tokens."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def _find_special(
+        self, role: str, explicit: str | None, candidates: tuple[str, ...], required: bool = True
+    ) -> int | None:
+        """Id of the `role` token: the named one, else the first known spelling."""
+        if explicit is not None:
+            tid = self._tok.token_to_id(explicit)
+            if tid is None:
+                raise ValueError(
+                    f"{role} token {explicit!r} is not in the vocabulary of {self.path}; "
+                    f"fix --tokenizer.{role}_token"
+                )
+            return tid
+        for spelling in candidates:
+            tid = self._tok.token_to_id(spelling)
+            if tid is not None:
+                return tid
+        if required:
+            raise ValueError(
+                f"could not find a {role} token in {self.path} (tried {', '.join(candidates)}); "
+                f"name it with --tokenizer.{role}_token"
+            )
+        return None
+
+
+def _resolve_tokenizer_file(path: str | os.PathLike) -> str:
+    """`path` itself, or `path/tokenizer.json` when `path` is a directory."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"tokenizer file not found: {path}; set --tokenizer.path to a tokenizer.json "
+            "or to the directory holding it"
+        )
+    return path
+
+
+def _load_tokenizer_file(path: str):
+    """Parse `path` with the `tokenizers` library, naming the file on failure."""
+    from tokenizers import Tokenizer as _RustTokenizer  # deferred: byte-only runs skip it
+
+    try:
+        return _RustTokenizer.from_file(path)
+    except Exception as e:  # the library raises bare Exceptions for malformed JSON
+        raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from e
+
+
+def _tokens_from_tokenizer_config(directory: str) -> dict[str, str]:
+    """bos/eos/pad spellings from an optional `tokenizer_config.json`."""
+    cfg_path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(cfg_path):
+        return {}
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+    found = {}
+    for role in ("bos", "eos", "pad"):
+        value = cfg.get(f"{role}_token")
+        # Older files store AddedToken dicts instead of plain strings.
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            found[role] = value
+    return found
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    """`--tokenizer.*`: which tokenizer turns text into ids."""
+
+    kind: Literal["byte", "hf"] = "byte"
+    """"byte": built-in UTF-8 byte tokenizer (no file). "hf": a tokenizer.json at --tokenizer.path."""
+    path: str | None = None
+    """For kind "hf": a tokenizer.json file or a directory containing one."""
+    bos_token: str | None = None
+    """For kind "hf": spelling of the BOS token, when it cannot be discovered."""
+    eos_token: str | None = None
+    """For kind "hf": spelling of the EOS token, when it cannot be discovered."""
+    pad_token: str | None = None
+    """For kind "hf": spelling of the PAD token (defaults to EOS when absent)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("byte", "hf"):
+            raise ValueError(f"--tokenizer.kind must be 'byte' or 'hf', got {self.kind!r}")
+        if self.kind == "hf" and not self.path:
+            raise ValueError(
+                "--tokenizer.kind hf needs --tokenizer.path (a tokenizer.json or its directory)"
+            )
+        if self.kind == "byte" and self.path:
+            raise ValueError(
+                f"--tokenizer.path {self.path!r} is only read with --tokenizer.kind hf; "
+                "drop the path or set --tokenizer.kind hf"
+            )
+
+    def build(self) -> Tokenizer:
+        """Construct the configured tokenizer (reads the file for kind "hf")."""
+        if self.kind == "byte":
+            return ByteTokenizer()
+        return HFTokenizer(
+            self.path, bos_token=self.bos_token, eos_token=self.eos_token, pad_token=self.pad_token
+        )

@@ -1,0 +1,100 @@
+"""DatasetConfig / validate_data_config: bad values fail early, naming the flag."""
+
+from __future__ import annotations
+
+import pytest
+from titan.train.data import DatasetConfig, TokenizerConfig, build_dataloader, validate_data_config
+from titan.train.data.tokenizer import ByteTokenizer
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(name="json"), "--dataset.name json reads local files: set --dataset.path"),
+        (dict(name="parquet"), "--dataset.path"),
+        (dict(name="synthetic", path="x.txt"), "--dataset.path is only read for local files"),
+        (dict(name="allenai/c4", path="x.txt"), "--dataset.path is only read for local files"),
+        (dict(name=""), "--dataset.name is empty"),
+        (dict(text_field=""), "--dataset.text_field"),
+        (dict(split=""), "--dataset.split"),
+        (dict(text_sample_by="word"), "--dataset.text_sample_by"),
+        (dict(synthetic_symbols=0), "--dataset.synthetic_symbols must be >= 1"),
+        (dict(synthetic_documents=0), "--dataset.synthetic_documents must be >= 1"),
+        (dict(synthetic_mean_length=0), "--dataset.synthetic_mean_length"),
+        (
+            dict(synthetic_successors=9, synthetic_symbols=8),
+            "--dataset.synthetic_successors 9 exceeds",
+        ),
+    ],
+)
+def test_post_init_rejects(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DatasetConfig(**kwargs)
+
+
+def test_defaults_are_valid_and_kinds():
+    cfg = DatasetConfig()
+    assert cfg.name == "synthetic" and cfg.text_field == "text" and not cfg.is_hub
+    assert DatasetConfig(name="allenai/c4", subset="en").is_hub
+    assert DatasetConfig(name="text", path="a.txt").is_local
+    validate_data_config(cfg, TokenizerConfig())
+
+
+def test_missing_local_file_raises_before_any_work(tmp_path):
+    cfg = DatasetConfig(name="json", path=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(FileNotFoundError, match="--dataset.path .*missing.jsonl"):
+        validate_data_config(cfg)
+    # build_dataloader resolves files before `datasets` is asked to do anything.
+    with pytest.raises(FileNotFoundError, match="--dataset.path"):
+        build_dataloader(
+            cfg, ByteTokenizer(), dp_rank=0, dp_world_size=1, local_batch_size=1, seq_len=8, seed=0
+        )
+
+
+def test_empty_directory_and_glob(tmp_path):
+    (tmp_path / "notes.md").write_text("x")
+    with pytest.raises(FileNotFoundError, match=r"\.parquet files"):
+        validate_data_config(DatasetConfig(name="parquet", path=str(tmp_path)))
+    with pytest.raises(FileNotFoundError, match="no file, directory or glob match"):
+        validate_data_config(DatasetConfig(name="text", path=str(tmp_path / "*.txt")))
+
+
+def test_missing_tokenizer_file(tmp_path):
+    tok = TokenizerConfig(kind="hf", path=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="--tokenizer.path"):
+        validate_data_config(DatasetConfig(), tok)
+
+
+def test_synthetic_symbols_must_fit_byte_vocab():
+    with pytest.raises(ValueError, match="--dataset.synthetic_symbols 257 exceeds the 256"):
+        validate_data_config(DatasetConfig(synthetic_symbols=257), TokenizerConfig())
+
+
+def test_flags_as_the_trainer_spells_them():
+    import dataclasses
+
+    import tyro
+
+    @dataclasses.dataclass
+    class Sections:
+        dataset: DatasetConfig = dataclasses.field(default_factory=DatasetConfig)
+        tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
+
+    args = [
+        "--dataset.name",
+        "json",
+        "--dataset.path",
+        "d.jsonl",
+        "--dataset.synthetic_successors",
+        "3",
+        "--dataset.no_shuffle",
+        "--tokenizer.kind",
+        "byte",
+    ]
+    cfg = tyro.cli(Sections, args=args, use_underscores=True)
+    assert (cfg.dataset.name, cfg.dataset.path, cfg.dataset.synthetic_successors) == (
+        "json",
+        "d.jsonl",
+        3,
+    )
+    assert cfg.dataset.shuffle is False and cfg.tokenizer.kind == "byte"

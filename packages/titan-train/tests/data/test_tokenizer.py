@@ -1,0 +1,83 @@
+"""Tokenizers: byte round trips, a real tokenizer.json, and TokenizerConfig."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from titan.train.data import ByteTokenizer, HFTokenizer, TokenizerConfig
+
+
+def test_byte_round_trip_and_specials():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo ✓", bos=True, eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert all(0 <= i < 256 for i in ids[1:-1])
+    assert tok.decode(ids + [tok.pad_id]) == "héllo ✓"
+    assert tok.vocab_size == 259 and len(tok.special_ids) == 3
+
+
+def test_byte_decode_invalid_utf8_is_replaced():
+    assert ByteTokenizer().decode([0xFF, ord("a")]) == "\ufffda"
+
+
+def test_hf_discovers_specials_and_round_trips(hf_tokenizer_file):
+    tok = HFTokenizer(hf_tokenizer_file)
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+    ids = tok.encode("the lazy fox", bos=True, eos=True)
+    assert ids[0] == 1 and ids[-1] == 2 and len(ids) > 3
+    assert tok.decode(ids) == "the lazy fox"
+    assert tok.vocab_size <= 300
+
+
+def test_hf_directory_path_and_config_build(hf_tokenizer_file):
+    tok = TokenizerConfig(kind="hf", path=str(hf_tokenizer_file.parent)).build()
+    assert isinstance(tok, HFTokenizer) and tok.eos_id == 2
+
+
+def test_hf_tokenizer_config_json_names_specials(hf_tokenizer_file):
+    # A tokenizer_config.json beside the file overrides the built-in spellings.
+    cfg = {"bos_token": {"content": "</s>"}, "eos_token": "<s>"}
+    (hf_tokenizer_file.parent / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = HFTokenizer(hf_tokenizer_file)
+    assert (tok.bos_id, tok.eos_id) == (2, 1)
+
+
+def test_hf_explicit_tokens(hf_tokenizer_file):
+    tok = HFTokenizer(hf_tokenizer_file, bos_token="<pad>", eos_token="<s>", pad_token="</s>")
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2)
+    with pytest.raises(ValueError, match="--tokenizer.eos_token"):
+        HFTokenizer(hf_tokenizer_file, eos_token="<nope>")
+
+
+def test_hf_missing_file_names_path(tmp_path):
+    missing = tmp_path / "nowhere" / "tokenizer.json"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        HFTokenizer(missing)
+
+
+def test_hf_malformed_file_names_path(tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not a valid tokenizer.json") as info:
+        HFTokenizer(bad)
+    assert str(bad) in str(info.value)
+
+
+def test_hf_without_eos_asks_for_flag(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    path = tmp_path / "tokenizer.json"
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(path))
+    with pytest.raises(ValueError, match="--tokenizer.eos_token"):
+        HFTokenizer(path)
+
+
+def test_tokenizer_config_validation():
+    assert isinstance(TokenizerConfig().build(), ByteTokenizer)
+    with pytest.raises(ValueError, match="--tokenizer.path"):
+        TokenizerConfig(kind="hf")
+    with pytest.raises(ValueError, match="--tokenizer.kind hf"):
+        TokenizerConfig(kind="byte", path="x/tokenizer.json")
+    with pytest.raises(ValueError, match="--tokenizer.kind"):
+        TokenizerConfig(kind="sentencepiece")
