@@ -1,0 +1,115 @@
+"""The trainer's own config sections and the tree that composes every component's config.
+
+Each component owns its ``Config`` dataclass next to its code; this module composes them into
+``TrainerConfig``, the tree that tyro turns into ``--section.field`` flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from titan.ckpt import CheckpointConfig
+from titan.dist import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
+from titan.train.data import DatasetConfig, TokenizerConfig
+from titan.train.lr_scheduler import LRSchedulerConfig
+from titan.train.metrics import MetricsConfig
+from titan.train.optimizer import OptimizerConfig
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """Where the run writes and what it is called (``--job.*``)."""
+
+    dump_folder: str = "./outputs"
+    """Folder for metrics.jsonl, checkpoints and other run outputs."""
+    description: str = ""
+    """Free text describing the run; printed at start."""
+    print_config: bool = False
+    """Print the resolved config as JSON at start."""
+
+    def __post_init__(self) -> None:
+        if not self.dump_folder:
+            raise ValueError("--job.dump_folder must not be empty")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which model family and size to train (``--model.*``)."""
+
+    name: str = "llama3"
+    """Model family, as registered in titan.recipes (e.g. llama3)."""
+    flavor: str = "debugmodel"
+    """Size within the family (e.g. debugmodel, 1B, 8B, 70B, 405B)."""
+    vocab_multiple_of: int = 64
+    """Pad the embedding/output vocabulary to a multiple of this, so tensor parallel degrees
+    divide it; padded rows never receive a label."""
+
+    def __post_init__(self) -> None:
+        if self.vocab_multiple_of < 1:
+            raise ValueError(f"--model.vocab_multiple_of must be >= 1, got {self.vocab_multiple_of}")
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """Steps, batch geometry, clipping and precision (``--training.*``)."""
+
+    steps: int = 1000
+    """Optimizer steps to train for."""
+    local_batch_size: int = 8
+    """Sequences per microbatch on each data-parallel rank."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all data-parallel ranks; a multiple of
+    local_batch_size x data-parallel degree, the quotient being the gradient-accumulation
+    steps. -1 means local_batch_size x data-parallel degree (no accumulation)."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this; <= 0 disables clipping (the norm is still logged)."""
+    mixed_precision_param: str = "float32"
+    """dtype of parameters in forward/backward under FSDP (bfloat16 on GPUs); master weights
+    stay float32."""
+    mixed_precision_reduce: str = "float32"
+    """dtype of gradient reduction under FSDP."""
+
+    def __post_init__(self) -> None:
+        for flag in ("steps", "local_batch_size", "seq_len"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--training.{flag} must be >= 1, got {getattr(self, flag)}")
+        if self.global_batch_size != -1 and self.global_batch_size < 1:
+            raise ValueError(
+                f"--training.global_batch_size must be >= 1 or -1 (= local x dp), got {self.global_batch_size}"
+            )
+        for flag in ("mixed_precision_param", "mixed_precision_reduce"):
+            if getattr(self, flag) not in ("float32", "bfloat16", "float16"):
+                raise ValueError(
+                    f"--training.{flag} must be float32, bfloat16 or float16, got {getattr(self, flag)!r}"
+                )
+
+
+@dataclass(kw_only=True)
+class DebugConfig:
+    """Reproducibility switches (``--debug.*``)."""
+
+    seed: int = 0
+    """Seed for weight init, data order and dropout-free randomness."""
+    deterministic: bool = False
+    """Use deterministic kernels only (slower; bitwise-reproducible runs on the same layout)."""
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """A complete training run; every section is a component's own config."""
+
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

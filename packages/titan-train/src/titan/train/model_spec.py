@@ -1,0 +1,47 @@
+"""The trainer's view of a model family.
+
+titan.train never imports a model family (DESIGN.md): the recipes layer describes one with a
+``ModelSpec`` and hands it to the trainer. The trainer relies only on the model contract in
+``docs/contracts.md``: ``init_weights``, ``num_params``, ``flops_per_token``, ``sharding_plan``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import nn
+
+
+class StateDictAdapter(Protocol):
+    """Maps a family's state dict to and from Hugging Face names."""
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]: ...
+
+    def from_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]: ...
+
+    def hf_config(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the trainer needs to know about one model family.
+
+    ``build(flavor, **overrides)`` constructs the model under the active device context (the
+    trainer calls it under ``torch.device("meta")``); ``flavors`` maps a flavor name to its
+    arguments; ``adapter(model)`` returns the family's Hugging Face state-dict adapter.
+    """
+
+    name: str
+    flavors: Mapping[str, Any]
+    build: Callable[..., nn.Module]
+    adapter: Callable[[nn.Module], StateDictAdapter] | None = None
+
+    def check_flavor(self, flavor: str) -> None:
+        """Raise a ValueError naming the known flavors when ``flavor`` is not one of them."""
+        if flavor not in self.flavors:
+            known = ", ".join(self.flavors)
+            raise ValueError(
+                f"--model.flavor {flavor!r} is not a {self.name} size; choose one of: {known}"
+            )

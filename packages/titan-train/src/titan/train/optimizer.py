@@ -1,0 +1,89 @@
+"""AdamW with parameter groups that exempt norms, biases and embeddings from weight decay."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+Implementation = Literal["auto", "foreach", "fused", "for-loop"]
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """AdamW hyper-parameters (``--optimizer.*``)."""
+
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer family. Only AdamW for now."""
+    lr: float = 3e-4
+    """Peak learning rate, reached at the end of warmup."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; norms, biases and embeddings are exempt."""
+    implementation: Implementation = "auto"
+    """Kernel: "fused" (one kernel for all params), "foreach" (batched), "for-loop";
+    "auto" picks fused on CUDA and foreach elsewhere."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"--optimizer.lr must be > 0, got {self.lr}")
+        for flag, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"--optimizer.{flag} must be in [0, 1), got {beta}")
+        if self.eps <= 0:
+            raise ValueError(f"--optimizer.eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"--optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+def split_decay_groups(modules: Iterable[nn.Module]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Split trainable parameters into (decayed, exempt).
+
+    Exempt: every parameter of an ``nn.Embedding`` and every parameter with fewer than two
+    dims (norm scales, biases). Decided by module type and shape, not by name, so it holds
+    for any model family and survives FSDP/TP wrapping.
+    """
+    decay: list[nn.Parameter] = []
+    exempt: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for root in modules:
+        for module in root.modules():
+            for param in module.parameters(recurse=False):
+                if not param.requires_grad or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                is_exempt = isinstance(module, nn.Embedding) or param.ndim < 2
+                (exempt if is_exempt else decay).append(param)
+    return decay, exempt
+
+
+def _kernel_flags(cfg: OptimizerConfig, device_type: str) -> dict[str, bool]:
+    choice = cfg.implementation
+    if choice == "auto":
+        choice = "fused" if device_type == "cuda" else "foreach"
+    return {"fused": choice == "fused", "foreach": choice == "foreach"}
+
+
+def build_optimizer(cfg: OptimizerConfig, model_parts: list[nn.Module], device_type: str) -> torch.optim.Optimizer:
+    """Build AdamW over every model part with decay/no-decay groups."""
+    decay, exempt = split_decay_groups(model_parts)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": exempt, "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(
+        groups,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        **_kernel_flags(cfg, device_type),
+    )

@@ -1,0 +1,93 @@
+"""AdamW parameter groups and the warmup–stable–decay schedule."""
+
+import math
+
+import pytest
+import torch
+from titan.train.lr_scheduler import LRSchedulerConfig, build_lr_scheduler, wsd_factor
+from titan.train.optimizer import OptimizerConfig, build_optimizer, split_decay_groups
+from torch import nn
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.norm = nn.RMSNorm(4)
+        self.proj = nn.Linear(4, 4, bias=True)
+        self.out = nn.Linear(4, 10, bias=False)
+
+
+def test_norms_biases_and_embeddings_are_exempt_from_decay():
+    model = TinyLM()
+    decay, exempt = split_decay_groups([model])
+    assert {id(p) for p in decay} == {id(model.proj.weight), id(model.out.weight)}
+    assert {id(p) for p in exempt} == {id(model.embed.weight), id(model.norm.weight), id(model.proj.bias)}
+
+
+def test_build_optimizer_groups_and_hyperparameters():
+    model = TinyLM()
+    opt = build_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.2), [model], "cpu")
+    assert isinstance(opt, torch.optim.AdamW)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.2, 0.0]
+    assert opt.param_groups[0]["foreach"] is True
+    assert all(g["lr"] == 1e-3 for g in opt.param_groups)
+
+
+def test_weight_decay_leaves_exempt_params_alone():
+    torch.manual_seed(0)
+    model = TinyLM()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    before_norm = model.norm.weight.detach().clone()
+    before_proj = model.proj.weight.detach().clone()
+    opt = build_optimizer(OptimizerConfig(lr=0.1, weight_decay=0.5), [model], "cpu")
+    opt.step()
+    assert torch.equal(model.norm.weight, before_norm)
+    assert torch.allclose(model.proj.weight, before_proj * (1 - 0.1 * 0.5))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"lr": 0.0}, "--optimizer.lr"), ({"beta2": 1.0}, "--optimizer.beta2"), ({"weight_decay": -1}, "weight_decay")],
+)
+def test_optimizer_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OptimizerConfig(**kwargs)
+
+
+def test_wsd_shape():
+    cfg = LRSchedulerConfig(warmup_steps=10, decay_ratio=0.2, decay_type="linear", min_lr_factor=0.1)
+    factors = [wsd_factor(s, cfg=cfg, total_steps=100) for s in range(1, 101)]
+    assert factors[0] == pytest.approx(0.1)
+    assert factors[9] == pytest.approx(1.0)
+    assert all(f == 1.0 for f in factors[10:80])  # stable phase
+    assert factors[-1] == pytest.approx(0.1)  # decayed to min_lr_factor
+    assert all(a >= b for a, b in zip(factors[80:], factors[81:], strict=False))
+
+
+@pytest.mark.parametrize("decay_type", ["linear", "sqrt", "cosine"])
+def test_decay_types_end_at_min(decay_type):
+    cfg = LRSchedulerConfig(warmup_steps=0, decay_type=decay_type, min_lr_factor=0.0)
+    assert wsd_factor(50, cfg=cfg, total_steps=50) == pytest.approx(0.0, abs=1e-12)
+    mid = wsd_factor(25, cfg=cfg, total_steps=50)
+    expected = {"linear": 0.5, "sqrt": 1 - math.sqrt(0.5), "cosine": 0.5}[decay_type]
+    assert mid == pytest.approx(expected)
+
+
+def test_scheduler_drives_optimizer_lr():
+    model = TinyLM()
+    opt = build_optimizer(OptimizerConfig(lr=1.0), [model], "cpu")
+    sched = build_lr_scheduler(LRSchedulerConfig(warmup_steps=4), opt, total_steps=8)
+    seen = []
+    for _ in range(8):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert seen[4] == pytest.approx(0.75)  # decay after warmup (decay_ratio None)
+
+
+def test_lr_config_validation():
+    with pytest.raises(ValueError, match="decay_ratio"):
+        LRSchedulerConfig(decay_ratio=1.5)

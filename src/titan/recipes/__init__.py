@@ -1,0 +1,1 @@
+"""titan.recipes: named configurations and the `titan` command."""

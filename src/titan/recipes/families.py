@@ -1,0 +1,29 @@
+"""The model families titan can train, described for the trainer.
+
+This is the one place where a model family (titan.models) meets the trainer (titan.train):
+``titan.train`` never names a family, so the recipes layer hands it a ``ModelSpec``.
+"""
+
+from __future__ import annotations
+
+from titan.models.llama3 import LLAMA3_FLAVORS, Llama3StateDictAdapter, build_llama3
+from titan.train.model_spec import ModelSpec
+
+MODEL_FAMILIES: dict[str, ModelSpec] = {
+    "llama3": ModelSpec(
+        name="llama3",
+        flavors=LLAMA3_FLAVORS,
+        build=build_llama3,
+        adapter=lambda model: Llama3StateDictAdapter(model.args),
+    ),
+}
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The registered family ``name``; a ValueError lists the known families otherwise."""
+    try:
+        return MODEL_FAMILIES[name]
+    except KeyError:
+        raise ValueError(
+            f"--model.name {name!r} is not a known model family; choose one of: {', '.join(MODEL_FAMILIES)}"
+        ) from None

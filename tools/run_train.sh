@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Launch `titan train` under torchrun: one process per device on this node, any number of
+# nodes through torchrun's c10d rendezvous. Every argument is passed through to titan train.
+#
+#   ./tools/run_train.sh --config llama3_debug --training.steps 50
+#   NGPU=4 ./tools/run_train.sh --config llama3_debug --parallelism.tensor_parallel_degree 2
+#   NNODES=2 NODE_RANK=0 RDZV_ENDPOINT=host0:29500 NGPU=8 ./tools/run_train.sh --config llama3_8b
+#
+# Environment:
+#   NGPU / NPROC     processes on this node (default 1; NPROC is an alias for CPU runs)
+#   NNODES           number of nodes (default 1)
+#   RDZV_ENDPOINT    host:port of the c10d rendezvous (default localhost:0 = a free port, 1 node)
+#   RDZV_ID          rendezvous id shared by all nodes of one job (default titan)
+#   LOG_RANK         ranks whose output is shown, comma separated (default 0)
+#   PYTHON           interpreter (default .venv/bin/python when present, else python3)
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+nproc="${NGPU:-${NPROC:-1}}"
+nnodes="${NNODES:-1}"
+rdzv_endpoint="${RDZV_ENDPOINT:-localhost:0}"
+rdzv_id="${RDZV_ID:-titan}"
+log_rank="${LOG_RANK:-0}"
+python="${PYTHON:-}"
+if [[ -z "$python" ]]; then
+  if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python=python3; fi
+fi
+
+if [[ "$nnodes" -gt 1 && "$rdzv_endpoint" == "localhost:0" ]]; then
+  echo "run_train.sh: NNODES=$nnodes needs RDZV_ENDPOINT=host:port reachable from every node" >&2
+  exit 2
+fi
+
+exec "$python" -m torch.distributed.run \
+  --nproc_per_node="$nproc" \
+  --nnodes="$nnodes" \
+  --rdzv_backend=c10d \
+  --rdzv_endpoint="$rdzv_endpoint" \
+  --rdzv_id="$rdzv_id" \
+  --local-ranks-filter="$log_rank" \
+  --role=rank \
+  --tee=3 \
+  -m titan.recipes.cli train "$@"
