@@ -16,7 +16,6 @@ def test_defaults_are_valid():
     ({"data_parallel_replicate_degree": 0}, "data_parallel_replicate_degree"),
     ({"pipeline_parallel_schedule": "2F2B"}, "pipeline_parallel_schedule"),
     ({"fsdp_reshard_after_forward": "sometimes"}, "fsdp_reshard_after_forward"),
-    ({"mixed_precision_param": "fp8"}, "mixed_precision_param"),
     ({"pipeline_parallel_microbatch_size": 0}, "pipeline_parallel_microbatch_size"),
     ({"pipeline_parallel_layers_per_stage": 0}, "pipeline_parallel_layers_per_stage"),
     ({"pipeline_parallel_layers_per_stage": 1, "pipeline_parallel_split_points": ["layers.1"]},

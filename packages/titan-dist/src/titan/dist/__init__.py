@@ -20,8 +20,8 @@ from titan.dist.config import ActivationCheckpointConfig, CompileConfig, Paralle
 from titan.dist.dims import ParallelDims
 from titan.dist.env import DistEnv, destroy_distributed, init_distributed
 from titan.dist.context_parallel import apply_context_parallel, shard_batch_for_context_parallel
-from titan.dist.dry_run import RankEstimate, dry_run
-from titan.dist.fsdp import apply_ddp, apply_fsdp
+from titan.dist.dry_run import RankEstimate, dry_run, validate_against_model
+from titan.dist.fsdp import apply_ddp, apply_fsdp, mixed_precision_policy
 from titan.dist.parallelize import parallelize
 from titan.dist.pipeline import build_pipeline
 from titan.dist.tensor_parallel import apply_tensor_parallel, loss_parallel_context
@@ -41,6 +41,8 @@ __all__ = [
     "build_pipeline",
     "dry_run",
     "loss_parallel_context",
+    "mixed_precision_policy",
+    "validate_against_model",
     "shard_batch_for_context_parallel",
     "apply_activation_checkpointing",
     "apply_compile",

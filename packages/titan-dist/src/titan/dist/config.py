@@ -52,10 +52,6 @@ class ParallelismConfig:
     pipeline parallel where microbatches would re-gather them many times)."""
     fsdp_cpu_offload: bool = False
     """Keep sharded params, grads and optimizer states on CPU (FSDP2 CPUOffloadPolicy)."""
-    mixed_precision_param: str = "float32"
-    """dtype FSDP casts parameters to for compute: float32, bfloat16 or float16."""
-    mixed_precision_reduce: str = "float32"
-    """dtype of FSDP gradient reduction: float32 (recommended) or bfloat16."""
     tensor_parallel_degree: int = 1
     """Ranks a single layer's matmuls are split over (Megatron column/row parallel)."""
     enable_sequence_parallel: bool = True
@@ -104,10 +100,6 @@ class ParallelismConfig:
         _require(self.fsdp_reshard_after_forward in RESHARD_POLICIES,
                  f"--parallelism.fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r} "
                  f"is unknown; choose one of {', '.join(RESHARD_POLICIES)}")
-        for flag in ("mixed_precision_param", "mixed_precision_reduce"):
-            value = getattr(self, flag)
-            _require(value in DTYPES,
-                     f"--parallelism.{flag}={value!r} is unknown; choose one of {', '.join(DTYPES)}")
         _require(self.context_parallel_rotate_method == "allgather",
                  f"--parallelism.context_parallel_rotate_method="
                  f"{self.context_parallel_rotate_method!r} is not supported; use allgather")

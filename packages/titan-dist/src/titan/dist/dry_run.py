@@ -71,8 +71,8 @@ def _model_shape(model: nn.Module) -> tuple[int, int]:
 
 
 def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac_mode: str,
-                      dim: int, vocab: int, tokens: int) -> int:
-    act_bytes = _BYTES[cfg.mixed_precision_param]
+                      dim: int, vocab: int, tokens: int, activation_dtype: str) -> int:
+    act_bytes = _BYTES[activation_dtype]
     layers = sum(len(p.layers) for p in parts)
     # Sequence parallel shards the residual stream over tp; without it only matmul
     # intermediates are sharded: count half of it as sharded.
@@ -83,7 +83,8 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac_mode: 
 
 
 def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, activation_checkpoint,
-                   compile, local_batch_size: int, seq_len: int, optimizer_states: int):
+                   compile, local_batch_size: int, seq_len: int, optimizer_states: int,
+                   activation_dtype: str):
     from titan.dist.parallelize import parallelize
     from titan.dist.pipeline import build_pipeline
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -109,7 +110,7 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
             tokens = local_batch_size * seq_len // dims.cp
         params = sum(_local_numel(p) for p in parts)
         acts = _activation_bytes(parts, dims, parallelism, activation_checkpoint.mode, dim, vocab,
-                                 tokens)
+                                 tokens, activation_dtype)
         return params, acts
     finally:
         dist.destroy_process_group()
@@ -118,20 +119,22 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
 def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             activation_checkpoint, compile, local_batch_size: int, seq_len: int,
             global_batch_size: int = -1, optimizer_states: int = 2,
-            print_fn: Callable[[str], None] | None = print) -> list[RankEstimate]:
+            activation_dtype: str = "float32", print_fn: Callable[[str], None] | None = print) -> list[RankEstimate]:
     """Validate and parallelize a configuration for `world_size` ranks on this one CPU.
 
     `model_fn()` builds the model (it is called under the meta device). Prints, and returns,
     one `RankEstimate` per pipeline rank: the local parameter count and a memory estimate of
     fp32 params, fp32 grads, `optimizer_states` fp32 states per param (AdamW: 2) and
-    activations. Must run in a process without a process group.
+    activations (in `activation_dtype`, the FSDP compute dtype). Must run in a process
+    without a process group.
     """
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group")
     dims = ParallelDims.from_config(parallelism, world_size)
     with torch.device("meta"):
         probe = model_fn()
-    _validate(dims, probe, seq_len, global_batch_size, local_batch_size)
+    validate_against_model(dims, probe, seq_len=seq_len, global_batch_size=global_batch_size,
+                           local_batch_size=local_batch_size)
     per_pp = world_size // dims.pp
     estimates = []
     for pp_rank in range(dims.pp):
@@ -139,7 +142,7 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             model_fn, dims, pp_rank * per_pp, parallelism=parallelism,
             activation_checkpoint=activation_checkpoint, compile=compile,
             local_batch_size=local_batch_size, seq_len=seq_len,
-            optimizer_states=optimizer_states)
+            optimizer_states=optimizer_states, activation_dtype=activation_dtype)
         est = RankEstimate(ranks=f"{pp_rank * per_pp}-{(pp_rank + 1) * per_pp - 1}",
                            pp_rank=pp_rank, params=params, param_bytes=4 * params,
                            grad_bytes=4 * params, optimizer_bytes=4 * optimizer_states * params,
@@ -150,9 +153,10 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     return estimates
 
 
-def _validate(dims: ParallelDims, model: nn.Module, seq_len: int, global_batch: int,
-              local_batch: int) -> None:
-    """ParallelDims.validate_model with the sizes read off the (meta) model."""
+def validate_against_model(dims: ParallelDims, model: nn.Module, *, seq_len: int,
+                           global_batch_size: int, local_batch_size: int) -> None:
+    """ParallelDims.validate_model with the sizes read off the (meta) model, before any
+    parallelization: raises ValueError naming the values and the fix."""
     first = next(iter(model.layers.values()))
     attn = first.attention
     # The contract does not name a head count; models that expose head_dim get the exact
@@ -161,4 +165,4 @@ def _validate(dims: ParallelDims, model: nn.Module, seq_len: int, global_batch: 
     n_kv = attn.wk.out_features // head_dim if head_dim else attn.wk.out_features
     dims.validate_model(n_kv_heads=n_kv, ffn_hidden_dim=first.feed_forward.w1.out_features,
                         n_layers=len(model.layers), seq_len=seq_len,
-                        global_batch_size=global_batch, local_batch_size=local_batch)
+                        global_batch_size=global_batch_size, local_batch_size=local_batch_size)

@@ -12,10 +12,11 @@ from titan.dist.plan import match_modules, sharding_plan
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def mixed_precision_policy(config) -> MixedPrecisionPolicy:
-    """FSDP2 policy from `--parallelism.mixed_precision_param` / `_reduce`."""
-    return MixedPrecisionPolicy(param_dtype=_DTYPES[config.mixed_precision_param],
-                                reduce_dtype=_DTYPES[config.mixed_precision_reduce])
+def mixed_precision_policy(param_dtype: str = "float32", reduce_dtype: str = "float32") -> MixedPrecisionPolicy:
+    """FSDP2 policy from dtype names ("float32", "bfloat16", "float16"): parameters are cast to
+    `param_dtype` for compute, gradients reduced in `reduce_dtype`; master weights stay as
+    they are."""
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
 
 
 def reshard_after_forward(config, *, pp_enabled: bool) -> bool:
@@ -33,14 +34,15 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
             if m is not None]
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config, *, pp_enabled: bool = False) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config, *, pp_enabled: bool = False,
+               mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Shard parameters with FSDP2: each plan unit (block) first, then the root.
 
     A 1-D `mesh` shards over it (FSDP); a 2-D (dp_replicate, dp_shard_cp) mesh replicates
     over the first axis and shards over the second (HSDP). One all-gather per unit lets
     block i+1's gather overlap block i's compute.
     """
-    kwargs = dict(mesh=mesh, mp_policy=mixed_precision_policy(config),
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
                   offload_policy=CPUOffloadPolicy() if config.fsdp_cpu_offload else OffloadPolicy())
     reshard = reshard_after_forward(config, pp_enabled=pp_enabled)
     for unit in fsdp_units(model):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from titan.dist.activation_checkpoint import apply_activation_checkpointing
 from titan.dist.compile import apply_compile
@@ -21,13 +22,15 @@ from titan.dist.dims import ParallelDims
 
 
 def parallelize(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh | None, *,
-                parallelism, activation_checkpoint, compile) -> nn.Module:
+                parallelism, activation_checkpoint, compile,
+                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Apply every configured technique to `model` (or to one pipeline stage of it).
 
     `mesh` is the root mesh from `parallel_dims.build_mesh` (None at world size 1); the
     axis views are taken from `parallel_dims.mesh(name)`. The model's `sharding_plan()` says
     which submodules get which tensor-parallel style, which are FSDP units and where the
-    attention kernels are. Returns the same module object, transformed in place.
+    attention kernels are. `mp_policy` is FSDP2's mixed precision (default: none, fp32).
+    Returns the same module object, transformed in place.
     """
     dims = parallel_dims
     if dims.cp_enabled:
@@ -41,18 +44,20 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh 
                                   "--parallelism.expert_parallel_degree 1")
     apply_activation_checkpointing(model, None, activation_checkpoint)
     apply_compile(model, None, compile)
-    _apply_data_parallel(model, dims, parallelism)
+    _apply_data_parallel(model, dims, parallelism, mp_policy)
     return model
 
 
-def _apply_data_parallel(model: nn.Module, dims: ParallelDims, parallelism) -> None:
+def _apply_data_parallel(model: nn.Module, dims: ParallelDims, parallelism,
+                         mp_policy: MixedPrecisionPolicy | None) -> None:
     """FSDP2 (HSDP when also replicating) when parameters are sharded; DDP when only
     replicated; nothing on a single data-parallel rank. Replication of tensor-parallel
     DTensor params goes through FSDP2 with a shard group of 1 (torch's DDP cannot take
     DTensors)."""
     if dims.fsdp_enabled or (dims.dp_replicate_enabled and dims.tp_enabled):
         from titan.dist.fsdp import apply_fsdp
-        apply_fsdp(model, dims.mesh("fsdp"), parallelism, pp_enabled=dims.pp_enabled)
+        apply_fsdp(model, dims.mesh("fsdp"), parallelism, pp_enabled=dims.pp_enabled,
+                   mp_policy=mp_policy)
     elif dims.dp_replicate_enabled:
         from titan.dist.fsdp import apply_ddp
         apply_ddp(model, dims.mesh("dp_replicate"), parallelism)

@@ -124,14 +124,16 @@ def split_stage(model: nn.Module, keep: list[str], *, first: bool, last: bool) -
 
 def build_pipeline(model: nn.Module, parallel_dims: ParallelDims, *, parallelism,
                    activation_checkpoint, compile, loss_fn: Callable, local_batch_size: int,
-                   device: torch.device):
+                   device: torch.device, mp_policy=None, scale_grads: bool = True):
     """Split `model` into this rank's stages, parallelize each, and build the schedule.
 
     Returns (schedule, model_parts, has_first_stage, has_last_stage). Drive it with
     `schedule.step(inputs)` on the first stage, `schedule.step(target=labels, losses=list)`
     on the last, `schedule.step()` elsewhere. Microbatches: local_batch_size /
     pipeline_parallel_microbatch_size; `loss_fn(output, target)` runs per microbatch on the
-    last stage and the schedule averages gradients over microbatches.
+    last stage; with `scale_grads` the schedule divides gradients by the number of
+    microbatches (right for a per-microbatch mean loss; pass False when the loss is already
+    normalized over the whole batch). `mp_policy` is passed on to FSDP2.
     """
     from titan.dist.parallelize import parallelize
 
@@ -146,13 +148,14 @@ def build_pipeline(model: nn.Module, parallel_dims: ParallelDims, *, parallelism
     for sid in stage_ids_of_rank(pp_rank, dims.pp, total, name):
         part = split_stage(model, layers[sid], first=sid == 0, last=sid == total - 1)
         parallelize(part, dims, dims.mesh("root"), parallelism=cfg,
-                    activation_checkpoint=activation_checkpoint, compile=compile)
+                    activation_checkpoint=activation_checkpoint, compile=compile,
+                    mp_policy=mp_policy)
         parts.append(part)
         stages.append(PipelineStage(part, sid, total, device, group=pp_mesh.get_group(),
                                     get_mesh=_mesh_lookup(dims)))
     schedule_cls = SCHEDULES[name]
     target = stages[0] if name in SINGLE_STAGE else stages
-    schedule = schedule_cls(target, n_microbatches=n_micro, loss_fn=loss_fn)
+    schedule = schedule_cls(target, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=scale_grads)
     _run_steps_under_loss_parallel(schedule, dims, cfg)
     ids = [s.stage_index for s in stages]
     return schedule, parts, 0 in ids, total - 1 in ids

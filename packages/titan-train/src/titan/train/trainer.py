@@ -19,12 +19,19 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from titan.ckpt import CheckpointManager, OptimizerWrapper, TrainState
 from titan.dist import (
     ParallelDims,
+    build_pipeline,
     clip_grad_norm_,
     destroy_distributed,
     init_distributed,
+    loss_parallel_context,
+    mixed_precision_policy,
     parallelize,
+    reduce_max,
+    shard_batch_for_context_parallel,
+    validate_against_model,
 )
 from titan.train.config import TrainerConfig
 from titan.train.data import build_dataloader, validate_data_config
@@ -35,6 +42,7 @@ from titan.train.metrics import MetricsLogger
 from titan.train.model_spec import ModelSpec
 from titan.train.optimizer import build_optimizer
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("titan")
 
@@ -44,6 +52,7 @@ class StepResult:
     """What one optimizer step produced (global over the mesh)."""
 
     loss: float
+    loss_max: float
     grad_norm: float
     tokens: int
 
@@ -71,11 +80,43 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind a (replicated) DTensor, e.g. a loss under loss parallel."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class LRSchedulers:
+    """One LR scheduler per optimizer (one optimizer per pipeline part), stepped together and
+    checkpointed as one: they all follow the same schedule."""
+
+    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]) -> None:
+        self.schedulers = schedulers
+
+    def step(self) -> None:
+        """Advance every scheduler by one optimizer step."""
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def last_lr(self) -> float:
+        """The current LR of the first parameter group."""
+        return self.schedulers[0].get_last_lr()[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shared schedule position."""
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore every scheduler to the saved position."""
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(state)
+
+
 class Trainer:
     """Trains one model family from a complete config.
 
     Build it with the config and the family's :class:`ModelSpec`; :meth:`train` runs the loop
-    and returns the logged metric records; :meth:`close` releases the process group.
+    and returns the logged metric records; :meth:`close` drains checkpoints and releases the
+    process group.
     """
 
     Config = TrainerConfig
@@ -91,13 +132,15 @@ class Trainer:
         set_determinism(config.debug.seed, config.debug.deterministic, self.device)
         self.parallel_dims = ParallelDims.from_config(config.parallelism, world_size=self.dist_env.world_size)
         self.grad_accum_steps = self._grad_accum_steps()
+        self.tokenizer = config.tokenizer.build()
+        meta_model = self._build_meta_model()
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
         self.dump_folder = Path(config.job.dump_folder)
-        self.tokenizer = config.tokenizer.build()
-        self.model = self._build_model()
-        self.model_parts = [self.model]
-        self.optimizer = build_optimizer(config.optimizer, self.model_parts, self.device.type)
-        self.lr_scheduler = build_lr_scheduler(config.lr_scheduler, self.optimizer, config.training.steps)
+        self.model_parts = self._parallelize(meta_model)
+        self.optimizers = [build_optimizer(config.optimizer, [part], self.device.type) for part in self.model_parts]
+        self.lr_schedulers = LRSchedulers(
+            [build_lr_scheduler(config.lr_scheduler, opt, config.training.steps) for opt in self.optimizers]
+        )
         self.dataloader = build_dataloader(
             config.dataset,
             self.tokenizer,
@@ -107,8 +150,8 @@ class Trainer:
             seq_len=config.training.seq_len,
             seed=config.debug.seed,
         )
-        self.step = 0
-        self.tokens_seen = 0
+        self.train_state = TrainState()
+        self.checkpointer = self._build_checkpointer(meta_model)
         self.metrics = MetricsLogger(
             config.metrics,
             dump_folder=self.dump_folder,
@@ -134,80 +177,163 @@ class Trainer:
             )
         return global_batch // per_step
 
-    def _build_model(self) -> nn.Module:
+    def _build_meta_model(self) -> nn.Module:
+        """The whole model on the meta device, checked against the parallel degrees before
+        any process group work."""
         cfg = self.config
         vocab_size = round_up(self.tokenizer.vocab_size, cfg.model.vocab_multiple_of)
         with torch.device("meta"):
             model = self.model_spec.build(cfg.model.flavor, vocab_size=vocab_size, max_seq_len=cfg.training.seq_len)
+        validate_against_model(
+            self.parallel_dims,
+            model,
+            seq_len=cfg.training.seq_len,
+            global_batch_size=cfg.training.global_batch_size,
+            local_batch_size=cfg.training.local_batch_size,
+        )
         self.num_params = model.num_params()
         self.flops_per_token = model.flops_per_token(cfg.training.seq_len)
-        model = parallelize(
-            model,
-            self.parallel_dims,
-            self.mesh,
-            parallelism=cfg.parallelism,
-            activation_checkpoint=cfg.activation_checkpoint,
-            compile=cfg.compile,
-        )
-        model.to_empty(device=self.device)
-        # Same seed on every rank: weights initialize identically wherever they are replicated.
-        torch.manual_seed(cfg.debug.seed)
-        with torch.no_grad():
-            model.init_weights(buffer_device=self.device)
-        model.train()
         return model
+
+    def _parallelize(self, model: nn.Module) -> list[nn.Module]:
+        """Apply the configured parallelisms, then materialize and initialize this rank's
+        shards. Returns the model parts this rank holds (several under pipeline parallel)."""
+        cfg = self.config
+        mp_policy = mixed_precision_policy(cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce)
+        common = dict(parallelism=cfg.parallelism, activation_checkpoint=cfg.activation_checkpoint, compile=cfg.compile)
+        if self.parallel_dims.pp_enabled:
+            self.pp_schedule, parts, self.pp_has_first, self.pp_has_last = build_pipeline(
+                model,
+                self.parallel_dims,
+                **common,
+                loss_fn=self._pipeline_loss,
+                local_batch_size=cfg.training.local_batch_size,
+                device=self.device,
+                mp_policy=mp_policy,
+                scale_grads=False,  # the loss is already normalized over the global batch
+            )
+        else:
+            parts = [parallelize(model, self.parallel_dims, self.mesh, **common, mp_policy=mp_policy)]
+        for part in parts:
+            part.to_empty(device=self.device)
+            # Same seed on every rank: replicated weights initialize identically. Sharded and
+            # pipelined layouts start from a seed checkpoint to match a single process exactly.
+            torch.manual_seed(cfg.debug.seed)
+            with torch.no_grad():
+                part.init_weights(buffer_device=self.device)
+            part.train()
+        return parts
+
+    def _build_checkpointer(self, meta_model: nn.Module) -> CheckpointManager:
+        adapter = self.model_spec.adapter(meta_model) if self.model_spec.adapter else None
+        return CheckpointManager(
+            self.config.checkpoint,
+            dump_folder=str(self.dump_folder),
+            states={"lr_scheduler": self.lr_schedulers, "dataloader": self.dataloader, "train_state": self.train_state},
+            model_parts=self.model_parts,
+            optimizers=OptimizerWrapper(self.model_parts, self.optimizers),
+            hf_adapter=adapter,
+        )
 
     def _log_start(self) -> None:
         cfg = self.config
         if cfg.job.print_config and self.dist_env.rank == 0:
             logger.info("config:\n%s", json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
+        d = self.parallel_dims
         logger.info(
-            "%s %s: %.2fM params, %.1f MFLOPs/token | world %d on %s | batch %d x %d tokens, %d accumulation step(s) | %d steps",
-            cfg.model.name,
-            cfg.model.flavor,
-            self.num_params / 1e6,
-            self.flops_per_token / 1e6,
-            self.dist_env.world_size,
-            self.device,
-            cfg.training.local_batch_size,
-            cfg.training.seq_len,
-            self.grad_accum_steps,
-            cfg.training.steps,
-        )
+            "%s %s: %.2fM params, %.1f MFLOPs/token | world %d on %s (dp_replicate %d, dp_shard %d, cp %d, tp %d, pp %d) | "
+            "batch %d x %d tokens, %d accumulation step(s) | %d steps",
+            cfg.model.name, cfg.model.flavor, self.num_params / 1e6, self.flops_per_token / 1e6,
+            self.dist_env.world_size, self.device, d.dp_replicate, d.dp_shard, d.cp, d.tp, d.pp,
+            cfg.training.local_batch_size, cfg.training.seq_len, self.grad_accum_steps, cfg.training.steps,
+        )  # fmt: skip
 
     # ---- the step -----------------------------------------------------------------------
 
-    def _sum_over_batch_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a scalar over every rank that holds a different part of the global batch."""
-        loss_mesh = self.parallel_dims.mesh("dp_cp")
-        if loss_mesh is not None and loss_mesh.size() > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=loss_mesh.get_group())
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far (restored by a checkpoint resume)."""
+        return self.train_state.step
+
+    def _sum_over(self, value: torch.Tensor, axis: str) -> torch.Tensor:
+        """Sum a tensor over the ranks of mesh ``axis`` (no-op when the axis is trivial)."""
+        mesh = self.parallel_dims.mesh(axis)
+        if mesh is not None and mesh.size() > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
         return value
+
+    def _data_parallel_grad_scale(self) -> float:
+        """FSDP/HSDP/DDP average gradients over the data-parallel and context-parallel ranks;
+        our loss is each rank's share of a global sum, so undo the average."""
+        mesh = self.parallel_dims.mesh("dp_cp")
+        return float(mesh.size()) if mesh is not None else 1.0
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This microbatch's share of the global mean loss, scaled for gradient averaging."""
+        return cross_entropy_sum(logits, labels) * self._loss_scale
+
+    def _pipeline_loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self._loss(output, labels)
+
+    def _shard_for_context_parallel(self, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        inputs = mb["input_ids"].to(self.device, non_blocking=True)
+        labels = mb["labels"].to(self.device, non_blocking=True)
+        cp_mesh = self.parallel_dims.mesh("cp") if self.parallel_dims.cp_enabled else None
+        return shard_batch_for_context_parallel(cp_mesh, inputs, labels)
 
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> StepResult:
         """One optimizer step over ``microbatches`` (gradient accumulation)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        local_tokens = sum(int(count_valid_tokens(mb["labels"])) for mb in microbatches)
-        global_tokens = self._sum_over_batch_ranks(torch.tensor(float(local_tokens), device=self.device))
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        sharded = [self._shard_for_context_parallel(mb) for mb in microbatches]
+        local_tokens = sum(int(count_valid_tokens(labels)) for _, labels, _ in sharded)
+        global_tokens = self._sum_over(torch.tensor(float(local_tokens), device=self.device), "dp_cp")
+        grad_scale = self._data_parallel_grad_scale()
+        self._loss_scale = grad_scale / global_tokens
         loss_sum = torch.zeros((), device=self.device)
-        for mb in microbatches:
-            inputs = mb["input_ids"].to(self.device, non_blocking=True)
-            labels = mb["labels"].to(self.device, non_blocking=True)
-            logits = self.model(inputs)
-            loss = cross_entropy_sum(logits, labels) / global_tokens
-            del logits  # free the largest activation before backward
-            loss.backward()
-            loss_sum += loss.detach()
+        for inputs, labels, positions in sharded:
+            loss_sum += self._forward_backward(inputs, labels, positions)
         grad_norm = clip_grad_norm_(
             [p for part in self.model_parts for p in part.parameters()],
             self.config.training.max_norm,
             mesh=self.mesh,
         )
-        global_loss = float(self._sum_over_batch_ranks(loss_sum))
+        # loss_sum holds this rank's share of the global mean (times grad_scale).
+        rank_loss = loss_sum / grad_scale
+        if self.parallel_dims.pp_enabled:
+            rank_loss = self._sum_over(rank_loss, "pp")  # only the last stage computed it
+        global_loss = float(self._sum_over(rank_loss.clone(), "dp_cp"))
+        rank_mean = rank_loss * global_tokens / max(local_tokens, 1)
+        loss_max = float(reduce_max(rank_mean, self.parallel_dims.mesh("dp_cp")))
         self._check_finite(global_loss, float(grad_norm))
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        return StepResult(loss=global_loss, grad_norm=float(grad_norm), tokens=int(global_tokens))
+        for opt in self.optimizers:
+            opt.step()
+        self.lr_schedulers.step()
+        return StepResult(loss=global_loss, loss_max=loss_max, grad_norm=float(grad_norm), tokens=int(global_tokens))
+
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, positions: Any) -> torch.Tensor:
+        """Forward and backward of one microbatch; returns its detached (scaled) loss."""
+        if self.parallel_dims.pp_enabled:
+            return self._pipeline_forward_backward(inputs, labels)
+        with loss_parallel_context(self.parallel_dims, self.config.parallelism):
+            logits = self.model_parts[0](inputs, positions)
+            loss = self._loss(logits, labels)
+            del logits  # free the largest activation before backward
+            loss.backward()
+        return local_value(loss.detach())
+
+    def _pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Run the pipeline schedule; the last stage returns the sum of its microbatch losses,
+        the other stages zero."""
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {"target": labels, "losses": losses} if self.pp_has_last else {}
+        if self.pp_has_first:
+            self.pp_schedule.step(inputs, **kwargs)
+        else:
+            self.pp_schedule.step(**kwargs)
+        if not self.pp_has_last:
+            return torch.zeros((), device=self.device)
+        return torch.stack([local_value(x).detach() for x in losses]).sum()
 
     def _check_finite(self, loss: float, grad_norm: float) -> None:
         if math.isfinite(loss) and math.isfinite(grad_norm):
@@ -218,38 +344,54 @@ class Trainer:
             "--lr_scheduler.warmup_steps, or clipping with --training.max_norm."
         )
 
-    def _next_microbatches(self, data_iter: Any) -> list[dict[str, torch.Tensor]]:
-        return [next(data_iter) for _ in range(self.grad_accum_steps)]
-
     # ---- the loop -----------------------------------------------------------------------
 
+    def save_seed_checkpoint(self) -> str:
+        """Write the freshly initialized weights as step 0 (``--checkpoint.create_seed_checkpoint``)."""
+        path = self.checkpointer.save_seed_checkpoint()
+        logger.info("seed checkpoint written to %s", path)
+        return path
+
     def train(self) -> list[dict[str, Any]]:
-        """Run until ``--training.steps``; return the records that were logged."""
+        """Resume from a checkpoint when there is one, run until ``--training.steps``, and
+        return the records that were logged."""
+        if self.config.checkpoint.create_seed_checkpoint:
+            self.save_seed_checkpoint()
+            return []
+        loaded = self.checkpointer.load()
+        if loaded:
+            logger.info("resumed from step %d (%d tokens seen)", self.step, self.train_state.tokens_seen)
         records: list[dict[str, Any]] = []
         data_iter = iter(self.dataloader)
         total = self.config.training.steps
         self.metrics.start(self.step)
         while self.step < total:
-            microbatches = self._next_microbatches(data_iter)
+            microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
             result = self.train_step(microbatches)
-            self.step += 1
-            local_tokens = sum(mb["input_ids"].numel() for mb in microbatches)
-            self.tokens_seen += result.tokens
-            self.metrics.record_tokens(local_tokens)
+            self.train_state.step += 1
+            self.train_state.tokens_seen += result.tokens
+            # Per-device throughput: the data-parallel rank's tokens are shared by its cp x tp x pp
+            # devices, so each device's share is what MFU compares with one device's peak.
+            batch_tokens = sum(mb["input_ids"].numel() for mb in microbatches)
+            self.metrics.record_tokens(batch_tokens // self.parallel_dims.non_data_parallel_size)
             if self.metrics.should_log(self.step):
-                records.append(
-                    self.metrics.log(
-                        step=self.step,
-                        loss=result.loss,
-                        grad_norm=result.grad_norm,
-                        lr=self.lr_scheduler.get_last_lr()[0],
-                    )
-                )
+                records.append(self._log(result))
+            self.checkpointer.maybe_save(self.step, last_step=self.step == total)
         self.metrics.close()
-        logger.info("training done: %d steps, %d tokens", self.step, self.tokens_seen)
+        logger.info("training done: %d steps, %d tokens", self.step, self.train_state.tokens_seen)
         return records
 
+    def _log(self, result: StepResult) -> dict[str, Any]:
+        return self.metrics.log(
+            step=self.step,
+            loss=result.loss,
+            grad_norm=result.grad_norm,
+            lr=self.lr_schedulers.last_lr(),
+            extra={"loss_max": result.loss_max, "tokens_seen": self.train_state.tokens_seen},
+        )
+
     def close(self) -> None:
-        """Release the progress bar and the process group."""
+        """Drain checkpoint saves, close the progress bar and release the process group."""
+        self.checkpointer.close()
         self.metrics.close()
         destroy_distributed()
