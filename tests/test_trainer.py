@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
+from titan.train.loss import NonFiniteLossError
+from titan.train.trainer import Trainer
 
 from titan.recipes.families import model_spec
 from titan.recipes.recipes import llama3_debug_synthetic
-from titan.train.loss import NonFiniteLossError
-from titan.train.trainer import Trainer
 
 
 def tiny_config(tmp_path, **training):

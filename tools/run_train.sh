@@ -4,7 +4,7 @@
 #
 #   ./tools/run_train.sh --config llama3_debug --training.steps 50
 #   NGPU=4 ./tools/run_train.sh --config llama3_debug --parallelism.tensor_parallel_degree 2
-#   NNODES=2 NODE_RANK=0 RDZV_ENDPOINT=host0:29500 NGPU=8 ./tools/run_train.sh --config llama3_8b
+#   NNODES=2 RDZV_ENDPOINT=host0:29500 NGPU=8 ./tools/run_train.sh --config llama3_8b   # on each node
 #
 # Environment:
 #   NGPU / NPROC     processes on this node (default 1; NPROC is an alias for CPU runs)
@@ -13,6 +13,17 @@
 #   RDZV_ID          rendezvous id shared by all nodes of one job (default titan)
 #   LOG_RANK         ranks whose output is shown, comma separated (default 0)
 #   PYTHON           interpreter (default .venv/bin/python when present, else python3)
+#   COMM_MODE        fake_backend: dry run instead of training. No torchrun: one process
+#                    validates the config for NGPU x NNODES ranks on this CPU (fake process
+#                    group, meta device) and prints each pipeline rank's memory estimate:
+#                    NGPU=512 COMM_MODE=fake_backend ./tools/run_train.sh --config llama3_405b \
+#                        --parallelism.data_parallel_shard_degree 8
+#
+# Multi-node: run this script once per node with the same NNODES, RDZV_ENDPOINT (a host:port
+# on the first node) and RDZV_ID (tools/slurm/titan.sbatch does this). There is no NODE_RANK:
+# with c10d rendezvous torchrun assigns node ranks itself (the node whose hostname matches
+# the endpoint hosts the store); torchrun's --node_rank only applies to static rendezvous and
+# is ignored with a warning otherwise, so a NODE_RANK in the environment is not passed on.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,6 +35,12 @@ log_rank="${LOG_RANK:-0}"
 python="${PYTHON:-}"
 if [[ -z "$python" ]]; then
   if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python=python3; fi
+fi
+
+if [[ "${COMM_MODE:-}" == "fake_backend" ]]; then
+  # The dry run is one process whatever the world size: never start torchrun.
+  export WORLD_SIZE=$((nproc * nnodes))
+  exec "$python" -m titan.recipes.cli train "$@"
 fi
 
 if [[ "$nnodes" -gt 1 && "$rdzv_endpoint" == "localhost:0" ]]; then

@@ -6,17 +6,28 @@ import sys
 from collections.abc import Sequence
 
 import tyro
+from titan.ckpt import CheckpointError
 from titan.train.config import TrainerConfig
 from titan.train.loss import NonFiniteLossError
 
+from titan.recipes.dry_run import (
+    dry_run_main,
+    fake_backend_requested,
+    split_world_size_flag,
+    world_size_from_env,
+)
 from titan.recipes.families import model_spec
 from titan.recipes.recipes import DEFAULT_RECIPE, RECIPES, recipe
 
 USAGE = """usage: titan train [--config RECIPE] [--section.field VALUE ...]
+       titan dry-run --world_size N [--config RECIPE] [--section.field VALUE ...]
        titan recipes
 
 Commands:
   train     train a model; RECIPE picks the starting config, flags override it
+            (COMM_MODE=fake_backend with NGPU/WORLD_SIZE=N makes it a dry run)
+  dry-run   validate and parallelize the config for N ranks on this CPU (fake process
+            group, meta device); print each pipeline rank's params and memory estimate
   recipes   list the recipes
 """
 
@@ -78,10 +89,12 @@ def train(argv: Sequence[str]) -> int:
     from titan.train.trainer import Trainer  # imported late: --help stays fast
 
     config = parse_train_args(argv)
+    if fake_backend_requested():
+        return dry_run_main(config, world_size_from_env())
     trainer = Trainer(config, model_spec=model_spec(config.model.name))
     try:
         trainer.train()
-    except NonFiniteLossError as err:
+    except (NonFiniteLossError, CheckpointError) as err:
         print(f"titan train: {err}", file=sys.stderr)
         return 1
     finally:
@@ -98,6 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command == "train":
         return train(rest)
+    if command == "dry-run":
+        world_size, rest = split_world_size_flag(rest)
+        config = parse_train_args(rest)
+        return dry_run_main(config, world_size or world_size_from_env())
     if command == "recipes":
         print(recipes_description())
         return 0

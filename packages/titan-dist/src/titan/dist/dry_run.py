@@ -71,14 +71,17 @@ def _model_shape(model: nn.Module) -> tuple[int, int]:
 
 
 def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac_mode: str,
-                      dim: int, vocab: int, tokens: int, activation_dtype: str) -> int:
+                      dim: int, vocab: int, tokens: int, logit_tokens: int,
+                      activation_dtype: str) -> int:
     act_bytes = _BYTES[activation_dtype]
     layers = sum(len(p.layers) for p in parts)
     # Sequence parallel shards the residual stream over tp; without it only matmul
     # intermediates are sharded: count half of it as sharded.
     tp_div = dims.tp if cfg.enable_sequence_parallel else max(1.0, dims.tp / 2)
     per_layer = _ACT_PER_TOKEN[ac_mode] * dim * tokens * act_bytes / tp_div
-    logits = tokens * vocab * 4 / dims.tp if any(p.output is not None for p in parts) else 0
+    # fp32 logits live for one microbatch only: the last stage runs its backward right after
+    # its forward, so they are not multiplied by the microbatches in flight.
+    logits = logit_tokens * vocab * 4 / dims.tp if any(p.output is not None for p in parts) else 0
     return int(layers * per_layer + logits)
 
 
@@ -104,13 +107,14 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
             # 1F1B-style schedules keep up to pp microbatches in flight on the first stage.
             micro = parallelism.pipeline_parallel_microbatch_size
             tokens = micro * min(dims.pp, local_batch_size // micro) * seq_len // dims.cp
+            logit_tokens = micro * seq_len // dims.cp
         else:
             parts = [parallelize(model, dims, root, parallelism=parallelism,
                                  activation_checkpoint=activation_checkpoint, compile=compile)]
-            tokens = local_batch_size * seq_len // dims.cp
+            tokens = logit_tokens = local_batch_size * seq_len // dims.cp
         params = sum(_local_numel(p) for p in parts)
         acts = _activation_bytes(parts, dims, parallelism, activation_checkpoint.mode, dim, vocab,
-                                 tokens, activation_dtype)
+                                 tokens, logit_tokens, activation_dtype)
         return params, acts
     finally:
         dist.destroy_process_group()

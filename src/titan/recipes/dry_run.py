@@ -1,0 +1,123 @@
+"""``titan dry-run`` / ``COMM_MODE=fake_backend titan train``: a cluster config checked on one CPU.
+
+The recipe and flags resolve exactly as for ``titan train``; the model family's builder is
+handed to ``titan.dist.dry_run`` as a ``model_fn`` (titan.dist never names a family), which
+validates the degrees, builds the mesh over a fake process group, parallelizes on the meta
+device and prints one memory estimate per pipeline rank. Nothing is allocated or trained.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+from titan.dist import ParallelDims, RankEstimate, dry_run
+from titan.train.config import TrainerConfig
+
+from titan.recipes.families import model_spec
+
+FAKE_BACKEND = "fake_backend"
+
+
+def fake_backend_requested(env: Mapping[str, str] = os.environ) -> bool:
+    """True when ``COMM_MODE=fake_backend``: ``titan train`` then dry-runs instead of training."""
+    mode = env.get("COMM_MODE", "")
+    if mode and mode != FAKE_BACKEND:
+        raise SystemExit(f"titan train: COMM_MODE={mode!r} is not supported; use COMM_MODE={FAKE_BACKEND} or unset it")
+    return mode == FAKE_BACKEND
+
+
+def world_size_from_env(env: Mapping[str, str] = os.environ) -> int:
+    """The simulated world size: ``WORLD_SIZE``, else ``NGPU`` (or ``NPROC``) x ``NNODES``."""
+    try:
+        if env.get("WORLD_SIZE"):
+            return int(env["WORLD_SIZE"])
+        per_node = int(env.get("NGPU") or env.get("NPROC") or 1)
+        return per_node * int(env.get("NNODES") or 1)
+    except ValueError as err:
+        raise SystemExit(f"titan train: WORLD_SIZE / NGPU / NNODES must be integers ({err})") from None
+
+
+def split_world_size_flag(argv: Sequence[str]) -> tuple[int | None, list[str]]:
+    """Pull ``--world_size N`` / ``--world_size=N`` out of ``argv`` (``titan dry-run`` only)."""
+    size, rest, args, i = None, [], list(argv), 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("--world_size", "--world-size"):
+            if i + 1 >= len(args):
+                raise SystemExit("titan dry-run: --world_size needs a number of ranks")
+            size, i = args[i + 1], i + 2
+            continue
+        if arg.startswith(("--world_size=", "--world-size=")):
+            size = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    if size is None:
+        return None, rest
+    if not size.isdigit() or int(size) < 1:
+        raise SystemExit(f"titan dry-run: --world_size must be a positive integer, got {size!r}")
+    return int(size), rest
+
+
+def vocab_size_for(config: TrainerConfig) -> tuple[int, str]:
+    """The vocabulary the trainer would build (tokenizer size rounded up to
+    ``--model.vocab_multiple_of``), and where it came from. A tokenizer file that is not
+    on this machine falls back to the flavor's published vocabulary."""
+    tok = config.tokenizer
+    if tok.kind == "byte" or (tok.path and os.path.exists(tok.path)):
+        size, source = tok.build().vocab_size, "tokenizer"
+    else:
+        size, source = model_spec(config.model.name).flavors[config.model.flavor].vocab_size, "flavor"
+    multiple = config.model.vocab_multiple_of
+    return -(-size // multiple) * multiple, source
+
+
+def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[RankEstimate]:
+    """Validate and parallelize ``config`` for ``world_size`` ranks on the meta device with a
+    fake process group; prints and returns one estimate per pipeline rank."""
+    spec = model_spec(config.model.name)
+    spec.check_flavor(config.model.flavor)
+    vocab, source = vocab_size_for(config)
+    training = config.training
+
+    def model_fn():
+        return spec.build(config.model.flavor, vocab_size=vocab, max_seq_len=training.seq_len)
+
+    d = ParallelDims.from_config(config.parallelism, world_size)  # resolves dp_shard -1; raises early
+    print_fn(
+        f"dry run: {config.model.name} {config.model.flavor} (vocab {vocab:,} from {source}) on {world_size} "
+        f"ranks: pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} x "
+        f"tp {d.tp}; local batch {training.local_batch_size} x seq {training.seq_len}, "
+        f"AC {config.activation_checkpoint.mode}, params {training.mixed_precision_param} in compute"
+    )
+    return dry_run(
+        model_fn,
+        config.parallelism,
+        world_size=world_size,
+        activation_checkpoint=config.activation_checkpoint,
+        compile=config.compile,
+        local_batch_size=training.local_batch_size,
+        seq_len=training.seq_len,
+        global_batch_size=training.global_batch_size,
+        activation_dtype=training.mixed_precision_param,
+        print_fn=print_fn,
+    )
+
+
+def dry_run_main(config: TrainerConfig, world_size: int) -> int:
+    """Run the dry run for the CLI: a user error prints its message and returns 2."""
+    start = time.perf_counter()
+    try:
+        estimates = run_dry_run(config, world_size)
+    except ValueError as err:
+        print(f"titan dry-run: {err}", file=sys.stderr)
+        return 2
+    peak = max(estimates, key=lambda e: e.total_bytes)
+    print(
+        f"dry run OK in {time.perf_counter() - start:.1f} s: {len(estimates)} pipeline rank(s), "
+        f"largest estimate {peak.total_bytes / 1024 ** 3:.2f} GiB (pp {peak.pp_rank})"
+    )
+    return 0
