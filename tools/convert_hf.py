@@ -1,15 +1,17 @@
 """Convert model weights between a titan DCP checkpoint and a Hugging Face folder.
 
-    python tools/convert_hf.py to-hf   CKPT OUT --adapter titan.models.llama3:Llama3StateDictAdapter \
-        --hf-config path/to/config.json           # or --flavors titan.models.llama3:LLAMA3_FLAVORS --flavor 8B
-    python tools/convert_hf.py from-hf HF_DIR OUT --adapter titan.models.llama3:Llama3StateDictAdapter
+    python tools/convert_hf.py to-hf   CKPT   OUT --model llama3
+    python tools/convert_hf.py from-hf HF_DIR OUT --model llama3
 
 CKPT is a DCP step folder or a checkpoint folder (its latest complete step is used). OUT of
 `from-hf` is a model-only DCP step folder usable as `--checkpoint.initial_load_path`.
 
-The adapter is built from its class as `Adapter(args)`, where args come from
-`Adapter.args_from_hf_config(config.json)` or from a flavor table; a class that takes no
-argument is built as `Adapter()`. Runs in one process on CPU.
+`--model` names a family (llama3); `--adapter module:Class` names any adapter instead. The
+adapter is built as `Adapter(args)`, where args come from `Adapter.args_from_hf_config(...)`
+of a `config.json` (`--hf-config`; by default the one next to the weights: titan writes it into
+every step it saves when it knows the family) or from a flavor (`--flavor NAME`, with
+`--flavors module:TABLE` for an `--adapter`). A class that takes no argument is built as
+`Adapter()`. Runs in one process on CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ import os
 from typing import Any
 
 from titan.ckpt import hf, load_dcp_model, load_hf, save_dcp_model, save_hf
+from titan.ckpt.convert import resolve_step_folder
+
+# Families by short name: (adapter class, flavor table).
+FAMILIES = {
+    "llama3": ("titan.models.llama3:Llama3StateDictAdapter", "titan.models.llama3:LLAMA3_FLAVORS"),
+}
 
 
 def import_object(spec: str) -> Any:
@@ -54,18 +62,37 @@ def _takes_no_arguments(cls: Any) -> bool:
                for p in params)
 
 
+def resolve_family(args: argparse.Namespace) -> None:
+    """Fill `--adapter` / `--flavors` from `--model`."""
+    if args.model is None:
+        if args.adapter is None:
+            raise SystemExit(f"name the model family: --model {{{','.join(FAMILIES)}}} or --adapter module:Class")
+        return
+    if args.model not in FAMILIES:
+        raise SystemExit(f"--model {args.model!r} is not a known family; choose one of: {', '.join(FAMILIES)}")
+    adapter, flavors = FAMILIES[args.model]
+    args.adapter = args.adapter or adapter
+    args.flavors = args.flavors or flavors
+
+
 def to_hf(args: argparse.Namespace) -> None:
     """DCP checkpoint -> Hugging Face safetensors + index + config.json."""
-    adapter = build_adapter(args.adapter, hf_config=args.hf_config, flavors=args.flavors,
+    step = resolve_step_folder(args.src)
+    config = args.hf_config
+    if config is None and args.flavor is None and os.path.isfile(os.path.join(step, "config.json")):
+        config = os.path.join(step, "config.json")  # written by titan next to the weights
+    adapter = build_adapter(args.adapter, hf_config=config, flavors=args.flavors,
                             flavor=args.flavor)
-    state = load_dcp_model(args.src)
+    state = load_dcp_model(step)
     save_hf(state, args.out, adapter, args.dtype, max_shard_bytes=args.max_shard_bytes)
     print(f"wrote {len(state)} tensors to {args.out}")
 
 
 def from_hf(args: argparse.Namespace) -> None:
     """Hugging Face safetensors -> a model-only DCP step folder."""
-    config = args.hf_config or os.path.join(args.src, "config.json")
+    config = args.hf_config
+    if config is None and args.flavor is None:
+        config = os.path.join(args.src, "config.json")
     adapter = build_adapter(args.adapter, hf_config=config, flavors=args.flavors,
                             flavor=args.flavor)
     state = load_hf(args.src, adapter)
@@ -73,6 +100,9 @@ def from_hf(args: argparse.Namespace) -> None:
         state = {k: v.to(hf.DTYPES[args.dtype]) if v.is_floating_point() else v
                  for k, v in state.items()}
     save_dcp_model(state, args.out)
+    # Keep the model's description with the weights, as titan's own steps do (to-hf reads it).
+    floats = [v.dtype for v in state.values() if v.is_floating_point()]
+    hf.write_config(args.out, adapter, args.dtype or (floats[0] if floats else None))
     print(f"wrote {len(state)} tensors to {args.out}")
 
 
@@ -83,13 +113,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("direction", choices=["to-hf", "from-hf"])
     parser.add_argument("src")
     parser.add_argument("out")
-    parser.add_argument("--adapter", required=True, help="module:Class of the family adapter")
+    parser.add_argument("--model", help=f"model family: {', '.join(FAMILIES)}")
+    parser.add_argument("--adapter", help="module:Class of the family adapter (instead of --model)")
     parser.add_argument("--hf-config", help="config.json giving the model arguments")
     parser.add_argument("--flavors", help="module:TABLE of model arguments by flavor name")
     parser.add_argument("--flavor", help="the flavor to take from --flavors")
     parser.add_argument("--dtype", choices=sorted(hf.DTYPES), help="cast floating weights")
     parser.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_MAX_SHARD_BYTES)
     args = parser.parse_args(argv)
+    resolve_family(args)
     (to_hf if args.direction == "to-hf" else from_hf)(args)
 
 

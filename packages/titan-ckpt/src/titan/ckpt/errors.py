@@ -50,16 +50,9 @@ def check_state_matches(
 
     `saved` maps keys to tensors or to DCP storage metadata (tensor entries carry `.size`).
     """
-    missing = sorted(k for k in expected if k not in saved)
-    if missing:
-        raise CheckpointError(
-            f"{where} has no {_list(missing)} for state '{name}' "
-            f"({len(missing)} of {len(expected)} entries missing). Was it written by another "
-            "model family or size, or with another optimizer? Load the matching checkpoint, "
-            f"or skip this state with --checkpoint.exclude_from_loading {name}."
-        )
+    # Shapes first: "'x' is [320, 64] there but [320, 256] here" names the mismatch best.
     for key in sorted(expected):
-        if not isinstance(expected[key], torch.Tensor):
+        if key not in saved or not isinstance(expected[key], torch.Tensor):
             continue
         want = tuple(expected[key].shape)
         have = _shape(saved[key])
@@ -69,6 +62,19 @@ def check_state_matches(
                 "this run. The checkpoint is probably from another model family or size "
                 "(compare the model family and flavor with the run that wrote it)."
             )
+    missing = sorted(k for k in expected if k not in saved)
+    if missing:
+        fix = (
+            "Load a checkpoint of the same model family and size (--model.name, --model.flavor)."
+            if name == "model" else
+            f"Load the matching checkpoint, or skip this state with "
+            f"--checkpoint.exclude_from_loading {name}."
+        )
+        raise CheckpointError(
+            f"{where} has no {_list(missing)} for state '{name}' "
+            f"({len(missing)} of {len(expected)} entries missing). Was it written by another "
+            f"model family or size, or with another optimizer? {fix}"
+        )
 
 
 def _shape(entry: Any) -> tuple[int, ...] | None:

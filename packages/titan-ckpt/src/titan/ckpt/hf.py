@@ -63,7 +63,9 @@ def save_hf(
     weight_map = write_shards(hf_sd, groups, folder, first=0, total=len(groups))
     write_index(folder, weight_map, total_size=_nbytes(hf_sd.values()))
     if adapter is not None:
-        write_config(folder, adapter)
+        # The weights' own dtype when not cast (all floating tensors share one in practice).
+        floats = [t.dtype for t in hf_sd.values() if t.is_floating_point()]
+        write_config(folder, adapter, dtype or (floats[0] if floats else None))
     return weight_map
 
 
@@ -165,10 +167,14 @@ def write_index(folder: str, weight_map: dict[str, str], *, total_size: int) -> 
         json.dump(index, f, indent=2)
 
 
-def write_config(folder: str, adapter: StateDictAdapter) -> None:
-    """Write the adapter's `config.json`."""
+def write_config(folder: str, adapter: StateDictAdapter, dtype: torch.dtype | str | None = None) -> None:
+    """Write the adapter's `config.json`; `dtype` (the dtype of the written weights) replaces
+    its `torch_dtype`, which transformers 5 loads the weights in by default."""
+    config = adapter.hf_config()
+    if dtype is not None:
+        config["torch_dtype"] = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     with open(os.path.join(folder, CONFIG_FILE), "w") as f:
-        json.dump(adapter.hf_config(), f, indent=2)
+        json.dump(config, f, indent=2)
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:

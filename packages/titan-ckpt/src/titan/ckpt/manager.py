@@ -224,7 +224,7 @@ class CheckpointManager:
             )
         reader = FileSystemReader(path)
         saved = reader.read_metadata().state_dict_metadata
-        to_load = {}
+        to_load, problem = {}, None
         for name in names:
             value = self.states[name].state_dict()
             expected = flatten_state(name, value)
@@ -232,13 +232,37 @@ class CheckpointManager:
                 # Another world size wrote this checkpoint: this rank has no state of its own.
                 logger.warning("%s has no '%s' for this rank; it starts fresh", path, name)
                 continue
-            check_state_matches(name, expected, saved, where=path)
+            try:
+                _check_entries(name, expected, saved, path)
+            except CheckpointError as err:
+                problem = str(err)
+                break
             to_load[name] = value
+        # Every rank decides together: a rank that raised alone would leave the others
+        # waiting in DCP's collectives until the timeout.
+        self._raise_if_any(problem)
         with _quiet_single_process(), _load_errors(path):
             dcp.load(to_load, storage_reader=reader, planner=_SafeLoadPlanner(),
                      process_group=self._pg, no_dist=self._pg is None)
         for name, value in to_load.items():
-            self.states[name].load_state_dict(value)
+            try:
+                self.states[name].load_state_dict(value)
+            except Exception as err:  # e.g. a data loader position for another sharding
+                problem = (
+                    f"cannot restore '{name}' from {path}: {err}. To start '{name}' fresh "
+                    f"instead, pass --checkpoint.exclude_from_loading {name}"
+                )
+                break
+        self._raise_if_any(problem)
+
+    def _raise_if_any(self, problem: str | None) -> None:
+        """Raise `CheckpointError` on every rank when any rank found a problem (the lowest
+        rank's message wins); a collective, so all ranks must call it."""
+        problems = [(rank, p) for rank, p in enumerate(self._all_gather(problem)) if p]
+        if problems:
+            rank, message = problems[0]
+            where = f" (rank {rank})" if self._world_size > 1 else ""
+            raise CheckpointError(message + where)
 
     def _load_hf_model(self, path: str) -> None:
         """Load Hugging Face safetensors into the model through the adapter."""
@@ -247,9 +271,14 @@ class CheckpointManager:
                 f"loading Hugging Face weights from {path} needs the model family's state-dict "
                 "adapter (hf_adapter=); the trainer passes it from the model spec"
             )
-        full = hf.load_hf(path, self.hf_adapter)
+        full, problem = {}, None
         template = self.model.state_dict()
-        check_state_matches("model", template, full, where=path)
+        try:
+            full = hf.load_hf(path, self.hf_adapter)
+            check_state_matches("model", template, full, where=path)
+        except (CheckpointError, ValueError) as err:  # ValueError: the adapter's unknown key
+            problem = str(err)
+        self._raise_if_any(problem)
         self.model.load_state_dict({k: _like(full[k], t) for k, t in template.items()})
         logger.info("loaded Hugging Face weights from %s", path)
 
@@ -367,7 +396,7 @@ class CheckpointManager:
         if self._rank == 0:
             merged = {k: v for wm, _ in gathered for k, v in wm.items()}
             hf.write_index(tmp, merged, total_size=sum(n for _, n in gathered))
-            hf.write_config(tmp, self.hf_adapter)
+            hf.write_config(tmp, self.hf_adapter, self.config.export_dtype)
         self._finish(step, self._manifest(step, "hf", ["model"], True, self.config.export_dtype))
         logger.info("exported step %d as Hugging Face safetensors to %s", step,
                     layout.step_path(self.folder, step))
@@ -407,6 +436,11 @@ class CheckpointManager:
         """Every rank has written: rank 0 publishes the step and schedules the purge."""
         self._barrier()
         if self._rank == 0:
+            if manifest["format"] == "dcp" and self.hf_adapter is not None:
+                # The model's HF config travels with its weights: tools/convert_hf.py to-hf
+                # needs no flags to describe the model (plain JSON, like the manifest).
+                hf.write_config(layout.tmp_path(self.folder, step), self.hf_adapter,
+                                manifest["dtype"] or "float32")
             layout.publish(self.folder, step, manifest)
             self._purges.append(self._purger.submit(self._purge, step))
         self._barrier()  # nobody goes on before the step is visible
@@ -495,6 +529,23 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _check_entries(name: str, expected: dict[str, Any], saved: Any, path: str) -> None:
+    """Every entry state `name` needs is in the checkpoint with the right shape."""
+    if name not in RESERVED:
+        missing = sorted(k for k in expected if k not in saved)
+        if missing:
+            prefix = f"{name}."
+            held = sorted({k[len(prefix):].split(".")[0] for k in saved if k.startswith(prefix)})
+            raise CheckpointError(
+                f"{path}: state '{name}' was saved for another parallel layout: this rank "
+                f"needs {missing[0]!r}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}, "
+                f"the checkpoint holds '{name}' entries {held or 'none'}. A per-rank state such "
+                "as a data loader position under another data-parallel degree cannot be "
+                f"restored; pass --checkpoint.exclude_from_loading {name} to start it fresh."
+            )
+    check_state_matches(name, expected, saved, where=path)
 
 
 def _make_writer(path: str) -> FileSystemWriter:

@@ -233,6 +233,10 @@ class Trainer:
             model_parts=self.model_parts,
             optimizers=OptimizerWrapper(self.model_parts, self.optimizers),
             hf_adapter=adapter,
+            # The loader keys its state by data-parallel rank itself: ranks sharing a dp rank
+            # (TP/PP/CP peers) share one entry, so TP/PP/CP layout changes resume it, and a
+            # dp-degree change fails clearly instead of silently restarting some ranks' data.
+            rank_local=("rng",),
         )
 
     def _log_start(self) -> None:
