@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from titan.dist import ParallelDims, clip_grad_norm_, reduce_max, reduce_mean
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 
 def mesh_and_reductions(rank: int, world_size: int) -> dict:
@@ -23,13 +23,16 @@ def mesh_and_reductions(rank: int, world_size: int) -> dict:
         "max": reduce_max(torch.tensor(float(rank)), dims.mesh("dp_cp")).item(),
     }
     # Same full gradients on every rank: one sharded on tp, one replicated (DTensor),
-    # one plain tensor. The mesh-wide norm must equal the single-process norm.
+    # one plain tensor, and one Partial sum over tp (what a sequence-parallel norm weight's
+    # gradient is under TP without FSDP). The mesh-wide norm must equal the single-process norm.
     torch.manual_seed(0)
-    full = [torch.randn(8, 4), torch.randn(5), torch.randn(3, 3)]
+    full = [torch.randn(8, 4), torch.randn(5), torch.randn(3, 3), torch.randn(6)]
     out["expected_norm"] = torch.cat([g.flatten() for g in full]).norm().item()
     tp = dims.mesh("tp")
+    share = (tp.get_local_rank() + 1) / 3  # 1/3 + 2/3: the ranks' pieces sum to full[3]
     grads = [distribute_tensor(full[0], tp, [Shard(0)]),
-             distribute_tensor(full[1], tp, [Replicate()]), full[2].clone()]
+             distribute_tensor(full[1], tp, [Replicate()]), full[2].clone(),
+             DTensor.from_local(full[3] * share, tp, [Partial()], run_check=False)]
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
     for p, g in zip(params, grads, strict=True):
         p.grad = g

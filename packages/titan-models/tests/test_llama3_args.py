@@ -43,6 +43,7 @@ def test_ffn_hidden_dims_follow_the_llama_rule():
     dims = {name: args.ffn_hidden_dim for name, args in LLAMA3_FLAVORS.items()}
     assert dims == {
         "debugmodel": 768,
+        "debugmodel_tiny": 192,
         "1B": 8192,
         "3B": 8192,
         "8B": 14336,
@@ -91,7 +92,7 @@ def test_build_overrides_replace_fields_and_leave_flavors_alone():
 
 
 def test_build_rejects_unknown_flavor_and_field():
-    with pytest.raises(ValueError, match="debugmodel, 1B, 3B, 8B, 70B, 405B"):
+    with pytest.raises(ValueError, match="debugmodel, debugmodel_tiny, 1B, 3B, 8B, 70B, 405B"):
         build_llama3("7B")
     with pytest.raises(ValueError, match="n_layer"):
         build_llama3("debugmodel", n_layer=2)

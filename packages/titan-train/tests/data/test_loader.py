@@ -135,6 +135,24 @@ def test_ranks_never_share_a_sample():
             assert not per_rank[r] & per_rank[s]
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_global_batch_is_independent_of_the_data_parallel_degree(world):
+    """dp ranks split each global batch by rows: the same samples, in the same order, as one
+    process reading the whole global batch, or accumulating world microbatches of it."""
+    cfg = DatasetConfig(**SMALL_SYNTHETIC)
+    ranks = [_build(cfg, rank=r, world=world, batch=2) for r in range(world)]
+    whole = _build(cfg, batch=2 * world)
+    accumulating = _build(cfg, batch=2)
+    for _ in range(5):
+        split = [next(loader) for loader in ranks]
+        full = next(whole)
+        micro = _take(accumulating, world)
+        for key in ("input_ids", "labels"):
+            joined = torch.cat([b[key] for b in split])
+            assert torch.equal(joined, full[key])
+            assert torch.equal(joined, torch.cat([b[key] for b in micro]))
+
+
 def test_bad_loader_arguments():
     cfg = DatasetConfig(**SMALL_SYNTHETIC)
     with pytest.raises(ValueError, match="dp_rank 2"):

@@ -80,6 +80,23 @@ def test_each_document_tokenized_once_per_epoch(list_source):
     assert source.calls == 3  # doc 0, doc 1, then doc 0 of epoch 1
 
 
+def test_skip_advances_like_fill(list_source):
+    source = list_source(TEXTS)
+
+    def make():
+        return DocumentPacker(source, np.arange(len(source)), bos_id=source.tokenizer.bos_id,
+                              eos_id=source.tokenizer.eos_id, shuffle=True, seed=1)
+
+    filled, skipped = make(), make()
+    whole = np.empty(40, dtype=np.int64)
+    filled.fill(whole)
+    skipped.skip(17)
+    rest = np.empty(23, dtype=np.int64)
+    skipped.fill(rest)
+    np.testing.assert_array_equal(rest, whole[17:])
+    assert skipped.state_dict() == filled.state_dict()
+
+
 def test_all_empty_documents_raise(list_source):
     with pytest.raises(ValueError, match="every document"):
         next(_loader(list_source(["", ""])))

@@ -44,11 +44,25 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _without_partial(grad: torch.Tensor) -> torch.Tensor:
+    """`grad` with its Partial placements summed into Replicate ones.
+
+    Tensor parallel without FSDP leaves the gradients of replicated weights that saw
+    sequence-sharded activations (sequence-parallel norms) as Partial sums; their local pieces
+    are not pieces of the gradient, so their norms would not add up.
+    """
+    if not isinstance(grad, DTensor) or not any(p.is_partial() for p in grad.placements):
+        return grad
+    placements = [Replicate() if p.is_partial() else p for p in grad.placements]
+    return grad.redistribute(grad.device_mesh, placements)
+
+
 def total_norm(grads: list[torch.Tensor], mesh: DeviceMesh | None,
                norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all `grads` as if they were one unsharded vector, with one collective."""
     if not grads:
         return torch.zeros(())
+    grads = [_without_partial(g) for g in grads]
     locals_ = [_local(g).float() for g in grads]
     device = locals_[0].device
     if math.isinf(norm_type):

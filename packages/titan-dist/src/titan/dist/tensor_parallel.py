@@ -6,7 +6,8 @@ Plan styles (docs/contracts.md) and what they become:
 - "colwise":     output features sharded (Megatron f: input replicated)
 - "rowwise":     input features sharded, output reduced (Megatron g); reduce-scattered along
                  the sequence with SP
-- "norm":        sequence-parallel region (norm on sequence shards) when SP is on, else untouched
+- "norm":        sequence-parallel region (norm on sequence shards) when SP is on, else replicated
+                 weights computing on the plain replicated activations
 - "block_input": first positional input gathered from sequence shards to replicated (SP only)
 - "output":      final projection; vocab-sharded logits kept as a DTensor for loss parallel
 """
@@ -18,9 +19,10 @@ import contextlib
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -45,7 +47,7 @@ def _style(name: str, *, sp: bool, lp: bool):
     if name == "rowwise":
         return RowwiseParallel(output_layouts=seq, use_local_output=not sp)
     if name == "norm":
-        return SequenceParallel() if sp else None
+        return SequenceParallel() if sp else ReplicatedNorm()
     if name == "output":
         return ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(),
                                use_local_output=not lp)
@@ -53,6 +55,30 @@ def _style(name: str, *, sp: bool, lp: bool):
         return None  # handled by a hook, see _gather_first_input
     raise ValueError(f"unknown tensor-parallel style {name!r} in the model's sharding plan; "
                      f"expected one of {', '.join(STYLES)}")
+
+
+class ReplicatedNorm(ParallelStyle):
+    """A norm under tensor parallel without sequence parallel: its weights become replicated
+    DTensors, its activations stay plain tensors.
+
+    Left as plain tensors, the norm weights would be the only non-DTensor parameters of a
+    TP-only model, and foreach/fused optimizers refuse to mix the two kinds in one group.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # distribute_module's default partition replicates every parameter.
+        return distribute_module(module, device_mesh, input_fn=self._to_dtensor,
+                                 output_fn=self._to_local)
+
+    @staticmethod
+    def _to_dtensor(_module, inputs, device_mesh):
+        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                     for x in inputs)
+
+    @staticmethod
+    def _to_local(_module, output, _device_mesh):
+        return output.to_local() if isinstance(output, DTensor) else output
 
 
 def _gather_first_input(module: nn.Module, mesh: DeviceMesh) -> None:

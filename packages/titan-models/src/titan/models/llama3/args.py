@@ -107,6 +107,11 @@ _LLAMA31_CONTEXT = 131072
 LLAMA3_FLAVORS: dict[str, Llama3Args] = {
     # A few million parameters: for tests and CPU smoke runs; same code path as the big ones.
     "debugmodel": Llama3Args(rope_scaling=_LLAMA31_SCALING),
+    # Tiny enough for multi-rank parity tests on a few CPU cores (dim <= 128, <= 4 layers);
+    # 4 heads / 2 kv heads and an FFN of 192 still divide by tensor parallel degree 2.
+    "debugmodel_tiny": Llama3Args(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=32, rope_scaling=_LLAMA31_SCALING
+    ),
     # Llama 3.2 (Meta ties embedding and output; titan keeps them untied, see README).
     "1B": Llama3Args(
         dim=2048,

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 from titan.train.data.config import DatasetConfig
-from titan.train.data.packing import DocumentPacker, shard_documents
+from titan.train.data.packing import DocumentPacker
 from titan.train.data.sources import (
     DocumentSource,
     HFDatasetSource,
@@ -22,8 +22,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 __all__ = ["PackedDataLoader", "build_dataloader", "build_source", "synthetic_corpus"]
 
-# Bumped when the meaning of the saved position changes.
-_STATE_VERSION = 1
+# Bumped when the meaning of the saved position changes (2: a position in the one global
+# stream, no longer in a per-rank document shard).
+_STATE_VERSION = 2
 
 
 def synthetic_corpus(cfg: DatasetConfig, tokenizer: Tokenizer) -> SyntheticCorpus:
@@ -70,14 +71,30 @@ def _load_hf_dataset(cfg: DatasetConfig):
 
 
 class _PackedBatches(IterableDataset):
-    """Batches [B, seq_len + 1] cut from a packer, split into inputs and labels.
+    """One data-parallel rank's batches [B, seq_len + 1] cut from the global
+    stream, split into inputs and labels.
+
+    Each fetch consumes one global microbatch: dp_world_size x B consecutive
+    windows of the stream, of which rank r keeps rows r*B .. (r+1)*B - 1. So
+    the data of a step depends only on the global batch size, not on how it
+    is split over ranks and accumulation steps: one process accumulating
+    k microbatches sees exactly the rows that k data-parallel ranks see.
 
     Batches are produced on demand (no prefetch), so the packer's position is
     always exactly "after the last batch handed out".
     """
 
-    def __init__(self, packer: DocumentPacker, batch_size: int, seq_len: int) -> None:
+    def __init__(
+        self,
+        packer: DocumentPacker,
+        batch_size: int,
+        seq_len: int,
+        *,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+    ) -> None:
         self.packer, self.batch_size, self.seq_len = packer, batch_size, seq_len
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.batches_yielded = 0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -87,8 +104,11 @@ class _PackedBatches(IterableDataset):
     def next_batch(self) -> dict[str, torch.Tensor]:
         """Fill one batch of windows and shift it into (input_ids, labels)."""
         window = np.empty((self.batch_size, self.seq_len + 1), dtype=np.int64)
+        rank_tokens = window.size
+        self.packer.skip(self.dp_rank * rank_tokens)  # the rows of lower ranks
         for row in window:
             self.packer.fill(row)
+        self.packer.skip((self.dp_world_size - 1 - self.dp_rank) * rank_tokens)
         tokens = torch.from_numpy(window)
         self.batches_yielded += 1
         # Packing leaves no padding, so every label is a real target (no -100).
@@ -186,22 +206,29 @@ def build_dataloader(
 ) -> PackedDataLoader:
     """An endless loader of `{"input_ids", "labels"}` LongTensors [B, S] for one rank.
 
-    Documents are sharded by index % dp_world_size (see `shard_documents`),
-    framed with BOS/EOS, packed into windows of seq_len + 1 and shifted by
-    one. `seed` orders documents within each epoch (when --dataset.shuffle).
+    Every document is framed with BOS/EOS and packed, in one seeded order
+    shared by all ranks (`seed` reorders each epoch when --dataset.shuffle),
+    into one global stream of windows of seq_len + 1, shifted by one. Each
+    fetch takes dp_world_size x B windows and hands this rank its B rows
+    (see `_PackedBatches`): ranks never share a sample, and a step's global
+    batch is the same whatever the data-parallel degree, which is what
+    makes a data-parallel run equal to one process with gradient
+    accumulation. The price: every rank tokenizes the whole stream, not
+    1 / dp_world_size of it.
     """
     _check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
     source = build_source(cfg, tokenizer)
     packer = DocumentPacker(
         source,
-        shard_documents(len(source), dp_rank, dp_world_size),
+        np.arange(len(source), dtype=np.int64),
         bos_id=tokenizer.bos_id,
         eos_id=tokenizer.eos_id,
         shuffle=cfg.shuffle,
         seed=seed,
-        rank=dp_rank,
     )
-    batches = _PackedBatches(packer, local_batch_size, seq_len)
+    batches = _PackedBatches(
+        packer, local_batch_size, seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size
+    )
     return PackedDataLoader(
         batches, dp_rank=dp_rank, dp_world_size=dp_world_size, num_documents=len(source)
     )

@@ -76,11 +76,21 @@ class DocumentPacker:
         Cost is linear in len(out) plus the tokenization of the documents
         entered, each tokenized once per epoch.
         """
+        self._consume(len(out), out)
+
+    def skip(self, n: int) -> None:
+        """Advance past the next `n` stream tokens (those of other ranks' rows)
+        without copying them; the documents entered are still tokenized."""
+        self._consume(n, None)
+
+    def _consume(self, n: int, out: np.ndarray | None) -> None:
+        """Advance by `n` tokens, copying them into `out` unless it is None."""
         pos, empty_run = 0, 0
-        while pos < len(out):
+        while pos < n:
             doc = self._current_document()
-            take = min(len(doc) - self.offset, len(out) - pos)
-            out[pos : pos + take] = doc[self.offset : self.offset + take]
+            take = min(len(doc) - self.offset, n - pos)
+            if out is not None:
+                out[pos : pos + take] = doc[self.offset : self.offset + take]
             pos += take
             self.offset += take
             if self.offset >= len(doc):
@@ -125,7 +135,7 @@ class DocumentPacker:
         """Fail instead of looping forever when every document is empty."""
         if empty_run > len(self.doc_indices):
             raise ValueError(
-                "every document of this rank's shard is empty after tokenization; "
+                "every document is empty after tokenization; "
                 "check --dataset.path and --dataset.text_field"
             )
 
