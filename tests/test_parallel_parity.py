@@ -87,6 +87,8 @@ LAYOUTS: dict[str, tuple[int, list[str], bool]] = {
     "fsdp2": _layout(2, *_dp(shard=2), dp=2, quick=True),
     "fsdp2_grad_accum2": _layout(2, *_dp(shard=2), dp=2, accum=2),
     "fsdp4": _layout(4, *_dp(shard=4), dp=4),
+    "fsdp2_reshard_always": _layout(2, *_dp(shard=2), "--parallelism.fsdp_reshard_after_forward", "always", dp=2),
+    "fsdp2_reshard_never": _layout(2, *_dp(shard=2), "--parallelism.fsdp_reshard_after_forward", "never", dp=2),
     "hsdp2x2": _layout(4, *_dp(shard=2, replicate=2), dp=4, quick=True),
     "ddp2": _layout(2, *_dp(replicate=2), dp=2, quick=True),
     "tp2": _layout(2, *_dp(), *TP2, *NO_SP, quick=True),
@@ -201,3 +203,16 @@ def test_layout_matches_one_process(layout, reference, tmp_path):
     for key, ref in ref_weights.items():
         torch.testing.assert_close(weights[key], ref, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL,
                                    msg=lambda m, key=key: f"{layout}: {key}: {m}")
+
+
+@pytest.mark.slow
+def test_bf16_compute_tracks_fp32(reference, tmp_path):
+    """FSDP 2 with bf16 parameters in compute and fp32 master weights and reductions: the
+    losses follow the fp32 single-process run to bf16 precision (~3 significant digits),
+    not bitwise; a broken cast or reduction would be off by far more."""
+    seed, ref_metrics, _ = reference
+    _, flags, _ = _layout(2, *_dp(shard=2), "--training.mixed_precision_param", "bfloat16", dp=2)
+    train_from_seed(2, tmp_path, seed, *flags)
+    got = metrics(tmp_path)
+    assert max_rel(got["loss"], ref_metrics["loss"]) <= 1e-2, (got["loss"], ref_metrics["loss"])
+    assert max_rel(got["loss"], ref_metrics["loss"]) > 0, "bf16 compute should not be bitwise fp32"

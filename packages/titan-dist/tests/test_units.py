@@ -75,3 +75,13 @@ def test_async_tp_needs_cuda():
 
     with pytest.raises(ValueError, match="enable_async_tensor_parallel needs CUDA"):
         _check_async(ParallelismConfig(enable_async_tensor_parallel=True), CpuMesh())
+
+
+def test_cpu_offload_on_a_cpu_mesh_is_refused_before_sharding():
+    from titan.dist.fsdp import apply_fsdp
+
+    class CpuMesh:
+        device_type = "cpu"
+
+    with pytest.raises(ValueError, match="fsdp_cpu_offload .* Drop the flag"):
+        apply_fsdp(lib.make_model(), CpuMesh(), ParallelismConfig(fsdp_cpu_offload=True))

@@ -42,6 +42,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config, *, pp_enabled: bool =
     over the first axis and shards over the second (HSDP). One all-gather per unit lets
     block i+1's gather overlap block i's compute.
     """
+    _check_cpu_offload(config, mesh)
     kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
                   offload_policy=CPUOffloadPolicy() if config.fsdp_cpu_offload else OffloadPolicy())
     reshard = reshard_after_forward(config, pp_enabled=pp_enabled)
@@ -52,6 +53,16 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config, *, pp_enabled: bool =
     fully_shard(model, reshard_after_forward=config.fsdp_reshard_after_forward == "always",
                 **kwargs)
     return model
+
+
+def _check_cpu_offload(config, mesh: DeviceMesh) -> None:
+    """CPU offload moves sharded state from an accelerator to pinned host memory; on a CPU
+    mesh the state is already there and FSDP2's pinning needs an accelerator."""
+    if config.fsdp_cpu_offload and mesh.device_type == "cpu":
+        raise ValueError(
+            "--parallelism.fsdp_cpu_offload keeps sharded params, grads and optimizer states in "
+            "host memory while computing on an accelerator; this run is on CPU, where they are "
+            "in host memory already. Drop the flag.")
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, config) -> nn.Module:
