@@ -255,38 +255,30 @@ def test_reshard_no_pp_to_pp2_and_back(one_ref, tmp_path):
     print(f"1 -> PP2 -> 1: max rel loss diff {worst:.1e}")
 
 
-def constant_corpus(folder: Path) -> Path:
-    """Documents that all pack into the same window (BOS + 31 bytes + EOS = SEQ + 1 tokens):
-    every sample is the same whatever the data-parallel sharding, so runs of different
-    data-parallel degrees see the same global batches without resuming the data loader."""
-    path = folder / "constant.jsonl"
-    path.write_text("".join(json.dumps({"text": "abcdefghijklmnopqrstuvwxyz01234"}) + "\n" for _ in range(64)))
-    return path
+def test_reshard_across_data_parallel_degrees(fsdp2_ref, tmp_path):
+    """FSDP 2 -> one process accumulating 2 microbatches -> FSDP 4, data loader included: its
+    position is global (windows of the one global stream), so every resumed step trains on
+    the global batch the uninterrupted run trained on."""
+    ref = losses(fsdp2_ref)
+    one = seed_from(tmp_path / "one", fsdp2_ref, 8)
 
-
-def test_reshard_across_data_parallel_degrees(shared_dir, tmp_path):
-    data = ["--dataset.name", "json", "--dataset.path", str(constant_corpus(tmp_path))]
-    ref_dump = tmp_path / "fsdp2"
-    titan(2, ref_dump, *FSDP2, *data)
-    ref = losses(ref_dump)
-    assert ref[STEPS] < ref[1] - 1.0  # it trains (the window is learnable, not trivial yet)
-
-    # The loader's position is per data-parallel shard: it cannot follow a degree change.
-    one = seed_from(tmp_path / "one", ref_dump, 8)
-    failed = titan(1, one, *ONE, *data, ok=False)
+    # Another seq_len cuts the stream into other windows: refused before training, naming the flag.
+    failed = titan(1, one, *ONE, "--training.seq_len", str(SEQ // 2), ok=False)
     assert failed.returncode != 0
     assert "cannot restore 'dataloader'" in failed.stderr, failed.stderr[-3000:]
-    assert "dp_world_size=2" in failed.stderr and "--checkpoint.exclude_from_loading dataloader" in failed.stderr
-    assert not (one / "metrics.jsonl").exists()  # refused before training
+    assert "seq_len=32, this run has seq_len=16" in failed.stderr and "--training.seq_len" in failed.stderr
+    assert not (one / "metrics.jsonl").exists()
 
-    # FSDP 2 -> 1 process -> FSDP 4, optimizer state included; the loader starts fresh.
-    skip_loader = ["--checkpoint.exclude_from_loading", "dataloader"]
-    titan(1, one, *ONE, *data, *skip_loader)
+    # The same global batch, split otherwise: resumes without --checkpoint.exclude_from_loading.
+    accumulating = ["--parallelism.data_parallel_shard_degree", "1",
+                    "--training.local_batch_size", str(GLOBAL_BATCH // 2),
+                    "--training.global_batch_size", str(GLOBAL_BATCH)]
+    titan(1, one, *accumulating)
     worst = assert_close_losses(losses(one), ref, range(9, STEPS + 1))
     four = seed_from(tmp_path / "four", one, 12)
-    titan(4, four, *FSDP4, *data, *skip_loader)
+    titan(4, four, *FSDP4)
     worst = max(worst, assert_close_losses(losses(four), ref, range(13, STEPS + 1)))
-    print(f"FSDP2 -> 1 -> FSDP4: max rel loss diff {worst:.1e}")
+    print(f"FSDP2 -> 1 (2 microbatches) -> FSDP4, loader resumed: max rel loss diff {worst:.1e}")
 
 
 # ---------------------------------------------------------------------------- 3. crash in a save

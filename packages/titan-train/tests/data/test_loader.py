@@ -1,4 +1,5 @@
-"""build_dataloader: exact resume, state shape, dp ranks, the stdlib corpus."""
+"""build_dataloader: exact resume (under any data-parallel degree), state shape, dp ranks, the
+stdlib corpus."""
 
 from __future__ import annotations
 
@@ -64,13 +65,24 @@ def test_resume_yields_exactly_the_next_batches(cfg, n_before):
     _assert_same(_take(restored, 6), expected)
 
 
-def test_state_is_small_plain_and_per_rank():
-    loader = _build(DatasetConfig(**SMALL_SYNTHETIC), rank=2, world=3)
+def test_state_is_small_plain_and_global():
+    loader = _build(DatasetConfig(**SMALL_SYNTHETIC), rank=2, world=3, batch=4, seq_len=32)
     _take(loader, 3)
     state = loader.state_dict()
-    assert list(state) == ["dp_rank_2"]
     assert json.loads(json.dumps(state)) == state  # plain ints/bools only
-    assert state["dp_rank_2"]["batches_yielded"] == 3
+    assert sorted(state) == [
+        "cursor",
+        "epoch",
+        "num_documents",
+        "offset",
+        "seed",
+        "seq_len",
+        "shuffle",
+        "version",
+        "windows",
+    ]
+    assert state["version"] == 3 and state["seq_len"] == 32
+    assert state["windows"] == 3 * 3 * 4  # three global microbatches of 3 ranks x 4 rows
 
 
 def test_iter_and_next_share_one_position():
@@ -104,16 +116,101 @@ def test_seed_changes_order_and_saved_seed_wins():
     _assert_same(_take(c, 3), expected)
 
 
-def test_load_state_rejects_other_sharding_or_corpus():
+def test_load_state_rejects_other_windows_corpus_or_shuffling():
     cfg = DatasetConfig(**SMALL_SYNTHETIC)
     state = _build(cfg, rank=0, world=2).state_dict()
-    with pytest.raises(ValueError, match="no entry for data parallel rank 1"):
-        _build(cfg, rank=1, world=2).load_state_dict(state)
-    with pytest.raises(ValueError, match="dp_world_size=2"):
-        _build(cfg, rank=0, world=4).load_state_dict(state)
+    with pytest.raises(
+        ValueError, match=r"seq_len=32, this run has seq_len=16.*--training.seq_len"
+    ):
+        _build(cfg, seq_len=16).load_state_dict(state)
     other = DatasetConfig(**{**SMALL_SYNTHETIC, "synthetic_documents": 31})
-    with pytest.raises(ValueError, match="num_documents=30"):
-        _build(other, rank=0, world=2).load_state_dict(state)
+    with pytest.raises(
+        ValueError, match=r"num_documents=30, this run has num_documents=31.*--dataset"
+    ):
+        _build(other).load_state_dict(state)
+    unshuffled = DatasetConfig(**SMALL_SYNTHETIC, shuffle=False)
+    with pytest.raises(ValueError, match=r"shuffle=True.*--dataset.no_shuffle"):
+        _build(unshuffled).load_state_dict(state)
+
+
+def test_old_per_rank_state_is_refused_clearly():
+    """Version 2 kept one entry per dp rank; it is refused, whatever the degree, with the fix."""
+    cfg = DatasetConfig(**SMALL_SYNTHETIC)
+    v2 = {
+        "dp_rank_0": {
+            "epoch": 0,
+            "cursor": 3,
+            "offset": 5,
+            "seed": 0,
+            "version": 2,
+            "dp_world_size": 1,
+            "num_documents": 30,
+            "shuffle": True,
+            "batches_yielded": 2,
+        }
+    }
+    for state in (v2, {**v2["dp_rank_0"], "seq_len": 32, "windows": 8}):
+        with pytest.raises(
+            ValueError, match=r"version 2 is not 3.*--checkpoint.exclude_from_loading dataloader"
+        ):
+            _build(cfg).load_state_dict(state)
+
+
+def _stream(cfg, n_windows, *, seq_len=16, seed=3):
+    """The first `n_windows` windows of the global stream, as one process reads them."""
+    return torch.cat(
+        [b["input_ids"] for b in _take(_build(cfg, batch=1, seq_len=seq_len, seed=seed), n_windows)]
+    )
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ((2, 2, 1), (1, 4, 1)),  # FSDP 2 -> one process
+        ((1, 4, 1), (4, 1, 1)),  # one process -> FSDP 4
+        ((2, 1, 2), (4, 1, 1)),  # 2 ranks accumulating 2 microbatches -> 4 ranks, none
+        ((4, 1, 1), (1, 2, 2)),  # 4 ranks -> one process accumulating 2
+        ((2, 2, 1), (3, 2, 1)),  # another global batch (4 -> 6 windows): positions are in windows
+    ],
+    ids=["2to1", "1to4", "2x2accum-to-4", "4-to-1x2accum", "batch4-to-batch6"],
+)
+@pytest.mark.parametrize("steps_before", [1, 13])  # 13 steps cross several epochs
+def test_resume_under_another_data_parallel_degree(before, after, steps_before):
+    """The property a resharded resume relies on. A run of (dp ranks, local batch, accumulation
+    steps) = `before` trains `steps_before` steps and saves; every rank's state is the same.
+    A run of layout `after` loads it on each of its ranks. Then, fetch by fetch, the rows of its
+    ranks stacked in rank order are the next windows of the global stream: exactly what one
+    process reading the stream from the start, uninterrupted, gets after the windows already
+    consumed, so the union of the ranks' rows of every following global batch is what an
+    uninterrupted run of either layout would train on next."""
+    cfg = DatasetConfig(**SMALL_SYNTHETIC)
+    (world0, batch0, accum0), (world1, batch1, accum1) = before, after
+    old = [
+        _build(cfg, rank=r, world=world0, batch=batch0, seq_len=16, seed=3) for r in range(world0)
+    ]
+    for _ in range(steps_before * accum0):  # every rank fetches every microbatch of a step
+        for loader in old:
+            next(loader)
+    states = [_checkpoint_round_trip(loader.state_dict()) for loader in old]
+    assert all(state == states[0] for state in states)  # one global record
+    consumed = steps_before * accum0 * world0 * batch0
+    assert states[0]["windows"] == consumed
+
+    new = [
+        _build(cfg, rank=r, world=world1, batch=batch1, seq_len=16, seed=0) for r in range(world1)
+    ]
+    for loader in new:
+        loader.load_state_dict(states[0])  # the saved seed wins over this run's
+    steps_after = 3
+    global_batch = accum1 * world1 * batch1
+    stream = _stream(cfg, consumed + steps_after * global_batch)
+    for step in range(steps_after):
+        rows = []
+        for _ in range(accum1):
+            rows += [next(loader)["input_ids"] for loader in new]  # micro 0 of all ranks, then 1
+        start = consumed + step * global_batch
+        assert torch.equal(torch.cat(rows), stream[start : start + global_batch])
+    assert all(loader.state_dict() == new[0].state_dict() for loader in new)
 
 
 def test_empty_state_is_a_fresh_start():
@@ -178,3 +275,66 @@ def test_stdlib_files_sorted_and_without_tests():
     files = stdlib_files()
     assert files == sorted(files) and len(files) > 100
     assert not any("site-packages" in f or "/test/" in f for f in files)
+
+
+class _Stateful:
+    """A state holding a fixed dict (what an older titan-train saved)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def _manager(folder, loader):
+    """A CheckpointManager configured as the trainer configures it (the loader not rank-local)."""
+    from titan.ckpt import CheckpointConfig, CheckpointManager
+
+    return CheckpointManager(
+        CheckpointConfig(enable=True, interval=1),
+        dump_folder=str(folder),
+        states={"dataloader": loader},
+        model_parts=[torch.nn.Linear(2, 2)],
+        rank_local=("rng",),
+    )
+
+
+def test_checkpoint_round_trip_through_dcp_and_old_format_refused(tmp_path):
+    """Through titan.ckpt as the trainer uses it: a global position saved by rank 1 of 2 loads
+    into one process (which continues with the next windows); a version 2 per-rank checkpoint
+    is refused before training with the flag that restarts the stream."""
+    from titan.ckpt import CheckpointError
+
+    cfg = DatasetConfig(**SMALL_SYNTHETIC)
+    saver = _build(cfg, rank=1, world=2, batch=2, seq_len=16)
+    _take(saver, 5)
+    _manager(tmp_path / "new", saver).maybe_save(1)
+    resumed = _build(cfg, batch=4, seq_len=16)
+    _manager(tmp_path / "new", resumed).load()
+    assert resumed.state_dict() == saver.state_dict()
+    assert torch.equal(next(resumed)["input_ids"], _stream(cfg, 24, seed=0)[20:24])
+
+    old = {
+        f"dp_rank_{r}": {
+            "epoch": 0,
+            "cursor": 1,
+            "offset": 0,
+            "seed": 0,
+            "version": 2,
+            "dp_world_size": 1,
+            "num_documents": 30,
+            "shuffle": True,
+            "batches_yielded": 1,
+        }
+        for r in range(1)
+    }
+    _manager(tmp_path / "old", _Stateful(old)).maybe_save(1)
+    with pytest.raises(CheckpointError) as err:
+        _manager(tmp_path / "old", _build(cfg)).load()
+    assert "dp_rank_0" in str(err.value) and "--checkpoint.exclude_from_loading dataloader" in str(
+        err.value
+    )

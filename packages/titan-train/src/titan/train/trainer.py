@@ -233,9 +233,10 @@ class Trainer:
             model_parts=self.model_parts,
             optimizers=OptimizerWrapper(self.model_parts, self.optimizers),
             hf_adapter=adapter,
-            # The loader keys its state by data-parallel rank itself: ranks sharing a dp rank
-            # (TP/PP/CP peers) share one entry, so TP/PP/CP layout changes resume it, and a
-            # dp-degree change fails clearly instead of silently restarting some ranks' data.
+            # The loader's state is one global record, equal on every rank: every rank (TP/PP/CP
+            # peers included) fetches grad_accum_steps global microbatches per step, so at a
+            # step boundary all stand after the same global batch. Saved once (DCP keeps one
+            # copy of identical entries), it resumes under any dp degree and TP/PP/CP layout.
             rank_local=("rng",),
         )
 

@@ -23,8 +23,9 @@ from torch.utils.data import DataLoader, IterableDataset
 __all__ = ["PackedDataLoader", "build_dataloader", "build_source", "synthetic_corpus"]
 
 # Bumped when the meaning of the saved position changes (2: a position in the one global
-# stream, no longer in a per-rank document shard).
-_STATE_VERSION = 2
+# stream, no longer in a per-rank document shard, still stored once per dp rank; 3: one
+# global record, the same on every rank, counted in windows of seq_len + 1 tokens).
+_STATE_VERSION = 3
 
 
 def synthetic_corpus(cfg: DatasetConfig, tokenizer: Tokenizer) -> SyntheticCorpus:
@@ -80,8 +81,11 @@ class _PackedBatches(IterableDataset):
     is split over ranks and accumulation steps: one process accumulating
     k microbatches sees exactly the rows that k data-parallel ranks see.
 
-    Batches are produced on demand (no prefetch), so the packer's position is
-    always exactly "after the last batch handed out".
+    After every fetch each rank's packer stands at the same place, the end of
+    that global microbatch, so the position (and `windows`, the count of
+    windows consumed by all ranks together) is global, not per rank.
+    Batches are produced on demand (no prefetch), so the position is always
+    exactly "after the last batch handed out".
     """
 
     def __init__(
@@ -95,7 +99,7 @@ class _PackedBatches(IterableDataset):
     ) -> None:
         self.packer, self.batch_size, self.seq_len = packer, batch_size, seq_len
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
-        self.batches_yielded = 0
+        self.windows = 0  # windows of seq_len + 1 tokens consumed globally (all ranks' rows)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
@@ -110,7 +114,7 @@ class _PackedBatches(IterableDataset):
             self.packer.fill(row)
         self.packer.skip((self.dp_world_size - 1 - self.dp_rank) * rank_tokens)
         tokens = torch.from_numpy(window)
-        self.batches_yielded += 1
+        self.windows += self.dp_world_size * self.batch_size
         # Packing leaves no padding, so every label is a real target (no -100).
         return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
@@ -119,10 +123,15 @@ class PackedDataLoader(DataLoader):
     """An endless `torch.utils.data.DataLoader` of packed batches, resumable.
 
     Iterate it (`for batch in loader`, or `next(loader)`); every iterator
-    draws from the same position. `state_dict()` is keyed by data parallel
-    rank, so a checkpoint of all ranks holds one distinct entry per rank.
-    Batches are built in the calling process (num_workers=0): packing is
-    cheap, and it keeps the saved position exact.
+    draws from the same position. `state_dict()` is one global record, the
+    same on every rank after every fetch (each fetch consumes a whole global
+    microbatch on every rank): the position in the global stream, in windows
+    of seq_len + 1 tokens. It resumes under any data-parallel degree, local
+    batch size or accumulation count: the next fetch takes the next
+    dp_world_size x B windows, so a resumed run reads exactly the windows an
+    uninterrupted one would. Only seq_len (window boundaries), the corpus and
+    shuffling must match. Batches are built in the calling process
+    (num_workers=0): packing is cheap, and it keeps the saved position exact.
     """
 
     def __init__(
@@ -143,54 +152,58 @@ class PackedDataLoader(DataLoader):
             self._own_iterator = iter(self)
         return next(self._own_iterator)
 
-    @property
-    def _state_key(self) -> str:
-        """Per-rank key: ranks' states must not collide in a shared checkpoint."""
-        return f"dp_rank_{self.dp_rank}"
-
     def state_dict(self) -> dict[str, Any]:
-        """`{"dp_rank_<r>": {...}}` with plain ints/bools only."""
+        """The global position, plain ints/bools only, identical on every rank: the packer's
+        (epoch, cursor, offset, seed), `windows` consumed globally, and what they are
+        measured against (`seq_len`, `num_documents`, `shuffle`)."""
         state = dict(self.packer.state_dict())
         state.update(
             version=_STATE_VERSION,
-            dp_world_size=self.dp_world_size,
+            seq_len=self.dataset.seq_len,
+            windows=self.dataset.windows,
             num_documents=self.num_documents,
             shuffle=self.packer.shuffle,
-            batches_yielded=self.dataset.batches_yielded,
         )
-        return {self._state_key: state}
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue exactly where the saved loader stopped. An empty dict is a
-        fresh start (nothing was saved)."""
+        """Continue exactly where the saved loader stopped, whatever this run's data-parallel
+        degree or batch split. An empty dict is a fresh start (nothing was saved)."""
         if not state_dict:
             return
-        if self._state_key not in state_dict:
-            raise ValueError(
-                f"the data loader state has no entry for data parallel rank {self.dp_rank} "
-                f"(found {sorted(state_dict)}); resume with the same data parallel degree"
-            )
-        state = state_dict[self._state_key]
-        self._check_compatible(state)
-        self.packer.load_state_dict(state)
-        self.dataset.batches_yielded = int(state["batches_yielded"])
+        self._check_compatible(state_dict)
+        self.packer.load_state_dict(state_dict)
+        self.dataset.windows = int(state_dict["windows"])
 
     def _check_compatible(self, state: dict[str, Any]) -> None:
-        """A position is only meaningful for the same sharding of the same corpus."""
-        if int(state.get("version", -1)) != _STATE_VERSION:
+        """A position is only meaningful for the same windows of the same corpus order."""
+        version = state.get("version")
+        if version is None and any(str(key).startswith("dp_rank_") for key in state):
+            version = 2  # the per-rank layout {"dp_rank_<r>": {...}} of versions <= 2
+        if version != _STATE_VERSION:
+            older = isinstance(version, int) and version < _STATE_VERSION
             raise ValueError(
-                f"data loader state version {state.get('version')} != {_STATE_VERSION}"
+                f"data loader state version {version} is not {_STATE_VERSION}: it was written by "
+                f"{'an older titan-train (one entry per data-parallel rank)' if older else 'another titan-train'}"
+                ", which this one cannot resume; restart the data stream with "
+                "--checkpoint.exclude_from_loading dataloader, or resume with the titan-train "
+                "that wrote it"
             )
-        expected = {
-            "dp_world_size": self.dp_world_size,
+        fixes = {
+            "seq_len": "--training.seq_len (windows are seq_len + 1 tokens)",
+            "num_documents": "dataset (--dataset.name/--dataset.path, --dataset.synthetic_*)",
+            "shuffle": "--dataset.shuffle / --dataset.no_shuffle",
+        }
+        here = {
+            "seq_len": self.dataset.seq_len,
             "num_documents": self.num_documents,
             "shuffle": self.packer.shuffle,
         }
-        for key, value in expected.items():
-            if state[key] != value:
+        for key, fix in fixes.items():
+            if state[key] != here[key]:
                 raise ValueError(
-                    f"cannot resume the data loader: the checkpoint has {key}={state[key]}, this run "
-                    f"has {value}; resume with the same dataset and data parallel degree"
+                    f"cannot resume the data loader: the checkpoint has {key}={state[key]}, this "
+                    f"run has {key}={here[key]}; resume with the same {fix}"
                 )
 
 
@@ -214,7 +227,9 @@ def build_dataloader(
     batch is the same whatever the data-parallel degree, which is what
     makes a data-parallel run equal to one process with gradient
     accumulation. The price: every rank tokenizes the whole stream, not
-    1 / dp_world_size of it.
+    1 / dp_world_size of it. The saved position is global (see
+    `PackedDataLoader`), so a checkpoint resumes under any data-parallel
+    degree and batch split, given the same seq_len, corpus and shuffling.
     """
     _check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
     source = build_source(cfg, tokenizer)
