@@ -110,4 +110,22 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, config) -> nn.Mod
     for fqn, _ in found:
         parent_name, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), child, ContextParallelAttention(mesh))
+    model.register_forward_pre_hook(_positions_filler(mesh), with_kwargs=True)
     return model
+
+
+def _positions_filler(cp_mesh: DeviceMesh):
+    """A forward pre-hook that passes the model its shard's absolute `positions` when the
+    caller did not: a pipeline schedule calls every stage with activations only, and RoPE must
+    still see where this rank's head-tail chunks sit in the full sequence."""
+
+    def fill_positions(module: nn.Module, args: tuple, kwargs: dict):
+        given = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        if given is not None or not args:
+            return None
+        size, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        local_len = args[0].shape[1]
+        kwargs = {**kwargs, "positions": shard_positions(local_len * size, rank, size, args[0].device)}
+        return args, kwargs
+
+    return fill_positions
