@@ -91,6 +91,62 @@ def test_unknown_state_in_exclude_from_loading(saved):
     run.manager.close()
 
 
+class Plain:
+    """A state of plain data whose layout a test chooses."""
+
+    def __init__(self, state) -> None:
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+@pytest.mark.parametrize(
+    ("saved_state", "wanted_state", "keys"),
+    [
+        # A format change: an older release kept one entry per data-parallel rank.
+        (
+            {"dp_rank_0": {"epoch": 1}},
+            {"cursor": 0, "epoch": 0},
+            "saved keys ['dp_rank_0'], expected ['cursor', 'epoch']",
+        ),
+        # Only a nested part changed: the keys are shown at the depth where they differ.
+        (
+            {"cursor": 1, "epoch": {"n": 1}},
+            {"cursor": 0, "epoch": {"m": 0, "n": 0}},
+            "saved keys ['cursor', 'epoch.n'], expected ['cursor', 'epoch.m', 'epoch.n']",
+        ),
+    ],
+)
+def test_state_with_other_entries_names_both_key_sets_and_the_fix(
+    tmp_path, saved_state, wanted_state, keys
+):
+    def manager(state, **kw):
+        return CheckpointManager(_cfg(**kw), dump_folder=str(tmp_path),
+                                 states={"loader": Plain(state)}, model_parts=[TinyLM()])
+
+    saver = manager(saved_state)
+    saver.maybe_save(1)
+    saver.close()
+    mgr = manager(wanted_state)
+    with pytest.raises(CheckpointError) as info:
+        mgr.load()
+    message = str(info.value)
+    assert "saved entries of state 'loader' do not match what this run's 'loader' expects" in message
+    assert keys in message
+    assert "a different parallel layout, or in an older format of 'loader'" in message
+    assert "--checkpoint.exclude_from_loading loader" in message
+    mgr.close()
+    # The fix the message names works: the rest of the step loads, the state starts fresh.
+    mgr = manager(wanted_state, exclude_from_loading=["loader"])
+    assert mgr.load() == 1
+    assert mgr.states["loader"].state == wanted_state
+    mgr.close()
+
+
 class Evil:
     """Pickles to a call of os.system: must never run on load."""
 

@@ -1,29 +1,26 @@
-"""Packing: separators, window shapes, label shift, sharding, linear cost."""
+"""Packing: separators, window shapes, label shift, skip == fill, one global order, linear cost."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from titan.train.data import ByteTokenizer, DocumentPacker, shard_documents
+from titan.train.data import ByteTokenizer, DocumentPacker
 from titan.train.data.loader import PackedDataLoader, _PackedBatches
 
 TEXTS = ["alpha", "", "beta gamma", "δέλτα", "epsilon zeta eta theta iota kappa lambda mu", "nu"]
 
 
-def _loader(source, *, batch=2, seq_len=7, shuffle=False, rank=0, world=1, seed=0):
+def _packer(source, *, shuffle=False, seed=0):
     tok = source.tokenizer
-    packer = DocumentPacker(
-        source,
-        shard_documents(len(source), rank, world),
-        bos_id=tok.bos_id,
-        eos_id=tok.eos_id,
-        shuffle=shuffle,
-        seed=seed,
-        rank=rank,
-    )
+    return DocumentPacker(source, bos_id=tok.bos_id, eos_id=tok.eos_id, shuffle=shuffle, seed=seed)
+
+
+def _loader(source, *, batch=2, seq_len=7, shuffle=False, rank=0, world=1, seed=0):
+    """The loader as `build_dataloader` wires it: one packer over the whole corpus per rank."""
+    packer = _packer(source, shuffle=shuffle, seed=seed)
     return PackedDataLoader(
-        _PackedBatches(packer, batch, seq_len),
+        _PackedBatches(packer, batch, seq_len, dp_rank=rank, dp_world_size=world),
         dp_rank=rank,
         dp_world_size=world,
         num_documents=len(source),
@@ -80,20 +77,20 @@ def test_each_document_tokenized_once_per_epoch(list_source):
     assert source.calls == 3  # doc 0, doc 1, then doc 0 of epoch 1
 
 
-def test_skip_advances_like_fill(list_source):
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_skip_advances_like_fill(list_source, shuffle):
     source = list_source(TEXTS)
-
-    def make():
-        return DocumentPacker(source, np.arange(len(source)), bos_id=source.tokenizer.bos_id,
-                              eos_id=source.tokenizer.eos_id, shuffle=True, seed=1)
-
-    filled, skipped = make(), make()
-    whole = np.empty(40, dtype=np.int64)
+    filled, skipped = (_packer(source, shuffle=shuffle, seed=1) for _ in range(2))
+    whole = np.empty(200, dtype=np.int64)  # several epochs of the tiny corpus
     filled.fill(whole)
     skipped.skip(17)
-    rest = np.empty(23, dtype=np.int64)
-    skipped.fill(rest)
-    np.testing.assert_array_equal(rest, whole[17:])
+    head = np.empty(23, dtype=np.int64)
+    skipped.fill(head)
+    np.testing.assert_array_equal(head, whole[17:40])
+    skipped.skip(111)  # across epoch boundaries
+    tail = np.empty(49, dtype=np.int64)
+    skipped.fill(tail)
+    np.testing.assert_array_equal(tail, whole[151:])
     assert skipped.state_dict() == filled.state_dict()
 
 
@@ -102,20 +99,40 @@ def test_all_empty_documents_raise(list_source):
         next(_loader(list_source(["", ""])))
 
 
-def test_shards_are_disjoint_and_cover_the_corpus(list_source):
+def test_empty_corpus_raises(list_source):
+    with pytest.raises(ValueError, match="the dataset has no documents"):
+        _packer(list_source([]))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_ranks_split_one_global_stream(list_source, shuffle):
+    """Every rank reads the same (seeded) order; fetch k's rows of ranks 0..world-1, stacked,
+    are the next world x B windows of the single-process stream, and after each fetch every
+    rank's packer stands at the same position."""
     texts = [f"<doc {i:03d}>" for i in range(23)]
-    seen = []
-    for rank in range(3):
-        loader = _loader(
-            list_source(texts), rank=rank, world=3, shuffle=True, seed=5, batch=1, seq_len=10
+    world, batch, seq_len, fetches = 3, 2, 10, 9
+    single = _stream(
+        _loader(list_source(texts), shuffle=shuffle, seed=5, batch=world * batch, seq_len=seq_len),
+        fetches,
+    )
+    ranks = [
+        _loader(
+            list_source(texts),
+            rank=r,
+            world=world,
+            shuffle=shuffle,
+            seed=5,
+            batch=batch,
+            seq_len=seq_len,
         )
-        n_docs = len(shard_documents(23, rank, 3))
-        stream = _stream(loader, n_docs)  # each doc is 11 tokens: one window == one doc
-        docs = ByteTokenizer().decode(stream).split(">")[:-1]
-        assert len(docs) == n_docs == len(set(docs))
-        seen.append(set(docs))
-    assert not (seen[0] & seen[1]) and not (seen[0] & seen[2]) and not (seen[1] & seen[2])
-    assert len(seen[0] | seen[1] | seen[2]) == 23
+        for r in range(world)
+    ]
+    stacked = []
+    for _ in range(fetches):
+        for loader in ranks:
+            stacked += _stream(loader, 1)
+        assert len({str(loader.packer.state_dict()) for loader in ranks}) == 1
+    assert stacked == single
 
 
 def test_shuffle_reorders_each_epoch(list_source):
@@ -125,10 +142,24 @@ def test_shuffle_reorders_each_epoch(list_source):
     assert sorted(epochs[0]) == sorted(epochs[1]) and epochs[0] != epochs[1]
 
 
-def test_more_ranks_than_documents():
-    with pytest.raises(ValueError, match="fewer than the 4 data parallel ranks"):
-        shard_documents(3, 3, 4)
+def test_shuffle_is_determined_by_seed_and_epoch(list_source):
+    """The order of each epoch is a function of (seed, epoch) only: the same seed replays it,
+    another seed changes it, and a packer placed at an epoch start (as a resume does)
+    continues with that epoch's order."""
+    texts = [f"{i:02d}" for i in range(20)]  # 4 tokens a document: an epoch is 80 tokens
 
+    def tokens(packer, n):
+        out = np.empty(n, dtype=np.int64)
+        packer.fill(out)
+        return out
 
-def test_shard_indices():
-    np.testing.assert_array_equal(shard_documents(10, 1, 4), [1, 5, 9])
+    three_epochs = tokens(_packer(list_source(texts), shuffle=True, seed=7), 240)
+    np.testing.assert_array_equal(
+        tokens(_packer(list_source(texts), shuffle=True, seed=7), 240), three_epochs
+    )
+    assert not np.array_equal(
+        tokens(_packer(list_source(texts), shuffle=True, seed=8), 240), three_epochs
+    )
+    resumed = _packer(list_source(texts), shuffle=True, seed=0)
+    resumed.load_state_dict({"epoch": 2, "cursor": 0, "offset": 0, "seed": 7})  # saved seed wins
+    np.testing.assert_array_equal(tokens(resumed, 80), three_epochs[160:])

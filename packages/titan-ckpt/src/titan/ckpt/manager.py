@@ -247,7 +247,7 @@ class CheckpointManager:
         for name, value in to_load.items():
             try:
                 self.states[name].load_state_dict(value)
-            except Exception as err:  # e.g. a data loader position for another sharding
+            except Exception as err:  # e.g. a saved value the state itself refuses
                 problem = (
                     f"cannot restore '{name}' from {path}: {err}. To start '{name}' fresh "
                     f"instead, pass --checkpoint.exclude_from_loading {name}"
@@ -534,18 +534,41 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 def _check_entries(name: str, expected: dict[str, Any], saved: Any, path: str) -> None:
     """Every entry state `name` needs is in the checkpoint with the right shape."""
     if name not in RESERVED:
-        missing = sorted(k for k in expected if k not in saved)
-        if missing:
-            prefix = f"{name}."
-            held = sorted({k[len(prefix):].split(".")[0] for k in saved if k.startswith(prefix)})
+        if any(k not in saved for k in expected):
+            held, wanted = _differing_keys(name, expected, saved)
             raise CheckpointError(
-                f"{path}: state '{name}' was saved for another parallel layout: this rank "
-                f"needs {missing[0]!r}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}, "
-                f"the checkpoint holds '{name}' entries {held or 'none'}. A per-rank state such "
-                "as a data loader position under another data-parallel degree cannot be "
-                f"restored; pass --checkpoint.exclude_from_loading {name} to start it fresh."
+                f"{path}: the saved entries of state '{name}' do not match what this run's "
+                f"'{name}' expects: saved keys {_shown(held)}, expected {_shown(wanted)}. It was "
+                "probably written under a different parallel layout, or in an older format of "
+                f"'{name}'; pass --checkpoint.exclude_from_loading {name} to start it fresh, or resume "
+                "with the layout and version that wrote it."
             )
     check_state_matches(name, expected, saved, where=path)
+
+
+def _differing_keys(
+    name: str, expected: dict[str, Any], saved: Any
+) -> tuple[list[str], list[str]]:
+    """(saved, expected) keys of state `name`, relative to it, cut at the shallowest depth
+    where the two differ: the top-level keys when the structure changed, deeper ones when
+    only a nested part did."""
+    prefix = f"{name}."
+    want = [k.removeprefix(prefix).split(".") for k in expected]
+    have = [k.removeprefix(prefix).split(".") for k in saved if k.startswith(prefix)]
+    deepest = max(len(parts) for parts in want + have)
+    for depth in range(1, deepest + 1):
+        held = sorted({".".join(parts[:depth]) for parts in have})
+        wanted = sorted({".".join(parts[:depth]) for parts in want})
+        if held != wanted:
+            break
+    return held, wanted
+
+
+def _shown(keys: list[str], limit: int = 8) -> str:
+    """`keys` as a list literal, cut after `limit` entries."""
+    if len(keys) <= limit:
+        return str(keys)
+    return f"{str(keys[:limit])[:-1]}, ... and {len(keys) - limit} more]"
 
 
 def _make_writer(path: str) -> FileSystemWriter:

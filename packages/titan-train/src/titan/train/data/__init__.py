@@ -11,7 +11,7 @@ from titan.train.data.loader import (
     build_source,
     synthetic_corpus,
 )
-from titan.train.data.packing import DocumentPacker, shard_documents
+from titan.train.data.packing import DocumentPacker
 from titan.train.data.sources import (
     DocumentSource,
     HFDatasetSource,
@@ -40,7 +40,6 @@ __all__ = [
     "build_dataloader",
     "build_source",
     "markov_entropy_floor_nats",
-    "shard_documents",
     "stdlib_files",
     "synthetic_corpus",
     "validate_data_config",

@@ -234,12 +234,7 @@ def build_dataloader(
     _check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
     source = build_source(cfg, tokenizer)
     packer = DocumentPacker(
-        source,
-        np.arange(len(source), dtype=np.int64),
-        bos_id=tokenizer.bos_id,
-        eos_id=tokenizer.eos_id,
-        shuffle=cfg.shuffle,
-        seed=seed,
+        source, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, shuffle=cfg.shuffle, seed=seed
     )
     batches = _PackedBatches(
         packer, local_batch_size, seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size

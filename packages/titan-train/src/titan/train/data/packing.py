@@ -17,50 +17,32 @@ from __future__ import annotations
 import numpy as np
 from titan.train.data.sources import DocumentSource
 
-__all__ = ["DocumentPacker", "shard_documents"]
-
-
-def shard_documents(num_documents: int, dp_rank: int, dp_world_size: int) -> np.ndarray:
-    """Indices of the documents owned by `dp_rank`: those with i % world == rank.
-
-    Sharding documents (not samples) lets every rank pack on its own, with no
-    communication, and still guarantees no two ranks ever see the same
-    document, hence the same sample. Ranks may hold slightly different token
-    counts; since the stream loops over epochs, that only shifts when each
-    rank starts its next epoch.
-    """
-    indices = np.arange(dp_rank, num_documents, dp_world_size, dtype=np.int64)
-    if len(indices) == 0:
-        raise ValueError(
-            f"the dataset has {num_documents} documents, fewer than the {dp_world_size} data "
-            "parallel ranks; use more documents (e.g. --dataset.synthetic_documents) or fewer ranks"
-        )
-    return indices
+__all__ = ["DocumentPacker"]
 
 
 class DocumentPacker:
-    """Turns one rank's documents into an endless stream of fixed windows.
+    """Turns a corpus into one endless stream of framed document tokens.
 
-    Epoch e visits `doc_indices` in a permutation seeded by (seed, e, rank)
-    when `shuffle`, else in order. Empty documents are skipped entirely (no
-    lone BOS/EOS pairs from blank lines or empty files).
+    Epoch e visits every document of `source` in a permutation seeded by
+    (seed, e) when `shuffle`, else in index order. The loader gives every
+    data-parallel rank the same packer, so all ranks read the same global
+    stream and each keeps its own rows of it (`fill` its rows, `skip` the
+    others'). Empty documents are skipped entirely (no lone BOS/EOS pairs
+    from blank lines or empty files).
     """
 
     def __init__(
-        self,
-        source: DocumentSource,
-        doc_indices: np.ndarray,
-        *,
-        bos_id: int,
-        eos_id: int,
-        shuffle: bool,
-        seed: int,
-        rank: int = 0,
+        self, source: DocumentSource, *, bos_id: int, eos_id: int, shuffle: bool, seed: int
     ) -> None:
         self.source = source
-        self.doc_indices = np.asarray(doc_indices, dtype=np.int64)
+        self.num_documents = len(source)
+        if self.num_documents == 0:  # else the first fill fails with a bare IndexError
+            raise ValueError(
+                "the dataset has no documents; check --dataset.name, --dataset.path, "
+                "--dataset.subset and --dataset.split"
+            )
         self.bos_id, self.eos_id = bos_id, eos_id
-        self.shuffle, self.seed, self.rank = shuffle, seed, rank
+        self.shuffle, self.seed = shuffle, seed
         self.epoch = self.cursor = self.offset = 0
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, order) cache
         self._doc: tuple[tuple[int, int], np.ndarray] | None = None  # ((epoch, cursor), ids)
@@ -80,7 +62,8 @@ class DocumentPacker:
 
     def skip(self, n: int) -> None:
         """Advance past the next `n` stream tokens (those of other ranks' rows)
-        without copying them; the documents entered are still tokenized."""
+        without copying them, exactly as `fill` would; the documents entered are
+        still tokenized."""
         self._consume(n, None)
 
     def _consume(self, n: int, out: np.ndarray | None) -> None:
@@ -116,10 +99,12 @@ class DocumentPacker:
     def _epoch_order(self) -> np.ndarray:
         """This epoch's document order (one permutation computed per epoch)."""
         if self._order is None or self._order[0] != self.epoch:
-            order = self.doc_indices
+            order = np.arange(self.num_documents, dtype=np.int64)
             if self.shuffle:
-                rng = np.random.default_rng([self.seed, self.epoch, self.rank])
-                order = order[rng.permutation(len(order))]
+                # Seeded by (seed, epoch) alone: one order for every rank. numpy pads a short
+                # seed with zeros, so this is the former (seed, epoch, rank=0) order exactly and
+                # saved positions stay valid.
+                order = np.random.default_rng([self.seed, self.epoch]).permutation(order)
             self._order = (self.epoch, order)
         return self._order[1]
 
@@ -127,13 +112,13 @@ class DocumentPacker:
         """Move to the next document, wrapping into the next epoch."""
         self.offset = 0
         self.cursor += 1
-        if self.cursor == len(self.doc_indices):
+        if self.cursor == self.num_documents:
             self.cursor = 0
             self.epoch += 1
 
     def _check_not_all_empty(self, empty_run: int) -> None:
         """Fail instead of looping forever when every document is empty."""
-        if empty_run > len(self.doc_indices):
+        if empty_run > self.num_documents:
             raise ValueError(
                 "every document is empty after tokenization; "
                 "check --dataset.path and --dataset.text_field"
