@@ -103,3 +103,38 @@ def test_text_sample_by_document(data_files, tmp_path):
     cfg = _config("text", data_files["text"], tmp_path, text_sample_by="document")
     got = _first_stream(cfg, tok, 30)
     assert got[0] == tok.bos_id and tok.eos_id not in got  # the whole file is one document
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_block_reads_keep_documents_order_and_resume(shuffle, monkeypatch):
+    """Rows read in prefetched blocks (slices, or lists under shuffle; blocks of 5 here, so
+    blocks and epochs cross) give the per-row stream, also when resumed mid-block."""
+    import datasets
+    import numpy as np
+    from titan.train.data import packing
+    from titan.train.data.packing import DocumentPacker
+    from titan.train.data.sources import HFDatasetSource
+
+    monkeypatch.setattr(packing, "PREFETCH_DOCUMENTS", 5)
+    tok = ByteTokenizer()
+    table = datasets.Dataset.from_dict({"body": DOCS[:11] + [None]})
+
+    def packer(prefetch):
+        source = HFDatasetSource(table, tok, "body")
+        if not prefetch:
+            source.prefetch = lambda indices: None
+        return DocumentPacker(source, bos_id=tok.bos_id, eos_id=tok.eos_id, shuffle=shuffle, seed=3)
+
+    def stream(p, n):
+        out = np.empty(n, dtype=np.int64)
+        p.fill(out)
+        return out.tolist()
+
+    n = 3 * sum(len(d) + 2 for d in DOCS)  # about three epochs
+    per_row = stream(packer(False), n)
+    blocked = packer(True)
+    assert stream(blocked, n // 2 + 7) == per_row[: n // 2 + 7]
+    assert blocked.source._block  # the blocks were used, not the per-row fallback
+    resumed = packer(True)
+    resumed.load_state_dict(blocked.state_dict())
+    assert stream(resumed, n - n // 2 - 7) == per_row[n // 2 + 7 :]

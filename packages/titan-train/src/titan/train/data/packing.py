@@ -19,6 +19,10 @@ from titan.train.data.sources import DocumentSource
 
 __all__ = ["DocumentPacker"]
 
+# Documents announced to the source at a time (`DocumentSource.prefetch`), so a source that
+# reads in blocks (datasets' Arrow tables) pays one read per block, not one per document.
+PREFETCH_DOCUMENTS = 256
+
 
 class DocumentPacker:
     """Turns a corpus into one endless stream of framed document tokens.
@@ -46,6 +50,7 @@ class DocumentPacker:
         self.epoch = self.cursor = self.offset = 0
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, order) cache
         self._doc: tuple[tuple[int, int], np.ndarray] | None = None  # ((epoch, cursor), ids)
+        self._prefetched: tuple[int, int] | None = None  # (epoch, block) announced to source
 
     @property
     def bos_separator(self) -> bool:
@@ -85,7 +90,13 @@ class DocumentPacker:
         """Framed ids of the document under the cursor (cached until it is left)."""
         key = (self.epoch, self.cursor)
         if self._doc is None or self._doc[0] != key:
-            doc_index = int(self._epoch_order()[self.cursor])
+            order = self._epoch_order()
+            block = self.cursor // PREFETCH_DOCUMENTS
+            if self._prefetched != (self.epoch, block):
+                start = block * PREFETCH_DOCUMENTS
+                self.source.prefetch(order[start : start + PREFETCH_DOCUMENTS])
+                self._prefetched = (self.epoch, block)
+            doc_index = int(order[self.cursor])
             self._doc = (key, self._frame(self.source.tokens(doc_index)))
         return self._doc[1]
 
@@ -142,4 +153,4 @@ class DocumentPacker:
         )
         # The saved seed wins: the data order is part of the run being resumed.
         self.seed = int(state["seed"])
-        self._order = self._doc = None
+        self._order = self._doc = self._prefetched = None

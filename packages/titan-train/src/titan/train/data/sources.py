@@ -46,6 +46,13 @@ class DocumentSource:
         """Token ids (int64) of document `index`, without BOS/EOS."""
         raise NotImplementedError
 
+    def prefetch(self, indices: np.ndarray) -> None:
+        """Hint: documents `indices` will be asked for next, in this order.
+
+        A source that reads documents cheaper in blocks may read them now; the
+        default ignores it. Only a hint: `tokens(i)` is the same either way.
+        """
+
 
 class TextSource(DocumentSource):
     """A source of text documents, tokenized on access."""
@@ -115,13 +122,32 @@ class HFDatasetSource(TextSource):
         # Selecting the column once avoids decoding every other column per access.
         self.dataset = dataset.select_columns([text_field])
         self.text_field = text_field
+        # The texts of the last prefetched block, by row index: one Arrow read per block
+        # instead of one `__getitem__` (~10-40 us) per row. Never part of the position.
+        self._block: dict[int, object] = {}
 
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def prefetch(self, indices: np.ndarray) -> None:
+        """Read the rows `indices` in one go (a slice when they are consecutive)."""
+        rows = np.asarray(indices, dtype=np.int64).tolist()
+        if not rows:
+            return
+        start, stop = rows[0], rows[-1] + 1
+        if stop - start == len(rows) and rows == list(range(start, stop)):
+            values = self.dataset[start:stop][self.text_field]
+        else:
+            values = self.dataset[rows][self.text_field]
+        self._block = dict(zip(rows, values, strict=True))
+
     def text(self, index: int) -> str:
         """Row `index`'s text (None, e.g. a null in parquet, reads as empty)."""
-        value = self.dataset[int(index)][self.text_field]
+        index = int(index)
+        if index in self._block:
+            value = self._block[index]
+        else:
+            value = self.dataset[index][self.text_field]
         return "" if value is None else str(value)
 
 
