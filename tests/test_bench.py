@@ -12,6 +12,12 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench"
 
 
+@pytest.fixture(autouse=True)
+def bench_on_path(monkeypatch):
+    """Scripts import their shared helpers as siblings, as when run from the command line."""
+    monkeypatch.syspath_prepend(str(BENCH))
+
+
 def load(name: str):
     """tools/bench/<name>.py as a module."""
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+from benchstats import ratio_line  # this folder is on sys.path when a script runs
 from titan.train.data import (
     ByteTokenizer,
     DatasetConfig,
@@ -182,21 +183,6 @@ def time_rounds(loaders: dict[str, Iterator], batches: int, rounds: int) -> dict
     return rates
 
 
-def ratio_line(label: str, num: list[float], den: list[float]) -> str:
-    """`ratio <label> batches/s: <ratio of medians> (per-round ratios: median, quartiles, n)`.
-
-    Each round's pair ran back to back, so a per-round ratio is the least noisy sample; their
-    quartiles are the spread (min..max would only report the other users' load spikes).
-    """
-    per_round = [a / b for a, b in zip(num, den, strict=True)]
-    med = statistics.median(num) / statistics.median(den)
-    q1, _, q3 = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else per_round * 3
-    return (
-        f"ratio {label} batches/s: {med:.3f} (per-round median {statistics.median(per_round):.3f}, "
-        f"quartiles {q1:.3f}..{q3:.3f}, {len(per_round)} rounds)"
-    )
-
-
 def report(corpus: str, rates: dict[str, list[float]], tokens_per_batch: int) -> None:
     """One line per loader: median batches/s and tokens/s, with the spread."""
     for name, r in rates.items():
@@ -214,7 +200,7 @@ def bench_corpus(corpus: str, cfg: DatasetConfig, tokenizer, naive: NaiveLoader,
     check_same_stream(titan, naive, args.check_batches)
     rates = time_rounds({"titan": titan, "naive": naive}, args.batches, args.rounds)
     report(corpus, rates, tokens_per_batch)
-    print(ratio_line(f"{corpus} titan/naive", rates["titan"], rates["naive"]))
+    print(ratio_line(f"{corpus} titan/naive", rates["titan"], rates["naive"], "batches/s"))
 
     degrees = [int(d) for d in args.dp.split(",")]
     loaders = {f"dp{d}": iter(titan_loader(cfg, tokenizer, args, dp=d)) for d in degrees}
@@ -222,7 +208,7 @@ def bench_corpus(corpus: str, cfg: DatasetConfig, tokenizer, naive: NaiveLoader,
     report(corpus, scaling, tokens_per_batch)
     base = f"dp{degrees[0]}"
     for name in list(scaling)[1:]:
-        print(ratio_line(f"{corpus} rank-0 {name}/{base}", scaling[name], scaling[base]))
+        print(ratio_line(f"{corpus} rank-0 {name}/{base}", scaling[name], scaling[base], "batches/s"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from benchstats import ratio_line  # this folder is on sys.path when a script runs
 from titan.models.llama3 import Llama3StateDictAdapter, build_llama3
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -178,21 +179,6 @@ def run_interleaved(
     return rates, peaks
 
 
-def ratio_line(label: str, num: list[float], den: list[float]) -> str:
-    """`ratio <label> tokens/s: <ratio of medians> (per-round ratios: median, quartiles, n)`.
-
-    Each round's pair ran back to back, so a per-round ratio is the least noisy sample; their
-    quartiles are the spread (min..max would only report the other users' load spikes).
-    """
-    per_round = [a / b for a, b in zip(num, den, strict=True)]
-    med = statistics.median(num) / statistics.median(den)
-    q1, _, q3 = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else per_round * 3
-    return (
-        f"ratio {label} tokens/s: {med:.3f} (per-round median {statistics.median(per_round):.3f}, "
-        f"quartiles {q1:.3f}..{q3:.3f}, {len(per_round)} rounds)"
-    )
-
-
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     """Build both models, check they agree, time them interleaved, print medians and ratios."""
     args = parse_args(argv)
@@ -229,9 +215,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
             f"{name:15s} tokens/s median {statistics.median(r):10.1f} "
             f"(min {min(r):.1f}, max {max(r):.1f}); saved activations {saved[name]:.1f} MiB{peak}"
         )
-    print(ratio_line("titan/hf", rates["titan"], rates["hf"]))
+    print(ratio_line("titan/hf", rates["titan"], rates["hf"], "tokens/s"))
     if args.compile:
-        print(ratio_line("titan compiled/eager", rates["titan_compiled"], rates["titan"]))
+        print(ratio_line("titan compiled/eager", rates["titan_compiled"], rates["titan"], "tokens/s"))
     return rates
 
 
