@@ -68,3 +68,14 @@ def test_loss_starts_at_uniform_and_tokens_are_counted(tmp_path):
     # uniform over the vocabulary; far off means a broken init or loss normalization.
     assert math.log(vocab) <= records[0]["loss"] < math.log(vocab) + 1.0
     assert records[-1]["tokens_seen"] == 3 * 2 * 32
+
+
+def test_bf16_without_fsdp_autocasts_and_tracks_fp32(tmp_path):
+    """One process has no FSDP policy to cast parameters: --training.mixed_precision_param
+    must still take effect (autocast), close to fp32 but not bitwise."""
+    fp32, fp32_w = run(tiny_config(tmp_path / "fp32"))
+    bf16, bf16_w = run(tiny_config(tmp_path / "bf16", mixed_precision_param="bfloat16"))
+    assert all(w.dtype == torch.float32 for w in bf16_w.values())  # master weights stay fp32
+    for a, b in zip(fp32, bf16, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
+    assert any(a["loss"] != b["loss"] for a, b in zip(fp32, bf16, strict=True))

@@ -124,6 +124,13 @@ class ParallelDims:
         return self.dp_shard * self.cp > 1
 
     @property
+    def uses_fully_shard(self) -> bool:
+        """`parallelize` wraps the model with FSDP2's `fully_shard`: when parameters are
+        sharded, and also to replicate tensor-parallel DTensor params (torch's DDP cannot take
+        DTensors). Only then does FSDP2's mixed-precision policy apply."""
+        return self.fsdp_enabled or (self.dp_replicate_enabled and self.tp_enabled)
+
+    @property
     def tp_enabled(self) -> bool:
         """Tensor parallelism is on."""
         return self.tp > 1

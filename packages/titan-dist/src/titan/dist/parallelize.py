@@ -54,7 +54,7 @@ def _apply_data_parallel(model: nn.Module, dims: ParallelDims, parallelism,
     replicated; nothing on a single data-parallel rank. Replication of tensor-parallel
     DTensor params goes through FSDP2 with a shard group of 1 (torch's DDP cannot take
     DTensors)."""
-    if dims.fsdp_enabled or (dims.dp_replicate_enabled and dims.tp_enabled):
+    if dims.uses_fully_shard:
         from titan.dist.fsdp import apply_fsdp
         apply_fsdp(model, dims.mesh("fsdp"), parallelism, pp_enabled=dims.pp_enabled,
                    mp_policy=mp_policy)

@@ -66,8 +66,8 @@ class TrainingConfig:
     max_norm: float = 1.0
     """Clip the global gradient norm to this; <= 0 disables clipping (the norm is still logged)."""
     mixed_precision_param: str = "float32"
-    """dtype of parameters in forward/backward under FSDP (bfloat16 on GPUs); master weights
-    stay float32."""
+    """Compute dtype of forward/backward (bfloat16 on GPUs); master weights stay float32. Under
+    FSDP2 its policy casts the parameters; elsewhere the forward runs under autocast."""
     mixed_precision_reduce: str = "float32"
     """dtype of gradient reduction under FSDP."""
 

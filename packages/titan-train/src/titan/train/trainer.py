@@ -6,6 +6,7 @@ valid-token count -> backward -> mesh-wide clip -> optimizer step -> LR step -> 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -316,12 +317,23 @@ class Trainer:
         self.lr_schedulers.step()
         return StepResult(loss=global_loss, loss_max=loss_max, grad_norm=float(grad_norm), tokens=int(global_tokens))
 
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision where FSDP2's policy does not reach (one device, DDP, TP alone, PP
+        without FSDP): autocast the forward to ``--training.mixed_precision_param``, keeping
+        fp32 weights. Under FSDP2 the policy casts the parameters instead."""
+        dtype = self.config.training.mixed_precision_param
+        if dtype == "float32" or self.parallel_dims.uses_fully_shard:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, dtype))
+
     def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, positions: Any) -> torch.Tensor:
         """Forward and backward of one microbatch; returns its detached (scaled) loss."""
         if self.parallel_dims.pp_enabled:
-            return self._pipeline_forward_backward(inputs, labels)
+            with self._autocast():
+                return self._pipeline_forward_backward(inputs, labels)
         with loss_parallel_context(self.parallel_dims, self.config.parallelism):
-            logits = self.model_parts[0](inputs, positions)
+            with self._autocast():
+                logits = self.model_parts[0](inputs, positions)
             loss = self._loss(logits, labels)
             del logits  # free the largest activation before backward
             loss.backward()
