@@ -10,6 +10,7 @@ from titan.models.common import (
     GroupedQueryAttention,
     RMSNorm,
     RopeScaling,
+    ScaledDotProductAttention,
     ShardingPlan,
     apply_rope,
     glob_matches,
@@ -89,7 +90,7 @@ def _attention(n_heads=8, n_kv_heads=4, head_dim=8):
     return attn
 
 
-def test_inner_attention_gets_repeated_heads_and_can_be_replaced():
+def test_inner_attention_gets_grouped_heads_and_can_be_replaced():
     attn, seen = _attention(), []
 
     class Recorder(torch.nn.Module):
@@ -99,7 +100,17 @@ def test_inner_attention_gets_repeated_heads_and_can_be_replaced():
 
     attn.inner_attention = Recorder()
     attn(torch.randn(2, 5, 32), rope_cache(8, 5, 10000.0))
-    assert seen == [(torch.Size([2, 8, 5, 8]),) * 3]
+    assert seen == [(torch.Size([2, 8, 5, 8]), torch.Size([2, 4, 5, 8]), torch.Size([2, 4, 5, 8]))]
+
+
+def test_grouped_attention_equals_attention_over_repeated_heads():
+    # Query head h must read kv head h // (H // Hkv): the grouping tensor parallel relies on.
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 8, 5, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), is_causal=True
+    )
+    torch.testing.assert_close(ScaledDotProductAttention()(q, k, v), expected)
 
 
 def test_attention_is_causal():

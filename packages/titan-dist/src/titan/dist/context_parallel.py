@@ -95,7 +95,8 @@ class ContextParallelAttention(nn.Module):
         q_pos = shard_positions(seq_len, rank, size, q.device)
         k_pos = torch.arange(seq_len, device=q.device)
         mask = q_pos[:, None] >= k_pos[None, :]
-        return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, config) -> nn.Module:

@@ -4,7 +4,6 @@ from titan.models.common.accounting import count_params, dense_flops_per_token
 from titan.models.common.attention import (
     GroupedQueryAttention,
     ScaledDotProductAttention,
-    repeat_kv,
 )
 from titan.models.common.feed_forward import FeedForward
 from titan.models.common.init import trunc_normal_init
@@ -30,7 +29,6 @@ __all__ = [
     "dense_flops_per_token",
     "glob_matches",
     "match_modules",
-    "repeat_kv",
     "rope_cache",
     "rope_inv_freq",
     "scale_inv_freq_llama3",

@@ -10,7 +10,11 @@ from torch import nn
 
 
 class ScaledDotProductAttention(nn.Module):
-    """Causal SDPA on [B, H, S, Dh] tensors with equal head counts.
+    """Causal grouped-query SDPA: q [B, H, S, Dh] over k/v [B, Hkv, S, Dh].
+
+    Query head h reads kv head h // (H // Hkv), which keeps each group on one TP shard. SDPA's
+    `enable_gqa` does the grouping without materializing repeated K/V (less memory, and no
+    gradient sums over the copies in backward).
 
     Kept as its own module so context parallelism can replace it (the plan names it in
     `attention_modules`) without touching the projections around it.
@@ -18,16 +22,7 @@ class ScaledDotProductAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of q over k/v; returns [B, H, S, Dh]."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Repeat each kv head of `x` [B, Hkv, S, Dh] so it serves its group of query heads.
-
-    Query head h reads kv head h // (n_heads // Hkv), which keeps each group on one TP shard.
-    """
-    n_rep = n_heads // x.shape[1]
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class GroupedQueryAttention(nn.Module):
@@ -54,8 +49,7 @@ class GroupedQueryAttention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        n_heads = q.shape[1]
-        out = self.inner_attention(q, repeat_kv(k, n_heads), repeat_kv(v, n_heads))
+        out = self.inner_attention(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, std_in: float, std_out: float) -> None:
