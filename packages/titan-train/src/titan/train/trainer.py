@@ -50,12 +50,17 @@ logger = logging.getLogger("titan")
 
 @dataclass
 class StepResult:
-    """What one optimizer step produced (global over the mesh)."""
+    """What one optimizer step produced. The loss stays this rank's share until a logging
+    step reduces it (see ``Trainer.global_loss``): no collective on steps nobody logs."""
 
-    loss: float
-    loss_max: float
-    grad_norm: float
+    rank_loss: torch.Tensor
+    """This rank's share of the global mean loss (zero on pipeline stages without the loss)."""
+    rank_tokens: torch.Tensor
+    """Valid label tokens this rank's share was computed over."""
     tokens: int
+    """Valid label tokens of the whole global batch."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
 
 
 def setup_logging(rank: int) -> None:
@@ -292,8 +297,8 @@ class Trainer:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         sharded = [self._shard_for_context_parallel(mb) for mb in microbatches]
-        local_tokens = sum(int(count_valid_tokens(labels)) for _, labels, _ in sharded)
-        global_tokens = self._sum_over(torch.tensor(float(local_tokens), device=self.device), "dp_cp")
+        local_tokens = torch.stack([count_valid_tokens(labels) for _, labels, _ in sharded]).sum().float()
+        global_tokens = self._sum_over(local_tokens.clone(), "dp_cp")
         grad_scale = self._data_parallel_grad_scale()
         self._loss_scale = grad_scale / global_tokens
         loss_sum = torch.zeros((), device=self.device)
@@ -304,18 +309,26 @@ class Trainer:
             self.config.training.max_norm,
             mesh=self.mesh,
         )
-        # loss_sum holds this rank's share of the global mean (times grad_scale).
+        # loss_sum holds this rank's share of the global mean (times grad_scale). A non-finite
+        # loss on any rank makes the global grad norm non-finite, so every rank stops together.
         rank_loss = loss_sum / grad_scale
-        if self.parallel_dims.pp_enabled:
-            rank_loss = self._sum_over(rank_loss, "pp")  # only the last stage computed it
-        global_loss = float(self._sum_over(rank_loss.clone(), "dp_cp"))
-        rank_mean = rank_loss * global_tokens / max(local_tokens, 1)
-        loss_max = float(reduce_max(rank_mean, self.parallel_dims.mesh("dp_cp")))
-        self._check_finite(global_loss, float(grad_norm))
+        self._check_finite(float(rank_loss), float(grad_norm))
         for opt in self.optimizers:
             opt.step()
         self.lr_schedulers.step()
-        return StepResult(loss=global_loss, loss_max=loss_max, grad_norm=float(grad_norm), tokens=int(global_tokens))
+        return StepResult(
+            rank_loss=rank_loss, rank_tokens=local_tokens, tokens=int(global_tokens), grad_norm=float(grad_norm)
+        )
+
+    def global_loss(self, result: StepResult) -> tuple[float, float]:
+        """(mean, max over data-parallel ranks) of a step's loss. Collective: every rank calls
+        it on the same steps."""
+        rank_loss = result.rank_loss
+        if self.parallel_dims.pp_enabled:
+            rank_loss = self._sum_over(rank_loss.clone(), "pp")  # only the last stage computed it
+        mean = float(self._sum_over(rank_loss.clone(), "dp_cp"))
+        rank_mean = rank_loss * result.tokens / result.rank_tokens.clamp(min=1)
+        return mean, float(reduce_max(rank_mean, self.parallel_dims.mesh("dp_cp")))
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision where FSDP2's policy does not reach (one device, DDP, TP alone, PP
@@ -399,12 +412,13 @@ class Trainer:
         return records
 
     def _log(self, result: StepResult) -> dict[str, Any]:
+        loss, loss_max = self.global_loss(result)
         return self.metrics.log(
             step=self.step,
-            loss=result.loss,
+            loss=loss,
             grad_norm=result.grad_norm,
             lr=self.lr_schedulers.last_lr(),
-            extra={"loss_max": result.loss_max, "tokens_seen": self.train_state.tokens_seen},
+            extra={"loss_max": loss_max, "tokens_seen": self.train_state.tokens_seen},
         )
 
     def close(self) -> None:
