@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from titan.models.common import (
+    SeededInit,
     GroupedQueryAttention,
     RMSNorm,
     RopeScaling,
@@ -86,7 +87,7 @@ def test_rmsnorm_normalizes_in_float32_and_scales():
 def _attention(n_heads=8, n_kv_heads=4, head_dim=8):
     torch.manual_seed(0)
     attn = GroupedQueryAttention(32, n_heads, n_kv_heads, head_dim)
-    attn.init_weights(0.2, 0.2)
+    attn.init_weights(SeededInit(attn, seed=0), 0.2, 0.2)
     return attn
 
 

@@ -306,14 +306,9 @@ class CheckpointManager:
     def save_seed_checkpoint(self) -> str:
         """Write the model's current (freshly initialized) weights as step 0, model only.
 
-        Runs on one process, so that every rank of a later multi-rank run starts from the
-        same weights whatever its layout. Returns the step folder.
+        Any layout may write it (each rank saves its shards): a later run of any layout loads
+        the same weights. Returns the step folder.
         """
-        if self._world_size != 1:
-            raise CheckpointError(
-                f"--checkpoint.create_seed_checkpoint runs on one process; this run has "
-                f"world size {self._world_size}. Launch it with a single rank."
-            )
         if self.steps():
             raise CheckpointError(
                 f"{self.folder} already holds steps {self.steps()}; a seed checkpoint goes into "

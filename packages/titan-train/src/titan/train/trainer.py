@@ -222,11 +222,10 @@ class Trainer:
             parts = [parallelize(model, self.parallel_dims, self.mesh, **common, mp_policy=mp_policy)]
         for part in parts:
             part.to_empty(device=self.device)
-            # Same seed on every rank: replicated weights initialize identically. Sharded and
-            # pipelined layouts start from a seed checkpoint to match a single process exactly.
-            torch.manual_seed(cfg.debug.seed)
+            # Values depend on the seed and each parameter's name only: every layout starts
+            # from the weights a single process would create, each rank drawing its shards.
             with torch.no_grad():
-                part.init_weights(buffer_device=self.device)
+                part.init_weights(buffer_device=self.device, seed=cfg.debug.seed)
             part.train()
         return parts
 

@@ -6,7 +6,7 @@ from titan.models.common.attention import (
     ScaledDotProductAttention,
 )
 from titan.models.common.feed_forward import FeedForward
-from titan.models.common.init import trunc_normal_init
+from titan.models.common.init import SeededInit, fill_seeded_
 from titan.models.common.norm import RMSNorm
 from titan.models.common.plan import ShardingPlan, glob_matches, match_modules
 from titan.models.common.rope import (
@@ -32,5 +32,6 @@ __all__ = [
     "rope_cache",
     "rope_inv_freq",
     "scale_inv_freq_llama3",
-    "trunc_normal_init",
+    "SeededInit",
+    "fill_seeded_",
 ]

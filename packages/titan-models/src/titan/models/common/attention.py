@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from titan.models.common.init import trunc_normal_init
+from titan.models.common.init import SeededInit
 from titan.models.common.rope import apply_rope
 from torch import nn
 
@@ -52,8 +52,8 @@ class GroupedQueryAttention(nn.Module):
         out = self.inner_attention(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
-    def init_weights(self, std_in: float, std_out: float) -> None:
+    def init_weights(self, init: SeededInit, std_in: float, std_out: float) -> None:
         """Truncated-normal init; `std_out` (wo) is depth-scaled by the caller."""
         for linear in (self.wq, self.wk, self.wv):
-            trunc_normal_init(linear.weight, std_in)
-        trunc_normal_init(self.wo.weight, std_out)
+            init.trunc_normal_(linear.weight, std_in)
+        init.trunc_normal_(self.wo.weight, std_out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from titan.models.common.init import trunc_normal_init
+from titan.models.common.init import SeededInit
 from torch import nn
 
 
@@ -25,7 +25,7 @@ class FeedForward(nn.Module):
         """Apply the gated MLP to the last dim of `x`."""
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
-    def init_weights(self, std_in: float, std_out: float) -> None:
+    def init_weights(self, init: SeededInit, std_in: float, std_out: float) -> None:
         """Truncated-normal init; `std_out` (w2) is depth-scaled by the caller."""
         for linear, std in ((self.w1, std_in), (self.w3, std_in), (self.w2, std_out)):
-            trunc_normal_init(linear.weight, std)
+            init.trunc_normal_(linear.weight, std)

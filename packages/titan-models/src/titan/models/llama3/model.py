@@ -9,7 +9,7 @@ import torch
 from titan.models.common.accounting import count_params, dense_flops_per_token
 from titan.models.common.attention import GroupedQueryAttention
 from titan.models.common.feed_forward import FeedForward
-from titan.models.common.init import trunc_normal_init
+from titan.models.common.init import SeededInit
 from titan.models.common.norm import RMSNorm
 from titan.models.common.plan import ShardingPlan
 from titan.models.common.rope import rope_cache
@@ -36,12 +36,12 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), rope)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def init_weights(self, std_out: float) -> None:
+    def init_weights(self, init: SeededInit, std_out: float) -> None:
         """Init projections (`std_out` for the ones writing into the residual) and norms."""
         self.attention_norm.reset_parameters()
-        self.attention.init_weights(_INIT_STD, std_out)
+        self.attention.init_weights(init, _INIT_STD, std_out)
         self.ffn_norm.reset_parameters()
-        self.feed_forward.init_weights(_INIT_STD, std_out)
+        self.feed_forward.init_weights(init, _INIT_STD, std_out)
 
 
 class Llama3Model(nn.Module):
@@ -91,28 +91,31 @@ class Llama3Model(nn.Module):
         return self.rope_cache[:seq_len]
 
     @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Fill every parameter and buffer from the torch RNG (e.g. after `to_empty`).
+    def init_weights(self, buffer_device: torch.device | None = None, *, seed: int | None = None) -> None:
+        """Fill every parameter and buffer (e.g. after `to_empty`).
 
-        `buffer_device` is where the RoPE cache goes (default: where the buffer is now).
-        Modules a pipeline stage set to None are skipped; DTensor parameters work because
-        only `nn.init` functions touch them.
+        Values depend only on `seed` and each parameter's name (see `SeededInit`), so a
+        sharded, tensor-parallel or pipelined copy starts from exactly the weights of a single
+        process; `seed=None` draws it from torch's global generator. `buffer_device` is where
+        the RoPE cache goes (default: where the buffer is now). Modules a pipeline stage set to
+        None are skipped.
         """
+        init = SeededInit(self, seed)
         device = buffer_device if buffer_device is not None else self.rope_cache.device
         self.rope_cache = self._make_rope_cache(device)
         if self.tok_embeddings is not None:
             # Unit variance: the first norm rescales anyway, and a tiny std would leave the
             # residual stream dominated by the blocks' outputs.
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
+            init.normal_(self.tok_embeddings.weight, std=1.0)
         # Projections writing into the residual stream are shrunk with depth so the stream's
         # variance stays O(1) however many blocks add to it.
         std_out = _INIT_STD / math.sqrt(2 * self.args.n_layers)
         for layer in self.layers.values():
-            layer.init_weights(std_out)
+            layer.init_weights(init, std_out)
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None:
-            trunc_normal_init(self.output.weight, self.args.dim**-0.5)
+            init.trunc_normal_(self.output.weight, self.args.dim**-0.5)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count of this module (of this stage, for a pipeline stage)."""
