@@ -218,3 +218,46 @@ def test_bf16_compute_tracks_fp32(reference, tmp_path):
     got = metrics(tmp_path)
     assert max_rel(got["loss"], ref_metrics["loss"]) <= 1e-2, (got["loss"], ref_metrics["loss"])
     assert max_rel(got["loss"], ref_metrics["loss"]) > 0, "bf16 compute should not be bitwise fp32"
+
+
+FROM_SCRATCH = {
+    "fsdp2": LAYOUTS["fsdp2"],
+    "tp2_sp": LAYOUTS["tp2_sp"],
+    "pp2_1f1b": LAYOUTS["pp2_1f1b"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(FROM_SCRATCH))
+def test_layout_from_scratch_matches_one_process(layout, reference, tmp_path):
+    """No seed checkpoint: every rank initializes its own shards from `--debug.seed`, as a user's
+    first multi-rank run does. Initialization is layout-independent, so the run equals the
+    single process (whose seed checkpoint holds the same `--debug.seed 0` weights)."""
+    _, ref_metrics, ref_weights = reference
+    ranks, flags, _ = FROM_SCRATCH[layout]
+    titan_train(ranks, tmp_path, "--checkpoint.enable", "--checkpoint.interval", str(STEPS),
+                "--checkpoint.export_dtype", "float32", *flags)
+    got = metrics(tmp_path)
+    assert max_rel(got["loss"], ref_metrics["loss"]) <= LOSS_RTOL, (layout, got["loss"], ref_metrics["loss"])
+    assert max_rel(got["grad_norm"], ref_metrics["grad_norm"]) <= GRAD_NORM_RTOL, layout
+    weights = final_weights(tmp_path)
+    for key, ref in ref_weights.items():
+        torch.testing.assert_close(weights[key], ref, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL,
+                                   msg=lambda m, key=key: f"{layout}: {key}: {m}")
+
+
+@pytest.mark.slow
+def test_seed_checkpoint_of_any_layout_equals_one_process(reference, tmp_path):
+    """A seed checkpoint written by FSDP 2 x TP 2 holds bitwise the single process's initial
+    weights, and its shards are not copies of each other (the bug where every rank drew its
+    shard from the same generator state)."""
+    seed, _, _ = reference
+    flags = [*_dp(shard=2), *TP2, "--training.local_batch_size", "4"]
+    titan_train(4, tmp_path, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint", *flags)
+    got, want = final_weights(tmp_path), load_dcp_model(str(seed))
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
+    embedding = got["tok_embeddings.weight"]
+    half = embedding.shape[0] // 2
+    assert not torch.equal(embedding[:half], embedding[half : 2 * half])

@@ -74,8 +74,10 @@ def test_world_size_one_has_no_mesh():
 
 
 @pytest.mark.parametrize("dims, kwargs, needle", [
-    ({"tp": 4, "dp_shard": 1}, {"n_kv_heads": 2}, "n_kv_heads=2"),
-    ({"tp": 4, "dp_shard": 1}, {"n_kv_heads": 4, "ffn_hidden_dim": 66}, "FFN hidden size 66"),
+    ({"tp": 4, "dp_shard": 1}, {"tensor_parallel_divisible": {"n_kv_heads": 2}}, "n_kv_heads=2"),
+    ({"tp": 4, "dp_shard": 1}, {"tensor_parallel_divisible": {"n_kv_heads": 4, "ffn_hidden_dim": 66}},
+     "ffn_hidden_dim=66"),
+    ({"ep": 4, "dp_shard": 4}, {"expert_parallel_divisible": {"n_routed_experts": 6}}, "n_routed_experts=6"),
     ({"pp": 4, "dp_shard": 1}, {"n_layers": 2}, "exceeds the model's 2 layers"),
     ({"cp": 2, "dp_shard": 2}, {"seq_len": 18}, "seq_len=18"),
     ({"dp_shard": 4}, {"global_batch_size": 10, "local_batch_size": 2}, "global_batch_size=10"),
@@ -83,8 +85,9 @@ def test_world_size_one_has_no_mesh():
 def test_validate_model(dims, kwargs, needle):
     base = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=4)
     d = ParallelDims(**{**base, **dims})
-    args = dict(n_kv_heads=8, ffn_hidden_dim=64, n_layers=8, seq_len=64,
-                global_batch_size=8, local_batch_size=1)
+    args = dict(n_layers=8, seq_len=64, global_batch_size=8, local_batch_size=1,
+                tensor_parallel_divisible={"n_kv_heads": 8, "ffn_hidden_dim": 64},
+                expert_parallel_divisible={"n_routed_experts": 8})
     with pytest.raises(ValueError, match=needle):
         d.validate_model(**{**args, **kwargs})
     d.validate_model(**args)  # the same sizes without the bad value pass

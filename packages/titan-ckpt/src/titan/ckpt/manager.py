@@ -107,6 +107,13 @@ class CheckpointManager:
             collected[name] = RankLocal(collected[name], self._rank)
         return collected
 
+    def add_state(self, name: str, state: Any) -> None:
+        """Checkpoint one more ``Stateful`` under ``name`` (before the first load or save),
+        e.g. a data loader built after the model because it needs the mesh."""
+        if name in RESERVED or name in self.states:
+            raise ValueError(f"checkpoint state {name!r} is reserved or already registered")
+        self.states[name] = RankLocal(state, self._rank) if name in self._rank_local else state
+
     def _make_stager(self) -> DefaultStager | None:
         """A stager kept across saves for "async_with_pinned_mem" (it reuses its buffers)."""
         if self.config.async_mode != "async_with_pinned_mem":

@@ -14,6 +14,7 @@ so callers can name any axis without asking whether it is enabled. Flattened vie
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -231,29 +232,28 @@ class ParallelDims:
         return mesh
 
     # --- model-dependent checks ------------------------------------------------------------
-    def validate_model(self, *, n_kv_heads: int, ffn_hidden_dim: int, n_layers: int,
-                       seq_len: int, global_batch_size: int, local_batch_size: int) -> None:
+    def validate_model(self, *, n_layers: int, seq_len: int, global_batch_size: int, local_batch_size: int,
+                       tensor_parallel_divisible: Mapping[str, int] | None = None,
+                       expert_parallel_divisible: Mapping[str, int] | None = None) -> None:
         """Check the model and batch shapes against the degrees before any work starts.
 
-        Raises ValueError naming the values and the fix.
+        `tensor_parallel_divisible` / `expert_parallel_divisible`: the sizes (by name) the TP /
+        EP degree must divide, as the model's sharding plan declares them. Raises ValueError
+        naming the values and the fix.
         """
-        problems = self._model_problems(n_kv_heads, ffn_hidden_dim, n_layers)
+        problems = self._divisibility_problems("tensor_parallel_degree", self.tp, tensor_parallel_divisible or {})
+        problems += self._divisibility_problems("expert_parallel_degree", self.ep, expert_parallel_divisible or {})
+        if self.pp > n_layers:
+            problems.append(f"pipeline_parallel_degree={self.pp} exceeds the model's {n_layers} "
+                            f"layers; every stage needs at least one layer")
         problems += self._batch_problems(seq_len, global_batch_size, local_batch_size)
         if problems:
             raise ValueError("invalid parallel configuration:\n  - " + "\n  - ".join(problems))
 
-    def _model_problems(self, n_kv_heads: int, ffn_hidden_dim: int, n_layers: int) -> list[str]:
-        out = []
-        if n_kv_heads % self.tp:
-            out.append(f"tensor_parallel_degree={self.tp} must divide the model's n_kv_heads="
-                       f"{n_kv_heads}; pick a divisor of {n_kv_heads}")
-        if ffn_hidden_dim % self.tp:
-            out.append(f"tensor_parallel_degree={self.tp} must divide the FFN hidden size "
-                       f"{ffn_hidden_dim}; pick a divisor of {ffn_hidden_dim}")
-        if self.pp > n_layers:
-            out.append(f"pipeline_parallel_degree={self.pp} exceeds the model's {n_layers} "
-                       f"layers; every stage needs at least one layer")
-        return out
+    @staticmethod
+    def _divisibility_problems(flag: str, degree: int, sizes: Mapping[str, int]) -> list[str]:
+        return [f"{flag}={degree} must divide the model's {name}={size}; pick a divisor of {size}"
+                for name, size in sizes.items() if size % degree]
 
     def _batch_problems(self, seq_len: int, global_batch: int, local_batch: int) -> list[str]:
         out = []

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from titan.dist.dims import ParallelDims
+from titan.dist.plan import blocks_of, match_modules, sharding_plan
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Activation elements kept per token per block, in units of the model dim (rough figures for
@@ -64,24 +65,36 @@ def _local_numel(module: nn.Module) -> int:
                for p in module.parameters())
 
 
+def _output_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules the plan marks as the final ("output") projection that this part holds."""
+    plan = sharding_plan(model)
+    globs = [g for g, style in getattr(plan, "tensor_parallel", {}).items() if style == "output"]
+    return [m for g in globs for _, m in match_modules(model, g) if m is not None]
+
+
 def _model_shape(model: nn.Module) -> tuple[int, int]:
-    """(model dim, vocab size) read from the contract's attribute names."""
-    first = next(iter(model.layers.values()))
-    return first.attention.wq.in_features, model.output.out_features
+    """(model dim, vocab size) from the shape of the output projection's [vocab, dim] weight,
+    which the model's sharding plan names: no family attribute is read."""
+    outputs = _output_modules(model)
+    if not outputs:
+        raise ValueError("the dry run needs the model's sharding plan to name its output projection "
+                         "(tensor_parallel style \"output\")")
+    vocab, dim = outputs[0].weight.shape
+    return int(dim), int(vocab)
 
 
 def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac_mode: str,
                       dim: int, vocab: int, tokens: int, logit_tokens: int,
                       activation_dtype: str) -> int:
     act_bytes = _BYTES[activation_dtype]
-    layers = sum(len(p.layers) for p in parts)
+    layers = sum(len(list(blocks_of(p))) for p in parts)
     # Sequence parallel shards the residual stream over tp; without it only matmul
     # intermediates are sharded: count half of it as sharded.
     tp_div = dims.tp if cfg.enable_sequence_parallel else max(1.0, dims.tp / 2)
     per_layer = _ACT_PER_TOKEN[ac_mode] * dim * tokens * act_bytes / tp_div
     # fp32 logits live for one microbatch only: the last stage runs its backward right after
     # its forward, so they are not multiplied by the microbatches in flight.
-    logits = logit_tokens * vocab * 4 / dims.tp if any(p.output is not None for p in parts) else 0
+    logits = logit_tokens * vocab * 4 / dims.tp if any(_output_modules(p) for p in parts) else 0
     return int(layers * per_layer + logits)
 
 
@@ -159,14 +172,15 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
 
 def validate_against_model(dims: ParallelDims, model: nn.Module, *, seq_len: int,
                            global_batch_size: int, local_batch_size: int) -> None:
-    """ParallelDims.validate_model with the sizes read off the (meta) model, before any
+    """ParallelDims.validate_model with what the (meta) model's sharding plan declares (sizes
+    the TP / EP degrees must divide, the blocks PP splits, tied parameters), before any
     parallelization: raises ValueError naming the values and the fix."""
-    first = next(iter(model.layers.values()))
-    attn = first.attention
-    # The contract does not name a head count; models that expose head_dim get the exact
-    # KV-head check, others the weaker check on the K projection width.
-    head_dim = getattr(attn, "head_dim", None)
-    n_kv = attn.wk.out_features // head_dim if head_dim else attn.wk.out_features
-    dims.validate_model(n_kv_heads=n_kv, ffn_hidden_dim=first.feed_forward.w1.out_features,
-                        n_layers=len(model.layers), seq_len=seq_len,
-                        global_batch_size=global_batch_size, local_batch_size=local_batch_size)
+    from titan.dist.pipeline import check_pipeline_ties
+
+    plan = sharding_plan(model)
+    dims.validate_model(
+        n_layers=len(list(blocks_of(model))), seq_len=seq_len, global_batch_size=global_batch_size,
+        local_batch_size=local_batch_size,
+        tensor_parallel_divisible=getattr(plan, "tensor_parallel_divisible", None),
+        expert_parallel_divisible=getattr(plan, "expert_parallel_divisible", None))
+    check_pipeline_ties(model, dims.pp)

@@ -40,3 +40,10 @@ def match_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]
         if len(names) == len(parts) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(names, parts)):
             out.append((name, module))
     return out
+
+
+def tied_parameter_groups(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """The plan's `tied_parameters`: groups of full-model parameter names that are one
+    shared Parameter (empty when the model declares no plan or no ties)."""
+    plan = sharding_plan(model)
+    return tuple(tuple(group) for group in getattr(plan, "tied_parameters", ()) or ())

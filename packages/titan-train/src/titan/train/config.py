@@ -43,10 +43,29 @@ class ModelConfig:
     vocab_multiple_of: int = 64
     """Pad the embedding/output vocabulary to a multiple of this, so tensor parallel degrees
     divide it; padded rows never receive a label."""
+    n_layers: int | None = None
+    """Override the flavor's number of blocks (None keeps the flavor's)."""
+    dim: int | None = None
+    """Override the flavor's model width (None keeps the flavor's)."""
+    n_heads: int | None = None
+    """Override the flavor's query heads per block (None keeps the flavor's)."""
+    n_kv_heads: int | None = None
+    """Override the flavor's key/value heads per block (None keeps the flavor's)."""
 
     def __post_init__(self) -> None:
         if self.vocab_multiple_of < 1:
             raise ValueError(f"--model.vocab_multiple_of must be >= 1, got {self.vocab_multiple_of}")
+        for name, value in self.overrides().items():
+            if value < 1:
+                raise ValueError(f"--model.{name} must be >= 1, got {value}")
+
+    def overrides(self) -> dict[str, int]:
+        """The shape fields set on the command line or by the recipe, for the family's build."""
+        return {
+            name: value
+            for name in ("n_layers", "dim", "n_heads", "n_kv_heads")
+            if (value := getattr(self, name)) is not None
+        }
 
 
 @dataclass(kw_only=True)
@@ -70,6 +89,13 @@ class TrainingConfig:
     FSDP2 its policy casts the parameters; elsewhere the forward runs under autocast."""
     mixed_precision_reduce: str = "float32"
     """dtype of gradient reduction under FSDP."""
+    document_mask: bool = False
+    """Attend only within each packed document (causal AND same document), with RoPE
+    positions restarting at 0 per document, so a sample's outputs do not depend on what it
+    was packed with. Off for pretraining: packed windows of one corpus are the classic
+    pretraining setup, cross-document context costs little there, the unmasked path keeps
+    SDPA's fused `is_causal` kernel, and runs stay identical to earlier ones. SFT and RL
+    loops turn it on: there a sequence's log-probabilities must be its own."""
 
     def __post_init__(self) -> None:
         for flag in ("steps", "local_batch_size", "seq_len"):
@@ -97,13 +123,13 @@ class DebugConfig:
 
 
 @dataclass(kw_only=True)
-class TrainerConfig:
-    """A complete training run; every section is a component's own config."""
+class RunConfig:
+    """The sections every training loop shares: model, engine (parallelism, optimizer,
+    checkpoints, ...), tokenizer and bookkeeping. Each loop adds its data section."""
 
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
@@ -113,3 +139,10 @@ class TrainerConfig:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+@dataclass(kw_only=True)
+class TrainerConfig(RunConfig):
+    """A complete pretraining run: the shared sections and the pretraining corpus."""
+
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)

@@ -66,7 +66,7 @@ def fill_seeded_(tensor: torch.Tensor, sample: Sampler, *, seed: int, name: str)
     shape, offset = shape or (1,), offset or (0,)
     rows_per_block = max(1, BLOCK_ELEMENTS // max(1, math.prod(full_shape[1:])))
     first_row, end_row = offset[0], offset[0] + shape[0]
-    columns = tuple(slice(o, o + s) for o, s in zip(offset[1:], shape[1:]))
+    columns = tuple(slice(o, o + s) for o, s in zip(offset[1:], shape[1:], strict=True))
     generator = torch.Generator(device=local.device)
     for block in range(first_row // rows_per_block, -(-end_row // rows_per_block)):
         block_start = block * rows_per_block
@@ -89,14 +89,15 @@ class SeededInit:
 
     def __init__(self, root: nn.Module, seed: int | None = None) -> None:
         self.seed = int(torch.randint(0, 2**62, (), device="cpu")) if seed is None else seed
-        self._names = {id(p): name for name, p in root.named_parameters()}
+        # Holding the parameters too keeps their ids from being reused by other tensors.
+        self._names = {id(p): (name, p) for name, p in root.named_parameters()}
 
     def name_of(self, param: torch.Tensor) -> str:
         """The parameter's name under the root module (raises for a foreign tensor)."""
-        try:
-            return self._names[id(param)]
-        except KeyError:
-            raise ValueError("SeededInit got a tensor that is not a parameter of its root module") from None
+        name, known = self._names.get(id(param), (None, None))
+        if known is not param:
+            raise ValueError("SeededInit got a tensor that is not a parameter of its root module")
+        return name
 
     def normal_(self, param: torch.Tensor, std: float, mean: float = 0.0) -> None:
         """Normal(mean, std), in place."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -32,6 +32,18 @@ class ShardingPlan:
     """Modules only the last pipeline stage keeps (set to None elsewhere)."""
     attention_modules: str = "layers.*.attention.inner_attention"
     """Glob of the inner attention modules that context parallelism replaces."""
+    tensor_parallel_divisible: dict[str, int] = field(default_factory=dict)
+    """Sizes the tensor-parallel degree must divide, by a name shown in the error (e.g.
+    `{"n_heads": 32, "n_kv_heads": 8, "ffn_hidden_dim": 14336}`): heads and hidden units are
+    split evenly over the TP ranks, never cut in the middle."""
+    expert_parallel_divisible: dict[str, int] = field(default_factory=dict)
+    """Sizes the expert-parallel degree must divide (e.g. `{"n_routed_experts": 64}`)."""
+    tied_parameters: tuple[tuple[str, ...], ...] = ()
+    """Groups of parameter names (full-model names, e.g. `("tok_embeddings.weight",
+    "output.weight")`) that are one shared Parameter. `titan.dist` keeps each group one
+    parameter: FSDP leaves a group split across units to the root unit, TP re-shares it after
+    sharding (the members must get the same placements), and PP refuses a split that puts the
+    members on different stages. The first name is the one checkpoints and init use."""
 
     def __post_init__(self) -> None:
         bad = {
@@ -40,6 +52,12 @@ class ShardingPlan:
         if bad:
             raise ValueError(
                 f"unknown tensor-parallel styles {bad}; use one of {sorted(TP_STYLES)}"
+            )
+        short = [group for group in self.tied_parameters if len(group) < 2]
+        if short:
+            raise ValueError(
+                f"tied_parameters groups {short} name fewer than 2 parameters; each group "
+                "lists every name of one shared parameter"
             )
 
 

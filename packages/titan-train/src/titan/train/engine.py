@@ -1,0 +1,472 @@
+"""The training engine: one way to build, shard, step and save a model, under every loop.
+
+Pretraining, supervised fine-tuning and the RL policy trainer differ in their data and their
+loss, never in how a model is built, parallelized, stepped or checkpointed. They all drive a
+:class:`TrainingEngine`:
+
+.. code-block:: python
+
+    engine = TrainingEngine.from_config(cfg, model_spec=spec, vocab_size=v, states={"dataloader": loader})
+    for microbatch in microbatches:                       # gradient accumulation
+        engine.forward_backward(microbatch, loss_fn, global_token_count=n)
+    grad_norm = engine.optimizer_step()                    # clip -> step -> LR step
+
+``loss_fn(outputs, batch)`` returns the *summed* loss of the microbatch; the engine divides by
+the global token count the loop passes (and undoes data-parallel gradient averaging), so every
+token of the global batch weighs the same whatever rank or microbatch it landed in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from titan.ckpt import CheckpointConfig, CheckpointManager, OptimizerWrapper, TrainState
+from titan.dist import (
+    ActivationCheckpointConfig,
+    CompileConfig,
+    ParallelDims,
+    ParallelismConfig,
+    build_pipeline,
+    clip_grad_norm_,
+    destroy_distributed,
+    init_distributed,
+    loss_parallel_context,
+    mixed_precision_policy,
+    parallelize,
+    shard_batch_dict_for_context_parallel,
+    validate_against_model,
+)
+from titan.train.loss import NonFiniteLossError
+from titan.train.lr_scheduler import LRSchedulerConfig, build_lr_scheduler
+from titan.train.model_spec import ModelSpec
+from titan.train.optimizer import OptimizerConfig, build_optimizer
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger("titan")
+
+LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
+"""``loss_fn(outputs, batch) -> summed loss`` of one microbatch (outputs: the logits)."""
+
+MODEL_INPUT_KEYS = ("positions", "document_ids")
+"""Batch keys the model's forward takes besides the token ids (when document masking is on)."""
+
+
+def setup_logging(rank: int) -> None:
+    """INFO on rank 0, warnings only elsewhere, one compact format."""
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format="[titan %(asctime)s] %(message)s", datefmt="%H:%M:%S", force=True)
+
+
+def set_determinism(seed: int, deterministic: bool, device: torch.device) -> None:
+    """Seed every RNG the run touches; optionally restrict to deterministic kernels."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        if device.type == "cuda":
+            # cuBLAS needs a fixed workspace to be deterministic.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind a (replicated) DTensor, e.g. a loss under loss parallel."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class LRSchedulers:
+    """One LR scheduler per optimizer (one optimizer per pipeline part), stepped together and
+    checkpointed as one: they all follow the same schedule."""
+
+    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]) -> None:
+        self.schedulers = schedulers
+
+    def step(self) -> None:
+        """Advance every scheduler by one optimizer step."""
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def last_lr(self) -> float:
+        """The current LR of the first parameter group."""
+        return self.schedulers[0].get_last_lr()[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shared schedule position."""
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore every scheduler to the saved position."""
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(state)
+
+
+class TrainingEngine:
+    """Builds a model family's model, parallelizes it over the mesh, and steps and saves it.
+
+    Owns the process group, ``parallel_dims`` and its mesh, the model parts this rank holds
+    (several under pipeline parallel), one optimizer and LR scheduler per part, the train state
+    (step, tokens seen) and the checkpointer, which also saves the loop's extra ``states``
+    (e.g. its data loader). See the module docstring for the step API.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_spec: ModelSpec,
+        flavor: str,
+        vocab_size: int,
+        seq_len: int,
+        steps: int,
+        parallelism: ParallelismConfig,
+        activation_checkpoint: ActivationCheckpointConfig,
+        compile: CompileConfig,
+        optimizer: OptimizerConfig,
+        lr_scheduler: LRSchedulerConfig,
+        checkpoint: CheckpointConfig,
+        dump_folder: str,
+        local_batch_size: int,
+        global_batch_size: int = -1,
+        max_norm: float = 1.0,
+        mixed_precision_param: str = "float32",
+        mixed_precision_reduce: str = "float32",
+        document_mask: bool = False,
+        seed: int = 0,
+        deterministic: bool = False,
+        model_overrides: Mapping[str, Any] | None = None,
+        states: Mapping[str, Any] | None = None,
+    ) -> None:
+        model_spec.check_flavor(flavor)
+        self.model_spec, self.flavor = model_spec, flavor
+        self.parallelism, self.max_norm, self.seq_len = parallelism, max_norm, seq_len
+        self.mixed_precision_param, self.document_mask = mixed_precision_param, document_mask
+        self.dist_env = init_distributed()
+        setup_logging(self.dist_env.rank)
+        self.device = self.dist_env.device
+        set_determinism(seed, deterministic, self.device)
+        self.parallel_dims = ParallelDims.from_config(parallelism, world_size=self.dist_env.world_size)
+        meta_model = self._build_meta_model(
+            vocab_size, seq_len, dict(model_overrides or {}), global_batch_size, local_batch_size
+        )
+        self.mesh = self.parallel_dims.build_mesh(self.device.type)
+        self._pipeline_loss_call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        mp_policy = mixed_precision_policy(mixed_precision_param, mixed_precision_reduce)
+        self.model_parts = self._parallelize(
+            meta_model, activation_checkpoint, compile, mp_policy, local_batch_size, seed
+        )
+        self.optimizers = [build_optimizer(optimizer, [part], self.device.type) for part in self.model_parts]
+        self.lr_schedulers = LRSchedulers([build_lr_scheduler(lr_scheduler, opt, steps) for opt in self.optimizers])
+        self.train_state = TrainState()
+        self.checkpointer = self._build_checkpointer(meta_model, checkpoint, dump_folder, states or {})
+
+    @classmethod
+    def from_config(
+        cls, config: Any, *, model_spec: ModelSpec, vocab_size: int, states: Mapping[str, Any] | None = None
+    ) -> TrainingEngine:
+        """Build from a config tree with the usual sections (``model``, ``training``,
+        ``parallelism``, ``activation_checkpoint``, ``compile``, ``optimizer``,
+        ``lr_scheduler``, ``checkpoint``, ``debug``, ``job``), e.g. a ``TrainerConfig``."""
+        training = config.training
+        return cls(
+            model_spec=model_spec,
+            flavor=config.model.flavor,
+            vocab_size=vocab_size,
+            seq_len=training.seq_len,
+            steps=training.steps,
+            parallelism=config.parallelism,
+            activation_checkpoint=config.activation_checkpoint,
+            compile=config.compile,
+            optimizer=config.optimizer,
+            lr_scheduler=config.lr_scheduler,
+            checkpoint=config.checkpoint,
+            dump_folder=config.job.dump_folder,
+            local_batch_size=training.local_batch_size,
+            global_batch_size=training.global_batch_size,
+            max_norm=training.max_norm,
+            mixed_precision_param=training.mixed_precision_param,
+            mixed_precision_reduce=training.mixed_precision_reduce,
+            document_mask=getattr(training, "document_mask", False),
+            seed=config.debug.seed,
+            deterministic=config.debug.deterministic,
+            model_overrides=config.model.overrides(),
+            states=states,
+        )
+
+    # ---- construction -------------------------------------------------------------------
+
+    def _build_meta_model(
+        self, vocab_size: int, seq_len: int, overrides: dict[str, Any], global_batch_size: int, local_batch_size: int
+    ) -> nn.Module:
+        """The whole model on the meta device, checked against the parallel degrees before
+        any process group work."""
+        with torch.device("meta"):
+            model = self.model_spec.build(self.flavor, **overrides, vocab_size=vocab_size, max_seq_len=seq_len)
+        validate_against_model(
+            self.parallel_dims,
+            model,
+            seq_len=seq_len,
+            global_batch_size=global_batch_size,
+            local_batch_size=local_batch_size,
+        )
+        self.num_params = model.num_params()
+        self.flops_per_token = model.flops_per_token(seq_len)
+        self._param_meta = {name: (p.shape, p.dtype) for name, p in model.named_parameters()}
+        return model
+
+    def _parallelize(self, model: nn.Module, activation_checkpoint, compile, mp_policy, local_batch_size: int, seed: int):
+        """Apply the configured parallelisms, then materialize and initialize this rank's
+        shards. Returns the model parts this rank holds (several under pipeline parallel)."""
+        common = dict(parallelism=self.parallelism, activation_checkpoint=activation_checkpoint, compile=compile)
+        if self.parallel_dims.pp_enabled:
+            self.pp_schedule, parts, self.pp_has_first, self.pp_has_last = build_pipeline(
+                model,
+                self.parallel_dims,
+                **common,
+                loss_fn=self._pipeline_loss,
+                local_batch_size=local_batch_size,
+                device=self.device,
+                mp_policy=mp_policy,
+                scale_grads=False,  # the loss is already normalized over the global batch
+            )
+        else:
+            parts = [parallelize(model, self.parallel_dims, self.mesh, **common, mp_policy=mp_policy)]
+        for part in parts:
+            part.to_empty(device=self.device)
+            # Values depend on the seed and each parameter's name only: every layout starts
+            # from the weights a single process would create, each rank drawing its shards.
+            with torch.no_grad():
+                part.init_weights(buffer_device=self.device, seed=seed)
+            part.train()
+        return parts
+
+    def _build_checkpointer(
+        self, meta_model: nn.Module, config: CheckpointConfig, dump_folder: str, states: Mapping[str, Any]
+    ) -> CheckpointManager:
+        adapter = self.model_spec.adapter(meta_model) if self.model_spec.adapter else None
+        self.hf_adapter = adapter
+        return CheckpointManager(
+            config,
+            dump_folder=str(Path(dump_folder)),
+            states={"lr_scheduler": self.lr_schedulers, "train_state": self.train_state, **states},
+            model_parts=self.model_parts,
+            optimizers=OptimizerWrapper(self.model_parts, self.optimizers),
+            hf_adapter=adapter,
+            # Loop states (e.g. a loader whose position is one global record, equal on every
+            # rank) are saved once; only the RNG state is per rank.
+            rank_local=("rng",),
+        )
+
+    # ---- the step -----------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far (restored by a checkpoint resume)."""
+        return self.train_state.step
+
+    def sum_over(self, value: torch.Tensor, axis: str) -> torch.Tensor:
+        """Sum a tensor in place over the ranks of mesh ``axis`` (no-op when the axis is
+        trivial); e.g. ``"dp_cp"`` for a global token count. Collective on that axis."""
+        mesh = self.parallel_dims.mesh(axis)
+        if mesh is not None and mesh.size() > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
+        return value
+
+    @property
+    def data_parallel_grad_scale(self) -> float:
+        """FSDP/HSDP/DDP average gradients over the data-parallel and context-parallel ranks;
+        a loss that is each rank's share of a global sum must undo that average."""
+        mesh = self.parallel_dims.mesh("dp_cp")
+        return float(mesh.size()) if mesh is not None else 1.0
+
+    def forward_backward(
+        self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, global_token_count: torch.Tensor | float
+    ) -> torch.Tensor:
+        """Forward and backward of one microbatch; gradients accumulate until
+        :meth:`optimizer_step`.
+
+        ``batch``: dict of [B, S] tensors with ``input_ids``; every key travels with the
+        microbatch (context parallel shards each along the sequence, pipeline parallel hands
+        the rows of each pipeline microbatch to the last stage's ``loss_fn``).
+        ``global_token_count``: what the summed losses are divided by, e.g. the valid label
+        tokens of the whole global batch (all microbatches, all data-parallel ranks).
+        Returns this rank's detached share of the normalized loss (zero on pipeline stages
+        without the loss); summing it over the data-parallel ranks gives the global loss.
+        """
+        batch = self._prepare(batch)
+        scale = self.data_parallel_grad_scale / global_token_count
+        if self.parallel_dims.pp_enabled:
+            with self._autocast():
+                loss = self._pipeline_forward_backward(batch, loss_fn, scale)
+        else:
+            with loss_parallel_context(self.parallel_dims, self.parallelism):
+                with self._autocast():
+                    logits = self.model_parts[0](batch["input_ids"], **self._model_kwargs(batch))
+                loss = loss_fn(logits, batch) * scale
+                del logits  # free the largest activation before backward
+                loss.backward()
+            loss = local_value(loss.detach())
+        return loss / self.data_parallel_grad_scale
+
+    def optimizer_step(self) -> float:
+        """Clip the global gradient norm (``max_norm <= 0``: measure only), step every
+        optimizer and LR scheduler, zero the gradients; returns the norm before clipping.
+
+        Raises ``NonFiniteLossError`` before stepping when the norm is NaN/inf, so the
+        weights stay finite (a non-finite loss on any rank makes the global norm non-finite,
+        so every rank stops together).
+        """
+        grad_norm = float(
+            clip_grad_norm_([p for part in self.model_parts for p in part.parameters()], self.max_norm, mesh=self.mesh)
+        )
+        if not math.isfinite(grad_norm):
+            self.zero_grad()
+            raise NonFiniteLossError(
+                f"step {self.step + 1}: grad norm {grad_norm} — training stopped before the optimizer step, so the "
+                "weights are still finite. Try a lower --optimizer.lr, a longer --lr_scheduler.warmup_steps, "
+                "or clipping with --training.max_norm."
+            )
+        for opt in self.optimizers:
+            opt.step()
+        self.lr_schedulers.step()
+        self.zero_grad()
+        self.train_state.step += 1
+        return grad_norm
+
+    def zero_grad(self) -> None:
+        """Drop every accumulated gradient."""
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def _prepare(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The microbatch on this device and, under context parallel, cut to this rank's
+        share of the sequence (every [B, S] key alike, ``positions`` added).
+
+        Without document masking the loader's per-document ``positions`` and ``document_ids``
+        are dropped: RoPE then runs across the packed row, as attention does.
+        """
+        batch = {
+            k: v.to(self.device, non_blocking=True)
+            for k, v in batch.items()
+            if self.document_mask or k not in MODEL_INPUT_KEYS
+        }
+        if self.parallel_dims.cp_enabled:
+            batch = shard_batch_dict_for_context_parallel(self.parallel_dims.mesh("cp"), batch)
+        return batch
+
+    @staticmethod
+    def _model_kwargs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the model's forward takes besides token ids: RoPE ``positions`` (this context
+        parallel shard's, or restarting per document) and ``document_ids`` when present."""
+        return {k: batch[k] for k in MODEL_INPUT_KEYS if k in batch}
+
+    def _pipeline_loss(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss: ``rows`` are the batch rows of this pipeline microbatch (the
+        schedule splits the row-index target like any input)."""
+        if self._pipeline_loss_call is None:
+            raise RuntimeError("the pipeline loss ran outside TrainingEngine.forward_backward")
+        return self._pipeline_loss_call(output, rows)
+
+    def _pipeline_forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, scale) -> torch.Tensor:
+        """Run the schedule over ``batch``; the last stage returns the sum of its microbatch
+        losses, the other stages zero."""
+
+        def microbatch_loss(output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            return loss_fn(output, {k: v[rows] for k, v in batch.items()}) * scale
+
+        rows = torch.arange(batch["input_ids"].shape[0], device=self.device)
+        losses: list[torch.Tensor] = []
+        # The schedule splits keyword arguments into pipeline microbatches and hands them to
+        # every stage, so positions and document ids reach the attention of every stage.
+        kwargs: dict[str, Any] = self._model_kwargs(batch)
+        if self.pp_has_last:
+            kwargs.update(target=rows, losses=losses)
+        self._pipeline_loss_call = microbatch_loss
+        try:
+            if self.pp_has_first:
+                self.pp_schedule.step(batch["input_ids"], **kwargs)
+            else:
+                self.pp_schedule.step(**kwargs)
+        finally:
+            self._pipeline_loss_call = None
+        if not self.pp_has_last:
+            return torch.zeros((), device=self.device)
+        return torch.stack([local_value(x).detach() for x in losses]).sum()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision where FSDP2's policy does not reach (one device, DDP, TP alone, PP
+        without FSDP): autocast the forward to the compute dtype, keeping fp32 weights. Under
+        FSDP2 the policy casts the parameters instead."""
+        dtype = self.mixed_precision_param
+        if dtype == "float32" or self.parallel_dims.uses_fully_shard:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, dtype))
+
+    # ---- reading the weights ------------------------------------------------------------
+
+    def full_state_dict(self, *, dtype: torch.dtype | None = None, names: str = "titan") -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, full tensor)`` for every parameter of the whole model, one at a time.
+
+        For weight sync (e.g. to an RL generator) and exports: each piece is gathered from its
+        shards (and, under pipeline parallel, broadcast from the stage that holds it), cast to
+        ``dtype`` and yielded before the next is gathered, so the model is never held twice.
+        ``names="hf"`` maps names (and layouts) through the family's Hugging Face adapter.
+        Collective: every rank must iterate it to the end, in step.
+        """
+        if names not in ("titan", "hf"):
+            raise ValueError(f"names must be 'titan' or 'hf', got {names!r}")
+        if names == "hf" and self.hf_adapter is None:
+            raise ValueError(f"model family {self.model_spec.name!r} has no Hugging Face adapter")
+        local = {name: p for part in self.model_parts for name, p in part.named_parameters()}
+        for name, (shape, param_dtype) in self._param_meta.items():
+            tensor = self._gather_full(name, local.get(name), shape, param_dtype)
+            tensor = tensor.detach().to(dtype) if dtype is not None else tensor.detach()
+            if names == "titan":
+                yield name, tensor
+            else:
+                yield from self.hf_adapter.to_hf({name: tensor}).items()
+
+    def _gather_full(self, name: str, param: torch.Tensor | None, shape, dtype: torch.dtype) -> torch.Tensor:
+        """The full value of one parameter on every rank (all-gather of shards; broadcast
+        from the owning pipeline stage under PP)."""
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if not self.parallel_dims.pp_enabled:
+            return full
+        pp_mesh = self.parallel_dims.mesh("pp")
+        group = pp_mesh.get_group()
+        has = torch.tensor([1 if param is not None else 0], device=self.device)
+        owners = [torch.zeros_like(has) for _ in range(pp_mesh.size())]
+        dist.all_gather(owners, has, group=group)
+        owner = next(i for i, o in enumerate(owners) if int(o))
+        buffer = full if full is not None else torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(buffer, group=group, group_src=owner)
+        return buffer
+
+    # ---- checkpoints and shutdown -------------------------------------------------------
+
+    def add_state(self, name: str, state: Any) -> None:
+        """Checkpoint a loop's ``Stateful`` (e.g. its data loader) with the model, before the
+        first load or save."""
+        self.checkpointer.add_state(name, state)
+
+    def load_checkpoint(self) -> bool:
+        """Resume from the newest checkpoint (or the initial load path); False if none."""
+        return self.checkpointer.load()
+
+    def maybe_save(self, *, last_step: bool = False) -> None:
+        """Save a checkpoint when the interval (or ``last_step``) says so."""
+        self.checkpointer.maybe_save(self.step, last_step=last_step)
+
+    def close(self) -> None:
+        """Drain checkpoint saves and release the process group."""
+        self.checkpointer.close()
+        destroy_distributed()
