@@ -9,7 +9,7 @@ Public API (everything else is internal):
   and the individual `apply_*` functions
 - reductions: `clip_grad_norm_`, `reduce_mean`, `reduce_max`
 - pipeline: `build_pipeline` -> (schedule, model_parts, has_first_stage, has_last_stage)
-- context parallel: `shard_batch_for_context_parallel`
+- context parallel: `shard_batch_for_context_parallel`, `shard_batch_dict_for_context_parallel`
 - loss parallel: `loss_parallel_context`
 - dry run: `dry_run` (fake process group, meta device, any world size)
 """
@@ -19,7 +19,11 @@ from titan.dist.compile import apply_compile
 from titan.dist.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
 from titan.dist.dims import ParallelDims
 from titan.dist.env import DistEnv, destroy_distributed, init_distributed
-from titan.dist.context_parallel import apply_context_parallel, shard_batch_for_context_parallel
+from titan.dist.context_parallel import (
+    apply_context_parallel,
+    shard_batch_dict_for_context_parallel,
+    shard_batch_for_context_parallel,
+)
 from titan.dist.dry_run import RankEstimate, dry_run, validate_against_model
 from titan.dist.fsdp import apply_ddp, apply_fsdp, mixed_precision_policy
 from titan.dist.parallelize import parallelize
@@ -43,6 +47,7 @@ __all__ = [
     "loss_parallel_context",
     "mixed_precision_policy",
     "validate_against_model",
+    "shard_batch_dict_for_context_parallel",
     "shard_batch_for_context_parallel",
     "apply_activation_checkpointing",
     "apply_compile",

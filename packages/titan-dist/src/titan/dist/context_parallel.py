@@ -9,6 +9,12 @@ autograd version, whose backward reduce-scatters the K/V gradients back to their
 restores the global token order, and attends its local queries to every key with the causal
 mask built from absolute positions. The result is exactly single-device attention. It uses
 only all-gather / reduce-scatter, so it runs on gloo (CPU) and NCCL (CUDA) alike.
+
+Packed documents (`--training.document_mask`): the model hands its inner attention the local
+shard's `document_ids`; this attention all-gathers them too (integers, no gradient) and masks
+each local query to keys that are causally visible AND of its own document, so document
+masking composes with CP exactly. RoPE positions are data then (restarting per document):
+`shard_batch_dict_for_context_parallel` shards them with the rest of the batch.
 """
 
 from __future__ import annotations
@@ -63,19 +69,43 @@ def shard_batch_for_context_parallel(cp_mesh: DeviceMesh | None, *tensors: torch
     return (*out, shard_positions(seq_len, rank, size, tensors[0].device))
 
 
-def _unshuffle(gathered: torch.Tensor, cp_size: int) -> torch.Tensor:
-    """[cp*local, ...] gathered along dim 2 in rank order -> global sequence order."""
-    chunks = gathered.chunk(2 * cp_size, dim=2)  # rank r contributed chunks (r, 2cp-1-r)
+def shard_batch_dict_for_context_parallel(cp_mesh: DeviceMesh | None,
+                                          batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This CP rank's share of a batch dict: every tensor shaped [B, S, ...] like
+    `batch["input_ids"]` is head-tail sharded along the sequence (input_ids, labels, loss
+    masks, `positions`, `document_ids`, ...); anything else passes through unchanged.
+
+    The result always carries `positions` under CP: the batch's own (per-document) positions
+    sharded, or else the absolute positions [S / cp] of this rank's tokens. Without a CP mesh
+    the batch comes back as a new dict of the same tensors.
+    """
+    if cp_mesh is None or cp_mesh.size() == 1:
+        return dict(batch)
+    rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
+    reference = batch["input_ids"]
+    bs = tuple(reference.shape[:2])
+    out = {key: shard_sequence(t, rank, size, 1)
+           if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[:2]) == bs else t
+           for key, t in batch.items()}
+    if out.get("positions") is None:
+        out["positions"] = shard_positions(bs[1], rank, size, reference.device)
+    return out
+
+
+def _unshuffle(gathered: torch.Tensor, cp_size: int, dim: int = 2) -> torch.Tensor:
+    """[.., cp*local, ..] gathered along `dim` in rank order -> global sequence order."""
+    chunks = gathered.chunk(2 * cp_size, dim=dim)  # rank r contributed chunks (r, 2cp-1-r)
     order = [None] * (2 * cp_size)
     for r in range(cp_size):
         a, b = chunk_ids(r, cp_size)
         order[a], order[b] = chunks[2 * r], chunks[2 * r + 1]
-    return torch.cat(order, dim=2)
+    return torch.cat(order, dim=dim)
 
 
 class ContextParallelAttention(nn.Module):
-    """Drop-in for a causal SDPA `inner_attention(q, k, v)` on [B, H, S_local, Dh] inputs
-    whose sequence is head-tail sharded over `cp_mesh`."""
+    """Drop-in for a causal SDPA `inner_attention(q, k, v, document_ids=None)` on
+    [B, H, S_local, Dh] inputs whose sequence is head-tail sharded over `cp_mesh`
+    (`document_ids` [B, S_local] sharded alike)."""
 
     def __init__(self, cp_mesh: DeviceMesh):
         super().__init__()
@@ -88,13 +118,26 @@ class ContextParallelAttention(nn.Module):
         full = funcol.all_gather_tensor_autograd(flat, gather_dim=0, group=self.cp_mesh)
         return _unshuffle(full.transpose(0, 2), size)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _gather_document_ids(self, document_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S_local] shard -> [B, S] ids of the whole sequence (no autograd: integers)."""
+        flat = document_ids.transpose(0, 1).contiguous()
+        full = funcol.all_gather_tensor(flat, gather_dim=0, group=self.cp_mesh)
+        return _unshuffle(full.transpose(0, 1), self.cp_mesh.size(), dim=1)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Local queries over the gathered keys: causal by sequence index and, given
+        `document_ids`, within each query's document."""
         size, rank = self.cp_mesh.size(), self.cp_mesh.get_local_rank()
         k_full, v_full = self._gather(k), self._gather(v)
         seq_len = k_full.shape[2]
         q_pos = shard_positions(seq_len, rank, size, q.device)
         k_pos = torch.arange(seq_len, device=q.device)
         mask = q_pos[:, None] >= k_pos[None, :]
+        if document_ids is not None:
+            k_ids = self._gather_document_ids(document_ids)
+            same_doc = document_ids[:, :, None] == k_ids[:, None, :]
+            mask = (mask[None] & same_doc).unsqueeze(1)  # [B, 1, S_local, S]
         return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask,
                                               enable_gqa=k.shape[1] != q.shape[1])
 

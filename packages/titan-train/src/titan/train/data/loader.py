@@ -20,7 +20,13 @@ from titan.train.data.synthetic import SyntheticCorpus
 from titan.train.data.tokenizer import Tokenizer
 from torch.utils.data import DataLoader, IterableDataset
 
-__all__ = ["PackedDataLoader", "build_dataloader", "build_source", "synthetic_corpus"]
+__all__ = [
+    "PackedDataLoader",
+    "build_dataloader",
+    "build_source",
+    "document_layout",
+    "synthetic_corpus",
+]
 
 # Bumped when the meaning of the saved position changes (2: a position in the one global
 # stream, no longer in a per-rank document shard, still stored once per dp rank; 3: one
@@ -71,9 +77,29 @@ def _load_hf_dataset(cfg: DatasetConfig):
     return datasets.load_dataset(cfg.name, cfg.subset, split=cfg.split, cache_dir=cfg.cache_dir)
 
 
+def document_layout(starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token (positions, document_ids), both int64 [B, S], from the document-start marks
+    `starts` [B, S] (bool) of packed rows.
+
+    Every row begins a new segment, whether or not a document starts there: a document cut by
+    the window boundary continues in the next row as a fresh sample, with positions from 0 and
+    its own id. Attention cannot reach its earlier part in the previous row anyway, so its
+    true offsets would describe context the model never sees; restarting keeps every position
+    below seq_len (inside the RoPE cache however long the document) and makes the fragment
+    look exactly like a document that starts there. Ids count documents along the row from 0.
+    """
+    starts = starts.copy()
+    starts[:, 0] = True
+    document_ids = np.cumsum(starts, axis=1, dtype=np.int64) - 1
+    index = np.arange(starts.shape[1], dtype=np.int64)
+    last_start = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return index - last_start, document_ids
+
+
 class _PackedBatches(IterableDataset):
     """One data-parallel rank's batches [B, seq_len + 1] cut from the global
-    stream, split into inputs and labels.
+    stream, split into inputs and labels, with the inputs' per-document
+    `positions` and `document_ids` (see `document_layout`).
 
     Each fetch consumes one global microbatch: dp_world_size x B consecutive
     windows of the stream, of which rank r keeps rows r*B .. (r+1)*B - 1. So
@@ -108,15 +134,24 @@ class _PackedBatches(IterableDataset):
     def next_batch(self) -> dict[str, torch.Tensor]:
         """Fill one batch of windows and shift it into (input_ids, labels)."""
         window = np.empty((self.batch_size, self.seq_len + 1), dtype=np.int64)
+        starts = np.empty(window.shape, dtype=bool)
         rank_tokens = window.size
         self.packer.skip(self.dp_rank * rank_tokens)  # the rows of lower ranks
-        for row in window:
-            self.packer.fill(row)
+        for row, row_starts in zip(window, starts, strict=True):
+            self.packer.fill(row, row_starts)
         self.packer.skip((self.dp_world_size - 1 - self.dp_rank) * rank_tokens)
         tokens = torch.from_numpy(window)
+        positions, document_ids = document_layout(starts[:, :-1])
         self.windows += self.dp_world_size * self.batch_size
-        # Packing leaves no padding, so every label is a real target (no -100).
-        return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+        # Packing leaves no padding, so every label is a real target (no -100). The label of a
+        # document's last token (EOS) is the next document's first token: kept, as in
+        # unmasked packing, so the loss is the same whether or not attention is masked.
+        return {
+            "input_ids": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "positions": torch.from_numpy(positions),
+            "document_ids": torch.from_numpy(document_ids),
+        }
 
 
 class PackedDataLoader(DataLoader):
@@ -217,7 +252,9 @@ def build_dataloader(
     seq_len: int,
     seed: int,
 ) -> PackedDataLoader:
-    """An endless loader of `{"input_ids", "labels"}` LongTensors [B, S] for one rank.
+    """An endless loader of `{"input_ids", "labels", "positions", "document_ids"}`
+    LongTensors [B, S] for one rank (the last two describe the packed documents, for
+    `--training.document_mask`; see `document_layout`).
 
     Every document is framed with BOS/EOS and packed, in one seeded order
     shared by all ranks (`seed` reorders each epoch when --dataset.shuffle),

@@ -7,6 +7,11 @@ Windows do not overlap, so every window is a distinct sample; the one
 prediction across a window boundary is lost, which keeps samples
 independent of each other (and of the batch they land in).
 
+`fill` can also mark where documents start inside the window (`starts`), which
+is how the loader derives per-document positions and document ids for
+document-masked attention; the marks follow from the position alone, so they
+add nothing to the saved state.
+
 The whole position is three ints: the epoch, the cursor into this epoch's
 document order, and the token offset into that document. Restoring it only
 re-tokenizes one document, whatever the corpus size.
@@ -57,13 +62,19 @@ class DocumentPacker:
         """Whether documents start with their own BOS (False if BOS == EOS)."""
         return self.bos_id != self.eos_id
 
-    def fill(self, out: np.ndarray) -> None:
+    def fill(self, out: np.ndarray, starts: np.ndarray | None = None) -> None:
         """Write the next len(out) stream tokens into the 1-D array `out`.
 
-        Cost is linear in len(out) plus the tokenization of the documents
-        entered, each tokenized once per epoch.
+        With `starts` (a bool array as long as `out`), also mark True each
+        token that is the first of its framed document (its BOS, or first
+        token when BOS == EOS) and False every other one; a document already
+        entered before this fill is not marked. Cost is linear in len(out)
+        plus the tokenization of the documents entered, each tokenized once
+        per epoch.
         """
-        self._consume(len(out), out)
+        if starts is not None:
+            starts[:] = False
+        self._consume(len(out), out, starts)
 
     def skip(self, n: int) -> None:
         """Advance past the next `n` stream tokens (those of other ranks' rows)
@@ -71,14 +82,17 @@ class DocumentPacker:
         still tokenized."""
         self._consume(n, None)
 
-    def _consume(self, n: int, out: np.ndarray | None) -> None:
-        """Advance by `n` tokens, copying them into `out` unless it is None."""
+    def _consume(self, n: int, out: np.ndarray | None, starts: np.ndarray | None = None) -> None:
+        """Advance by `n` tokens, copying them into `out` (and marking document starts in
+        `starts`) unless it is None."""
         pos, empty_run = 0, 0
         while pos < n:
             doc = self._current_document()
             take = min(len(doc) - self.offset, n - pos)
             if out is not None:
                 out[pos : pos + take] = doc[self.offset : self.offset + take]
+            if starts is not None and take > 0 and self.offset == 0:
+                starts[pos] = True
             pos += take
             self.offset += take
             if self.offset >= len(doc):
