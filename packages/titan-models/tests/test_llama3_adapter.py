@@ -192,3 +192,106 @@ def test_unscaled_config_has_no_rope_scaling():
         Llama3StateDictAdapter.args_from_hf_config(transformers.LlamaConfig(**cfg).to_dict())
         == args
     )
+
+
+# ---- tied input/output embeddings (Llama 3.2 1B/3B layout) ---------------------------------
+
+
+def _tied_hf_model():
+    cfg = _hf_config()
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(2)
+    model = _randomize(transformers.LlamaForCausalLM(cfg)).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # transformers really tied it
+    return model
+
+
+def _tied_adapter(hf_model):
+    return Llama3StateDictAdapter(
+        Llama3StateDictAdapter.args_from_hf_config(hf_model.config.to_dict())
+    )
+
+
+def _safetensors_weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_tied_config_is_read_and_written():
+    hf_model = _tied_hf_model()
+    args = _tied_adapter(hf_model).args
+    assert args.tie_word_embeddings is True
+    assert Llama3StateDictAdapter(args).hf_config()["tie_word_embeddings"] is True
+    assert LLAMA3_FLAVORS["1B"].tie_word_embeddings and LLAMA3_FLAVORS["3B"].tie_word_embeddings
+    assert not LLAMA3_FLAVORS["8B"].tie_word_embeddings
+
+
+def test_tied_checkpoint_from_transformers_loads_with_equal_logits(tmp_path):
+    hf_model = _tied_hf_model()
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    weights = _safetensors_weights(tmp_path)
+    assert "lm_head.weight" not in weights  # the Hub layout: the shared matrix is stored once
+    adapter = _tied_adapter(hf_model)
+    titan = Llama3Model(adapter.args)
+    titan.load_state_dict(adapter.from_hf(weights), strict=True)
+    assert titan.output.weight is titan.tok_embeddings.weight
+    tokens = _tokens()
+    with torch.no_grad():
+        diff = (titan.eval()(tokens) - _hf_logits(hf_model, tokens)).abs().max()
+    assert diff <= 1e-5
+
+
+def test_tied_titan_model_exports_hub_layout_that_transformers_loads(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    adapter = _tied_adapter(_tied_hf_model())
+    torch.manual_seed(3)
+    titan = Llama3Model(adapter.args)
+    titan.init_weights(seed=3)
+    _randomize(titan)
+    hf_state = adapter.to_hf(titan.state_dict())
+    assert "lm_head.weight" not in hf_state and "model.embed_tokens.weight" in hf_state
+    save_file({k: v.contiguous() for k, v in hf_state.items()}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(adapter.hf_config(torch_dtype="float32")))
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    torch.testing.assert_close(hf.lm_head.weight, titan.output.weight, rtol=0, atol=0)
+    tokens = _tokens()
+    with torch.no_grad():
+        diff = (titan.eval()(tokens) - _hf_logits(hf, tokens)).abs().max()
+    assert diff <= 1e-5
+
+
+def test_tied_round_trip_keeps_one_matrix():
+    hf_model = _tied_hf_model()
+    adapter = _tied_adapter(hf_model)
+    hub = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    titan_state = adapter.from_hf(hub)
+    assert titan_state["output.weight"] is titan_state["tok_embeddings.weight"]
+    back = adapter.to_hf(titan_state)
+    assert back.keys() == hub.keys()
+    for key, value in hub.items():
+        assert torch.equal(back[key], value), key
+    # A piece holding the output but not the embedding still carries the shared matrix.
+    assert adapter.to_hf({"output.weight": hub["model.embed_tokens.weight"]}).keys() == {
+        "model.embed_tokens.weight"
+    }
+
+
+def test_untied_model_refuses_a_checkpoint_without_lm_head(adapter):
+    hub = {k: v for k, v in _tied_hf_model().state_dict().items() if k != "lm_head.weight"}
+    assert adapter.args.tie_word_embeddings is False
+    with pytest.raises(ValueError, match="no lm_head.weight.*tie_word_embeddings=True"):
+        adapter.from_hf(hub)
+
+
+def test_tied_model_refuses_a_different_lm_head():
+    hf_model = _tied_hf_model()
+    state = dict(hf_model.state_dict())
+    state["lm_head.weight"] = state["lm_head.weight"] + 1
+    with pytest.raises(ValueError, match="lm_head.weight differs"):
+        _tied_adapter(hf_model).from_hf(state)

@@ -11,12 +11,11 @@ from titan.models.llama3 import LLAMA3_FLAVORS, Llama3Args, build_llama3
 
 # Exact counts, worked out by hand from the published shapes (embedding + output are each
 # vocab * dim; a block is 2*dim*dim + 2*dim*kv_dim (attention) + 3*dim*ffn + 2*dim (norms)).
-# 8B/70B/405B match Meta's 8.03e9 / 70.55e9 / 405.8e9. Meta ties the 1B/3B output to the
-# embedding (1.236e9 / 3.21e9); titan keeps them untied, adding vocab * dim = 262,668,288 (1B)
-# and 394,002,432 (3B) to the tied totals 1,235,814,400 and 3,212,749,824.
+# 8B/70B/405B match Meta's 8.03e9 / 70.55e9 / 405.8e9. 1B/3B tie the output to the embedding,
+# as published (1.236e9 / 3.21e9): the shared vocab * dim matrix counts once.
 PUBLISHED_PARAMS = {
-    "1B": 1_235_814_400 + 128256 * 2048,
-    "3B": 3_212_749_824 + 128256 * 3072,
+    "1B": 1_235_814_400,
+    "3B": 3_212_749_824,
     "8B": 8_030_261_248,
     "70B": 70_553_706_496,
     "405B": 405_853_388_800,
@@ -31,12 +30,9 @@ def test_published_parameter_counts(flavor):
 
 
 def test_published_counts_round_to_meta_numbers():
-    approx = {"8B": 8.03e9, "70B": 70.55e9, "405B": 405.8e9}
+    approx = {"1B": 1.236e9, "3B": 3.21e9, "8B": 8.03e9, "70B": 70.55e9, "405B": 405.8e9}
     for flavor, published in approx.items():
         assert PUBLISHED_PARAMS[flavor] == pytest.approx(published, rel=1e-3)
-    untied_extra = {"1B": 128256 * 2048, "3B": 128256 * 3072}
-    for flavor, published in {"1B": 1.236e9, "3B": 3.21e9}.items():
-        assert PUBLISHED_PARAMS[flavor] - untied_extra[flavor] == pytest.approx(published, rel=1e-3)
 
 
 def test_ffn_hidden_dims_follow_the_llama_rule():
@@ -44,6 +40,7 @@ def test_ffn_hidden_dims_follow_the_llama_rule():
     assert dims == {
         "debugmodel": 768,
         "debugmodel_tiny": 192,
+        "debugmodel_tiny_tied": 192,
         "1B": 8192,
         "3B": 8192,
         "8B": 14336,

@@ -118,7 +118,9 @@ def to_hf_tensors(
     for key, tensor in hf_sd.items():
         if target is not None and tensor.is_floating_point():
             tensor = tensor.to(target)
-        # safetensors needs contiguous, unaliased CPU tensors.
+        # safetensors needs contiguous, unaliased CPU tensors: the copy also splits a tensor
+        # held under two names (tied weights exported without an adapter, which would keep
+        # both names; a family adapter writes the Hub layout, e.g. no lm_head when tied).
         out[key] = tensor.detach().to("cpu").contiguous().clone()
     return out
 

@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from titan.dist.plan import match_modules, sharding_plan
+from titan.dist.plan import match_modules, sharding_plan, tied_parameter_groups
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,11 +27,29 @@ def reshard_after_forward(config, *, pp_enabled: bool) -> bool:
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """Submodules the plan names as FSDP units (default: every block), in model order."""
+    """Submodules the plan names as FSDP units (default: every block), in model order.
+
+    A unit holding some but not all names of a tied parameter (the plan's `tied_parameters`,
+    e.g. an embedding whose matrix is also the output projection) is left out: one Parameter
+    cannot belong to two FSDP units, and two sharded copies would train apart. Its parameters
+    fall to the root unit, which holds every name of the tie and manages the shared
+    Parameter once (FSDP2 re-registers it on every module that uses it).
+    """
     plan = sharding_plan(model)
     patterns = getattr(plan, "fsdp_units", None) or ("layers.*",)
-    return [m for pattern in patterns for _, m in match_modules(model, pattern)
-            if m is not None]
+    ties = tied_parameter_groups(model)
+    return [m for pattern in patterns for name, m in match_modules(model, pattern)
+            if m is not None and not splits_a_tie(name, ties)]
+
+
+def splits_a_tie(module_name: str, ties: tuple[tuple[str, ...], ...]) -> bool:
+    """Whether the submodule `module_name` holds some but not all names of a tied group."""
+    prefix = module_name + "."
+    for group in ties:
+        inside = sum(name.startswith(prefix) for name in group)
+        if 0 < inside < len(group):
+            return True
+    return False
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config, *, pp_enabled: bool = False,

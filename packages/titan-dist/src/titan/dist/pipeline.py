@@ -25,7 +25,7 @@ from torch.distributed.pipelining import (
 )
 
 from titan.dist.dims import ParallelDims
-from titan.dist.plan import layer_container_name, sharding_plan
+from titan.dist.plan import layer_container_name, sharding_plan, tied_parameter_groups
 
 SCHEDULES = {
     "GPipe": ScheduleGPipe,
@@ -105,6 +105,44 @@ def stage_ids_of_rank(pp_rank: int, pp: int, num_stages: int, schedule: str) -> 
     return list(range(pp_rank, num_stages, pp))
 
 
+def check_pipeline_ties(model: nn.Module, pp_degree: int) -> None:
+    """Refuse pipeline parallel for a model whose tied parameters (plan `tied_parameters`)
+    live in modules that different stages hold, e.g. a tied embedding (first stage) and
+    output projection (last stage).
+
+    Stages are separate modules with their own optimizers and data-parallel sharding even
+    where one rank runs both (ZBVZeroBubble/DualPipeV put the first and last stage on pp
+    rank 0), so they cannot share a Parameter. Runs on the unsplit (meta) model, before any
+    process-group work.
+    """
+    if pp_degree <= 1:
+        return
+    for group in tied_parameter_groups(model):
+        homes = {_stage_home(model, name) for name in group}
+        if len(homes) > 1:
+            raise ValueError(
+                f"--parallelism.pipeline_parallel_degree {pp_degree}: the model ties "
+                f"{' and '.join(group)} (one shared parameter), but pipeline stages would hold "
+                f"them apart ({', '.join(sorted(homes))}) and stages cannot share a parameter. "
+                "Use --parallelism.pipeline_parallel_degree 1 (FSDP and tensor parallel keep "
+                "the tie) or a model with untied embeddings (tie_word_embeddings false)")
+
+
+def _stage_home(model: nn.Module, param_name: str) -> str:
+    """Which part of the pipeline split holds `param_name`: "first stage", "last stage" or
+    the block it belongs to (blocks may land on different stages)."""
+    plan = sharding_plan(model)
+    top = param_name.split(".", 1)[0]
+    if top in getattr(plan, "pipeline_first", ("tok_embeddings",)):
+        return "first stage"
+    if top in getattr(plan, "pipeline_last", ("norm", "output")):
+        return "last stage"
+    container = layer_container_name(model)
+    if param_name.startswith(container + "."):
+        return f"block {param_name.split('.')[1]}"
+    return "every stage"
+
+
 def split_stage(model: nn.Module, keep: list[str], *, first: bool, last: bool) -> nn.Module:
     """A deep copy of `model` holding only the blocks `keep`, without the plan's first-stage
     modules unless `first`, nor its last-stage modules unless `last`."""
@@ -138,6 +176,7 @@ def build_pipeline(model: nn.Module, parallel_dims: ParallelDims, *, parallelism
     from titan.dist.parallelize import parallelize
 
     dims, cfg = parallel_dims, parallelism
+    check_pipeline_ties(model, dims.pp)
     name = cfg.pipeline_parallel_schedule
     keys = list(getattr(model, layer_container_name(model)).keys())
     total = num_stages_for(len(keys), dims.pp, cfg)

@@ -10,6 +10,11 @@ Plan styles (docs/contracts.md) and what they become:
                  weights computing on the plain replicated activations
 - "block_input": first positional input gathered from sequence shards to replicated (SP only)
 - "output":      final projection; vocab-sharded logits kept as a DTensor for loss parallel
+
+Tied parameters (the plan's `tied_parameters`): torch distributes each module's parameters on
+its own, so a shared Parameter comes out as two DTensors. When every name got the same layout
+(a tied embedding/output: both styles shard the [vocab, dim] matrix on dim 0) the first one is
+put back on every module, so the tie survives as one DTensor; different layouts are refused.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titan.dist.plan import match_modules, sharding_plan
+from titan.dist.plan import match_modules, sharding_plan, tied_parameter_groups
 
 STYLES = ("embedding", "colwise", "rowwise", "norm", "block_input", "output")
 
@@ -118,9 +123,51 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, config) -> nn.Modu
             if style is not None:
                 torch_plan[fqn] = style
     parallelize_module(model, mesh, torch_plan)
+    reshare_tied_parameters(model)
     if config.enable_async_tensor_parallel:
         _enable_async_tp(mesh)
     return model
+
+
+def reshare_tied_parameters(model: nn.Module) -> None:
+    """Make every name of each tied group (plan `tied_parameters`) the first name's Parameter
+    again, after sharding gave each module its own copy; raise if their layouts differ."""
+    for group in tied_parameter_groups(model):
+        present = [(name, *where) for name in group if (where := _owner(model, name)) is not None]
+        if len(present) < 2:
+            continue  # pipeline parallel left at most one name on this stage
+        first_name, first_owner, first_leaf = present[0]
+        shared = getattr(first_owner, first_leaf)
+        for name, owner, leaf in present[1:]:
+            param = getattr(owner, leaf)
+            if param is shared:
+                continue
+            if _layout(param) != _layout(shared) or param.shape != shared.shape:
+                raise ValueError(
+                    f"tied parameters {first_name} and {name} get different tensor-parallel "
+                    f"layouts ({_layout(shared)} vs {_layout(param)}); give their modules styles "
+                    f"that shard the shared matrix the same way (e.g. embedding + output), untie "
+                    f"them, or set --parallelism.tensor_parallel_degree 1")
+            owner.register_parameter(leaf, shared)
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str] | None:
+    """(module, attribute) holding parameter `name`, or None when a module on the path is
+    missing (set to None by pipeline parallel)."""
+    *path, leaf = name.split(".")
+    module = model
+    for part in path:
+        module = getattr(module, part, None)
+        if not isinstance(module, nn.Module):
+            return None
+    return (module, leaf) if isinstance(getattr(module, leaf, None), nn.Parameter) else None
+
+
+def _layout(param: torch.Tensor) -> tuple:
+    """(mesh, placements) of a DTensor; ("plain",) for an undistributed tensor."""
+    if isinstance(param, DTensor):
+        return (param.device_mesh, tuple(param.placements))
+    return ("plain",)
 
 
 def _check_async(config, mesh: DeviceMesh) -> None:

@@ -29,6 +29,7 @@ _IN_BLOCK = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 _ROTATED = ("attention.wq.weight", "attention.wk.weight")  # rows follow the RoPE layout
+_EMBED, _OUTPUT, _NORM = "tok_embeddings.weight", "output.weight", "norm.weight"
 _TITAN_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Buffers some older HF checkpoints saved; they are recomputed, never loaded.
@@ -56,6 +57,11 @@ class Llama3StateDictAdapter:
     Keys are mapped one by one, so a pipeline stage's partial state dict converts too.
     titan rotates interleaved channel pairs (Meta layout); HF rotates the two halves of each
     head, so wq and wk rows are permuted on the way.
+
+    Tied embeddings (`args.tie_word_embeddings`): the Hub layout stores the shared matrix once,
+    as `model.embed_tokens.weight`, with no `lm_head.weight`; `to_hf` writes that layout and
+    `from_hf` gives `output.weight` the embedding's tensor. A checkpoint without `lm_head.weight`
+    for an untied model is an error, never a silently random output projection.
     """
 
     def __init__(self, args: Llama3Args) -> None:
@@ -65,6 +71,10 @@ class Llama3StateDictAdapter:
         """titan names/layout -> HF names/layout."""
         out = {}
         for key, value in state_dict.items():
+            if self.args.tie_word_embeddings and key == _OUTPUT:
+                if _EMBED in state_dict:
+                    continue  # the same matrix, written once as the embedding
+                key = _EMBED  # a piece holding only the output still carries the shared matrix
             if _is_rotated(key):
                 value = interleaved_to_half_split(value, self.args.head_dim)
             out[self._hf_key(key)] = value
@@ -80,7 +90,37 @@ class Llama3StateDictAdapter:
             if _is_rotated(titan_key):
                 value = half_split_to_interleaved(value, self.args.head_dim)
             out[titan_key] = value
+        self._fill_tied_output(out)
         return out
+
+    def _fill_tied_output(self, out: dict[str, Any]) -> None:
+        """Give `output.weight` the embedding's tensor when the checkpoint ties them.
+
+        The final norm and the output live on the same (last) pipeline stage, so a state dict
+        holding `norm.weight` without `output.weight` is a tied checkpoint, never a partial one.
+        """
+        tied = self.args.tie_word_embeddings
+        if tied and _OUTPUT in out and _EMBED in out and not _same_values(out[_OUTPUT], out[_EMBED]):
+            raise ValueError(
+                "this model ties the output projection to the embedding (tie_word_embeddings), "
+                "but the checkpoint's lm_head.weight differs from model.embed_tokens.weight; "
+                "build the model with tie_word_embeddings=False to load both"
+            )
+        if _OUTPUT in out or _NORM not in out:
+            return
+        if not tied:
+            raise ValueError(
+                "the checkpoint has no lm_head.weight: it ties the output projection to "
+                "model.embed_tokens.weight (tie_word_embeddings in its config.json), but this "
+                "model is untied (tie_word_embeddings=False). Build it with "
+                "tie_word_embeddings=True (Llama3StateDictAdapter.args_from_hf_config reads it)"
+            )
+        if _EMBED not in out:
+            raise ValueError(
+                "the checkpoint has neither lm_head.weight nor model.embed_tokens.weight; "
+                "the output projection of this tied model cannot be filled"
+            )
+        out[_OUTPUT] = out[_EMBED]
 
     @staticmethod
     def _hf_key(key: str) -> str:
@@ -124,7 +164,7 @@ class Llama3StateDictAdapter:
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,
-            "tie_word_embeddings": False,
+            "tie_word_embeddings": a.tie_word_embeddings,
             "torch_dtype": torch_dtype,
         }
         if a.vocab_size > _EOS_ID:
@@ -151,6 +191,8 @@ class Llama3StateDictAdapter:
             rope_theta=rope.get("rope_theta", 10000.0),
             rope_scaling=_rope_scaling_from_hf(rope),
             max_seq_len=cfg.get("max_position_embeddings", 2048),
+            # LlamaConfig's default is untied; Llama 3.2 1B/3B configs say true.
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             **_ffn_fields(dim, cfg["intermediate_size"]),
         )
 
@@ -159,6 +201,13 @@ def _is_rotated(titan_key: str) -> bool:
     """Whether the rows of this titan parameter follow the RoPE channel layout (wq, wk)."""
     block = _TITAN_BLOCK.fullmatch(titan_key)
     return block is not None and block.group(2) in _ROTATED
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two checkpoint tensors hold the same matrix (cheap when they share storage)."""
+    if a is b or (a.shape == b.shape and a.data_ptr() == b.data_ptr() and a.stride() == b.stride()):
+        return True
+    return a.shape == b.shape and torch.equal(a, b.to(a.dtype))
 
 
 _FROM_HF_TOP = {hf: titan for titan, hf in _TOP_LEVEL.items()}

@@ -36,6 +36,10 @@ class Llama3Args:
     """Llama 3.1 long-context frequency scaling; None turns it off."""
     max_seq_len: int = 2048
     """Longest sequence (largest position + 1) the RoPE cache covers."""
+    tie_word_embeddings: bool = False
+    """Share one [vocab, dim] matrix between the token embedding and the output projection
+    (Llama 3.2 1B/3B; `tie_word_embeddings` in a Hugging Face config). Pipeline parallel cannot
+    split a tied model (first and last stage would need the same parameter)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -112,7 +116,7 @@ LLAMA3_FLAVORS: dict[str, Llama3Args] = {
     "debugmodel_tiny": Llama3Args(
         dim=64, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=32, rope_scaling=_LLAMA31_SCALING
     ),
-    # Llama 3.2 (Meta ties embedding and output; titan keeps them untied, see README).
+    # Llama 3.2: embedding and output projection are one tied matrix, as published.
     "1B": Llama3Args(
         dim=2048,
         n_layers=16,
@@ -123,6 +127,7 @@ LLAMA3_FLAVORS: dict[str, Llama3Args] = {
         ffn_dim_multiplier=1.5,
         rope_scaling=_LLAMA32_SCALING,
         max_seq_len=_LLAMA31_CONTEXT,
+        tie_word_embeddings=True,
     ),
     "3B": Llama3Args(
         dim=3072,
@@ -134,6 +139,7 @@ LLAMA3_FLAVORS: dict[str, Llama3Args] = {
         ffn_dim_multiplier=1.0,
         rope_scaling=_LLAMA32_SCALING,
         max_seq_len=_LLAMA31_CONTEXT,
+        tie_word_embeddings=True,
     ),
     # Llama 3.1.
     "8B": Llama3Args(
@@ -168,6 +174,16 @@ LLAMA3_FLAVORS: dict[str, Llama3Args] = {
         ffn_dim_multiplier=1.2,
         rope_scaling=_LLAMA31_SCALING,
         max_seq_len=_LLAMA31_CONTEXT,
+    ),
+    # `debugmodel_tiny` with tied embeddings, for multi-rank tests of the tie (Llama 3.2 style).
+    "debugmodel_tiny_tied": Llama3Args(
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        multiple_of=32,
+        rope_scaling=_LLAMA31_SCALING,
+        tie_word_embeddings=True,
     ),
 }
 """Published Llama 3 sizes by name. Treat entries as templates: `build_llama3` copies them."""
