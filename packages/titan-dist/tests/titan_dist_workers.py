@@ -36,8 +36,36 @@ def mesh_and_reductions(rank: int, world_size: int) -> dict:
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
     for p, g in zip(params, grads, strict=True):
         p.grad = g
+    out["full"] = [g.clone() for g in full]  # distribute_tensor may share storage with them
     out["norm"] = clip_grad_norm_(params, 1.0, mesh=root).item()
-    out["clipped0"] = params[0].grad.full_tensor()
+    out["clipped"] = [_whole(p.grad) for p in params]
+    dist.barrier()
+    return out
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The full value of a (DTensor) gradient; a plain tensor as it is on this rank."""
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def clip_on_dp_mesh(rank: int, world_size: int) -> dict:
+    """Clip on a dp_shard 2 mesh: an unevenly row-sharded gradient (5 rows over 2 ranks, as
+    FSDP shards), a replicated one and a plain one; the full gradients are the same on every
+    rank (seeded), so the test can clip them by hand."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=1, world_size=world_size)
+    root = dims.build_mesh("cpu")
+    dp = dims.mesh("dp_shard")
+    torch.manual_seed(1)
+    full = [torch.randn(5, 3), torch.randn(4), torch.randn(2, 2)]
+    grads = [distribute_tensor(full[0], dp, [Shard(0)]), distribute_tensor(full[1], dp, [Replicate()]),
+             full[2].clone()]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    full = [g.clone() for g in full]  # distribute_tensor may share storage with them
+    norm = clip_grad_norm_(params, 0.5, mesh=root).item()
+    out = {"dp_size": dp.size(), "norm": norm, "max_norm": 0.5, "full": full,
+           "local_rows": params[0].grad.to_local().shape[0], "clipped": [_whole(p.grad) for p in params]}
     dist.barrier()
     return out
 
@@ -124,3 +152,8 @@ def _pp_step(schedule, first, last, inputs, labels, dims):
 def train_cases(rank: int, world_size: int, cases: list) -> list:
     """Several configurations in one process group (spawning costs more than training)."""
     return [train_case(case) for case in cases]
+
+
+def mesh_and_clipping(rank: int, world_size: int) -> tuple[dict, dict]:
+    """Both checks above in one pair of processes (spawning ranks is the slow part)."""
+    return mesh_and_reductions(rank, world_size), clip_on_dp_mesh(rank, world_size)
