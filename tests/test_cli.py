@@ -1,12 +1,16 @@
-"""The `titan` command: recipes, flag names, overrides and errors."""
+"""The `titan` command: recipes, flag names, overrides, the recipe's own flag tree, and errors."""
 
+import dataclasses
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from titan.train.config import TrainerConfig
 
-from titan.recipes.cli import parse_train_args, split_recipe_flag
+from titan.recipes import cli, runners
+from titan.recipes.cli import UsageError, main, parse_train_args, split_recipe_flag
 from titan.recipes.recipes import RECIPES, recipe
 
 FLAGS_USERS_KNOW = [
@@ -25,6 +29,12 @@ FLAGS_USERS_KNOW = [
 ]
 
 
+def titan_command() -> list[str]:
+    """The installed `titan` console script beside this interpreter (else the module)."""
+    script = Path(sys.executable).parent / "titan"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "titan.recipes.cli"]
+
+
 def test_help_lists_recipes_and_flags():
     out = subprocess.run(
         [sys.executable, "-m", "titan.recipes.cli", "train", "--help"],
@@ -34,6 +44,7 @@ def test_help_lists_recipes_and_flags():
         assert name in out
     for flag in FLAGS_USERS_KNOW:
         assert flag in out, flag
+    assert "--debug.traceback" in out
 
 
 def test_overrides_apply_on_top_of_the_recipe():
@@ -50,17 +61,191 @@ def test_config_flag_forms():
 
 
 def test_unknown_recipe_names_the_choices():
-    with pytest.raises(SystemExit, match="llama3_debug"):
+    with pytest.raises(UsageError, match="llama3_debug"):
         parse_train_args(["--config", "nope"])
 
 
-def test_bad_value_is_rejected_by_validation(capsys):
-    with pytest.raises(SystemExit):
+def test_bad_value_is_rejected_by_validation():
+    with pytest.raises(UsageError, match="--optimizer.lr must be > 0"):
         parse_train_args(["--optimizer.lr", "-1"])
-    assert "--optimizer.lr must be > 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_every_recipe_builds_a_valid_config(name):
     cfg = recipe(name)
-    assert cfg.training.steps > 0 and cfg.model.name == "llama3"
+    assert runners.runner_for(cfg).command in runners.DEFAULT_RECIPES
+    if isinstance(cfg, TrainerConfig):
+        assert cfg.training.steps > 0 and cfg.model.name == "llama3"
+
+
+# ---------------------------------------------------------------- the flag tree follows the recipe
+
+
+@dataclasses.dataclass(kw_only=True)
+class ProbeConfig:
+    """A section only the probe recipe's config type has."""
+
+    alpha: int = 1
+    """A probe value."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ProbeTrainerConfig(TrainerConfig):
+    """A recipe config type with one extra section."""
+
+    probe: ProbeConfig = dataclasses.field(default_factory=ProbeConfig)
+    """The extra section."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ProbeSFTConfig:
+    """A config tree unrelated to TrainerConfig, run by its own (fake) loop."""
+
+    probe: ProbeConfig = dataclasses.field(default_factory=ProbeConfig)
+    """The only section."""
+
+
+def test_flag_sections_come_from_the_recipes_config_type(monkeypatch):
+    monkeypatch.setitem(RECIPES, "probe", ProbeTrainerConfig)
+    cfg = parse_train_args(["--config", "probe", "--probe.alpha", "3", "--training.steps", "2"])
+    assert type(cfg) is ProbeTrainerConfig and cfg.probe.alpha == 3 and cfg.training.steps == 2
+    # A subclass runs on the pretraining loop unless it registers its own.
+    assert runners.runner_for(cfg) is runners.RUNNERS[TrainerConfig]
+    with pytest.raises(UsageError, match="--probe.alpha"):  # not a flag of TrainerConfig recipes
+        parse_train_args(["--config", "llama3_debug", "--probe.alpha", "3"])
+
+
+def test_titan_sft_runs_the_loop_registered_for_the_recipes_config_type(monkeypatch):
+    ran = []
+
+    class FakeLoop:
+        def __init__(self, config):
+            self.config = config
+
+        def train(self):
+            ran.append(("train", self.config.probe.alpha))
+
+        def close(self):
+            ran.append(("close", None))
+
+    monkeypatch.setitem(RECIPES, "probe_sft", ProbeSFTConfig)
+    monkeypatch.setitem(runners.DEFAULT_RECIPES, "sft", "probe_sft")
+    monkeypatch.setitem(runners.RUNNERS, ProbeSFTConfig, runners.Runner(build=FakeLoop, command="sft"))
+    assert main(["sft", "--probe.alpha", "5"]) == 0  # the default recipe of `titan sft`
+    assert ran == [("train", 5), ("close", None)]
+    assert "probe_sft" in cli.recipes_description("sft")
+    assert "probe_sft" not in cli.recipes_description("train")
+    assert "llama3_debug" not in cli.recipes_description("sft")
+
+
+def test_an_unregistered_config_type_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(RECIPES, "orphan", ProbeSFTConfig)
+    assert main(["train", "--config", "orphan"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("titan train: error: no training loop is registered for ProbeSFTConfig")
+
+
+# ---------------------------------------------------------------- errors: one line, exit code 2
+
+
+def _bad_tokenizer(tmp_path: Path) -> str:
+    path = tmp_path / "tokenizer.json"
+    path.write_text("this is not json")
+    return str(path)
+
+
+def _file(tmp_path: Path) -> Path:
+    path = tmp_path / "a_file"
+    path.write_text("")
+    return path
+
+
+# (id, flags given tmp_path, text the one line must contain)
+BAD_INPUTS = [
+    ("missing_dataset_path", lambda t: ["--dataset.name", "text"], "--dataset.path"),
+    ("dataset_path_not_found", lambda t: ["--dataset.name", "text", "--dataset.path", str(t / "nope")],
+     "--dataset.path"),
+    ("unwritable_dump_folder", lambda t: ["--job.dump_folder", str(_file(t) / "out")], "--job.dump_folder"),
+    ("bad_tokenizer_file", lambda t: ["--tokenizer.kind", "hf", "--tokenizer.path", _bad_tokenizer(t)],
+     "--tokenizer.path"),
+    ("missing_tokenizer_file", lambda t: ["--tokenizer.kind", "hf", "--tokenizer.path", str(t / "nope.json")],
+     "--tokenizer.path"),
+    ("impossible_degrees", lambda t: ["--parallelism.tensor_parallel_degree", "3"], "tensor_parallel_degree=3"),
+    ("bad_recipe", lambda t: ["--config", "nope"], "--config 'nope' is not a recipe"),
+    ("zero_steps", lambda t: ["--training.steps", "0"], "--training.steps must be >= 1"),
+    ("not_a_number", lambda t: ["--training.steps", "abc"], "--training.steps"),
+    ("unknown_flag", lambda t: ["--training.stepz", "3"], "did you mean --training.steps?"),
+    ("value_for_a_switch", lambda t: ["--checkpoint.enable", "yes"], "--checkpoint.no_enable"),
+    ("bad_choice", lambda t: ["--optimizer.name", "SGD"], "--optimizer.name 'SGD'"),
+    ("unknown_flavor", lambda t: ["--model.flavor", "huge"], "--model.flavor 'huge'"),
+    ("batch_geometry", lambda t: ["--training.global_batch_size", "12"], "--training.global_batch_size"),
+    ("missing_initial_checkpoint", lambda t: ["--checkpoint.initial_load_path", str(t / "nope")],
+     "--checkpoint.initial_load_path"),
+]
+
+
+def run_titan(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*titan_command(), "train", *args], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, flags, needle", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path, name, flags, needle):
+    dump = tmp_path / "dump"
+    args = ["--config", "llama3_debug_synthetic", "--job.dump_folder", str(dump), *flags(tmp_path)]
+    result = run_titan(args)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("titan train: error: ") and needle in lines[0], lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (dump / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_debug_traceback_shows_the_full_traceback(tmp_path):
+    args = ["--config", "llama3_debug_synthetic", "--dataset.name", "text", "--dataset.path",
+            str(tmp_path / "nope"), "--job.dump_folder", str(tmp_path / "dump")]
+    result = run_titan([*args, "--debug.traceback"])
+    assert result.returncode != 0 and "Traceback" in result.stderr
+    assert "FileNotFoundError" in result.stderr and "--dataset.path" in result.stderr
+
+
+@pytest.mark.slow
+def test_every_rank_fails_alike_and_rank_0_prints_once(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend",
+           "c10d", "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "train",
+           "--training.steps", "0", "--job.dump_folder", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "titan train: error:" in line]
+    assert errors == ["titan train: error: --training.steps must be >= 1, got 0"], result.stderr[-3000:]
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    """Exceptions that are not about the user's input are not hidden behind one line."""
+    def broken(argv, *, command):
+        raise RuntimeError("an internal bug")
+
+    monkeypatch.setattr(cli, "run", broken)
+    with pytest.raises(RuntimeError, match="an internal bug"):
+        main(["train"])
+
+
+def test_validation_messages_listing_several_problems_become_one_line():
+    err = ValueError("invalid parallel configuration:\n  - --a must be 1\n  - --b must be 2")
+    assert cli._one_line(err) == "invalid parallel configuration: --a must be 1; --b must be 2"
+
+
+def test_tyro_boxes_are_condensed_when_no_structured_event_is_available():
+    """The fallback for tyro versions (or events) without the parse-error hook."""
+    box = ("╭─ Value error ───────────────╮\n"
+           "│ Error parsing training: --training.steps must be >= 1 │\n"
+           "│ ─────────────────────────── │\n"
+           "│ For full helptext, see titan train --help │\n"
+           "╰─────────────────────────────╯\n")
+    assert cli._condense(box) == "Error parsing training: --training.steps must be >= 1"

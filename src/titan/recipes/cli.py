@@ -1,9 +1,32 @@
-"""The ``titan`` command: ``titan train --config <recipe> [--section.field value ...]``."""
+"""The ``titan`` command: ``titan train|sft --config <recipe> [--section.field value ...]``.
+
+The recipe decides the command line: the flag sections are the fields of the config type the
+recipe returns, and the loop that runs it is the one registered for that type in
+``titan.recipes.runners`` (pretraining: ``TrainerConfig`` -> ``Trainer``). ``titan sft`` is
+``titan train`` with the SFT recipes as its default and listing.
+
+Errors. A problem with the command line or its inputs (a bad value, a missing file, an
+unwritable folder, impossible parallel degrees, an unknown recipe) is reported as one line,
+``titan train: error: <message>``, exit code 2, no traceback. A run that fails later for a
+reason outside the config (a non-finite loss, a checkpoint that cannot be used) reports one
+line too, with exit code 1. Any other exception is a bug and keeps its traceback.
+``--debug.traceback`` (read here, before the config is parsed, so it works whatever fails)
+re-raises every error with its full traceback. Every rank of a multi-rank run validates the
+same config and fails the same way, so only rank 0 prints configuration errors.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import difflib
+import io
+import os
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import tyro
 from titan.ckpt import CheckpointError
@@ -16,32 +39,57 @@ from titan.recipes.dry_run import (
     split_world_size_flag,
     world_size_from_env,
 )
-from titan.recipes.families import model_spec
-from titan.recipes.recipes import DEFAULT_RECIPE, RECIPES, recipe
+from titan.recipes.recipes import RECIPES, recipe
+from titan.recipes.runners import DEFAULT_RECIPES, runner_for
 
-USAGE = """usage: titan train [--config RECIPE] [--section.field VALUE ...]
+USAGE = """usage: titan train [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
+       titan sft [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
        titan dry-run --world_size N [--config RECIPE] [--section.field VALUE ...]
        titan recipes
 
 Commands:
   train     train a model; RECIPE picks the starting config, flags override it
             (COMM_MODE=fake_backend with NGPU/WORLD_SIZE=N makes it a dry run)
+  sft       supervised fine-tuning: like train, starting from the SFT recipes
   dry-run   validate and parallelize the config for N ranks on this CPU (fake process
             group, meta device); print each pipeline rank's params and memory estimate
   recipes   list the recipes
+
+Errors are one line with exit code 2 (bad flags or inputs) or 1 (the run failed);
+--debug.traceback shows the full traceback instead.
 """
 
+TRACEBACK_FLAG = "--debug.traceback"
 
-def split_recipe_flag(argv: Sequence[str]) -> tuple[str, list[str]]:
+# Exit codes: the command line or its inputs are wrong / the run itself failed.
+EXIT_USAGE = 2
+EXIT_RUN_FAILED = 1
+
+# OS errors about the user's paths; other OS errors (sockets, timeouts) keep their traceback.
+PATH_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError,
+               IsADirectoryError)
+
+
+class UsageError(Exception):
+    """A problem with the command line or its inputs: one line on stderr, exit code 2."""
+
+
+def split_traceback_flag(argv: Sequence[str]) -> tuple[bool, list[str]]:
+    """Pull ``--debug.traceback`` out of ``argv``: (whether it was given, the rest)."""
+    rest = [arg for arg in argv if arg not in (TRACEBACK_FLAG, "--debug.traceback=True")]
+    return len(rest) != len(argv), rest
+
+
+def split_recipe_flag(argv: Sequence[str], default: str = DEFAULT_RECIPES["train"]) -> tuple[str, list[str]]:
     """Pull ``--config NAME`` / ``--config=NAME`` out of ``argv``; the rest are tyro flags."""
-    name, rest = DEFAULT_RECIPE, []
+    name, rest = default, []
     args = list(argv)
     i = 0
     while i < len(args):
         arg = args[i]
         if arg == "--config":
             if i + 1 >= len(args):
-                raise SystemExit("titan train: --config needs a recipe name; see `titan recipes`")
+                raise UsageError("--config needs a recipe name; see `titan recipes`")
             name = args[i + 1]
             i += 2
             continue
@@ -53,53 +101,272 @@ def split_recipe_flag(argv: Sequence[str]) -> tuple[str, list[str]]:
     return name, rest
 
 
-def recipes_description() -> str:
-    """One line per recipe, for ``--help`` and ``titan recipes``."""
+def recipe_command(name: str) -> str | None:
+    """The subcommand the recipe ``name`` belongs to (``train``, ``sft``...), by its config type."""
+    try:
+        return runner_for(recipe(name)).command
+    except ValueError:
+        return None
+
+
+def recipes_description(command: str | None = None) -> str:
+    """One line per recipe (those of ``command`` only, when given), for ``--help`` and
+    ``titan recipes``."""
     lines = []
     for name, fn in RECIPES.items():
+        if command is not None and recipe_command(name) != command:
+            continue
         first = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        default = " (default)" if name == DEFAULT_RECIPE else ""
+        default = " (default)" if name == DEFAULT_RECIPES.get(command or "train") else ""
         lines.append(f"  {name:<24}{first}{default}")
     return "\n".join(lines)
 
 
-def parse_train_args(argv: Sequence[str]) -> TrainerConfig:
-    """Resolve ``--config`` to a recipe, then apply the remaining flags with tyro."""
-    name, rest = split_recipe_flag(argv)
+def config_flags(config: Any, prefix: str = "") -> list[str]:
+    """Every ``--section.field`` flag of a config tree (for "did you mean" suggestions)."""
+    flags = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            flags += config_flags(value, f"{prefix}{field.name}.")
+        else:
+            flags.append(f"--{prefix}{field.name}")
+    return flags
+
+
+def _flag_of(argument: Any) -> str:
+    """The flag of one of tyro's argument definitions (private type; read defensively)."""
+    names = getattr(getattr(argument, "lowered", None), "name_or_flags", None)
+    return "/".join(names) if names else "an argument"
+
+
+def _parse_error_message(event: Any, default: Any, prog: str, argv: list[str]) -> str | None:
+    """One line for a tyro parse-error event, or None to fall back to tyro's own text."""
+    from tyro import _errors as ev
+
+    see_help = f"see `{prog} --help`"
+    if isinstance(event, ev.InstantiationFailure):
+        if event.argument is None:
+            return event.message  # a __post_init__ message: names the flag and the fix
+        return f"{_flag_of(event.argument)}: {event.message}; {see_help}"
+    if isinstance(event, ev.UnrecognizedArgs):
+        flags = [t.split("=", 1)[0] for t in event.tokens if t.startswith("--")]
+        if flags:
+            close = difflib.get_close_matches(flags[0], config_flags(default), n=1)
+            hint = f"did you mean {close[0]}?" if close else see_help
+            return f"unrecognized flag {flags[0]}; {hint}"
+        # A stray value: most often one given to a boolean flag, which takes none.
+        value = event.tokens[0]
+        before = argv[argv.index(value) - 1] if value in argv[1:] else ""
+        if before.startswith("--"):
+            section, _, field = before[2:].rpartition(".")
+            negated = f"--{section}.no_{field}" if section else f"--no_{field}"
+            return (f"{before} takes no value, got {value!r}; write {before} to switch it on "
+                    f"or {negated} to switch it off")
+        return f"unexpected argument {value!r}; {see_help}"
+    if isinstance(event, ev.BadValue):
+        flag = _flag_of(event.argument)
+        if event.offending_value is None:
+            return f"{flag} needs a value; {see_help}"
+        return f"{flag} takes no value, got {event.offending_value!r}; {see_help}"
+    if isinstance(event, ev.InvalidChoice):
+        return f"{_flag_of(event.argument)} {event.value!r} is not one of {', '.join(event.choices)}"
+    if isinstance(event, ev.MissingArgs):
+        names = [_flag_of(getattr(a, "arg", None)) for a in event.missing_arguments]
+        return f"missing required flags: {', '.join(names)}"
+    return None
+
+
+def _condense(text: str) -> str:
+    """tyro's boxed error text as one line (fallback for events without a message above)."""
+    lines = []
+    for line in text.splitlines():
+        line = line.strip().strip("│╭╮╰╯─ ").strip()
+        if line and not line.startswith(("For full helptext", "Value error", "Unrecognized options")):
+            lines.append(line)
+    return "; ".join(lines) or "invalid arguments"
+
+
+@contextlib.contextmanager
+def _one_line_parse_errors(default: Any, prog: str, argv: list[str]) -> Iterator[None]:
+    """Turn tyro's boxed parse errors into :class:`UsageError` (one line).
+
+    tyro's parse-error hook (``tyro._errors.on_parse_error``, private) gives structured events;
+    where it is missing or an event is not handled, tyro's own output is captured and condensed.
+    """
+    captured = io.StringIO()
+
+    def hook(event: Any) -> None:
+        message = _parse_error_message(event, default, prog, argv)
+        if message is not None:
+            raise UsageError(message)
+
+    try:
+        from tyro._errors import on_parse_error
+    except ImportError:  # an older tyro: only the captured-output fallback
+        on_parse_error = None
+    try:
+        with contextlib.redirect_stderr(captured):
+            with on_parse_error(hook) if on_parse_error else contextlib.nullcontext():
+                yield
+    except UsageError:
+        raise
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            raise UsageError(_condense(captured.getvalue())) from None
+        sys.stderr.write(captured.getvalue())
+        raise
+    sys.stderr.write(captured.getvalue())  # warnings printed while parsing stay visible
+
+
+def parse_train_args(argv: Sequence[str], *, command: str = "train") -> Any:
+    """Resolve ``--config`` to a recipe, then apply the remaining flags with tyro.
+
+    The flags are those of the recipe's own config type (``type(default)``), so a recipe that
+    returns another config tree (SFT, RL) gets its own sections. Raises :class:`UsageError`.
+    """
+    prog = f"titan {command}"
+    default_name = DEFAULT_RECIPES.get(command, DEFAULT_RECIPES["train"])
+    name, rest = split_recipe_flag(argv, default=default_name)
     try:
         default = recipe(name)
     except ValueError as err:
-        raise SystemExit(f"titan train: {err}") from None
+        raise UsageError(str(err)) from None
     description = (
-        f"Train with recipe {name!r} (--config RECIPE picks another); every flag below overrides it.\n\n"
-        f"Recipes:\n{recipes_description()}"
+        f"Run recipe {name!r} (--config RECIPE picks another); every flag below overrides it.\n"
+        f"{TRACEBACK_FLAG} shows the full traceback of an error.\n\n"
+        f"Recipes:\n{recipes_description(command)}"
     )
-    return tyro.cli(
-        TrainerConfig,
-        default=default,
-        args=rest,
-        prog="titan train",
-        description=description,
-        use_underscores=True,  # --training.local_batch_size, as torchtitan users type it
-    )
+    with _one_line_parse_errors(default, prog, rest):
+        return tyro.cli(
+            type(default),
+            default=default,
+            args=rest,
+            prog=prog,
+            description=description,
+            use_underscores=True,  # --training.local_batch_size, as torchtitan users type it
+        )
+
+
+def check_dump_folder(config: Any) -> None:
+    """Refuse an output folder that cannot be created or written, before any work starts."""
+    job = getattr(config, "job", None)
+    folder = getattr(job, "dump_folder", None)
+    if not folder:
+        return
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".titan-write-test-"):
+            pass
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise UsageError(
+            f"--job.dump_folder {folder!r} is not writable ({reason}); choose a folder you can "
+            "write to"
+        ) from None
+
+
+def check_tokenizer(config: Any) -> None:
+    """A tokenizer file that exists but does not parse is named by its flag."""
+    tokenizer = getattr(config, "tokenizer", None)
+    if getattr(tokenizer, "kind", None) != "hf":
+        return
+    try:
+        tokenizer.build()
+    except (ValueError, OSError, KeyError) as err:
+        raise UsageError(
+            f"--tokenizer.path {tokenizer.path!r} is not a usable Hugging Face tokenizer "
+            f"({(str(err) or type(err).__name__).splitlines()[0]}); point it at a tokenizer.json or the folder holding one"
+        ) from None
+
+
+def check_initial_load_path(config: Any) -> None:
+    """A checkpoint to start from must exist (its contents are checked when it is loaded)."""
+    path = getattr(getattr(config, "checkpoint", None), "initial_load_path", None)
+    if path and not os.path.exists(path):
+        raise UsageError(
+            f"--checkpoint.initial_load_path {path} does not exist; fix the path or drop the flag"
+        )
+
+
+def preflight(config: Any) -> None:
+    """Checks of the user's inputs that need this machine, run before any setup or logging
+    (so that the error is the only line printed)."""
+    check_dump_folder(config)
+    check_initial_load_path(config)
+    if isinstance(config, TrainerConfig):
+        from titan.train.data import validate_data_config
+
+        validate_data_config(config.dataset, config.tokenizer)
+    check_tokenizer(config)
+
+
+def run(argv: Sequence[str], *, command: str = "train") -> int:
+    """Run ``titan train`` / ``titan sft``: parse, check, build the recipe's loop and train."""
+    config = parse_train_args(argv, command=command)
+    if fake_backend_requested():
+        return dry_run_main(config, world_size_from_env())
+    preflight(config)
+    loop = runner_for(config).build(config)
+    try:
+        loop.train()
+    finally:
+        loop.close()
+    return 0
 
 
 def train(argv: Sequence[str]) -> int:
     """Run ``titan train``; returns the process exit code."""
-    from titan.train.trainer import Trainer  # imported late: --help stays fast
+    return run(argv, command="train")
 
-    config = parse_train_args(argv)
-    if fake_backend_requested():
-        return dry_run_main(config, world_size_from_env())
-    trainer = Trainer(config, model_spec=model_spec(config.model.name))
-    try:
-        trainer.train()
-    except (NonFiniteLossError, CheckpointError) as err:
-        print(f"titan train: {err}", file=sys.stderr)
-        return 1
-    finally:
-        trainer.close()
-    return 0
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line (validation messages may list several problems)."""
+    text = str(err) or type(err).__name__
+    if isinstance(err, OSError) and err.filename is not None and "--" not in text:
+        text = f"{err.strerror or type(err).__name__}: {err.filename}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line[2:] if line.startswith("- ") else line for line in lines]  # bullet lists
+    head, rest = lines[0], lines[1:]
+    if rest:
+        head = f"{head.rstrip(':')}: {'; '.join(rest)}"
+    if not isinstance(err, UsageError) and "--" not in head:
+        # Not one of titan's own messages (those name the flag): point to the traceback.
+        head += f" (rerun with {TRACEBACK_FLAG} for the traceback)"
+    return head
+
+
+def _exit_code(err: BaseException) -> int | None:
+    """The exit code for an error reported as one line, or None for a bug (traceback)."""
+    if isinstance(err, (NonFiniteLossError, CheckpointError)):
+        return EXIT_RUN_FAILED
+    if isinstance(err, (UsageError, ValueError, *PATH_ERRORS)):
+        return EXIT_USAGE
+    return None
+
+
+def _report(prog: str, err: BaseException, code: int) -> None:
+    """Print the one-line error: on rank 0 only for configuration errors (every rank has the
+    same config and fails alike); from every rank, tagged, when the run itself failed."""
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if code == EXIT_USAGE and rank != 0:
+        return
+    tag = f"[rank {rank}] " if rank != 0 else ""
+    print(f"{prog}: error: {tag}{_one_line(err)}", file=sys.stderr, flush=True)
+
+
+def _dispatch(command: str, rest: list[str]) -> int:
+    if command in ("train", "sft"):
+        return run(rest, command=command)
+    if command == "dry-run":
+        world_size, rest = split_world_size_flag(rest)
+        config = parse_train_args(rest)
+        return dry_run_main(config, world_size or world_size_from_env())
+    if command == "recipes":
+        print(recipes_description())
+        return 0
+    print(f"titan: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -109,17 +376,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE + "\nRecipes:\n" + recipes_description())
         return 0
     command, rest = args[0], args[1:]
-    if command == "train":
-        return train(rest)
-    if command == "dry-run":
-        world_size, rest = split_world_size_flag(rest)
-        config = parse_train_args(rest)
-        return dry_run_main(config, world_size or world_size_from_env())
-    if command == "recipes":
-        print(recipes_description())
-        return 0
-    print(f"titan: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    show_traceback, rest = split_traceback_flag(rest)
+    try:
+        return _dispatch(command, rest)
+    except Exception as err:
+        code = _exit_code(err)
+        if show_traceback or code is None:
+            raise
+        _report(f"titan {command}", err, code)
+        return code
 
 
 if __name__ == "__main__":

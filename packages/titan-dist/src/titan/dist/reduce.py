@@ -90,11 +90,16 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     single reduction over all ranks of `mesh` (the root mesh; pipeline stages are summed too),
     weighting every local piece by 1 / its number of copies. Without a mesh this is the plain
     single-process norm. `foreach` picks the fused multi-tensor scaling kernel (None: auto).
+
+    `max_norm <= 0` disables clipping (`--training.max_norm 0`): the norm is still computed
+    (it is logged) but the gradients are left untouched.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
     norm = total_norm(grads, mesh, norm_type)
+    if max_norm <= 0:
+        return norm
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     locals_ = [_local(g) for g in grads]
     if foreach is not False and locals_:

@@ -12,15 +12,18 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from titan.train.device_peak import raise_cpu_peak_flops
 
 logger = logging.getLogger("titan")
 
-METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_second", "tflops", "mfu", "memory_peak_gib")
+METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_second", "tflops", "mfu", "memory_peak_gib",
+               "device_tokens", "elapsed_s")
 
 
 @dataclass(kw_only=True)
@@ -64,7 +67,13 @@ class MetricsLogger:
     """Accumulates throughput between log steps and writes the logged metrics.
 
     Throughput is per device: tokens this rank processed divided by wall time since the last
-    log, the convention peers use so numbers compare across world sizes.
+    log, the convention peers use so numbers compare across world sizes. Each record carries the
+    two operands (``device_tokens``, ``elapsed_s``) so the rate can be checked exactly.
+
+    MFU never exceeds 100%: throughput above ``peak_flops`` proves the peak wrong (a CPU peak
+    measured while other work loaded the machine), so the peak is raised to what was observed,
+    and on CPU the cached peak is rewritten (rank 0) for the next run.
+    ``clock`` (seconds, monotonic) is injectable for tests.
     """
 
     def __init__(
@@ -77,8 +86,10 @@ class MetricsLogger:
         peak_flops: float | None,
         device: torch.device,
         is_rank0: bool,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.cfg = cfg
+        self.clock = clock
         self.total_steps = total_steps
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
@@ -86,7 +97,7 @@ class MetricsLogger:
         self.is_rank0 = is_rank0
         self.jsonl_path = Path(dump_folder) / "metrics.jsonl"
         self._tokens_since_log = 0
-        self._last_log_time = time.perf_counter()
+        self._last_log_time = clock()
         self._start_time = self._last_log_time
         self._start_step = 0
         self._bar = self._make_progress_bar()
@@ -102,7 +113,7 @@ class MetricsLogger:
         """Mark the beginning of training at ``step`` (after a resume, throughput and ETA count
         from here)."""
         self._start_step = step
-        self._start_time = self._last_log_time = time.perf_counter()
+        self._start_time = self._last_log_time = self.clock()
         if self._bar is not None:
             self._bar.update(step)
 
@@ -118,11 +129,15 @@ class MetricsLogger:
 
     def log(self, *, step: int, loss: float, grad_norm: float, lr: float, extra: dict[str, float] | None = None) -> dict[str, Any]:
         """Compute throughput since the last log and emit the metrics of ``step``."""
-        now = time.perf_counter()
+        now = self.clock()
         elapsed = max(now - self._last_log_time, 1e-9)
         tps = self._tokens_since_log / elapsed
-        tflops = tps * self.flops_per_token / 1e12
-        mfu = None if self.peak_flops is None else 100.0 * tps * self.flops_per_token / self.peak_flops
+        achieved = tps * self.flops_per_token
+        tflops = achieved / 1e12
+        mfu = None
+        if self.peak_flops is not None:
+            self._correct_peak(achieved)
+            mfu = 100.0 * achieved / self.peak_flops
         record: dict[str, Any] = {
             "step": step,
             "loss": loss,
@@ -132,6 +147,8 @@ class MetricsLogger:
             "tflops": tflops,
             "mfu": mfu,
             "memory_peak_gib": peak_memory_gib(self.device),
+            "device_tokens": self._tokens_since_log,
+            "elapsed_s": elapsed,
         }
         record.update(extra or {})
         self._tokens_since_log = 0
@@ -139,6 +156,20 @@ class MetricsLogger:
         if self.is_rank0:
             self._emit(record, eta=self._eta(step, now))
         return record
+
+    def _correct_peak(self, achieved: float) -> None:
+        """Raise the peak to ``achieved`` FLOP/s when throughput exceeds it (see the class doc)."""
+        if achieved <= self.peak_flops:
+            return
+        if self.is_rank0:
+            logger.warning(
+                "observed %.3g FLOP/s exceeds the peak of %.3g FLOP/s used for MFU; the peak was "
+                "measured too low (likely under load) and is raised to the observed value",
+                achieved, self.peak_flops,
+            )
+        self.peak_flops = achieved
+        if self.device.type == "cpu" and self.is_rank0:
+            raise_cpu_peak_flops(achieved)
 
     def _eta(self, step: int, now: float) -> float:
         done = step - self._start_step

@@ -1,0 +1,93 @@
+"""Which training loop runs a config: the ``titan`` command looks it up by the config's type.
+
+A recipe returns a config object; its type picks both the flag sections ``titan`` offers (tyro
+reads the type) and the loop that runs it (this registry). Pretraining maps ``TrainerConfig``
+to ``Trainer``. A new loop (supervised fine-tuning, RL) registers its config type here with
+the subcommand whose default recipe and recipe listing it belongs to, e.g.::
+
+    register_runner(SFTConfig, build_sft_trainer, command="sft")
+
+Lookup walks the config type's MRO, so a subclass of ``TrainerConfig`` runs on the pretraining
+loop unless it registers its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from titan.train.config import TrainerConfig
+
+from titan.recipes.recipes import DEFAULT_RECIPE
+
+
+class Loop(Protocol):
+    """What the CLI drives: run to the end, then release resources (also after a failure)."""
+
+    def train(self) -> Any:
+        """Run the loop to its last step."""
+
+    def close(self) -> None:
+        """Release the process group, drain checkpoint saves, close the progress bar."""
+
+
+@dataclass(frozen=True)
+class Runner:
+    """How to run one config type."""
+
+    build: Callable[[Any], Loop]
+    """Builds the loop from the resolved config (imports lazily: ``--help`` stays fast)."""
+    command: str
+    """The ``titan`` subcommand whose recipes these are (``train``, ``sft``, ...)."""
+
+
+RUNNERS: dict[type, Runner] = {}
+"""Config type -> runner; extended with :func:`register_runner`."""
+
+DEFAULT_RECIPES: dict[str, str] = {"train": DEFAULT_RECIPE, "sft": "sft_debug"}
+"""The recipe each subcommand starts from when ``--config`` is not given."""
+
+
+def register_runner(config_type: type, build: Callable[[Any], Loop], *, command: str) -> None:
+    """Run configs of ``config_type`` (and its subclasses) with ``build(config)``."""
+    RUNNERS[config_type] = Runner(build=build, command=command)
+
+
+def runner_for(config: Any) -> Runner:
+    """The runner registered for ``config``'s type or its closest registered base class."""
+    for cls in type(config).__mro__:
+        if cls in RUNNERS:
+            return RUNNERS[cls]
+    raise ValueError(
+        f"no training loop is registered for {type(config).__name__}; register one with "
+        "titan.recipes.runners.register_runner"
+    )
+
+
+def _build_pretraining(config: TrainerConfig) -> Loop:
+    from titan.train.trainer import Trainer  # imported late: --help stays fast
+
+    from titan.recipes.families import model_spec
+
+    return Trainer(config, model_spec=model_spec(config.model.name))
+
+
+register_runner(TrainerConfig, _build_pretraining, command="train")
+
+
+def _build_sft(config) -> Loop:
+    from titan.train.sft import SFTTrainer  # imported late: --help stays fast
+
+    from titan.recipes.families import model_spec
+
+    return SFTTrainer(config, model_spec=model_spec(config.model.name))
+
+
+def _register_sft() -> None:
+    from titan.train.sft import SFTConfig
+
+    register_runner(SFTConfig, _build_sft, command="sft")
+
+
+_register_sft()
