@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from titan.train.config import TrainerConfig
+from titan.train.sft import SFTConfig
 
 
 def pretrain_defaults(*, flavor: str, seq_len: int, steps: int, lr: float, warmup_steps: int) -> TrainerConfig:
@@ -100,18 +101,39 @@ def llama3_405b() -> TrainerConfig:
     return cfg
 
 
-RECIPES: dict[str, Callable[[], TrainerConfig]] = {
+def sft_debug() -> SFTConfig:
+    """SFT of the debug model on a synthetic string-reversal task (no download): loss only on
+    the answers, packed examples with document masks; greedy answers become right."""
+    cfg = SFTConfig()
+    cfg.model.name = "llama3"
+    cfg.model.flavor = "debugmodel"
+    cfg.tokenizer.kind = "byte"
+    cfg.sft_data.format = "synthetic"
+    cfg.sft_data.synthetic_task = "reverse"
+    cfg.training.seq_len = 64
+    cfg.training.local_batch_size = 16
+    cfg.training.steps = 300
+    cfg.optimizer.lr = 2e-3
+    cfg.lr_scheduler.warmup_steps = 20
+    cfg.lr_scheduler.decay_ratio = 0.2
+    cfg.metrics.log_freq = 10
+    cfg.job.dump_folder = "./outputs/sft_debug"
+    return cfg
+
+
+RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig]] = {
     "llama3_debug": llama3_debug,
     "llama3_debug_synthetic": llama3_debug_synthetic,
     "llama3_1b": llama3_1b,
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
     "llama3_405b": llama3_405b,
+    "sft_debug": sft_debug,
 }
 DEFAULT_RECIPE = "llama3_debug"
 
 
-def recipe(name: str) -> TrainerConfig:
+def recipe(name: str) -> TrainerConfig | SFTConfig:
     """The config of recipe ``name``; a ValueError lists the recipes otherwise."""
     try:
         return RECIPES[name]()

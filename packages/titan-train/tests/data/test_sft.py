@@ -1,0 +1,437 @@
+"""SFT data: loss masks, chat rendering, packing with boundaries, resume, dp split, JSONL, errors."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from titan.train.data import (
+    ByteTokenizer,
+    ChatTemplate,
+    HFTokenizer,
+    SFTDataConfig,
+    SFTExample,
+    build_sft_dataloader,
+    encode_chat,
+    encode_chat_prompt,
+    encode_prompt,
+    encode_prompt_completion,
+    synthetic_eval_pairs,
+    validate_sft_data_config,
+)
+from titan.train.data.sft import SFTPacker, SFTSource, SyntheticSFTTask
+
+BOS, EOS, PAD = 256, 257, 258  # ByteTokenizer specials
+SMALL_SYNTHETIC = dict(synthetic_examples=40, synthetic_eval_examples=8)
+
+
+def _loader(cfg, *, rank=0, world=1, batch=2, seq_len=48, seed=0, tokenizer=None):
+    return build_sft_dataloader(
+        cfg,
+        tokenizer or ByteTokenizer(),
+        dp_rank=rank,
+        dp_world_size=world,
+        local_batch_size=batch,
+        seq_len=seq_len,
+        seed=seed,
+    )
+
+
+def _take(loader, n):
+    return [next(loader) for _ in range(n)]
+
+
+def _assert_same(batches_a, batches_b):
+    assert len(batches_a) == len(batches_b)
+    for a, b in zip(batches_a, batches_b, strict=True):
+        assert a.keys() == b.keys() == {"input_ids", "labels", "positions", "document_ids"}
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
+def _checkpoint_round_trip(state):
+    """What a checkpoint does to the state: serialize, then load safely."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+class ExampleList(SFTSource):
+    """Hand-built examples with known ids and targets."""
+
+    def __init__(self, examples):
+        self.examples = examples
+
+    def __len__(self):
+        return len(self.examples)
+
+    def example(self, index):
+        return self.examples[index]
+
+
+def _ex(ids, n_prompt):
+    """An example whose first `n_prompt` ids are context and the rest targets."""
+    ids = np.asarray(ids, dtype=np.int64)
+    return SFTExample(ids, np.arange(len(ids)) >= n_prompt)
+
+
+def _packer(examples, seq_len, **kw):
+    opts = dict(pad_id=0, packing=True, overlong="drop", shuffle=False, seed=0)
+    opts.update(kw)
+    return SFTPacker(ExampleList(examples), seq_len=seq_len, **opts)
+
+
+# --- loss mask ---------------------------------------------------------------------------
+
+
+def test_prompt_completion_mask_counts_only_completion_tokens():
+    tok = ByteTokenizer()
+    ex = encode_prompt_completion("ab", "cd", tok)
+    # BOS a b | c d EOS: "a"=97 ... hand-written, not derived from the code under test.
+    assert ex.ids.tolist() == [BOS, 97, 98, 99, 100, EOS]
+    assert ex.targets.tolist() == [False, False, False, True, True, True]
+
+    row = _packer([ex], seq_len=8, pad_id=PAD).next_row()
+    assert row["input_ids"].tolist() == [BOS, 97, 98, 99, 100, PAD, PAD, PAD]
+    # Position t predicts token t+1; only c, d and EOS are targets.
+    assert row["labels"].tolist() == [-100, -100, 99, 100, EOS, -100, -100, -100]
+    assert int((row["labels"] != -100).sum()) == len("cd") + 1
+    assert encode_prompt("ab", tok) == [BOS, 97, 98]  # what generation starts from
+
+
+def test_train_on_all_trains_every_next_token():
+    ex = encode_prompt_completion("ab", "cd", ByteTokenizer(), train_on="all")
+    row = _packer([ex], seq_len=5).next_row()
+    assert row["labels"].tolist() == [97, 98, 99, 100, EOS]
+
+
+def test_hf_tokenizer_without_bos_frames_like_pretraining(hf_tokenizer_file):
+    tok = HFTokenizer(hf_tokenizer_file, bos_token="</s>")  # BOS == EOS: no leading BOS
+    ex = encode_prompt_completion("the quick", " fox", tok)
+    assert ex.ids.tolist() == tok.encode("the quick") + tok.encode(" fox") + [tok.eos_id]
+    assert int(ex.targets.sum()) == len(tok.encode(" fox")) + 1
+
+
+# --- chat rendering ----------------------------------------------------------------------
+
+CHAT = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "yo"},
+    {"role": "user", "content": "2+2"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+def test_builtin_chat_template_and_multi_turn_mask():
+    tok = ByteTokenizer()
+    ex = encode_chat(CHAT, tok)
+    expected_text = (
+        "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\nyo<|user|>\n2+2\n<|assistant|>\n4"
+    )
+    assert tok.decode(ex.ids) == expected_text
+    ids = ex.ids.tolist()
+    assert ids[0] == BOS and ids.count(EOS) == 2
+    # Targets are exactly both assistant turns, each with its EOS; nothing else.
+    targets = [i for i, t in zip(ids, ex.targets.tolist(), strict=True) if t]
+    assert targets == list(b"yo") + [EOS] + list(b"4") + [EOS]
+    # Position by position: hand-written pieces, each context then its trained answer.
+    pieces = [
+        ("<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n", "yo"),
+        ("<|user|>\n2+2\n<|assistant|>\n", "4"),
+    ]
+    mask = [False]  # BOS
+    for context, answer in pieces:
+        mask += [False] * len(context) + [True] * (len(answer) + 1)  # + EOS
+    assert ex.targets.tolist() == mask
+    prompt = encode_chat_prompt(CHAT[:4], tok)
+    assert tok.decode(prompt).endswith("<|user|>\n2+2\n<|assistant|>\n")
+    assert prompt == ids[: len(prompt)]  # generation sees what training saw
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tokenizer_chat_template_marks_assistant_turns(hf_tokenizer_file):
+    (hf_tokenizer_file.parent / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHATML, "eos_token": "</s>", "bos_token": "<s>"})
+    )
+    template = ChatTemplate.from_tokenizer_files(str(hf_tokenizer_file.parent))
+    assert template.segments(CHAT) == [
+        ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+         "<|im_start|>assistant\n", False),
+        ("yo<|im_end|>\n", True),
+        ("<|im_start|>user\n2+2<|im_end|>\n<|im_start|>assistant\n", False),
+        ("4<|im_end|>\n", True),
+    ]  # fmt: skip
+    tok = HFTokenizer(hf_tokenizer_file)
+    ex = encode_chat(CHAT, tok, template=template)
+    trained = [i for i, t in zip(ex.ids.tolist(), ex.targets.tolist(), strict=True) if t]
+    assert trained == tok.encode("yo<|im_end|>\n") + tok.encode("4<|im_end|>\n")
+
+
+def test_chat_template_choice_errors_for_byte_tokenizer(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}) + "\n")
+    cfg = SFTDataConfig(
+        format="chat", path=str(path), chat_template="tokenizer", cache_dir=str(tmp_path / "c")
+    )
+    with pytest.raises(ValueError, match="--sft_data.chat_template builtin") as e:
+        _loader(cfg)
+    assert "\n" not in str(e.value)
+    # auto falls back to the built-in template
+    cfg = SFTDataConfig(format="chat", path=str(path), cache_dir=str(tmp_path / "c"))
+    row = next(_loader(cfg, batch=1, seq_len=80))
+    labels = row["labels"][0]
+    assert labels[labels != -100].tolist() == list(b"yo") + [EOS] + list(b"4") + [EOS]
+
+
+# --- packing -----------------------------------------------------------------------------
+
+
+def test_packing_positions_document_ids_and_padding():
+    examples = [_ex([1, 2, 3, 4], 2), _ex([5, 6, 7], 1), _ex([8, 9, 10, 11, 12], 3)]
+    packer = _packer(examples, seq_len=8)
+    row = packer.next_row()  # 3 + 2 positions fit; the third (4 positions) does not
+    assert row["input_ids"].tolist() == [1, 2, 3, 5, 6, 0, 0, 0]
+    assert row["labels"].tolist() == [-100, 3, 4, 6, 7, -100, -100, -100]
+    assert row["positions"].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    assert row["document_ids"].tolist() == [0, 0, 0, 1, 1, 2, 2, 2]
+    row = packer.next_row()  # the example that did not fit starts the next row
+    assert row["input_ids"].tolist() == [8, 9, 10, 11, 1, 2, 3, 0]
+    assert row["labels"].tolist() == [-100, -100, 11, 12, -100, 3, 4, -100]
+    assert row["positions"].tolist() == [0, 1, 2, 3, 0, 1, 2, 0]
+    assert row["document_ids"].tolist() == [0, 0, 0, 0, 1, 1, 1, 2]
+    assert packer.epoch == 1
+
+
+def test_no_packing_puts_one_example_per_row():
+    examples = [_ex([1, 2, 3], 1), _ex([4, 5, 6], 1)]
+    packer = _packer(examples, seq_len=6, packing=False)
+    rows = [packer.next_row() for _ in range(2)]
+    assert [r["input_ids"].tolist() for r in rows] == [[1, 2, 0, 0, 0, 0], [4, 5, 0, 0, 0, 0]]
+    assert all(r["document_ids"].tolist() == [0, 0, 1, 1, 1, 1] for r in rows)
+
+
+def test_overlong_examples_are_dropped_and_counted_or_truncated():
+    examples = [_ex([1, 2, 3], 1), _ex(list(range(10, 20)), 2), _ex([4, 5, 6], 1)]
+    packer = _packer(examples, seq_len=4)
+    assert packer.next_row()["input_ids"].tolist() == [1, 2, 4, 5]  # 10 tokens skipped
+    assert packer.dropped == 1
+
+    packer = _packer(examples, seq_len=4, overlong="truncate")
+    packer.next_row()
+    row = packer.next_row()
+    assert row["input_ids"].tolist() == [10, 11, 12, 13]
+    assert row["labels"].tolist() == [-100, 12, 13, 14] and packer.dropped == 0
+    # Truncated down to prompt only: nothing to train on, so dropped after all.
+    packer = _packer([examples[0], _ex(list(range(10, 20)), 8)], seq_len=4, overlong="truncate")
+    assert packer.next_row()["input_ids"].tolist() == [1, 2, 1, 2]  # epochs 0 and 1
+    assert packer.dropped == 2  # counted on each visit
+
+
+def test_nothing_fits_is_one_clear_error():
+    packer = _packer([_ex(list(range(10)), 2)], seq_len=4)
+    with pytest.raises(ValueError, match="raise --training.seq_len") as e:
+        packer.next_row()
+    assert "\n" not in str(e.value)
+
+
+# --- the loader: epochs, resume, data parallel ---------------------------------------------
+
+
+def test_batches_cover_every_example_once_per_epoch():
+    cfg = SFTDataConfig(**SMALL_SYNTHETIC)
+    task = SyntheticSFTTask(cfg, ByteTokenizer())
+    expected = sorted(p + a for p, a in task.train_pairs)
+    loader = _loader(cfg, batch=1, seq_len=40)
+    seen = []
+    while loader.epoch == 0:
+        batch = next(loader)
+        ids, docs = batch["input_ids"][0], batch["document_ids"][0]
+        for d in docs.unique().tolist():
+            text = ByteTokenizer().decode(ids[docs == d].tolist())
+            if text:
+                seen.append(text)
+    assert sorted(seen) == expected  # each once (the pending one moved to epoch 1 at most)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize("n_before", [0, 3, 25])  # 25 crosses epochs
+def test_resume_yields_exactly_the_next_batches(packing, n_before):
+    cfg = SFTDataConfig(**SMALL_SYNTHETIC, packing=packing)
+    original = _loader(cfg, rank=1, world=2, seed=3)
+    _take(original, n_before)
+    state = _checkpoint_round_trip(original.state_dict())
+    expected = _take(original, 4)
+
+    resumed = _loader(cfg, rank=1, world=2, seed=3)
+    resumed.load_state_dict(state)
+    _assert_same(_take(resumed, 4), expected)
+    if n_before == 25:
+        assert state["epoch"] >= 1
+
+
+def test_resume_under_another_data_parallel_degree():
+    cfg = SFTDataConfig(**SMALL_SYNTHETIC)
+    ranks = [_loader(cfg, rank=r, world=2, batch=2) for r in range(2)]
+    for loader in ranks:
+        _take(loader, 5)
+    states = [loader.state_dict() for loader in ranks]
+    assert states[0] == states[1]  # one global record
+    expected = [torch.cat([next(r)[k] for r in ranks]) for k in ("input_ids",)]
+    single = _loader(cfg, rank=0, world=1, batch=4)
+    single.load_state_dict(_checkpoint_round_trip(states[0]))
+    assert torch.equal(next(single)["input_ids"], expected[0])
+
+
+def test_dp_ranks_see_disjoint_rows_whose_union_is_the_single_rank_batch():
+    cfg = SFTDataConfig(**SMALL_SYNTHETIC)
+    single = _loader(cfg, world=1, batch=4)
+    ranks = [_loader(cfg, rank=r, world=2, batch=2) for r in range(2)]
+    for _ in range(3):
+        whole = next(single)
+        parts = [next(r) for r in ranks]
+        for key in whole:
+            assert torch.equal(torch.cat([p[key] for p in parts]), whole[key])
+        assert not torch.equal(parts[0]["input_ids"], parts[1]["input_ids"])
+        counted = sum(int((p["labels"] != -100).sum()) for p in parts)
+        assert ranks[0].last_global_label_tokens == counted == single.last_global_label_tokens
+
+
+def test_resume_refuses_another_seq_len():
+    cfg = SFTDataConfig(**SMALL_SYNTHETIC)
+    state = _loader(cfg, seq_len=48).state_dict()
+    with pytest.raises(ValueError, match="--training.seq_len"):
+        _loader(cfg, seq_len=64).load_state_dict(state)
+
+
+# --- the synthetic task ------------------------------------------------------------------
+
+
+def test_synthetic_task_is_deterministic_short_and_held_out():
+    cfg = SFTDataConfig(
+        synthetic_task="reverse", synthetic_examples=500, synthetic_eval_examples=50
+    )
+    task = SyntheticSFTTask(cfg, ByteTokenizer())
+    held_out = synthetic_eval_pairs(cfg)
+    assert held_out == task.eval_pairs == SyntheticSFTTask(cfg, ByteTokenizer()).eval_pairs
+    assert len(held_out) == 50 and len(task.train_pairs) == 500
+    assert not {p for p, _ in held_out} & {p for p, _ in task.train_pairs}
+    for prompt, answer in held_out + task.train_pairs:
+        letters = prompt.removeprefix("reverse: ").removesuffix("\n")
+        assert answer == letters[::-1] and len((prompt + answer).encode()) < 32
+    # More training examples leave the held-out set unchanged.
+    bigger = SFTDataConfig(
+        synthetic_task="reverse", synthetic_examples=900, synthetic_eval_examples=50
+    )
+    assert synthetic_eval_pairs(bigger) == held_out
+    sort = synthetic_eval_pairs(SFTDataConfig(synthetic_task="sort"))
+    assert all(a == "".join(sorted(p[len("sort: ") : -1])) for p, a in sort)
+
+
+# --- JSONL files through datasets --------------------------------------------------------
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_prompt_completion_jsonl_through_datasets(tmp_path):
+    rows = [{"prompt": f"q{i}?", "completion": f"a{i}", "id": i} for i in range(6)]
+    path = _write_jsonl(tmp_path / "pc.jsonl", rows)
+    cfg = SFTDataConfig(
+        format="prompt_completion", path=str(path), shuffle=False, cache_dir=str(tmp_path / "c")
+    )
+    validate_sft_data_config(cfg)
+    batch = next(_loader(cfg, batch=1, seq_len=64))
+    tok = ByteTokenizer()
+    expected_ids = []
+    for r in rows:
+        expected_ids += tok.encode(r["prompt"] + r["completion"], bos=True, eos=True)[:-1]
+    n = len(expected_ids)
+    assert batch["input_ids"][0, :n].tolist() == expected_ids
+    labels = batch["labels"][0, :n]  # the rest of the row is the next epoch's start
+    targets = labels[labels != -100].tolist()
+    assert targets == [t for r in rows for t in tok.encode(r["completion"], eos=True)]
+
+
+def test_chat_jsonl_glob_through_datasets(tmp_path):
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    _write_jsonl(folder / "a.jsonl", [{"messages": CHAT}])
+    _write_jsonl(folder / "b.jsonl", [{"messages": CHAT[1:3]}])
+    cfg = SFTDataConfig(
+        format="chat", path=str(folder / "*.jsonl"), shuffle=False, cache_dir=str(tmp_path / "c")
+    )
+    batch = next(_loader(cfg, batch=1, seq_len=128))
+    labels = batch["labels"][0]
+    turns = ["yo", "4", "yo"]  # a.jsonl's two assistant turns, then b.jsonl's one
+    assert labels[labels != -100].tolist() == [t for a in turns for t in list(a.encode()) + [EOS]]
+    assert batch["document_ids"][0].unique().tolist() == [0, 1, 2]
+
+
+# --- errors: one line naming the flag and the fix ----------------------------------------
+
+
+def _one_line(excinfo, *needles):
+    message = str(excinfo.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_missing_file_names_the_flag(tmp_path):
+    cfg = SFTDataConfig(format="prompt_completion", path=str(tmp_path / "nope.jsonl"))
+    with pytest.raises(FileNotFoundError) as e:
+        validate_sft_data_config(cfg)
+    _one_line(e, "--sft_data.path", "fix the path")
+    with pytest.raises(FileNotFoundError) as e:
+        _loader(cfg)
+    _one_line(e, "--sft_data.path")
+
+
+def test_rows_without_the_needed_keys(tmp_path):
+    path = _write_jsonl(tmp_path / "x.jsonl", [{"question": "q", "answer": "a"}])
+    cfg = SFTDataConfig(format="prompt_completion", path=str(path), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ValueError) as e:
+        _loader(cfg)
+    _one_line(e, "--sft_data.path", "'prompt'", "question", "--sft_data.prompt_field")
+    cfg = SFTDataConfig(format="chat", path=str(path), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ValueError) as e:
+        _loader(cfg)
+    _one_line(e, "'messages'", "--sft_data.format")
+
+
+def test_bad_chat_row_names_the_row(tmp_path):
+    rows = [{"messages": CHAT}, {"messages": [{"role": "user", "content": "only a question"}]}]
+    path = _write_jsonl(tmp_path / "chat.jsonl", rows)
+    cfg = SFTDataConfig(format="chat", path=str(path), shuffle=False, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ValueError) as e:
+        _take(_loader(cfg, batch=1, seq_len=128), 2)
+    _one_line(e, "row 1", "no assistant message", "--sft_data.format chat")
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(format="chat"), "--sft_data.path"),
+        (dict(format="synthetic", path="x.jsonl"), "--sft_data.path"),
+        (dict(format="csv"), "--sft_data.format"),
+        (dict(train_on="prompt"), "--sft_data.train_on"),
+        (dict(synthetic_min_len=5, synthetic_max_len=3), "--sft_data.synthetic_max_len"),
+        (dict(synthetic_alphabet=2, synthetic_max_len=3), "--sft_data.synthetic_examples"),
+    ],
+)
+def test_config_errors_name_the_flag(kwargs, needle):
+    with pytest.raises(ValueError) as e:
+        SFTDataConfig(**kwargs)
+    _one_line(e, needle)
