@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 from titan.models.common import (
-    SeededInit,
     GroupedQueryAttention,
     RMSNorm,
     RopeScaling,
     ScaledDotProductAttention,
+    SeededInit,
     ShardingPlan,
     apply_rope,
     glob_matches,

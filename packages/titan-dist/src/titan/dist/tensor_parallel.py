@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 
 from titan.dist.plan import match_modules, sharding_plan, tied_parameter_groups
 
-STYLES = ("embedding", "colwise", "rowwise", "norm", "block_input", "output")
+STYLES = ("embedding", "colwise", "rowwise", "norm", "block_input", "output", "replicate", "head_norm")
 
 
 def _style(name: str, *, sp: bool, lp: bool):
@@ -56,6 +56,10 @@ def _style(name: str, *, sp: bool, lp: bool):
     if name == "output":
         return ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(),
                                use_local_output=not lp)
+    if name == "replicate":
+        return ReplicatedNorm()
+    if name == "head_norm":
+        return ReplicatedNorm(input_placement=Shard(2))
     if name == "block_input":
         return None  # handled by a hook, see _gather_first_input
     raise ValueError(f"unknown tensor-parallel style {name!r} in the model's sharding plan; "
@@ -63,21 +67,28 @@ def _style(name: str, *, sp: bool, lp: bool):
 
 
 class ReplicatedNorm(ParallelStyle):
-    """A norm under tensor parallel without sequence parallel: its weights become replicated
-    DTensors, its activations stay plain tensors.
+    """A module whose weights are replicated over the TP ranks while its activations stay
+    plain tensors: a norm without sequence parallel, a router or low-rank projection
+    ("replicate"), or a per-head norm over sharded heads ("head_norm").
 
-    Left as plain tensors, the norm weights would be the only non-DTensor parameters of a
-    TP-only model, and foreach/fused optimizers refuse to mix the two kinds in one group.
+    Left as plain tensors, such weights would be the only non-DTensor parameters of a TP-only
+    model, and foreach/fused optimizers refuse to mix the two kinds in one group. The inputs
+    are read as `input_placement` of the whole activation: Replicate() when every rank holds
+    all of it (the weight gradient is then already complete on each rank), Shard(2) when each
+    holds some heads (the weight gradient is then a partial sum that DTensor reduces).
     """
+
+    def __init__(self, input_placement=None) -> None:
+        super().__init__()
+        self.input_placement = input_placement if input_placement is not None else Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         # distribute_module's default partition replicates every parameter.
         return distribute_module(module, device_mesh, input_fn=self._to_dtensor,
                                  output_fn=self._to_local)
 
-    @staticmethod
-    def _to_dtensor(_module, inputs, device_mesh):
-        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+    def _to_dtensor(self, _module, inputs, device_mesh):
+        return tuple(DTensor.from_local(x, device_mesh, [self.input_placement], run_check=False)
                      if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
                      for x in inputs)
 

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-TP_STYLES = frozenset({"embedding", "colwise", "rowwise", "norm", "block_input", "output"})
+TP_STYLES = frozenset(
+    {"embedding", "colwise", "rowwise", "norm", "block_input", "output", "replicate", "head_norm"}
+)
 """Tensor-parallel styles a plan may name (see `ShardingPlan.tensor_parallel`)."""
 
 
@@ -21,7 +23,9 @@ class ShardingPlan:
     tensor_parallel: dict[str, str]
     """Module glob -> TP style: "embedding" (vocab-sharded), "colwise", "rowwise", "norm"
     (sequence-parallel region when SP is on), "block_input" (first positional input gathered
-    from sequence shards when SP is on), "output" (vocab-sharded logits for loss parallel)."""
+    from sequence shards when SP is on), "output" (vocab-sharded logits for loss parallel),
+    "replicate" (kept whole on every TP rank: routers, low-rank projections), "head_norm" (a
+    norm over the last dim of [B, S, H, Dh] activations whose heads are TP-sharded)."""
     fsdp_units: tuple[str, ...]
     """Module globs wrapped with fully_shard, each as its own unit, before the root."""
     layer_container: str = "layers"
