@@ -1,4 +1,4 @@
-"""The import-layering contract of DESIGN.md, enforced with import-linter.
+"""The import-layering contract of docs/design.md, enforced with import-linter.
 
 The contracts live in the root pyproject.toml. One test checks the real tree; another plants
 an upward import in a copy of the tree and checks that the contract catches it, so the

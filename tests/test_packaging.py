@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["titan-dist", "titan-models", "titan-ckpt", "titan-train", "titan-rl"]
-# What each distribution may require at install time (DESIGN.md's "may import" column).
+# What each distribution may require at install time (docs/design.md's "may import" column).
 ALLOWED_REQUIREMENTS = {
     "titan-dist": {"torch"},
     "titan-models": {"torch", "safetensors"},

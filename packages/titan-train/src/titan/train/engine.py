@@ -340,7 +340,22 @@ class TrainingEngine:
         self.lr_schedulers.step()
         self.zero_grad()
         self.train_state.step += 1
+        self._after_optimizer_step()
         return grad_norm
+
+    def _after_optimizer_step(self) -> None:
+        """Let modules update state that is not trained by gradients (e.g. an MoE router's
+        load-balancing bias): every submodule with an ``after_optimizer_step(sum_over_dp)``
+        method is called, ``sum_over_dp(tensor)`` summing a tensor in place over the
+        data-parallel and context-parallel ranks (duck-typed: the engine names no family)."""
+        def sum_over_dp(value: torch.Tensor) -> torch.Tensor:
+            return self.sum_over(value, "dp_cp")
+
+        for part in self.model_parts:
+            for module in part.modules():
+                hook = getattr(module, "after_optimizer_step", None)
+                if callable(hook):
+                    hook(sum_over_dp)
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient."""

@@ -1,6 +1,6 @@
 """The trainer's view of a model family.
 
-titan.train never imports a model family (DESIGN.md): the recipes layer describes one with a
+titan.train never imports a model family (docs/design.md): the recipes layer describes one with a
 ``ModelSpec`` and hands it to the trainer. The trainer relies only on the model contract in
 ``docs/contracts.md``: ``init_weights``, ``num_params``, ``flops_per_token``, ``sharding_plan``.
 """

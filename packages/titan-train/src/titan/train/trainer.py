@@ -1,6 +1,6 @@
 """The trainer: builds every component from a ``TrainerConfig`` and runs the training loop.
 
-The life of one step is in DESIGN.md: microbatches -> forward -> loss normalized by the global
+The life of one step is in docs/design.md: microbatches -> forward -> loss normalized by the global
 valid-token count -> backward -> mesh-wide clip -> optimizer step -> LR step -> metrics.
 """
 
