@@ -310,6 +310,18 @@ class CheckpointManager:
         self._last_saved = step
         return True
 
+    def save_now(self, step: int) -> bool:
+        """A full, resumable, synchronous save of `step` whatever the interval (e.g. when the
+        job is being preempted); waits for a save in flight first. Returns False when
+        checkpointing is off or `step` is already saved."""
+        if not self.config.enable:
+            return False
+        self.wait()
+        if step != self._last_saved:
+            self._save_sync(step, self._snapshot(), states=list(self.states), model_only=False)
+            self._last_saved = step
+        return True
+
     def save_seed_checkpoint(self) -> str:
         """Write the model's current (freshly initialized) weights as step 0, model only.
 

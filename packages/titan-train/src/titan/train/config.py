@@ -14,6 +14,7 @@ from titan.train.data import DatasetConfig, TokenizerConfig
 from titan.train.lr_scheduler import LRSchedulerConfig
 from titan.train.metrics import MetricsConfig
 from titan.train.optimizer import OptimizerConfig
+from titan.train.validation import ValidationConfig
 
 
 @dataclass(kw_only=True)
@@ -139,6 +140,7 @@ class RunConfig:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
 
 @dataclass(kw_only=True)

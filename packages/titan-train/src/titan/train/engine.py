@@ -306,7 +306,7 @@ class TrainingEngine:
         scale = self.data_parallel_grad_scale / global_token_count
         if self.parallel_dims.pp_enabled:
             with self._autocast():
-                loss = self._pipeline_forward_backward(batch, loss_fn, scale)
+                loss = self._pipeline_run(batch, loss_fn, scale, backward=True)
         else:
             with loss_parallel_context(self.parallel_dims, self.parallelism):
                 with self._autocast():
@@ -316,6 +316,25 @@ class TrainingEngine:
                 loss.backward()
             loss = local_value(loss.detach())
         return loss / self.data_parallel_grad_scale
+
+    @torch.no_grad()
+    def forward_only(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn) -> torch.Tensor:
+        """Evaluate one microbatch without gradients (validation, scoring): returns this
+        rank's detached summed loss (zero on pipeline stages without the loss); summing it over
+        the data-parallel, context-parallel and pipeline ranks gives the batch's sum."""
+        batch = self._prepare(batch)
+        if self.parallel_dims.pp_enabled:
+            with self._autocast():
+                return self._pipeline_run(batch, loss_fn, 1.0, backward=False)
+        with loss_parallel_context(self.parallel_dims, self.parallelism):
+            with self._autocast():
+                logits = self.model_parts[0](batch["input_ids"], **self._model_kwargs(batch))
+            return local_value(loss_fn(logits, batch).detach())
+
+    def train(self, mode: bool = True) -> None:
+        """Put every model part in training (or, with ``mode=False``, evaluation) mode."""
+        for part in self.model_parts:
+            part.train(mode)
 
     def optimizer_step(self) -> float:
         """Clip the global gradient norm (``max_norm <= 0``: measure only), step every
@@ -391,9 +410,9 @@ class TrainingEngine:
             raise RuntimeError("the pipeline loss ran outside TrainingEngine.forward_backward")
         return self._pipeline_loss_call(output, rows)
 
-    def _pipeline_forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, scale) -> torch.Tensor:
-        """Run the schedule over ``batch``; the last stage returns the sum of its microbatch
-        losses, the other stages zero."""
+    def _pipeline_run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, scale, *, backward: bool) -> torch.Tensor:
+        """Run the schedule over ``batch`` (forward and backward, or forward only); the last
+        stage returns the sum of its microbatch losses, the other stages zero."""
 
         def microbatch_loss(output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
             return loss_fn(output, {k: v[rows] for k, v in batch.items()}) * scale
@@ -407,10 +426,11 @@ class TrainingEngine:
             kwargs.update(target=rows, losses=losses)
         self._pipeline_loss_call = microbatch_loss
         try:
+            run = self.pp_schedule.step if backward else self.pp_schedule.eval
             if self.pp_has_first:
-                self.pp_schedule.step(batch["input_ids"], **kwargs)
+                run(batch["input_ids"], **kwargs)
             else:
-                self.pp_schedule.step(**kwargs)
+                run(**kwargs)
         finally:
             self._pipeline_loss_call = None
         if not self.pp_has_last:

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from titan.train.engine import TrainingEngine
 from titan.train.loss import NonFiniteLossError, count_valid_tokens, cross_entropy_sum
 from titan.train.metrics import MetricsLogger
 from titan.train.model_spec import ModelSpec
+from titan.train.preemption import PreemptionGuard
+from titan.train.validation import Validator
 
 logger = logging.getLogger("titan")
 
@@ -79,6 +82,14 @@ class Trainer:
         # The loader's position is one global record, equal on every rank (every rank fetches
         # grad_accum_steps global microbatches per step), so it resumes under any layout.
         self.engine.add_state("dataloader", self.dataloader)
+        self.validator = Validator(
+            config.validation,
+            engine=self.engine,
+            tokenizer=self.tokenizer,
+            local_batch_size=config.training.local_batch_size,
+            seq_len=config.training.seq_len,
+            seed=config.debug.seed + 1,  # another order than training's, even on the same corpus
+        )
         self.metrics = MetricsLogger(
             config.metrics,
             dump_folder=Path(config.job.dump_folder),
@@ -247,17 +258,30 @@ class Trainer:
         return path
 
     def train(self) -> list[dict[str, Any]]:
-        """Resume from a checkpoint when there is one, run until ``--training.steps``, and
-        return the records that were logged."""
+        """Resume from a checkpoint when there is one, run until ``--training.steps`` (or a
+        SIGTERM/SIGINT: the step finishes and a checkpoint is saved), and return the records
+        that were logged."""
         if self.config.checkpoint.create_seed_checkpoint:
             self.save_seed_checkpoint()
             return []
-        loaded = self.engine.load_checkpoint()
-        if loaded:
+        self._save_config()
+        if self.engine.load_checkpoint():
             logger.info("resumed from step %d (%d tokens seen)", self.step, self.train_state.tokens_seen)
+        guard = PreemptionGuard(self.engine.device)
+        try:
+            records, preempted = self._loop(guard)
+        finally:
+            guard.close()
+        self.metrics.close()
+        self._log_summary(records, preempted)
+        return records
+
+    def _loop(self, guard: PreemptionGuard) -> tuple[list[dict[str, Any]], bool]:
+        """The steps; returns (logged records, whether a signal stopped the run early)."""
         records: list[dict[str, Any]] = []
         data_iter = iter(self.dataloader)
         total = self.config.training.steps
+        self._run_start = (time.perf_counter(), self.step, self.train_state.tokens_seen)
         self.metrics.start(self.step)
         while self.step < total:
             microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
@@ -267,21 +291,65 @@ class Trainer:
             # devices, so each device's share is what MFU compares with one device's peak.
             batch_tokens = sum(mb["input_ids"].numel() for mb in microbatches)
             self.metrics.record_tokens(batch_tokens // self.parallel_dims.non_data_parallel_size)
-            if self.metrics.should_log(self.step):
-                records.append(self._log(result))
-            self.engine.maybe_save(last_step=self.step == total)
-        self.metrics.close()
-        logger.info("training done: %d steps, %d tokens", self.step, self.train_state.tokens_seen)
-        return records
+            last = self.step == total
+            validation = self.validator.run() if self.validator.due(self.step, last_step=last) else {}
+            if validation or self.metrics.should_log(self.step):
+                records.append(self._log(result, validation))
+            self.engine.maybe_save(last_step=last)
+            if not last and guard.requested():
+                self._stop_for_preemption()
+                return records, True
+        return records, False
 
-    def _log(self, result: StepResult) -> dict[str, Any]:
+    def _stop_for_preemption(self) -> None:
+        """Save the step just finished so the same command resumes from it."""
+        if self.engine.checkpointer.save_now(self.step):
+            logger.warning("stopped at step %d and saved a checkpoint in %s; run the same command to resume",
+                           self.step, self.engine.checkpointer.folder)
+        else:
+            logger.warning("stopped at step %d; checkpointing is off (--checkpoint.enable), nothing was saved",
+                           self.step)
+
+    def _save_config(self) -> None:
+        """The resolved config as ``<dump_folder>/config.json`` (rank 0), so a run folder says
+        how it was made."""
+        if self.engine.dist_env.rank != 0:
+            return
+        folder = Path(self.config.job.dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        config = {"type": type(self.config).__name__, **dataclasses.asdict(self.config)}
+        (folder / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+
+    def _log_summary(self, records: list[dict[str, Any]], preempted: bool) -> None:
+        """One closing line: steps, tokens, wall time, mean throughput, best and last loss,
+        where the checkpoints are."""
+        started, first_step, first_tokens = getattr(self, "_run_start", (time.perf_counter(), self.step, 0))
+        wall = time.perf_counter() - started
+        tokens = self.train_state.tokens_seen - first_tokens
+        losses = [r["loss"] for r in records if "loss" in r]
+        best = f"{min(losses):.4f}" if losses else "n/a"
+        last = f"{losses[-1]:.4f}" if losses else "n/a"
+        where = self.engine.checkpointer.folder if self.config.checkpoint.enable else "off"
+        logger.info(
+            "%s: steps %d-%d, %d tokens in %.1fs (%.0f tokens/s over all ranks) | loss best %s, last %s | "
+            "checkpoints: %s",
+            "preempted" if preempted else "training done", first_step, self.step, tokens, wall,
+            tokens / wall if wall > 0 else 0.0, best, last, where,
+        )
+
+    def _log(self, result: StepResult, validation: dict[str, float] | None = None) -> dict[str, Any]:
         loss, loss_max = self.global_loss(result)
         return self.metrics.log(
             step=self.step,
             loss=loss,
             grad_norm=result.grad_norm,
             lr=result.lr,
-            extra={"loss_max": loss_max, "tokens_seen": self.train_state.tokens_seen, **self.log_extras()},
+            extra={
+                "loss_max": loss_max,
+                "tokens_seen": self.train_state.tokens_seen,
+                **(validation or {}),
+                **self.log_extras(),
+            },
         )
 
     def log_extras(self) -> dict[str, Any]:
