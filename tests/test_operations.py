@@ -45,10 +45,11 @@ def test_validation_loss_is_the_mean_cross_entropy_of_held_out_batches(tmp_path)
     """In process: the logged validation loss equals a hand-written evaluation of the same
     batches with the trained weights; passes run at steps 2 and 4, logged on those steps."""
     import tyro
-    from titan.recipes.families import model_spec
-    from titan.recipes.recipes import recipe
     from titan.train.config import TrainerConfig
     from titan.train.trainer import Trainer
+
+    from titan.recipes.families import model_spec
+    from titan.recipes.recipes import recipe
 
     cfg = tyro.cli(TrainerConfig, default=recipe("llama3_debug_synthetic"),
                    args=[*TINY[2:], *VALIDATION, "--job.dump_folder", str(tmp_path)], use_underscores=True)
