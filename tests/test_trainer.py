@@ -61,6 +61,20 @@ def test_non_finite_loss_stops_before_the_optimizer_step(tmp_path):
         trainer.close()
 
 
+def test_non_finite_gradient_names_its_parameter_and_keeps_weights(tmp_path):
+    """A finite loss with one non-finite gradient: the stop names the first such parameter."""
+    trainer = Trainer(tiny_config(tmp_path), model_spec=model_spec("llama3"))
+    model = trainer.model_parts[0]
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.get_parameter("layers.1.feed_forward.w2.weight").register_hook(lambda grad: grad * float("inf"))
+    try:
+        with pytest.raises(NonFiniteLossError, match=r"first non-finite gradient on this rank: layers\.1\.feed_forward\.w2\.weight"):
+            trainer.train()
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "weights changed"
+    finally:
+        trainer.close()
+
+
 def test_loss_starts_at_uniform_and_tokens_are_counted(tmp_path):
     records, _ = run(tiny_config(tmp_path, local_batch_size=2))
     vocab = 320  # 259 byte-tokenizer ids padded to a multiple of 64

@@ -348,11 +348,14 @@ class TrainingEngine:
             clip_grad_norm_([p for part in self.model_parts for p in part.parameters()], self.max_norm, mesh=self.mesh)
         )
         if not math.isfinite(grad_norm):
+            culprit = self._first_non_finite_gradient()
             self.zero_grad()
             raise NonFiniteLossError(
-                f"step {self.step + 1}: grad norm {grad_norm} — training stopped before the optimizer step, so the "
-                "weights are still finite. Try a lower --optimizer.lr, a longer --lr_scheduler.warmup_steps, "
-                "or clipping with --training.max_norm."
+                f"step {self.step + 1}: grad norm {grad_norm}"
+                + (f", first non-finite gradient on this rank: {culprit}" if culprit else "")
+                + " — training stopped before the optimizer step, so the weights (and the last checkpoint) are "
+                "still finite. Try a lower --optimizer.lr, a longer --lr_scheduler.warmup_steps, or clipping "
+                "with --training.max_norm."
             )
         for opt in self.optimizers:
             opt.step()
@@ -375,6 +378,15 @@ class TrainingEngine:
                 hook = getattr(module, "after_optimizer_step", None)
                 if callable(hook):
                     hook(sum_over_dp)
+
+    def _first_non_finite_gradient(self) -> str | None:
+        """The name of the first parameter (in model order) whose gradient shard on this rank
+        holds a NaN or inf: where a divergence shows first."""
+        for part in self.model_parts:
+            for name, param in part.named_parameters():
+                if param.grad is not None and not torch.isfinite(local_value(param.grad)).all():
+                    return name
+        return None
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient."""
