@@ -8,6 +8,7 @@ before any test runs, so the ``titan`` subprocesses the tests start inherit them
 - ``TITAN_CPU_PEAK_FLOPS``: a fixed, known CPU peak, so no test measures the peak while the
   suite itself loads the machine (a peak measured under load reads low and MFU high). Tests of
   the measurement and the cache unset it explicitly.
+- ``MPLCONFIGDIR``: matplotlib's font cache, inside that temporary folder.
 - ``TORCHINDUCTOR_CACHE_DIR``: compiled kernels go to a folder of this test run (made by the
   pytest-xdist controller, inherited by its workers, so one cold compile serves the whole run)
   instead of the machine-wide default under the system temp folder.
@@ -36,6 +37,8 @@ def pytest_configure(config):
         _inductor_dir = tempfile.mkdtemp(prefix="titan-test-inductor-")
         os.environ[_RUN_MARK] = _inductor_dir
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ[_RUN_MARK]
+    # matplotlib (titan plot) writes its font cache under the home folder by default.
+    os.environ["MPLCONFIGDIR"] = os.path.join(_cache_dir, "matplotlib")
 
 
 def pytest_unconfigure(config):

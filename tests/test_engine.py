@@ -124,3 +124,23 @@ def test_one_process_equals_hand_computation_and_pretraining_step(tmp_path):
         assert float(as_pretraining) == pytest.approx(float(per_token.mean()), rel=1e-6)
     finally:
         engine.close()
+
+
+def test_auxiliary_loss_is_weighted_by_labelled_tokens():
+    """A model part's `aux_loss()` (e.g. an MoE router's) joins the loop's loss, weighted by the
+    microbatch's labelled tokens: after the division by the global token count it is a
+    token-weighted mean over microbatches and ranks. Parts without one add nothing."""
+    from titan.train.engine import TrainingEngine
+
+    class WithAux(torch.nn.Module):
+        def __init__(self, value):
+            super().__init__()
+            self.value = value
+
+        def aux_loss(self):
+            return self.value
+
+    batch = {"input_ids": torch.zeros(1, 6, dtype=torch.long), "labels": torch.tensor([[1, 2, -100, 3, 4, -100]])}
+    aux = TrainingEngine._auxiliary_loss([WithAux(torch.tensor(0.5)), WithAux(None), torch.nn.Linear(1, 1)], batch)
+    assert float(aux) == 0.5 * 4
+    assert TrainingEngine._auxiliary_loss([torch.nn.Linear(1, 1)], batch) == 0.0

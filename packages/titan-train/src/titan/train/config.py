@@ -14,6 +14,7 @@ from titan.train.data import DatasetConfig, TokenizerConfig
 from titan.train.lr_scheduler import LRSchedulerConfig
 from titan.train.metrics import MetricsConfig
 from titan.train.optimizer import OptimizerConfig
+from titan.train.profiling import ProfilerConfig
 from titan.train.validation import ValidationConfig
 
 
@@ -52,19 +53,23 @@ class ModelConfig:
     """Override the flavor's query heads per block (None keeps the flavor's)."""
     n_kv_heads: int | None = None
     """Override the flavor's key/value heads per block (None keeps the flavor's)."""
+    router_aux_loss_coef: float | None = None
+    """MoE families: override the flavor's router auxiliary (balancing) loss coefficient; 0
+    turns it off (None keeps the flavor's)."""
 
     def __post_init__(self) -> None:
         if self.vocab_multiple_of < 1:
             raise ValueError(f"--model.vocab_multiple_of must be >= 1, got {self.vocab_multiple_of}")
         for name, value in self.overrides().items():
-            if value < 1:
-                raise ValueError(f"--model.{name} must be >= 1, got {value}")
+            if value < (0 if name == "router_aux_loss_coef" else 1):
+                raise ValueError(f"--model.{name} must be >= {0 if name == 'router_aux_loss_coef' else 1}, got {value}")
 
-    def overrides(self) -> dict[str, int]:
-        """The shape fields set on the command line or by the recipe, for the family's build."""
+    def overrides(self) -> dict[str, int | float]:
+        """The fields set on the command line or by the recipe, for the family's build (a
+        family without such a field refuses it by name)."""
         return {
             name: value
-            for name in ("n_layers", "dim", "n_heads", "n_kv_heads")
+            for name in ("n_layers", "dim", "n_heads", "n_kv_heads", "router_aux_loss_coef")
             if (value := getattr(self, name)) is not None
         }
 
@@ -141,6 +146,7 @@ class RunConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
 
 @dataclass(kw_only=True)

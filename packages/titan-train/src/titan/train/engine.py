@@ -46,7 +46,7 @@ from titan.dist import (
     shard_batch_dict_for_context_parallel,
     validate_against_model,
 )
-from titan.train.loss import NonFiniteLossError
+from titan.train.loss import IGNORE_INDEX, NonFiniteLossError
 from titan.train.lr_scheduler import LRSchedulerConfig, build_lr_scheduler
 from titan.train.model_spec import ModelSpec
 from titan.train.optimizer import OptimizerConfig, build_optimizer
@@ -311,7 +311,7 @@ class TrainingEngine:
             with loss_parallel_context(self.parallel_dims, self.parallelism):
                 with self._autocast():
                     logits = self.model_parts[0](batch["input_ids"], **self._model_kwargs(batch))
-                loss = loss_fn(logits, batch) * scale
+                loss = (loss_fn(logits, batch) + self._auxiliary_loss(self.model_parts, batch)) * scale
                 del logits  # free the largest activation before backward
                 loss.backward()
             loss = local_value(loss.detach())
@@ -415,6 +415,34 @@ class TrainingEngine:
         parallel shard's, or restarting per document) and ``document_ids`` when present."""
         return {k: batch[k] for k in MODEL_INPUT_KEYS if k in batch}
 
+    @staticmethod
+    def _auxiliary_loss(parts: list[nn.Module], batch: Mapping[str, torch.Tensor]) -> torch.Tensor | float:
+        """Auxiliary losses a model leaves from its training forward (e.g. an MoE router's
+        balancing loss): a model part with an ``aux_loss()`` method returning a scalar tensor
+        (coefficient applied) or None. Weighted by the microbatch's labelled tokens, so after
+        the engine's division by the global token count it is a token-weighted mean."""
+        terms = [aux for part in parts if callable(getattr(part, "aux_loss", None)) and (aux := part.aux_loss()) is not None]
+        if not terms:
+            return 0.0
+        labels = batch.get("labels")
+        tokens = (labels != IGNORE_INDEX).sum() if labels is not None else batch["input_ids"].numel()
+        return torch.stack(terms).sum() * tokens
+
+    def _refuse_auxiliary_loss_before_last_stage(self) -> None:
+        """Pipeline stages before the last cannot hand an auxiliary loss to the loss: refuse
+        rather than silently train without it."""
+        for part in self.model_parts:
+            aux = part.aux_loss() if callable(getattr(part, "aux_loss", None)) else None
+            if aux is not None and not self._is_last_stage(part):
+                raise ValueError(
+                    "the model's auxiliary (router balancing) loss cannot cross pipeline stages yet; use "
+                    "--model.router_aux_loss_coef 0 (auxiliary-loss-free balancing stays on) or "
+                    "--parallelism.pipeline_parallel_degree 1"
+                )
+
+    def _is_last_stage(self, part: nn.Module) -> bool:
+        return part is self.model_parts[-1] and self.pp_has_last
+
     def _pipeline_loss(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: ``rows`` are the batch rows of this pipeline microbatch (the
         schedule splits the row-index target like any input)."""
@@ -427,6 +455,7 @@ class TrainingEngine:
         stage returns the sum of its microbatch losses, the other stages zero."""
 
         def microbatch_loss(output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            self._refuse_auxiliary_loss_before_last_stage()
             return loss_fn(output, {k: v[rows] for k, v in batch.items()}) * scale
 
         rows = torch.arange(batch["input_ids"].shape[0], device=self.device)

@@ -1,18 +1,30 @@
 """Training metrics: loss, grad norm, lr, throughput, TFLOPs, MFU and peak memory.
 
 Every ``log_freq`` steps rank 0 prints one line (with progress and ETA) and appends one JSON
-object to ``<dump_folder>/metrics.jsonl``.
+object to ``<dump_folder>/metrics.jsonl``. TensorBoard event files and Weights & Biases runs
+receive the same records when enabled (``--metrics.enable_tensorboard``,
+``--metrics.enable_wandb``); ``--metrics.save_for_all_ranks`` makes every rank write its own.
+
+What reaches each backend: every key of the record, including the ``extra`` fields a loop adds
+(RL rewards, expert load, epoch). The JSONL file keeps every value (0-d tensors and numpy
+scalars become numbers; other objects JSON does not know become their ``str``). TensorBoard
+and W&B take numbers only: ints, floats and bools, 0-d tensors and numpy scalars; a dict of
+numbers is flattened to ``key/subkey``; ``None`` (``mfu`` on an unknown device) is skipped;
+any other value (strings, lists) is skipped with one warning per key.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
+import numbers
+import os
 import resource
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,10 +48,45 @@ class MetricsConfig:
     """Append one JSON object per logged step to <dump_folder>/metrics.jsonl."""
     enable_progress_bar: bool = True
     """Show a progress bar with ETA when stderr is a terminal."""
+    enable_tensorboard: bool = False
+    """Write TensorBoard event files to <dump_folder>/<save_tb_folder>/rank<R> (needs the
+    tensorboard package: pip install 'titan-train[tensorboard]')."""
+    save_tb_folder: str = "tb"
+    """Folder under <dump_folder> for the TensorBoard event files."""
+    enable_wandb: bool = False
+    """Log to Weights & Biases (needs wandb: pip install 'titan-train[wandb]'). Without network
+    or API key use --metrics.wandb_mode offline (or WANDB_MODE=offline); `wandb sync` uploads
+    the run later."""
+    wandb_project: str | None = None
+    """W&B project of the run (default: WANDB_PROJECT, else titan)."""
+    wandb_run_name: str | None = None
+    """W&B run name (default: the name of the dump folder)."""
+    wandb_mode: str | None = None
+    """W&B mode: online, offline or disabled (default: WANDB_MODE, else online)."""
+    save_for_all_ranks: bool = False
+    """Every rank writes its own metrics (metrics_rank<R>.jsonl, tb/rank<R>, a W&B run per
+    rank grouped by run name) instead of rank 0 only. The console stays rank 0's."""
 
     def __post_init__(self) -> None:
         if self.log_freq < 1:
             raise ValueError(f"--metrics.log_freq must be >= 1, got {self.log_freq}")
+        if self.wandb_mode not in (None, "online", "offline", "disabled"):
+            raise ValueError(
+                f"--metrics.wandb_mode must be online, offline or disabled, got {self.wandb_mode!r}"
+            )
+        if not self.save_tb_folder:
+            raise ValueError("--metrics.save_tb_folder must not be empty")
+        # Checked at parse time so a missing package stops the run before any work.
+        if self.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(
+                "--metrics.enable_tensorboard needs the tensorboard package: "
+                "pip install 'titan-train[tensorboard]' (or drop the flag)"
+            )
+        if self.enable_wandb and importlib.util.find_spec("wandb") is None:
+            raise ValueError(
+                "--metrics.enable_wandb needs the wandb package: "
+                "pip install 'titan-train[wandb]' (or drop the flag)"
+            )
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -63,6 +110,137 @@ def format_duration(seconds: float) -> str:
     return f"{secs}s"
 
 
+def _number(value: Any) -> float | None:
+    """``value`` as a float when it is a real number (bools, numpy scalars and one-element
+    tensors included), else None."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            return None
+        value = value.item()
+    if isinstance(value, numbers.Real):  # bool, int, float and numpy's real scalars
+        return float(value)
+    return None
+
+
+def scalar_metrics(record: Mapping[str, Any], *, skipped: set[str] | None = None) -> dict[str, float]:
+    """The numeric fields of ``record`` as TensorBoard and W&B take them: ``step`` left out
+    (it is the x axis), dicts flattened to ``key/subkey``, ``None`` dropped silently and any
+    other non-number dropped with a warning, once per key (``skipped`` remembers the keys)."""
+    out: dict[str, float] = {}
+    skipped = set() if skipped is None else skipped
+
+    def visit(key: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for sub, inner in value.items():
+                visit(f"{key}/{sub}", inner)
+            return
+        number = _number(value)
+        if number is not None:
+            out[key] = number
+        elif value is not None and key not in skipped:
+            skipped.add(key)
+            logger.warning(
+                "metric %r is a %s, not a number: written to metrics.jsonl only, skipped by "
+                "TensorBoard and W&B", key, type(value).__name__,
+            )
+
+    for key, value in record.items():
+        if key != "step":
+            visit(str(key), value)
+    return out
+
+
+def _json_default(value: Any) -> Any:
+    """JSON for what ``json`` does not know: one-element tensors and numpy scalars become
+    numbers, anything else its ``str``."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalars
+        return value.item()
+    return str(value)
+
+
+class JsonlBackend:
+    """Appends each record as one JSON object per line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        """Append ``record``."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, default=_json_default) + "\n")
+
+    def close(self) -> None:
+        """Nothing to release: every record is written when logged."""
+
+
+class TensorBoardBackend:
+    """Writes each numeric metric as a TensorBoard scalar at the record's step."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = log_dir
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Add one scalar per metric and flush, so a live TensorBoard sees every log step."""
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self.writer.close()
+
+
+class WandbBackend:
+    """One Weights & Biases run; metrics are logged at the record's step."""
+
+    def __init__(self, cfg: MetricsConfig, *, dump_folder: Path, rank: int,
+                 run_config: Mapping[str, Any] | None) -> None:
+        import wandb
+
+        name = cfg.wandb_run_name or Path(dump_folder).resolve().name
+        per_rank = cfg.save_for_all_ranks
+        dump_folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run = wandb.init(
+                project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "titan",
+                name=f"{name}-rank{rank}" if per_rank else name,
+                group=name if per_rank else None,
+                dir=str(dump_folder),
+                config=dict(run_config) if run_config is not None else None,
+                mode=cfg.wandb_mode,
+                reinit="create_new",  # several loggers in one process (tests) get their own runs
+            )
+        except Exception as err:  # no API key, no network, bad project: the user's setup
+            first = (str(err) or type(err).__name__).splitlines()[0]
+            raise ValueError(
+                f"--metrics.enable_wandb: could not start a W&B run ({first}); run `wandb "
+                "login`, or log without network with --metrics.wandb_mode offline"
+            ) from err
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Log the metrics of ``step``."""
+        self.run.log(dict(scalars), step=step)
+
+    def close(self) -> None:
+        """Finish the run (an offline run is then ready for ``wandb sync``)."""
+        self.run.finish()
+
+
+def current_rank(is_rank0: bool) -> int:
+    """This process's global rank: the process group's, else ``RANK``, else 0."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    if is_rank0:
+        return 0
+    return int(os.environ.get("RANK", "0") or 0)
+
+
 class MetricsLogger:
     """Accumulates throughput between log steps and writes the logged metrics.
 
@@ -74,6 +252,10 @@ class MetricsLogger:
     measured while other work loaded the machine), so the peak is raised to what was observed,
     and on CPU the cached peak is rewritten (rank 0) for the next run.
     ``clock`` (seconds, monotonic) is injectable for tests.
+
+    Rank 0 prints; the writing ranks (rank 0, or every rank with ``save_for_all_ranks``) send
+    each record to the JSONL file and the enabled backends. ``rank`` defaults to the process
+    group's; ``run_config`` (a plain dict of the resolved config) becomes the W&B run's config.
     """
 
     def __init__(
@@ -86,6 +268,8 @@ class MetricsLogger:
         peak_flops: float | None,
         device: torch.device,
         is_rank0: bool,
+        rank: int | None = None,
+        run_config: Mapping[str, Any] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.cfg = cfg
@@ -95,12 +279,31 @@ class MetricsLogger:
         self.peak_flops = peak_flops
         self.device = device
         self.is_rank0 = is_rank0
-        self.jsonl_path = Path(dump_folder) / "metrics.jsonl"
+        self.rank = current_rank(is_rank0) if rank is None else rank
+        dump_folder = Path(dump_folder)
+        suffix = "" if is_rank0 else f"_rank{self.rank}"
+        self.jsonl_path = dump_folder / f"metrics{suffix}.jsonl"
+        self.tb_dir = dump_folder / cfg.save_tb_folder / f"rank{self.rank}"
+        self._skipped: set[str] = set()
+        self._jsonl: JsonlBackend | None = None
+        self._backends: list[TensorBoardBackend | WandbBackend] = []
+        if is_rank0 or cfg.save_for_all_ranks:
+            self._open_backends(dump_folder, run_config)
         self._tokens_since_log = 0
         self._last_log_time = clock()
         self._start_time = self._last_log_time
         self._start_step = 0
         self._bar = self._make_progress_bar()
+
+    def _open_backends(self, dump_folder: Path, run_config: Mapping[str, Any] | None) -> None:
+        if self.cfg.enable_jsonl:
+            self._jsonl = JsonlBackend(self.jsonl_path)
+        if self.cfg.enable_tensorboard:
+            self._backends.append(TensorBoardBackend(self.tb_dir))
+        if self.cfg.enable_wandb:
+            self._backends.append(
+                WandbBackend(self.cfg, dump_folder=dump_folder, rank=self.rank, run_config=run_config)
+            )
 
     def _make_progress_bar(self) -> Any:
         if not (self.is_rank0 and self.cfg.enable_progress_bar and sys.stderr.isatty()):
@@ -154,7 +357,8 @@ class MetricsLogger:
         self._tokens_since_log = 0
         self._last_log_time = now
         if self.is_rank0:
-            self._emit(record, eta=self._eta(step, now))
+            self._print(record, eta=self._eta(step, now))
+        self._write(record)
         return record
 
     def _correct_peak(self, achieved: float) -> None:
@@ -177,7 +381,7 @@ class MetricsLogger:
             return math.nan
         return (now - self._start_time) / done * (self.total_steps - step)
 
-    def _emit(self, record: dict[str, Any], *, eta: float) -> None:
+    def _print(self, record: dict[str, Any], *, eta: float) -> None:
         mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.2f}%"
         line = (
             f"step {record['step']:>{len(str(self.total_steps))}}/{self.total_steps}"
@@ -190,13 +394,21 @@ class MetricsLogger:
             self._bar.write(line)
         else:
             logger.info(line)
-        if self.cfg.enable_jsonl:
-            self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-            with self.jsonl_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+
+    def _write(self, record: dict[str, Any]) -> None:
+        """Send ``record`` to this rank's JSONL file and backends (none on non-writing ranks)."""
+        if self._jsonl is not None:
+            self._jsonl.log(record)
+        if self._backends:
+            scalars = scalar_metrics(record, skipped=self._skipped)
+            for backend in self._backends:
+                backend.log(record["step"], scalars)
 
     def close(self) -> None:
-        """Close the progress bar."""
+        """Close the progress bar and the backends (safe to call twice)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        backends, self._backends = self._backends, []
+        for backend in backends:
+            backend.close()

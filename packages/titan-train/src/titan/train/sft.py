@@ -66,7 +66,7 @@ class SFTTrainer(Trainer):
 
     def log_extras(self) -> dict[str, Any]:
         """Passes over the data and examples skipped as too long or target-free."""
-        return {"epoch": self.dataloader.epoch, "dropped_examples": self.dataloader.dropped_examples}
+        return {**super().log_extras(), "epoch": self.dataloader.epoch, "dropped_examples": self.dataloader.dropped_examples}
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """Token ids of a prompt as training saw it (template, BOS), ready for generation."""

@@ -26,6 +26,7 @@ from titan.train.loss import NonFiniteLossError, count_valid_tokens, cross_entro
 from titan.train.metrics import MetricsLogger
 from titan.train.model_spec import ModelSpec
 from titan.train.preemption import PreemptionGuard
+from titan.train.profiling import StepProfiler
 from titan.train.validation import Validator
 
 logger = logging.getLogger("titan")
@@ -280,12 +281,24 @@ class Trainer:
         """The steps; returns (logged records, whether a signal stopped the run early)."""
         records: list[dict[str, Any]] = []
         data_iter = iter(self.dataloader)
-        total = self.config.training.steps
         self._run_start = (time.perf_counter(), self.step, self.train_state.tokens_seen)
         self.metrics.start(self.step)
+        with self._profiler() as profiler:
+            return self._steps(guard, profiler, data_iter, records)
+
+    def _profiler(self) -> StepProfiler:
+        """Traces (and memory reports) every ``--profiler.profile_freq`` steps when enabled."""
+        return StepProfiler(self.config.profiler, dump_folder=self.config.job.dump_folder,
+                            rank=self.engine.dist_env.rank, device=self.engine.device, start_step=self.step)
+
+    def _steps(self, guard: PreemptionGuard, profiler: StepProfiler, data_iter,
+               records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
+        """Train until ``--training.steps`` or an agreed preemption request."""
+        total = self.config.training.steps
         while self.step < total:
             microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
             result = self.train_step(microbatches)
+            profiler.step()
             self.train_state.tokens_seen += result.tokens
             # Per-device throughput: the data-parallel rank's tokens are shared by its cp x tp x pp
             # devices, so each device's share is what MFU compares with one device's peak.
@@ -353,8 +366,14 @@ class Trainer:
         )
 
     def log_extras(self) -> dict[str, Any]:
-        """Loop-specific fields of each logged record (none for pretraining)."""
-        return {}
+        """Loop-specific fields of each logged record: the model's own figures when it reports
+        any (an ``expert_load()`` method, e.g. MoE per-layer load and imbalance)."""
+        extras: dict[str, Any] = {}
+        for part in self.model_parts:
+            report = getattr(part, "expert_load", None)
+            if callable(report):
+                extras.update(report())
+        return extras
 
     def close(self) -> None:
         """Drain checkpoint saves, close the progress bar and release the process group."""

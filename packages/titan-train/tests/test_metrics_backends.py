@@ -1,0 +1,300 @@
+"""Logging backends: TensorBoard event files and W&B runs hold what metrics.jsonl holds,
+including the extra metrics a loop logs; every rank writes on request; missing packages stop
+the run with one line."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from titan.train import metrics as metrics_mod
+from titan.train.metrics import MetricsConfig, MetricsLogger, scalar_metrics
+
+
+class FakeClock:
+    """A clock the test advances by hand."""
+
+    def __init__(self) -> None:
+        self.now = 10.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _logger(tmp_path: Path, *, rank: int = 0, run_config=None, **cfg) -> MetricsLogger:
+    return MetricsLogger(
+        MetricsConfig(log_freq=1, enable_progress_bar=False, **cfg),
+        dump_folder=tmp_path,
+        total_steps=3,
+        flops_per_token=1e6,
+        peak_flops=1e12,
+        device=torch.device("cpu"),
+        is_rank0=rank == 0,
+        rank=rank,
+        run_config=run_config,
+        clock=FakeClock(),
+    )
+
+
+def _run_three_steps(log: MetricsLogger) -> list[dict]:
+    """Three logged steps whose extras have every kind of value a loop may log."""
+    log.start(0)
+    records = []
+    for step in (1, 2, 3):
+        log.record_tokens(100 * step)
+        log.clock.now += 0.5 * step
+        extra = {
+            "reward_mean": 0.25 * step,                       # an RL loop's float
+            "epoch": step // 2,                               # an int
+            "expert_load": {"layer0": torch.tensor(0.1 * step), "layer1": 1.0 - 0.1 * step},
+            "note": f"step {step}",                           # not a number: JSONL only
+        }
+        records.append(log.log(step=step, loss=3.0 - 0.5 * step, grad_norm=1.0 / step, lr=1e-3 * step, extra=extra))
+    log.close()
+    return records
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _expected_series(rows: list[dict]) -> dict[str, dict[int, float]]:
+    """key -> {step: value} of the numeric fields of JSONL rows, computed here by hand."""
+    series: dict[str, dict[int, float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key in ("step", "note") or value is None:
+                continue
+            if isinstance(value, dict):
+                for sub, inner in value.items():
+                    series.setdefault(f"{key}/{sub}", {})[row["step"]] = float(inner)
+            else:
+                series.setdefault(key, {})[row["step"]] = float(value)
+    return series
+
+
+def _tensorboard_series(log_dir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar of the event files in ``log_dir``, read with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def _assert_same_series(got: dict, expected: dict) -> None:
+    assert set(got) == set(expected)
+    for key, by_step in expected.items():
+        assert set(got[key]) == set(by_step), key
+        for step, value in by_step.items():
+            # TensorBoard stores float32.
+            assert got[key][step] == pytest.approx(value, rel=1e-6, abs=1e-12), (key, step)
+
+
+def test_tensorboard_events_equal_the_jsonl(tmp_path):
+    pytest.importorskip("tensorboard")
+    _run_three_steps(_logger(tmp_path, enable_tensorboard=True))
+    rows = _jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["note"] == "step 1" and rows[2]["expert_load"]["layer0"] == pytest.approx(0.3)
+    expected = _expected_series(rows)
+    # The extras are there, next to the standard keys.
+    assert {"loss", "lr", "tokens_per_second", "mfu", "reward_mean", "epoch", "expert_load/layer0"} <= set(expected)
+    _assert_same_series(_tensorboard_series(tmp_path / "tb" / "rank0"), expected)
+
+
+# ---- W&B: a real offline run, read back from its .wandb file ------------------------------
+
+def _wandb_records(run_file: Path) -> list:
+    """The protobuf records of a .wandb file: a 7-byte header, then LevelDB-style log blocks
+    of 32 KiB whose chunks carry (crc32c, length, type) headers."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    records, pending, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def _wandb_run(tmp_path: Path) -> tuple[dict[str, dict[int, float]], dict]:
+    """Series and config of the single offline W&B run under ``tmp_path``."""
+    import wandb
+
+    wandb.teardown()  # the W&B service writes the run file asynchronously: stop it to flush
+    files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    series: dict[str, dict[int, float]] = {}
+    config = {}
+    for record in _wandb_records(files[0]):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            step = items.pop("_step")
+            for key, value in items.items():
+                if not key.startswith("_"):
+                    series.setdefault(key, {})[step] = value
+        elif kind in ("run", "config"):
+            updates = record.run.config.update if kind == "run" else record.config.update
+            config.update({u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in updates})
+    return series, config
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    """W&B offline, with every folder it writes inside tmp_path."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    return tmp_path / "run"
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_and_tensorboard_equal_the_jsonl(offline_wandb):
+    """Every backend gets the same numbers, extras included; W&B also gets the run config."""
+    pytest.importorskip("tensorboard")
+    dump = offline_wandb
+    _run_three_steps(_logger(dump, enable_tensorboard=True, enable_wandb=True,
+                             run_config={"optimizer": {"lr": 1e-3}, "training": {"steps": 3}}))
+    expected = _expected_series(_jsonl(dump / "metrics.jsonl"))
+    series, config = _wandb_run(dump)
+    _assert_same_series(series, expected)
+    _assert_same_series(_tensorboard_series(dump / "tb" / "rank0"), expected)
+    assert config["optimizer"] == {"lr": 1e-3} and config["training"] == {"steps": 3}
+
+
+# ---- ranks ---------------------------------------------------------------------------------
+
+def test_only_rank0_writes_by_default(tmp_path):
+    pytest.importorskip("tensorboard")
+    _run_three_steps(_logger(tmp_path, rank=1, enable_tensorboard=True))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_rank_writes_its_own_files_on_request(tmp_path):
+    pytest.importorskip("tensorboard")
+    for rank in (0, 1):
+        _run_three_steps(_logger(tmp_path, rank=rank, enable_tensorboard=True, save_for_all_ranks=True))
+    for rank, name in ((0, "metrics.jsonl"), (1, "metrics_rank1.jsonl")):
+        expected = _expected_series(_jsonl(tmp_path / name))
+        _assert_same_series(_tensorboard_series(tmp_path / "tb" / f"rank{rank}"), expected)
+
+
+class FakeWandb(types.ModuleType):
+    """A stand-in ``wandb`` module that records what the logger asks of it."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        super().__init__("wandb")
+        self.inits: list[dict] = []
+        self.logged: list[tuple[dict, int]] = []
+        self.finished = 0
+        self.fail = fail
+
+    def init(self, **kwargs):
+        if self.fail is not None:
+            raise self.fail
+        self.inits.append(kwargs)
+        return types.SimpleNamespace(
+            log=lambda data, step: self.logged.append((data, step)),
+            finish=lambda: setattr(self, "finished", self.finished + 1),
+        )
+
+
+def test_wandb_runs_per_rank_are_named_and_grouped(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(metrics_mod.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    dump = tmp_path / "my_run"
+    for rank in (0, 1):
+        _run_three_steps(_logger(dump, rank=rank, enable_wandb=True, save_for_all_ranks=True, wandb_mode="offline"))
+    assert [i["name"] for i in fake.inits] == ["my_run-rank0", "my_run-rank1"]
+    assert {i["group"] for i in fake.inits} == {"my_run"}
+    assert {i["mode"] for i in fake.inits} == {"offline"} and {i["project"] for i in fake.inits} == {"titan"}
+    assert [step for _, step in fake.logged] == [1, 2, 3, 1, 2, 3]
+    assert fake.finished == 2
+    assert "note" not in fake.logged[0][0] and fake.logged[0][0]["reward_mean"] == 0.25
+
+
+def test_a_wandb_run_that_cannot_start_is_one_line_naming_the_flag(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", FakeWandb(fail=RuntimeError("api_key not configured (no-tty)\ndetails")))
+    monkeypatch.setattr(metrics_mod.importlib.util, "find_spec", lambda name: object())
+    with pytest.raises(ValueError, match=r"--metrics.enable_wandb: .*api_key not configured.*offline"):
+        _logger(tmp_path, enable_wandb=True)
+
+
+@pytest.mark.parametrize("flag,package", [("enable_tensorboard", "tensorboard"), ("enable_wandb", "wandb")])
+def test_a_missing_package_names_the_flag_and_the_extra(flag, package, monkeypatch):
+    real = metrics_mod.importlib.util.find_spec
+    monkeypatch.setattr(metrics_mod.importlib.util, "find_spec", lambda name: None if name == package else real(name))
+    with pytest.raises(ValueError, match=rf"--metrics.{flag} needs the {package} package: pip install 'titan-train\[{package}\]'"):
+        MetricsConfig(**{flag: True})
+
+
+def test_scalar_metrics_keeps_numbers_and_warns_once_per_other_key(caplog):
+    import numpy as np
+
+    skipped: set[str] = set()
+    record = {"step": 4, "loss": 1.5, "mfu": None, "ok": True, "n": np.int64(3), "t": torch.tensor(2.0),
+              "load": {"a": 1, "b": {"c": 0.5}}, "name": "x", "hist": [1, 2]}
+    with caplog.at_level("WARNING", logger="titan"):
+        assert scalar_metrics(record, skipped=skipped) == {
+            "loss": 1.5, "ok": 1.0, "n": 3.0, "t": 2.0, "load/a": 1.0, "load/b/c": 0.5}
+        scalar_metrics(record, skipped=skipped)
+    assert skipped == {"name", "hist"}
+    assert len([r for r in caplog.records if "not a number" in r.message]) == 2
+
+
+def test_jsonl_writes_tensors_and_numpy_scalars_as_numbers(tmp_path):
+    import numpy as np
+
+    log = _logger(tmp_path)
+    log.start(0)
+    log.record_tokens(1)
+    log.clock.now += 1
+    log.log(step=1, loss=1.0, grad_norm=1.0, lr=1.0,
+            extra={"t": torch.tensor(0.5), "f": np.float32(0.25), "obj": Path("a")})
+    row = _jsonl(tmp_path / "metrics.jsonl")[0]
+    assert (row["t"], row["f"], row["obj"]) == (0.5, 0.25, "a")
+
+
+@pytest.mark.slow
+def test_titan_train_flags_write_tensorboard_events_equal_to_the_jsonl(tmp_path):
+    """Through the command line: a tiny real run with --metrics.enable_tensorboard."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("titan.recipes")
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "titan.recipes.cli", "train", "--config", "llama3_debug_synthetic",
+           "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
+           "--training.steps", "4", "--metrics.log_freq", "2", "--metrics.no_enable_progress_bar",
+           "--metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = _jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 4]
+    expected = _expected_series(rows)
+    assert {"loss", "lr", "tokens_per_second", "memory_peak_gib", "tokens_seen"} <= set(expected)
+    _assert_same_series(_tensorboard_series(tmp_path / "tb" / "rank0"), expected)
