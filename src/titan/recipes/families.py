@@ -7,6 +7,8 @@ This is the one place where a model family (titan.models) meets the trainer (tit
 from __future__ import annotations
 
 from titan.models.llama3 import LLAMA3_FLAVORS, Llama3StateDictAdapter, build_llama3
+from titan.models.qwen3 import QWEN3_FLAVORS, Qwen3StateDictAdapter, build_qwen3
+from titan.models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeStateDictAdapter, build_qwen3_moe
 from titan.train.model_spec import ModelSpec
 
 MODEL_FAMILIES: dict[str, ModelSpec] = {
@@ -15,6 +17,18 @@ MODEL_FAMILIES: dict[str, ModelSpec] = {
         flavors=LLAMA3_FLAVORS,
         build=build_llama3,
         adapter=lambda model: Llama3StateDictAdapter(model.args),
+    ),
+    "qwen3": ModelSpec(
+        name="qwen3",
+        flavors=QWEN3_FLAVORS,
+        build=build_qwen3,
+        adapter=lambda model: Qwen3StateDictAdapter(model.args),
+    ),
+    "qwen3_moe": ModelSpec(
+        name="qwen3_moe",
+        flavors=QWEN3_MOE_FLAVORS,
+        build=build_qwen3_moe,
+        adapter=lambda model: Qwen3MoeStateDictAdapter(model.args),
     ),
 }
 

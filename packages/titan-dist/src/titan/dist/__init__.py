@@ -4,7 +4,7 @@ Public API (everything else is internal):
 
 - configs: `ParallelismConfig`, `ActivationCheckpointConfig`, `CompileConfig`
 - process group: `DistEnv`, `init_distributed`, `destroy_distributed`
-- mesh: `ParallelDims`
+- mesh: `ParallelDims` (with expert parallel also the "ep" and "expert_fsdp" views)
 - transformation: `parallelize` (fixed order CP -> TP/SP -> EP -> AC -> compile -> FSDP2),
   and the individual `apply_*` functions
 - reductions: `clip_grad_norm_`, `reduce_mean`, `reduce_max`
@@ -25,6 +25,7 @@ from titan.dist.context_parallel import (
     shard_batch_for_context_parallel,
 )
 from titan.dist.dry_run import RankEstimate, dry_run, validate_against_model
+from titan.dist.expert_parallel import apply_expert_parallel
 from titan.dist.fsdp import apply_ddp, apply_fsdp, mixed_precision_policy
 from titan.dist.parallelize import parallelize
 from titan.dist.pipeline import build_pipeline
@@ -40,6 +41,7 @@ __all__ = [
     "RankEstimate",
     "apply_context_parallel",
     "apply_ddp",
+    "apply_expert_parallel",
     "apply_fsdp",
     "apply_tensor_parallel",
     "build_pipeline",

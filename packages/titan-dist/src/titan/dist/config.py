@@ -76,7 +76,9 @@ class ParallelismConfig:
     context_parallel_rotate_method: str = "allgather"
     """How K/V travel between CP ranks: "allgather" (the one implemented so far)."""
     expert_parallel_degree: int = 1
-    """Ranks the MoE experts are split over (borrowed from data_parallel_shard x context)."""
+    """Ranks the MoE experts are split over, each owning n_experts / degree of them; borrowed
+    from data_parallel_shard x context_parallel (must divide it), whose remaining ranks
+    FSDP-shard the experts. Needs a model whose plan names its expert modules."""
 
     def __post_init__(self) -> None:
         _check_degree("data_parallel_replicate_degree", self.data_parallel_replicate_degree)

@@ -9,6 +9,21 @@ so callers can name any axis without asking whether it is enabled. Flattened vie
 - "dp_shard_cp" = dp_shard x cp: the axis FSDP shards parameters over (CP ranks hold the
   same weights, so they join the shard group);
 - "dp_cp"       = dp_replicate x dp_shard x cp: the loss / metric reduction axis.
+
+Expert parallelism (ep > 1) borrows its ranks from "dp_shard_cp": that axis is unflattened
+into ("dp_shard_mod_ep", "ep"), ep innermost (so with context parallel the EP group is the CP
+group first). The model then has two regions:
+
+- dense parameters are FSDP-sharded over "dp_shard_cp" (as without EP), HSDP-replicated over
+  "dp_replicate";
+- expert parameters are split by expert over "ep" (each rank owns n_experts / ep experts, a
+  DTensor Shard(0) on "ep") and FSDP-sharded over the remaining "dp_shard_mod_ep" =
+  dp_shard x cp / ep ranks ("expert_fsdp"; 2-D (dp_replicate, dp_shard_mod_ep) under HSDP).
+
+The constraint between them: ep x dp_shard_mod_ep = dp_shard x cp, i.e. ep divides
+dp_shard x cp, and both regions see the same dp_replicate x dp_shard x cp ranks per
+(pp, tp) coordinate; tp and pp are orthogonal to EP (each TP/PP coordinate runs its own EP
+groups, and experts are never tensor-parallel).
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ FLATTENED = {
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
+EXPERT_VIEWS = ("ep", "dp_shard_mod_ep", "expert_fsdp")
 
 
 @dataclass
@@ -101,7 +117,10 @@ class ParallelDims:
             raise ValueError(
                 f"expert_parallel_degree={self.ep} must divide data_parallel_shard_degree="
                 f"{self.dp_shard} x context_parallel_degree={self.cp} = {self.dp_shard * self.cp} "
-                f"(experts are spread over those ranks); pick a divisor")
+                f"(experts are spread over those ranks, the rest FSDP-shard them); with "
+                f"{self._degrees_text()} and expert_parallel_degree={self.ep}, pick an "
+                f"expert_parallel_degree that divides {self.dp_shard * self.cp} or raise "
+                f"--parallelism.data_parallel_shard_degree")
 
     # --- derived sizes -------------------------------------------------------------------
     @property
@@ -152,6 +171,11 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def dp_shard_mod_ep(self) -> int:
+        """Ranks that FSDP-shard each expert: dp_shard x cp / ep (dp_shard x cp without EP)."""
+        return self.dp_shard * self.cp // self.ep
+
+    @property
     def dp_world_size(self) -> int:
         """Size of the batch axis (dp_replicate x dp_shard): how many distinct batches a step
         sees. The data loader uses it together with `dp_rank`."""
@@ -187,28 +211,44 @@ class ParallelDims:
     # --- the mesh --------------------------------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """Build the named mesh (axes pp, dp_replicate, dp_shard, cp, tp) plus the flattened
-        views "dp", "dp_shard_cp", "dp_cp". Returns None at world size 1 (no process group).
+        views "dp", "dp_shard_cp", "dp_cp", and with EP the expert views "ep",
+        "dp_shard_mod_ep" and "expert_fsdp". Returns None at world size 1 (no process group).
 
         The flattened views are kept here (see `mesh`): torch warns when they are re-sliced
         from the root mesh.
         """
         if self.world_size == 1:
             return None
-        if self.ep > 1:
-            raise NotImplementedError(
-                "expert_parallel_degree > 1: the expert-parallel mesh is not implemented yet; "
-                "set --parallelism.expert_parallel_degree 1")
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         root = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
         self._meshes = {"root": root}
         for name, axes in FLATTENED.items():
             self._meshes[name] = root[axes]._flatten(name)
+        if self.ep > 1:
+            self._build_expert_meshes()
         return root
+
+    def _build_expert_meshes(self) -> None:
+        """Split "dp_shard_cp" into ("dp_shard_mod_ep", "ep"), ep innermost, on the same root
+        mesh (FSDP2 concatenates the expert FSDP mesh with the "ep" mesh of the expert
+        DTensors, which needs one root)."""
+        sizes, names = (self.dp_shard_mod_ep, self.ep), ("dp_shard_mod_ep", "ep")
+        if self.dp_replicate == 1:
+            experts = self._meshes["dp_shard_cp"]._unflatten(0, sizes, names)
+            self._meshes["expert_fsdp"] = experts["dp_shard_mod_ep"]
+        else:
+            experts = self._fsdp_mesh()._unflatten("dp_shard_cp", sizes, names)
+            self._meshes["expert_fsdp"] = experts["dp_replicate", "dp_shard_mod_ep"]
+        self._meshes["ep"] = experts["ep"]
+        self._meshes["dp_shard_mod_ep"] = experts["dp_shard_mod_ep"]
 
     def mesh(self, name: str) -> DeviceMesh | None:
         """A named view of the built mesh: an axis ("tp", ...), a flattened view ("dp",
         "dp_shard_cp", "dp_cp"), "root", or "fsdp": the mesh FSDP2 shards over (1-D
-        dp_shard_cp, or 2-D (dp_replicate, dp_shard_cp) for HSDP). None at world size 1."""
+        dp_shard_cp, or 2-D (dp_replicate, dp_shard_cp) for HSDP). With EP also "ep" (the
+        expert-parallel group), "dp_shard_mod_ep" and "expert_fsdp" (the mesh FSDP2 shards
+        expert parameters over: 1-D dp_shard_mod_ep, or 2-D (dp_replicate, dp_shard_mod_ep)).
+        None at world size 1."""
         if not self._meshes:
             if self.world_size == 1:
                 return None
@@ -219,7 +259,11 @@ class ParallelDims:
             return self._fsdp_mesh()
         if name in AXES:
             return self._meshes["root"][name]
-        raise KeyError(f"unknown mesh view {name!r}; use one of {AXES + tuple(FLATTENED)}")
+        if name in EXPERT_VIEWS:
+            raise KeyError(f"mesh view {name!r} exists only with expert_parallel_degree > 1 "
+                           f"(it is {self.ep})")
+        raise KeyError(f"unknown mesh view {name!r}; use one of "
+                       f"{AXES + tuple(FLATTENED) + EXPERT_VIEWS}")
 
     def _fsdp_mesh(self) -> DeviceMesh:
         if self.dp_replicate == 1:

@@ -4,7 +4,9 @@ A fake process group (torch's testing "fake" backend: every collective returns a
 stands in for the cluster, and the model lives on the meta device, so a 512-rank 405B
 configuration is checked in seconds without a GPU or any memory for weights. Ranks that
 differ only along data/tensor/context axes hold same-sized shards, so one representative
-rank per pipeline rank is parallelized and reported.
+rank per pipeline rank is parallelized and reported. That holds with expert parallel too:
+every EP rank owns n_experts / ep experts, FSDP-sharded over the expert mesh, and the local
+parameter count is read off the DTensor shards, so experts are counted sharded.
 """
 
 from __future__ import annotations
@@ -173,11 +175,16 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
 def validate_against_model(dims: ParallelDims, model: nn.Module, *, seq_len: int,
                            global_batch_size: int, local_batch_size: int) -> None:
     """ParallelDims.validate_model with what the (meta) model's sharding plan declares (sizes
-    the TP / EP degrees must divide, the blocks PP splits, tied parameters), before any
-    parallelization: raises ValueError naming the values and the fix."""
+    the TP / EP degrees must divide, the blocks PP splits, tied parameters, expert modules
+    for EP), before any parallelization: raises ValueError naming the values and the fix."""
     from titan.dist.pipeline import check_pipeline_ties
 
     plan = sharding_plan(model)
+    if dims.ep_enabled and not getattr(plan, "expert_modules", None):
+        raise ValueError(
+            f"expert_parallel_degree={dims.ep} needs an MoE model whose sharding plan names "
+            f"its expert_modules; {type(model).__name__} declares none. Set "
+            f"--parallelism.expert_parallel_degree 1")
     dims.validate_model(
         n_layers=len(list(blocks_of(model))), seq_len=seq_len, global_batch_size=global_batch_size,
         local_batch_size=local_batch_size,

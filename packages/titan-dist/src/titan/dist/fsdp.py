@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from titan.dist.plan import match_modules, sharding_plan, tied_parameter_groups
 
@@ -53,17 +54,25 @@ def splits_a_tie(module_name: str, ties: tuple[tuple[str, ...], ...]) -> bool:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config, *, pp_enabled: bool = False,
-               mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
-    """Shard parameters with FSDP2: each plan unit (block) first, then the root.
+               mp_policy: MixedPrecisionPolicy | None = None,
+               expert_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Shard parameters with FSDP2: expert units, then each plan unit (block), then the root.
 
     A 1-D `mesh` shards over it (FSDP); a 2-D (dp_replicate, dp_shard_cp) mesh replicates
     over the first axis and shards over the second (HSDP). One all-gather per unit lets
     block i+1's gather overlap block i's compute.
+
+    With expert parallel, `expert_mesh` (ParallelDims' "expert_fsdp") shards the plan's
+    `expert_modules`, each its own unit wrapped before the blocks (a block unit then skips
+    their parameters). Their gradients are averaged over that mesh like any unit's; the EP
+    wrapper has already divided them by the EP degree (see `titan.dist.expert_parallel`).
     """
     _check_cpu_offload(config, mesh)
     kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
                   offload_policy=CPUOffloadPolicy() if config.fsdp_cpu_offload else OffloadPolicy())
     reshard = reshard_after_forward(config, pp_enabled=pp_enabled)
+    if expert_mesh is not None:
+        _wrap_expert_units(model, dict(kwargs, mesh=expert_mesh), reshard)
     for unit in fsdp_units(model):
         fully_shard(unit, reshard_after_forward=reshard, **kwargs)
     # The root's params (embedding, final norm, output) are needed right at the start of
@@ -71,6 +80,27 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config, *, pp_enabled: bool =
     fully_shard(model, reshard_after_forward=config.fsdp_reshard_after_forward == "always",
                 **kwargs)
     return model
+
+
+def _wrap_expert_units(model: nn.Module, kwargs: dict, reshard: bool) -> None:
+    """One FSDP unit per grouped-experts module, on the expert mesh.
+
+    FSDP shards dim 0 by default, but an EP rank may hold fewer experts than the expert mesh
+    has shard ranks (e.g. 256 experts, EP 64, 8 shard ranks: 4 local experts); chunking 4 rows
+    over 8 ranks would leave half of them empty. Such weights are sharded along dim 1 (hidden
+    or model dim) instead when it divides evenly (FSDP2 needs that for dims other than 0).
+    """
+    from titan.dist.expert_parallel import expert_modules
+
+    shards = kwargs["mesh"].shape[-1]  # the shard axis (the last one under HSDP)
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        uneven_experts = local.shape[0] % shards != 0
+        return Shard(1) if uneven_experts and local.shape[1] % shards == 0 else Shard(0)
+
+    for _, experts in expert_modules(model):
+        fully_shard(experts, reshard_after_forward=reshard, shard_placement_fn=placement, **kwargs)
 
 
 def _check_cpu_offload(config, mesh: DeviceMesh) -> None:

@@ -8,6 +8,11 @@ axes on top (FSDP2 composes over existing TP DTensors, not the reverse); checkpo
 wraps a block's forward and compile must trace that wrapped forward; FSDP comes last so its
 per-block hooks (all-gather before, reduce-scatter after) sit outside the compiled and
 checkpointed code.
+
+EP comes after TP because the experts are never tensor-parallel (it refuses experts that
+already are DTensors) while the dense part around them may be; it comes before AC and
+compile so their wrappers trace the dispatching forward, and before FSDP2, which adds the
+expert mesh on top of the expert DTensors (each grouped-experts module its own unit).
 """
 
 from __future__ import annotations
@@ -40,8 +45,8 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh 
         from titan.dist.tensor_parallel import apply_tensor_parallel
         apply_tensor_parallel(model, dims.mesh("tp"), parallelism)
     if dims.ep_enabled:
-        raise NotImplementedError("expert parallel is not implemented yet; set "
-                                  "--parallelism.expert_parallel_degree 1")
+        from titan.dist.expert_parallel import apply_expert_parallel
+        apply_expert_parallel(model, dims.mesh("ep"), parallelism)
     apply_activation_checkpointing(model, None, activation_checkpoint)
     apply_compile(model, None, compile)
     _apply_data_parallel(model, dims, parallelism, mp_policy)
@@ -56,8 +61,10 @@ def _apply_data_parallel(model: nn.Module, dims: ParallelDims, parallelism,
     DTensors)."""
     if dims.uses_fully_shard:
         from titan.dist.fsdp import apply_fsdp
+        # ep divides dp_shard x cp > 1, so FSDP is always on with EP.
+        expert_mesh = dims.mesh("expert_fsdp") if dims.ep_enabled else None
         apply_fsdp(model, dims.mesh("fsdp"), parallelism, pp_enabled=dims.pp_enabled,
-                   mp_policy=mp_policy)
+                   mp_policy=mp_policy, expert_mesh=expert_mesh)
     elif dims.dp_replicate_enabled:
         from titan.dist.fsdp import apply_ddp
         apply_ddp(model, dims.mesh("dp_replicate"), parallelism)

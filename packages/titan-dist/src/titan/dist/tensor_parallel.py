@@ -36,7 +36,8 @@ from torch.distributed.tensor.parallel import (
 
 from titan.dist.plan import match_modules, sharding_plan, tied_parameter_groups
 
-STYLES = ("embedding", "colwise", "rowwise", "norm", "block_input", "output", "replicate", "head_norm")
+STYLES = ("embedding", "colwise", "rowwise", "norm", "block_input", "output", "replicate", "head_norm",
+          "replicated_block")
 
 
 def _style(name: str, *, sp: bool, lp: bool):
@@ -60,8 +61,8 @@ def _style(name: str, *, sp: bool, lp: bool):
         return ReplicatedNorm()
     if name == "head_norm":
         return ReplicatedNorm(input_placement=Shard(2))
-    if name == "block_input":
-        return None  # handled by a hook, see _gather_first_input
+    if name in ("block_input", "replicated_block"):
+        return None  # handled by hooks, see _gather_first_input / _replicate_block
     raise ValueError(f"unknown tensor-parallel style {name!r} in the model's sharding plan; "
                      f"expected one of {', '.join(STYLES)}")
 
@@ -111,6 +112,25 @@ def _gather_first_input(module: nn.Module, mesh: DeviceMesh) -> None:
     module.register_forward_pre_hook(hook)
 
 
+def _replicate_block(module: nn.Module, mesh: DeviceMesh) -> None:
+    """SP around a block every TP rank computes whole: its first input gathered from sequence
+    shards to the full sequence as a plain tensor, its output cut back to this rank's sequence
+    shard. Every rank's output (and so its input gradient) is identical, which Replicate
+    states, so the backward needs no reduction."""
+
+    def gather(_module, args):
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        return (x.redistribute(mesh, [Replicate()]).to_local(),) + tuple(args[1:])
+
+    def scatter(_module, _args, out):
+        return DTensor.from_local(out, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
+
+    module.register_forward_pre_hook(gather)
+    module.register_forward_hook(scatter)
+
+
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, config) -> nn.Module:
     """Shard the model's linears over the 1-D "tp" `mesh` as its `sharding_plan()` says.
 
@@ -130,6 +150,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, config) -> nn.Modu
                 continue  # pipeline parallel removed it from this stage
             if style_name == "block_input" and sp:
                 _gather_first_input(module, mesh)
+            if style_name == "replicated_block" and sp:
+                _replicate_block(module, mesh)
             style = _style(style_name, sp=sp, lp=lp)
             if style is not None:
                 torch_plan[fqn] = style

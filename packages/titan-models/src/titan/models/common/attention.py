@@ -8,6 +8,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 from titan.models.common.init import SeededInit
+from titan.models.common.kv_cache import LayerKVCache
+from titan.models.common.norm import RMSNorm
 from titan.models.common.rope import apply_rope
 from torch import nn
 
@@ -117,36 +119,64 @@ class GroupedQueryAttention(nn.Module):
 
     Head counts are inferred from the projection outputs (`view(B, S, -1, head_dim)`), so tensor
     parallelism can shard wq/wk/wv column-wise and wo row-wise without changing this code.
+
+    `head_dim` is independent of `dim` (Qwen3: 16 heads x 128 on a width of 1024). With
+    `qk_norm_eps` set, q and k each get a per-head RMSNorm over `head_dim` (`q_norm`,
+    `k_norm`, shared by all heads) after the head reshape and before RoPE, as Qwen3 does;
+    None (Llama) creates no norm modules, so parameters and outputs are those of plain GQA.
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qk_norm_eps: float | None = None
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.inner_attention = ScaledDotProductAttention()
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, document_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        kv_cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         """Attend over `x` [B, S, D] with RoPE rows `rope` ([S, Dh] or [B, S, Dh]); with
-        `document_ids` [B, S], only within each token's document."""
+        `document_ids` [B, S], only within each token's document. With `kv_cache` (one
+        layer's view of a `KVCache`, for inference), the new keys/values are appended to the
+        cache and the queries attend over every cached slot under the cache's mask."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if document_ids is None:  # the bare (q, k, v) call keeps 3-argument kernels valid
+        if kv_cache is not None:
+            # Inference only: SDPA over the cache with its causal + padding mask; the
+            # training path below is untouched.
+            k, v = kv_cache.update(k, v)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=kv_cache.mask, enable_gqa=k.shape[1] != q.shape[1]
+            )
+        elif document_ids is None:  # the bare (q, k, v) call keeps 3-argument kernels valid
             out = self.inner_attention(q, k, v)
         else:
             out = self.inner_attention(q, k, v, document_ids=document_ids)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
     def init_weights(self, init: SeededInit, std_in: float, std_out: float) -> None:
-        """Truncated-normal init; `std_out` (wo) is depth-scaled by the caller."""
+        """Truncated-normal init; `std_out` (wo) is depth-scaled by the caller; QK norms
+        start as the identity scale."""
         for linear in (self.wq, self.wk, self.wv):
             init.trunc_normal_(linear.weight, std_in)
         init.trunc_normal_(self.wo.weight, std_out)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()

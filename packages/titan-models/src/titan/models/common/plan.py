@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 TP_STYLES = frozenset(
-    {"embedding", "colwise", "rowwise", "norm", "block_input", "output", "replicate", "head_norm"}
+    {"embedding", "colwise", "rowwise", "norm", "block_input", "output", "replicate", "head_norm",
+     "replicated_block"}
 )
 """Tensor-parallel styles a plan may name (see `ShardingPlan.tensor_parallel`)."""
 
@@ -25,7 +26,9 @@ class ShardingPlan:
     (sequence-parallel region when SP is on), "block_input" (first positional input gathered
     from sequence shards when SP is on), "output" (vocab-sharded logits for loss parallel),
     "replicate" (kept whole on every TP rank: routers, low-rank projections), "head_norm" (a
-    norm over the last dim of [B, S, H, Dh] activations whose heads are TP-sharded)."""
+    norm over the last dim of [B, S, H, Dh] activations whose heads are TP-sharded),
+    "replicated_block" (a block every TP rank computes whole, e.g. an MoE layer: with SP its
+    input is gathered to the full sequence and its output cut back to sequence shards)."""
     fsdp_units: tuple[str, ...]
     """Module globs wrapped with fully_shard, each as its own unit, before the root."""
     layer_container: str = "layers"
@@ -42,6 +45,10 @@ class ShardingPlan:
     split evenly over the TP ranks, never cut in the middle."""
     expert_parallel_divisible: dict[str, int] = field(default_factory=dict)
     """Sizes the expert-parallel degree must divide (e.g. `{"n_routed_experts": 64}`)."""
+    expert_modules: str | None = None
+    """Glob of the grouped-experts modules (`titan.models.common.moe.GroupedExperts`, e.g.
+    `layers.*.moe.experts`) that expert parallelism shards along the expert dim; their
+    weights are never tensor-parallel. None: the model has no routed experts."""
     tied_parameters: tuple[tuple[str, ...], ...] = ()
     """Groups of parameter names (full-model names, e.g. `("tok_embeddings.weight",
     "output.weight")`) that are one shared Parameter. `titan.dist` keeps each group one

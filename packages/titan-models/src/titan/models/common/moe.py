@@ -1,0 +1,344 @@
+"""Mixture-of-experts block: token-choice router, grouped SwiGLU experts, shared experts,
+auxiliary-loss-free load balancing and the optional Switch-style auxiliary loss.
+
+The pieces are separate modules so families configure them (Qwen3-MoE: softmax router,
+no shared experts; DeepSeek-V3: sigmoid, group-limited, shared experts) and expert
+parallelism can wrap `GroupedExperts` alone: it shards `w1`/`w2`/`w3` along the expert dim
+and calls `forward` with the tokens and counts of its local experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from titan.models.common.feed_forward import FeedForward
+from titan.models.common.init import SeededInit
+from torch import nn
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+
+
+class TokenChoiceRouter(nn.Module):
+    """Each token picks its `top_k` experts from a linear gate's scores.
+
+    Scores are `softmax` or `sigmoid` of the gate logits, in float32. A selection bias
+    (auxiliary-loss-free balancing) shifts which experts win but never the weights, which
+    come from the unbiased scores. Group-limited routing (`n_groups > 1`) first keeps the
+    `topk_groups` groups of consecutive experts whose two best (biased) scores sum highest,
+    so a token's experts live on few devices under expert parallelism. The weights are then
+    optionally renormalized to sum to one (`norm_topk_prob`) and multiplied by `route_scale`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        score_func: ScoreFunc = "softmax",
+        n_groups: int = 1,
+        topk_groups: int = 1,
+        norm_topk_prob: bool = False,
+        route_scale: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+        if not 0 < top_k <= n_experts:
+            raise ValueError(f"top_k ({top_k}) must be in 1..n_experts ({n_experts})")
+        if n_groups < 1 or n_experts % n_groups or not 0 < topk_groups <= n_groups:
+            raise ValueError(
+                f"n_groups ({n_groups}) must divide n_experts ({n_experts}) and topk_groups "
+                f"({topk_groups}) must be in 1..n_groups"
+            )
+        if n_groups > 1 and (n_experts // n_groups < 2 or top_k > topk_groups * (n_experts // n_groups)):
+            raise ValueError(
+                f"group-limited routing needs >= 2 experts per group and top_k ({top_k}) <= "
+                f"topk_groups ({topk_groups}) * experts per group ({n_experts // n_groups})"
+            )
+        self.n_experts, self.top_k = n_experts, top_k
+        self.score_func, self.n_groups, self.topk_groups = score_func, n_groups, topk_groups
+        self.norm_topk_prob, self.route_scale = norm_topk_prob, route_scale
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Routing scores [T, E] in float32 for tokens `x` [T, D]."""
+        logits = self.gate(x).float()
+        return logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+
+    def select(self, scores: torch.Tensor, expert_bias: torch.Tensor | None) -> torch.Tensor:
+        """Indices [T, k] of each token's experts: top-k of the biased scores among the kept groups."""
+        choice = scores.detach() if expert_bias is None else scores.detach() + expert_bias.float()
+        if self.n_groups > 1:
+            grouped = choice.unflatten(-1, (self.n_groups, -1))
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+            kept = group_score.topk(self.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(-1, kept, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def weights(self, scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """Routing weights [T, k] of the selected experts, from the unbiased scores."""
+        top = scores.gather(-1, selected)
+        if self.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        return top * self.route_scale if self.route_scale != 1.0 else top
+
+    def forward(
+        self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route tokens `x` [T, D]: (weights [T, k] float32, expert indices [T, k] long)."""
+        scores = self.scores(x)
+        selected = self.select(scores, expert_bias)
+        return self.weights(scores, selected), selected
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient dense: grouped_mm's backward
+    rejects a stride-0 gradient (e.g. from `out.sum()`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 (autograd signature)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return grad.contiguous()
+
+
+class GroupedExperts(nn.Module):
+    """`n_experts` SwiGLU MLPs held as stacked weights: `w1` (gate) and `w3` (up)
+    `[E, hidden, dim]`, `w2` (down) `[E, dim, hidden]`.
+
+    `forward(x, num_tokens_per_expert)` takes the token rows grouped by expert, in expert
+    order, with the count of each group; E is read from the parameters, so an expert-parallel
+    shard holding some of the experts calls it with its own tokens and counts. It runs
+    `torch.nn.functional.grouped_mm` (one kernel for all experts, no host sync) when the
+    shapes allow it, else an exact per-expert loop; `use_grouped_mm=False` forces the loop.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, *, use_grouped_mm: bool = True) -> None:
+        super().__init__()
+        self.use_grouped_mm = use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of each row of `x` [N, D] by its expert; rows past the counted ones give 0."""
+        w1, w2, w3 = self._local(self.w1), self._local(self.w2), self._local(self.w3)
+        if self.use_grouped_mm and _grouped_mm_fits(x, w1, w2):
+            return self._grouped(x, num_tokens_per_expert, w1, w2, w3)
+        return self._loop(x, num_tokens_per_expert, w1, w2, w3)
+
+    @staticmethod
+    def _local(w: torch.Tensor) -> torch.Tensor:
+        # A DTensor weight sharded on the expert dim (expert parallel) computes on its local
+        # experts; the counts the caller passes are those of the local experts.
+        return w.to_local() if hasattr(w, "to_local") else w
+
+    @staticmethod
+    def _grouped(x, counts, w1, w2, w3) -> torch.Tensor:  # noqa: ANN001
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        # grouped_mm leaves rows past offs[-1] uninitialized, in the output and in the input
+        # gradient: mask both (the where on x masks its gradient), without a host sync.
+        valid = (torch.arange(x.shape[0], device=x.device) < offs[-1]).unsqueeze(-1)
+        x = torch.where(valid, x, 0.0)
+        gate = F.grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+        up = F.grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+        out = F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+        return _ContiguousGrad.apply(torch.where(valid, out, 0.0))
+
+    @staticmethod
+    def _loop(x, counts, w1, w2, w3) -> torch.Tensor:  # noqa: ANN001
+        outs, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            rows = x[start : start + n]
+            outs.append(F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e]))
+            start += n
+        outs.append(x.new_zeros(x.shape[0] - start, x.shape[1]))
+        return torch.cat(outs)
+
+    def init_weights(self, init: SeededInit, std_in: float, std_out: float) -> None:
+        """Truncated-normal init; `std_out` (w2, writing to the residual) is depth-scaled."""
+        for w, std in ((self.w1, std_in), (self.w3, std_in), (self.w2, std_out)):
+            init.trunc_normal_(w, std)
+
+
+def _grouped_mm_fits(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether grouped_mm accepts these operands: one dtype, and inner/outer sizes whose rows
+    are multiples of 16 bytes (dim and hidden multiples of 4 in fp32, 8 in bf16)."""
+    if x.dtype != w1.dtype or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if x.dtype == torch.float32 and torch.compiler.is_compiling():
+        return False  # grouped_mm's meta kernel refuses fp32 under torch.compile
+    per_16_bytes = 16 // x.element_size()
+    hidden, dim = w1.shape[1], w1.shape[2]
+    return dim % per_16_bytes == 0 and hidden % per_16_bytes == 0 and w2.shape[1] == dim
+
+
+class MoE(nn.Module):
+    """Routed experts plus optional shared experts, replacing a block's feed-forward.
+
+    forward: route each token to `top_k` experts, stably sort the token copies by expert,
+    run `experts` on the sorted rows, un-sort (a permutation: no atomics) and sum each
+    token's k outputs weighted by the router in a fixed order, so the result is bitwise
+    deterministic; then add `shared_experts(x)`.
+
+    Balancing without an auxiliary loss (`load_balance_coeff` not None, DeepSeek-V3 style):
+    `expert_bias` [E] (float32, checkpointed) is added to the scores for selection only;
+    `tokens_per_expert` counts the assignments of every forward, and after each optimizer
+    step `after_optimizer_step` sums them over the data-parallel ranks and moves each bias by
+    `load_balance_coeff` toward uniform load (up for under-loaded experts, down for
+    over-loaded). The engine calls that hook on every module that has one.
+
+    Switch-style auxiliary loss (`aux_loss_coef > 0`, Qwen3-MoE's `router_aux_loss_coef`):
+    in training, each forward leaves `aux_loss` = coef * E * sum_e f_e * P_e (f_e: tokens
+    routed to e per token, P_e: mean router probability of e) on the module, with its graph;
+    the training engine adds it to a loop's loss through the model's `aux_loss()` (weighted by
+    the microbatch's labelled tokens). The model output never includes it.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        n_shared_experts: int = 0,
+        shared_hidden_dim: int | None = None,
+        score_func: ScoreFunc = "softmax",
+        n_groups: int = 1,
+        topk_groups: int = 1,
+        norm_topk_prob: bool = False,
+        route_scale: float = 1.0,
+        load_balance_coeff: float | None = None,
+        aux_loss_coef: float = 0.0,
+        use_grouped_mm: bool = True,
+    ) -> None:
+        super().__init__()
+        if load_balance_coeff is not None and load_balance_coeff <= 0:
+            raise ValueError(f"load_balance_coeff must be > 0 or None (off), got {load_balance_coeff}")
+        if aux_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef must be >= 0, got {aux_loss_coef}")
+        self.n_experts, self.top_k = n_experts, top_k
+        self.load_balance_coeff, self.aux_loss_coef = load_balance_coeff, aux_loss_coef
+        self.router = TokenChoiceRouter(
+            dim, n_experts, top_k, score_func=score_func, n_groups=n_groups,
+            topk_groups=topk_groups, norm_topk_prob=norm_topk_prob, route_scale=route_scale,
+        )
+        self.experts = GroupedExperts(dim, hidden_dim, n_experts, use_grouped_mm=use_grouped_mm)
+        self.shared_experts: FeedForward | None = None
+        if n_shared_experts > 0:
+            self.shared_experts = FeedForward(dim, shared_hidden_dim or hidden_dim * n_shared_experts)
+        self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
+        # Data-parallel-summed counts of the last optimizer step, for metrics.
+        self.register_buffer("last_tokens_per_expert", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        # A dtype cast of the model (`.to(torch.bfloat16)`) must not round the counts or the
+        # bias: keep the balancing state in float32 whatever the parameters become.
+        module = super()._apply(fn, recurse)
+        for name in ("expert_bias", "tokens_per_expert", "last_tokens_per_expert"):
+            buf = getattr(self, name)
+            if buf.dtype != torch.float32:
+                setattr(self, name, buf.float())
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Mix `x` [B, S, D] through the experts; returns [B, S, D]."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        scores = self.router.scores(flat)
+        bias = self.expert_bias if self.load_balance_coeff is not None else None
+        selected = self.router.select(scores, bias)
+        weights = self.router.weights(scores, selected)
+        counts = torch.bincount(selected.flatten(), minlength=self.n_experts)
+        self._record(counts, scores)
+        # Token copies in expert order; a stable sort keeps token order within an expert.
+        order = torch.argsort(selected.flatten(), stable=True)
+        # repeat_interleave + a permutation (instead of flat[order // k]) keeps the backward
+        # free of scatter-adds with repeated indices, which are nondeterministic on GPUs.
+        routed = flat.repeat_interleave(self.top_k, dim=0)[order]
+        out_sorted = self.experts(routed, counts)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        per_copy = out_sorted[inverse].view(-1, self.top_k, shape[-1])
+        out = (per_copy * weights.unsqueeze(-1).to(per_copy.dtype)).sum(dim=1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view(shape)
+
+    def _record(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
+        """Accumulate the load counts and compute the aux loss, once per real forward."""
+        # Activation checkpointing reruns this forward inside backward: count the tokens and
+        # keep the aux loss of the first run only. The rerun still computes the aux loss, so
+        # it saves the same tensors for backward as the first run (checkpoint checks that).
+        rerun = torch._C._current_graph_task_id() != -1
+        if self.training and not rerun:
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        aux = None
+        if self.aux_loss_coef > 0 and self.training and torch.is_grad_enabled():
+            fraction = counts.to(scores.dtype) / scores.shape[0]  # sums to top_k, as in HF
+            aux = self.aux_loss_coef * self.n_experts * (fraction * scores.mean(0)).sum()
+        if not rerun:
+            self.aux_loss = aux
+
+    @torch.no_grad()
+    def after_optimizer_step(self, sum_over_dp: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Sum this step's counts over the data-parallel ranks, move `expert_bias` toward
+        uniform load (when balancing is on) and reset the counts. Collective over dp."""
+        counts = self.tokens_per_expert.clone()
+        counts = sum_over_dp(counts)
+        self.last_tokens_per_expert.copy_(counts)
+        if self.load_balance_coeff is not None:
+            self.expert_bias += self.load_balance_coeff * torch.sign(counts.mean() - counts)
+        self.tokens_per_expert.zero_()
+
+    def init_weights(self, init: SeededInit, std_in: float, std_out: float) -> None:
+        """Init router, experts and shared experts; zero the bias and the counts."""
+        init.trunc_normal_(self.router.gate.weight, std_in)
+        self.experts.init_weights(init, std_in, std_out)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init, std_in, std_out)
+        for buf in (self.expert_bias, self.tokens_per_expert, self.last_tokens_per_expert):
+            buf.zero_()
+        self.aux_loss = None
+
+
+def moe_modules(model: nn.Module) -> Iterable[tuple[str, MoE]]:
+    """(name, module) of every `MoE` inside `model`."""
+    return ((name, m) for name, m in model.named_modules() if isinstance(m, MoE))
+
+
+def expert_load_metrics(model: nn.Module) -> dict[str, float]:
+    """Per-layer expert load of the last optimizer step, summed over data-parallel ranks:
+    `moe/<layer>/imbalance` (max / mean tokens per expert; 1.0 is perfectly balanced),
+    `moe/<layer>/max_load` (largest share of the layer's assignments one expert got), and
+    `moe/imbalance_max` over all layers. Empty when no step has been recorded."""
+    out: dict[str, float] = {}
+    for name, moe in moe_modules(model):
+        counts = moe.last_tokens_per_expert.float()
+        total = float(counts.sum())
+        if total == 0:
+            continue
+        layer = name.removesuffix(".moe").removesuffix(".mlp").removesuffix(".feed_forward")
+        out[f"moe/{layer}/imbalance"] = float(counts.max()) / (total / counts.numel())
+        out[f"moe/{layer}/max_load"] = float(counts.max()) / total
+    if out:
+        out["moe/imbalance_max"] = max(v for k, v in out.items() if k.endswith("/imbalance"))
+    return out
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of the aux losses the `MoE` modules of `model` left in their last forward
+    (already multiplied by each module's `aux_loss_coef`); None when none did."""
+    losses = [m.aux_loss for _, m in moe_modules(model) if m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
