@@ -19,13 +19,22 @@ ratio of medians with the range of per-round ratios.
 Data-parallel scaling: every rank reads the whole global stream and keeps only its own rows,
 so one rank's cost per batch grows with the data-parallel degree. The script measures rank
 0's batches/s at each `--dp` degree with the same local batch and reports it relative to dp 1.
+
+Pre-tokenized corpora (`--dataset.name tokenized`; skip with `--no-tokenized`): each corpus is
+tokenized with `titan.train.data.tokenize_corpus` (the stdlib files as one JSONL document per
+file, so the documents are the same), checked batch for batch against the on-the-fly loader,
+then timed against it at dp 1 (tokenized/on-the-fly) and at each `--dp` degree (rank 0,
+relative to dp 1). Finally `tokenize_corpus` itself on the JSONL/BPE corpus, alternating
+`--num-proc` values, `--tokenize-rounds` rounds: tokens/s relative to the first value.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -37,8 +46,10 @@ from titan.train.data import (
     ByteTokenizer,
     DatasetConfig,
     HFTokenizer,
+    TokenizerConfig,
     build_dataloader,
     stdlib_files,
+    tokenize_corpus,
 )
 
 
@@ -54,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-docs", type=int, default=20000, help="documents in the generated JSONL")
     p.add_argument("--bpe-vocab", type=int, default=4096, help="vocabulary of the trained BPE")
     p.add_argument("--check-batches", type=int, default=3, help="batches compared for equality")
+    p.add_argument("--no-tokenized", action="store_true", help="skip the pre-tokenized loader")
+    p.add_argument("--num-proc", default="1,2", help="tokenize_corpus processes to compare")
+    p.add_argument("--tokenize-rounds", type=int, default=5, help="rounds of each --num-proc")
     return p.parse_args(argv)
 
 
@@ -211,6 +225,72 @@ def bench_corpus(corpus: str, cfg: DatasetConfig, tokenizer, naive: NaiveLoader,
         print(ratio_line(f"{corpus} rank-0 {name}/{base}", scaling[name], scaling[base], "batches/s"))
 
 
+def tokenized_loaders(corpus: str, cfg: DatasetConfig, tokenizer, tok_cfg, source: str,
+                      tmp: str, args) -> None:
+    """The pre-tokenized loader of the same documents: equal batches, then its speed against
+    the on-the-fly loader at dp 1, and its rank-0 rate at each dp degree."""
+    folder = os.path.join(tmp, "corpus-" + corpus.replace("/", "-"))
+    tokenize_corpus(source, folder, tok_cfg, num_proc=1, progress=False,
+                    cache_dir=os.path.join(tmp, "hf"))
+    tokenized = DatasetConfig(name="tokenized", path=folder, shuffle=False)
+    tokens_per_batch = args.batch_size * args.seq_len
+    fast, slow = iter(titan_loader(tokenized, tokenizer, args)), iter(titan_loader(cfg, tokenizer, args))
+    check_same_stream(fast, slow, args.check_batches)
+    rates = time_rounds({"tok'd": fast, "titan": slow}, args.batches, args.rounds)
+    report(corpus, rates, tokens_per_batch)
+    print(ratio_line(f"{corpus} tokenized/on-the-fly", rates["tok'd"], rates["titan"], "batches/s"))
+
+    degrees = [int(d) for d in args.dp.split(",")]
+    loaders = {f"tok{d}": iter(titan_loader(tokenized, tokenizer, args, dp=d)) for d in degrees}
+    scaling = time_rounds(loaders, args.batches, args.rounds)
+    report(corpus, scaling, tokens_per_batch)
+    base = f"tok{degrees[0]}"
+    for name in list(scaling)[1:]:
+        print(ratio_line(f"{corpus} tokenized rank-0 dp{name[3:]}/dp{degrees[0]}", scaling[name],
+                         scaling[base], "batches/s"))
+
+
+def tokenize_throughput(jsonl: str, tok_cfg, tmp: str, args) -> None:
+    """tokens/s of `tokenize_corpus` at each --num-proc, interleaved rounds (the JSONL is
+    converted to Arrow once, in a shared cache, before timing: only tokenizing is compared)."""
+    procs = [int(n) for n in args.num_proc.split(",")]
+    cache = os.path.join(tmp, "hf")
+    rates: dict[int, list[float]] = {n: [] for n in procs}
+    run = 0
+    for r in range(args.tokenize_rounds + 1):  # round 0 warms the cache and the page cache
+        for n in procs if r % 2 == 0 else reversed(procs):
+            run += 1
+            out = os.path.join(tmp, f"tokenize-{run}")
+            start = time.perf_counter()
+            manifest = tokenize_corpus(jsonl, out, tok_cfg, num_proc=n, progress=False,
+                                       cache_dir=cache, rows_per_shard=1 << 30)
+            if r:
+                rates[n].append(manifest["num_tokens"] / (time.perf_counter() - start))
+            shutil.rmtree(out)
+    for n, r in rates.items():
+        print(f"{'tokenize':12s} num_proc {n}: tokens/s median {statistics.median(r):11.0f}")
+    for n in procs[1:]:
+        print(ratio_line(f"tokenize num_proc {n}/{procs[0]}", rates[n], rates[procs[0]], "tokens/s"))
+    # The control: the same process counts on CPU-bound work, i.e. how much parallelism
+    # the machine has to give right now (other users' load takes it away from both).
+    spin: dict[int, list[float]] = {n: [] for n in procs}
+    for r in range(args.tokenize_rounds):
+        for n in procs if r % 2 == 0 else reversed(procs):
+            start = time.perf_counter()
+            with multiprocessing.get_context().Pool(n) as pool:
+                pool.map(sum, [range(2_000_000)] * (4 * max(procs)))  # a builtin: picklable
+            spin[n].append(1 / (time.perf_counter() - start))
+    for n in procs[1:]:
+        print(ratio_line(f"control CPU-bound pool {n}/{procs[0]}", spin[n], spin[procs[0]], "runs/s"))
+
+
+def write_stdlib_jsonl(path: str) -> None:
+    """The stdlib corpus as JSONL, one document per file, in titan's (unshuffled) order."""
+    with open(path, "w", encoding="utf-8") as out:
+        for text in stdlib_texts():
+            out.write(json.dumps({"text": text}) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run both corpora and print medians, ratios and the dp scaling."""
     args = parse_args(argv)
@@ -227,12 +307,18 @@ def main(argv: list[str] | None = None) -> None:
         args.batch_size,
         args.seq_len,
     )
-    bench_corpus("stdlib/byte", DatasetConfig(name="stdlib", shuffle=False), byte, naive, args)
+    stdlib_cfg = DatasetConfig(name="stdlib", shuffle=False)
+    bench_corpus("stdlib/byte", stdlib_cfg, byte, naive, args)
 
     import datasets  # deferred: ~1 s to import
 
     datasets.disable_progress_bars()
     with tempfile.TemporaryDirectory() as tmp:
+        if not args.no_tokenized:
+            stdlib_jsonl = os.path.join(tmp, "stdlib.jsonl")
+            write_stdlib_jsonl(stdlib_jsonl)
+            tokenized_loaders("stdlib/byte", stdlib_cfg, byte, TokenizerConfig(), stdlib_jsonl,
+                              tmp, args)
         jsonl = args.jsonl or os.path.join(tmp, "corpus.jsonl")
         if args.jsonl is None:
             write_jsonl(jsonl, args.max_docs)
@@ -254,6 +340,10 @@ def main(argv: list[str] | None = None) -> None:
             name="json", path=jsonl, shuffle=False, cache_dir=os.path.join(tmp, "hf")
         )
         bench_corpus("jsonl/bpe", cfg, bpe, naive, args)
+        if not args.no_tokenized:
+            bpe_cfg = TokenizerConfig(kind="hf", path=tok_path)
+            tokenized_loaders("jsonl/bpe", cfg, bpe, bpe_cfg, jsonl, tmp, args)
+            tokenize_throughput(jsonl, bpe_cfg, tmp, args)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,11 @@ from titan.train.data.sources import (
     stdlib_files,
 )
 from titan.train.data.synthetic import SyntheticCorpus, markov_entropy_floor_nats
+from titan.train.data.tokenized import (
+    TokenizedCorpus,
+    build_tokenized_dataloader,
+    tokenize_corpus,
+)
 from titan.train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerConfig
 
 __all__ = [
@@ -54,11 +59,13 @@ __all__ = [
     "SyntheticSFTTask",
     "SyntheticSource",
     "TextSource",
+    "TokenizedCorpus",
     "Tokenizer",
     "TokenizerConfig",
     "build_dataloader",
     "build_sft_dataloader",
     "build_source",
+    "build_tokenized_dataloader",
     "encode_chat",
     "encode_chat_prompt",
     "encode_prompt",
@@ -67,6 +74,7 @@ __all__ = [
     "stdlib_files",
     "synthetic_corpus",
     "synthetic_eval_pairs",
+    "tokenize_corpus",
     "validate_data_config",
     "validate_sft_data_config",
 ]

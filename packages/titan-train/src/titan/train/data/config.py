@@ -9,10 +9,20 @@ from typing import Literal
 from titan.train.data.sources import LOCAL_FORMATS, resolve_data_files
 from titan.train.data.tokenizer import ByteTokenizer, TokenizerConfig
 
-__all__ = ["DatasetConfig", "validate_data_config", "BUILTIN_DATASETS"]
+__all__ = [
+    "DatasetConfig",
+    "validate_data_config",
+    "BUILTIN_DATASETS",
+    "MIX_BLOCK",
+    "mix_block_counts",
+    "parse_mix",
+]
 
 # Names that need no download; anything else is a Hugging Face hub name.
-BUILTIN_DATASETS = ("synthetic", "stdlib")
+BUILTIN_DATASETS = ("synthetic", "stdlib", "tokenized")
+
+# Windows per mixture block: each block holds every corpus's share of windows exactly.
+MIX_BLOCK = 1000
 
 
 @dataclass(kw_only=True)
@@ -22,9 +32,15 @@ class DatasetConfig:
     name: str = "synthetic"
     """"synthetic" (Markov chain with a known loss floor), "stdlib" (Python's own
     source files), "text" | "json" | "parquet" (local files at --dataset.path),
-    or a Hugging Face hub dataset name (downloaded through `datasets`)."""
+    "tokenized" (a corpus folder written by `titan data tokenize`, at --dataset.path, or
+    several with --dataset.mix), or a Hugging Face hub dataset name (downloaded through
+    `datasets`)."""
     path: str | None = None
-    """Local file, directory or glob for "text", "json" and "parquet"."""
+    """Local file, directory or glob for "text", "json" and "parquet"; the corpus folder for
+    "tokenized"."""
+    mix: str | None = None
+    """For "tokenized": several corpus folders with weights, `PATH:WEIGHT,PATH:WEIGHT` (e.g.
+    `web:0.7,code:0.3`); windows are drawn from each in proportion, in a seeded order."""
     text_field: str = "text"
     """Column holding each document's text (json, parquet, hub datasets)."""
     split: str = "train"
@@ -57,14 +73,22 @@ class DatasetConfig:
         """The name/path combination makes sense."""
         if not self.name:
             raise ValueError(
-                "--dataset.name is empty; use synthetic, stdlib, text, json, parquet or a hub name"
+                "--dataset.name is empty; use synthetic, stdlib, text, json, parquet, tokenized "
+                "or a hub name"
             )
         if self.name in LOCAL_FORMATS and not self.path:
             raise ValueError(
                 f"--dataset.name {self.name} reads local files: set --dataset.path to a file, "
                 "directory or glob"
             )
-        if self.name not in LOCAL_FORMATS and self.path:
+        if self.name == "tokenized":
+            self._check_tokenized()
+        elif self.mix:
+            raise ValueError(
+                f"--dataset.mix is only read with --dataset.name tokenized, got {self.name!r}; "
+                "set --dataset.name tokenized or drop the mix"
+            )
+        elif self.name not in LOCAL_FORMATS and self.path:
             raise ValueError(
                 f"--dataset.path is only read for local files, but --dataset.name is {self.name!r}; "
                 "set --dataset.name to text, json or parquet, or drop the path"
@@ -77,6 +101,16 @@ class DatasetConfig:
             raise ValueError(
                 f"--dataset.text_sample_by must be line, paragraph or document, got {self.text_sample_by!r}"
             )
+
+    def _check_tokenized(self) -> None:
+        """Exactly one of a corpus path or a mixture, and a mixture that parses."""
+        if bool(self.path) == bool(self.mix):
+            raise ValueError(
+                "--dataset.name tokenized reads a corpus folder written by `titan data tokenize`: "
+                "set either --dataset.path CORPUS or --dataset.mix CORPUS:WEIGHT,... (not both)"
+            )
+        if self.mix:
+            mix_block_counts([w for _, w in parse_mix(self.mix)])
 
     def _check_synthetic(self) -> None:
         """Synthetic corpus parameters are in range (checked whatever the name,
@@ -118,6 +152,10 @@ def validate_data_config(dataset: DatasetConfig, tokenizer: TokenizerConfig | No
         resolve_data_files(dataset.name, dataset.path)
     if tokenizer is not None and tokenizer.kind == "hf":
         _check_tokenizer_path(tokenizer.path)
+    if dataset.name == "tokenized":
+        from titan.train.data.tokenized import check_tokenized_dataset  # imports the loader
+
+        check_tokenized_dataset(dataset, tokenizer)
     if tokenizer is not None and tokenizer.kind == "byte" and dataset.name == "synthetic":
         # Byte vocab is known without building anything; hf vocabularies are
         # checked when the loader is built with the real tokenizer.
@@ -136,3 +174,38 @@ def _check_tokenizer_path(path: str) -> None:
         raise FileNotFoundError(
             f"--tokenizer.path {path!r}: no tokenizer file at {target}; fix the path"
         )
+
+
+def parse_mix(text: str) -> list[tuple[str, float]]:
+    """`PATH:WEIGHT,PATH:WEIGHT` -> [(path, weight)] (a path may itself hold ':')."""
+    parts = []
+    for item in text.split(","):
+        path, sep, weight = item.strip().rpartition(":")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = float("nan")
+        if not sep or not path or not value > 0:
+            raise ValueError(
+                f"--dataset.mix {text!r}: {item.strip()!r} is not PATH:WEIGHT with a weight > 0; "
+                "write e.g. --dataset.mix web:0.7,code:0.3"
+            )
+        parts.append((path, value))
+    return parts
+
+
+def mix_block_counts(weights: list[float], block: int = MIX_BLOCK) -> list[int]:
+    """Windows of each corpus per block of `block` windows: the weights scaled to `block`,
+    rounded by largest remainder (so they sum to `block` exactly)."""
+    total = sum(weights)
+    exact = [w / total * block for w in weights]
+    counts = [int(e) for e in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: exact[i] - counts[i], reverse=True)
+    for i in by_remainder[: block - sum(counts)]:
+        counts[i] += 1
+    if min(counts) == 0:
+        raise ValueError(
+            f"--dataset.mix weights {weights}: a share below 1/{block} of the windows rounds to "
+            "none; raise that weight or drop the corpus"
+        )
+    return counts

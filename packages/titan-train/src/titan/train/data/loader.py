@@ -137,8 +137,8 @@ class _PackedBatches(IterableDataset):
         starts = np.empty(window.shape, dtype=bool)
         rank_tokens = window.size
         self.packer.skip(self.dp_rank * rank_tokens)  # the rows of lower ranks
-        for row, row_starts in zip(window, starts, strict=True):
-            self.packer.fill(row, row_starts)
+        # This rank's rows are consecutive in the stream: one fill writes them all.
+        self.packer.fill(window.reshape(-1), starts.reshape(-1))
         self.packer.skip((self.dp_world_size - 1 - self.dp_rank) * rank_tokens)
         tokens = torch.from_numpy(window)
         positions, document_ids = document_layout(starts[:, :-1])
@@ -264,10 +264,18 @@ def build_dataloader(
     batch is the same whatever the data-parallel degree, which is what
     makes a data-parallel run equal to one process with gradient
     accumulation. The price: every rank tokenizes the whole stream, not
-    1 / dp_world_size of it. The saved position is global (see
+    1 / dp_world_size of it (`--dataset.name tokenized` reads a corpus
+    tokenized beforehand, each rank only its own rows: `titan.train.data.tokenized`). The saved position is global (see
     `PackedDataLoader`), so a checkpoint resumes under any data-parallel
     degree and batch split, given the same seq_len, corpus and shuffling.
     """
+    if cfg.name == "tokenized":  # pre-tokenized corpora: each rank reads only its rows
+        from titan.train.data.tokenized import build_tokenized_dataloader  # imports this module
+
+        return build_tokenized_dataloader(
+            cfg, tokenizer, dp_rank=dp_rank, dp_world_size=dp_world_size,
+            local_batch_size=local_batch_size, seq_len=seq_len, seed=seed,
+        )
     _check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
     source = build_source(cfg, tokenizer)
     packer = DocumentPacker(
