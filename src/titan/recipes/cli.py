@@ -1,9 +1,10 @@
-"""The ``titan`` command: ``titan train|sft --config <recipe> [--section.field value ...]``.
+"""The ``titan`` command: ``titan train|sft|rl --config <recipe> [--section.field value ...]``.
 
 The recipe decides the command line: the flag sections are the fields of the config type the
 recipe returns, and the loop that runs it is the one registered for that type in
 ``titan.recipes.runners`` (pretraining: ``TrainerConfig`` -> ``Trainer``). ``titan sft`` is
-``titan train`` with the SFT recipes as its default and listing.
+``titan train`` with the SFT recipes as its default and listing; ``titan rl`` likewise with
+the RL recipes.
 
 Errors. A problem with the command line or its inputs (a bad value, a missing file, an
 unwritable folder, impossible parallel degrees, an unknown recipe) is reported as one line,
@@ -17,6 +18,7 @@ same config and fails the same way, so only rank 0 prints configuration errors.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import difflib
@@ -44,16 +46,24 @@ from titan.recipes.runners import DEFAULT_RECIPES, runner_for
 
 USAGE = """usage: titan train [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
        titan sft [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
+       titan rl [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
        titan dry-run --world_size N [--config RECIPE] [--section.field VALUE ...]
        titan recipes
+       titan data tokenize SRC OUT [--tokenizer.kind K --tokenizer.path P] [--num_proc N]
+       titan plot RUN_DIR [RUN_DIR ...] [--out DIR] [--keys loss,lr,...]
 
 Commands:
   train     train a model; RECIPE picks the starting config, flags override it
             (COMM_MODE=fake_backend with NGPU/WORLD_SIZE=N makes it a dry run)
   sft       supervised fine-tuning: like train, starting from the SFT recipes
+  rl        RL post-training (GRPO family): like train, starting from the RL recipes
   dry-run   validate and parallelize the config for N ranks on this CPU (fake process
             group, meta device); print each pipeline rank's params and memory estimate
   recipes   list the recipes
+  data      `data tokenize`: tokenize a text corpus once into memory-mapped shards, for
+            --dataset.name tokenized --dataset.path OUT
+  plot      draw runs' metrics.jsonl as PNGs (loss, throughput, memory, lr; --keys for
+            others), several runs overlaid
 
 Errors are one line with exit code 2 (bad flags or inputs) or 1 (the run failed);
 --debug.traceback shows the full traceback instead.
@@ -302,7 +312,7 @@ def preflight(config: Any) -> None:
 
 
 def run(argv: Sequence[str], *, command: str = "train") -> int:
-    """Run ``titan train`` / ``titan sft``: parse, check, build the recipe's loop and train."""
+    """Run ``titan train`` / ``titan sft`` / ``titan rl``: parse, check, build the recipe's loop and train."""
     config = parse_train_args(argv, command=command)
     if fake_backend_requested():
         return dry_run_main(config, world_size_from_env())
@@ -355,8 +365,61 @@ def _report(prog: str, err: BaseException, code: int) -> None:
     print(f"{prog}: error: {tag}{_one_line(err)}", file=sys.stderr, flush=True)
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are :class:`UsageError` (one line, exit code 2)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message}; see `{self.prog} --help`")
+
+
+def data(argv: Sequence[str]) -> int:
+    """Run ``titan data tokenize SRC OUT ...`` (the work is ``titan.train.data.tokenize_corpus``)."""
+    parser = _ArgumentParser(prog="titan data")
+    actions = parser.add_subparsers(dest="action", required=True)
+    p = actions.add_parser(
+        "tokenize",
+        help="tokenize a corpus once, for --dataset.name tokenized",
+        description="Tokenize SRC (local .jsonl/.json/.txt/.parquet files, a folder or glob of "
+        "them, or a hub dataset name) into the corpus folder OUT, which training reads with "
+        "--dataset.name tokenized --dataset.path OUT. Atomic; rerun the same command to resume.",
+    )
+    p.add_argument("src", help="local file, folder or glob, or a Hugging Face hub dataset name")
+    p.add_argument("out", help="the corpus folder to create")
+    p.add_argument("--tokenizer.kind", dest="kind", choices=["byte", "hf"], default="byte")
+    p.add_argument("--tokenizer.path", dest="path", help="tokenizer.json or its folder (hf)")
+    p.add_argument("--text_field", "--text-field", default="text", help="column with the text")
+    p.add_argument("--num_proc", "--num-proc", type=int, default=os.cpu_count() or 1,
+                   help="tokenizing processes (default: every core)")
+    p.add_argument("--format", choices=["text", "json", "parquet"],
+                   help="local file format (default: from the file endings)")
+    p.add_argument("--split", default="train")
+    p.add_argument("--subset", help="hub dataset configuration name")
+    p.add_argument("--text_sample_by", "--text-sample-by", default="line",
+                   choices=["line", "paragraph", "document"], help="text files: one document per ...")
+    p.add_argument("--rows_per_shard", "--rows-per-shard", type=int, default=1 << 18)
+    p.add_argument("--cache_dir", "--cache-dir", help="datasets cache (local files: a temporary one)")
+    p.add_argument("--no_progress", "--no-progress", action="store_true")
+    args = parser.parse_args(list(argv))
+    from titan.train.data import TokenizerConfig, tokenize_corpus  # late: --help stays fast
+
+    if args.no_progress:
+        import datasets
+
+        datasets.disable_progress_bars()
+    manifest = tokenize_corpus(
+        args.src, args.out, TokenizerConfig(kind=args.kind, path=args.path),
+        text_field=args.text_field, format=args.format, split=args.split, subset=args.subset,
+        text_sample_by=args.text_sample_by, num_proc=args.num_proc,
+        rows_per_shard=args.rows_per_shard, cache_dir=args.cache_dir,
+        progress=not args.no_progress,
+    )
+    print(f"{args.out}: {manifest['num_documents']} documents, {manifest['num_tokens']} tokens "
+          f"({manifest['dtype']}, {len(manifest['shards'])} shards)")
+    return 0
+
+
 def _dispatch(command: str, rest: list[str]) -> int:
-    if command in ("train", "sft"):
+    if command in ("train", "sft", "rl"):
         return run(rest, command=command)
     if command == "dry-run":
         world_size, rest = split_world_size_flag(rest)
@@ -365,6 +428,12 @@ def _dispatch(command: str, rest: list[str]) -> int:
     if command == "recipes":
         print(recipes_description())
         return 0
+    if command == "data":
+        return data(rest)
+    if command == "plot":
+        from titan.train.plot import main as plot_main  # matplotlib loads only for this command
+
+        return plot_main(rest)
     print(f"titan: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return EXIT_USAGE
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from titan.rl.config import RLConfig
 from titan.train.config import TrainerConfig
 from titan.train.sft import SFTConfig
 
@@ -101,6 +102,103 @@ def llama3_405b() -> TrainerConfig:
     return cfg
 
 
+def qwen3_debug() -> TrainerConfig:
+    """The Qwen3 debug model (QK norm, tied embeddings) on CPU: trains in a few minutes on the
+    Python standard library's own source (byte-level), no download."""
+    cfg = llama3_debug()
+    cfg.model.name = "qwen3"
+    cfg.job.dump_folder = "./outputs/qwen3_debug"
+    return cfg
+
+
+def qwen3_sized(flavor: str, *, lr: float = 3e-4) -> TrainerConfig:
+    """A published Qwen3 dense size on GPUs with FSDP and selective activation checkpointing
+    (4k context; the release's 32k native context fits with `--training.seq_len`)."""
+    cfg = pretrain_defaults(flavor=flavor, seq_len=4096, steps=10_000, lr=lr, warmup_steps=200)
+    cfg = on_gpu_cluster(cfg, dataset="allenai/c4", tokenizer_path="./assets/qwen3/tokenizer.json")
+    cfg.model.name = "qwen3"
+    cfg.training.local_batch_size = 2
+    cfg.activation_checkpoint.mode = "selective"
+    cfg.job.dump_folder = f"./outputs/qwen3_{flavor.lower().replace('.', '_')}"
+    return cfg
+
+
+def qwen3_0_6b() -> TrainerConfig:
+    """Qwen3 0.6B (tied embeddings) on 8 GPUs with FSDP."""
+    cfg = qwen3_sized("0.6B", lr=6e-4)
+    cfg.activation_checkpoint.mode = "none"
+    return cfg
+
+
+def qwen3_1_7b() -> TrainerConfig:
+    """Qwen3 1.7B (tied embeddings) on 8 GPUs with FSDP."""
+    return qwen3_sized("1.7B", lr=4e-4)
+
+
+def qwen3_4b() -> TrainerConfig:
+    """Qwen3 4B (tied embeddings) on 8 GPUs with FSDP."""
+    return qwen3_sized("4B")
+
+
+def qwen3_8b() -> TrainerConfig:
+    """Qwen3 8B on 8+ GPUs: FSDP with selective activation checkpointing."""
+    return qwen3_sized("8B")
+
+
+def qwen3_14b() -> TrainerConfig:
+    """Qwen3 14B on 16+ GPUs: FSDP x TP 2 (with SP) and full activation checkpointing."""
+    cfg = qwen3_sized("14B", lr=2e-4)
+    cfg.parallelism.tensor_parallel_degree = 2
+    cfg.parallelism.enable_sequence_parallel = True
+    cfg.activation_checkpoint.mode = "full"
+    return cfg
+
+
+def qwen3_32b() -> TrainerConfig:
+    """Qwen3 32B on 32+ GPUs: FSDP x TP 8 (with SP) and full activation checkpointing."""
+    cfg = qwen3_14b()
+    cfg.model.flavor = "32B"
+    cfg.optimizer.lr = 1.5e-4
+    cfg.parallelism.tensor_parallel_degree = 8
+    cfg.job.dump_folder = "./outputs/qwen3_32b"
+    return cfg
+
+
+def qwen3_moe_debug() -> TrainerConfig:
+    """The Qwen3-MoE debug model (8 experts, top-2, load-balancing bias) on CPU: trains in a
+    few minutes on the Python standard library's own source (byte-level), no download.
+    Add `--parallelism.expert_parallel_degree 2` under `NGPU=4` for expert parallel."""
+    cfg = llama3_debug()
+    cfg.model.name = "qwen3_moe"
+    cfg.job.dump_folder = "./outputs/qwen3_moe_debug"
+    return cfg
+
+
+def qwen3_moe_30b_a3b() -> TrainerConfig:
+    """Qwen3-30B-A3B on 8+ GPUs: FSDP, the 128 experts split 8 ways (EP 8), full activation
+    checkpointing."""
+    cfg = pretrain_defaults(flavor="30B-A3B", seq_len=4096, steps=10_000, lr=3e-4, warmup_steps=200)
+    cfg = on_gpu_cluster(cfg, dataset="allenai/c4", tokenizer_path="./assets/qwen3/tokenizer.json")
+    cfg.model.name = "qwen3_moe"
+    cfg.training.local_batch_size = 2
+    cfg.parallelism.expert_parallel_degree = 8
+    cfg.activation_checkpoint.mode = "full"
+    cfg.job.dump_folder = "./outputs/qwen3_moe_30b_a3b"
+    return cfg
+
+
+def qwen3_moe_235b_a22b() -> TrainerConfig:
+    """Qwen3-235B-A22B on 128+ GPUs: FSDP, EP 32 (4 experts per rank), full activation
+    checkpointing."""
+    cfg = qwen3_moe_30b_a3b()
+    cfg.model.flavor = "235B-A22B"
+    cfg.optimizer.lr = 1.5e-4
+    cfg.training.local_batch_size = 1
+    cfg.parallelism.expert_parallel_degree = 32
+    cfg.job.dump_folder = "./outputs/qwen3_moe_235b_a22b"
+    return cfg
+
+
 def sft_debug() -> SFTConfig:
     """SFT of the debug model on a synthetic string-reversal task (no download): loss only on
     the answers, packed examples with document masks; greedy answers become right."""
@@ -121,19 +219,57 @@ def sft_debug() -> SFTConfig:
     return cfg
 
 
-RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig]] = {
+def grpo_debug() -> RLConfig:
+    """GRPO of a tiny model on the synthetic sort task on CPU: a short SFT warm-up, then RL
+    raises the reward of held-out prompts; logprob_diff_max shows trainer/generator agreement."""
+    cfg = RLConfig()
+    cfg.model.name = "llama3"
+    cfg.model.flavor = "debugmodel_tiny"
+    cfg.tokenizer.kind = "byte"
+    cfg.rl_data.format = "synthetic"
+    cfg.rl_data.synthetic_task = "sort"
+    cfg.training.seq_len = 32
+    cfg.training.local_batch_size = 32
+    cfg.training.steps = 120
+    cfg.rl.sft_warmup_steps = 60
+    cfg.rl.prompts_per_step = 16
+    cfg.rl.group_size = 8
+    cfg.rl.rewards = ("char_match",)
+    cfg.rl.eval_freq = 20
+    cfg.sampling.max_new_tokens = 10
+    cfg.sampling.temperature = 1.0
+    cfg.optimizer.lr = 2e-3
+    cfg.lr_scheduler.warmup_steps = 10
+    cfg.lr_scheduler.decay_ratio = 0.0  # RL keeps the peak LR
+    cfg.metrics.log_freq = 10
+    cfg.job.dump_folder = "./outputs/grpo_debug"
+    return cfg
+
+
+RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig | RLConfig]] = {
     "llama3_debug": llama3_debug,
     "llama3_debug_synthetic": llama3_debug_synthetic,
     "llama3_1b": llama3_1b,
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
     "llama3_405b": llama3_405b,
+    "qwen3_debug": qwen3_debug,
+    "qwen3_0_6b": qwen3_0_6b,
+    "qwen3_1_7b": qwen3_1_7b,
+    "qwen3_4b": qwen3_4b,
+    "qwen3_8b": qwen3_8b,
+    "qwen3_14b": qwen3_14b,
+    "qwen3_32b": qwen3_32b,
+    "qwen3_moe_debug": qwen3_moe_debug,
+    "qwen3_moe_30b_a3b": qwen3_moe_30b_a3b,
+    "qwen3_moe_235b_a22b": qwen3_moe_235b_a22b,
     "sft_debug": sft_debug,
+    "grpo_debug": grpo_debug,
 }
 DEFAULT_RECIPE = "llama3_debug"
 
 
-def recipe(name: str) -> TrainerConfig | SFTConfig:
+def recipe(name: str) -> TrainerConfig | SFTConfig | RLConfig:
     """The config of recipe ``name``; a ValueError lists the recipes otherwise."""
     try:
         return RECIPES[name]()

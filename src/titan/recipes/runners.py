@@ -45,7 +45,7 @@ class Runner:
 RUNNERS: dict[type, Runner] = {}
 """Config type -> runner; extended with :func:`register_runner`."""
 
-DEFAULT_RECIPES: dict[str, str] = {"train": DEFAULT_RECIPE, "sft": "sft_debug"}
+DEFAULT_RECIPES: dict[str, str] = {"train": DEFAULT_RECIPE, "sft": "sft_debug", "rl": "grpo_debug"}
 """The recipe each subcommand starts from when ``--config`` is not given."""
 
 
@@ -91,3 +91,20 @@ def _register_sft() -> None:
 
 
 _register_sft()
+
+
+def _build_rl(config) -> Loop:
+    from titan.rl.controller import RLTrainer  # imported late: --help stays fast
+
+    from titan.recipes.families import model_spec
+
+    return RLTrainer(config, model_spec=model_spec(config.model.name))
+
+
+def _register_rl() -> None:
+    from titan.rl.config import RLConfig
+
+    register_runner(RLConfig, _build_rl, command="rl")
+
+
+_register_rl()

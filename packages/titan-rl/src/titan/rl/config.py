@@ -1,0 +1,150 @@
+"""The RL run's config tree: the shared training sections plus ``--rl.*``, ``--sampling.*``,
+``--rl_data.*`` and ``--generator.*``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from titan.rl.data import RLDataConfig
+from titan.rl.generate.base import SamplingConfig
+from titan.rl.losses import KL_ESTIMATORS, LOSS_TYPES
+from titan.rl.rewards import REWARD_NAMES
+from titan.train.config import RunConfig, TrainingConfig
+
+
+@dataclass(kw_only=True)
+class RLSection:
+    """``--rl.*``: the algorithm (group size, loss, clipping, KL, staleness, rewards)."""
+
+    prompts_per_step: int = 8
+    """Prompts per step over all data-parallel ranks; each gets --rl.group_size completions."""
+    group_size: int = 8
+    """Completions per prompt (G): advantages compare a completion with its group."""
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo"] = "grpo"
+    """grpo: per-completion token mean; dapo: asymmetric clip, every token weighs the same;
+    dr_grpo: no length or std normalization; gspo: sequence-level importance ratio."""
+    clip_eps_low: float | None = None
+    """Lower clip of the ratio (1 - eps_low); None: the loss type's default (0.2; 3e-4 for gspo)."""
+    clip_eps_high: float | None = None
+    """Upper clip of the ratio (1 + eps_high); None: the loss type's default (0.2; 0.28 for dapo;
+    4e-4 for gspo)."""
+    is_cap: float = 2.0
+    """Truncated importance sampling: cap the trainer/generator ratio's value at this (0 disables)."""
+    normalize_std: bool | None = None
+    """Divide advantages by their group's std; None: on, except for dr_grpo."""
+    drop_zero_variance: bool = True
+    """Leave out groups whose completions all got the same reward (no signal)."""
+    mask_truncated: bool = False
+    """No loss on completions that hit --sampling.max_new_tokens (finish_reason "length")."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to a frozen reference: the weights this process starts its RL
+    phase from (after the warm-up or the initial load; a resumed run takes the resumed
+    weights); 0: off."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator: k1 log(p/q), k2 (log(p/q))^2/2, k3 q/p - 1 - log(q/p)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (0: the entropy is only logged)."""
+    max_policy_staleness: int = 0
+    """0: on-policy (generate with the current weights, then train). k >= 1: generation of the
+    next rollout overlaps training, on weights at most k versions old (synced when needed)."""
+    sft_warmup_steps: int = 0
+    """Optimizer steps of supervised fine-tuning on the synthetic task (its answers) before RL
+    starts; counted in --training.steps."""
+    rewards: tuple[str, ...] = ("exact_match",)
+    """Rewards summed into each completion's reward (exact_match, char_match, numeric,
+    format, math_verify, function)."""
+    reward_weights: tuple[float, ...] = ()
+    """One weight per --rl.rewards entry (empty: 1 each)."""
+    format_regex: str | None = None
+    """The regex of the format reward (re.fullmatch over the completion)."""
+    reward_function: str | None = None
+    """The function reward: package.module:function(prompt=, completion=, answer=) -> float."""
+    numeric_tolerance: float = 1e-6
+    """Tolerance of the numeric reward."""
+    eval_freq: int = 0
+    """Score greedy completions of the held-out prompts every this many steps (and at the first
+    RL step and the last step); 0: never."""
+    eval_prompts: int = 32
+    """How many held-out prompts to score."""
+
+    def __post_init__(self) -> None:
+        for flag in ("prompts_per_step", "group_size", "eval_prompts"):
+            if getattr(self, flag) < 1:
+                raise ValueError(f"--rl.{flag} must be >= 1, got {getattr(self, flag)}")
+        for flag in ("max_policy_staleness", "sft_warmup_steps", "eval_freq"):
+            if getattr(self, flag) < 0:
+                raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"--rl.loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"--rl.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        if self.clip_eps_low is not None and not 0 <= self.clip_eps_low < 1:
+            raise ValueError(f"--rl.clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
+        if self.clip_eps_high is not None and self.clip_eps_high < 0:
+            raise ValueError(f"--rl.clip_eps_high must be >= 0, got {self.clip_eps_high}")
+        for flag in ("kl_coef", "entropy_coef", "is_cap", "numeric_tolerance"):
+            if getattr(self, flag) < 0:
+                raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
+        if self.is_cap and self.is_cap < 1:
+            raise ValueError(f"--rl.is_cap {self.is_cap} would cap ratios below 1; use a cap >= 1, or 0 to disable")
+        for name in self.rewards:
+            if name not in REWARD_NAMES:
+                raise ValueError(f"--rl.rewards {name!r} is not a reward; choose from {', '.join(REWARD_NAMES)}")
+        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(
+                f"--rl.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} "
+                "--rl.rewards; give one weight per reward"
+            )
+
+    @property
+    def use_std(self) -> bool:
+        """Whether advantages are divided by the group std (default: not for dr_grpo)."""
+        return self.loss_type != "dr_grpo" if self.normalize_std is None else self.normalize_std
+
+
+@dataclass(kw_only=True)
+class GeneratorConfig:
+    """``--generator.*``: which rollout backend generates completions."""
+
+    kind: Literal["native", "vllm"] = "native"
+    """native: titan's torch generator over the same model code (KV cache), on rank 0's
+    device; vllm: vLLM running titan's model code (needs the titan-rl[vllm] extra)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("native", "vllm"):
+            raise ValueError(f"--generator.kind must be native or vllm, got {self.kind!r}")
+
+
+def _rl_training() -> TrainingConfig:
+    return TrainingConfig(document_mask=True)
+
+
+@dataclass(kw_only=True)
+class RLConfig(RunConfig):
+    """A complete RL post-training run: the shared sections (model, engine, checkpoints...),
+    the algorithm (``--rl.*``), sampling (``--sampling.*``), prompts (``--rl_data.*``) and
+    the generator (``--generator.*``). Document masking is on, as in SFT."""
+
+    training: TrainingConfig = field(default_factory=_rl_training)
+    rl: RLSection = field(default_factory=RLSection)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rl_data: RLDataConfig = field(default_factory=RLDataConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+
+    def __post_init__(self) -> None:
+        if self.sampling.n not in (1, self.rl.group_size):
+            raise ValueError(
+                f"--sampling.n {self.sampling.n} differs from --rl.group_size {self.rl.group_size}; the group "
+                "size sets the completions per prompt: leave --sampling.n at 1"
+            )
+        if self.rl.sft_warmup_steps and self.rl_data.format != "synthetic":
+            raise ValueError(
+                "--rl.sft_warmup_steps trains on the synthetic task's answers; with --rl_data.format "
+                "jsonl start from an SFT checkpoint instead (--checkpoint.initial_load_path)"
+            )
+        if self.rl.sft_warmup_steps >= self.training.steps:
+            raise ValueError(
+                f"--rl.sft_warmup_steps {self.rl.sft_warmup_steps} leaves no RL steps of --training.steps "
+                f"{self.training.steps}; raise --training.steps"
+            )

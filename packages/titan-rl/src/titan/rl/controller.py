@@ -1,0 +1,515 @@
+"""The RL controller: generate, score, train, sync — on the :class:`TrainingEngine`.
+
+One RL step (policy version ``v`` = optimizer steps taken so far):
+
+1. **sync** the engine's weights to the generator when its version is too old
+   (``engine.full_state_dict()``: every rank iterates it, it is collective; rank 0 copies the
+   tensors into its generator);
+2. **generate** ``--rl.group_size`` completions for each of ``--rl.prompts_per_step`` prompts
+   and **score** them (rank 0), then broadcast the rollout to every rank;
+3. **advantages** per group, zero-variance groups dropped, rows dealt to the data-parallel
+   ranks (each trains on its contiguous share, padded so every rank runs the same number of
+   microbatches of ``--training.local_batch_size`` rows);
+4. ``engine.forward_backward`` with the policy loss (``titan.rl.losses``) over each
+   microbatch, normalized by the global count of the loss type, then ``optimizer_step``.
+
+Why rank 0 generates for everyone: the rollout is then independent of the layout (the same
+completions train a 1-rank and an FSDP run, and a resume regenerates exactly), one
+single-device model copy suffices, and rewards run once. Multi-generator scaling (one
+generator per data-parallel rank, or a disaggregated vLLM fleet) fits the same seam.
+
+**Staleness.** ``--rl.max_policy_staleness 0`` is on-policy: the weights are synced before
+every rollout. With ``k >= 1`` the next rollout is generated in a background thread while the
+current one trains; before launching it the controller syncs the generator if its version is
+older than ``v + 1 - k`` (the rollout trains at version ``v + 1``), so ``staleness = training
+version - generating version`` never exceeds ``k`` (checked on every step; larger ``k`` means
+fewer syncs). A resumed run regenerates the pending rollout from the resumed weights.
+
+The controller's position (the next rollout index) is checkpointed with the model; the prompts
+and sampling seed of rollout ``i`` are functions of ``i``, so a resumed on-policy run continues
+the same trajectory. ``--rl.sft_warmup_steps`` first trains that many steps of supervised
+fine-tuning on the synthetic task (the SFT loader, checkpointed too); alternatively start from
+an SFT checkpoint with ``--checkpoint.initial_load_path``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from titan.dist import reduce_max
+from titan.rl.config import RLConfig
+from titan.rl.data import PromptSampler, build_prompts
+from titan.rl.generate.base import SamplingConfig
+from titan.rl.logprobs import token_logprobs
+from titan.rl.losses import loss_normalizer, policy_loss, stat_means, token_entropy
+from titan.rl.rewards import build_reward
+from titan.rl.rollouts import Rollout, build_batch, rollout_rows, rollout_stats, split_rows
+from titan.rl.weight_sync import sync_colocated
+from titan.train.data.sft import build_sft_dataloader
+from titan.train.device_peak import device_peak_flops
+from titan.train.engine import TrainingEngine
+from titan.train.loss import count_valid_tokens, cross_entropy_sum
+from titan.train.metrics import MetricsLogger
+from titan.train.model_spec import ModelSpec
+from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger("titan")
+
+MAX_CONSECUTIVE_SKIPS = 16
+"""Stop when this many rollouts in a row have no group with reward variance (nothing to learn)."""
+
+
+class StalenessError(RuntimeError):
+    """A rollout was about to train on weights older than --rl.max_policy_staleness allows."""
+
+
+class ControllerState:
+    """The controller's checkpointed position: the next rollout to train on."""
+
+    def __init__(self, *, prompts_per_step: int, num_prompts: int) -> None:
+        self.rollout_index = 0
+        self.skipped = 0
+        self.prompts_per_step, self.num_prompts = prompts_per_step, num_prompts
+
+    def state_dict(self) -> dict[str, Any]:
+        """Next rollout index, rollouts skipped so far, and the sizes they are relative to."""
+        return {"rollout_index": self.rollout_index, "skipped": self.skipped,
+                "prompts_per_step": self.prompts_per_step, "num_prompts": self.num_prompts}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at a saved position (with the same prompts and prompts per step)."""
+        for key, flag in (("prompts_per_step", "--rl.prompts_per_step"), ("num_prompts", "--rl_data.*")):
+            if int(state[key]) != getattr(self, key):
+                raise ValueError(
+                    f"cannot resume the RL run: the checkpoint has {key}={state[key]}, this run "
+                    f"{getattr(self, key)}; resume with the same {flag}"
+                )
+        self.rollout_index, self.skipped = int(state["rollout_index"]), int(state["skipped"])
+
+
+def check_generator_kind(kind: str) -> None:
+    """Refuse a generator this environment cannot run, with the fix."""
+    if kind == "vllm":
+        try:
+            import vllm  # noqa: F401
+            from titan.rl.generate import vllm as _titan_vllm  # noqa: F401
+        except ImportError as err:
+            raise ValueError(
+                f"--generator.kind vllm needs vLLM and titan's vLLM generator, which are not importable "
+                f"here ({err}); install the titan-rl[vllm] extra (pip install 'titan-rl[vllm]') or use "
+                "--generator.kind native"
+            ) from None
+
+
+class RLTrainer:
+    """GRPO-family RL post-training on :class:`TrainingEngine` (see the module docstring).
+
+    ``train()`` runs to ``--training.steps`` (warm-up steps included) and returns the logged
+    records; ``close()`` drains checkpoints and releases the process group.
+    """
+
+    Config = RLConfig
+
+    def __init__(self, config: RLConfig, *, model_spec: ModelSpec) -> None:
+        self.config = cfg = config
+        self.model_spec = model_spec
+        model_spec.check_flavor(cfg.model.flavor)
+        check_generator_kind(cfg.generator.kind)
+        self.tokenizer = cfg.tokenizer.build()
+        self.vocab_size = -(-self.tokenizer.vocab_size // cfg.model.vocab_multiple_of) * cfg.model.vocab_multiple_of
+        self.engine = TrainingEngine.from_config(cfg, model_spec=model_spec, vocab_size=self.vocab_size)
+        self._check_layout()
+        self.is_rank0 = self.engine.dist_env.rank == 0
+        train_prompts, self.eval_prompts = build_prompts(cfg.rl_data, self.tokenizer)
+        self.sampler = PromptSampler(train_prompts, seed=cfg.debug.seed)
+        self.reward = build_reward(
+            cfg.rl.rewards, weights=cfg.rl.reward_weights, format_regex=cfg.rl.format_regex,
+            function=cfg.rl.reward_function, numeric_tolerance=cfg.rl.numeric_tolerance,
+        )
+        self.state = ControllerState(prompts_per_step=cfg.rl.prompts_per_step, num_prompts=len(train_prompts))
+        self.engine.add_state("rl_controller", self.state)
+        self.warmup_loader = self._build_warmup_loader()
+        self.sampling = dataclasses.replace(cfg.sampling, n=cfg.rl.group_size)
+        self.generator = self._build_generator() if self.is_rank0 else None
+        self.reference = None  # a frozen copy for the KL penalty, taken when RL starts
+        self.generator_version = -1  # tracked on every rank: sync decisions are collective
+        self._executor = concurrent.futures.ThreadPoolExecutor(1) if cfg.rl.max_policy_staleness > 0 and self.is_rank0 else None
+        self._pending: tuple[int, concurrent.futures.Future | None] | None = None
+        self.metrics = MetricsLogger(
+            cfg.metrics, dump_folder=Path(cfg.job.dump_folder), total_steps=cfg.training.steps,
+            flops_per_token=self.engine.flops_per_token, peak_flops=device_peak_flops(self.engine.device),
+            device=self.engine.device, is_rank0=self.is_rank0,
+        )
+        self.timings = {"generation_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
+
+    # ---- construction -------------------------------------------------------------------
+
+    def _check_layout(self) -> None:
+        """Refuse layouts the RL loss cannot follow, before any work."""
+        dims = self.engine.parallel_dims
+        cfg = self.config
+        if dims.cp_enabled and cfg.rl.loss_type == "gspo":
+            raise ValueError(
+                "--rl.loss_type gspo needs each completion's whole sequence on one rank; it does not "
+                "run under --parallelism.context_parallel_degree > 1 (use grpo, dapo or dr_grpo)"
+            )
+        if cfg.sampling.max_new_tokens >= cfg.training.seq_len:
+            raise ValueError(
+                f"--sampling.max_new_tokens {cfg.sampling.max_new_tokens} does not fit --training.seq_len "
+                f"{cfg.training.seq_len}; raise the sequence length or lower the budget"
+            )
+
+    def _build_warmup_loader(self):
+        """The SFT loader of the warm-up steps (None without warm-up), checkpointed."""
+        cfg = self.config
+        if not cfg.rl.sft_warmup_steps:
+            return None
+        dims = self.engine.parallel_dims
+        loader = build_sft_dataloader(
+            cfg.rl_data.sft_config(), self.tokenizer, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
+            local_batch_size=cfg.training.local_batch_size, seq_len=cfg.training.seq_len, seed=cfg.debug.seed,
+        )
+        self.engine.add_state("sft_warmup", loader)
+        return loader
+
+    def _build_generator(self):
+        """Rank 0's generator: a single-device model copy built from the same model spec."""
+        from titan.rl.generate.native import NativeGenerator
+
+        cfg = self.config
+        overrides = {**cfg.model.overrides(), "vocab_size": self.vocab_size, "max_seq_len": cfg.training.seq_len}
+        return NativeGenerator.from_model_spec(
+            self.model_spec, cfg.model.flavor, seed=cfg.debug.seed, overrides=overrides,
+            device=self.engine.device, eos_token_id=self.tokenizer.eos_id,
+        )
+
+    # ---- weight sync and generation -----------------------------------------------------
+
+    def sync_weights(self) -> None:
+        """Copy the engine's current weights into the generator and check them (collective:
+        every rank iterates the full state dict; rank 0 loads it)."""
+        version = self.engine.step
+        stats = sync_colocated(self.engine, self.generator, version=version, dtype=torch.float32)
+        self.generator_version = version
+        self.timings["sync_s"] += stats.seconds
+
+    def _produce(self, index: int) -> Rollout:
+        """Generate and score rollout ``index`` (rank 0; may run in the background thread)."""
+        start = time.perf_counter()
+        prompts = self.sampler.for_rollout(index, self.config.rl.prompts_per_step)
+        sampling = self.sampling
+        if sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
+        version = self.generator.version
+        groups = self.generator.generate([p.ids for p in prompts], sampling)
+        texts = [[self._decode(c.token_ids) for c in group] for group in groups]
+        rewards = [
+            self.reward.score([p.text] * len(g), g, [p.answer] * len(g)) for p, g in zip(prompts, texts, strict=True)
+        ]
+        rollout = Rollout(index=index, version=version, groups=groups, rewards=rewards, texts=texts)
+        if self.reference is not None:
+            rollout.ref_logprobs = [self.reference.rescore(g, temperature=self.sampling.temperature) for g in groups]
+        rollout.generation_s = time.perf_counter() - start
+        return rollout
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """A completion's text without its stop token."""
+        ids = [t for t in token_ids if t != self.tokenizer.eos_id and t not in self.sampling.stop_token_ids]
+        return self.tokenizer.decode(ids)
+
+    def _broadcast(self, rollout: Rollout | None) -> Rollout:
+        """Rank 0's rollout on every rank."""
+        if self.engine.dist_env.world_size == 1 or not dist.is_initialized():
+            return rollout
+        box = [rollout]
+        device = self.engine.device if self.engine.device.type == "cuda" else None
+        dist.broadcast_object_list(box, src=0, device=device)
+        return box[0]
+
+    def _launch(self, index: int) -> None:
+        """Start generating rollout ``index`` in the background (rank 0)."""
+        future = self._executor.submit(self._produce, index) if self._executor is not None else None
+        self._pending = (index, future)
+
+    def next_rollout(self) -> Rollout:
+        """The rollout for this step, generated under the staleness bound (module docstring)."""
+        index, version, bound = self.state.rollout_index, self.engine.step, self.config.rl.max_policy_staleness
+        if bound == 0:
+            if self.generator_version != version:
+                self.sync_weights()
+            return self._broadcast(self._produce(index) if self.is_rank0 else None)
+        if self._pending is None or self._pending[0] != index:
+            if self.generator_version < version - bound:
+                self.sync_weights()
+            self._launch(index)
+        future = self._pending[1]
+        rollout = future.result() if future is not None else None
+        # The next rollout trains at version + 1 at the latest (a rollout is at most one
+        # optimizer step), so its weights must be of version >= version + 1 - bound.
+        self._pending = None
+        if version + 1 < self.config.training.steps:  # another step will need a rollout
+            if self.generator_version < version + 1 - bound:
+                self.sync_weights()
+            self._launch(index + 1)
+        return self._broadcast(rollout)
+
+    def _wait_pending(self) -> None:
+        """Let the background generation finish (before using the generator otherwise)."""
+        if self._pending is not None and self._pending[1] is not None:
+            self._pending[1].result()
+
+    # ---- the RL step ---------------------------------------------------------------------
+
+    def _loss_fn(self, accumulator: dict[str, torch.Tensor]):
+        """``loss_fn(logits, batch)`` for the engine: policy log-probs of the labels (fp32),
+        the configured policy loss, and token-sum stats added to ``accumulator``."""
+        rl, temperature = self.config.rl, self.sampling.temperature
+
+        def loss_fn(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            if isinstance(logits, DTensor):  # vocab-sharded under loss parallel
+                logits = logits.full_tensor()
+            labels = batch["labels"]
+            valid = (labels >= 0).float()
+            logp = token_logprobs(logits, labels.clamp(min=0), temperature) * valid
+            entropy = token_entropy(logits, temperature=temperature)
+            if rl.entropy_coef == 0:
+                entropy = entropy.detach()
+            old = batch["old_logprobs"]
+            ref = batch.get("ref_logprobs")
+            loss, stats = policy_loss(
+                logp, old, batch["advantages"], batch["loss_mask"], loss_type=rl.loss_type,
+                clip_eps_low=rl.clip_eps_low, clip_eps_high=rl.clip_eps_high, is_cap=rl.is_cap,
+                # Without a reference, "kl" measures the trainer's drift from the generator.
+                ref_logprobs=ref if ref is not None else old, kl_coef=rl.kl_coef if ref is not None else 0.0,
+                kl_estimator=rl.kl_estimator, entropy=entropy, entropy_coef=rl.entropy_coef,
+                sequence_lengths=batch["sequence_lengths"] if rl.loss_type == "grpo" else None,
+            )
+            diff = (logp.detach() - old).abs() * valid
+            stats["completion_tokens"] = valid.sum()
+            stats["logprob_diff_sum"] = diff.sum()
+            for key, value in stats.items():
+                accumulator[key] = accumulator.get(key, 0) + value.detach().double()
+            accumulator["logprob_diff_max"] = torch.maximum(
+                accumulator.get("logprob_diff_max", torch.zeros((), dtype=torch.float64, device=diff.device)),
+                diff.max().double() if diff.numel() else torch.zeros((), dtype=torch.float64, device=diff.device),
+            )
+            return loss
+
+        return loss_fn
+
+    def _normalizer(self, rows) -> float:
+        """The global divisor of the step's summed loss (every row of the global batch)."""
+        lengths = [len(r.token_ids) if r.train else 0 for r in rows]
+        mask = torch.zeros(len(rows), max(lengths + [1]))
+        for i, n in enumerate(lengths):
+            mask[i, :n] = 1
+        count = loss_normalizer(self.config.rl.loss_type, mask, max_new_tokens=self.sampling.max_new_tokens)
+        return max(float(count), 1.0)
+
+    def rl_step(self) -> dict[str, Any] | None:
+        """One RL step; returns its metrics, or None when the rollout had nothing to learn."""
+        cfg, engine = self.config, self.engine
+        sync_before = self.timings["sync_s"]
+        rollout = self.next_rollout()
+        self.state.rollout_index += 1
+        staleness = engine.step - rollout.version
+        if staleness > cfg.rl.max_policy_staleness or staleness < 0:
+            raise StalenessError(
+                f"rollout {rollout.index} was generated by policy version {rollout.version} and would train at "
+                f"version {engine.step}: staleness {staleness} is outside [0, --rl.max_policy_staleness "
+                f"{cfg.rl.max_policy_staleness}]"
+            )
+        rows = rollout_rows(rollout, normalize_std=cfg.rl.use_std, drop_zero_variance=cfg.rl.drop_zero_variance,
+                            mask_truncated=cfg.rl.mask_truncated)
+        stats = rollout_stats(rollout)
+        if not any(r.train and r.token_ids for r in rows):
+            self.state.skipped += 1
+            return None
+        start = time.perf_counter()
+        dims = engine.parallel_dims
+        normalizer = self._normalizer(rows)
+        accumulator: dict[str, torch.Tensor] = {}
+        loss_fn = self._loss_fn(accumulator)
+        rank_loss = torch.zeros((), device=engine.device)
+        tokens = 0
+        for microbatch in split_rows(rows, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
+                                     microbatch_size=cfg.training.local_batch_size):
+            batch = build_batch(microbatch, seq_len=cfg.training.seq_len, pad_id=self.tokenizer.pad_id)
+            tokens += batch["input_ids"].numel()
+            rank_loss += engine.forward_backward(batch, loss_fn, global_token_count=normalizer)
+        lr = engine.lr_schedulers.last_lr()
+        grad_norm = engine.optimizer_step()
+        self.timings["train_s"] += time.perf_counter() - start
+        self.timings["generation_s"] += rollout.generation_s
+        self.metrics.record_tokens(tokens // dims.non_data_parallel_size)
+        reduced = self._reduce(accumulator, rank_loss)
+        completion_tokens = max(reduced.pop("completion_tokens"), 1.0)
+        record = {
+            **stats,
+            **stat_means({k: torch.tensor(v) for k, v in reduced.items() if k in ("tokens", "clipped", "kl", "entropy")}),
+            "loss": reduced["loss"],
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "logprob_diff_max": reduced["logprob_diff_max"],
+            "logprob_diff_mean": reduced["logprob_diff_sum"] / completion_tokens,
+            "policy_version": rollout.version,
+            "staleness": staleness,
+            "rows": len(rows),
+            "generation_s": rollout.generation_s,
+            "sync_s": self.timings["sync_s"] - sync_before,
+            "train_s": time.perf_counter() - start,
+        }
+        return record
+
+    def _reduce(self, accumulator: dict[str, torch.Tensor], rank_loss: torch.Tensor) -> dict[str, float]:
+        """Sums (and the max) over the data-parallel, context-parallel and pipeline ranks."""
+        engine, dims = self.engine, self.engine.parallel_dims
+        keys = sorted(k for k in accumulator if k != "logprob_diff_max")
+        device = engine.device
+        sums = torch.stack([torch.as_tensor(accumulator[k], dtype=torch.float64, device=device) for k in keys]
+                           + [rank_loss.double()])
+        engine.sum_over(sums, "dp_cp")
+        largest = torch.as_tensor(accumulator.get("logprob_diff_max", 0.0), dtype=torch.float64, device=device)
+        largest = reduce_max(largest.clone(), dims.mesh("dp_cp"))
+        if dims.pp_enabled:
+            engine.sum_over(sums, "pp")
+            largest = reduce_max(largest, dims.mesh("pp"))
+        out = {k: float(v) for k, v in zip(keys, sums[:-1].tolist(), strict=True)}
+        out["loss"] = float(sums[-1])
+        out["logprob_diff_max"] = float(largest)
+        return out
+
+    # ---- warm-up and evaluation ---------------------------------------------------------
+
+    def sft_step(self, data_iter) -> dict[str, Any]:
+        """One supervised step on the synthetic task's answers (the warm-up)."""
+        engine = self.engine
+        batch = next(data_iter)
+        local = count_valid_tokens(batch["labels"]).float().to(engine.device)
+        total = engine.sum_over(local.clone(), "dp")
+        rank_loss = engine.forward_backward(
+            batch, lambda logits, b: cross_entropy_sum(logits, b["labels"]), global_token_count=total
+        )
+        lr = engine.lr_schedulers.last_lr()
+        grad_norm = engine.optimizer_step()
+        self.metrics.record_tokens(batch["input_ids"].numel() // engine.parallel_dims.non_data_parallel_size)
+        loss = engine.sum_over(rank_loss.clone(), "dp_cp")
+        return {"loss": float(loss), "grad_norm": grad_norm, "lr": lr, "phase": "sft_warmup"}
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean reward and exact-match rate of greedy completions of the held-out prompts, with
+        the current weights (collective: syncs the generator)."""
+        if not self.eval_prompts:
+            return {}
+        self._wait_pending()
+        if self.generator_version != self.engine.step:
+            self.sync_weights()
+        result = None
+        if self.is_rank0:
+            prompts = self.eval_prompts[: self.config.rl.eval_prompts]
+            greedy = SamplingConfig(temperature=0.0, max_new_tokens=self.sampling.max_new_tokens,
+                                    stop_token_ids=self.sampling.stop_token_ids, n=1, seed=0)
+            groups = self.generator.generate([p.ids for p in prompts], greedy)
+            texts = [self._decode(g[0].token_ids) for g in groups]
+            rewards = self.reward.score([p.text for p in prompts], texts, [p.answer for p in prompts])
+            exact = [float(t.strip() == (p.answer or "").strip()) for t, p in zip(texts, prompts, strict=True)]
+            result = {"eval_reward": sum(rewards) / len(rewards), "eval_exact_match": sum(exact) / len(exact)}
+        return self._broadcast(result)
+
+    def _should_eval(self, step: int, first_rl_step: bool) -> bool:
+        freq = self.config.rl.eval_freq
+        return freq > 0 and (first_rl_step or step % freq == 0 or step == self.config.training.steps)
+
+    def _start_reference(self) -> None:
+        """Freeze the weights RL starts from as the KL reference (rank 0), when KL is on."""
+        if self.config.rl.kl_coef <= 0:
+            return
+        if self.generator_version != self.engine.step:
+            self.sync_weights()
+        if self.is_rank0:
+            self.reference = self._build_generator()
+            self.reference.load_weights(self.generator.named_weights(), version=self.generator.version)
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def train(self) -> list[dict[str, Any]]:
+        """Resume when a checkpoint exists, run warm-up then RL to ``--training.steps``, and
+        return the logged records."""
+        cfg, engine = self.config, self.engine
+        if engine.load_checkpoint():
+            logger.info("resumed from step %d (rollout %d)", engine.step, self.state.rollout_index)
+        records: list[dict[str, Any]] = []
+        total, warmup = cfg.training.steps, cfg.rl.sft_warmup_steps
+        self.metrics.start(engine.step)
+        data_iter = iter(self.warmup_loader) if self.warmup_loader is not None and engine.step < warmup else None
+        first_rl = True
+        consecutive_skips = 0
+        while engine.step < total:
+            if engine.step < warmup:
+                record = self.sft_step(data_iter)
+            else:
+                if first_rl:
+                    self._start_reference()
+                    if self._should_eval(engine.step, True):
+                        records.append(self._log_eval(engine.step))
+                    first_rl = False
+                record = self.rl_step()
+                if record is None:
+                    consecutive_skips += 1
+                    if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+                        logger.warning("%d rollouts in a row had no reward variance in any group: stopping early",
+                                       consecutive_skips)
+                        break
+                    continue
+                consecutive_skips = 0
+            step = engine.step
+            if self.metrics.should_log(step):
+                records.append(self._log(step, record))
+            if step > warmup and self._should_eval(step, False):
+                records.append(self._log_eval(step))
+            engine.maybe_save(last_step=step == total)
+        self._wait_pending()
+        self.metrics.close()
+        logger.info(
+            "RL done: %d steps | time: generation %.1fs, training %.1fs, weight sync %.1fs",
+            engine.step, self.timings["generation_s"], self.timings["train_s"], self.timings["sync_s"],
+        )
+        return records
+
+    def _log(self, step: int, record: dict[str, Any]) -> dict[str, Any]:
+        extra = {k: v for k, v in record.items() if k not in ("loss", "grad_norm", "lr")}
+        extra.setdefault("phase", "rl")
+        extra["rollout_index"] = self.state.rollout_index
+        extra.update({f"total_{k}": v for k, v in self.timings.items()})
+        return self.metrics.log(step=step, loss=record["loss"], grad_norm=record["grad_norm"], lr=record["lr"],
+                                extra=extra)
+
+    def _log_eval(self, step: int) -> dict[str, Any]:
+        """Score the held-out prompts and write the result as its own metrics line."""
+        result = {"step": step, "phase": "eval", **self.evaluate()}
+        if self.is_rank0:
+            logger.info("eval at step %d: reward %.3f, exact match %.3f", step, result.get("eval_reward", float("nan")),
+                        result.get("eval_exact_match", float("nan")))
+            if self.config.metrics.enable_jsonl:
+                import json
+
+                path = Path(self.config.job.dump_folder) / "metrics.jsonl"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with path.open("a") as f:
+                    f.write(json.dumps(result) + "\n")
+        return result
+
+    def close(self) -> None:
+        """Stop the background generation, drain checkpoint saves, release the process group."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self.metrics.close()
+        self.engine.close()

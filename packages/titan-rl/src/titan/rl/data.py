@@ -1,0 +1,156 @@
+"""Prompt datasets for RL (``--rl_data.*``): JSONL rows or the built-in synthetic task.
+
+A prompt is text plus an optional reference answer the rewards check against. JSONL files
+(read with ``datasets``' json loader) give them in two columns (``--rl_data.prompt_field``,
+``--rl_data.answer_field``). The synthetic task is SFT's (``titan.train.data.sft``: sort or
+reverse a short string), so an SFT warm-up and the RL run see the same prompt format and the
+same held-out prompts.
+
+:class:`PromptSampler` hands out prompts in a fresh seeded order per epoch; its position is
+one counter, so a run resumes exactly (and identically on every rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from titan.train.data.sft import SFTDataConfig, SyntheticSFTTask, encode_prompt
+from titan.train.data.sources import resolve_data_files
+from titan.train.data.tokenizer import Tokenizer
+
+
+@dataclass(kw_only=True)
+class RLDataConfig:
+    """``--rl_data.*``: the prompts RL samples from."""
+
+    format: Literal["synthetic", "jsonl"] = "synthetic"
+    """"synthetic": the built-in SFT task (--rl_data.synthetic_*), no file; "jsonl": rows of
+    --rl_data.path with a prompt and a reference answer."""
+    path: str | None = None
+    """jsonl: a JSONL file, a directory of them, or a glob."""
+    prompt_field: str = "prompt"
+    """jsonl: the column holding the prompt text."""
+    answer_field: str = "answer"
+    """jsonl: the column holding the reference answer (may be missing for rewards that need none)."""
+    eval_path: str | None = None
+    """jsonl: held-out prompts scored greedily every --rl.eval_freq steps (optional)."""
+    synthetic_task: Literal["sort", "reverse"] = "sort"
+    """synthetic: the task ("sort: cab\\n" -> "abc", "reverse: abc\\n" -> "cba")."""
+    synthetic_examples: int = 4096
+    """synthetic: distinct training prompts."""
+    synthetic_eval_examples: int = 64
+    """synthetic: held-out prompts (never trained on), scored every --rl.eval_freq steps."""
+    synthetic_alphabet: int = 8
+    """synthetic: letters used, the first N of a..z."""
+    synthetic_min_len: int = 3
+    """synthetic: shortest string."""
+    synthetic_max_len: int = 6
+    """synthetic: longest string."""
+    synthetic_seed: int = 0
+    """synthetic: seed of the task (which strings are training and held out)."""
+
+    def __post_init__(self) -> None:
+        if self.format not in ("synthetic", "jsonl"):
+            raise ValueError(f"--rl_data.format must be synthetic or jsonl, got {self.format!r}")
+        if self.format == "jsonl" and not self.path:
+            raise ValueError("--rl_data.format jsonl reads prompts from files: set --rl_data.path")
+        if self.format == "synthetic" and (self.path or self.eval_path):
+            raise ValueError(
+                "--rl_data.path / --rl_data.eval_path are not read by --rl_data.format synthetic; "
+                "drop them or set --rl_data.format jsonl"
+            )
+        if self.format == "synthetic":
+            self.sft_config()  # the SFT task's own checks, reported under --rl_data
+
+    def sft_config(self) -> SFTDataConfig:
+        """The same synthetic task as an SFT data config (for the SFT warm-up and the task)."""
+        try:
+            return SFTDataConfig(
+                format="synthetic",
+                synthetic_task=self.synthetic_task,
+                synthetic_examples=self.synthetic_examples,
+                synthetic_eval_examples=self.synthetic_eval_examples,
+                synthetic_alphabet=self.synthetic_alphabet,
+                synthetic_min_len=self.synthetic_min_len,
+                synthetic_max_len=self.synthetic_max_len,
+                synthetic_seed=self.synthetic_seed,
+            )
+        except ValueError as err:
+            raise ValueError(str(err).replace("--sft_data.", "--rl_data.")) from None
+
+
+@dataclass
+class Prompt:
+    """One RL prompt: its text, its token ids as generation sees them, the reference answer."""
+
+    text: str
+    ids: list[int]
+    answer: str | None
+
+
+def _jsonl_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer) -> list[Prompt]:
+    """Prompts of the JSONL files at ``path``."""
+    import datasets
+
+    try:
+        files = resolve_data_files("json", path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--rl_data.path {path!r} matches no JSONL file; fix the path") from None
+    rows = datasets.load_dataset("json", data_files=files, split="train")
+    if cfg.prompt_field not in rows.column_names:
+        raise ValueError(
+            f"--rl_data.prompt_field {cfg.prompt_field!r} is not a column of {path} "
+            f"(columns: {', '.join(rows.column_names)})"
+        )
+    has_answer = cfg.answer_field in rows.column_names
+    out = []
+    for row in rows:
+        answer = row[cfg.answer_field] if has_answer else None
+        out.append(Prompt(row[cfg.prompt_field], encode_prompt(row[cfg.prompt_field], tokenizer),
+                          None if answer is None else str(answer)))
+    return out
+
+
+def build_prompts(cfg: RLDataConfig, tokenizer: Tokenizer) -> tuple[list[Prompt], list[Prompt]]:
+    """(training prompts, held-out prompts) of the configured source."""
+    if cfg.format == "jsonl":
+        train = _jsonl_prompts(cfg.path, cfg, tokenizer)
+        held_out = _jsonl_prompts(cfg.eval_path, cfg, tokenizer) if cfg.eval_path else []
+        return train, held_out
+    task = SyntheticSFTTask(cfg.sft_config(), tokenizer)
+
+    def prompts(pairs):
+        return [Prompt(text, encode_prompt(text, tokenizer), answer) for text, answer in pairs]
+
+    return prompts(task.train_pairs), prompts(task.eval_pairs)
+
+
+class PromptSampler:
+    """Prompts in a seeded order, reshuffled every epoch. Stateless: the prompts of rollout
+    ``i`` are positions ``i * count ... (i + 1) * count - 1`` of the endless order, so a run
+    resumes from its rollout index alone (and every rank agrees)."""
+
+    def __init__(self, prompts: list[Prompt], *, seed: int) -> None:
+        if not prompts:
+            raise ValueError("the RL prompt dataset is empty; check --rl_data.*")
+        self.prompts, self.seed = prompts, seed
+        self._cached: tuple[int, np.ndarray] | None = None
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._cached is None or self._cached[0] != epoch:
+            self._cached = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts)))
+        return self._cached[1]
+
+    def window(self, start: int, count: int) -> list[Prompt]:
+        """Prompts at positions ``start .. start + count - 1`` of the endless seeded order."""
+        out = []
+        for position in range(start, start + count):
+            epoch, index = divmod(position, len(self.prompts))
+            out.append(self.prompts[int(self._order(epoch)[index])])
+        return out
+
+    def for_rollout(self, index: int, count: int) -> list[Prompt]:
+        """The ``count`` prompts of rollout ``index``."""
+        return self.window(index * count, count)

@@ -1,0 +1,103 @@
+"""The generator interface every rollout backend implements (native torch, vLLM).
+
+A generator turns prompts (token ids) into ``n`` completions each, with the log-probability of
+every generated token, and accepts new policy weights by name with a version number.
+
+Log-probability convention: ``Completion.logprobs[i]`` is ``log_softmax(logits / T)`` of the
+sampled token, with ``T`` the sampling temperature (``T = 1`` when ``temperature == 0``, i.e.
+greedy decoding reports the model's plain log-probabilities). top-k / top-p filtering is *not*
+folded in: the logprob is under the temperature-scaled full distribution, which is what the
+trainer recomputes with its own forward, so the two are comparable token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """How completions are sampled (``--sampling.*``)."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax) decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to at least
+    this (1.0 keeps all)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 keeps all)."""
+    max_new_tokens: int = 128
+    """Most tokens generated per completion; a completion that reaches it ends with
+    finish_reason "length"."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a completion (finish_reason "stop"); the stop token is kept as the
+    last generated token. The generator's eos token is always a stop token."""
+    n: int = 1
+    """Completions per prompt (the GRPO group size)."""
+    seed: int | None = 0
+    """Seed of the sampling random generator, so a fixed seed reproduces the same completions
+    (None draws a fresh seed)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(
+                f"--sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--sampling.top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable")
+        if self.top_k < 0:
+            raise ValueError(f"--sampling.top_k must be >= 0 (0 disables), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"--sampling.n must be >= 1, got {self.n}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+
+@dataclass(kw_only=True)
+class Completion:
+    """One generated completion of one prompt."""
+
+    prompt_ids: list[int]
+    """The prompt's token ids, as given."""
+    token_ids: list[int]
+    """The generated token ids (the stop token included when finish_reason is "stop")."""
+    logprobs: list[float]
+    """Per generated token: log_softmax(logits / T)[token] under the temperature actually used
+    (T = 1 for greedy); top-k/top-p are not folded in. Same length as token_ids."""
+    finish_reason: FinishReason
+    """"stop" when a stop/eos token was generated, "length" when max_new_tokens was reached."""
+    version: int = 0
+    """Policy version of the weights that generated this completion."""
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """A rollout backend: generates completions and accepts new policy weights."""
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        """Return ``sampling.n`` completions for each prompt, in prompt order."""
+        ...
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
+    ) -> None:
+        """Copy full (unsharded) tensors into the generator's model by titan name and set the
+        policy version."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights currently loaded."""
+        ...
+
+
+__all__ = ["Completion", "FinishReason", "Generator", "SamplingConfig"]

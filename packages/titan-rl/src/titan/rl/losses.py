@@ -1,0 +1,200 @@
+"""GRPO-family policy losses as pure functions of tensors.
+
+Every loss takes per-token tensors of one microbatch, ``[B, S]`` with one completion per row:
+
+- ``logprobs``: the trainer's log-probabilities of the completion tokens (with gradient);
+- ``old_logprobs``: the generator's log-probabilities of the same tokens (the behaviour
+  policy that sampled them);
+- ``advantages``: ``[B]`` (one per completion) or ``[B, S]`` (already broadcast per token);
+- ``loss_mask``: 1 on the completion tokens that carry loss, 0 elsewhere.
+
+and returns ``(summed_loss, stats)``. The loss is a **sum** over tokens (or sequences) with the
+type's per-token weights; the caller divides it by the global normalizer of
+:func:`loss_normalizer` (the engine does, through ``global_token_count``), so every rank and
+microbatch adds its share of one global mean. ``stats`` are token sums (``tokens``,
+``clipped``, ``kl``, ``entropy`` when computed) that add across microbatches and ranks; divide
+by ``tokens`` for the means (:func:`stat_means`).
+
+The types (ratio ``r = exp(logprobs - old_logprobs)``, clipped surrogate
+``l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``):
+
+- ``grpo``: token mean within each completion, then mean over completions
+  (per-token weight ``1 / |o_i|``, normalizer = number of completions);
+- ``dapo``: asymmetric clip (``eps_high > eps_low``), every token of the global batch weighs
+  the same (weight 1, normalizer = number of loss tokens);
+- ``dr_grpo``: no length normalization: weight 1, normalizer = completions x the generation
+  budget (a constant, so long and short completions are not reweighted);
+- ``gspo``: one ratio per sequence, the geometric mean of its token ratios
+  ``s_i = exp(mean_t(logprobs - old_logprobs))``, clipped per sequence; normalizer = number of
+  completions.
+
+Truncated importance sampling (``is_cap > 0``): the ratio's *value* is capped at ``is_cap``
+while its gradient direction is kept (``r * min(1, cap / r)`` with the factor detached), so a
+token the generator found far less likely than the trainer does cannot dominate the update
+(the clipped surrogate leaves ``r`` unbounded for negative advantages).
+
+KL to a frozen reference (``kl_coef > 0``, off by default) adds ``kl_coef * k`` per token
+with the estimator ``k1 = log(p/q)``, ``k2 = (log(p/q))^2 / 2`` or
+``k3 = q/p - 1 - log(q/p)`` (``p`` the policy, ``q`` the reference), weighted like the policy
+term. An entropy bonus (``entropy_coef > 0``) subtracts ``entropy_coef * H`` per token.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+LossType = Literal["grpo", "dapo", "dr_grpo", "gspo"]
+KLEstimator = Literal["k1", "k2", "k3"]
+LOSS_TYPES: tuple[str, ...] = ("grpo", "dapo", "dr_grpo", "gspo")
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+
+DEFAULT_CLIP: dict[str, tuple[float, float]] = {
+    "grpo": (0.2, 0.2),
+    "dapo": (0.2, 0.28),
+    "dr_grpo": (0.2, 0.2),
+    # Sequence-level ratios move far less than token ratios: GSPO clips in a narrow band.
+    "gspo": (3e-4, 4e-4),
+}
+"""(eps_low, eps_high) each type uses unless the caller sets them."""
+
+Stats = dict[str, torch.Tensor]
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs."""
+    log_ratio = logprobs - ref_logprobs  # log p/q
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        # q/p - 1 - log(q/p): unbiased, always >= 0.
+        return torch.exp(-log_ratio) - 1 + log_ratio
+    raise ValueError(f"--rl.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
+
+
+def truncate_ratio(ratio: torch.Tensor, cap: float) -> torch.Tensor:
+    """``ratio`` with its value capped at ``cap`` and its gradient scaled alike (cap <= 0: off)."""
+    if cap <= 0:
+        return ratio
+    return ratio * (cap / ratio.detach()).clamp(max=1.0)
+
+
+def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Advantages as ``[B, S]`` (a ``[B]`` vector is broadcast along the sequence)."""
+    if advantages.dim() == 1:
+        return advantages[:, None].expand_as(like)
+    if advantages.shape != like.shape:
+        raise ValueError(f"advantages of shape {tuple(advantages.shape)} do not match logprobs {tuple(like.shape)}")
+    return advantages
+
+
+def _clipped_surrogate(ratio, advantages, eps_low, eps_high) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-element PPO loss ``-min(r A, clip(r) A)`` and where clipping took effect."""
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    was_clipped = (clipped < unclipped).float()  # the clipped branch was the one taken
+    return loss, was_clipped
+
+
+def _sequence_lengths(loss_mask: torch.Tensor, sequence_lengths: torch.Tensor | None) -> torch.Tensor:
+    """Loss tokens per row, ``[B, 1]`` (or per token ``[B, S]`` when the caller gives them,
+    e.g. under context parallel where a row's shard does not see all its tokens)."""
+    if sequence_lengths is not None:
+        return sequence_lengths.clamp(min=1)
+    return loss_mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    loss_type: str = "grpo",
+    clip_eps_low: float | None = None,
+    clip_eps_high: float | None = None,
+    is_cap: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    sequence_lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Stats]:
+    """The summed loss of one microbatch for ``loss_type`` and its token-sum stats (module
+    docstring). ``sequence_lengths`` (optional, ``[B, S]``): each token's completion length,
+    for the ``grpo`` weights when rows are split (context parallel)."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"--rl.loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+    default_low, default_high = DEFAULT_CLIP[loss_type]
+    eps_low = default_low if clip_eps_low is None else clip_eps_low
+    eps_high = default_high if clip_eps_high is None else clip_eps_high
+    mask = loss_mask.to(logprobs.dtype)
+    adv = _per_token(advantages.to(logprobs.dtype), logprobs)
+    log_ratio = (logprobs - old_logprobs) * mask  # masked tokens contribute 0 (exp -> 1)
+
+    if loss_type == "gspo":
+        lengths = _sequence_lengths(mask, None)
+        seq_ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / lengths)  # geometric mean
+        seq_ratio = truncate_ratio(seq_ratio, is_cap)
+        seq_adv = (adv * mask).sum(-1, keepdim=True) / lengths  # the completion's advantage
+        seq_loss, seq_clipped = _clipped_surrogate(seq_ratio, seq_adv, eps_low, eps_high)
+        has_tokens = (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
+        policy_sum = (seq_loss * has_tokens).sum()
+        weights = mask / lengths  # what KL and entropy terms use: per-sequence token mean
+        clipped = seq_clipped.expand_as(mask) * mask
+    else:
+        ratio = truncate_ratio(torch.exp(log_ratio), is_cap)
+        token_loss, token_clipped = _clipped_surrogate(ratio, adv, eps_low, eps_high)
+        weights = mask / _sequence_lengths(mask, sequence_lengths) if loss_type == "grpo" else mask
+        policy_sum = (token_loss * weights).sum()
+        clipped = token_clipped * mask
+
+    total = policy_sum
+    stats: Stats = {"tokens": mask.sum().detach(), "clipped": clipped.sum().detach()}
+    if ref_logprobs is not None:
+        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+        if kl_coef > 0:
+            total = total + kl_coef * (kl * weights).sum()
+        stats["kl"] = (kl.detach() * mask).sum()
+    if entropy is not None:
+        if entropy_coef > 0:
+            total = total - entropy_coef * (entropy * weights).sum()
+        stats["entropy"] = (entropy.detach() * mask).sum()
+    return total, stats
+
+
+def loss_normalizer(loss_type: str, loss_mask: torch.Tensor, *, max_new_tokens: int) -> torch.Tensor:
+    """What this microbatch adds to the global divisor of the summed loss: completions with
+    loss tokens (grpo, gspo), loss tokens (dapo), or completions x ``max_new_tokens``
+    (dr_grpo). Sum it over every microbatch and data-parallel rank of the step."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"--rl.loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+    mask = loss_mask.float()
+    if loss_type == "dapo":
+        return mask.sum()
+    completions = (mask.sum(-1) > 0).float().sum()
+    if loss_type == "dr_grpo":
+        return completions * max_new_tokens
+    return completions
+
+
+def stat_means(stats: Stats) -> dict[str, float]:
+    """Per-token means of summed stats: ``clip_fraction``, ``kl``, ``entropy`` (when present)."""
+    tokens = max(float(stats["tokens"]), 1.0)
+    out = {"clip_fraction": float(stats["clipped"]) / tokens}
+    for key in ("kl", "entropy"):
+        if key in stats:
+            out[key] = float(stats[key]) / tokens
+    return out
+
+
+def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / T)`` at each position, float32 ``[B, S]``."""
+    scale = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / scale, dim=-1)
+    return -(logp.exp() * logp).sum(-1)

@@ -1,0 +1,174 @@
+"""Rollouts: groups of scored completions, and the engine batches they become.
+
+A :class:`Rollout` is what one RL step trains on: for each of N prompts a group of G
+completions (from the generator, with the generator's per-token log-probabilities), their
+rewards, and the policy version that generated them. :func:`rollout_rows` scores the groups
+(advantages, zero-variance groups dropped, truncated completions masked) into one row per
+completion, and :func:`build_batch` lays rows out as the engine's batch: a dict of
+``[B, S]`` tensors, one completion per row (``prompt + completion`` right-padded to ``S``):
+
+- ``input_ids``: the sequence without its last token; ``labels``: the next token at each
+  position, ``-100`` where that token is part of the prompt or padding;
+- ``positions`` (0, 1, ...) and ``document_ids`` (0 for the sequence, 1 for the padding, so
+  padding is its own document as in SFT batches);
+- ``old_logprobs``: the generator's log-probability of each label token (0 elsewhere);
+- ``advantages``: the completion's advantage on each of its label tokens;
+- ``loss_mask``: 1 where the label is a completion token that carries loss (0 for a
+  truncated completion when ``--rl.mask_truncated``);
+- ``sequence_lengths``: each loss token's completion length (for GRPO's per-completion token
+  mean when context parallel splits a row);
+- ``ref_logprobs`` (only when the rows carry them): a frozen reference's log-probabilities.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from titan.rl.advantages import group_advantages, nonzero_variance_groups
+from titan.rl.generate.base import Completion
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Rollout:
+    """The completions of one step's prompts, scored."""
+
+    index: int
+    """Which rollout of the run this is (0, 1, ...)."""
+    version: int
+    """Policy version of the weights that generated it."""
+    groups: list[list[Completion]]
+    """N prompts x G completions."""
+    rewards: list[list[float]]
+    """N x G rewards."""
+    texts: list[list[str]] = field(default_factory=list)
+    """N x G decoded completions (for logs)."""
+    generation_s: float = 0.0
+    """Wall time spent generating (and scoring) it."""
+    ref_logprobs: list[list[list[float]]] | None = None
+    """N x G per-token log-probs of a frozen reference model (only with the KL penalty)."""
+
+
+@dataclass
+class Row:
+    """One completion ready for a batch."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    advantage: float
+    train: bool
+    """False for a truncated completion under --rl.mask_truncated (no loss on its tokens)."""
+    ref_logprobs: list[float] | None = None
+    """The reference model's log-probs of the tokens (KL penalty only)."""
+
+
+def rollout_rows(
+    rollout: Rollout, *, normalize_std: bool = True, drop_zero_variance: bool = True, mask_truncated: bool = False
+) -> list[Row]:
+    """One row per completion, with its group advantage; completions of groups whose rewards
+    are all equal are left out when ``drop_zero_variance``."""
+    rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
+    advantages = group_advantages(rewards, normalize_std=normalize_std)
+    keep = nonzero_variance_groups(rewards) if drop_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
+    rows = []
+    for i, group in enumerate(rollout.groups):
+        if not keep[i]:
+            continue
+        for j, completion in enumerate(group):
+            rows.append(Row(
+                prompt_ids=list(completion.prompt_ids),
+                token_ids=list(completion.token_ids),
+                logprobs=list(completion.logprobs),
+                advantage=float(advantages[i, j]),
+                train=not (mask_truncated and completion.finish_reason == "length"),
+                ref_logprobs=None if rollout.ref_logprobs is None else list(rollout.ref_logprobs[i][j]),
+            ))
+    return rows
+
+
+def build_batch(rows: Sequence[Row], *, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """The engine batch of ``rows`` (module docstring), ``[len(rows), seq_len]``."""
+    batch_size = len(rows)
+    input_ids = torch.full((batch_size, seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
+    positions = torch.arange(seq_len).repeat(batch_size, 1)
+    document_ids = torch.ones((batch_size, seq_len), dtype=torch.long)
+    old_logprobs = torch.zeros((batch_size, seq_len), dtype=torch.float32)
+    advantages = torch.zeros((batch_size, seq_len), dtype=torch.float32)
+    loss_mask = torch.zeros((batch_size, seq_len), dtype=torch.float32)
+    lengths = torch.zeros((batch_size, seq_len), dtype=torch.float32)
+    with_ref = any(row.ref_logprobs is not None for row in rows)
+    ref_logprobs = torch.zeros((batch_size, seq_len), dtype=torch.float32)
+    for r, row in enumerate(rows):
+        sequence = row.prompt_ids + row.token_ids
+        if len(sequence) - 1 > seq_len:
+            raise ValueError(
+                f"a prompt of {len(row.prompt_ids)} tokens plus {len(row.token_ids)} generated ones does not "
+                f"fit --training.seq_len {seq_len}; raise it to at least {len(sequence) - 1} or lower "
+                "--sampling.max_new_tokens"
+            )
+        n = len(sequence) - 1
+        input_ids[r, :n] = torch.tensor(sequence[:-1])
+        first = len(row.prompt_ids) - 1  # the position that predicts the first generated token
+        completion = slice(first, n)
+        labels[r, completion] = torch.tensor(row.token_ids)
+        document_ids[r, :n] = 0
+        positions[r, n:] = torch.arange(seq_len - n)  # padding restarts, as its own document
+        old_logprobs[r, completion] = torch.tensor(row.logprobs, dtype=torch.float32)
+        advantages[r, completion] = row.advantage
+        if row.ref_logprobs:
+            ref_logprobs[r, completion] = torch.tensor(row.ref_logprobs, dtype=torch.float32)
+        if row.train:
+            loss_mask[r, completion] = 1.0
+            lengths[r, completion] = float(len(row.token_ids))
+    batch = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "positions": positions,
+        "document_ids": document_ids,
+        "old_logprobs": old_logprobs,
+        "advantages": advantages,
+        "loss_mask": loss_mask,
+        "sequence_lengths": lengths,
+    }
+    if with_ref:
+        batch["ref_logprobs"] = ref_logprobs
+    return batch
+
+
+def padding_row(prompt_ids: list[int]) -> Row:
+    """A row that carries no loss (fills a data-parallel rank's last microbatch)."""
+    return Row(prompt_ids=list(prompt_ids), token_ids=[], logprobs=[], advantage=0.0, train=False)
+
+
+def split_rows(rows: Sequence[Row], *, dp_rank: int, dp_world_size: int, microbatch_size: int) -> list[list[Row]]:
+    """This data-parallel rank's microbatches of ``rows``: the rows are dealt out in contiguous
+    blocks, and every rank gets the same number of full microbatches (short ones are filled
+    with rows that carry no loss), so every rank runs the same collectives."""
+    per_step = dp_world_size * microbatch_size
+    steps = max(1, -(-len(rows) // per_step))
+    filler = padding_row(rows[0].prompt_ids if rows else [0, 0])
+    padded = list(rows) + [filler] * (steps * per_step - len(rows))
+    share = steps * microbatch_size
+    mine = padded[dp_rank * share : (dp_rank + 1) * share]
+    return [mine[i : i + microbatch_size] for i in range(0, share, microbatch_size)]
+
+
+def rollout_stats(rollout: Rollout) -> dict[str, float]:
+    """Reward and length statistics of a rollout (every completion, before any filtering)."""
+    rewards = torch.tensor(rollout.rewards, dtype=torch.float64).flatten()
+    completions = [c for group in rollout.groups for c in group]
+    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float64)
+    truncated = sum(c.finish_reason == "length" for c in completions)
+    groups = torch.tensor(rollout.rewards, dtype=torch.float64)
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(unbiased=False)),
+        "response_length_mean": float(lengths.mean()),
+        "truncated_fraction": truncated / max(len(completions), 1),
+        "zero_variance_fraction": float((~nonzero_variance_groups(groups)).double().mean()),
+    }

@@ -1,0 +1,159 @@
+"""Each GRPO-family loss against values computed by hand on a 2 x 3 example, and the gradients
+where they say what the loss does (clipped tokens get none, truncated IS caps the weight)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from titan.rl.losses import kl_estimate, loss_normalizer, policy_loss, stat_means, token_entropy
+
+# Row 0: advantage +1, token ratios 1.5 / 0.9 / 1.0, all three tokens carry loss.
+# Row 1: advantage -2, token ratios 0.5 / 1.1 and a masked third token (ratio 7, ignored).
+RATIOS = [[1.5, 0.9, 1.0], [0.5, 1.1, 7.0]]
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+ADV = torch.tensor([1.0, -2.0])
+
+
+def inputs():
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.7, -3.0]])
+    logp = (old + torch.log(torch.tensor(RATIOS))).requires_grad_(True)
+    return logp, old
+
+
+def test_grpo_by_hand():
+    logp, old = inputs()
+    loss, stats = policy_loss(logp, old, ADV, MASK, loss_type="grpo")
+    # Row 0 (eps 0.2): -min(1.5, 1.2) = -1.2 (clipped), -0.9, -1.0 -> token mean -3.1 / 3.
+    # Row 1: r=0.5, A=-2: -min(-1.0, 0.8 * -2) = 1.6 (clipped); r=1.1: 2.2 -> mean 3.8 / 2.
+    assert loss.item() == pytest.approx(-3.1 / 3 + 3.8 / 2, abs=1e-6)
+    assert stats["tokens"].item() == 5 and stats["clipped"].item() == 2
+    assert loss_normalizer("grpo", MASK, max_new_tokens=3).item() == 2
+    loss.backward()
+    # d/dlogp of -r*A*w is -A*r*w where unclipped; 0 where the clipped branch was taken.
+    want = torch.tensor([[0.0, -0.9 / 3, -1.0 / 3], [0.0, 2 * 1.1 / 2, 0.0]])
+    torch.testing.assert_close(logp.grad, want)
+
+
+def test_dapo_by_hand_asymmetric_clip_and_token_normalization():
+    logp, old = inputs()
+    loss, stats = policy_loss(logp, old, ADV, MASK, loss_type="dapo")
+    # eps_high 0.28: the 1.5 ratio clips at 1.28; every token weighs 1.
+    assert loss.item() == pytest.approx(-(1.28 + 0.9 + 1.0) + (1.6 + 2.2), abs=1e-6)
+    assert loss_normalizer("dapo", MASK, max_new_tokens=3).item() == 5
+    assert stat_means(stats)["clip_fraction"] == pytest.approx(2 / 5)
+
+
+def test_dr_grpo_by_hand_has_no_length_normalization():
+    logp, old = inputs()
+    loss, _ = policy_loss(logp, old, ADV, MASK, loss_type="dr_grpo")
+    assert loss.item() == pytest.approx(-(1.2 + 0.9 + 1.0) + (1.6 + 2.2), abs=1e-6)
+    assert loss_normalizer("dr_grpo", MASK, max_new_tokens=16).item() == 2 * 16
+
+
+def test_gspo_by_hand_sequence_ratio():
+    logp, old = inputs()
+    loss, stats = policy_loss(logp, old, ADV, MASK, loss_type="gspo")
+    s0 = (1.5 * 0.9 * 1.0) ** (1 / 3)  # geometric mean of the token ratios
+    s1 = (0.5 * 1.1) ** (1 / 2)  # the masked token does not count
+    lo, hi = 3e-4, 4e-4
+    want0 = -min(s0 * 1.0, min(max(s0, 1 - lo), 1 + hi) * 1.0)
+    want1 = -min(s1 * -2.0, min(max(s1, 1 - lo), 1 + hi) * -2.0)
+    assert loss.item() == pytest.approx(want0 + want1, abs=1e-6)
+    assert stats["clipped"].item() == 5  # both sequences clipped: all their loss tokens count
+    # GSPO gradient: one sequence weight for all of its tokens; both are clipped -> zero.
+    loss.backward()
+    assert torch.count_nonzero(logp.grad) == 0
+
+
+def test_gspo_unclipped_gradient_is_the_sequence_ratio_spread_over_tokens():
+    old = torch.zeros(1, 2)
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)  # on-policy: s = 1, nothing clipped
+    loss, _ = policy_loss(logp, old, torch.tensor([3.0]), torch.ones(1, 2), loss_type="gspo")
+    loss.backward()
+    # d(-s A)/dlogp_t = -A s / |o|.
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.5, -1.5]]))
+
+
+def test_on_policy_grpo_is_the_policy_gradient():
+    logp = torch.zeros(1, 4, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    loss, stats = policy_loss(logp, logp.detach().clone(), torch.tensor([0.5]), mask, loss_type="grpo")
+    assert loss.item() == pytest.approx(-0.5)  # -A * mean(r) with r = 1
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.5 / 3, -0.5 / 3, -0.5 / 3, 0.0]]))
+    assert stats["clipped"].item() == 0
+
+
+def test_truncated_importance_sampling_caps_value_and_gradient():
+    old = torch.zeros(1, 1)
+    logp = torch.tensor([[math.log(3.0)]], requires_grad=True)  # ratio 3, negative advantage
+    adv = torch.tensor([-1.0])
+    loss, _ = policy_loss(logp, old, adv, torch.ones(1, 1), loss_type="dapo")
+    loss.backward()
+    # Without a cap the clipped surrogate keeps -r*A = 3 and the gradient -A*r = 3.
+    assert loss.item() == pytest.approx(3.0) and logp.grad.item() == pytest.approx(3.0)
+    logp.grad = None
+    loss, _ = policy_loss(logp, old, adv, torch.ones(1, 1), loss_type="dapo", is_cap=2.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(2.0) and logp.grad.item() == pytest.approx(2.0)
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])  # log p/q = 0.5
+    assert kl_estimate(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert kl_estimate(logp, ref, "k2").item() == pytest.approx(0.125)
+    assert kl_estimate(logp, ref, "k3").item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)
+    with pytest.raises(ValueError, match="--rl.kl_estimator"):
+        kl_estimate(logp, ref, "k4")
+
+
+def test_kl_penalty_is_off_by_default_and_added_with_its_weights():
+    logp, old = inputs()
+    ref = old - 0.5  # log p/q = log r + 0.5 on every token
+    base, _ = policy_loss(logp, old, ADV, MASK, loss_type="grpo")
+    logged, stats = policy_loss(logp, old, ADV, MASK, loss_type="grpo", ref_logprobs=ref)
+    assert logged.item() == pytest.approx(base.item())  # kl_coef 0: measured, not added
+    with_kl, _ = policy_loss(logp, old, ADV, MASK, loss_type="grpo", ref_logprobs=ref, kl_coef=0.1,
+                             kl_estimator="k1")
+    log_pq = torch.log(torch.tensor(RATIOS)) + 0.5
+    per_row = [(log_pq[0] * MASK[0]).sum() / 3, (log_pq[1] * MASK[1]).sum() / 2]
+    assert with_kl.item() == pytest.approx(base.item() + 0.1 * float(sum(per_row)), abs=1e-6)
+    k3 = torch.exp(-log_pq) - 1 + log_pq
+    assert stats["kl"].item() == pytest.approx(float((k3 * MASK).sum()), abs=1e-6)
+
+
+def test_entropy_bonus_and_entropy_by_hand():
+    logits = torch.tensor([[[0.0, 0.0]], [[math.log(3.0), 0.0]]]).reshape(1, 2, 2)
+    entropy = token_entropy(logits)
+    p = 0.75
+    torch.testing.assert_close(entropy, torch.tensor([[math.log(2), -(p * math.log(p) + (1 - p) * math.log(1 - p))]]))
+    logp, old = inputs()
+    ent = torch.full((2, 3), 2.0)
+    base, _ = policy_loss(logp, old, ADV, MASK, loss_type="dapo")
+    bonus, stats = policy_loss(logp, old, ADV, MASK, loss_type="dapo", entropy=ent, entropy_coef=0.01)
+    assert bonus.item() == pytest.approx(base.item() - 0.01 * 2.0 * 5, abs=1e-6)
+    assert stat_means(stats)["entropy"] == pytest.approx(2.0)
+
+
+def test_per_token_advantages_equal_broadcast_ones():
+    logp, old = inputs()
+    a, _ = policy_loss(logp, old, ADV, MASK, loss_type="grpo")
+    b, _ = policy_loss(logp, old, ADV[:, None].expand(2, 3).clone(), MASK, loss_type="grpo")
+    assert a.item() == pytest.approx(b.item())
+
+
+def test_given_sequence_lengths_match_the_mask_count():
+    """Under context parallel each token carries its completion's length; same result."""
+    logp, old = inputs()
+    lengths = MASK.sum(-1, keepdim=True).expand(2, 3) * MASK
+    a, _ = policy_loss(logp, old, ADV, MASK, loss_type="grpo")
+    b, _ = policy_loss(logp, old, ADV, MASK, loss_type="grpo", sequence_lengths=lengths)
+    assert a.item() == pytest.approx(b.item())
+
+
+def test_unknown_loss_type_names_the_flag():
+    logp, old = inputs()
+    with pytest.raises(ValueError, match="--rl.loss_type"):
+        policy_loss(logp, old, ADV, MASK, loss_type="ppo")

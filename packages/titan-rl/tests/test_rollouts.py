@@ -1,0 +1,88 @@
+"""Rollouts become engine batches: rows, labels, masks and advantages laid out by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from titan.rl.generate.base import Completion
+from titan.rl.rollouts import Rollout, build_batch, rollout_rows, rollout_stats, split_rows
+
+PAD = 0
+
+
+def completion(prompt, tokens, finish="stop"):
+    return Completion(prompt_ids=prompt, token_ids=tokens, logprobs=[-0.1 * (i + 1) for i in range(len(tokens))],
+                      finish_reason=finish)
+
+
+def rollout():
+    """Two prompts x two completions; the second group's rewards are equal (no signal)."""
+    groups = [
+        [completion([1, 2, 3], [7, 8]), completion([1, 2, 3], [9, 9, 9], finish="length")],
+        [completion([4, 5], [6]), completion([4, 5], [6, 6])],
+    ]
+    return Rollout(index=0, version=3, groups=groups, rewards=[[1.0, 0.0], [0.5, 0.5]])
+
+
+def test_batch_layout_by_hand():
+    rows = rollout_rows(rollout())
+    assert len(rows) == 2  # the zero-variance group is dropped
+    batch = build_batch(rows[:1], seq_len=6, pad_id=PAD)
+    # Sequence 1 2 3 7 8: inputs drop the last token; labels are the completion tokens only.
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 7, PAD, PAD]]
+    assert batch["labels"].tolist() == [[-100, -100, 7, 8, -100, -100]]
+    assert batch["positions"].tolist() == [[0, 1, 2, 3, 0, 1]]
+    assert batch["document_ids"].tolist() == [[0, 0, 0, 0, 1, 1]]
+    torch.testing.assert_close(batch["old_logprobs"], torch.tensor([[0.0, 0.0, -0.1, -0.2, 0.0, 0.0]]))
+    # Advantage of reward 1 in group (1, 0): (1 - 0.5) / 0.5 = 1, on each completion token.
+    torch.testing.assert_close(batch["advantages"], torch.tensor([[0.0, 0.0, 1.0, 1.0, 0.0, 0.0]]), atol=1e-5, rtol=0)
+    assert batch["loss_mask"].tolist() == [[0.0, 0.0, 1.0, 1.0, 0.0, 0.0]]
+    assert batch["sequence_lengths"].tolist() == [[0.0, 0.0, 2.0, 2.0, 0.0, 0.0]]
+    assert "ref_logprobs" not in batch
+
+
+def test_truncated_completions_are_masked_when_asked():
+    kept = rollout_rows(rollout(), mask_truncated=True)
+    assert [r.train for r in kept] == [True, False]
+    batch = build_batch(kept, seq_len=6, pad_id=PAD)
+    assert batch["loss_mask"][1].sum() == 0
+    assert batch["labels"][1].tolist() == [-100, -100, 9, 9, 9, -100]  # still scored for logprob checks
+    assert len(rollout_rows(rollout(), drop_zero_variance=False)) == 4
+
+
+def test_dr_grpo_advantages_and_stats():
+    rows = rollout_rows(rollout(), normalize_std=False, drop_zero_variance=False)
+    assert [r.advantage for r in rows] == pytest.approx([0.5, -0.5, 0.0, 0.0])
+    stats = rollout_stats(rollout())
+    assert stats["reward_mean"] == pytest.approx(0.5)
+    assert stats["reward_std"] == pytest.approx(((0.25 + 0.25 + 0 + 0) / 4) ** 0.5)
+    assert stats["response_length_mean"] == pytest.approx((2 + 3 + 1 + 2) / 4)
+    assert stats["truncated_fraction"] == pytest.approx(0.25)
+    assert stats["zero_variance_fraction"] == pytest.approx(0.5)
+
+
+def test_reference_logprobs_travel_with_the_rows():
+    r = rollout()
+    r.ref_logprobs = [[[-1.0, -2.0], [-3.0, -3.0, -3.0]], [[-4.0], [-5.0, -5.0]]]
+    batch = build_batch(rollout_rows(r), seq_len=6, pad_id=PAD)
+    assert batch["ref_logprobs"][0].tolist() == [0.0, 0.0, -1.0, -2.0, 0.0, 0.0]
+
+
+def test_too_long_for_the_sequence_is_refused():
+    rows = rollout_rows(rollout())
+    with pytest.raises(ValueError, match="--training.seq_len 3"):
+        build_batch(rows, seq_len=3, pad_id=PAD)
+
+
+def test_rows_are_dealt_to_data_parallel_ranks_in_equal_microbatch_counts():
+    rows = rollout_rows(rollout(), drop_zero_variance=False) + rollout_rows(rollout(), drop_zero_variance=False)[:1]
+    assert len(rows) == 5
+    rank0 = split_rows(rows, dp_rank=0, dp_world_size=2, microbatch_size=2)
+    rank1 = split_rows(rows, dp_rank=1, dp_world_size=2, microbatch_size=2)
+    assert [len(mb) for mb in rank0] == [2, 2] and [len(mb) for mb in rank1] == [2, 2]
+    assert [r for mb in rank0 for r in mb] == rows[:4]
+    assert rank1[0][0] is rows[4]
+    fillers = [r for mb in rank1 for r in mb][1:]
+    assert all(not r.train and not r.token_ids for r in fillers)
+    batch = build_batch(rank1[1], seq_len=6, pad_id=PAD)
+    assert batch["loss_mask"].sum() == 0 and (batch["labels"] == -100).all()
