@@ -85,3 +85,39 @@ def test_qwen3_tp2_with_sp_matches_one_process(tmp_path):
     assert q_norm.shape == (32,) and not torch.equal(q_norm, torch.ones(32))
     for key, ref in ref_w.items():
         torch.testing.assert_close(tp_w[key], ref, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_convert_hf_knows_the_qwen3_families_by_name(family, tmp_path):
+    """`tools/convert_hf.py from-hf/to-hf --model <family>` on a tiny Hub-layout checkpoint
+    written by transformers: HF -> titan DCP -> HF is bitwise, and transformers' logits are
+    unchanged."""
+    import importlib.util
+
+    transformers = pytest.importorskip("transformers")
+    from titan.ckpt import load_hf
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if family == "qwen3":
+        config, cls = transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
+    else:
+        config = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=8,
+                                             num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0])
+        cls = transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    model.save_pretrained(tmp_path / "hf")
+    spec = importlib.util.spec_from_file_location("convert_hf", Path(__file__).resolve().parents[1] / "tools" / "convert_hf.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--model", family])
+    tool.main(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "back"), "--model", family])
+    original, again = load_hf(str(tmp_path / "hf")), load_hf(str(tmp_path / "back"))
+    assert original.keys() == again.keys()
+    assert all(torch.equal(original[k], again[k]) for k in original)
+    tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    reloaded = cls.from_pretrained(str(tmp_path / "back")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, model(tokens).logits, rtol=0, atol=0)

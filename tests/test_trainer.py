@@ -93,3 +93,19 @@ def test_bf16_without_fsdp_autocasts_and_tracks_fp32(tmp_path):
     for a, b in zip(fp32, bf16, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
     assert any(a["loss"] != b["loss"] for a, b in zip(fp32, bf16, strict=True))
+
+
+def test_model_vocab_size_is_taken_as_given_or_refused(tmp_path):
+    """`--model.vocab_size` sizes the embedding and output (a checkpoint with more rows than the
+    tokenizer has tokens); below the tokenizer's vocabulary it is refused by name."""
+    cfg = tiny_config(tmp_path)
+    cfg.model.vocab_size = 400
+    trainer = Trainer(cfg, model_spec=model_spec("llama3"))
+    try:
+        assert trainer.model_parts[0].tok_embeddings.weight.shape[0] == 400
+        assert trainer.model_parts[0].output.weight.shape[0] == 400
+    finally:
+        trainer.close()
+    cfg.model.vocab_size = 100
+    with pytest.raises(ValueError, match="--model.vocab_size 100 is smaller than the tokenizer's 259 tokens"):
+        Trainer(cfg, model_spec=model_spec("llama3"))

@@ -102,6 +102,10 @@ def llama3_405b() -> TrainerConfig:
     return cfg
 
 
+QWEN3_VOCAB = 151936
+"""Rows of the released Qwen3 embedding/output matrices (more than the tokenizer's tokens)."""
+
+
 def qwen3_debug() -> TrainerConfig:
     """The Qwen3 debug model (QK norm, tied embeddings) on CPU: trains in a few minutes on the
     Python standard library's own source (byte-level), no download."""
@@ -117,6 +121,7 @@ def qwen3_sized(flavor: str, *, lr: float = 3e-4) -> TrainerConfig:
     cfg = pretrain_defaults(flavor=flavor, seq_len=4096, steps=10_000, lr=lr, warmup_steps=200)
     cfg = on_gpu_cluster(cfg, dataset="allenai/c4", tokenizer_path="./assets/qwen3/tokenizer.json")
     cfg.model.name = "qwen3"
+    cfg.model.vocab_size = QWEN3_VOCAB
     cfg.training.local_batch_size = 2
     cfg.activation_checkpoint.mode = "selective"
     cfg.job.dump_folder = f"./outputs/qwen3_{flavor.lower().replace('.', '_')}"
@@ -180,6 +185,7 @@ def qwen3_moe_30b_a3b() -> TrainerConfig:
     cfg = pretrain_defaults(flavor="30B-A3B", seq_len=4096, steps=10_000, lr=3e-4, warmup_steps=200)
     cfg = on_gpu_cluster(cfg, dataset="allenai/c4", tokenizer_path="./assets/qwen3/tokenizer.json")
     cfg.model.name = "qwen3_moe"
+    cfg.model.vocab_size = QWEN3_VOCAB
     cfg.training.local_batch_size = 2
     cfg.parallelism.expert_parallel_degree = 8
     cfg.activation_checkpoint.mode = "full"

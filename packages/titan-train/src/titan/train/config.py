@@ -45,6 +45,10 @@ class ModelConfig:
     vocab_multiple_of: int = 64
     """Pad the embedding/output vocabulary to a multiple of this, so tensor parallel degrees
     divide it; padded rows never receive a label."""
+    vocab_size: int | None = None
+    """Rows of the embedding and output: None pads the tokenizer's vocabulary to
+    ``vocab_multiple_of``; set it to match a checkpoint whose matrices have more rows than the
+    tokenizer has tokens (Qwen3: 151936). Must be >= the tokenizer's vocabulary."""
     n_layers: int | None = None
     """Override the flavor's number of blocks (None keeps the flavor's)."""
     dim: int | None = None
@@ -60,6 +64,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.vocab_multiple_of < 1:
             raise ValueError(f"--model.vocab_multiple_of must be >= 1, got {self.vocab_multiple_of}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"--model.vocab_size must be >= 1, got {self.vocab_size}")
         for name, value in self.overrides().items():
             if value < (0 if name == "router_aux_loss_coef" else 1):
                 raise ValueError(f"--model.{name} must be >= {0 if name == 'router_aux_loss_coef' else 1}, got {value}")

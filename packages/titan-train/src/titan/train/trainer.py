@@ -76,7 +76,7 @@ class Trainer:
         model_spec.check_flavor(config.model.flavor)
         self.validate_data()
         self.tokenizer = config.tokenizer.build()
-        vocab_size = round_up(self.tokenizer.vocab_size, config.model.vocab_multiple_of)
+        vocab_size = self._vocab_size()
         self.engine = TrainingEngine.from_config(config, model_spec=model_spec, vocab_size=vocab_size)
         self.grad_accum_steps = self._grad_accum_steps()
         self.dataloader = self.build_dataloader()
@@ -101,6 +101,19 @@ class Trainer:
             is_rank0=self.engine.dist_env.rank == 0,
         )
         self._log_start()
+
+    def _vocab_size(self) -> int:
+        """The model's vocabulary: ``--model.vocab_size`` when given (checked against the
+        tokenizer), else the tokenizer's padded to ``--model.vocab_multiple_of``."""
+        model, tokens = self.config.model, self.tokenizer.vocab_size
+        if model.vocab_size is None:
+            return round_up(tokens, model.vocab_multiple_of)
+        if model.vocab_size < tokens:
+            raise ValueError(
+                f"--model.vocab_size {model.vocab_size} is smaller than the tokenizer's {tokens} tokens; "
+                f"use >= {tokens} or leave it unset"
+            )
+        return model.vocab_size
 
     # ---- the data: what a loop on the same engine replaces -------------------------------
 
