@@ -407,6 +407,10 @@ class TrainingEngine:
         }
         if self.parallel_dims.cp_enabled:
             batch = shard_batch_dict_for_context_parallel(self.parallel_dims.mesh("cp"), batch)
+            if batch["positions"].dim() == 1:
+                # One row of shard positions for the whole batch: give it the batch dim, so a
+                # pipeline schedule splitting every keyword into microbatches splits rows.
+                batch["positions"] = batch["positions"].expand(batch["input_ids"].shape[0], -1)
         return batch
 
     @staticmethod
