@@ -113,7 +113,7 @@ class Llama3StateDictAdapter:
                 "the checkpoint has no lm_head.weight: it ties the output projection to "
                 "model.embed_tokens.weight (tie_word_embeddings in its config.json), but this "
                 "model is untied (tie_word_embeddings=False). Build it with "
-                "tie_word_embeddings=True (Llama3StateDictAdapter.args_from_hf_config reads it)"
+                f"tie_word_embeddings=True ({type(self).__name__}.args_from_hf_config reads it)"
             )
         if _EMBED not in out:
             raise ValueError(
@@ -122,26 +122,34 @@ class Llama3StateDictAdapter:
             )
         out[_OUTPUT] = out[_EMBED]
 
-    @staticmethod
-    def _hf_key(key: str) -> str:
+    BLOCK_KEYS: dict[str, str] = _IN_BLOCK
+    """Parameters inside block i: titan suffix -> HF suffix (a family adds its own)."""
+    FAMILY: str = "Llama 3"
+    """The family's name in errors about titan keys."""
+    HF_MODEL: str = "LlamaForCausalLM"
+    """The transformers class the checkpoints belong to (named in errors about HF keys)."""
+
+    @classmethod
+    def _hf_key(cls, key: str) -> str:
         block = _TITAN_BLOCK.fullmatch(key)
         if block is None and key in _TOP_LEVEL:
             return _TOP_LEVEL[key]
-        if block is not None and block.group(2) in _IN_BLOCK:
-            return f"model.layers.{block.group(1)}.{_IN_BLOCK[block.group(2)]}"
+        if block is not None and block.group(2) in cls.BLOCK_KEYS:
+            return f"model.layers.{block.group(1)}.{cls.BLOCK_KEYS[block.group(2)]}"
         raise ValueError(
-            f"{key!r} is not a Llama 3 parameter name; is this state dict from another model?"
+            f"{key!r} is not a {cls.FAMILY} parameter name; is this state dict from another model?"
         )
 
-    @staticmethod
-    def _titan_key(key: str) -> str:
+    @classmethod
+    def _titan_key(cls, key: str) -> str:
         block = _HF_BLOCK.fullmatch(key)
         if block is None and key in _FROM_HF_TOP:
             return _FROM_HF_TOP[key]
-        if block is not None and block.group(2) in _FROM_HF_BLOCK:
-            return f"layers.{block.group(1)}.{_FROM_HF_BLOCK[block.group(2)]}"
+        from_hf_block = {hf: titan for titan, hf in cls.BLOCK_KEYS.items()}
+        if block is not None and block.group(2) in from_hf_block:
+            return f"layers.{block.group(1)}.{from_hf_block[block.group(2)]}"
         raise ValueError(
-            f"{key!r} is not a LlamaForCausalLM parameter name; is this checkpoint another model?"
+            f"{key!r} is not a {cls.HF_MODEL} parameter name; is this checkpoint another model?"
         )
 
     def hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
@@ -211,7 +219,6 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 _FROM_HF_TOP = {hf: titan for titan, hf in _TOP_LEVEL.items()}
-_FROM_HF_BLOCK = {hf: titan for titan, hf in _IN_BLOCK.items()}
 
 
 def _rope_scaling_to_hf(scaling: RopeScaling | None) -> dict[str, Any] | None:

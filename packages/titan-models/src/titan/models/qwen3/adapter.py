@@ -19,29 +19,6 @@ from titan.models.llama3.adapter import (
 )
 from titan.models.qwen3.args import Qwen3Args
 
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-# titan suffix (after "layers.i.") -> HF suffix (after "model.layers.i.").
-_IN_BLOCK = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_FROM_HF_TOP = {hf: titan for titan, hf in _TOP_LEVEL.items()}
-_FROM_HF_BLOCK = {hf: titan for titan, hf in _IN_BLOCK.items()}
-_TITAN_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # The per-head norm weights ([head_dim]) follow the RoPE channel layout like wq/wk rows; the
 # base adapter permutes wq/wk itself.
 _HF_HEAD_NORM = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_norm\.weight")
@@ -60,6 +37,13 @@ class Qwen3StateDictAdapter(Llama3StateDictAdapter):
     """
 
     args: Qwen3Args
+    BLOCK_KEYS = {
+        **Llama3StateDictAdapter.BLOCK_KEYS,
+        "attention.q_norm.weight": "self_attn.q_norm.weight",
+        "attention.k_norm.weight": "self_attn.k_norm.weight",
+    }
+    FAMILY = "Qwen3"
+    HF_MODEL = "Qwen3ForCausalLM"
 
     def __init__(self, args: Qwen3Args) -> None:
         super().__init__(args)
@@ -79,26 +63,6 @@ class Qwen3StateDictAdapter(Llama3StateDictAdapter):
             if _TITAN_HEAD_NORM.fullmatch(key):
                 out[key] = half_split_to_interleaved(value, self.args.head_dim)
         return out
-
-    @staticmethod
-    def _hf_key(key: str) -> str:
-        block = _TITAN_BLOCK.fullmatch(key)
-        if block is None and key in _TOP_LEVEL:
-            return _TOP_LEVEL[key]
-        if block is not None and block.group(2) in _IN_BLOCK:
-            return f"model.layers.{block.group(1)}.{_IN_BLOCK[block.group(2)]}"
-        raise ValueError(f"{key!r} is not a Qwen3 parameter name; is this state dict from another model?")
-
-    @staticmethod
-    def _titan_key(key: str) -> str:
-        block = _HF_BLOCK.fullmatch(key)
-        if block is None and key in _FROM_HF_TOP:
-            return _FROM_HF_TOP[key]
-        if block is not None and block.group(2) in _FROM_HF_BLOCK:
-            return f"layers.{block.group(1)}.{_FROM_HF_BLOCK[block.group(2)]}"
-        raise ValueError(
-            f"{key!r} is not a Qwen3ForCausalLM parameter name; is this checkpoint another model?"
-        )
 
     def hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """A `config.json` dict for `Qwen3ForCausalLM` (`transformers.Qwen3Config(**d)` accepts it)."""
