@@ -160,6 +160,7 @@ class TrainingEngine:
         )
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
         self._pipeline_loss_call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._step_hooks: list[Callable] | None = None
         mp_policy = mixed_precision_policy(mixed_precision_param, mixed_precision_reduce)
         self.model_parts = self._parallelize(
             meta_model, activation_checkpoint, compile, mp_policy, local_batch_size, seed
@@ -373,11 +374,15 @@ class TrainingEngine:
         def sum_over_dp(value: torch.Tensor) -> torch.Tensor:
             return self.sum_over(value, "dp_cp")
 
-        for part in self.model_parts:
-            for module in part.modules():
-                hook = getattr(module, "after_optimizer_step", None)
-                if callable(hook):
-                    hook(sum_over_dp)
+        if self._step_hooks is None:  # found once: the module tree does not change
+            self._step_hooks = [
+                hook
+                for part in self.model_parts
+                for module in part.modules()
+                if callable(hook := getattr(module, "after_optimizer_step", None))
+            ]
+        for hook in self._step_hooks:
+            hook(sum_over_dp)
 
     def _first_non_finite_gradient(self) -> str | None:
         """The name of the first parameter (in model order) whose gradient shard on this rank
