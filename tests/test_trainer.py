@@ -24,24 +24,63 @@ def tiny_config(tmp_path, **training):
     return cfg
 
 
-def run(cfg):
+def run(cfg, *, capture_grads: bool = False):
+    """Train `cfg`; (records, final weights) and, with `capture_grads`, every step's gradients
+    as the optimizer sees them (after clipping), by parameter name."""
     trainer = Trainer(cfg, model_spec=model_spec("llama3"))
+    grads: list[dict[str, torch.Tensor]] = []
+    if capture_grads:
+        names = {id(p): n for n, p in trainer.model_parts[0].named_parameters()}
+
+        def keep_grads(optimizer, args, kwargs):
+            grads.append({names[id(p)]: p.grad.detach().clone()
+                          for group in optimizer.param_groups for p in group["params"]})
+
+        trainer.optimizers[0].register_step_pre_hook(keep_grads)
     try:
         records = trainer.train()
         weights = {k: v.detach().clone() for k, v in trainer.model_parts[0].state_dict().items()}
     finally:
         trainer.close()
-    return records, weights
+    return (records, weights, grads) if capture_grads else (records, weights)
+
+
+# One batch of 8 and two microbatches of 4 are equal in exact arithmetic; in float32 they differ
+# by the order of the sums over the batch's 8 x 32 = 256 tokens, which the CPU's GEMM kernels
+# choose by instruction set (AVX2, AVX-512, AMX). Worst case for a reordered sum of n terms:
+# n * 2^-24 = 1.5e-5 of the sum of the terms' magnitudes, which in these dense gradients is of
+# the order of each tensor's largest entry. So gradients are compared per tensor within 2e-5 of
+# that tensor's largest entry (~1e-6 measured).
+GRAD_REL_TO_MAX = 2e-5
+# Weights after 3 AdamW steps: AdamW divides each entry by sqrt(v) + eps, so with the default eps
+# 1e-8 an entry whose gradient is ~0 by cancellation turns its ~1e-10 reordering error into an
+# update of order lr (seen: 1.2e-5 on an AVX-512 + AMX Xeon, 0 elsewhere). eps 1e-5 caps that
+# amplification at lr / eps = 200 while staying ~1% of a typical entry's RMS (~1e-3), so an
+# entry moves by at most 200 x its reordering error, well inside atol 1e-6 (measured: 4e-8
+# beyond rtol). The parity matrix (tests/test_parallel_parity.py) does the same.
+ACCUM_EPS = 1e-5
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     """Two microbatches of 4 normalized by the global token count step exactly like one
-    batch of 8: the same samples, the same loss, the same weights."""
-    big, big_w = run(tiny_config(tmp_path / "big", local_batch_size=8))
-    acc, acc_w = run(tiny_config(tmp_path / "acc", local_batch_size=4, global_batch_size=8))
+    batch of 8: the same samples, the same loss, the same gradients, the same weights."""
+    big_cfg = tiny_config(tmp_path / "big", local_batch_size=8)
+    acc_cfg = tiny_config(tmp_path / "acc", local_batch_size=4, global_batch_size=8)
+    for cfg in (big_cfg, acc_cfg):
+        cfg.optimizer.eps = ACCUM_EPS
+    big, big_w, big_g = run(big_cfg, capture_grads=True)
+    acc, acc_w, acc_g = run(acc_cfg, capture_grads=True)
     for a, b in zip(big, acc, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert len(big_g) == len(acc_g) == 3
+    for step, (want, got) in enumerate(zip(big_g, acc_g, strict=True), start=1):
+        assert want.keys() == got.keys()
+        for name, grad in want.items():
+            scale = float(grad.abs().max())
+            assert scale > 0, f"step {step}: {name} has no gradient"
+            torch.testing.assert_close(got[name], grad, rtol=0, atol=GRAD_REL_TO_MAX * scale,
+                                       msg=lambda m, name=name, step=step: f"step {step}: {name}: {m}")
     for name, tensor in big_w.items():
         torch.testing.assert_close(acc_w[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 

@@ -8,7 +8,6 @@ torch.multiprocessing can find them in the child processes.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 from dataclasses import dataclass, field
@@ -192,15 +191,23 @@ def assert_close_rel(a, b, rtol: float = 1e-5, atol: float = 1e-6, what: str = "
 # --- multi-process runner ---------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store(world_size: int) -> dist.TCPStore:
+    """A TCP store this process hosts on a port the OS picks and keeps bound, for the spawned
+    ranks to join as clients (the way torchrun's agent hosts the store of its workers).
+
+    Asking the OS for a free port, closing it and letting rank 0 bind it later is a race that
+    a parallel test (another pytest-xdist worker) can win; a port that is never released
+    cannot be taken.
+    """
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+    # TORCHELASTIC_USE_AGENT_STORE: every rank, rank 0 included, is a client of the store the
+    # parent hosts (see _rendezvous_store) instead of rank 0 binding the port itself.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     try:
         from titan.dist import init_distributed
@@ -221,9 +228,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> No
 
 def run_ranks(world_size: int, fn, *args) -> list:
     """Run fn(rank, world_size, *args) in `world_size` gloo processes; return each result."""
+    store = _rendezvous_store(world_size)
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.spawn(_worker, args=(world_size, _free_port(), out_dir, fn, args),
+            mp.spawn(_worker, args=(world_size, store.port, out_dir, fn, args),
                      nprocs=world_size, join=True)
         except Exception as err:
             errs = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir))
