@@ -12,11 +12,18 @@ before any test runs, so the ``titan`` subprocesses the tests start inherit them
 - ``TORCHINDUCTOR_CACHE_DIR``: compiled kernels go to a folder of this test run (made by the
   pytest-xdist controller, inherited by its workers, so one cold compile serves the whole run)
   instead of the machine-wide default under the system temp folder.
+- ``OMP_NUM_THREADS`` (and torch's intra-op threads in the test process): the machine's cores
+  divided among the pytest-xdist workers. Each worker, and each single-process ``titan`` run it
+  starts, would otherwise use every core: with 2 workers on 2 cores that is 4 spinning OpenMP
+  threads on 2 cores, and a 10 s training run took 145 s. Multi-rank launches still give each
+  rank one thread.
 """
 
 import os
 import shutil
 import tempfile
+
+import torch
 
 # Far above what the suite's tiny models reach on any CPU: MFU stays a small, valid percentage.
 SUITE_CPU_PEAK_FLOPS = "1e13"
@@ -26,8 +33,22 @@ _inductor_dir: str | None = None
 _RUN_MARK = "TITAN_TEST_RUN_INDUCTOR_DIR"
 
 
+def _cores() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_worker() -> int:
+    """The cores divided among the pytest-xdist workers (all of them without xdist)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, _cores() // max(1, workers))
+
+
 def pytest_configure(config):
-    """Point the titan cache at a temporary folder and pin the CPU peak."""
+    """Point the titan cache at a temporary folder, pin the CPU peak, share out the cores."""
     global _cache_dir
     _cache_dir = tempfile.mkdtemp(prefix="titan-test-cache-")
     os.environ["TITAN_CACHE_DIR"] = _cache_dir
@@ -39,6 +60,9 @@ def pytest_configure(config):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ[_RUN_MARK]
     # matplotlib (titan plot) writes its font cache under the home folder by default.
     os.environ["MPLCONFIGDIR"] = os.path.join(_cache_dir, "matplotlib")
+    threads = threads_per_worker()
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def pytest_unconfigure(config):

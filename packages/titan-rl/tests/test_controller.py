@@ -137,7 +137,7 @@ def run_rl(dump: Path, *flags: str) -> subprocess.CompletedProcess:
     cmd = [*TITAN, "rl", "--config", "grpo_debug", "--job.dump_folder", str(dump),
            "--metrics.no_enable_progress_bar", *flags]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "OMP_NUM_THREADS": "2"})
+                            env=dict(os.environ))  # threads: the suite's share (conftest.py)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result
 
