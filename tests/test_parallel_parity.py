@@ -1,17 +1,18 @@
 """The issue-3 parity matrix through the whole stack: `titan train` under every parallel layout
 trains exactly like one process.
 
-Each layout is one torchrun of the real trainer (Llama 3 ``debugmodel_tiny``, AdamW, the packed
-synthetic loader, global-token loss normalization, active grad clipping, metrics.jsonl) for
-``STEPS`` steps from one seed checkpoint. Every logged loss and every final weight must match
-a single-process run within fp32 tolerance.
+Each layout is one run of the real `titan train` (Llama 3 ``debugmodel_tiny``, AdamW, the
+packed synthetic loader, global-token loss normalization, active grad clipping, metrics.jsonl)
+for ``STEPS`` steps from one seed checkpoint. Every logged loss and every final weight must
+match a single-process run within fp32 tolerance. Runs of the same world size share one launch
+(``parity_worker.py``: one process group, the runs one after another), because starting
+torchrun costs more than the run itself.
 
 All layouts see the same global batch of ``GLOBAL_BATCH`` sequences per step: the loader packs
 one global stream and each data-parallel rank takes its rows of each global batch, so the
 reference is one single-process run whatever the data-parallel degree.
 
-The whole matrix runs by default (~2.5 min with ``-n 2`` on 2 CPU cores, a cold inductor cache
-included); ``TITAN_PARITY_QUICK=1`` keeps one layout per technique (~1 min).
+The whole matrix runs by default; ``TITAN_PARITY_QUICK=1`` keeps one layout per technique.
 """
 
 from __future__ import annotations
@@ -116,17 +117,24 @@ LAYOUTS: dict[str, tuple[int, list[str], bool]] = {
 QUICK = os.environ.get("TITAN_PARITY_QUICK") == "1"
 
 
-def titan_train(ranks: int, dump: Path, *flags: str) -> None:
-    """One `titan train` run: in this process's interpreter, under torchrun when ranks > 1."""
+WORKER = Path(__file__).with_name("parity_worker.py")
+
+
+def launch(ranks: int, runs: list[tuple[str, list[str]]], log: Path) -> None:
+    """Every run of `runs` ((name, flags after COMMON)) in one launch of `ranks` processes:
+    this interpreter alone for one rank, torchrun otherwise (see parity_worker.py)."""
     if ranks == 1:
-        launcher = [sys.executable, "-m", "titan.recipes.cli"]
+        launcher = [sys.executable]
     else:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                    "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli"]
+                    "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
+    runs_file = log.with_suffix(".json")
+    runs_file.write_text(json.dumps([[name, [*COMMON, *flags]] for name, flags in runs]))
+    cmd = [*launcher, str(WORKER), str(runs_file)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [*launcher, "train", *COMMON, "--job.dump_folder", str(dump), *flags]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    log.write_text(f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-8000:]}")
+    assert result.returncode == 0, log.read_text()
 
 
 def metrics(dump: Path) -> dict[str, list[float]]:
@@ -140,39 +148,106 @@ def final_weights(dump: Path) -> dict[str, torch.Tensor]:
     return load_dcp_model(str(dump / "checkpoint"))
 
 
-def train_from_seed(ranks: int, dump: Path, seed: Path, *flags: str) -> None:
-    """Train STEPS steps from the seed checkpoint; save the last step's fp32 weights."""
-    titan_train(
-        ranks, dump,
-        "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
-        "--checkpoint.interval", str(STEPS), "--checkpoint.export_dtype", "float32",
-        *flags,
-    )
+def save_last_step(*flags: str) -> list[str]:
+    """Flags that save the last step's fp32 weights (for the weight comparison)."""
+    return ["--checkpoint.enable", "--checkpoint.interval", str(STEPS),
+            "--checkpoint.export_dtype", "float32", *flags]
+
+
+def shared_root(tmp_path_factory) -> Path:
+    """A folder of this pytest session shared by its pytest-xdist workers (not other sessions)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    root = base / "titan_parity"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def run_once(root: Path, group: str, ranks: int, runs: dict[str, list[str]]) -> Path:
+    """Launch `runs` (name -> flags) as one group the first time any worker asks, under a file
+    lock; later callers reuse the folders. A failed launch is recorded, so every test of the
+    group fails with its log instead of launching again. Returns the group's folder, which
+    holds one dump folder per run name."""
+    folder = root / group
+    with FileLock(str(root / f"{group}.lock")):
+        failed = folder / "FAILED"
+        if not (folder / "done").exists() and not failed.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            named = [(name, [*flags, "--job.dump_folder", str(folder / name)]) for name, flags in runs.items()]
+            try:
+                launch(ranks, named, folder / "launch.log")
+            except AssertionError:
+                failed.touch()
+                raise
+            (folder / "done").touch()
+        assert not failed.exists(), f"the {group} launch failed:\n{(folder / 'launch.log').read_text()}"
+    return folder
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The seed checkpoint and the single-process run every layout is compared with; built
     once per session, shared by the pytest-xdist workers through a file lock."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # this session's folder, shared by its workers (not other sessions)
-    root = base / "titan_parity_reference"
-    root.mkdir(exist_ok=True)
-    seed = root / "seed" / "checkpoint"
-    with FileLock(str(root / "lock")):
-        if not (root / "done").exists():
-            for stale in ("seed", "ref"):
-                shutil.rmtree(root / stale, ignore_errors=True)
-            titan_train(1, root / "seed", "--checkpoint.enable",
-                        "--checkpoint.create_seed_checkpoint",
-                        "--training.local_batch_size", str(GLOBAL_BATCH))
-            train_from_seed(1, root / "ref", seed, "--training.local_batch_size", str(GLOBAL_BATCH))
-            (root / "done").touch()
-    ref = metrics(root / "ref")
+    root = shared_root(tmp_path_factory)
+    seed_run = ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                "--training.local_batch_size", str(GLOBAL_BATCH)]
+    seed = root / "reference" / "seed" / "checkpoint"
+    ref_run = save_last_step("--checkpoint.initial_load_path", str(seed),
+                             "--training.local_batch_size", str(GLOBAL_BATCH))
+    folder = run_once(root, "reference", 1, {"seed": seed_run, "ref": ref_run})
+    ref = metrics(folder / "ref")
     # A meaningful reference: clipping acts on every step, and the model learns.
     assert min(ref["grad_norm"]) > 0.5 and ref["loss"][-1] < ref["loss"][0] - 0.3, ref
-    return seed, ref, final_weights(root / "ref")
+    return seed, ref, final_weights(folder / "ref")
+
+
+FROM_SCRATCH = ("fsdp2", "tp2_sp", "pp2_1f1b")
+BF16 = _layout(2, *_dp(shard=2), "--training.mixed_precision_param", "bfloat16", dp=2)
+SEED_ANY_LAYOUT = (4, [*_dp(shard=2), *TP2, "--training.local_batch_size", "4"])
+
+
+def group_of(ranks: int, flags: list[str]) -> str:
+    """Runs of one world size share a launch; the pipeline schedules of 2 ranks get their own
+    (each launch stays ~1 min, and the two pytest-xdist workers can run two at once)."""
+    pipeline = ranks == 2 and "--parallelism.pipeline_parallel_degree" in flags
+    return f"ranks{ranks}" + ("_pp" if pipeline else "")
+
+
+def planned_runs(seed: Path) -> dict[str, tuple[int, dict[str, list[str]]]]:
+    """Every run the tests below read: group -> (ranks, run name -> flags)."""
+    groups: dict[str, tuple[int, dict[str, list[str]]]] = {}
+
+    def add(name: str, ranks: int, flags: list[str]) -> None:
+        groups.setdefault(group_of(ranks, flags), (ranks, {}))[1][name] = flags
+
+    for name, (ranks, flags, quick) in LAYOUTS.items():
+        if quick or not QUICK:
+            add(name, ranks, save_last_step("--checkpoint.initial_load_path", str(seed), *flags))
+    for name in FROM_SCRATCH:
+        ranks, flags, _ = LAYOUTS[name]
+        add(f"from_scratch_{name}", ranks, save_last_step(*flags))
+    add("bf16", BF16[0], ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed), *BF16[1]])
+    add("seed_fsdp2_tp2", SEED_ANY_LAYOUT[0],
+        ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint", *SEED_ANY_LAYOUT[1]])
+    return groups
+
+
+@pytest.fixture(scope="module")
+def trained(reference, tmp_path_factory):
+    """run name -> its dump folder, launching its group on first use (one launch per group
+    for the whole session, whichever worker asks first)."""
+    seed = reference[0]
+    root = shared_root(tmp_path_factory)
+    groups = planned_runs(seed)
+
+    def dump_of(name: str) -> Path:
+        group = next(g for g, (_, runs) in groups.items() if name in runs)
+        ranks, runs = groups[group]
+        return run_once(root, group, ranks, runs) / name
+
+    return dump_of
 
 
 def max_rel(got: list[float], ref: list[float]) -> float:
@@ -185,15 +260,14 @@ def max_rel(got: list[float], ref: list[float]) -> float:
     [pytest.param(name, marks=pytest.mark.skip("TITAN_PARITY_QUICK=1") if QUICK and not quick else ())
      for name, (_, _, quick) in LAYOUTS.items()],
 )
-def test_layout_matches_one_process(layout, reference, tmp_path):
-    seed, ref_metrics, ref_weights = reference
-    ranks, flags, _ = LAYOUTS[layout]
-    train_from_seed(ranks, tmp_path, seed, *flags)
+def test_layout_matches_one_process(layout, reference, trained):
+    _, ref_metrics, ref_weights = reference
+    dump = trained(layout)
 
-    got = metrics(tmp_path)
+    got = metrics(dump)
     loss_rel = max_rel(got["loss"], ref_metrics["loss"])
     norm_rel = max_rel(got["grad_norm"], ref_metrics["grad_norm"])
-    weights = final_weights(tmp_path)
+    weights = final_weights(dump)
     assert weights.keys() == ref_weights.keys(), layout
     weight_abs = max(float((weights[k] - ref).abs().max()) for k, ref in ref_weights.items())
     print(f"{layout}: max rel diff loss {loss_rel:.1e}, grad norm {norm_rel:.1e}; "
@@ -208,53 +282,40 @@ def test_layout_matches_one_process(layout, reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_compute_tracks_fp32(reference, tmp_path):
+def test_bf16_compute_tracks_fp32(reference, trained):
     """FSDP 2 with bf16 parameters in compute and fp32 master weights and reductions: the
     losses follow the fp32 single-process run to bf16 precision (~3 significant digits),
     not bitwise; a broken cast or reduction would be off by far more."""
-    seed, ref_metrics, _ = reference
-    _, flags, _ = _layout(2, *_dp(shard=2), "--training.mixed_precision_param", "bfloat16", dp=2)
-    train_from_seed(2, tmp_path, seed, *flags)
-    got = metrics(tmp_path)
+    _, ref_metrics, _ = reference
+    got = metrics(trained("bf16"))
     assert max_rel(got["loss"], ref_metrics["loss"]) <= 1e-2, (got["loss"], ref_metrics["loss"])
     assert max_rel(got["loss"], ref_metrics["loss"]) > 0, "bf16 compute should not be bitwise fp32"
 
 
-FROM_SCRATCH = {
-    "fsdp2": LAYOUTS["fsdp2"],
-    "tp2_sp": LAYOUTS["tp2_sp"],
-    "pp2_1f1b": LAYOUTS["pp2_1f1b"],
-}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(FROM_SCRATCH))
-def test_layout_from_scratch_matches_one_process(layout, reference, tmp_path):
+@pytest.mark.parametrize("layout", FROM_SCRATCH)
+def test_layout_from_scratch_matches_one_process(layout, reference, trained):
     """No seed checkpoint: every rank initializes its own shards from `--debug.seed`, as a user's
     first multi-rank run does. Initialization is layout-independent, so the run equals the
     single process (whose seed checkpoint holds the same `--debug.seed 0` weights)."""
     _, ref_metrics, ref_weights = reference
-    ranks, flags, _ = FROM_SCRATCH[layout]
-    titan_train(ranks, tmp_path, "--checkpoint.enable", "--checkpoint.interval", str(STEPS),
-                "--checkpoint.export_dtype", "float32", *flags)
-    got = metrics(tmp_path)
+    dump = trained(f"from_scratch_{layout}")
+    got = metrics(dump)
     assert max_rel(got["loss"], ref_metrics["loss"]) <= LOSS_RTOL, (layout, got["loss"], ref_metrics["loss"])
     assert max_rel(got["grad_norm"], ref_metrics["grad_norm"]) <= GRAD_NORM_RTOL, layout
-    weights = final_weights(tmp_path)
+    weights = final_weights(dump)
     for key, ref in ref_weights.items():
         torch.testing.assert_close(weights[key], ref, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL,
                                    msg=lambda m, key=key: f"{layout}: {key}: {m}")
 
 
 @pytest.mark.slow
-def test_seed_checkpoint_of_any_layout_equals_one_process(reference, tmp_path):
+def test_seed_checkpoint_of_any_layout_equals_one_process(reference, trained):
     """A seed checkpoint written by FSDP 2 x TP 2 holds bitwise the single process's initial
     weights, and its shards are not copies of each other (the bug where every rank drew its
     shard from the same generator state)."""
     seed, _, _ = reference
-    flags = [*_dp(shard=2), *TP2, "--training.local_batch_size", "4"]
-    titan_train(4, tmp_path, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint", *flags)
-    got, want = final_weights(tmp_path), load_dcp_model(str(seed))
+    got, want = final_weights(trained("seed_fsdp2_tp2")), load_dcp_model(str(seed))
     assert got.keys() == want.keys()
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
