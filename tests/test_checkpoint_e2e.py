@@ -91,9 +91,9 @@ def titan(ranks: int, dump: Path, *flags: str, ok: bool = True, script: str | No
     return result
 
 
-def launch(ranks: int, dump: Path, *flags: str) -> subprocess.Popen:
+def launch(ranks: int, dump: Path, *flags: str, script: str | None = None) -> subprocess.Popen:
     """Start a run in its own session, so the test can kill the whole tree."""
-    return subprocess.Popen(command(ranks, dump, flags), stdout=subprocess.DEVNULL,
+    return subprocess.Popen(command(ranks, dump, flags, script), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
 
 
@@ -185,16 +185,45 @@ def one_ref(shared_dir) -> Path:
     return shared(shared_dir, "one", lambda d: titan(1, d, *ONE))
 
 
+# The killed run holds after this step (a checkpoint at step 4 is complete, step 8's not begun)
+# until the test SIGKILLs it: the kill lands mid-run whatever the machine's speed or load.
+HOLD_AFTER_STEP = 6
+HOLDING_ENTRY = '''
+"""`titan train`, except that every rank stops after step {step} and waits to be SIGKILLed."""
+import os, sys, threading
+import titan.ckpt.manager as manager
+from titan.recipes.cli import main
+
+real_maybe_save = manager.CheckpointManager.maybe_save
+
+def maybe_save_then_hold(self, step, **kwargs):
+    saved = real_maybe_save(self, step, **kwargs)
+    if step == {step}:
+        self.wait()  # any background save is published first
+        if os.environ.get("RANK", "0") == "0":
+            open(os.path.join(self.folder, os.pardir, "held"), "w").close()
+        threading.Event().wait()  # until killed
+    return saved
+
+manager.CheckpointManager.maybe_save = maybe_save_then_hold
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
 @pytest.fixture
 def killed_and_resumed(shared_dir) -> Path:
     """A 2-rank run SIGKILLed after its first checkpoint, then relaunched; the relaunch exports
     its last step as Hugging Face safetensors."""
 
     def build(dump: Path) -> None:
-        proc = launch(2, dump, *FSDP2)
-        deadline = time.monotonic() + 120
-        while not complete_steps(dump) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        script = dump / "hold_after_step.py"
+        script.write_text(HOLDING_ENTRY.format(step=HOLD_AFTER_STEP))
+        proc = launch(2, dump, *FSDP2, script=str(script))
+        held = dump / "held"
+        deadline = time.monotonic() + 240  # a guard against a hang, not part of the verdict
+        while not held.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         kill_tree(proc)
         assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
         (dump / "killed_at.json").write_text(json.dumps(
