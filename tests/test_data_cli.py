@@ -87,6 +87,24 @@ def test_an_existing_corpus_is_kept(tmp_path, capsys):
     assert (tmp_path / "out" / "manifest.json").read_bytes() == before
 
 
+HOLD_AFTER_SHARD_1 = '''
+import sys, threading
+from titan.train.data import tokenized
+from titan.recipes.cli import main
+
+real_write = tokenized._ShardWriter.write
+
+def write_then_hold(self, shard, start, stop):
+    entry = real_write(self, shard, start, stop)
+    if shard == 1:
+        threading.Event().wait()  # until killed
+    return entry
+
+tokenized._ShardWriter.write = write_then_hold
+sys.exit(main())
+'''
+
+
 @pytest.mark.slow
 def test_a_killed_tokenize_leaves_no_corpus_and_a_rerun_finishes_it(tmp_path, bpe):
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu ".split()
@@ -97,9 +115,13 @@ def test_a_killed_tokenize_leaves_no_corpus_and_a_rerun_finishes_it(tmp_path, bp
     args = ["data", "tokenize", str(src), str(out), "--tokenizer.kind", "hf", "--tokenizer.path",
             str(bpe), "--text_field", "body", "--num_proc", "1", "--rows_per_shard", "50",
             "--no_progress"]
-    proc = subprocess.Popen([sys.executable, "-m", "titan.recipes.cli", *args], env=ENV,
+    # `titan data tokenize`, held after shard 1 until killed: the kill lands mid-corpus on
+    # any machine (a poll racing the tokenizer to its end could lose on a loaded one).
+    entry = tmp_path / "hold_after_shard_1.py"
+    entry.write_text(HOLD_AFTER_SHARD_1)
+    proc = subprocess.Popen([sys.executable, str(entry), *args], env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 300  # a guard against a hang, not part of the verdict
     while not (work / "index-00001.npy").exists() and time.monotonic() < deadline:
         assert proc.poll() is None, "tokenize ended before it could be killed"
         time.sleep(0.005)
