@@ -13,28 +13,20 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
-
 from titan.dist.dims import ParallelDims
 from titan.dist.plan import layer_container_name, sharding_plan, tied_parameter_groups
 
+# `--parallelism.pipeline_parallel_schedule` name -> torch.distributed.pipelining class name.
+# The module is imported only when a pipeline is built: it pulls in torch._dynamo (~0.5 s at
+# every start of `titan`, also for runs without pipeline parallelism).
 SCHEDULES = {
-    "GPipe": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "LoopedBFS": ScheduleLoopedBFS,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-    "ZBVZeroBubble": ScheduleZBVZeroBubble,
-    "DualPipeV": ScheduleDualPipeV,
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "LoopedBFS": "ScheduleLoopedBFS",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
 }
 SINGLE_STAGE = ("GPipe", "1F1B")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
@@ -182,6 +174,8 @@ def build_pipeline(model: nn.Module, parallel_dims: ParallelDims, *, parallelism
     total = num_stages_for(len(keys), dims.pp, cfg)
     layers = stage_layer_keys(keys, total, cfg)
     n_micro = _microbatches(local_batch_size, cfg)
+    from torch.distributed import pipelining
+
     pp_rank, pp_mesh = dims.coords["pp"], dims.mesh("pp")
     parts, stages = [], []
     for sid in stage_ids_of_rank(pp_rank, dims.pp, total, name):
@@ -190,9 +184,9 @@ def build_pipeline(model: nn.Module, parallel_dims: ParallelDims, *, parallelism
                     activation_checkpoint=activation_checkpoint, compile=compile,
                     mp_policy=mp_policy)
         parts.append(part)
-        stages.append(PipelineStage(part, sid, total, device, group=pp_mesh.get_group(),
+        stages.append(pipelining.PipelineStage(part, sid, total, device, group=pp_mesh.get_group(),
                                     get_mesh=_mesh_lookup(dims)))
-    schedule_cls = SCHEDULES[name]
+    schedule_cls = getattr(pipelining, SCHEDULES[name])
     target = stages[0] if name in SINGLE_STAGE else stages
     schedule = schedule_cls(target, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=scale_grads)
     _run_steps_under_loss_parallel(schedule, dims, cfg)
