@@ -35,11 +35,11 @@ train: $(STAMP)
 
 ## The whole test suite, as CI runs it; the 15 slowest tests are listed at the end.
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
 
 ## Everything but the slow end-to-end tests.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist worksteal -m "not slow" --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src packages tests tools
