@@ -22,8 +22,12 @@ before any test runs, so the ``titan`` subprocesses the tests start inherit them
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import torch
+from filelock import FileLock
 
 # Far above what the suite's tiny models reach on any CPU: MFU stays a small, valid percentage.
 SUITE_CPU_PEAK_FLOPS = "1e13"
@@ -70,3 +74,36 @@ def pytest_unconfigure(config):
     for folder in (_cache_dir, _inductor_dir):
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def build_once(tmp_path_factory) -> Callable[[str, Callable[[Path], None]], Path]:
+    """``build_once(name, build)``: run ``build(folder)`` once per test session, whichever
+    pytest-xdist worker asks first (the others wait on a file lock), and return the folder.
+
+    For expensive shared inputs several tests read (a seed checkpoint, a reference run, a
+    group of runs sharing one launch). A failed build is recorded: every later caller fails
+    with its error instead of building again. The folders belong to this session only.
+    """
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent / f"shared-{run_id}" if run_id else base / "shared"
+    root.mkdir(parents=True, exist_ok=True)
+
+    def build_folder(name: str, build: Callable[[Path], None]) -> Path:
+        folder, failed = root / name, root / f"{name}.FAILED"
+        with FileLock(str(root / f"{name}.lock")):
+            if not (folder / ".built").exists() and not failed.exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                try:
+                    build(folder)
+                except BaseException as err:
+                    failed.write_text(f"{type(err).__name__}: {err}")
+                    raise
+                (folder / ".built").touch()
+            if failed.exists():
+                raise AssertionError(f"building {name!r} failed earlier in this session:\n{failed.read_text()}")
+        return folder
+
+    return build_folder

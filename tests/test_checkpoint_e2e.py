@@ -10,7 +10,6 @@ runs are shared between tests (and between pytest-xdist workers, through a file 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib.util
 import json
 import os
@@ -150,39 +149,16 @@ def assert_close_losses(got: dict[int, float], ref: dict[int, float], steps: ran
 # ---------------------------------------------------------------------------- shared runs
 
 
-@pytest.fixture(scope="session")
-def shared_dir(tmp_path_factory) -> Path:
-    """One folder for the whole test session, the same for every xdist worker."""
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent / f"ckpt-e2e-{run_id}" if run_id else base / "ckpt-e2e"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
-
-
-def shared(root: Path, name: str, build) -> Path:
-    """`build(folder)` once per session across workers; later callers get the folder."""
-    folder = root / name
-    with open(root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (folder / "DONE").exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir()
-            build(folder)
-            (folder / "DONE").touch()
-    return folder
-
-
 @pytest.fixture
-def fsdp2_ref(shared_dir) -> Path:
+def fsdp2_ref(build_once) -> Path:
     """Uninterrupted 2-rank FSDP run: steps 4, 8, 12 in full, 16 model-only."""
-    return shared(shared_dir, "fsdp2", lambda d: titan(2, d, *FSDP2))
+    return build_once("ckpt_fsdp2", lambda d: titan(2, d, *FSDP2))
 
 
 @pytest.fixture
-def one_ref(shared_dir) -> Path:
+def one_ref(build_once) -> Path:
     """Uninterrupted single-process run of the same global batch."""
-    return shared(shared_dir, "one", lambda d: titan(1, d, *ONE))
+    return build_once("ckpt_one", lambda d: titan(1, d, *ONE))
 
 
 # The killed run holds after this step (a checkpoint at step 4 is complete, step 8's not begun)
@@ -212,7 +188,7 @@ if __name__ == "__main__":
 
 
 @pytest.fixture
-def killed_and_resumed(shared_dir) -> Path:
+def killed_and_resumed(build_once) -> Path:
     """A 2-rank run SIGKILLed after its first checkpoint, then relaunched; the relaunch exports
     its last step as Hugging Face safetensors."""
 
@@ -231,7 +207,7 @@ def killed_and_resumed(shared_dir) -> Path:
         result = titan(2, dump, *FSDP2, "--checkpoint.last_save_in_hf")
         (dump / "resume.log").write_text(result.stdout + result.stderr)
 
-    return shared(shared_dir, "killed", build)
+    return build_once("ckpt_killed", build)
 
 
 # ---------------------------------------------------------------------------- 1. kill and resume

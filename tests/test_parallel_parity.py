@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from filelock import FileLock
 from titan.ckpt import load_dcp_model
 
 STEPS = 5
@@ -154,49 +152,31 @@ def save_last_step(*flags: str) -> list[str]:
             "--checkpoint.export_dtype", "float32", *flags]
 
 
-def shared_root(tmp_path_factory) -> Path:
-    """A folder of this pytest session shared by its pytest-xdist workers (not other sessions)."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent
-    root = base / "titan_parity"
-    root.mkdir(exist_ok=True)
-    return root
+def launch_group(build_once, group: str, ranks: int, runs: dict[str, list[str]]) -> Path:
+    """Launch `runs` (name -> flags) as one group, once per session (`build_once`); returns
+    the group's folder, which holds one dump folder per run name."""
 
+    def build(folder: Path) -> None:
+        named = [(name, [*flags, "--job.dump_folder", str(folder / name)]) for name, flags in runs.items()]
+        launch(ranks, named, folder / "launch.log")
 
-def run_once(root: Path, group: str, ranks: int, runs: dict[str, list[str]]) -> Path:
-    """Launch `runs` (name -> flags) as one group the first time any worker asks, under a file
-    lock; later callers reuse the folders. A failed launch is recorded, so every test of the
-    group fails with its log instead of launching again. Returns the group's folder, which
-    holds one dump folder per run name."""
-    folder = root / group
-    with FileLock(str(root / f"{group}.lock")):
-        failed = folder / "FAILED"
-        if not (folder / "done").exists() and not failed.exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir()
-            named = [(name, [*flags, "--job.dump_folder", str(folder / name)]) for name, flags in runs.items()]
-            try:
-                launch(ranks, named, folder / "launch.log")
-            except AssertionError:
-                failed.touch()
-                raise
-            (folder / "done").touch()
-        assert not failed.exists(), f"the {group} launch failed:\n{(folder / 'launch.log').read_text()}"
-    return folder
+    return build_once(f"parity_{group}", build)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(build_once):
     """The seed checkpoint and the single-process run every layout is compared with; built
-    once per session, shared by the pytest-xdist workers through a file lock."""
-    root = shared_root(tmp_path_factory)
-    seed_run = ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-                "--training.local_batch_size", str(GLOBAL_BATCH)]
-    seed = root / "reference" / "seed" / "checkpoint"
-    ref_run = save_last_step("--checkpoint.initial_load_path", str(seed),
-                             "--training.local_batch_size", str(GLOBAL_BATCH))
-    folder = run_once(root, "reference", 1, {"seed": seed_run, "ref": ref_run})
+    once per session, shared by the pytest-xdist workers."""
+    def build(folder: Path) -> None:
+        seed_run = ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                    "--training.local_batch_size", str(GLOBAL_BATCH), "--job.dump_folder", str(folder / "seed")]
+        ref_run = save_last_step("--checkpoint.initial_load_path", str(folder / "seed" / "checkpoint"),
+                                 "--training.local_batch_size", str(GLOBAL_BATCH),
+                                 "--job.dump_folder", str(folder / "ref"))
+        launch(1, [("seed", seed_run), ("ref", ref_run)], folder / "launch.log")
+
+    folder = build_once("parity_reference", build)
+    seed = folder / "seed" / "checkpoint"
     ref = metrics(folder / "ref")
     # A meaningful reference: clipping acts on every step, and the model learns.
     assert min(ref["grad_norm"]) > 0.5 and ref["loss"][-1] < ref["loss"][0] - 0.3, ref
@@ -235,17 +215,15 @@ def planned_runs(seed: Path) -> dict[str, tuple[int, dict[str, list[str]]]]:
 
 
 @pytest.fixture(scope="module")
-def trained(reference, tmp_path_factory):
+def trained(reference, build_once):
     """run name -> its dump folder, launching its group on first use (one launch per group
     for the whole session, whichever worker asks first)."""
-    seed = reference[0]
-    root = shared_root(tmp_path_factory)
-    groups = planned_runs(seed)
+    groups = planned_runs(reference[0])
 
     def dump_of(name: str) -> Path:
         group = next(g for g, (_, runs) in groups.items() if name in runs)
         ranks, runs = groups[group]
-        return run_once(root, group, ranks, runs) / name
+        return launch_group(build_once, group, ranks, runs) / name
 
     return dump_of
 
