@@ -89,15 +89,20 @@ def window_action(step: int, cfg: ProfilerConfig) -> ProfilerAction:
 
 
 def resident_memory_gib() -> tuple[float, float]:
-    """This process's (current, peak) resident memory in GiB; current is 0 where unknown."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
+    """This process's (current, peak) resident memory in GiB; current is 0 where unknown.
+
+    The two come from different counters read one after the other (statm, then rusage), so
+    memory that grows in between, or the counters' own accounting, could show a current
+    above the peak; the peak is at least the current by definition.
+    """
     current = 0.0
     try:
         with open("/proc/self/statm") as f:  # Linux: pages
             current = int(f.read().split()[1]) * resource.getpagesize() / 2**30
     except OSError:
         pass
-    return current, peak
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
+    return current, max(peak, current)
 
 
 def _activities(device: torch.device) -> list[torch.profiler.ProfilerActivity]:
