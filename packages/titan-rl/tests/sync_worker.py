@@ -31,8 +31,18 @@ def llama3_spec():
                      adapter=lambda model: Llama3StateDictAdapter(model.args))
 
 
-def make_engine(dump_folder: str, *, flavor: str = "debugmodel_tiny"):
-    """A TrainingEngine over every rank of the job (FSDP), fp32, seed SEED."""
+def qwen3_moe_spec():
+    """The qwen3_moe family as a `ModelSpec` (MoE layers with a load-balancing bias buffer)."""
+    from titan.models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeStateDictAdapter, build_qwen3_moe
+    from titan.train.model_spec import ModelSpec
+
+    return ModelSpec(name="qwen3_moe", flavors=QWEN3_MOE_FLAVORS, build=build_qwen3_moe,
+                     adapter=lambda model: Qwen3MoeStateDictAdapter(model.args))
+
+
+def make_engine(dump_folder: str, *, flavor: str = "debugmodel_tiny", spec=None, overrides=None):
+    """A TrainingEngine over every rank of the job (FSDP), fp32, seed SEED (llama3 unless
+    `spec` says otherwise; `overrides` are the family's build overrides)."""
     from titan.ckpt import CheckpointConfig
     from titan.dist import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
     from titan.train.engine import TrainingEngine
@@ -40,7 +50,7 @@ def make_engine(dump_folder: str, *, flavor: str = "debugmodel_tiny"):
     from titan.train.optimizer import OptimizerConfig
 
     return TrainingEngine(
-        model_spec=llama3_spec(), flavor=flavor, vocab_size=VOCAB, seq_len=SEQ, steps=10,
+        model_spec=spec or llama3_spec(), flavor=flavor, model_overrides=overrides, vocab_size=VOCAB, seq_len=SEQ, steps=10,
         parallelism=ParallelismConfig(), activation_checkpoint=ActivationCheckpointConfig(),
         compile=CompileConfig(), optimizer=OptimizerConfig(lr=1e-2),
         lr_scheduler=LRSchedulerConfig(warmup_steps=1), checkpoint=CheckpointConfig(),
@@ -48,12 +58,13 @@ def make_engine(dump_folder: str, *, flavor: str = "debugmodel_tiny"):
     )
 
 
-def make_generator(flavor: str = "debugmodel_tiny", seed: int = 99):
+def make_generator(flavor: str = "debugmodel_tiny", seed: int = 99, *, spec=None, overrides=None):
     """A native generator with its own (differently initialized) copy of the model."""
     from titan.rl.generate import NativeGenerator
 
     return NativeGenerator.from_model_spec(
-        llama3_spec(), flavor, seed=seed, overrides={"vocab_size": VOCAB, "max_seq_len": SEQ},
+        spec or llama3_spec(), flavor, seed=seed,
+        overrides={**(overrides or {}), "vocab_size": VOCAB, "max_seq_len": SEQ},
         device="cpu", max_batch_size=8,
     )
 

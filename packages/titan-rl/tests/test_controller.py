@@ -174,6 +174,28 @@ SHORT = ["--training.steps", "8", "--rl.sft_warmup_steps", "2", "--rl.eval_freq"
 
 
 @pytest.mark.slow
+def test_moe_policy_trainer_and_generator_agree(tmp_path):
+    """qwen3_moe moves its router's balancing bias after every step: the generator must get
+    it with the weights, or their log-probs of the same tokens differ (0.5-1.8 before)."""
+    log = run_rl(tmp_path, *SHORT, "--model.name", "qwen3_moe", "--model.flavor", "debugmodel")
+    rl = [r for r in records(tmp_path) if r.get("phase") == "rl"]
+    assert len(rl) >= 3 and max(r["logprob_diff_max"] for r in rl) <= 1e-5, rl
+    assert "--rl.max_logprob_diff" not in log.stderr
+
+
+def test_logprob_disagreement_is_warned_on_policy_only(caplog):
+    trainer = RLTrainer.__new__(RLTrainer)
+    trainer.config = SimpleNamespace(rl=SimpleNamespace(max_logprob_diff=0.5))
+    trainer.engine, trainer.is_rank0 = SimpleNamespace(step=3), True
+    with caplog.at_level("WARNING", logger="titan"):
+        trainer._check_logprob_agreement({"staleness": 0, "logprob_diff_max": 0.4, "logprob_diff_mean": 0.01})
+        trainer._check_logprob_agreement({"staleness": 1, "logprob_diff_max": 0.9, "logprob_diff_mean": 0.01})
+        assert not caplog.records
+        trainer._check_logprob_agreement({"staleness": 0, "logprob_diff_max": 0.9, "logprob_diff_mean": 0.01})
+    assert len(caplog.records) == 1 and "--rl.max_logprob_diff 0.5" in caplog.records[0].getMessage()
+
+
+@pytest.mark.slow
 def test_rl_resume_continues_the_same_trajectory(tmp_path):
     flags = [*SHORT, "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
              "--debug.deterministic"]

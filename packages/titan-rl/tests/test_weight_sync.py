@@ -73,6 +73,48 @@ def test_colocated_sync_from_one_process_engine(one_process):
     assert_same_weights(after, dict(generator.named_weights()))
 
 
+def test_moe_sync_carries_the_trained_balancing_bias(tmp_path, monkeypatch):
+    """An MoE policy: after steps that moved the router's load-balancing bias (a buffer, not a
+    parameter), the generator's whole state_dict equals the trainer's and its logits are the
+    trainer's bit for bit; a sync that leaves the bias out is refused."""
+    from titan.rl.weight_sync import WeightMismatchError, sync_colocated
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    worker = load_worker()
+    moe = {"spec": worker.qwen3_moe_spec(), "overrides": {"load_balance_coeff": 0.05}}
+    engine = worker.make_engine(str(tmp_path), **moe)
+    try:
+        for _ in range(2):
+            worker.train_step(engine)
+        trainer = {k: v.clone() for k, v in engine.full_state_dict(dtype=torch.float32)}
+        biases = [k for k in trainer if k.endswith("expert_bias")]
+        assert biases and all(torch.count_nonzero(trainer[k]) for k in biases), "the bias did not move"
+        generator = worker.make_generator(**moe)
+        sync_colocated(engine, generator, version=2, dtype=torch.float32)
+        held = generator.model.state_dict()
+        assert set(held) == set(trainer)  # untied: no alias names
+        for name, value in held.items():
+            assert torch.equal(value, trainer[name]), name
+        tokens = torch.randint(0, worker.VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+        engine.model_parts[0].eval()
+        with torch.no_grad():
+            torch.testing.assert_close(generator.model(tokens), engine.model_parts[0](tokens), rtol=0, atol=0)
+
+        without_bias = [(k, v) for k, v in engine.full_state_dict() if not k.endswith("expert_bias")]
+        with pytest.raises(ValueError, match="expert_bias"):
+            sync_colocated(without_bias, worker.make_generator(**moe), version=3)
+        # A generator whose load skips the bias silently is caught by the check.
+        lazy = worker.make_generator(**moe)
+        real_load = lazy.load_weights
+        lazy.load_weights = lambda tensors, *, version: real_load(
+            ((k, torch.zeros_like(v) if k.endswith("expert_bias") else v) for k, v in tensors), version=version)
+        with pytest.raises(WeightMismatchError, match="expert_bias"):
+            sync_colocated(engine, lazy, version=3)
+    finally:
+        engine.close()
+
+
 def test_colocated_sync_detects_a_bad_load(one_process):
     """The post-sync check can fail: a generator that perturbs one tensor is caught."""
     from titan.rl.weight_sync import WeightMismatchError, sync_colocated

@@ -45,6 +45,11 @@ class RLSection:
     """KL estimator: k1 log(p/q), k2 (log(p/q))^2/2, k3 q/p - 1 - log(q/p)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (0: the entropy is only logged)."""
+    max_logprob_diff: float = 0.5
+    """Warn when an on-policy step's largest |trainer - generator| token log-prob difference
+    (``logprob_diff_max``) exceeds this: the trainer and the generator then compute different
+    models (a weight or buffer that did not sync, a kernel mismatch). In fp32 they agree to
+    ~1e-5; bf16 training legitimately reaches ~0.1. 0: never warn."""
     max_policy_staleness: int = 0
     """0: on-policy (generate with the current weights, then train). k >= 1: generation of the
     next rollout overlaps training, on weights at most k versions old (synced when needed)."""
@@ -83,7 +88,7 @@ class RLSection:
             raise ValueError(f"--rl.clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
         if self.clip_eps_high is not None and self.clip_eps_high < 0:
             raise ValueError(f"--rl.clip_eps_high must be >= 0, got {self.clip_eps_high}")
-        for flag in ("kl_coef", "entropy_coef", "is_cap", "numeric_tolerance"):
+        for flag in ("kl_coef", "entropy_coef", "is_cap", "numeric_tolerance", "max_logprob_diff"):
             if getattr(self, flag) < 0:
                 raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
         if self.is_cap and self.is_cap < 1:

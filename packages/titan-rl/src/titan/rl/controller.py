@@ -367,7 +367,20 @@ class RLTrainer:
             "sync_s": self.timings["sync_s"] - sync_before,
             "train_s": time.perf_counter() - start,
         }
+        self._check_logprob_agreement(record)
         return record
+
+    def _check_logprob_agreement(self, record: Mapping[str, Any]) -> None:
+        """Warn when trainer and generator disagree on an on-policy rollout's log-probs by more
+        than --rl.max_logprob_diff (a stale rollout differs by its policy drift as well)."""
+        limit = self.config.rl.max_logprob_diff
+        if limit > 0 and record["staleness"] == 0 and record["logprob_diff_max"] > limit and self.is_rank0:
+            logger.warning(
+                "step %d: trainer and generator log-probs of the same on-policy tokens differ by up to %.3g "
+                "(mean %.3g), above --rl.max_logprob_diff %g: the generator does not compute the trainer's "
+                "model (a weight or buffer missing from the sync, or mismatched precision or kernels)",
+                self.engine.step, record["logprob_diff_max"], record["logprob_diff_mean"], limit,
+            )
 
     def _reduce(self, accumulator: dict[str, torch.Tensor], rank_loss: torch.Tensor) -> dict[str, float]:
         """Sums (and the max) over the data-parallel, context-parallel and pipeline ranks."""

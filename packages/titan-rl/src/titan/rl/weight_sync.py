@@ -11,8 +11,10 @@ Two modes:
   first trainer rank + every generator rank; gloo on CPU, NCCL on GPU) in buckets of
   `bucket_mb`; the other trainer ranks take part in gathering the full tensors only.
 
-After each sync the generator's weights are checked against the trainer's: a checksum per
-tensor (`tensor_checksum`), computed on the tensors sent and on the tensors loaded.
+After each sync the generator's whole `state_dict` is checked against the trainer's: a
+checksum per tensor (`tensor_checksum`), computed on the tensors sent and on the tensors
+loaded, and every state tensor of the generator (persistent buffers included) must have been
+sent.
 """
 
 from __future__ import annotations
@@ -83,17 +85,32 @@ def _source_tensors(source: Any, dtype: torch.dtype | None) -> NamedTensors:
 
 
 def generator_checksums(generator: Any, names: Iterable[str]) -> dict[str, tuple[int, int, int]]:
-    """Checksums of the generator's weights `names` (cast to the generator's dtype as loaded)."""
+    """Checksums of the generator's weights `names` (in the dtype the generator holds them)."""
     weights = dict(generator.named_weights())
     return {name: tensor_checksum(weights[name]) for name in names if name in weights}
 
 
-def _compare(expected: dict[str, tuple[int, int, int]], got: dict[str, tuple[int, int, int]]) -> None:
-    """Raise WeightMismatchError naming the tensors whose checksums differ."""
+def _held_dtypes(generator: Any) -> dict[str, torch.dtype]:
+    """The dtype the generator keeps each of its state tensors in (a bf16 generator still
+    keeps float32 buffers such as an MoE router's balancing bias)."""
+    return {name: t.dtype for name, t in generator.named_weights()}
+
+
+def _compare(expected: dict[str, tuple[int, int, int]], got: dict[str, tuple[int, int, int]],
+             held: Iterable[str] = ()) -> None:
+    """Raise WeightMismatchError naming the tensors whose checksums differ, and the
+    generator's state tensors (`held`) that were not sent at all (unless one sent tensor
+    equals them bit for bit: a tied alias)."""
     bad = [name for name, value in expected.items() if got.get(name) != value]
     if bad:
         raise WeightMismatchError(
             f"after weight sync {len(bad)} generator tensors differ from the trainer's: {bad[:5]}"
+        )
+    sent_values = set(expected.values())
+    unsent = [name for name in held if name not in expected and got.get(name) not in sent_values]
+    if unsent:
+        raise WeightMismatchError(
+            f"weight sync did not cover {len(unsent)} of the generator's state tensors: {unsent[:5]}"
         )
 
 
@@ -115,7 +132,7 @@ def sync_colocated(
         return SyncStats(version=version, seconds=time.perf_counter() - start, tensors=count, bytes=0)
     sent: dict[str, tuple[int, int, int]] = {}
     count = nbytes = 0
-    gen_dtype = getattr(generator, "dtype", None)
+    as_held = _held_dtypes(generator)
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal count, nbytes
@@ -123,12 +140,12 @@ def sync_colocated(
             count += 1
             nbytes += tensor.numel() * tensor.element_size()
             if verify:
-                sent[name] = tensor_checksum(tensor.to(gen_dtype) if gen_dtype is not None else tensor)
+                sent[name] = tensor_checksum(tensor.to(as_held.get(name, tensor.dtype)))
             yield name, tensor
 
     generator.load_weights(stream(), version=version)
     if verify:
-        _compare(sent, generator_checksums(generator, sent))
+        _compare(sent, generator_checksums(generator, as_held), held=as_held)
     return SyncStats(version=version, seconds=time.perf_counter() - start, tensors=count, bytes=nbytes)
 
 
@@ -237,7 +254,7 @@ class WeightBroadcaster:
         final: dict[str, Any] = {}
         received: dict[str, tuple[int, int, int]] = {}
         as_loaded: dict[str, tuple[int, int, int]] = {}
-        gen_dtype = getattr(generator, "dtype", None)
+        held = _held_dtypes(generator)
         stats = {"tensors": 0, "bytes": 0}
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
@@ -253,14 +270,14 @@ class WeightBroadcaster:
                 for (name, shape), piece in zip(header["bucket"], flat.split(numels), strict=True):
                     stats["tensors"] += 1
                     received[name] = tensor_checksum(piece)
-                    as_loaded[name] = tensor_checksum(piece.to(gen_dtype) if gen_dtype is not None else piece)
+                    as_loaded[name] = tensor_checksum(piece.to(held.get(name, piece.dtype)))
                     yield name, piece.view(shape)
 
         generator.load_weights(stream(), version=version)
         ok = True
         try:
             _compare(final["checksums"], received)
-            _compare(as_loaded, generator_checksums(generator, as_loaded))
+            _compare(as_loaded, generator_checksums(generator, held), held=held)
         except WeightMismatchError:
             ok = False
         if not self._all_ok(ok):

@@ -80,6 +80,23 @@ def set_determinism(seed: int, deterministic: bool, device: torch.device) -> Non
         torch.use_deterministic_algorithms(True)
 
 
+def _named_state_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module``'s parameters (tied ones once) and its persistent buffers, by name: what its
+    ``state_dict`` holds, without aliases."""
+    yield from module.named_parameters()
+    persistent = module.state_dict(keep_vars=True).keys()
+    for name, buffer in module.named_buffers():
+        if name in persistent:
+            yield name, buffer
+
+
+def state_tensor_meta(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype, bool]]:
+    """``name -> (shape, dtype, is_buffer)`` of every tensor :func:`_named_state_tensors`
+    yields for ``model`` (which may be on the meta device)."""
+    params = {name for name, _ in model.named_parameters()}
+    return {name: (t.shape, t.dtype, name not in params) for name, t in _named_state_tensors(model)}
+
+
 def local_value(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor behind a (replicated) DTensor, e.g. a loss under loss parallel."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -221,7 +238,7 @@ class TrainingEngine:
         )
         self.num_params = model.num_params()
         self.flops_per_token = model.flops_per_token(seq_len)
-        self._param_meta = {name: (p.shape, p.dtype) for name, p in model.named_parameters()}
+        self._state_meta = state_tensor_meta(model)
         return model
 
     def _parallelize(self, model: nn.Module, activation_checkpoint, compile, mp_policy, local_batch_size: int, seed: int):
@@ -499,11 +516,14 @@ class TrainingEngine:
     # ---- reading the weights ------------------------------------------------------------
 
     def full_state_dict(self, *, dtype: torch.dtype | None = None, names: str = "titan") -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, full tensor)`` for every parameter of the whole model, one at a time.
+        """Yield ``(name, full tensor)`` for every parameter and persistent buffer of the whole
+        model (its ``state_dict`` without tied aliases), one at a time.
 
         For weight sync (e.g. to an RL generator) and exports: each piece is gathered from its
         shards (and, under pipeline parallel, broadcast from the stage that holds it), cast to
         ``dtype`` and yielded before the next is gathered, so the model is never held twice.
+        Buffers (e.g. an MoE router's load-balancing ``expert_bias``, moved after every step)
+        keep their own dtype: they are state the forward reads, not weights to round.
         ``names="hf"`` maps names (and layouts) through the family's Hugging Face adapter.
         Collective: every rank must iterate it to the end, in step.
         """
@@ -511,17 +531,17 @@ class TrainingEngine:
             raise ValueError(f"names must be 'titan' or 'hf', got {names!r}")
         if names == "hf" and self.hf_adapter is None:
             raise ValueError(f"model family {self.model_spec.name!r} has no Hugging Face adapter")
-        local = {name: p for part in self.model_parts for name, p in part.named_parameters()}
-        for name, (shape, param_dtype) in self._param_meta.items():
+        local = {name: t for part in self.model_parts for name, t in _named_state_tensors(part)}
+        for name, (shape, param_dtype, is_buffer) in self._state_meta.items():
             tensor = self._gather_full(name, local.get(name), shape, param_dtype)
-            tensor = tensor.detach().to(dtype) if dtype is not None else tensor.detach()
+            tensor = tensor.detach().to(dtype) if dtype is not None and not is_buffer else tensor.detach()
             if names == "titan":
                 yield name, tensor
             else:
                 yield from self.hf_adapter.to_hf({name: tensor}).items()
 
     def _gather_full(self, name: str, param: torch.Tensor | None, shape, dtype: torch.dtype) -> torch.Tensor:
-        """The full value of one parameter on every rank (all-gather of shards; broadcast
+        """The full value of one parameter or buffer on every rank (all-gather of shards; broadcast
         from the owning pipeline stage under PP)."""
         full = param.full_tensor() if isinstance(param, DTensor) else param
         if not self.parallel_dims.pp_enabled:

@@ -80,8 +80,10 @@ class NativeGenerator:
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
         """Copy full tensors into the model by titan name (cast to the generator's dtype and
-        device) and set the policy version. Every parameter must be given; unknown names and
-        shape mismatches raise, so a renamed or missing weight cannot go unnoticed."""
+        device) and set the policy version. Every entry of the model's ``state_dict`` must be
+        given — parameters and persistent buffers such as an MoE router's ``expert_bias``
+        (a tied alias counts as given with its twin); unknown names and shape mismatches
+        raise, so a renamed or missing weight cannot go unnoticed."""
         targets = self.model.state_dict(keep_vars=True)
         loaded: set[int] = set()
         for name, tensor in named_tensors:
@@ -95,9 +97,9 @@ class NativeGenerator:
                 )
             target.data.copy_(tensor)
             loaded.add(id(target))
-        missing = [name for name, p in self.model.named_parameters() if id(p) not in loaded]
+        missing = [name for name, t in targets.items() if id(t) not in loaded]
         if missing:
-            raise ValueError(f"weight sync left {len(missing)} parameters unset: {missing[:5]}")
+            raise ValueError(f"weight sync left {len(missing)} state_dict entries unset: {missing[:5]}")
         self._version = version
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
