@@ -212,6 +212,15 @@ def test_rl_resume_continues_the_same_trajectory(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_run_that_stops_early_still_saves_its_final_checkpoint(tmp_path):
+    # A reward every completion earns alike: no group has variance, every rollout is skipped.
+    log = run_rl(tmp_path, *SHORT, "--training.steps", "40", "--rl.rewards", "format", "--rl.format_regex", "(?s).*",
+                 "--checkpoint.enable", "--checkpoint.interval", "100")
+    assert "stopping early at step 2" in log.stderr + log.stdout
+    assert [p.name for p in (tmp_path / "checkpoint").iterdir()] == ["step-2"]
+
+
+@pytest.mark.slow
 def test_async_run_uses_but_never_exceeds_its_staleness_bound(tmp_path):
     # Every rollout trains (no group is dropped), so the schedule is exact: sync every 2 steps.
     run_rl(tmp_path, *SHORT, "--rl.max_policy_staleness", "2", "--rl.no_drop_zero_variance")

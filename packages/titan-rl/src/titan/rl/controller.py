@@ -478,8 +478,9 @@ class RLTrainer:
                 if record is None:
                     consecutive_skips += 1
                     if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
-                        logger.warning("%d rollouts in a row had no reward variance in any group: stopping early",
-                                       consecutive_skips)
+                        logger.warning("%d rollouts in a row had no reward variance in any group: stopping early "
+                                       "at step %d", consecutive_skips, engine.step)
+                        engine.maybe_save(last_step=True)  # the run ends here: keep its final state
                         break
                     continue
                 consecutive_skips = 0
