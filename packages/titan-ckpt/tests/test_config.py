@@ -40,3 +40,17 @@ def test_absolute_folder_ignores_dump_folder(tmp_path):
     manager = cfg.build(dump_folder="/unused", states={}, model_parts=[torch.nn.Linear(2, 2)])
     assert manager.folder == str(tmp_path / "elsewhere")
     manager.close()
+
+
+def test_a_loop_taking_several_steps_at_once_saves_when_it_passes_an_interval(tmp_path):
+    """RL with several optimizer steps per rollout moves 3 steps at a time: 3, 6, 9, 12 with
+    interval 5 must save at 6 (passed 5) and 12 (passed 10), and nothing else."""
+    from ckpt_testlib import TinyLM
+    from titan.ckpt import CheckpointConfig, CheckpointManager
+
+    manager = CheckpointManager(CheckpointConfig(enable=True, interval=5, last_save_model_only=False),
+                                dump_folder=str(tmp_path), states={}, model_parts=[TinyLM()])
+    saved = [step for step in (3, 6, 9, 12) if manager.maybe_save(step, since=step - 3)]
+    manager.close()
+    assert saved == [6, 12]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-12", "step-6"]

@@ -40,7 +40,8 @@ def qwen3_moe_spec():
                      adapter=lambda model: Qwen3MoeStateDictAdapter(model.args))
 
 
-def make_engine(dump_folder: str, *, flavor: str = "debugmodel_tiny", spec=None, overrides=None):
+def make_engine(dump_folder: str, *, flavor: str = "debugmodel_tiny", spec=None, overrides=None, adam_eps: float = 1e-8,
+                weight_decay: float = 0.1):
     """A TrainingEngine over every rank of the job (FSDP), fp32, seed SEED (llama3 unless
     `spec` says otherwise; `overrides` are the family's build overrides)."""
     from titan.ckpt import CheckpointConfig
@@ -52,7 +53,7 @@ def make_engine(dump_folder: str, *, flavor: str = "debugmodel_tiny", spec=None,
     return TrainingEngine(
         model_spec=spec or llama3_spec(), flavor=flavor, model_overrides=overrides, vocab_size=VOCAB, seq_len=SEQ, steps=10,
         parallelism=ParallelismConfig(), activation_checkpoint=ActivationCheckpointConfig(),
-        compile=CompileConfig(), optimizer=OptimizerConfig(lr=1e-2),
+        compile=CompileConfig(), optimizer=OptimizerConfig(lr=1e-2, eps=adam_eps, weight_decay=weight_decay),
         lr_scheduler=LRSchedulerConfig(warmup_steps=1), checkpoint=CheckpointConfig(),
         dump_folder=dump_folder, local_batch_size=2, seed=SEED,
     )

@@ -27,7 +27,7 @@ def scheduled_trainer(bound: int, steps: int):
     """An RLTrainer whose engine, generator and broadcast are stand-ins: only the scheduling
     logic of ``next_rollout`` runs (with real background threads when bound >= 1)."""
     trainer = RLTrainer.__new__(RLTrainer)
-    trainer.config = SimpleNamespace(rl=SimpleNamespace(max_policy_staleness=bound),
+    trainer.config = SimpleNamespace(rl=SimpleNamespace(max_policy_staleness=bound, updates_per_rollout=1),
                                      training=SimpleNamespace(steps=steps))
     trainer.engine = SimpleNamespace(step=0)
     trainer.state = SimpleNamespace(rollout_index=0)

@@ -7,7 +7,14 @@ import math
 
 import pytest
 import torch
-from titan.rl.losses import kl_estimate, loss_normalizer, policy_loss, stat_means, token_entropy
+from titan.rl.losses import (
+    importance_weights,
+    kl_estimate,
+    loss_normalizer,
+    policy_loss,
+    stat_means,
+    token_entropy,
+)
 
 # Row 0: advantage +1, token ratios 1.5 / 0.9 / 1.0, all three tokens carry loss.
 # Row 1: advantage -2, token ratios 0.5 / 1.1 and a masked third token (ratio 7, ignored).
@@ -98,6 +105,52 @@ def test_truncated_importance_sampling_caps_value_and_gradient():
     loss, _ = policy_loss(logp, old, adv, torch.ones(1, 1), loss_type="dapo", is_cap=2.0)
     loss.backward()
     assert loss.item() == pytest.approx(2.0) and logp.grad.item() == pytest.approx(2.0)
+
+
+def test_a_cap_below_the_upper_clip_keeps_the_clip():
+    """Ratio 1.5, advantage +1, eps 0.2, is_cap 1.1: PPO clipping takes the clipped branch
+    (no gradient); capping the ratio first gave gradient -1.1 and clip fraction 0."""
+    old = torch.zeros(1, 1)
+    logp = torch.tensor([[math.log(1.5)]], requires_grad=True)
+    loss, stats = policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1), loss_type="grpo", is_cap=1.1)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.2) and logp.grad.item() == 0.0
+    assert stat_means(stats)["clip_fraction"] == 1.0
+    # Inside the clip band the cap still truncates: ratio 1.15 -> value 1.1, gradient -1.1.
+    logp = torch.tensor([[math.log(1.15)]], requires_grad=True)
+    loss, stats = policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1), loss_type="grpo", is_cap=1.1)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.1) and logp.grad.item() == pytest.approx(-1.1)
+    assert stats["clipped"].item() == 0
+
+
+def test_importance_weights_by_hand():
+    # pi_old / pi_gen per token: row 0 = 3, 0.5, 1.25; row 1 = 0.1, 2.5 and a masked token.
+    ratios = torch.tensor([[3.0, 0.5, 1.25], [0.1, 2.5, 9.0]])
+    gen = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.7, -3.0]])
+    old = gen + ratios.log()
+    w, stats = importance_weights(old, gen, MASK, level="token", cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 1.25], [0.1, 2.0, 0.0]]))
+    assert stats["is_weight"].item() == pytest.approx(2 + 0.5 + 1.25 + 0.1 + 2)
+    assert stats["is_capped"].item() == 2 and stats["is_masked"].item() == 0
+    assert stats["is_weight_max"].item() == pytest.approx(3.0)
+    # Masked IS with the band [0.2, 2.8]: 3 and 0.1 leave it and weigh 0; the cap still acts.
+    w, stats = importance_weights(old, gen, MASK, level="token", cap=2.0, mask_low=0.2, mask_high=2.8)
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.5, 1.25], [0.0, 2.0, 0.0]]))
+    assert stats["is_masked"].item() == 2 and stats["is_capped"].item() == 1
+    # Sequence level: the product over the row's loss tokens (3 * 0.5 * 1.25 = 1.875; 0.25).
+    w, _ = importance_weights(old, gen, MASK, level="sequence", cap=0.0)
+    torch.testing.assert_close(w, torch.tensor([[1.875] * 3, [0.25, 0.25, 0.0]]))
+
+
+def test_importance_weights_scale_the_policy_term_only():
+    logp, old = inputs()
+    weights = torch.tensor([[2.0, 1.0, 0.5], [1.0, 0.0, 1.0]])
+    base, _ = policy_loss(logp, old, ADV, MASK, loss_type="dapo")
+    weighted, _ = policy_loss(logp, old, ADV, MASK, loss_type="dapo", is_weights=weights)
+    # The per-token dapo losses are -1.28, -0.9, -1.0 | 1.6, 2.2 (test_dapo_by_hand...).
+    assert base.item() == pytest.approx(-3.18 + 3.8, abs=1e-6)
+    assert weighted.item() == pytest.approx(-(2 * 1.28 + 0.9 + 0.5 * 1.0) + 1.6, abs=1e-6)
 
 
 def test_kl_estimators_by_hand():

@@ -291,13 +291,17 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------- save
 
-    def maybe_save(self, step: int, *, last_step: bool = False) -> bool:
+    def maybe_save(self, step: int, *, last_step: bool = False, since: int | None = None) -> bool:
         """Save when checkpointing is on and `step` is a multiple of `--checkpoint.interval`,
-        or `last_step`. Returns whether a save started. The last step's save is synchronous
-        (model-only / Hugging Face when configured)."""
+        or `last_step`. With `since` (the step of the previous call, for a loop that advances
+        several optimizer steps at once) a multiple of the interval anywhere in
+        `(since, step]` counts. Returns whether a save started. The last step's save is
+        synchronous (model-only / Hugging Face when configured)."""
         if not self.config.enable or step == self._last_saved:
             return False
-        if not last_step and (step <= 0 or step % self.config.interval):
+        interval = self.config.interval
+        due = step % interval == 0 if since is None else step // interval > since // interval
+        if not last_step and (step <= 0 or not due):
             return False
         if last_step and self.config.last_save_in_hf:
             self._save_hf(step)

@@ -29,8 +29,30 @@ class RLSection:
     clip_eps_high: float | None = None
     """Upper clip of the ratio (1 + eps_high); None: the loss type's default (0.2; 0.28 for dapo;
     4e-4 for gspo)."""
+    old_logprobs: Literal["trainer", "generator"] = "trainer"
+    """What the PPO ratio pi/pi_old is taken against. trainer: the trainer's own log-probs of
+    the rollout before its first update (the detached current ones when a single update uses
+    the rollout, a forward pass over the rollout otherwise), and the trainer/generator
+    mismatch is corrected by a detached importance weight (--rl.is_level); generator (verl's
+    bypass mode): the generator's log-probs, the ratio itself is capped by --rl.is_cap."""
+    is_level: Literal["token", "sequence", "off"] = "token"
+    """Importance correction of the trainer/generator mismatch: token: a weight
+    pi_old/pi_generator per token; sequence: their product over the completion (trainer
+    mode only); off: none."""
     is_cap: float = 2.0
-    """Truncated importance sampling: cap the trainer/generator ratio's value at this (0 disables)."""
+    """Truncated importance sampling: the weight is min(w, is_cap) (0: no cap). In generator
+    (bypass) mode it caps the value of the PPO ratio's unclipped branch."""
+    is_mask_low: float = 0.0
+    """Masked importance sampling: tokens (sequences) whose raw weight is below this get no
+    loss (0: no lower bound; trainer mode only)."""
+    is_mask_high: float = 0.0
+    """Masked importance sampling: tokens (sequences) whose raw weight is above this get no
+    loss (0: no upper bound; trainer mode only)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout; every pass takes --rl.minibatches_per_rollout optimizer steps."""
+    minibatches_per_rollout: int = 1
+    """Optimizer steps per pass over a rollout (its rows split into this many minibatches, in
+    the same order every pass); at most --rl.group_size."""
     normalize_std: bool | None = None
     """Divide advantages by their group's std; None: on, except for dr_grpo."""
     drop_zero_variance: bool = True
@@ -74,7 +96,7 @@ class RLSection:
     """How many held-out prompts to score."""
 
     def __post_init__(self) -> None:
-        for flag in ("prompts_per_step", "group_size", "eval_prompts"):
+        for flag in ("prompts_per_step", "group_size", "eval_prompts", "ppo_epochs", "minibatches_per_rollout"):
             if getattr(self, flag) < 1:
                 raise ValueError(f"--rl.{flag} must be >= 1, got {getattr(self, flag)}")
         for flag in ("max_policy_staleness", "sft_warmup_steps", "eval_freq"):
@@ -93,6 +115,12 @@ class RLSection:
                 raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
         if self.is_cap and self.is_cap < 1:
             raise ValueError(f"--rl.is_cap {self.is_cap} would cap ratios below 1; use a cap >= 1, or 0 to disable")
+        self._check_importance_sampling()
+        if self.minibatches_per_rollout > self.group_size:
+            raise ValueError(
+                f"--rl.minibatches_per_rollout {self.minibatches_per_rollout} exceeds --rl.group_size "
+                f"{self.group_size}: a rollout that keeps one group could not fill every minibatch"
+            )
         for name in self.rewards:
             if name not in REWARD_NAMES:
                 raise ValueError(f"--rl.rewards {name!r} is not a reward; choose from {', '.join(REWARD_NAMES)}")
@@ -101,6 +129,29 @@ class RLSection:
                 f"--rl.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} "
                 "--rl.rewards; give one weight per reward"
             )
+
+    def _check_importance_sampling(self) -> None:
+        if self.old_logprobs not in ("trainer", "generator"):
+            raise ValueError(f"--rl.old_logprobs must be trainer or generator, got {self.old_logprobs!r}")
+        if self.is_level not in ("token", "sequence", "off"):
+            raise ValueError(f"--rl.is_level must be token, sequence or off, got {self.is_level!r}")
+        for flag in ("is_mask_low", "is_mask_high"):
+            if getattr(self, flag) < 0:
+                raise ValueError(f"--rl.{flag} must be >= 0 (0: no bound), got {getattr(self, flag)}")
+        if self.is_mask_high and self.is_mask_low >= self.is_mask_high:
+            raise ValueError(
+                f"--rl.is_mask_low {self.is_mask_low} must be below --rl.is_mask_high {self.is_mask_high}"
+            )
+        if self.old_logprobs == "generator" and (self.is_level == "sequence" or self.is_mask_low or self.is_mask_high):
+            raise ValueError(
+                "--rl.is_level sequence and --rl.is_mask_low/high weight the trainer/generator mismatch, which "
+                "needs the trainer's own old log-probs: use --rl.old_logprobs trainer"
+            )
+
+    @property
+    def updates_per_rollout(self) -> int:
+        """Optimizer steps each rollout trains (--rl.ppo_epochs x --rl.minibatches_per_rollout)."""
+        return self.ppo_epochs * self.minibatches_per_rollout
 
     @property
     def use_std(self) -> bool:
@@ -147,6 +198,13 @@ class RLConfig(RunConfig):
             raise ValueError(
                 "--rl.sft_warmup_steps trains on the synthetic task's answers; with --rl_data.format "
                 "jsonl start from an SFT checkpoint instead (--checkpoint.initial_load_path)"
+            )
+        updates = self.rl.updates_per_rollout
+        if (self.training.steps - self.rl.sft_warmup_steps) % updates:
+            raise ValueError(
+                f"--training.steps {self.training.steps} minus --rl.sft_warmup_steps {self.rl.sft_warmup_steps} is "
+                f"not a multiple of the {updates} optimizer steps each rollout trains (--rl.ppo_epochs x "
+                "--rl.minibatches_per_rollout)"
             )
         if self.rl.sft_warmup_steps >= self.training.steps:
             raise ValueError(

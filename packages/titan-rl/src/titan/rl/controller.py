@@ -49,7 +49,7 @@ from titan.rl.config import RLConfig
 from titan.rl.data import PromptSampler, build_prompts
 from titan.rl.generate.base import SamplingConfig
 from titan.rl.logprobs import token_logprobs
-from titan.rl.losses import loss_normalizer, policy_loss, stat_means, token_entropy
+from titan.rl.losses import importance_weights, loss_normalizer, policy_loss, stat_means, token_entropy
 from titan.rl.rewards import build_reward
 from titan.rl.rollouts import Rollout, build_batch, rollout_rows, rollout_stats, split_rows
 from titan.rl.weight_sync import sync_colocated
@@ -65,6 +65,29 @@ logger = logging.getLogger("titan")
 
 MAX_CONSECUTIVE_SKIPS = 16
 """Stop when this many rollouts in a row have no group with reward variance (nothing to learn)."""
+
+
+def _accumulate(accumulator: dict[str, torch.Tensor], stats: Mapping[str, torch.Tensor]) -> None:
+    """Add a loss call's stats into ``accumulator`` (sums; the ``*_max`` keys keep the max)."""
+    for key, value in stats.items():
+        value = value.detach().double()
+        if key not in accumulator:
+            accumulator[key] = value
+        elif key.endswith("_max"):
+            accumulator[key] = torch.maximum(accumulator[key], value)
+        else:
+            accumulator[key] = accumulator[key] + value
+
+
+def _merge(totals: dict[str, float], reduced: Mapping[str, float]) -> None:
+    """Add one update's reduced stats into the rollout's totals (maxima for ``*_max``)."""
+    for key, value in reduced.items():
+        totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else totals.get(key, 0.0) + value
+
+
+def _crossed(before: int, after: int, every: int) -> bool:
+    """Whether a multiple of ``every`` lies in ``(before, after]`` (``every`` <= 0: never)."""
+    return every > 0 and after // every > before // every
 
 
 class StalenessError(RuntimeError):
@@ -241,7 +264,9 @@ class RLTrainer:
 
     def next_rollout(self) -> Rollout:
         """The rollout for this step, generated under the staleness bound (module docstring)."""
-        index, version, bound = self.state.rollout_index, self.engine.step, self.config.rl.max_policy_staleness
+        index, version = self.state.rollout_index, self.engine.step
+        updates = self.config.rl.updates_per_rollout
+        bound = self.config.rl.max_policy_staleness * updates  # in policy versions
         if bound == 0:
             if self.generator_version != version:
                 self.sync_weights()
@@ -252,11 +277,11 @@ class RLTrainer:
             self._launch(index)
         future = self._pending[1]
         rollout = future.result() if future is not None else None
-        # The next rollout trains at version + 1 at the latest (a rollout is at most one
-        # optimizer step), so its weights must be of version >= version + 1 - bound.
+        # The next rollout trains at version + updates at the latest (this rollout takes at
+        # most that many optimizer steps), so its weights must be of version >= that - bound.
         self._pending = None
-        if version + 1 < self.config.training.steps:  # another step will need a rollout
-            if self.generator_version < version + 1 - bound:
+        if version + updates < self.config.training.steps:  # another step will need a rollout
+            if self.generator_version < version + updates - bound:
                 self.sync_weights()
             self._launch(index + 1)
         return self._broadcast(rollout)
@@ -268,42 +293,92 @@ class RLTrainer:
 
     # ---- the RL step ---------------------------------------------------------------------
 
-    def _loss_fn(self, accumulator: dict[str, torch.Tensor]):
+    def _loss_fn(self, accumulator: dict[str, torch.Tensor], trainer_old: list[torch.Tensor] | None, *,
+                 measure_mismatch: bool):
         """``loss_fn(logits, batch)`` for the engine: policy log-probs of the labels (fp32),
-        the configured policy loss, and token-sum stats added to ``accumulator``."""
+        the configured policy loss, and token-sum stats added to ``accumulator``.
+
+        ``trainer_old``: the trainer's log-probs of this microbatch before the rollout's first
+        update, one tensor per loss call (several under pipeline parallel), or None when the
+        current log-probs are those (one update per rollout). ``measure_mismatch``: record how
+        far the trainer's pre-update log-probs are from the generator's (the first pass)."""
         rl, temperature = self.config.rl, self.sampling.temperature
+        pending = iter(trainer_old) if trainer_old is not None else None
 
         def loss_fn(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-            if isinstance(logits, DTensor):  # vocab-sharded under loss parallel
-                logits = logits.full_tensor()
-            labels = batch["labels"]
-            valid = (labels >= 0).float()
-            logp = token_logprobs(logits, labels.clamp(min=0), temperature) * valid
-            entropy = token_entropy(logits, temperature=temperature)
+            logp, valid = self._label_logprobs(logits, batch)
+            entropy = token_entropy(logits.full_tensor() if isinstance(logits, DTensor) else logits,
+                                    temperature=temperature)
             if rl.entropy_coef == 0:
                 entropy = entropy.detach()
-            old = batch["old_logprobs"]
+            generator = batch["old_logprobs"]
+            before_update = next(pending) if pending is not None else logp.detach()
+            old, is_weights, is_cap, is_stats = self._ratio_terms(before_update, generator, batch["loss_mask"])
             ref = batch.get("ref_logprobs")
             loss, stats = policy_loss(
                 logp, old, batch["advantages"], batch["loss_mask"], loss_type=rl.loss_type,
-                clip_eps_low=rl.clip_eps_low, clip_eps_high=rl.clip_eps_high, is_cap=rl.is_cap,
+                clip_eps_low=rl.clip_eps_low, clip_eps_high=rl.clip_eps_high, is_cap=is_cap, is_weights=is_weights,
                 # Without a reference, "kl" measures the trainer's drift from the generator.
-                ref_logprobs=ref if ref is not None else old, kl_coef=rl.kl_coef if ref is not None else 0.0,
+                ref_logprobs=ref if ref is not None else generator,
+                kl_coef=rl.kl_coef if ref is not None else 0.0,
                 kl_estimator=rl.kl_estimator, entropy=entropy, entropy_coef=rl.entropy_coef,
                 sequence_lengths=batch["sequence_lengths"] if rl.loss_type == "grpo" else None,
             )
-            diff = (logp.detach() - old).abs() * valid
-            stats["completion_tokens"] = valid.sum()
-            stats["logprob_diff_sum"] = diff.sum()
-            for key, value in stats.items():
-                accumulator[key] = accumulator.get(key, 0) + value.detach().double()
-            accumulator["logprob_diff_max"] = torch.maximum(
-                accumulator.get("logprob_diff_max", torch.zeros((), dtype=torch.float64, device=diff.device)),
-                diff.max().double() if diff.numel() else torch.zeros((), dtype=torch.float64, device=diff.device),
-            )
+            stats.update(is_stats)
+            if measure_mismatch:
+                diff = (before_update - generator).abs() * valid
+                stats["completion_tokens"] = valid.sum()
+                stats["logprob_diff_sum"] = diff.sum()
+                stats["logprob_diff_max"] = diff.max() if diff.numel() else torch.zeros((), device=diff.device)
+            _accumulate(accumulator, stats)
             return loss
 
         return loss_fn
+
+    def _label_logprobs(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor]):
+        """Log-probs (fp32, 0 off the labels) of the label tokens, and the label mask."""
+        if isinstance(logits, DTensor):  # vocab-sharded under loss parallel
+            logits = logits.full_tensor()
+        labels = batch["labels"]
+        valid = (labels >= 0).float()
+        return token_logprobs(logits, labels.clamp(min=0), self.sampling.temperature) * valid, valid
+
+    def _ratio_terms(self, before_update: torch.Tensor, generator: torch.Tensor, loss_mask: torch.Tensor):
+        """What the PPO ratio is taken against, the importance weights, the ratio cap and the
+        weights' stats, for --rl.old_logprobs (trainer: decoupled; generator: bypass)."""
+        rl = self.config.rl
+        if rl.old_logprobs == "generator":
+            return generator, None, rl.is_cap if rl.is_level == "token" else 0.0, {}
+        if rl.is_level == "off":
+            return before_update, None, 0.0, {}
+        weights, stats = importance_weights(
+            before_update, generator, loss_mask, level=rl.is_level, cap=rl.is_cap,
+            mask_low=rl.is_mask_low, mask_high=rl.is_mask_high,
+        )
+        return before_update, weights, 0.0, stats
+
+    @torch.no_grad()
+    def _pre_update_logprobs(self, minibatches: list[tuple[float, list[dict]]]) -> list[list[list[torch.Tensor]]]:
+        """The trainer's log-probs of every microbatch of the rollout before its first update:
+        one no-grad forward each, in evaluation mode (so an MoE router does not count these
+        tokens for its load balancing twice)."""
+        out: list[list[list[torch.Tensor]]] = []
+        self.engine.train(False)
+        try:
+            for _, batches in minibatches:
+                out.append([])
+                for batch in batches:
+                    captured: list[torch.Tensor] = []
+
+                    def capture(logits, b, captured=captured):
+                        captured.append(self._label_logprobs(logits, b)[0])
+                        return torch.zeros((), device=captured[-1].device)
+
+                    self.engine.forward_only(batch, capture)
+                    out[-1].append(captured)
+        finally:
+            self.engine.train(True)
+        return out
 
     def _normalizer(self, rows) -> float:
         """The global divisor of the step's summed loss (every row of the global batch)."""
@@ -314,18 +389,39 @@ class RLTrainer:
         count = loss_normalizer(self.config.rl.loss_type, mask, max_new_tokens=self.sampling.max_new_tokens)
         return max(float(count), 1.0)
 
+    def _minibatches(self, rows) -> list[tuple[float, list[dict[str, torch.Tensor]]]]:
+        """The rollout's rows in --rl.minibatches_per_rollout contiguous minibatches, each as
+        (its global loss normalizer, this rank's microbatches)."""
+        cfg, dims = self.config, self.engine.parallel_dims
+        count = cfg.rl.minibatches_per_rollout
+        size, extra = divmod(len(rows), count)
+        out, start = [], 0
+        for m in range(count):
+            chunk = rows[start : start + size + (m < extra)]
+            start += len(chunk)
+            batches = [
+                build_batch(microbatch, seq_len=cfg.training.seq_len, pad_id=self.tokenizer.pad_id)
+                for microbatch in split_rows(chunk, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
+                                             microbatch_size=cfg.training.local_batch_size)
+            ]
+            out.append((self._normalizer(chunk), batches))
+        return out
+
     def rl_step(self) -> dict[str, Any] | None:
-        """One RL step; returns its metrics, or None when the rollout had nothing to learn."""
+        """One RL step: one rollout, trained for --rl.ppo_epochs passes of
+        --rl.minibatches_per_rollout optimizer steps; returns its metrics, or None when the
+        rollout had nothing to learn."""
         cfg, engine = self.config, self.engine
         sync_before = self.timings["sync_s"]
         rollout = self.next_rollout()
         self.state.rollout_index += 1
-        staleness = engine.step - rollout.version
-        if staleness > cfg.rl.max_policy_staleness or staleness < 0:
+        updates = cfg.rl.updates_per_rollout
+        behind = engine.step - rollout.version  # in optimizer steps
+        if behind > cfg.rl.max_policy_staleness * updates or behind < 0 or behind % updates:
             raise StalenessError(
                 f"rollout {rollout.index} was generated by policy version {rollout.version} and would train at "
-                f"version {engine.step}: staleness {staleness} is outside [0, --rl.max_policy_staleness "
-                f"{cfg.rl.max_policy_staleness}]"
+                f"version {engine.step}: {behind} optimizer steps behind, outside [0, --rl.max_policy_staleness "
+                f"{cfg.rl.max_policy_staleness} rollouts x {updates} steps]"
             )
         rows = rollout_rows(rollout, normalize_std=cfg.rl.use_std, drop_zero_variance=cfg.rl.drop_zero_variance,
                             mask_truncated=cfg.rl.mask_truncated)
@@ -334,34 +430,37 @@ class RLTrainer:
             self.state.skipped += 1
             return None
         start = time.perf_counter()
-        dims = engine.parallel_dims
-        normalizer = self._normalizer(rows)
-        accumulator: dict[str, torch.Tensor] = {}
-        loss_fn = self._loss_fn(accumulator)
-        rank_loss = torch.zeros((), device=engine.device)
-        tokens = 0
-        for microbatch in split_rows(rows, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
-                                     microbatch_size=cfg.training.local_batch_size):
-            batch = build_batch(microbatch, seq_len=cfg.training.seq_len, pad_id=self.tokenizer.pad_id)
-            tokens += batch["input_ids"].numel()
-            rank_loss += engine.forward_backward(batch, loss_fn, global_token_count=normalizer)
+        minibatches = self._minibatches(rows)
+        trainer_old = (self._pre_update_logprobs(minibatches)
+                       if cfg.rl.old_logprobs == "trainer" and updates > 1 else None)
         lr = engine.lr_schedulers.last_lr()
-        grad_norm = engine.optimizer_step()
+        totals: dict[str, float] = {}
+        losses, norms = [], []
+        for epoch in range(cfg.rl.ppo_epochs):
+            for m, (normalizer, batches) in enumerate(minibatches):
+                accumulator: dict[str, torch.Tensor] = {}
+                rank_loss = torch.zeros((), device=engine.device)
+                for j, batch in enumerate(batches):
+                    loss_fn = self._loss_fn(accumulator, trainer_old[m][j] if trainer_old else None,
+                                            measure_mismatch=epoch == 0)
+                    rank_loss += engine.forward_backward(batch, loss_fn, global_token_count=normalizer)
+                norms.append(engine.optimizer_step())
+                self.metrics.record_tokens(sum(b["input_ids"].numel() for b in batches)
+                                           // engine.parallel_dims.non_data_parallel_size)
+                reduced = self._reduce(accumulator, rank_loss)
+                losses.append(reduced.pop("loss"))
+                _merge(totals, reduced)
         self.timings["train_s"] += time.perf_counter() - start
         self.timings["generation_s"] += rollout.generation_s
-        self.metrics.record_tokens(tokens // dims.non_data_parallel_size)
-        reduced = self._reduce(accumulator, rank_loss)
-        completion_tokens = max(reduced.pop("completion_tokens"), 1.0)
         record = {
             **stats,
-            **stat_means({k: torch.tensor(v) for k, v in reduced.items() if k in ("tokens", "clipped", "kl", "entropy")}),
-            "loss": reduced["loss"],
-            "grad_norm": grad_norm,
+            **self._token_means(totals),
+            "loss": sum(losses) / len(losses),
+            "grad_norm": sum(norms) / len(norms),
             "lr": lr,
-            "logprob_diff_max": reduced["logprob_diff_max"],
-            "logprob_diff_mean": reduced["logprob_diff_sum"] / completion_tokens,
+            "updates": len(norms),
             "policy_version": rollout.version,
-            "staleness": staleness,
+            "staleness": behind // updates,
             "rows": len(rows),
             "generation_s": rollout.generation_s,
             "sync_s": self.timings["sync_s"] - sync_before,
@@ -369,6 +468,19 @@ class RLTrainer:
         }
         self._check_logprob_agreement(record)
         return record
+
+    @staticmethod
+    def _token_means(totals: Mapping[str, float]) -> dict[str, float]:
+        """Per-token means (and maxima) of a rollout's summed stats."""
+        out = stat_means({k: torch.tensor(v) for k, v in totals.items() if k in ("tokens", "clipped", "kl", "entropy")})
+        completion_tokens = max(totals.get("completion_tokens", 0.0), 1.0)
+        out["logprob_diff_max"] = totals.get("logprob_diff_max", 0.0)
+        out["logprob_diff_mean"] = totals.get("logprob_diff_sum", 0.0) / completion_tokens
+        if "is_weight" in totals:
+            tokens = max(totals["tokens"], 1.0)
+            out.update(is_weight_mean=totals["is_weight"] / tokens, is_weight_max=totals["is_weight_max"],
+                       is_capped_fraction=totals["is_capped"] / tokens, is_masked_fraction=totals["is_masked"] / tokens)
+        return out
 
     def _check_logprob_agreement(self, record: Mapping[str, Any]) -> None:
         """Warn when trainer and generator disagree on an on-policy rollout's log-probs by more
@@ -383,21 +495,24 @@ class RLTrainer:
             )
 
     def _reduce(self, accumulator: dict[str, torch.Tensor], rank_loss: torch.Tensor) -> dict[str, float]:
-        """Sums (and the max) over the data-parallel, context-parallel and pipeline ranks."""
+        """Sums (maxima for the ``*_max`` keys) over the data-parallel, context-parallel and
+        pipeline ranks."""
         engine, dims = self.engine, self.engine.parallel_dims
-        keys = sorted(k for k in accumulator if k != "logprob_diff_max")
+        keys = sorted(k for k in accumulator if not k.endswith("_max"))
+        max_keys = sorted(k for k in accumulator if k.endswith("_max"))
         device = engine.device
         sums = torch.stack([torch.as_tensor(accumulator[k], dtype=torch.float64, device=device) for k in keys]
                            + [rank_loss.double()])
+        largest = torch.stack([torch.as_tensor(accumulator[k], dtype=torch.float64, device=device) for k in max_keys]
+                              + [torch.zeros((), dtype=torch.float64, device=device)])
         engine.sum_over(sums, "dp_cp")
-        largest = torch.as_tensor(accumulator.get("logprob_diff_max", 0.0), dtype=torch.float64, device=device)
-        largest = reduce_max(largest.clone(), dims.mesh("dp_cp"))
+        largest = reduce_max(largest, dims.mesh("dp_cp"))
         if dims.pp_enabled:
             engine.sum_over(sums, "pp")
             largest = reduce_max(largest, dims.mesh("pp"))
         out = {k: float(v) for k, v in zip(keys, sums[:-1].tolist(), strict=True)}
+        out.update({k: float(v) for k, v in zip(max_keys, largest[:-1].tolist(), strict=True)})
         out["loss"] = float(sums[-1])
-        out["logprob_diff_max"] = float(largest)
         return out
 
     # ---- warm-up and evaluation ---------------------------------------------------------
@@ -437,9 +552,11 @@ class RLTrainer:
             result = {"eval_reward": sum(rewards) / len(rewards), "eval_exact_match": sum(exact) / len(exact)}
         return self._broadcast(result)
 
-    def _should_eval(self, step: int, first_rl_step: bool) -> bool:
+    def _should_eval(self, before: int, step: int, first_rl_step: bool) -> bool:
+        """Whether to evaluate after moving from step ``before`` to ``step`` (a multiple of
+        --rl.eval_freq passed, the first RL step, or the last step)."""
         freq = self.config.rl.eval_freq
-        return freq > 0 and (first_rl_step or step % freq == 0 or step == self.config.training.steps)
+        return freq > 0 and (first_rl_step or _crossed(before, step, freq) or step == self.config.training.steps)
 
     def _start_reference(self) -> None:
         """Freeze the weights RL starts from as the KL reference (rank 0), when KL is on."""
@@ -466,12 +583,13 @@ class RLTrainer:
         first_rl = True
         consecutive_skips = 0
         while engine.step < total:
+            before = engine.step
             if engine.step < warmup:
                 record = self.sft_step(data_iter)
             else:
                 if first_rl:
                     self._start_reference()
-                    if self._should_eval(engine.step, True):
+                    if self._should_eval(engine.step, engine.step, True):
                         records.append(self._log_eval(engine.step))
                     first_rl = False
                 record = self.rl_step()
@@ -484,12 +602,12 @@ class RLTrainer:
                         break
                     continue
                 consecutive_skips = 0
-            step = engine.step
-            if self.metrics.should_log(step):
+            step = engine.step  # an RL step may take several optimizer steps
+            if self.metrics.should_log(step) or _crossed(before, step, cfg.metrics.log_freq):
                 records.append(self._log(step, record))
-            if step > warmup and self._should_eval(step, False):
+            if step > warmup and self._should_eval(before, step, False):
                 records.append(self._log_eval(step))
-            engine.maybe_save(last_step=step == total)
+            engine.maybe_save(last_step=step == total, since=before)
         self._wait_pending()
         self.metrics.close()
         logger.info(

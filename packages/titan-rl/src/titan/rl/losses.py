@@ -3,8 +3,9 @@
 Every loss takes per-token tensors of one microbatch, ``[B, S]`` with one completion per row:
 
 - ``logprobs``: the trainer's log-probabilities of the completion tokens (with gradient);
-- ``old_logprobs``: the generator's log-probabilities of the same tokens (the behaviour
-  policy that sampled them);
+- ``old_logprobs``: the log-probabilities the PPO ratio is taken against: the trainer's own
+  log-probs of the rollout before its first update (``--rl.old_logprobs trainer``), or the
+  generator's (``generator``, verl's bypass mode);
 - ``advantages``: ``[B]`` (one per completion) or ``[B, S]`` (already broadcast per token);
 - ``loss_mask``: 1 on the completion tokens that carry loss, 0 elsewhere.
 
@@ -28,10 +29,20 @@ The types (ratio ``r = exp(logprobs - old_logprobs)``, clipped surrogate
   ``s_i = exp(mean_t(logprobs - old_logprobs))``, clipped per sequence; normalizer = number of
   completions.
 
-Truncated importance sampling (``is_cap > 0``): the ratio's *value* is capped at ``is_cap``
-while its gradient direction is kept (``r * min(1, cap / r)`` with the factor detached), so a
-token the generator found far less likely than the trainer does cannot dominate the update
-(the clipped surrogate leaves ``r`` unbounded for negative advantages).
+Two corrections for tokens sampled by a generator that is not exactly the trainer:
+
+- ``is_weights`` (decoupled mode): a detached weight per token (or per sequence) that
+  multiplies the clipped surrogate, e.g. the truncated importance weight
+  ``min(pi_old / pi_generator, C)`` of :func:`importance_weights` (verl ``rollout_is``, TRL's
+  vLLM importance-sampling correction). The PPO ratio then stays a trust region around the
+  trainer's own ``pi_old``.
+- ``is_cap`` (bypass mode, the ratio is against the generator): the *value* of the unclipped
+  branch's ratio is capped at ``is_cap`` while its gradient direction is kept
+  (``r * min(1, cap / r)`` with the factor detached), so a token the generator found far less
+  likely than the trainer does cannot dominate the update (the clipped surrogate leaves ``r``
+  unbounded for negative advantages). Which branch a token takes is decided on the raw ratio
+  *before* the cap, so a cap below ``1 + eps_high`` never turns a clipped token (no gradient)
+  into an unclipped one.
 
 KL to a frozen reference (``kl_coef > 0``, off by default) adds ``kl_coef * k`` per token
 with the estimator ``k1 = log(p/q)``, ``k2 = (log(p/q))^2 / 2`` or
@@ -91,13 +102,58 @@ def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return advantages
 
 
-def _clipped_surrogate(ratio, advantages, eps_low, eps_high) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-element PPO loss ``-min(r A, clip(r) A)`` and where clipping took effect."""
+def _clipped_surrogate(ratio, advantages, eps_low, eps_high, cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-element PPO loss ``-min(r A, clip(r) A)`` and where clipping took effect; with
+    ``cap`` the unclipped branch uses the truncated ratio (the branch is chosen on the raw
+    ratio first: the module docstring)."""
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    was_clipped = (clipped < unclipped).float()  # the clipped branch was the one taken
-    return loss, was_clipped
+    take_clipped = clipped < unclipped  # the clipped branch is the minimum
+    loss = -torch.where(take_clipped, clipped, truncate_ratio(ratio, cap) * advantages)
+    return loss, take_clipped.float()
+
+
+def importance_weights(
+    old_logprobs: torch.Tensor,
+    generator_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    level: str = "token",
+    cap: float = 2.0,
+    mask_low: float = 0.0,
+    mask_high: float = 0.0,
+) -> tuple[torch.Tensor, Stats]:
+    """Detached weights ``[B, S]`` correcting the trainer/generator mismatch, and their stats.
+
+    The raw weight is ``w = pi_old / pi_generator`` per token (``level="token"``) or, per
+    sequence, the product over its loss tokens (``"sequence"``: ``exp(sum_t log w_t)``, given
+    to every token of the row). Masked IS: a token (sequence) whose raw weight lies outside
+    ``[mask_low, mask_high]`` gets weight 0 (a bound of 0 is no bound). Truncated IS: what
+    remains is capped at ``cap`` (0: no cap). Stats are sums over loss tokens:
+    ``is_weight`` (the weights used), ``is_capped`` and ``is_masked`` (counts), and
+    ``is_weight_max`` (the largest raw weight, a max not a sum)."""
+    if level not in ("token", "sequence"):
+        raise ValueError(f"--rl.is_level must be token, sequence or off, got {level!r}")
+    mask = loss_mask.to(torch.float32)
+    log_w = (old_logprobs.detach().float() - generator_logprobs.float()) * mask
+    if level == "sequence":
+        log_w = log_w.sum(-1, keepdim=True).expand_as(mask)
+    raw = torch.exp(log_w)
+    keep = torch.ones_like(mask, dtype=torch.bool)
+    if mask_low > 0:
+        keep &= raw >= mask_low
+    if mask_high > 0:
+        keep &= raw <= mask_high
+    capped = (raw > cap) & keep if cap > 0 else torch.zeros_like(keep)
+    weights = torch.where(keep, raw.clamp(max=cap) if cap > 0 else raw, torch.zeros_like(raw)) * mask
+    on = mask > 0
+    stats: Stats = {
+        "is_weight": weights.sum(),
+        "is_capped": (capped & on).float().sum(),
+        "is_masked": (~keep & on).float().sum(),
+        "is_weight_max": raw[on].max() if on.any() else torch.zeros((), device=raw.device),
+    }
+    return weights, stats
 
 
 def _sequence_lengths(loss_mask: torch.Tensor, sequence_lengths: torch.Tensor | None) -> torch.Tensor:
@@ -118,6 +174,7 @@ def policy_loss(
     clip_eps_low: float | None = None,
     clip_eps_high: float | None = None,
     is_cap: float = 0.0,
+    is_weights: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
@@ -127,7 +184,8 @@ def policy_loss(
 ) -> tuple[torch.Tensor, Stats]:
     """The summed loss of one microbatch for ``loss_type`` and its token-sum stats (module
     docstring). ``sequence_lengths`` (optional, ``[B, S]``): each token's completion length,
-    for the ``grpo`` weights when rows are split (context parallel)."""
+    for the ``grpo`` weights when rows are split (context parallel). ``is_weights``
+    (optional, ``[B, S]``, detached): per-token importance weights on the policy term."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"--rl.loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
     default_low, default_high = DEFAULT_CLIP[loss_type]
@@ -140,16 +198,18 @@ def policy_loss(
     if loss_type == "gspo":
         lengths = _sequence_lengths(mask, None)
         seq_ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / lengths)  # geometric mean
-        seq_ratio = truncate_ratio(seq_ratio, is_cap)
         seq_adv = (adv * mask).sum(-1, keepdim=True) / lengths  # the completion's advantage
-        seq_loss, seq_clipped = _clipped_surrogate(seq_ratio, seq_adv, eps_low, eps_high)
+        seq_loss, seq_clipped = _clipped_surrogate(seq_ratio, seq_adv, eps_low, eps_high, is_cap)
+        if is_weights is not None:  # the sequence's mean token weight (its weight, per sequence)
+            seq_loss = seq_loss * (is_weights.detach() * mask).sum(-1, keepdim=True) / lengths
         has_tokens = (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
         policy_sum = (seq_loss * has_tokens).sum()
         weights = mask / lengths  # what KL and entropy terms use: per-sequence token mean
         clipped = seq_clipped.expand_as(mask) * mask
     else:
-        ratio = truncate_ratio(torch.exp(log_ratio), is_cap)
-        token_loss, token_clipped = _clipped_surrogate(ratio, adv, eps_low, eps_high)
+        token_loss, token_clipped = _clipped_surrogate(torch.exp(log_ratio), adv, eps_low, eps_high, is_cap)
+        if is_weights is not None:
+            token_loss = token_loss * is_weights.detach()
         weights = mask / _sequence_lengths(mask, sequence_lengths) if loss_type == "grpo" else mask
         policy_sum = (token_loss * weights).sum()
         clipped = token_clipped * mask

@@ -567,9 +567,11 @@ class TrainingEngine:
         """Resume from the newest checkpoint (or the initial load path); False if none."""
         return self.checkpointer.load()
 
-    def maybe_save(self, *, last_step: bool = False) -> None:
-        """Save a checkpoint when the interval (or ``last_step``) says so."""
-        self.checkpointer.maybe_save(self.step, last_step=last_step)
+    def maybe_save(self, *, last_step: bool = False, since: int | None = None) -> None:
+        """Save a checkpoint when the interval (or ``last_step``) says so; ``since``: the step
+        of the previous call, when one loop step takes several optimizer steps (a multiple of
+        the interval passed over then counts)."""
+        self.checkpointer.maybe_save(self.step, last_step=last_step, since=since)
 
     def close(self) -> None:
         """Drain checkpoint saves and release the process group."""
