@@ -158,3 +158,47 @@ def test_several_updates_do_not_reuse_stale_old_logprobs(tmp_path, monkeypatch):
         assert 0 < record["clip_fraction"] < 1
     finally:
         engine.close()
+
+
+def test_router_aux_loss_weight_does_not_depend_on_the_loss_type(tmp_path, monkeypatch):
+    """An MoE policy with the router's balancing loss on and zero advantages (only the aux
+    loss has a gradient): grpo (divides by completions) and dapo (by tokens) take the same
+    step, the step a hand-written token-weighted mean of the microbatches' aux losses takes."""
+    from titan.rl.rollouts import build_batch, rollout_rows
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    worker = load_worker()
+    moe = {"spec": worker.qwen3_moe_spec(), "overrides": {"router_aux_loss_coef": 0.05},
+           "adam_eps": 1.0, "weight_decay": 0.0}
+    engines = {name: worker.make_engine(str(tmp_path / name), **moe) for name in ("grpo", "dapo", "hand")}
+    try:
+        rollout = make_rollout(engines["grpo"])
+        rollout.rewards = [[1.0, 1.0], [0.0, 0.0]]  # every advantage 0
+        initial = {k: v.clone() for k, v in engines["grpo"].full_state_dict()}
+        for loss_type in ("grpo", "dapo"):
+            rl = RLSection(group_size=2, prompts_per_step=2, loss_type=loss_type, drop_zero_variance=False)
+            trainer_over(engines[loss_type], rl, rollout).rl_step()
+        hand = engines["hand"]
+        model = hand.model_parts[0]
+        rows = rollout_rows(rollout, drop_zero_variance=False)
+        total_tokens = sum(len(r.token_ids) for r in rows)
+        loss = 0.0
+        for row in rows:  # one row per microbatch, as local_batch_size 1
+            batch = build_batch([row], seq_len=SEQ, pad_id=0)
+            model(batch["input_ids"])  # the test engines run without document masking
+            loss = loss + model.aux_loss() * len(row.token_ids) / total_tokens
+        loss.backward()
+        hand.optimizer_step()
+        weights = {name: dict(engine.full_state_dict()) for name, engine in engines.items()}
+        router = [k for k in initial if k.endswith("router.gate.weight")]
+        assert router and all(torch.count_nonzero(weights["hand"][k] - initial[k]) for k in router)
+        for name, value in weights["hand"].items():
+            assert torch.equal(weights["grpo"][name], weights["dapo"][name]), name
+            update = value - initial[name]
+            tolerance = 1e-3 * float(update.abs().max()) + 8 * torch.finfo(torch.float32).eps * float(value.abs().max())
+            torch.testing.assert_close(weights["grpo"][name] - initial[name], update, rtol=0, atol=tolerance,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    finally:
+        for engine in engines.values():
+            engine.close()

@@ -358,14 +358,14 @@ class RLTrainer:
         return before_update, weights, 0.0, stats
 
     @torch.no_grad()
-    def _pre_update_logprobs(self, minibatches: list[tuple[float, list[dict]]]) -> list[list[list[torch.Tensor]]]:
+    def _pre_update_logprobs(self, minibatches: list[tuple[float, float, list[dict]]]) -> list[list[list[torch.Tensor]]]:
         """The trainer's log-probs of every microbatch of the rollout before its first update:
         one no-grad forward each, in evaluation mode (so an MoE router does not count these
         tokens for its load balancing twice)."""
         out: list[list[list[torch.Tensor]]] = []
         self.engine.train(False)
         try:
-            for _, batches in minibatches:
+            for *_, batches in minibatches:
                 out.append([])
                 for batch in batches:
                     captured: list[torch.Tensor] = []
@@ -389,9 +389,10 @@ class RLTrainer:
         count = loss_normalizer(self.config.rl.loss_type, mask, max_new_tokens=self.sampling.max_new_tokens)
         return max(float(count), 1.0)
 
-    def _minibatches(self, rows) -> list[tuple[float, list[dict[str, torch.Tensor]]]]:
+    def _minibatches(self, rows) -> list[tuple[float, float, list[dict[str, torch.Tensor]]]]:
         """The rollout's rows in --rl.minibatches_per_rollout contiguous minibatches, each as
-        (its global loss normalizer, this rank's microbatches)."""
+        (its global loss normalizer, its global count of completion tokens — what a model's
+        auxiliary loss is averaged over —, this rank's microbatches)."""
         cfg, dims = self.config, self.engine.parallel_dims
         count = cfg.rl.minibatches_per_rollout
         size, extra = divmod(len(rows), count)
@@ -404,7 +405,8 @@ class RLTrainer:
                 for microbatch in split_rows(chunk, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
                                              microbatch_size=cfg.training.local_batch_size)
             ]
-            out.append((self._normalizer(chunk), batches))
+            completion_tokens = max(float(sum(len(r.token_ids) for r in chunk)), 1.0)
+            out.append((self._normalizer(chunk), completion_tokens, batches))
         return out
 
     def rl_step(self) -> dict[str, Any] | None:
@@ -437,13 +439,15 @@ class RLTrainer:
         totals: dict[str, float] = {}
         losses, norms = [], []
         for epoch in range(cfg.rl.ppo_epochs):
-            for m, (normalizer, batches) in enumerate(minibatches):
+            for m, (normalizer, completion_tokens, batches) in enumerate(minibatches):
                 accumulator: dict[str, torch.Tensor] = {}
                 rank_loss = torch.zeros((), device=engine.device)
                 for j, batch in enumerate(batches):
                     loss_fn = self._loss_fn(accumulator, trainer_old[m][j] if trainer_old else None,
                                             measure_mismatch=epoch == 0)
-                    rank_loss += engine.forward_backward(batch, loss_fn, global_token_count=normalizer)
+                    # The router's aux loss is a mean over completion tokens for every loss type.
+                    rank_loss += engine.forward_backward(batch, loss_fn, global_token_count=normalizer,
+                                                         aux_token_count=completion_tokens)
                 norms.append(engine.optimizer_step())
                 self.metrics.record_tokens(sum(b["input_ids"].numel() for b in batches)
                                            // engine.parallel_dims.non_data_parallel_size)

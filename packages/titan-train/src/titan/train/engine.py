@@ -307,7 +307,12 @@ class TrainingEngine:
         return float(mesh.size()) if mesh is not None else 1.0
 
     def forward_backward(
-        self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, global_token_count: torch.Tensor | float
+        self,
+        batch: Mapping[str, torch.Tensor],
+        loss_fn: LossFn,
+        *,
+        global_token_count: torch.Tensor | float,
+        aux_token_count: torch.Tensor | float | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one microbatch; gradients accumulate until
         :meth:`optimizer_step`.
@@ -317,19 +322,24 @@ class TrainingEngine:
         the rows of each pipeline microbatch to the last stage's ``loss_fn``).
         ``global_token_count``: what the summed losses are divided by, e.g. the valid label
         tokens of the whole global batch (all microbatches, all data-parallel ranks).
+        ``aux_token_count``: the global count of labelled tokens, which a model's auxiliary
+        loss (an MoE router's balancing loss) is averaged over whatever the main loss is
+        divided by (an RL loss may divide by completions); None: ``global_token_count`` (the
+        loss is a token mean).
         Returns this rank's detached share of the normalized loss (zero on pipeline stages
         without the loss); summing it over the data-parallel ranks gives the global loss.
         """
         batch = self._prepare(batch)
         scale = self.data_parallel_grad_scale / global_token_count
+        aux_scale = self.data_parallel_grad_scale / (global_token_count if aux_token_count is None else aux_token_count)
         if self.parallel_dims.pp_enabled:
             with self._autocast():
-                loss = self._pipeline_run(batch, loss_fn, scale, backward=True)
+                loss = self._pipeline_run(batch, loss_fn, scale, backward=True, aux_scale=aux_scale)
         else:
             with loss_parallel_context(self.parallel_dims, self.parallelism):
                 with self._autocast():
                     logits = self.model_parts[0](batch["input_ids"], **self._model_kwargs(batch))
-                loss = (loss_fn(logits, batch) + self._auxiliary_loss(self.model_parts, batch)) * scale
+                loss = loss_fn(logits, batch) * scale + self._auxiliary_loss(self.model_parts, batch) * aux_scale
                 del logits  # free the largest activation before backward
                 loss.backward()
             loss = local_value(loss.detach())
@@ -343,7 +353,7 @@ class TrainingEngine:
         batch = self._prepare(batch)
         if self.parallel_dims.pp_enabled:
             with self._autocast():
-                return self._pipeline_run(batch, loss_fn, 1.0, backward=False)
+                return self._pipeline_run(batch, loss_fn, 1.0, backward=False, aux_scale=0.0)
         with loss_parallel_context(self.parallel_dims, self.parallelism):
             with self._autocast():
                 logits = self.model_parts[0](batch["input_ids"], **self._model_kwargs(batch))
@@ -476,13 +486,21 @@ class TrainingEngine:
             raise RuntimeError("the pipeline loss ran outside TrainingEngine.forward_backward")
         return self._pipeline_loss_call(output, rows)
 
-    def _pipeline_run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, scale, *, backward: bool) -> torch.Tensor:
+    def _pipeline_run(
+        self, batch: dict[str, torch.Tensor], loss_fn: LossFn, scale, *, backward: bool, aux_scale: float
+    ) -> torch.Tensor:
         """Run the schedule over ``batch`` (forward and backward, or forward only); the last
-        stage returns the sum of its microbatch losses, the other stages zero."""
+        stage returns the sum of its microbatch losses (with its own layers' auxiliary loss,
+        which the schedule runs right after the forward of the same pipeline microbatch),
+        the other stages zero."""
 
         def microbatch_loss(output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
             self._refuse_auxiliary_loss_before_last_stage()
-            return loss_fn(output, {k: v[rows] for k, v in batch.items()}) * scale
+            rows_batch = {k: v[rows] for k, v in batch.items()}
+            loss = loss_fn(output, rows_batch) * scale
+            if aux_scale:
+                loss = loss + self._auxiliary_loss(self.model_parts[-1:], rows_batch) * aux_scale
+            return loss
 
         rows = torch.arange(batch["input_ids"].shape[0], device=self.device)
         losses: list[torch.Tensor] = []
