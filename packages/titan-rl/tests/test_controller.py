@@ -196,19 +196,24 @@ def test_logprob_disagreement_is_warned_on_policy_only(caplog):
 
 
 @pytest.mark.slow
-def test_rl_resume_continues_the_same_trajectory(tmp_path):
+@pytest.mark.parametrize("kl", [False, True], ids=["no_kl", "kl"])
+def test_rl_resume_continues_the_same_trajectory(tmp_path, kl):
+    """With KL on, the reference is the policy RL started from (step 2, after the warm-up),
+    restored from the checkpoint: not the resumed weights of step 5."""
     flags = [*SHORT, "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
-             "--debug.deterministic"]
+             "--debug.deterministic", *(["--rl.kl_coef", "0.05"] if kl else [])]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_rl(straight, *flags)
     (resumed / "checkpoint").mkdir(parents=True)
     shutil.copytree(straight / "checkpoint" / "step-5", resumed / "checkpoint" / "step-5")
     log = run_rl(resumed, *flags)
     assert "resumed from step 5" in log.stderr + log.stdout
-    keys = ("loss", "reward_mean", "grad_norm", "logprob_diff_max")
+    keys = ("loss", "reward_mean", "grad_norm", "logprob_diff_max", "kl")
     want = {r["step"]: [r[k] for k in keys] for r in records(straight) if r.get("phase") == "rl"}
     got = {r["step"]: [r[k] for k in keys] for r in records(resumed) if r.get("phase") == "rl"}
     assert sorted(got) == [6, 7, 8] and all(got[s] == want[s] for s in got), (got, want)
+    if kl:  # the policy has moved away from its reference by step 6
+        assert got[6][keys.index("kl")] > 0
 
 
 @pytest.mark.slow

@@ -60,9 +60,9 @@ class RLSection:
     mask_truncated: bool = False
     """No loss on completions that hit --sampling.max_new_tokens (finish_reason "length")."""
     kl_coef: float = 0.0
-    """Weight of the KL penalty to a frozen reference: the weights this process starts its RL
-    phase from (after the warm-up or the initial load; a resumed run takes the resumed
-    weights); 0: off."""
+    """Weight of the KL penalty to a frozen reference: the weights the run's RL phase started
+    from (after the warm-up or the initial load), saved in every checkpoint so a resumed run
+    keeps it; 0: off."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator: k1 log(p/q), k2 (log(p/q))^2/2, k3 q/p - 1 - log(q/p)."""
     entropy_coef: float = 0.0

@@ -118,6 +118,49 @@ class ControllerState:
         self.rollout_index, self.skipped = int(state["rollout_index"]), int(state["skipped"])
 
 
+class ReferencePolicy:
+    """The frozen KL reference, checkpointed: the policy RL started from (after the warm-up or
+    the initial load), so a resumed run measures KL against the same weights.
+
+    Rank 0 holds the model (a generator copy, built up front so a checkpoint of any step
+    has the same entries) and a ``taken`` flag; the other ranks hold nothing and save
+    nothing. Before RL starts the weights are placeholders (``taken`` 0)."""
+
+    def __init__(self, model_holder: Any | None) -> None:
+        self.holder = model_holder
+        self.taken = False
+
+    def take(self, weights) -> None:
+        """Freeze ``weights`` (named full tensors) as the reference, unless a resumed
+        checkpoint already restored it."""
+        if self.holder is not None and not self.taken:
+            self.holder.load_weights(weights, version=0)
+            self.taken = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """``taken`` and the weights (a tied alias once) on rank 0; empty elsewhere."""
+        if self.holder is None:
+            return {}
+        weights, seen = {}, set()
+        for name, tensor in self.holder.model.state_dict().items():
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                weights[name] = tensor
+        return {"taken": torch.tensor(int(self.taken)), "weights": weights}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the flag and the weights (DCP loads into the live tensors; copied again
+        for a loader that does not)."""
+        if self.holder is None:
+            return
+        self.taken = bool(int(state["taken"]))
+        live = self.holder.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in state["weights"].items():
+                if live[name] is not tensor:
+                    live[name].copy_(tensor)
+
+
 def check_generator_kind(kind: str) -> None:
     """Refuse a generator this environment cannot run, with the fix."""
     if kind == "vllm":
@@ -162,7 +205,10 @@ class RLTrainer:
         self.warmup_loader = self._build_warmup_loader()
         self.sampling = dataclasses.replace(cfg.sampling, n=cfg.rl.group_size)
         self.generator = self._build_generator() if self.is_rank0 else None
-        self.reference = None  # a frozen copy for the KL penalty, taken when RL starts
+        # The frozen KL reference (rank 0), taken when RL starts and checkpointed with the run.
+        self.reference = ReferencePolicy(self._build_generator() if self.is_rank0 and cfg.rl.kl_coef > 0 else None)
+        if cfg.rl.kl_coef > 0:
+            self.engine.add_state("rl_reference", self.reference)
         self.generator_version = -1  # tracked on every rank: sync decisions are collective
         self._executor = concurrent.futures.ThreadPoolExecutor(1) if cfg.rl.max_policy_staleness > 0 and self.is_rank0 else None
         self._pending: tuple[int, concurrent.futures.Future | None] | None = None
@@ -238,8 +284,9 @@ class RLTrainer:
             self.reward.score([p.text] * len(g), g, [p.answer] * len(g)) for p, g in zip(prompts, texts, strict=True)
         ]
         rollout = Rollout(index=index, version=version, groups=groups, rewards=rewards, texts=texts)
-        if self.reference is not None:
-            rollout.ref_logprobs = [self.reference.rescore(g, temperature=self.sampling.temperature) for g in groups]
+        if self.reference.taken:
+            rollout.ref_logprobs = [self.reference.holder.rescore(g, temperature=self.sampling.temperature)
+                                    for g in groups]
         rollout.generation_s = time.perf_counter() - start
         return rollout
 
@@ -563,14 +610,14 @@ class RLTrainer:
         return freq > 0 and (first_rl_step or _crossed(before, step, freq) or step == self.config.training.steps)
 
     def _start_reference(self) -> None:
-        """Freeze the weights RL starts from as the KL reference (rank 0), when KL is on."""
+        """Freeze the weights RL starts from as the KL reference (rank 0), when KL is on; a
+        resumed run keeps the reference its checkpoint restored."""
         if self.config.rl.kl_coef <= 0:
             return
         if self.generator_version != self.engine.step:
             self.sync_weights()
         if self.is_rank0:
-            self.reference = self._build_generator()
-            self.reference.load_weights(self.generator.named_weights(), version=self.generator.version)
+            self.reference.take(self.generator.named_weights())
 
     # ---- the loop -----------------------------------------------------------------------
 
