@@ -142,6 +142,17 @@ def run_rl(dump: Path, *flags: str) -> subprocess.CompletedProcess:
     return result
 
 
+def run_rl_ranks(ranks: int, dump: Path, *flags: str) -> subprocess.CompletedProcess:
+    """`titan rl --config grpo_debug` under torchrun with ``ranks`` gloo processes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", "--config", "grpo_debug",
+           "--job.dump_folder", str(dump), "--metrics.no_enable_progress_bar", *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
 def records(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
@@ -214,6 +225,24 @@ def test_rl_resume_continues_the_same_trajectory(tmp_path, kl):
     assert sorted(got) == [6, 7, 8] and all(got[s] == want[s] for s in got), (got, want)
     if kl:  # the policy has moved away from its reference by step 6
         assert got[6][keys.index("kl")] > 0
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_rl_steps_run_and_match_one_rank(tmp_path):
+    """PP 2: the stage without the loss takes part in the stats' reductions (it crashed), the
+    warm-up loss is the last stage's (it logged 0), and the trainer's weights reach the
+    generator (log-probs agree)."""
+    flags = [*SHORT, "--debug.deterministic"]
+    run_rl(tmp_path / "one", *flags)
+    log = run_rl_ranks(2, tmp_path / "pp", *flags, "--parallelism.pipeline_parallel_degree", "2")
+    assert "autograd kernel was not registered" not in log.stderr
+    one, pp = records(tmp_path / "one"), records(tmp_path / "pp")
+    assert [r["step"] for r in pp] == [r["step"] for r in one] == list(range(1, 9))
+    # The warm-up has no sampling: same init, same batches, the same loss up to summation order.
+    assert pp[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-5) and pp[0]["loss"] > 1
+    rl = [r for r in pp if r.get("phase") == "rl"]
+    assert len(rl) == 6 and max(r["logprob_diff_max"] for r in rl) <= 1e-5
+    assert all(r["grad_norm"] > 0 for r in rl)
 
 
 @pytest.mark.slow

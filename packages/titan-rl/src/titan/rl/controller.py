@@ -67,6 +67,15 @@ MAX_CONSECUTIVE_SKIPS = 16
 """Stop when this many rollouts in a row have no group with reward variance (nothing to learn)."""
 
 
+SUMMED_STATS: tuple[str, ...] = (
+    "tokens", "clipped", "kl", "entropy", "completion_tokens", "logprob_diff_sum", "is_weight", "is_capped",
+    "is_masked",
+)
+"""The loss's stats that add over microbatches and ranks."""
+MAX_STATS: tuple[str, ...] = ("logprob_diff_max", "is_weight_max")
+"""The loss's stats reduced with a max."""
+
+
 def _accumulate(accumulator: dict[str, torch.Tensor], stats: Mapping[str, torch.Tensor]) -> None:
     """Add a loss call's stats into ``accumulator`` (sums; the ``*_max`` keys keep the max)."""
     for key, value in stats.items():
@@ -520,14 +529,13 @@ class RLTrainer:
         self._check_logprob_agreement(record)
         return record
 
-    @staticmethod
-    def _token_means(totals: Mapping[str, float]) -> dict[str, float]:
+    def _token_means(self, totals: Mapping[str, float]) -> dict[str, float]:
         """Per-token means (and maxima) of a rollout's summed stats."""
         out = stat_means({k: torch.tensor(v) for k, v in totals.items() if k in ("tokens", "clipped", "kl", "entropy")})
         completion_tokens = max(totals.get("completion_tokens", 0.0), 1.0)
         out["logprob_diff_max"] = totals.get("logprob_diff_max", 0.0)
         out["logprob_diff_mean"] = totals.get("logprob_diff_sum", 0.0) / completion_tokens
-        if "is_weight" in totals:
+        if self.config.rl.old_logprobs == "trainer" and self.config.rl.is_level != "off":
             tokens = max(totals["tokens"], 1.0)
             out.update(is_weight_mean=totals["is_weight"] / tokens, is_weight_max=totals["is_weight_max"],
                        is_capped_fraction=totals["is_capped"] / tokens, is_masked_fraction=totals["is_masked"] / tokens)
@@ -547,15 +555,23 @@ class RLTrainer:
 
     def _reduce(self, accumulator: dict[str, torch.Tensor], rank_loss: torch.Tensor) -> dict[str, float]:
         """Sums (maxima for the ``*_max`` keys) over the data-parallel, context-parallel and
-        pipeline ranks."""
+        pipeline ranks. Every rank reduces the same keys (:data:`SUMMED_STATS`,
+        :data:`MAX_STATS`), zero where it computed none: pipeline stages before the last
+        never run the loss."""
         engine, dims = self.engine, self.engine.parallel_dims
-        keys = sorted(k for k in accumulator if not k.endswith("_max"))
-        max_keys = sorted(k for k in accumulator if k.endswith("_max"))
+        unknown = set(accumulator) - set(SUMMED_STATS) - set(MAX_STATS)
+        if unknown:
+            raise KeyError(f"RL stats {sorted(unknown)} are not in SUMMED_STATS or MAX_STATS")
+        keys, max_keys = list(SUMMED_STATS), list(MAX_STATS)
         device = engine.device
-        sums = torch.stack([torch.as_tensor(accumulator[k], dtype=torch.float64, device=device) for k in keys]
-                           + [rank_loss.double()])
-        largest = torch.stack([torch.as_tensor(accumulator[k], dtype=torch.float64, device=device) for k in max_keys]
-                              + [torch.zeros((), dtype=torch.float64, device=device)])
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+
+        def stacked(names: list[str], extra: torch.Tensor) -> torch.Tensor:
+            return torch.stack([torch.as_tensor(accumulator.get(k, zero), dtype=torch.float64, device=device)
+                                for k in names] + [extra])
+
+        sums = stacked(keys, rank_loss.double())
+        largest = stacked(max_keys, zero)
         engine.sum_over(sums, "dp_cp")
         largest = reduce_max(largest, dims.mesh("dp_cp"))
         if dims.pp_enabled:
@@ -581,6 +597,8 @@ class RLTrainer:
         grad_norm = engine.optimizer_step()
         self.metrics.record_tokens(batch["input_ids"].numel() // engine.parallel_dims.non_data_parallel_size)
         loss = engine.sum_over(rank_loss.clone(), "dp_cp")
+        if engine.parallel_dims.pp_enabled:  # only the last stage computed it
+            loss = engine.sum_over(loss, "pp")
         return {"loss": float(loss), "grad_norm": grad_norm, "lr": lr, "phase": "sft_warmup"}
 
     def evaluate(self) -> dict[str, float]:

@@ -561,7 +561,9 @@ class TrainingEngine:
     def _gather_full(self, name: str, param: torch.Tensor | None, shape, dtype: torch.dtype) -> torch.Tensor:
         """The full value of one parameter or buffer on every rank (all-gather of shards; broadcast
         from the owning pipeline stage under PP)."""
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+        with torch.no_grad():  # a copy of the weights, not part of any graph
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+        full = full.detach() if full is not None else None
         if not self.parallel_dims.pp_enabled:
             return full
         pp_mesh = self.parallel_dims.mesh("pp")
