@@ -53,7 +53,7 @@ def scheduled_trainer(bound: int, steps: int):
 
     trainer.sync_weights = sync_weights
     trainer._produce = produce
-    trainer._broadcast = lambda rollout: rollout
+    trainer._broadcast = lambda result: result() if callable(result) else result
     return trainer
 
 
@@ -142,14 +142,18 @@ def run_rl(dump: Path, *flags: str) -> subprocess.CompletedProcess:
     return result
 
 
-def run_rl_ranks(ranks: int, dump: Path, *flags: str) -> subprocess.CompletedProcess:
-    """`titan rl --config grpo_debug` under torchrun with ``ranks`` gloo processes."""
+def run_rl_ranks(ranks: int, dump: Path, *flags: str, check: bool = True,
+                 timeout: float = 900) -> subprocess.CompletedProcess:
+    """`titan rl --config grpo_debug` under torchrun with ``ranks`` gloo processes (this
+    folder importable, for reward functions given by dotted path)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--rdzv_backend", "c10d",
            "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", "--config", "grpo_debug",
            "--job.dump_folder", str(dump), "--metrics.no_enable_progress_bar", *flags]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
+    if check:
+        assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result
 
 
@@ -243,6 +247,20 @@ def test_pipeline_parallel_rl_steps_run_and_match_one_rank(tmp_path):
     rl = [r for r in pp if r.get("phase") == "rl"]
     assert len(rl) == 6 and max(r["logprob_diff_max"] for r in rl) <= 1e-5
     assert all(r["grad_norm"] > 0 for r in rl)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", ["0", "1"], ids=["on_policy", "async"])
+def test_a_failing_reward_stops_every_rank_with_its_message(tmp_path, staleness):
+    """Rank 0 scores the rollouts (in a background thread when async): its error must reach
+    the other rank too, instead of leaving it in the rollout broadcast until the collective
+    timeout (10 minutes). The subprocess timeout guards against that hang."""
+    result = run_rl_ranks(2, tmp_path, *SHORT, "--rl.rewards", "function", "--rl.reward_function",
+                          "failing_reward:raises", "--rl.max_policy_staleness", staleness, check=False, timeout=300)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    message = "failed on rank 0: RewardError: reward 'function' raised ValueError: the grader is broken"
+    assert output.count(message) >= 2, output[-4000:]  # both ranks stop with it
 
 
 @pytest.mark.slow

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 
 import pytest
 from titan.rl.rewards import (
+    MAX_HUNG_CALLS,
+    CombinedReward,
+    RewardError,
     build_reward,
     char_match,
     exact_match,
@@ -76,6 +80,54 @@ def test_bad_reward_configs_name_the_flag():
 
 @pytest.mark.skipif(importlib.util.find_spec("math_verify") is not None, reason="math-verify is installed")
 def test_math_verify_is_optional_and_imported_only_when_used():
-    reward = build_reward(["math_verify"])  # building does not import it
-    with pytest.raises(ValueError, match="math-verify"):
-        reward(prompt="p", completion="1/2", answer="0.5")
+    if importlib.util.find_spec("math_verify") is None:
+        with pytest.raises(ValueError, match="pip install math-verify"):  # at the start of the run
+            build_reward(["math_verify"])
+    else:
+        build_reward(["math_verify"])
+        assert "math_verify" not in sys.modules  # building does not import it
+
+
+def test_a_hung_reward_times_out_in_a_background_thread():
+    """The async schedule scores off the main thread, where signal-based timeouts cannot
+    fire: the timeout still holds there, the call scores 0 and is counted."""
+    release = threading.Event()
+
+    def hangs(*, prompt, completion, answer):
+        if completion == "hang":
+            release.wait()
+        return 1.0
+
+    # 2 s: far more than a call that returns at once needs on a loaded machine.
+    reward = CombinedReward([("hangs", hangs, 1.0)], timeout_s=2.0)
+    result: list[list[float]] = []
+    scorer = threading.Thread(target=lambda: result.append(reward.score(["p", "p"], ["hang", "ok"], ["a", "a"])))
+    scorer.start()
+    scorer.join(timeout=60)  # a guard against a hang, not a time budget
+    release.set()
+    assert result == [[0.0, 1.0]] and reward.timeouts == 1
+
+
+def test_a_reward_that_raises_names_itself_and_the_completion():
+    def broken(*, prompt, completion, answer):
+        raise KeyError("field")
+
+    reward = CombinedReward([("mine", broken, 1.0)], timeout_s=60.0)  # raises at once
+    with pytest.raises(RewardError, match=r"reward 'mine' raised KeyError: 'field' \(on the completion 'x'\)"):
+        reward(prompt="p", completion="x", answer="a")
+
+
+def test_too_many_hung_calls_stop_the_run():
+    release = threading.Event()
+
+    def hangs(*, prompt, completion, answer):
+        release.wait()
+        return 0.0
+
+    reward = CombinedReward([("hangs", hangs, 1.0)], timeout_s=0.01)
+    try:
+        with pytest.raises(RewardError, match="still running"):
+            for _ in range(MAX_HUNG_CALLS + 1):
+                reward(prompt="p", completion="c", answer="a")
+    finally:
+        release.set()

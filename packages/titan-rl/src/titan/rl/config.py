@@ -89,6 +89,9 @@ class RLSection:
     """The function reward: package.module:function(prompt=, completion=, answer=) -> float."""
     numeric_tolerance: float = 1e-6
     """Tolerance of the numeric reward."""
+    reward_timeout_s: float = 10.0
+    """Seconds one reward call may take, in any thread (0: no limit); a call that times out
+    scores 0 for that reward and is counted in the metrics' reward_timeouts."""
     eval_freq: int = 0
     """Score greedy completions of the held-out prompts every this many steps (and at the first
     RL step and the last step); 0: never."""
@@ -110,7 +113,7 @@ class RLSection:
             raise ValueError(f"--rl.clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
         if self.clip_eps_high is not None and self.clip_eps_high < 0:
             raise ValueError(f"--rl.clip_eps_high must be >= 0, got {self.clip_eps_high}")
-        for flag in ("kl_coef", "entropy_coef", "is_cap", "numeric_tolerance", "max_logprob_diff"):
+        for flag in ("kl_coef", "entropy_coef", "is_cap", "numeric_tolerance", "max_logprob_diff", "reward_timeout_s"):
             if getattr(self, flag) < 0:
                 raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
         if self.is_cap and self.is_cap < 1:

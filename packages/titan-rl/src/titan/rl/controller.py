@@ -99,6 +99,10 @@ def _crossed(before: int, after: int, every: int) -> bool:
     return every > 0 and after // every > before // every
 
 
+class RolloutError(RuntimeError):
+    """Rank 0 could not generate or score a rollout (raised on every rank)."""
+
+
 class StalenessError(RuntimeError):
     """A rollout was about to train on weights older than --rl.max_policy_staleness allows."""
 
@@ -208,6 +212,7 @@ class RLTrainer:
         self.reward = build_reward(
             cfg.rl.rewards, weights=cfg.rl.reward_weights, format_regex=cfg.rl.format_regex,
             function=cfg.rl.reward_function, numeric_tolerance=cfg.rl.numeric_tolerance,
+            timeout_s=cfg.rl.reward_timeout_s,
         )
         self.state = ControllerState(prompts_per_step=cfg.rl.prompts_per_step, num_prompts=len(train_prompts))
         self.engine.add_state("rl_controller", self.state)
@@ -289,10 +294,12 @@ class RLTrainer:
         version = self.generator.version
         groups = self.generator.generate([p.ids for p in prompts], sampling)
         texts = [[self._decode(c.token_ids) for c in group] for group in groups]
+        timeouts_before = self.reward.timeouts
         rewards = [
             self.reward.score([p.text] * len(g), g, [p.answer] * len(g)) for p, g in zip(prompts, texts, strict=True)
         ]
-        rollout = Rollout(index=index, version=version, groups=groups, rewards=rewards, texts=texts)
+        rollout = Rollout(index=index, version=version, groups=groups, rewards=rewards, texts=texts,
+                          reward_timeouts=self.reward.timeouts - timeouts_before)
         if self.reference.taken:
             rollout.ref_logprobs = [self.reference.holder.rescore(g, temperature=self.sampling.temperature)
                                     for g in groups]
@@ -304,14 +311,27 @@ class RLTrainer:
         ids = [t for t in token_ids if t != self.tokenizer.eos_id and t not in self.sampling.stop_token_ids]
         return self.tokenizer.decode(ids)
 
-    def _broadcast(self, rollout: Rollout | None) -> Rollout:
-        """Rank 0's rollout on every rank."""
-        if self.engine.dist_env.world_size == 1 or not dist.is_initialized():
-            return rollout
-        box = [rollout]
-        device = self.engine.device if self.engine.device.type == "cuda" else None
-        dist.broadcast_object_list(box, src=0, device=device)
-        return box[0]
+    def _broadcast(self, result: Any) -> Any:
+        """Rank 0's ``result`` (a rollout, an evaluation) on every rank. ``result`` may be a
+        zero-argument callable, run on rank 0 only: when it raises, every rank raises
+        :class:`RolloutError` with its message instead of waiting in the broadcast for a
+        rollout that never comes (until the collective timeout)."""
+        failure = None
+        if self.is_rank0 and callable(result):
+            try:
+                result = result()
+            except Exception as err:  # reported on every rank below
+                logger.error("rank 0 failed to produce the rollout", exc_info=True)
+                failure = f"{type(err).__name__}: {err}"
+                result = None
+        if self.engine.dist_env.world_size > 1 and dist.is_initialized():
+            box = [(failure, result)]
+            device = self.engine.device if self.engine.device.type == "cuda" else None
+            dist.broadcast_object_list(box, src=0, device=device)
+            failure, result = box[0]
+        if failure is not None:
+            raise RolloutError(f"generating or scoring a rollout failed on rank 0: {failure}")
+        return result
 
     def _launch(self, index: int) -> None:
         """Start generating rollout ``index`` in the background (rank 0)."""
@@ -326,13 +346,14 @@ class RLTrainer:
         if bound == 0:
             if self.generator_version != version:
                 self.sync_weights()
-            return self._broadcast(self._produce(index) if self.is_rank0 else None)
+            return self._broadcast(lambda: self._produce(index))
         if self._pending is None or self._pending[0] != index:
             if self.generator_version < version - bound:
                 self.sync_weights()
             self._launch(index)
         future = self._pending[1]
-        rollout = future.result() if future is not None else None
+        if future is not None:  # done before the generator's weights may change below
+            concurrent.futures.wait([future])
         # The next rollout trains at version + updates at the latest (this rollout takes at
         # most that many optimizer steps), so its weights must be of version >= that - bound.
         self._pending = None
@@ -340,12 +361,13 @@ class RLTrainer:
             if self.generator_version < version + updates - bound:
                 self.sync_weights()
             self._launch(index + 1)
-        return self._broadcast(rollout)
+        return self._broadcast(future.result if future is not None else None)
 
     def _wait_pending(self) -> None:
-        """Let the background generation finish (before using the generator otherwise)."""
+        """Let the background generation finish (before using the generator otherwise); a
+        failure stays in the future, for :meth:`next_rollout` to report on every rank."""
         if self._pending is not None and self._pending[1] is not None:
-            self._pending[1].result()
+            concurrent.futures.wait([self._pending[1]])
 
     # ---- the RL step ---------------------------------------------------------------------
 
@@ -609,8 +631,7 @@ class RLTrainer:
         self._wait_pending()
         if self.generator_version != self.engine.step:
             self.sync_weights()
-        result = None
-        if self.is_rank0:
+        def score_held_out() -> dict[str, float]:  # rank 0
             prompts = self.eval_prompts[: self.config.rl.eval_prompts]
             greedy = SamplingConfig(temperature=0.0, max_new_tokens=self.sampling.max_new_tokens,
                                     stop_token_ids=self.sampling.stop_token_ids, n=1, seed=0)
@@ -618,8 +639,9 @@ class RLTrainer:
             texts = [self._decode(g[0].token_ids) for g in groups]
             rewards = self.reward.score([p.text for p in prompts], texts, [p.answer for p in prompts])
             exact = [float(t.strip() == (p.answer or "").strip()) for t, p in zip(texts, prompts, strict=True)]
-            result = {"eval_reward": sum(rewards) / len(rewards), "eval_exact_match": sum(exact) / len(exact)}
-        return self._broadcast(result)
+            return {"eval_reward": sum(rewards) / len(rewards), "eval_exact_match": sum(exact) / len(exact)}
+
+        return self._broadcast(score_held_out)
 
     def _should_eval(self, before: int, step: int, first_rl_step: bool) -> bool:
         """Whether to evaluate after moving from step ``before`` to ``step`` (a multiple of

@@ -14,18 +14,69 @@ reference from the prompt dataset. Built-in ones (``--rl.rewards``):
   imported only when used);
 - ``function``: a user function given by dotted path (``--rl.reward_function
   package.module:function`` or ``package.module.function``).
+
+Every call runs under a timeout (``--rl.reward_timeout_s``) that works in any thread (the
+async schedule scores in a background thread, where signal-based timeouts such as
+math-verify's cannot fire): the call runs in a daemon thread the caller waits on. A call
+that times out scores 0 for that reward and is counted (``reward_timeouts`` in the metrics);
+Python cannot stop a thread, so it keeps running in the background, and more than
+:data:`MAX_HUNG_CALLS` such calls stop the run. A reward that raises stops the run with a
+:class:`RewardError` naming the reward and the completion.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
+import inspect
+import logging
 import math
 import re
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 RewardFn = Callable[..., float]
 REWARD_NAMES: tuple[str, ...] = ("exact_match", "char_match", "numeric", "format", "math_verify", "function")
+
+MAX_HUNG_CALLS = 8
+"""Reward calls that may still be running after their timeout before the run is stopped."""
+
+logger = logging.getLogger("titan")
+
+
+class RewardError(RuntimeError):
+    """A reward function raised, or too many reward calls hung."""
+
+
+class RewardTimeout(Exception):
+    """One reward call did not return within its timeout."""
+
+
+def call_with_timeout(fn: Callable[..., float], kwargs: dict, timeout_s: float) -> float:
+    """``fn(**kwargs)``, waiting at most ``timeout_s`` seconds (0: no limit) in whatever thread
+    calls it; raises :class:`RewardTimeout` when it does not return in time (the call goes on
+    in its daemon thread) and re-raises what ``fn`` raised."""
+    if timeout_s <= 0:
+        return fn(**kwargs)
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(**kwargs)
+        except BaseException as err:  # noqa: BLE001 (handed to the caller's thread)
+            box["error"] = err
+
+    worker = threading.Thread(target=run, daemon=True, name="titan-reward")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise RewardTimeout
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
 
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
@@ -77,6 +128,17 @@ def format_match(pattern: str) -> RewardFn:
     return reward
 
 
+@functools.cache
+def _math_verify_no_signals() -> tuple[dict, dict]:
+    """Keyword arguments that turn off math-verify's SIGALRM timeouts (which raise off the
+    main thread) in the versions that have them; titan's own timeout covers the call."""
+    from math_verify import parse, verify
+
+    parse_kw = {"parsing_timeout": None} if "parsing_timeout" in inspect.signature(parse).parameters else {}
+    verify_kw = {"timeout_seconds": None} if "timeout_seconds" in inspect.signature(verify).parameters else {}
+    return parse_kw, verify_kw
+
+
 def math_verify_match(*, prompt: str, completion: str, answer: str | None) -> float:
     """1.0 when ``math-verify`` finds the completion's answer equivalent to the reference."""
     try:
@@ -88,7 +150,8 @@ def math_verify_match(*, prompt: str, completion: str, answer: str | None) -> fl
         ) from None
     if answer is None:
         return 0.0
-    return float(verify(parse(answer), parse(completion)))
+    parse_kw, verify_kw = _math_verify_no_signals()
+    return float(verify(parse(answer, **parse_kw), parse(completion, **parse_kw), **verify_kw))
 
 
 def load_function(path: str) -> RewardFn:
@@ -111,17 +174,45 @@ def load_function(path: str) -> RewardFn:
 
 @dataclass
 class CombinedReward:
-    """A weighted sum of reward functions, each called with keyword arguments."""
+    """A weighted sum of reward functions, each called with keyword arguments under
+    ``timeout_s`` (module docstring)."""
 
     terms: list[tuple[str, RewardFn, float]]
     """(name, function, weight) per term."""
+    timeout_s: float = 0.0
+    """Seconds one reward call may take (0: no limit)."""
+    timeouts: int = field(default=0, init=False)
+    """Calls that timed out so far (each scored 0)."""
 
     def __call__(self, *, prompt: str, completion: str, answer: str | None) -> float:
         """The weighted sum of every term's reward."""
-        return sum(
-            weight * float(fn(prompt=prompt, completion=completion, answer=answer))
-            for _, fn, weight in self.terms
-        )
+        kwargs = {"prompt": prompt, "completion": completion, "answer": answer}
+        total = 0.0
+        for name, fn, weight in self.terms:
+            try:
+                value = float(call_with_timeout(fn, kwargs, self.timeout_s))
+            except RewardTimeout:
+                self._timed_out(name, completion)
+                continue
+            except RewardError:
+                raise
+            except Exception as err:
+                raise RewardError(
+                    f"reward {name!r} raised {type(err).__name__}: {err} (on the completion {completion[:80]!r})"
+                ) from err
+            total += weight * value
+        return total
+
+    def _timed_out(self, name: str, completion: str) -> None:
+        self.timeouts += 1
+        logger.warning("reward %r took longer than --rl.reward_timeout_s %g on %r: scored 0",
+                       name, self.timeout_s, completion[:80])
+        hung = sum(t.name == "titan-reward" for t in threading.enumerate())
+        if hung > MAX_HUNG_CALLS:
+            raise RewardError(
+                f"{hung} reward calls are still running after --rl.reward_timeout_s {self.timeout_s:g}: reward "
+                f"{name!r} hangs; fix it or raise the timeout"
+            )
 
     def score(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str | None]) -> list[float]:
         """Rewards of aligned prompts, completions and answers."""
@@ -135,6 +226,7 @@ def build_reward(
     format_regex: str | None = None,
     function: str | None = None,
     numeric_tolerance: float = 1e-6,
+    timeout_s: float = 0.0,
 ) -> CombinedReward:
     """A :class:`CombinedReward` from reward names (module docstring) and their weights
     (default 1 each)."""
@@ -148,7 +240,7 @@ def build_reward(
     terms = []
     for name, weight in zip(names, weights, strict=True):
         terms.append((name, _one_reward(name, format_regex, function, numeric_tolerance), float(weight)))
-    return CombinedReward(terms)
+    return CombinedReward(terms, timeout_s=timeout_s)
 
 
 def _one_reward(name: str, format_regex: str | None, function: str | None, tolerance: float) -> RewardFn:
@@ -167,6 +259,11 @@ def _one_reward(name: str, format_regex: str | None, function: str | None, toler
         except re.error as err:
             raise ValueError(f"--rl.format_regex {format_regex!r} is not a valid regex: {err}") from None
     if name == "math_verify":
+        if importlib.util.find_spec("math_verify") is None:  # found, not imported: that waits for a call
+            raise ValueError(
+                "--rl.rewards math_verify needs the math-verify package; install it (pip install "
+                "math-verify) or choose another reward"
+            )
         return math_verify_match
     if name == "function":
         if not function:

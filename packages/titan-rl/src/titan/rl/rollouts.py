@@ -50,6 +50,8 @@ class Rollout:
     """Wall time spent generating (and scoring) it."""
     ref_logprobs: list[list[list[float]]] | None = None
     """N x G per-token log-probs of a frozen reference model (only with the KL penalty)."""
+    reward_timeouts: int = 0
+    """Reward calls that timed out while scoring it (each scored 0)."""
 
 
 @dataclass
@@ -171,4 +173,5 @@ def rollout_stats(rollout: Rollout) -> dict[str, float]:
         "response_length_mean": float(lengths.mean()),
         "truncated_fraction": truncated / max(len(completions), 1),
         "zero_variance_fraction": float((~nonzero_variance_groups(groups)).double().mean()),
+        "reward_timeouts": rollout.reward_timeouts,
     }
