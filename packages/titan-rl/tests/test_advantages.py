@@ -30,3 +30,20 @@ def test_zero_variance_groups_are_found():
 def test_rewards_must_be_two_dimensional():
     with pytest.raises(ValueError, match="prompts, group"):
         group_advantages(torch.zeros(4))
+
+
+def test_rloo_advantages_are_leave_one_out_by_hand():
+    adv = group_advantages(REWARDS, normalize_std=False, estimator="rloo")
+    # Group 0: 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3. Group 2: 3 - 0 = 3; 0 - 1 = -1.
+    want = torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [0.0] * 4, [3.0, -1.0, -1.0, -1.0]])
+    torch.testing.assert_close(adv, want)
+    with pytest.raises(ValueError, match="not divided by a std"):
+        group_advantages(REWARDS, estimator="rloo")
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        group_advantages(torch.ones(2, 1), normalize_std=False, estimator="rloo")
+
+
+def test_sample_std_divides_by_group_minus_one():
+    adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), eps=1e-12, std="sample")
+    std = (4 * 0.25 / 3) ** 0.5  # sum of squared deviations / (G - 1)
+    torch.testing.assert_close(adv, torch.tensor([[0.5, -0.5, -0.5, 0.5]]) / std)

@@ -104,6 +104,20 @@ def test_config_errors_name_the_flag():
     with pytest.raises(ValueError, match="--rl.sft_warmup_steps"):
         RLConfig(rl=RLSection(sft_warmup_steps=10), training=RLConfig().training.__class__(steps=5))
     assert RLSection(loss_type="dr_grpo").use_std is False and RLSection().use_std is True
+    assert RLSection(advantage_estimator="rloo").use_std is False
+    with pytest.raises(ValueError, match="rloo does not divide by a std"):
+        RLSection(advantage_estimator="rloo", normalize_std=True)
+    with pytest.raises(ValueError, match="--rl.drop_zero_variance"):
+        RLSection(max_refill_rounds=2, drop_zero_variance=False)
+    with pytest.raises(ValueError, match="--rl.old_logprobs trainer"):
+        RLSection(old_logprobs="generator", is_level="sequence")
+    with pytest.raises(ValueError, match="--rl.minibatches_per_rollout 9 exceeds --rl.group_size 8"):
+        RLSection(minibatches_per_rollout=9)
+    with pytest.raises(ValueError, match="--rl.overlong_buffer_len 10 must be below"):
+        RLConfig(rl=RLSection(overlong_buffer_len=10), sampling=RLConfig().sampling.__class__(max_new_tokens=10))
+    with pytest.raises(ValueError, match="not a multiple of the 4 optimizer steps"):
+        RLConfig(rl=RLSection(ppo_epochs=2, minibatches_per_rollout=2, sft_warmup_steps=1),
+                 training=RLConfig().training.__class__(steps=6))
 
 
 def test_vllm_generator_is_refused_with_the_extra_named():
@@ -261,6 +275,38 @@ def test_a_failing_reward_stops_every_rank_with_its_message(tmp_path, staleness)
     output = result.stdout + result.stderr
     message = "failed on rank 0: RewardError: reward 'function' raised ValueError: the grader is broken"
     assert output.count(message) >= 2, output[-4000:]  # both ranks stop with it
+
+
+@pytest.mark.slow
+def test_soft_overlong_penalty_lowers_the_first_rollouts_rewards_by_hand(tmp_path):
+    """Budget 10, buffer 9: every completion (at least 1 token) pays (length - 1) / 9, so the
+    first RL rollout (the same completions in both runs) loses (mean length - 1) / 9."""
+    flags = [*SHORT, "--training.steps", "3", "--rl.no_drop_zero_variance"]  # rollout 0 trains in both
+    run_rl(tmp_path / "plain", *flags)
+    run_rl(tmp_path / "penalty", *flags, "--rl.overlong_buffer_len", "9")
+    plain, penalty = ([r for r in records(tmp_path / name) if r.get("phase") == "rl"][0] for name in ("plain", "penalty"))
+    assert penalty["rollout_index"] == plain["rollout_index"] == 1  # rollout 0 done
+    assert penalty["response_length_mean"] == plain["response_length_mean"] > 1
+    want = plain["reward_mean"] - (plain["response_length_mean"] - 1) / 9
+    assert penalty["reward_mean"] == pytest.approx(want, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_refills_dropped_groups(tmp_path):
+    """DAPO's dynamic sampling: groups without reward variance are replaced by fresh ones, so
+    every step trains on --rl.prompts_per_step groups; without it those steps train on fewer."""
+    flags = ["--training.steps", "26", "--rl.sft_warmup_steps", "20", "--rl.eval_freq", "0", "--rl.prompts_per_step",
+             "4", "--rl.group_size", "4", "--training.local_batch_size", "16", "--metrics.log_freq", "1"]
+    run_rl(tmp_path / "plain", *flags)
+    run_rl(tmp_path / "refill", *flags, "--rl.max_refill_rounds", "3")
+    plain = [r for r in records(tmp_path / "plain") if r.get("phase") == "rl"]
+    refill = [r for r in records(tmp_path / "refill") if r.get("phase") == "rl"]
+    assert any(r["rows"] < 16 for r in plain), "no group was dropped: the test shows nothing"
+    assert all(r["refill_rounds"] == 0 for r in plain)
+    assert any(r["refill_rounds"] > 0 for r in refill)
+    for r in refill:  # full steps, unless the bound on extra rounds was reached
+        assert r["rows"] == 16 or r["refill_rounds"] == 3, r
+        assert r["refill_rounds"] <= 3
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from titan.rl.rewards import (
     format_match,
     last_number,
     numeric_match,
+    overlong_penalty,
 )
 
 
@@ -131,3 +132,11 @@ def test_too_many_hung_calls_stop_the_run():
                 reward(prompt="p", completion="c", answer="a")
     finally:
         release.set()
+
+
+def test_soft_overlong_penalty_by_hand():
+    # Budget 20 tokens, buffer 5: free up to 15, then -1/5 per token, -factor at 20.
+    kw = {"max_new_tokens": 20, "buffer_len": 5}
+    assert [overlong_penalty(n, **kw) for n in (10, 15, 16, 18, 20)] == pytest.approx([0, 0, -0.2, -0.6, -1.0])
+    assert overlong_penalty(18, **kw, factor=0.5) == pytest.approx(-0.3)
+    assert overlong_penalty(20, max_new_tokens=20, buffer_len=0) == 0.0

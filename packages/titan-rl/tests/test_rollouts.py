@@ -61,6 +61,18 @@ def test_dr_grpo_advantages_and_stats():
     assert stats["zero_variance_fraction"] == pytest.approx(0.5)
 
 
+def test_rloo_rows_and_refilled_rollout_stats():
+    rows = rollout_rows(rollout(), normalize_std=False, drop_zero_variance=False, estimator="rloo")
+    # G = 2: each completion against the other one: 1 - 0, 0 - 1; 0.5 - 0.5.
+    assert [r.advantage for r in rows] == pytest.approx([1.0, -1.0, 0.0, 0.0])
+    refilled = rollout()
+    refilled.generated_rewards = [[1.0, 0.0], [0.5, 0.5], [0.0, 0.0]]  # what was generated
+    refilled.refill_rounds = 1
+    stats = rollout_stats(refilled)
+    assert stats["reward_mean"] == pytest.approx(2.0 / 6) and stats["zero_variance_fraction"] == pytest.approx(2 / 3)
+    assert stats["refill_rounds"] == 1 and stats["groups"] == 2
+
+
 def test_reference_logprobs_travel_with_the_rows():
     r = rollout()
     r.ref_logprobs = [[[-1.0, -2.0], [-3.0, -3.0, -3.0]], [[-4.0], [-5.0, -5.0]]]

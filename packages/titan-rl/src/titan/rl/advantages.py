@@ -5,7 +5,8 @@ GRPO samples ``G`` completions per prompt and scores each against the others:
 standard deviation (it overweights prompts that are almost always or almost never solved);
 ``normalize_std=False`` gives that. A group whose rewards are all equal carries no signal
 (every advantage is 0) and only dilutes the batch; :func:`nonzero_variance_groups` finds the
-ones to keep (DAPO's dynamic sampling filter).
+ones to keep (DAPO's dynamic sampling filter). RLOO (:func:`group_advantages` with
+``estimator="rloo"``) compares each completion with the mean of the others instead.
 """
 
 from __future__ import annotations
@@ -13,16 +14,43 @@ from __future__ import annotations
 import torch
 
 
-def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """Advantages ``[N, G]`` of rewards ``[N, G]`` (N prompts, G completions each): rewards
-    minus their group mean, divided by the group's population standard deviation plus
-    ``eps`` when ``normalize_std`` (Dr.GRPO: ``normalize_std=False``)."""
+ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    *,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    estimator: str = "grpo",
+    std: str = "population",
+) -> torch.Tensor:
+    """Advantages ``[N, G]`` of rewards ``[N, G]`` (N prompts, G completions each).
+
+    ``estimator="grpo"``: rewards minus their group mean, divided by the group's standard
+    deviation plus ``eps`` when ``normalize_std`` (Dr.GRPO: ``normalize_std=False``);
+    ``std`` is ``"population"`` (divide by G, the default) or ``"sample"`` (by G - 1, as
+    ``torch.std``'s default, which TRL and verl use). ``estimator="rloo"`` (REINFORCE
+    leave-one-out): each reward minus the mean of the *other* G - 1 rewards of its group,
+    ``G / (G - 1) * (r - mean)``, never divided by a std (``normalize_std`` must be False).
+    """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [prompts, group], got shape {tuple(rewards.shape)}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"--rl.advantage_estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
+    if std not in ("population", "sample"):
+        raise ValueError(f"--rl.advantage_std must be population or sample, got {std!r}")
     rewards = rewards.double()
+    group = rewards.shape[1]
     centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if estimator == "rloo":
+        if group < 2:
+            raise ValueError("RLOO advantages need --rl.group_size >= 2 (a completion is compared with the others)")
+        if normalize_std:
+            raise ValueError("RLOO advantages are not divided by a std: use normalize_std=False")
+        return (centred * group / (group - 1)).float()
     if normalize_std:
-        centred = centred / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
+        centred = centred / (rewards.std(dim=1, unbiased=std == "sample", keepdim=True) + eps)
     return centred.float()
 
 

@@ -53,10 +53,26 @@ class RLSection:
     minibatches_per_rollout: int = 1
     """Optimizer steps per pass over a rollout (its rows split into this many minibatches, in
     the same order every pass); at most --rl.group_size."""
+    advantage_estimator: Literal["grpo", "rloo"] = "grpo"
+    """grpo: reward minus the group mean (divided by the group std, --rl.normalize_std);
+    rloo: reward minus the mean of the other completions of the group (never std-divided)."""
     normalize_std: bool | None = None
-    """Divide advantages by their group's std; None: on, except for dr_grpo."""
+    """Divide advantages by their group's std; None: on, except for dr_grpo and rloo."""
+    advantage_std: Literal["population", "sample"] = "population"
+    """The group std advantages are divided by: population (divide by G) or sample (by G - 1,
+    torch.std's default, which TRL and verl use)."""
     drop_zero_variance: bool = True
     """Leave out groups whose completions all got the same reward (no signal)."""
+    max_refill_rounds: int = 0
+    """DAPO's dynamic sampling: when groups are dropped for zero variance, generate up to this
+    many more rounds of --rl.prompts_per_step fresh prompts to fill the step with groups that
+    have variance (the bound on extra generation); 0: dropped groups are not replaced."""
+    overlong_buffer_len: int = 0
+    """DAPO's soft overlong punishment: completions longer than --sampling.max_new_tokens
+    minus this many tokens get a penalty growing linearly to -overlong_penalty_factor at the
+    budget, added to their reward; 0: off."""
+    overlong_penalty_factor: float = 1.0
+    """The soft overlong penalty at the full budget (see --rl.overlong_buffer_len)."""
     mask_truncated: bool = False
     """No loss on completions that hit --sampling.max_new_tokens (finish_reason "length")."""
     kl_coef: float = 0.0
@@ -102,7 +118,8 @@ class RLSection:
         for flag in ("prompts_per_step", "group_size", "eval_prompts", "ppo_epochs", "minibatches_per_rollout"):
             if getattr(self, flag) < 1:
                 raise ValueError(f"--rl.{flag} must be >= 1, got {getattr(self, flag)}")
-        for flag in ("max_policy_staleness", "sft_warmup_steps", "eval_freq"):
+        for flag in ("max_policy_staleness", "sft_warmup_steps", "eval_freq", "max_refill_rounds",
+                     "overlong_buffer_len"):
             if getattr(self, flag) < 0:
                 raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
         if self.loss_type not in LOSS_TYPES:
@@ -113,12 +130,14 @@ class RLSection:
             raise ValueError(f"--rl.clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
         if self.clip_eps_high is not None and self.clip_eps_high < 0:
             raise ValueError(f"--rl.clip_eps_high must be >= 0, got {self.clip_eps_high}")
-        for flag in ("kl_coef", "entropy_coef", "is_cap", "numeric_tolerance", "max_logprob_diff", "reward_timeout_s"):
+        for flag in ("kl_coef", "entropy_coef", "is_cap", "numeric_tolerance", "max_logprob_diff", "reward_timeout_s",
+                     "overlong_penalty_factor"):
             if getattr(self, flag) < 0:
                 raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
         if self.is_cap and self.is_cap < 1:
             raise ValueError(f"--rl.is_cap {self.is_cap} would cap ratios below 1; use a cap >= 1, or 0 to disable")
         self._check_importance_sampling()
+        self._check_advantages()
         if self.minibatches_per_rollout > self.group_size:
             raise ValueError(
                 f"--rl.minibatches_per_rollout {self.minibatches_per_rollout} exceeds --rl.group_size "
@@ -151,6 +170,21 @@ class RLSection:
                 "needs the trainer's own old log-probs: use --rl.old_logprobs trainer"
             )
 
+    def _check_advantages(self) -> None:
+        if self.advantage_estimator not in ("grpo", "rloo"):
+            raise ValueError(f"--rl.advantage_estimator must be grpo or rloo, got {self.advantage_estimator!r}")
+        if self.advantage_std not in ("population", "sample"):
+            raise ValueError(f"--rl.advantage_std must be population or sample, got {self.advantage_std!r}")
+        if self.advantage_estimator == "rloo" and self.normalize_std:
+            raise ValueError("--rl.advantage_estimator rloo does not divide by a std: drop --rl.normalize_std")
+        if self.advantage_estimator == "rloo" and self.group_size < 2:
+            raise ValueError("--rl.advantage_estimator rloo needs --rl.group_size >= 2")
+        if self.max_refill_rounds and not self.drop_zero_variance:
+            raise ValueError(
+                "--rl.max_refill_rounds replaces the groups --rl.drop_zero_variance drops; it needs "
+                "--rl.drop_zero_variance"
+            )
+
     @property
     def updates_per_rollout(self) -> int:
         """Optimizer steps each rollout trains (--rl.ppo_epochs x --rl.minibatches_per_rollout)."""
@@ -158,8 +192,10 @@ class RLSection:
 
     @property
     def use_std(self) -> bool:
-        """Whether advantages are divided by the group std (default: not for dr_grpo)."""
-        return self.loss_type != "dr_grpo" if self.normalize_std is None else self.normalize_std
+        """Whether advantages are divided by the group std (default: not for dr_grpo or rloo)."""
+        if self.normalize_std is not None:
+            return self.normalize_std
+        return self.loss_type != "dr_grpo" and self.advantage_estimator != "rloo"
 
 
 @dataclass(kw_only=True)
@@ -201,6 +237,11 @@ class RLConfig(RunConfig):
             raise ValueError(
                 "--rl.sft_warmup_steps trains on the synthetic task's answers; with --rl_data.format "
                 "jsonl start from an SFT checkpoint instead (--checkpoint.initial_load_path)"
+            )
+        if self.rl.overlong_buffer_len >= self.sampling.max_new_tokens:
+            raise ValueError(
+                f"--rl.overlong_buffer_len {self.rl.overlong_buffer_len} must be below --sampling.max_new_tokens "
+                f"{self.sampling.max_new_tokens}"
             )
         updates = self.rl.updates_per_rollout
         if (self.training.steps - self.rl.sft_warmup_steps) % updates:

@@ -50,7 +50,7 @@ from titan.rl.data import PromptSampler, build_prompts
 from titan.rl.generate.base import SamplingConfig
 from titan.rl.logprobs import token_logprobs
 from titan.rl.losses import importance_weights, loss_normalizer, policy_loss, stat_means, token_entropy
-from titan.rl.rewards import build_reward
+from titan.rl.rewards import build_reward, overlong_penalty
 from titan.rl.rollouts import Rollout, build_batch, rollout_rows, rollout_stats, split_rows
 from titan.rl.weight_sync import sync_colocated
 from titan.train.data.sft import build_sft_dataloader
@@ -92,6 +92,12 @@ def _merge(totals: dict[str, float], reduced: Mapping[str, float]) -> None:
     """Add one update's reduced stats into the rollout's totals (maxima for ``*_max``)."""
     for key, value in reduced.items():
         totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else totals.get(key, 0.0) + value
+
+
+def _with_variance(groups: list, rewards: list[list[float]], texts: list) -> tuple[list, list, list]:
+    """The groups (with their rewards and texts) whose rewards are not all equal."""
+    keep = [i for i, r in enumerate(rewards) if max(r) > min(r)]
+    return [groups[i] for i in keep], [rewards[i] for i in keep], [texts[i] for i in keep]
 
 
 def _crossed(before: int, after: int, every: int) -> bool:
@@ -209,6 +215,7 @@ class RLTrainer:
         self.is_rank0 = self.engine.dist_env.rank == 0
         train_prompts, self.eval_prompts = build_prompts(cfg.rl_data, self.tokenizer)
         self.sampler = PromptSampler(train_prompts, seed=cfg.debug.seed)
+        self.refill_sampler = PromptSampler(train_prompts, seed=cfg.debug.seed + 1)  # DAPO dynamic sampling
         self.reward = build_reward(
             cfg.rl.rewards, weights=cfg.rl.reward_weights, format_regex=cfg.rl.format_regex,
             function=cfg.rl.reward_function, numeric_tolerance=cfg.rl.numeric_tolerance,
@@ -285,26 +292,54 @@ class RLTrainer:
         self.timings["sync_s"] += stats.seconds
 
     def _produce(self, index: int) -> Rollout:
-        """Generate and score rollout ``index`` (rank 0; may run in the background thread)."""
+        """Generate and score rollout ``index`` (rank 0; may run in the background thread).
+        With --rl.max_refill_rounds, groups without reward variance are replaced by groups of
+        fresh prompts (DAPO's dynamic sampling), at most that many extra rounds."""
         start = time.perf_counter()
-        prompts = self.sampler.for_rollout(index, self.config.rl.prompts_per_step)
-        sampling = self.sampling
-        if sampling.seed is not None:
-            sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
+        rl = self.config.rl
+        count = rl.prompts_per_step
         version = self.generator.version
-        groups = self.generator.generate([p.ids for p in prompts], sampling)
-        texts = [[self._decode(c.token_ids) for c in group] for group in groups]
         timeouts_before = self.reward.timeouts
-        rewards = [
-            self.reward.score([p.text] * len(g), g, [p.answer] * len(g)) for p, g in zip(prompts, texts, strict=True)
-        ]
+        groups, rewards, texts = self._generate_scored(self.sampler.for_rollout(index, count), index, 0)
+        generated = list(rewards)
+        rounds = 0
+        if rl.max_refill_rounds:
+            groups, rewards, texts = _with_variance(groups, rewards, texts)
+            while len(groups) < count and rounds < rl.max_refill_rounds:
+                rounds += 1
+                # A stream of its own, positioned by (rollout, round): a resumed run refills alike.
+                prompts = self.refill_sampler.window(((index * rl.max_refill_rounds) + rounds - 1) * count, count)
+                more = self._generate_scored(prompts, index, rounds)
+                generated += more[1]
+                kept = _with_variance(*more)
+                groups, rewards, texts = groups + kept[0], rewards + kept[1], texts + kept[2]
+            groups, rewards, texts = groups[:count], rewards[:count], texts[:count]
         rollout = Rollout(index=index, version=version, groups=groups, rewards=rewards, texts=texts,
-                          reward_timeouts=self.reward.timeouts - timeouts_before)
+                          reward_timeouts=self.reward.timeouts - timeouts_before,
+                          generated_rewards=generated, refill_rounds=rounds)
         if self.reference.taken:
             rollout.ref_logprobs = [self.reference.holder.rescore(g, temperature=self.sampling.temperature)
                                     for g in groups]
         rollout.generation_s = time.perf_counter() - start
         return rollout
+
+    def _generate_scored(self, prompts, index: int, round_: int):
+        """Completions of ``prompts`` (sampling seeded by rollout and refill round), their
+        texts, and their rewards (the soft overlong penalty included)."""
+        rl, sampling = self.config.rl, self.sampling
+        if sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + index + round_ * 2**32)
+        groups = self.generator.generate([p.ids for p in prompts], sampling)
+        texts = [[self._decode(c.token_ids) for c in group] for group in groups]
+        rewards = [
+            self.reward.score([p.text] * len(g), g, [p.answer] * len(g)) for p, g in zip(prompts, texts, strict=True)
+        ]
+        if rl.overlong_buffer_len:
+            for group, scores in zip(groups, rewards, strict=True):
+                for j, completion in enumerate(group):
+                    scores[j] += overlong_penalty(len(completion.token_ids), max_new_tokens=sampling.max_new_tokens,
+                                                  buffer_len=rl.overlong_buffer_len, factor=rl.overlong_penalty_factor)
+        return groups, rewards, texts
 
     def _decode(self, token_ids: list[int]) -> str:
         """A completion's text without its stop token."""
@@ -504,7 +539,8 @@ class RLTrainer:
                 f"{cfg.rl.max_policy_staleness} rollouts x {updates} steps]"
             )
         rows = rollout_rows(rollout, normalize_std=cfg.rl.use_std, drop_zero_variance=cfg.rl.drop_zero_variance,
-                            mask_truncated=cfg.rl.mask_truncated)
+                            mask_truncated=cfg.rl.mask_truncated, estimator=cfg.rl.advantage_estimator,
+                            std=cfg.rl.advantage_std)
         stats = rollout_stats(rollout)
         if not any(r.train and r.token_ids for r in rows):
             self.state.skipped += 1

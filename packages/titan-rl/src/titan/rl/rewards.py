@@ -154,6 +154,18 @@ def math_verify_match(*, prompt: str, completion: str, answer: str | None) -> fl
     return float(verify(parse(answer, **parse_kw), parse(completion, **parse_kw), **verify_kw))
 
 
+def overlong_penalty(length: int, *, max_new_tokens: int, buffer_len: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment of a completion of ``length`` tokens: 0 up to
+    ``max_new_tokens - buffer_len``, then falling linearly to ``-factor`` at
+    ``max_new_tokens`` (and ``-factor`` beyond); 0 when ``buffer_len`` is 0."""
+    if buffer_len <= 0:
+        return 0.0
+    free = max_new_tokens - buffer_len
+    if length <= free:
+        return 0.0
+    return -factor * min(1.0, (length - free) / buffer_len)
+
+
 def load_function(path: str) -> RewardFn:
     """The callable at ``package.module:function`` (or ``package.module.function``)."""
     module_name, sep, attr = path.partition(":")

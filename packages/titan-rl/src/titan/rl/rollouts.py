@@ -52,6 +52,11 @@ class Rollout:
     """N x G per-token log-probs of a frozen reference model (only with the KL penalty)."""
     reward_timeouts: int = 0
     """Reward calls that timed out while scoring it (each scored 0)."""
+    generated_rewards: list[list[float]] | None = None
+    """The rewards of every group generated for it, before groups without variance were
+    replaced (--rl.max_refill_rounds); None: the same as ``rewards``."""
+    refill_rounds: int = 0
+    """Extra generation rounds it took to replace groups without reward variance."""
 
 
 @dataclass
@@ -69,12 +74,19 @@ class Row:
 
 
 def rollout_rows(
-    rollout: Rollout, *, normalize_std: bool = True, drop_zero_variance: bool = True, mask_truncated: bool = False
+    rollout: Rollout,
+    *,
+    normalize_std: bool = True,
+    drop_zero_variance: bool = True,
+    mask_truncated: bool = False,
+    estimator: str = "grpo",
+    std: str = "population",
 ) -> list[Row]:
-    """One row per completion, with its group advantage; completions of groups whose rewards
-    are all equal are left out when ``drop_zero_variance``."""
+    """One row per completion, with its group advantage (``estimator``, ``std``:
+    :func:`group_advantages`); completions of groups whose rewards are all equal are left out
+    when ``drop_zero_variance``."""
     rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
-    advantages = group_advantages(rewards, normalize_std=normalize_std)
+    advantages = group_advantages(rewards, normalize_std=normalize_std, estimator=estimator, std=std)
     keep = nonzero_variance_groups(rewards) if drop_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
     rows = []
     for i, group in enumerate(rollout.groups):
@@ -161,12 +173,14 @@ def split_rows(rows: Sequence[Row], *, dp_rank: int, dp_world_size: int, microba
 
 
 def rollout_stats(rollout: Rollout) -> dict[str, float]:
-    """Reward and length statistics of a rollout (every completion, before any filtering)."""
-    rewards = torch.tensor(rollout.rewards, dtype=torch.float64).flatten()
+    """Reward statistics of every group generated for a rollout (refill rounds included,
+    before any filtering), length statistics of the completions it keeps."""
+    scored = rollout.generated_rewards if rollout.generated_rewards is not None else rollout.rewards
+    rewards = torch.tensor(scored, dtype=torch.float64).flatten()
     completions = [c for group in rollout.groups for c in group]
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float64)
     truncated = sum(c.finish_reason == "length" for c in completions)
-    groups = torch.tensor(rollout.rewards, dtype=torch.float64)
+    groups = torch.tensor(scored, dtype=torch.float64)
     return {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std(unbiased=False)),
@@ -174,4 +188,6 @@ def rollout_stats(rollout: Rollout) -> dict[str, float]:
         "truncated_fraction": truncated / max(len(completions), 1),
         "zero_variance_fraction": float((~nonzero_variance_groups(groups)).double().mean()),
         "reward_timeouts": rollout.reward_timeouts,
+        "refill_rounds": rollout.refill_rounds,
+        "groups": len(rollout.groups),
     }
