@@ -264,7 +264,7 @@ class RLTrainer:
             return None
         dims = self.engine.parallel_dims
         loader = build_sft_dataloader(
-            cfg.rl_data.sft_config(), self.tokenizer, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
+            cfg.rl_data.sft_config(demonstrations_only=True), self.tokenizer, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
             local_batch_size=cfg.training.local_batch_size, seq_len=cfg.training.seq_len, seed=cfg.debug.seed,
         )
         self.engine.add_state("sft_warmup", loader)

@@ -50,6 +50,10 @@ class RLDataConfig:
     """synthetic: longest string."""
     synthetic_seed: int = 0
     """synthetic: seed of the task (which strings are training and held out)."""
+    sft_demonstrations: int = 0
+    """synthetic: the SFT warm-up (--rl.sft_warmup_steps) trains on only the first N training
+    prompts with their answers — a small fixed set of demonstrations that teaches the format —
+    while RL samples every training prompt; 0: the warm-up sees every training prompt too."""
 
     def __post_init__(self) -> None:
         if self.format not in ("synthetic", "jsonl"):
@@ -61,16 +65,26 @@ class RLDataConfig:
                 "--rl_data.path / --rl_data.eval_path are not read by --rl_data.format synthetic; "
                 "drop them or set --rl_data.format jsonl"
             )
+        if self.sft_demonstrations < 0 or self.sft_demonstrations > self.synthetic_examples:
+            raise ValueError(
+                f"--rl_data.sft_demonstrations must be in [0, --rl_data.synthetic_examples "
+                f"{self.synthetic_examples}], got {self.sft_demonstrations}"
+            )
         if self.format == "synthetic":
             self.sft_config()  # the SFT task's own checks, reported under --rl_data
 
-    def sft_config(self) -> SFTDataConfig:
-        """The same synthetic task as an SFT data config (for the SFT warm-up and the task)."""
+    def sft_config(self, *, demonstrations_only: bool = False) -> SFTDataConfig:
+        """The same synthetic task as an SFT data config (for the task's prompts; with
+        ``demonstrations_only``, the warm-up's: the first --rl_data.sft_demonstrations
+        training strings, the held-out strings unchanged)."""
+        examples = self.synthetic_examples
+        if demonstrations_only and self.sft_demonstrations:
+            examples = self.sft_demonstrations
         try:
             return SFTDataConfig(
                 format="synthetic",
                 synthetic_task=self.synthetic_task,
-                synthetic_examples=self.synthetic_examples,
+                synthetic_examples=examples,
                 synthetic_eval_examples=self.synthetic_eval_examples,
                 synthetic_alphabet=self.synthetic_alphabet,
                 synthetic_min_len=self.synthetic_min_len,
