@@ -176,20 +176,30 @@ def records(dump: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_grpo_debug_raises_held_out_reward(tmp_path):
-    """The recipe as the README runs it: SFT warm-up, then GRPO raises the greedy reward of
-    held-out prompts; trainer and generator log-probs agree to 1e-5 in fp32 on every step."""
+def test_grpo_debug_beats_its_sft_only_control(tmp_path):
+    """The recipe as the README runs it: a warm-up on 32 demonstrations, then GRPO on fresh
+    prompts raises held-out reward and exact match, and ends clearly above an SFT-only control
+    that spends the same 120 steps on the demonstrations (measured at seed 0: exact match
+    0.156 vs 0.047; seeds 1 and 2: 0.109 vs 0.047, 0.125 vs 0.047). Trainer and generator
+    log-probs agree to 1e-5 in fp32 on every step."""
     start = time.perf_counter()
-    run_rl(tmp_path, "--metrics.log_freq", "1")
-    rows = records(tmp_path)
+    log = run_rl(tmp_path / "rl", "--metrics.log_freq", "1")
+    run_rl(tmp_path / "control", "--rl.sft_warmup_steps", "119", "--rl.ppo_epochs", "1")
+    rows = records(tmp_path / "rl")
     evals = [r for r in rows if r.get("phase") == "eval"]
+    control = [r for r in records(tmp_path / "control") if r.get("phase") == "eval"][-1]
     rl = [r for r in rows if r.get("phase") == "rl"]
-    print(f"wall {time.perf_counter() - start:.0f}s; held-out reward by step:",
-          [(r["step"], round(r["eval_reward"], 3), r["eval_exact_match"]) for r in evals])
-    assert evals[0]["step"] == 60 and evals[-1]["step"] == 120
+    print(f"wall {time.perf_counter() - start:.0f}s; held-out (reward, exact match) by step:",
+          [(r["step"], round(r["eval_reward"], 3), r["eval_exact_match"]) for r in evals],
+          "control:", (control["step"], round(control["eval_reward"], 3), control["eval_exact_match"]))
+    assert evals[0]["step"] == 60 and evals[-1]["step"] == control["step"] == 120
     assert evals[-1]["eval_reward"] >= evals[0]["eval_reward"] + 0.05, evals
+    assert evals[-1]["eval_exact_match"] >= control["eval_exact_match"] + 0.05, (evals[-1], control)
+    assert "held-out (64 prompts, greedy): exact match" in log.stderr + log.stdout
     assert max(r["logprob_diff_max"] for r in rl) <= 1e-5
-    assert all(r["staleness"] == 0 and r["policy_version"] == r["step"] - 1 for r in rl)
+    # Two optimizer steps per rollout (--rl.ppo_epochs 2): logged every 2 steps, on-policy.
+    assert [r["step"] for r in rl] == list(range(62, 121, 2))
+    assert all(r["staleness"] == 0 and r["policy_version"] == r["step"] - 2 and r["updates"] == 2 for r in rl)
     first, last = rl[: len(rl) // 2], rl[len(rl) // 2 :]
     mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)  # noqa: E731
     assert mean(last) > mean(first), (mean(first), mean(last))
@@ -198,8 +208,11 @@ def test_grpo_debug_raises_held_out_reward(tmp_path):
         assert key in rl[-1], key
 
 
+# Short runs of the recipe with one optimizer step per rollout and no KL, so step, rollout
+# and policy version advance together (the recipe itself takes 2 steps per rollout).
 SHORT = ["--training.steps", "8", "--rl.sft_warmup_steps", "2", "--rl.eval_freq", "0", "--rl.prompts_per_step", "4",
-         "--rl.group_size", "4", "--training.local_batch_size", "8", "--metrics.log_freq", "1"]
+         "--rl.group_size", "4", "--training.local_batch_size", "8", "--metrics.log_freq", "1",
+         "--rl.ppo_epochs", "1", "--rl.kl_coef", "0"]
 
 
 @pytest.mark.slow
@@ -243,6 +256,23 @@ def test_rl_resume_continues_the_same_trajectory(tmp_path, kl):
     assert sorted(got) == [6, 7, 8] and all(got[s] == want[s] for s in got), (got, want)
     if kl:  # the policy has moved away from its reference by step 6
         assert got[6][keys.index("kl")] > 0
+
+
+@pytest.mark.slow
+def test_colocated_fsdp_two_ranks_raises_held_out_reward(tmp_path):
+    """FSDP over 2 ranks, rank 0 generating for both: every sync is checked tensor by tensor
+    (a mismatch stops the run), trainer and generator log-probs agree on every step, and the
+    held-out reward rises over 20 RL steps (0.33 -> 0.49 measured on one rank)."""
+    # The recipe before its demonstrations-only warm-up: quicker to show a rise (20 RL steps).
+    run_rl_ranks(2, tmp_path, "--training.steps", "80", "--metrics.log_freq", "1", "--rl_data.sft_demonstrations", "0",
+                 "--rl.ppo_epochs", "1", "--rl.kl_coef", "0", "--rl.eval_prompts", "32")
+    rows = records(tmp_path)
+    rl = [r for r in rows if r.get("phase") == "rl"]
+    evals = [r for r in rows if r.get("phase") == "eval"]
+    assert len(rl) == 20 and all(r["staleness"] == 0 for r in rl)
+    assert max(r["logprob_diff_max"] for r in rl) <= 1e-5
+    assert [e["step"] for e in evals] == [60, 80]
+    assert evals[-1]["eval_reward"] >= evals[0]["eval_reward"] + 0.05, evals
 
 
 @pytest.mark.slow
@@ -296,7 +326,8 @@ def test_dynamic_sampling_refills_dropped_groups(tmp_path):
     """DAPO's dynamic sampling: groups without reward variance are replaced by fresh ones, so
     every step trains on --rl.prompts_per_step groups; without it those steps train on fewer."""
     flags = ["--training.steps", "26", "--rl.sft_warmup_steps", "20", "--rl.eval_freq", "0", "--rl.prompts_per_step",
-             "4", "--rl.group_size", "4", "--training.local_batch_size", "16", "--metrics.log_freq", "1"]
+             "4", "--rl.group_size", "4", "--training.local_batch_size", "16", "--metrics.log_freq", "1",
+             "--rl.ppo_epochs", "1", "--rl.kl_coef", "0", "--rl_data.sft_demonstrations", "0"]
     run_rl(tmp_path / "plain", *flags)
     run_rl(tmp_path / "refill", *flags, "--rl.max_refill_rounds", "3")
     plain = [r for r in records(tmp_path / "plain") if r.get("phase") == "rl"]

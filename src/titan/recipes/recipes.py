@@ -226,8 +226,10 @@ def sft_debug() -> SFTConfig:
 
 
 def grpo_debug() -> RLConfig:
-    """GRPO of a tiny model on the synthetic sort task on CPU: a short SFT warm-up, then RL
-    raises the reward of held-out prompts; logprob_diff_max shows trainer/generator agreement."""
+    """GRPO of a tiny model on the synthetic sort task on CPU: an SFT warm-up on 32 fixed
+    demonstrations teaches the format, then RL on fresh prompts raises held-out exact match
+    beyond what more SFT on the demonstrations reaches; logprob_diff_max shows
+    trainer/generator agreement."""
     cfg = RLConfig()
     cfg.model.name = "llama3"
     cfg.model.flavor = "debugmodel_tiny"
@@ -241,7 +243,13 @@ def grpo_debug() -> RLConfig:
     cfg.rl.prompts_per_step = 16
     cfg.rl.group_size = 8
     cfg.rl.rewards = ("char_match",)
+    cfg.rl_data.sft_demonstrations = 32  # the warm-up teaches the format; RL sees all 4096 prompts
+    # Two passes over each rollout (the clip bounds the second) and a KL anchor to the policy
+    # RL starts from: measured the steadiest gain over seeds 0-2 (README, Post-training).
+    cfg.rl.ppo_epochs = 2
+    cfg.rl.kl_coef = 0.05
     cfg.rl.eval_freq = 20
+    cfg.rl.eval_prompts = 64
     cfg.sampling.max_new_tokens = 10
     cfg.sampling.temperature = 1.0
     cfg.optimizer.lr = 2e-3

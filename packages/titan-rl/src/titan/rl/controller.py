@@ -741,7 +741,19 @@ class RLTrainer:
             "RL done: %d steps | time: generation %.1fs, training %.1fs, weight sync %.1fs",
             engine.step, self.timings["generation_s"], self.timings["train_s"], self.timings["sync_s"],
         )
+        self._summarize_held_out(records)
         return records
+
+    def _summarize_held_out(self, records: list[dict[str, Any]]) -> None:
+        """The final summary: held-out exact match and reward where RL started and at the end."""
+        evals = [r for r in records if r.get("phase") == "eval" and "eval_exact_match" in r]
+        if self.is_rank0 and evals:
+            first, last = evals[0], evals[-1]
+            logger.info(
+                "held-out (%d prompts, greedy): exact match %.3f at step %d -> %.3f at step %d; reward %.3f -> %.3f",
+                min(len(self.eval_prompts), self.config.rl.eval_prompts), first["eval_exact_match"], first["step"],
+                last["eval_exact_match"], last["step"], first["eval_reward"], last["eval_reward"],
+            )
 
     def _log(self, step: int, record: dict[str, Any]) -> dict[str, Any]:
         extra = {k: v for k, v in record.items() if k not in ("loss", "grad_norm", "lr")}
