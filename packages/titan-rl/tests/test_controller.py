@@ -156,8 +156,8 @@ def run_rl(dump: Path, *flags: str) -> subprocess.CompletedProcess:
     return result
 
 
-def run_rl_ranks(ranks: int, dump: Path, *flags: str, check: bool = True,
-                 timeout: float = 900) -> subprocess.CompletedProcess:
+def run_rl_ranks(ranks: int, dump: Path, *flags: str, check: bool = True, timeout: float = 900,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`titan rl --config grpo_debug` under torchrun with ``ranks`` gloo processes (this
     folder importable, for reward functions given by dotted path)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--rdzv_backend", "c10d",
@@ -165,7 +165,7 @@ def run_rl_ranks(ranks: int, dump: Path, *flags: str, check: bool = True,
            "--job.dump_folder", str(dump), "--metrics.no_enable_progress_bar", *flags]
     path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})})
     if check:
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result
@@ -338,6 +338,26 @@ def test_dynamic_sampling_refills_dropped_groups(tmp_path):
     for r in refill:  # full steps, unless the bound on extra rounds was reached
         assert r["rows"] == 16 or r["refill_rounds"] == 3, r
         assert r["refill_rounds"] <= 3
+
+
+@pytest.mark.slow
+def test_tensor_parallel_rl_keeps_the_logits_sharded_and_matches_one_rank(tmp_path):
+    """TP 2 with loss parallel: the RL loss computes token log-probs and entropy from the
+    vocab-sharded logits (a gather of the full logits raises in every process of the run:
+    the probe in this folder's sitecustomize.py) and trains like one rank."""
+    flags = [*SHORT, "--debug.deterministic"]
+    run_rl(tmp_path / "one", *flags)
+    run_rl_ranks(2, tmp_path / "tp", *flags, "--parallelism.tensor_parallel_degree", "2",
+                 env={"TITAN_TEST_REFUSE_FULL_LOGITS": "1"})
+    one, tp = records(tmp_path / "one"), records(tmp_path / "tp")
+    rl_one, rl_tp = ([r for r in rows if r.get("phase") == "rl"] for rows in (one, tp))
+    assert [r["step"] for r in rl_tp] == [r["step"] for r in rl_one] and len(rl_tp) >= 3
+    # The first RL step trains on the same rollout (same warm-up weights, same sampling seed).
+    assert rl_tp[0]["rollout_index"] == rl_one[0]["rollout_index"]
+    assert rl_tp[0]["reward_mean"] == rl_one[0]["reward_mean"]
+    assert rl_tp[0]["grad_norm"] == pytest.approx(rl_one[0]["grad_norm"], rel=1e-4)
+    assert rl_tp[0]["entropy"] == pytest.approx(rl_one[0]["entropy"], rel=1e-5)
+    assert max(r["logprob_diff_max"] for r in rl_tp) <= 1e-5
 
 
 @pytest.mark.slow

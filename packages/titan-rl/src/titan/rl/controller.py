@@ -11,7 +11,11 @@ One RL step (policy version ``v`` = optimizer steps taken so far):
    ranks (each trains on its contiguous share, padded so every rank runs the same number of
    microbatches of ``--training.local_batch_size`` rows);
 4. ``engine.forward_backward`` with the policy loss (``titan.rl.losses``) over each
-   microbatch, normalized by the global count of the loss type, then ``optimizer_step``.
+   microbatch, normalized by the global count of the loss type, then ``optimizer_step``:
+   ``--rl.ppo_epochs`` passes over the rollout, each in ``--rl.minibatches_per_rollout``
+   minibatches of one optimizer step, the PPO ratio against the trainer's pre-update
+   log-probs (one no-grad forward first when several updates use the rollout) and truncated
+   importance weights for the trainer/generator mismatch (``--rl.old_logprobs``).
 
 Why rank 0 generates for everyone: the rollout is then independent of the layout (the same
 completions train a 1-rank and an FSDP run, and a resume regenerates exactly), one
@@ -21,9 +25,13 @@ generator per data-parallel rank, or a disaggregated vLLM fleet) fits the same s
 **Staleness.** ``--rl.max_policy_staleness 0`` is on-policy: the weights are synced before
 every rollout. With ``k >= 1`` the next rollout is generated in a background thread while the
 current one trains; before launching it the controller syncs the generator if its version is
-older than ``v + 1 - k`` (the rollout trains at version ``v + 1``), so ``staleness = training
-version - generating version`` never exceeds ``k`` (checked on every step; larger ``k`` means
-fewer syncs). A resumed run regenerates the pending rollout from the resumed weights.
+older than ``v + u - k u`` (the rollout trains at version ``v + u``, ``u`` optimizer steps per
+rollout), so the staleness, counted in rollouts, never exceeds ``k`` (checked on every step;
+larger ``k`` means fewer syncs). A resumed run regenerates the pending rollout from the resumed
+weights.
+
+An error while rank 0 generates or scores is broadcast in place of the rollout, so every rank
+stops with it (:class:`RolloutError`).
 
 The controller's position (the next rollout index) is checkpointed with the model; the prompts
 and sampling seed of rollout ``i`` are functions of ``i``, so a resumed on-policy run continues
@@ -48,7 +56,7 @@ from titan.dist import reduce_max
 from titan.rl.config import RLConfig
 from titan.rl.data import PromptSampler, build_prompts
 from titan.rl.generate.base import SamplingConfig
-from titan.rl.logprobs import token_logprobs
+from titan.rl.logprobs import sharded_token_entropy, sharded_token_logprobs, token_logprobs
 from titan.rl.losses import importance_weights, loss_normalizer, policy_loss, stat_means, token_entropy
 from titan.rl.rewards import build_reward, overlong_penalty
 from titan.rl.rollouts import Rollout, build_batch, rollout_rows, rollout_stats, split_rows
@@ -420,10 +428,11 @@ class RLTrainer:
 
         def loss_fn(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
             logp, valid = self._label_logprobs(logits, batch)
-            entropy = token_entropy(logits.full_tensor() if isinstance(logits, DTensor) else logits,
-                                    temperature=temperature)
-            if rl.entropy_coef == 0:
-                entropy = entropy.detach()
+            with torch.set_grad_enabled(torch.is_grad_enabled() and rl.entropy_coef > 0):  # else only logged
+                if isinstance(logits, DTensor):  # vocab-sharded under loss parallel: never gathered
+                    entropy = sharded_token_entropy(logits, temperature)
+                else:
+                    entropy = token_entropy(logits, temperature=temperature)
             generator = batch["old_logprobs"]
             before_update = next(pending) if pending is not None else logp.detach()
             old, is_weights, is_cap, is_stats = self._ratio_terms(before_update, generator, batch["loss_mask"])
@@ -449,12 +458,16 @@ class RLTrainer:
         return loss_fn
 
     def _label_logprobs(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor]):
-        """Log-probs (fp32, 0 off the labels) of the label tokens, and the label mask."""
-        if isinstance(logits, DTensor):  # vocab-sharded under loss parallel
-            logits = logits.full_tensor()
+        """Log-probs (fp32, 0 off the labels) of the label tokens, and the label mask. Logits
+        sharded over the vocabulary (tensor parallel with loss parallel) stay sharded: a
+        vocab-parallel cross-entropy gives each token's log-prob."""
         labels = batch["labels"]
         valid = (labels >= 0).float()
-        return token_logprobs(logits, labels.clamp(min=0), self.sampling.temperature) * valid, valid
+        if isinstance(logits, DTensor):
+            logp = sharded_token_logprobs(logits, labels.clamp(min=0), self.sampling.temperature)
+        else:
+            logp = token_logprobs(logits, labels.clamp(min=0), self.sampling.temperature)
+        return logp * valid, valid
 
     def _ratio_terms(self, before_update: torch.Tensor, generator: torch.Tensor, loss_mask: torch.Tensor):
         """What the PPO ratio is taken against, the importance weights, the ratio cap and the

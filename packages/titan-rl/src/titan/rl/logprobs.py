@@ -4,6 +4,8 @@ trainer's loss, so the two agree bit for bit on the same batch layout."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -15,6 +17,36 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
         logits = logits / scale
     logp = torch.log_softmax(logits, dim=-1)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _replicated(value: torch.Tensor) -> torch.Tensor:
+    """A small per-token result of a vocab-parallel reduction as a plain tensor."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def sharded_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """:func:`token_logprobs` of vocab-sharded logits (a DTensor under tensor parallel with
+    loss parallel, inside ``loss_parallel()``), without gathering the vocabulary: a
+    vocab-parallel cross-entropy per token, whose per-token result is all that crosses
+    ranks. Equal to :func:`token_logprobs` up to float32 summation order."""
+    scale = temperature if temperature > 0 else 1.0
+    flat = logits.float().flatten(0, 1)
+    if scale != 1.0:
+        flat = flat / scale
+    logp = -F.cross_entropy(flat, targets.flatten(), reduction="none")
+    return _replicated(logp).view(targets.shape)
+
+
+def sharded_token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / T)`` per position of vocab-sharded logits, reduced over
+    the shards (each rank sums its slice of the vocabulary), float32 ``[B, S]``."""
+    scale = temperature if temperature > 0 else 1.0
+    flat = logits.float().flatten(0, 1)
+    if scale != 1.0:
+        flat = flat / scale
+    logp = F.log_softmax(flat, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return _replicated(entropy).view(logits.shape[:-1])
 
 
 def pad_sequences(
@@ -37,4 +69,4 @@ def pad_sequences(
     return input_ids, targets, mask
 
 
-__all__ = ["pad_sequences", "token_logprobs"]
+__all__ = ["pad_sequences", "sharded_token_entropy", "sharded_token_logprobs", "token_logprobs"]
