@@ -235,3 +235,32 @@ def test_experts_with_no_tokens(grouped):
     out = experts(x, torch.tensor([0, 0]))
     out.sum().backward()
     assert out.shape == (0, 16) and x.grad.shape == (0, 16)
+
+
+def test_padding_stays_out_of_the_load_counts_and_the_aux_loss():
+    """Routing is per token, so an MoE over real tokens plus padding marked by `token_mask`
+    counts and balances exactly like the same MoE over the real tokens alone."""
+    real = torch.randn(1, 6, 16, generator=torch.Generator().manual_seed(3))
+    padding = torch.randn(1, 10, 16, generator=torch.Generator().manual_seed(4)) * 3  # skewed, many
+    padded = torch.cat([real, padding], dim=1)
+    mask = torch.tensor([[True] * 6 + [False] * 10])
+    alone, masked, unmasked = (_moe(aux_loss_coef=0.01) for _ in range(3))
+    out_alone = alone(real)
+    out_masked = masked(padded, token_mask=mask)
+    unmasked(padded)
+    torch.testing.assert_close(out_masked[:, :6], out_alone)  # padding changes nothing for real tokens
+    assert torch.equal(masked.tokens_per_expert, alone.tokens_per_expert) and masked.tokens_per_expert.sum() == 12
+    torch.testing.assert_close(masked.aux_loss, alone.aux_loss)
+    assert unmasked.tokens_per_expert.sum() == 32 and not torch.allclose(unmasked.aux_loss, alone.aux_loss)
+
+
+def test_negative_document_ids_mark_padding_for_the_moe_layers():
+    from titan.models.qwen3_moe import build_qwen3_moe
+
+    model = build_qwen3_moe("debugmodel_tiny", vocab_size=64, max_seq_len=16)
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    docs = torch.tensor([[0] * 8 + [-1] * 4])
+    model(tokens, document_ids=docs)
+    moe = model.layers["1"].feed_forward
+    assert moe.tokens_per_expert.sum() == 8 * moe.top_k  # the 4 padding tokens are not counted

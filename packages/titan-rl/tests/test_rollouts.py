@@ -32,7 +32,7 @@ def test_batch_layout_by_hand():
     assert batch["input_ids"].tolist() == [[1, 2, 3, 7, PAD, PAD]]
     assert batch["labels"].tolist() == [[-100, -100, 7, 8, -100, -100]]
     assert batch["positions"].tolist() == [[0, 1, 2, 3, 0, 1]]
-    assert batch["document_ids"].tolist() == [[0, 0, 0, 0, 1, 1]]
+    assert batch["document_ids"].tolist() == [[0, 0, 0, 0, -1, -1]]
     torch.testing.assert_close(batch["old_logprobs"], torch.tensor([[0.0, 0.0, -0.1, -0.2, 0.0, 0.0]]))
     # Advantage of reward 1 in group (1, 0): (1 - 0.5) / 0.5 = 1, on each completion token.
     torch.testing.assert_close(batch["advantages"], torch.tensor([[0.0, 0.0, 1.0, 1.0, 0.0, 0.0]]), atol=1e-5, rtol=0)

@@ -9,8 +9,8 @@ completion, and :func:`build_batch` lays rows out as the engine's batch: a dict 
 
 - ``input_ids``: the sequence without its last token; ``labels``: the next token at each
   position, ``-100`` where that token is part of the prompt or padding;
-- ``positions`` (0, 1, ...) and ``document_ids`` (0 for the sequence, 1 for the padding, so
-  padding is its own document as in SFT batches);
+- ``positions`` (0, 1, ...) and ``document_ids`` (0 for the sequence, -1 for the padding:
+  its own document, and marked as padding so an MoE router does not count it);
 - ``old_logprobs``: the generator's log-probability of each label token (0 elsewhere);
 - ``advantages``: the completion's advantage on each of its label tokens;
 - ``loss_mask``: 1 where the label is a completion token that carries loss (0 for a
@@ -110,7 +110,7 @@ def build_batch(rows: Sequence[Row], *, seq_len: int, pad_id: int) -> dict[str, 
     input_ids = torch.full((batch_size, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
     positions = torch.arange(seq_len).repeat(batch_size, 1)
-    document_ids = torch.ones((batch_size, seq_len), dtype=torch.long)
+    document_ids = torch.full((batch_size, seq_len), -1, dtype=torch.long)  # padding until set
     old_logprobs = torch.zeros((batch_size, seq_len), dtype=torch.float32)
     advantages = torch.zeros((batch_size, seq_len), dtype=torch.float32)
     loss_mask = torch.zeros((batch_size, seq_len), dtype=torch.float32)

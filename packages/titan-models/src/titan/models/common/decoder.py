@@ -81,7 +81,14 @@ class TransformerBlock(nn.Module):
             h = x + self.attention(self.attention_norm(x), rope, document_ids)
         else:
             h = x + self.attention(self.attention_norm(x), rope, document_ids, kv_cache=kv_cache)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self._feed_forward(self.ffn_norm(h), document_ids)
+
+    def _feed_forward(self, x: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
+        """The feed-forward; one that routes tokens (an MoE) learns which are padding
+        (negative document ids) so they stay out of its balancing statistics."""
+        if document_ids is not None and getattr(self.feed_forward, "accepts_token_mask", False):
+            return self.feed_forward(x, token_mask=document_ids >= 0)
+        return self.feed_forward(x)
 
     def init_weights(self, init: SeededInit, std_out: float) -> None:
         """Init projections (`std_out` for the ones writing into the residual) and norms."""
@@ -147,7 +154,8 @@ class Decoder(nn.Module):
         `positions` ([S] or [B, S]) are token positions for RoPE; None means 0..S-1. With
         packed documents they restart at 0 at each document start. `document_ids` [B, S]
         (equal ids = same document) restrict attention to causal AND same-document pairs;
-        None is plain causal attention over the whole row.
+        None is plain causal attention over the whole row. A negative id marks padding: an
+        MoE layer leaves it out of its load-balancing statistics and aux loss.
 
         `kv_cache` (inference): the tokens are appended to the cache and attend over
         everything cached before them; positions default to each row's count of real

@@ -251,16 +251,30 @@ class MoE(nn.Module):
                 setattr(self, name, buf.float())
         return module
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Mix `x` [B, S, D] through the experts; returns [B, S, D]."""
+    accepts_token_mask = True
+    """The block hands this module which tokens are real (`forward(x, token_mask=...)`)."""
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Mix `x` [B, S, D] through the experts; returns [B, S, D]. `token_mask` [B, S]
+        (True: a real token, False: padding) keeps padding out of the load counts the
+        balancing bias follows and out of the aux loss; padding is still routed (its output
+        carries no loss)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         scores = self.router.scores(flat)
         bias = self.expert_bias if self.load_balance_coeff is not None else None
         selected = self.router.select(scores, bias)
         weights = self.router.weights(scores, selected)
-        counts = torch.bincount(selected.flatten(), minlength=self.n_experts)
-        self._record(counts, scores)
+        counts = torch.bincount(selected.flatten(), minlength=self.n_experts)  # every routed copy
+        if token_mask is None:
+            self._record(counts, scores.mean(0), scores.shape[0])
+        else:
+            # Weights instead of boolean indexing: shapes stay static (torch.compile).
+            real = token_mask.reshape(-1, 1).to(scores.dtype)
+            real_counts = torch.zeros(self.n_experts, dtype=scores.dtype, device=scores.device).scatter_add_(
+                0, selected.flatten(), real.expand_as(selected).flatten())
+            n_real = real.sum().clamp(min=1)
+            self._record(real_counts, (scores * real).sum(0) / n_real, n_real)
         # Token copies in expert order; a stable sort keeps token order within an expert.
         order = torch.argsort(selected.flatten(), stable=True)
         # repeat_interleave + a permutation (instead of flat[order // k]) keeps the backward
@@ -275,8 +289,10 @@ class MoE(nn.Module):
             out = out + self.shared_experts(flat)
         return out.view(shape)
 
-    def _record(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
-        """Accumulate the load counts and compute the aux loss, once per real forward."""
+    def _record(self, counts: torch.Tensor, mean_scores: torch.Tensor, n_tokens) -> None:
+        """Accumulate the load counts (assignments per expert of the `n_tokens` counted
+        tokens) and compute the aux loss from them and the tokens' `mean_scores`, once per
+        real forward."""
         # Activation checkpointing reruns this forward inside backward: count the tokens and
         # keep the aux loss of the first run only. The rerun still computes the aux loss, so
         # it saves the same tensors for backward as the first run (checkpoint checks that).
@@ -286,8 +302,8 @@ class MoE(nn.Module):
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         aux = None
         if self.aux_loss_coef > 0 and self.training and torch.is_grad_enabled():
-            fraction = counts.to(scores.dtype) / scores.shape[0]  # sums to top_k, as in HF
-            aux = self.aux_loss_coef * self.n_experts * (fraction * scores.mean(0)).sum()
+            fraction = counts.to(mean_scores.dtype) / n_tokens  # sums to top_k, as in HF
+            aux = self.aux_loss_coef * self.n_experts * (fraction * mean_scores).sum()
         if not rerun:
             self.aux_loss = aux
 
