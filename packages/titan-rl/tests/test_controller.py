@@ -291,6 +291,10 @@ def test_pipeline_parallel_rl_steps_run_and_match_one_rank(tmp_path):
     rl = [r for r in pp if r.get("phase") == "rl"]
     assert len(rl) == 6 and max(r["logprob_diff_max"] for r in rl) <= 1e-5
     assert all(r["grad_norm"] > 0 for r in rl)
+    # Several updates per rollout need a forward-only pipeline pass first: refused for now.
+    refused = run_rl_ranks(2, tmp_path / "pp_epochs", *flags, "--parallelism.pipeline_parallel_degree", "2",
+                           "--rl.ppo_epochs", "2", check=False, timeout=300)
+    assert refused.returncode != 0 and "do not run under --parallelism.pipeline_parallel_degree" in refused.stderr
 
 
 @pytest.mark.slow

@@ -108,6 +108,17 @@ def _with_variance(groups: list, rewards: list[list[float]], texts: list) -> tup
     return [groups[i] for i in keep], [rewards[i] for i in keep], [texts[i] for i in keep]
 
 
+def _assemble_rows(pieces: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -> torch.Tensor | None:
+    """One ``[rows, S]`` tensor from (row indices, values) pieces (None without pieces)."""
+    if not pieces:
+        return None
+    first = pieces[0][1]
+    out = torch.zeros((rows, *first.shape[1:]), dtype=first.dtype, device=first.device)
+    for index, values in pieces:
+        out[index] = values
+    return out
+
+
 def _crossed(before: int, after: int, every: int) -> bool:
     """Whether a multiple of ``every`` lies in ``(before, after]`` (``every`` <= 0: never)."""
     return every > 0 and after // every > before // every
@@ -258,6 +269,15 @@ class RLTrainer:
             raise ValueError(
                 "--rl.loss_type gspo needs each completion's whole sequence on one rank; it does not "
                 "run under --parallelism.context_parallel_degree > 1 (use grpo, dapo or dr_grpo)"
+            )
+        if dims.pp_enabled and cfg.rl.old_logprobs == "trainer" and cfg.rl.updates_per_rollout > 1:
+            # The pre-update pass runs the schedule forward-only; a training step after it
+            # was measured to compute its first loss on one stale pipeline microbatch too.
+            raise ValueError(
+                f"--rl.ppo_epochs {cfg.rl.ppo_epochs} x --rl.minibatches_per_rollout {cfg.rl.minibatches_per_rollout} "
+                "updates per rollout need the trainer's pre-update log-probs, which do not run under "
+                "--parallelism.pipeline_parallel_degree > 1 yet; use one update per rollout (--rl.ppo_epochs 1), "
+                "--rl.old_logprobs generator, or no pipeline parallel"
             )
         if cfg.sampling.max_new_tokens >= cfg.training.seq_len:
             raise ValueError(
@@ -414,17 +434,17 @@ class RLTrainer:
 
     # ---- the RL step ---------------------------------------------------------------------
 
-    def _loss_fn(self, accumulator: dict[str, torch.Tensor], trainer_old: list[torch.Tensor] | None, *,
+    def _loss_fn(self, accumulator: dict[str, torch.Tensor], trainer_old: torch.Tensor | None, *,
                  measure_mismatch: bool):
         """``loss_fn(logits, batch)`` for the engine: policy log-probs of the labels (fp32),
         the configured policy loss, and token-sum stats added to ``accumulator``.
 
         ``trainer_old``: the trainer's log-probs of this microbatch before the rollout's first
-        update, one tensor per loss call (several under pipeline parallel), or None when the
-        current log-probs are those (one update per rollout). ``measure_mismatch``: record how
-        far the trainer's pre-update log-probs are from the generator's (the first pass)."""
+        update (``[rows, this rank's sequence share]``, looked up by ``row_index``: a pipeline
+        schedule hands the loss a subset of rows at a time), or None when the current
+        log-probs are those (one update per rollout). ``measure_mismatch``: record how far the
+        trainer's pre-update log-probs are from the generator's (the first pass)."""
         rl, temperature = self.config.rl, self.sampling.temperature
-        pending = iter(trainer_old) if trainer_old is not None else None
 
         def loss_fn(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
             logp, valid = self._label_logprobs(logits, batch)
@@ -434,7 +454,7 @@ class RLTrainer:
                 else:
                     entropy = token_entropy(logits, temperature=temperature)
             generator = batch["old_logprobs"]
-            before_update = next(pending) if pending is not None else logp.detach()
+            before_update = trainer_old[batch["row_index"][:, 0]] if trainer_old is not None else logp.detach()
             old, is_weights, is_cap, is_stats = self._ratio_terms(before_update, generator, batch["loss_mask"])
             ref = batch.get("ref_logprobs")
             loss, stats = policy_loss(
@@ -484,24 +504,26 @@ class RLTrainer:
         return before_update, weights, 0.0, stats
 
     @torch.no_grad()
-    def _pre_update_logprobs(self, minibatches: list[tuple[float, float, list[dict]]]) -> list[list[list[torch.Tensor]]]:
+    def _pre_update_logprobs(self, minibatches: list[tuple[float, float, list[dict]]]) -> list[list[torch.Tensor | None]]:
         """The trainer's log-probs of every microbatch of the rollout before its first update:
         one no-grad forward each, in evaluation mode (so an MoE router does not count these
-        tokens for its load balancing twice)."""
-        out: list[list[list[torch.Tensor]]] = []
+        tokens for its load balancing twice). Each is ``[rows, sequence share]`` by
+        ``row_index``; None on pipeline stages that never run the loss."""
+        out: list[list[torch.Tensor | None]] = []
         self.engine.train(False)
         try:
             for *_, batches in minibatches:
                 out.append([])
                 for batch in batches:
-                    captured: list[torch.Tensor] = []
+                    pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-                    def capture(logits, b, captured=captured):
-                        captured.append(self._label_logprobs(logits, b)[0])
-                        return torch.zeros((), device=captured[-1].device)
+                    def capture(logits, b, pieces=pieces):
+                        logp = self._label_logprobs(logits, b)[0]
+                        pieces.append((b["row_index"][:, 0], logp))
+                        return torch.zeros((), device=logp.device)
 
                     self.engine.forward_only(batch, capture)
-                    out[-1].append(captured)
+                    out[-1].append(_assemble_rows(pieces, len(batch["input_ids"])))
         finally:
             self.engine.train(True)
         return out
@@ -532,6 +554,9 @@ class RLTrainer:
                                              microbatch_size=cfg.training.local_batch_size)
             ]
             completion_tokens = max(float(sum(len(r.token_ids) for r in chunk)), 1.0)
+            for batch in batches:  # which row each is, for per-row state kept across passes
+                rows, seq = batch["input_ids"].shape
+                batch["row_index"] = torch.arange(rows)[:, None].expand(rows, seq).contiguous()
             out.append((self._normalizer(chunk), completion_tokens, batches))
         return out
 
@@ -570,7 +595,7 @@ class RLTrainer:
                 accumulator: dict[str, torch.Tensor] = {}
                 rank_loss = torch.zeros((), device=engine.device)
                 for j, batch in enumerate(batches):
-                    loss_fn = self._loss_fn(accumulator, trainer_old[m][j] if trainer_old else None,
+                    loss_fn = self._loss_fn(accumulator, trainer_old[m][j] if trainer_old is not None else None,
                                             measure_mismatch=epoch == 0)
                     # The router's aux loss is a mean over completion tokens for every loss type.
                     rank_loss += engine.forward_backward(batch, loss_fn, global_token_count=normalizer,
