@@ -555,8 +555,8 @@ class RLTrainer:
             ]
             completion_tokens = max(float(sum(len(r.token_ids) for r in chunk)), 1.0)
             for batch in batches:  # which row each is, for per-row state kept across passes
-                rows, seq = batch["input_ids"].shape
-                batch["row_index"] = torch.arange(rows)[:, None].expand(rows, seq).contiguous()
+                batch_rows, seq = batch["input_ids"].shape
+                batch["row_index"] = torch.arange(batch_rows)[:, None].expand(batch_rows, seq).contiguous()
             out.append((self._normalizer(chunk), completion_tokens, batches))
         return out
 
