@@ -39,10 +39,10 @@ def label_logprobs(engine, prompt: list[int], tokens: list[int]) -> torch.Tensor
     return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-def make_rollout(engine) -> Rollout:
+def make_rollout(engine, *, exact: bool = False) -> Rollout:
     """Completions whose generator log-probs are the model's own shifted per token (so the
-    importance weights are not 1: 1.5, 0.8 and a capped 3 among them)."""
-    shifts = [math.log(1.5), math.log(0.8), math.log(3.0), 0.0]
+    importance weights are not 1: 1.5, 0.8 and a capped 3 among them); ``exact``: unshifted."""
+    shifts = [0.0] * 4 if exact else [math.log(1.5), math.log(0.8), math.log(3.0), 0.0]
     groups = []
     for prompt, completions in zip(PROMPTS, COMPLETIONS, strict=True):
         group = []
@@ -140,6 +140,26 @@ def test_ppo_updates_equal_a_hand_written_loop(tmp_path, monkeypatch, epochs, mi
     finally:
         ours.close()
         reference.close()
+
+
+def test_the_mismatch_is_measured_before_any_update_in_bypass_mode(tmp_path, monkeypatch, caplog):
+    """Bypass mode has no pre-update pass: with 2 minibatches the second one trains after a
+    step, so only the first may be compared with the generator (exact here: a difference
+    means policy drift was counted as trainer/generator mismatch, and warned about)."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    worker = load_worker()
+    engine = worker.make_engine(str(tmp_path))
+    try:
+        rollout = make_rollout(engine, exact=True)
+        rl = RLSection(group_size=2, prompts_per_step=2, old_logprobs="generator", minibatches_per_rollout=2,
+                       max_logprob_diff=1e-4)
+        with caplog.at_level("WARNING", logger="titan"):
+            record = trainer_over(engine, rl, rollout).rl_step()
+        assert record["updates"] == 2 and record["logprob_diff_max"] <= 1e-5, record
+        assert not [r for r in caplog.records if "max_logprob_diff" in r.getMessage()]
+    finally:
+        engine.close()
 
 
 def test_several_updates_do_not_reuse_stale_old_logprobs(tmp_path, monkeypatch):

@@ -115,6 +115,30 @@ def test_moe_sync_carries_the_trained_balancing_bias(tmp_path, monkeypatch):
         engine.close()
 
 
+def test_an_unsent_state_tensor_is_caught_even_when_it_equals_a_sent_one():
+    """The coverage check goes by storage (a tied alias shares its twin's), not by value: an
+    unsent zero buffer next to a sent zero buffer is still reported."""
+    from titan.rl.weight_sync import WeightMismatchError, sync_colocated
+
+    class Permissive:  # loads what it gets and checks nothing itself
+        def __init__(self):
+            shared = torch.zeros(3)
+            self.state = {"a": torch.zeros(4), "bias0": torch.zeros(2), "bias1": torch.zeros(2), "tied": shared,
+                          "twin": shared}
+
+        def load_weights(self, tensors, *, version):
+            for name, t in tensors:
+                self.state[name].copy_(t)
+
+        def named_weights(self):
+            return self.state.items()
+
+    sent = [("a", torch.ones(4)), ("bias0", torch.zeros(2)), ("tied", torch.ones(3))]
+    sync_colocated(sent + [("bias1", torch.zeros(2))], Permissive(), version=1)  # "twin" is "tied"
+    with pytest.raises(WeightMismatchError, match=r"did not cover 1 .*\['bias1'\]"):
+        sync_colocated(sent, Permissive(), version=1)
+
+
 def test_colocated_sync_detects_a_bad_load(one_process):
     """The post-sync check can fail: a generator that perturbs one tensor is caught."""
     from titan.rl.weight_sync import WeightMismatchError, sync_colocated

@@ -84,22 +84,19 @@ MAX_STATS: tuple[str, ...] = ("logprob_diff_max", "is_weight_max")
 """The loss's stats reduced with a max."""
 
 
-def _accumulate(accumulator: dict[str, torch.Tensor], stats: Mapping[str, torch.Tensor]) -> None:
-    """Add a loss call's stats into ``accumulator`` (sums; the ``*_max`` keys keep the max)."""
+def _combine(into: dict[str, Any], stats: Mapping[str, Any]) -> None:
+    """Add ``stats`` into ``into``: sums, except :data:`MAX_STATS`, which keep their maximum.
+    For a loss call's tensors (detached, float64, on the device: no host sync) and for an
+    update's reduced floats alike."""
     for key, value in stats.items():
-        value = value.detach().double()
-        if key not in accumulator:
-            accumulator[key] = value
-        elif key.endswith("_max"):
-            accumulator[key] = torch.maximum(accumulator[key], value)
+        if isinstance(value, torch.Tensor):
+            value = value.detach().double()
+        if key not in into:
+            into[key] = value
+        elif key in MAX_STATS:
+            into[key] = torch.maximum(into[key], value) if isinstance(value, torch.Tensor) else max(into[key], value)
         else:
-            accumulator[key] = accumulator[key] + value
-
-
-def _merge(totals: dict[str, float], reduced: Mapping[str, float]) -> None:
-    """Add one update's reduced stats into the rollout's totals (maxima for ``*_max``)."""
-    for key, value in reduced.items():
-        totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else totals.get(key, 0.0) + value
+            into[key] = into[key] + value
 
 
 def _with_variance(groups: list, rewards: list[list[float]], texts: list) -> tuple[list, list, list]:
@@ -472,7 +469,7 @@ class RLTrainer:
                 stats["completion_tokens"] = valid.sum()
                 stats["logprob_diff_sum"] = diff.sum()
                 stats["logprob_diff_max"] = diff.max() if diff.numel() else torch.zeros((), device=diff.device)
-            _accumulate(accumulator, stats)
+            _combine(accumulator, stats)
             return loss
 
         return loss_fn
@@ -537,10 +534,11 @@ class RLTrainer:
         count = loss_normalizer(self.config.rl.loss_type, mask, max_new_tokens=self.sampling.max_new_tokens)
         return max(float(count), 1.0)
 
-    def _minibatches(self, rows) -> list[tuple[float, float, list[dict[str, torch.Tensor]]]]:
+    def _minibatches(self, rows, *, row_index: bool) -> list[tuple[float, float, list[dict[str, torch.Tensor]]]]:
         """The rollout's rows in --rl.minibatches_per_rollout contiguous minibatches, each as
         (its global loss normalizer, its global count of completion tokens — what a model's
-        auxiliary loss is averaged over —, this rank's microbatches)."""
+        auxiliary loss is averaged over —, this rank's microbatches). ``row_index``: give each
+        microbatch a ``row_index`` key, for per-row state kept across passes."""
         cfg, dims = self.config, self.engine.parallel_dims
         count = cfg.rl.minibatches_per_rollout
         size, extra = divmod(len(rows), count)
@@ -554,7 +552,7 @@ class RLTrainer:
                                              microbatch_size=cfg.training.local_batch_size)
             ]
             completion_tokens = max(float(sum(len(r.token_ids) for r in chunk)), 1.0)
-            for batch in batches:  # which row each is, for per-row state kept across passes
+            for batch in batches if row_index else ():
                 batch_rows, seq = batch["input_ids"].shape
                 batch["row_index"] = torch.arange(batch_rows)[:, None].expand(batch_rows, seq).contiguous()
             out.append((self._normalizer(chunk), completion_tokens, batches))
@@ -584,9 +582,9 @@ class RLTrainer:
             self.state.skipped += 1
             return None
         start = time.perf_counter()
-        minibatches = self._minibatches(rows)
-        trainer_old = (self._pre_update_logprobs(minibatches)
-                       if cfg.rl.old_logprobs == "trainer" and updates > 1 else None)
+        pre_update_pass = cfg.rl.old_logprobs == "trainer" and updates > 1
+        minibatches = self._minibatches(rows, row_index=pre_update_pass)
+        trainer_old = self._pre_update_logprobs(minibatches) if pre_update_pass else None
         lr = engine.lr_schedulers.last_lr()
         totals: dict[str, float] = {}
         losses, norms = [], []
@@ -595,8 +593,10 @@ class RLTrainer:
                 accumulator: dict[str, torch.Tensor] = {}
                 rank_loss = torch.zeros((), device=engine.device)
                 for j, batch in enumerate(batches):
+                    # The mismatch is measured on pre-update log-probs: every row of the first
+                    # pass with the pre-update pass, else the first minibatch (before any step).
                     loss_fn = self._loss_fn(accumulator, trainer_old[m][j] if trainer_old is not None else None,
-                                            measure_mismatch=epoch == 0)
+                                            measure_mismatch=epoch == 0 and (trainer_old is not None or m == 0))
                     # The router's aux loss is a mean over completion tokens for every loss type.
                     rank_loss += engine.forward_backward(batch, loss_fn, global_token_count=normalizer,
                                                          aux_token_count=completion_tokens)
@@ -605,7 +605,7 @@ class RLTrainer:
                                            // engine.parallel_dims.non_data_parallel_size)
                 reduced = self._reduce(accumulator, rank_loss)
                 losses.append(reduced.pop("loss"))
-                _merge(totals, reduced)
+                _combine(totals, reduced)
         self.timings["train_s"] += time.perf_counter() - start
         self.timings["generation_s"] += rollout.generation_s
         record = {
@@ -627,7 +627,7 @@ class RLTrainer:
 
     def _token_means(self, totals: Mapping[str, float]) -> dict[str, float]:
         """Per-token means (and maxima) of a rollout's summed stats."""
-        out = stat_means({k: torch.tensor(v) for k, v in totals.items() if k in ("tokens", "clipped", "kl", "entropy")})
+        out = stat_means(totals)
         completion_tokens = max(totals.get("completion_tokens", 0.0), 1.0)
         out["logprob_diff_max"] = totals.get("logprob_diff_max", 0.0)
         out["logprob_diff_mean"] = totals.get("logprob_diff_sum", 0.0) / completion_tokens

@@ -52,6 +52,7 @@ term. An entropy bonus (``entropy_coef > 0``) subtracts ``entropy_coef * H`` per
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -243,8 +244,9 @@ def loss_normalizer(loss_type: str, loss_mask: torch.Tensor, *, max_new_tokens: 
     return completions
 
 
-def stat_means(stats: Stats) -> dict[str, float]:
-    """Per-token means of summed stats: ``clip_fraction``, ``kl``, ``entropy`` (when present)."""
+def stat_means(stats: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
+    """Per-token means of summed stats (tensors or numbers): ``clip_fraction``, ``kl``,
+    ``entropy`` (when present)."""
     tokens = max(float(stats["tokens"]), 1.0)
     out = {"clip_fraction": float(stats["clipped"]) / tokens}
     for key in ("kl", "entropy"):

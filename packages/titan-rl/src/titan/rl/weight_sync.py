@@ -96,18 +96,20 @@ def _held_dtypes(generator: Any) -> dict[str, torch.dtype]:
     return {name: t.dtype for name, t in generator.named_weights()}
 
 
-def _compare(expected: dict[str, tuple[int, int, int]], got: dict[str, tuple[int, int, int]],
-             held: Iterable[str] = ()) -> None:
-    """Raise WeightMismatchError naming the tensors whose checksums differ, and the
-    generator's state tensors (`held`) that were not sent at all (unless one sent tensor
-    equals them bit for bit: a tied alias)."""
-    bad = [name for name, value in expected.items() if got.get(name) != value]
+def _check_loaded(generator: Any, expected: dict[str, tuple[int, int, int]]) -> None:
+    """Raise WeightMismatchError naming the generator tensors whose checksums differ from
+    `expected` (what was sent, in the generator's dtypes), and the generator's state tensors
+    that were not sent at all — unless one shares its storage with a sent one (a tied alias
+    such as `output.weight`)."""
+    weights = dict(generator.named_weights())
+    bad = [name for name, value in expected.items() if name not in weights or tensor_checksum(weights[name]) != value]
     if bad:
         raise WeightMismatchError(
             f"after weight sync {len(bad)} generator tensors differ from the trainer's: {bad[:5]}"
         )
-    sent_values = set(expected.values())
-    unsent = [name for name in held if name not in expected and got.get(name) not in sent_values]
+    sent_storage = {weights[name].untyped_storage().data_ptr() for name in expected}
+    unsent = [name for name, t in weights.items()
+              if name not in expected and t.untyped_storage().data_ptr() not in sent_storage]
     if unsent:
         raise WeightMismatchError(
             f"weight sync did not cover {len(unsent)} of the generator's state tensors: {unsent[:5]}"
@@ -145,7 +147,7 @@ def sync_colocated(
 
     generator.load_weights(stream(), version=version)
     if verify:
-        _compare(sent, generator_checksums(generator, as_held), held=as_held)
+        _check_loaded(generator, sent)
     return SyncStats(version=version, seconds=time.perf_counter() - start, tensors=count, bytes=nbytes)
 
 
@@ -274,10 +276,9 @@ class WeightBroadcaster:
                     yield name, piece.view(shape)
 
         generator.load_weights(stream(), version=version)
-        ok = True
+        ok = all(received.get(name) == value for name, value in final["checksums"].items())  # transport
         try:
-            _compare(final["checksums"], received)
-            _compare(as_loaded, generator_checksums(generator, held), held=held)
+            _check_loaded(generator, as_loaded)  # load
         except WeightMismatchError:
             ok = False
         if not self._all_ok(ok):

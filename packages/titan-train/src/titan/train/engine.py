@@ -80,21 +80,14 @@ def set_determinism(seed: int, deterministic: bool, device: torch.device) -> Non
         torch.use_deterministic_algorithms(True)
 
 
-def _named_state_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``module``'s parameters (tied ones once) and its persistent buffers, by name: what its
-    ``state_dict`` holds, without aliases."""
-    yield from module.named_parameters()
-    persistent = module.state_dict(keep_vars=True).keys()
-    for name, buffer in module.named_buffers():
-        if name in persistent:
-            yield name, buffer
-
-
 def state_tensor_meta(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype, bool]]:
-    """``name -> (shape, dtype, is_buffer)`` of every tensor :func:`_named_state_tensors`
-    yields for ``model`` (which may be on the meta device)."""
-    params = {name for name, _ in model.named_parameters()}
-    return {name: (t.shape, t.dtype, name not in params) for name, t in _named_state_tensors(model)}
+    """``name -> (shape, dtype, is_buffer)`` of every tensor of ``model``'s ``state_dict``
+    without aliases: its parameters (tied ones once) and its persistent buffers. Found once,
+    on the meta model: weight syncs then need no ``state_dict`` call."""
+    meta = {name: (p.shape, p.dtype, False) for name, p in model.named_parameters()}
+    persistent = model.state_dict(keep_vars=True).keys()
+    meta.update({name: (b.shape, b.dtype, True) for name, b in model.named_buffers() if name in persistent})
+    return meta
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:
@@ -549,7 +542,8 @@ class TrainingEngine:
             raise ValueError(f"names must be 'titan' or 'hf', got {names!r}")
         if names == "hf" and self.hf_adapter is None:
             raise ValueError(f"model family {self.model_spec.name!r} has no Hugging Face adapter")
-        local = {name: t for part in self.model_parts for name, t in _named_state_tensors(part)}
+        local = {name: t for part in self.model_parts
+                 for name, t in (*part.named_parameters(), *part.named_buffers()) if name in self._state_meta}
         for name, (shape, param_dtype, is_buffer) in self._state_meta.items():
             tensor = self._gather_full(name, local.get(name), shape, param_dtype)
             tensor = tensor.detach().to(dtype) if dtype is not None and not is_buffer else tensor.detach()
