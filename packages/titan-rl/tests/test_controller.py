@@ -132,6 +132,27 @@ def test_vllm_generator_is_refused_with_the_extra_named():
     check_generator_kind("native")
 
 
+def test_vllm_only_generator_flags_are_refused_with_the_native_generator():
+    from titan.rl.config import GeneratorConfig
+
+    for flag, value in (("dtype", "bfloat16"), ("kv_cache_memory_bytes", 1 << 20), ("max_num_seqs", 8)):
+        with pytest.raises(ValueError, match=f"--generator.{flag} sets up the vLLM generator"):
+            GeneratorConfig(**{flag: value})
+        GeneratorConfig(kind="vllm", **{flag: value})
+    with pytest.raises(ValueError, match="--generator.max_num_seqs must be >= 1"):
+        GeneratorConfig(kind="vllm", max_num_seqs=0)
+
+
+@pytest.mark.vllm
+def test_vllm_generator_is_refused_on_several_ranks():
+    pytest.importorskip("vllm", reason="vLLM is not installed: checked in `make test-vllm`")
+    from titan.rl.controller import check_generator_kind
+
+    with pytest.raises(ValueError, match="single-process trainer; this run has 2 ranks"):
+        check_generator_kind("vllm", world_size=2)
+    check_generator_kind("vllm", world_size=1)
+
+
 def test_titan_rl_is_a_command_with_its_recipe():
     from titan.recipes.cli import parse_train_args, recipe_command
 

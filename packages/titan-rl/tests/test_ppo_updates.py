@@ -78,7 +78,7 @@ def hand_written_updates(engine, rollout: Rollout, *, epochs: int, minibatches: 
         adv = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-6)
         rows += [(c, float(adv[j])) for j, c in enumerate(group)]
     old = [label_logprobs(engine, c.prompt_ids, c.token_ids) for c, _ in rows]
-    weights = [torch.clamp(torch.exp(o - torch.tensor(c.logprobs)), max=cap) for o, (c, _) in zip(old, rows)]
+    weights = [torch.clamp(torch.exp(o - torch.tensor(c.logprobs)), max=cap) for o, (c, _) in zip(old, rows, strict=True)]
     per = len(rows) // minibatches
     for _ in range(epochs):
         for m in range(minibatches):

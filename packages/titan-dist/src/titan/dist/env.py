@@ -41,6 +41,10 @@ def _pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+_started_default_group = False
+"""Whether `init_distributed` started the default process group of this process."""
+
+
 def init_distributed(timeout_s: float = 300) -> DistEnv:
     """Read torchrun's RANK / LOCAL_RANK / WORLD_SIZE and start the default process group.
 
@@ -61,14 +65,20 @@ def init_distributed(timeout_s: float = 300) -> DistEnv:
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
+        global _started_default_group
+        _started_default_group = True
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
 def destroy_distributed() -> None:
-    """Tear the default process group down (no-op when none was started).
+    """Tear down the default process group `init_distributed` started (no-op otherwise: a
+    group another library started in this process, such as an in-process vLLM engine's, is
+    its owner's to destroy).
 
     The barrier first makes sure no rank leaves while another still waits on a collective.
     """
-    if dist.is_initialized():
+    global _started_default_group
+    if _started_default_group and dist.is_initialized():
+        _started_default_group = False
         dist.barrier()
         dist.destroy_process_group()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-
 ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
 
 

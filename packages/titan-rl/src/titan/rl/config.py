@@ -204,11 +204,34 @@ class GeneratorConfig:
 
     kind: Literal["native", "vllm"] = "native"
     """native: titan's torch generator over the same model code (KV cache), on rank 0's
-    device; vllm: vLLM running titan's model code (needs the titan-rl[vllm] extra)."""
+    device; vllm: vLLM running titan's model code in the trainer's process (the
+    titan-rl[vllm] extra; on a CPU machine vLLM's CPU build), one trainer rank."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """vllm: the dtype vLLM runs the model in (float32 matches the trainer's log-probs
+    closest; bfloat16 halves the KV cache and the weights)."""
+    kv_cache_memory_bytes: int = 256 << 20
+    """vllm: bytes of the paged KV cache (vLLM's own default would take most of the device's
+    memory, which the colocated trainer needs)."""
+    max_num_seqs: int = 256
+    """vllm: the most sequences decoded together."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("native", "vllm"):
             raise ValueError(f"--generator.kind must be native or vllm, got {self.kind!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--generator.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"--generator.kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--generator.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.kind == "native":
+            changed = [name for name in ("dtype", "kv_cache_memory_bytes", "max_num_seqs")
+                       if getattr(self, name) != getattr(GeneratorConfig, name)]
+            if changed:
+                raise ValueError(
+                    f"--generator.{changed[0]} sets up the vLLM generator; it has no effect with "
+                    "--generator.kind native (which runs in the trainer's float32, without a paged cache)"
+                )
 
 
 def _rl_training() -> TrainingConfig:

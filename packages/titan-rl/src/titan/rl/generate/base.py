@@ -12,7 +12,7 @@ trainer recomputes with its own forward, so the two are comparable token for tok
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -100,4 +100,48 @@ class Generator(Protocol):
         ...
 
 
-__all__ = ["Completion", "FinishReason", "Generator", "SamplingConfig"]
+def check_prompts(prompts: list[list[int]], sampling: SamplingConfig, max_seq_len: int) -> None:
+    """Reject empty prompts and ones that would outgrow the model's `max_seq_len` (its RoPE
+    table) once `sampling.max_new_tokens` are added."""
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if len(prompt) + sampling.max_new_tokens > max_seq_len:
+            raise ValueError(
+                f"prompt {i} ({len(prompt)} tokens) + --sampling.max_new_tokens "
+                f"({sampling.max_new_tokens}) exceeds the model's max_seq_len ({max_seq_len}); "
+                "shorten the prompt or lower --sampling.max_new_tokens"
+            )
+
+
+@torch.no_grad()
+def copy_weights_by_name(
+    targets: Mapping[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    """Copy full tensors by titan name into `targets` (a model's ``state_dict(keep_vars=True)``),
+    each cast to its target's dtype and device.
+
+    Every entry of `targets` must be given — parameters and persistent buffers
+    such as an MoE router's ``expert_bias`` (a tied alias counts as given with its twin);
+    unknown names and shape mismatches raise, so a renamed or missing weight cannot go
+    unnoticed. Tensors are copied as they stream in (no second full copy is held), so a refused
+    update has changed some weights: callers advance the policy version only after it returns.
+    """
+    loaded: set[int] = set()
+    for name, tensor in named_tensors:
+        target = targets.get(name)
+        if target is None:
+            raise KeyError(f"weight {name!r} is not a parameter of the generator's model")
+        if target.shape != tensor.shape:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, the generator's model "
+                f"expects {tuple(target.shape)}"
+            )
+        target.data.copy_(tensor)
+        loaded.add(id(target))
+    missing = [name for name, t in targets.items() if id(t) not in loaded]
+    if missing:
+        raise ValueError(f"weight sync left {len(missing)} state_dict entries unset: {missing[:5]}")
+
+
+__all__ = ["Completion", "FinishReason", "Generator", "SamplingConfig", "check_prompts", "copy_weights_by_name"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from titan.models.common.kv_cache import KVCache
-from titan.rl.generate.base import Completion, SamplingConfig
+from titan.rl.generate.base import Completion, SamplingConfig, check_prompts, copy_weights_by_name
 from titan.rl.logprobs import pad_sequences, token_logprobs
 from torch import nn
 
@@ -84,22 +84,7 @@ class NativeGenerator:
         given — parameters and persistent buffers such as an MoE router's ``expert_bias``
         (a tied alias counts as given with its twin); unknown names and shape mismatches
         raise, so a renamed or missing weight cannot go unnoticed."""
-        targets = self.model.state_dict(keep_vars=True)
-        loaded: set[int] = set()
-        for name, tensor in named_tensors:
-            target = targets.get(name)
-            if target is None:
-                raise KeyError(f"weight {name!r} is not a parameter of the generator's model")
-            if target.shape != tensor.shape:
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, the generator's model "
-                    f"expects {tuple(target.shape)}"
-                )
-            target.data.copy_(tensor)
-            loaded.add(id(target))
-        missing = [name for name, t in targets.items() if id(t) not in loaded]
-        if missing:
-            raise ValueError(f"weight sync left {len(missing)} state_dict entries unset: {missing[:5]}")
+        copy_weights_by_name(self.model.state_dict(keep_vars=True), named_tensors)
         self._version = version
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
@@ -112,7 +97,7 @@ class NativeGenerator:
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """`sampling.n` completions per prompt (prompt order), with per-token logprobs
         log_softmax(logits / T) of the sampled tokens (T = 1 when greedy)."""
-        self._check_prompts(prompts, sampling)
+        check_prompts(prompts, sampling, self.model.args.max_seq_len)
         seed = sampling.seed if sampling.seed is not None else random.randrange(2**63)
         rng = torch.Generator(device=self.device).manual_seed(seed)
         per_batch = max(1, self.max_batch_size // sampling.n)
@@ -122,19 +107,6 @@ class NativeGenerator:
             flat = self._generate_batch(chunk, sampling, rng)
             results.extend(flat[i * sampling.n : (i + 1) * sampling.n] for i in range(len(chunk)))
         return results
-
-    def _check_prompts(self, prompts: list[list[int]], sampling: SamplingConfig) -> None:
-        """Reject empty prompts and ones that would outgrow the model's RoPE table."""
-        max_seq_len = self.model.args.max_seq_len
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if len(prompt) + sampling.max_new_tokens > max_seq_len:
-                raise ValueError(
-                    f"prompt {i} ({len(prompt)} tokens) + --sampling.max_new_tokens "
-                    f"({sampling.max_new_tokens}) exceeds the model's max_seq_len ({max_seq_len}); "
-                    "shorten the prompt or lower --sampling.max_new_tokens"
-                )
 
     def _generate_batch(
         self, prompts: list[list[int]], sampling: SamplingConfig, rng: torch.Generator

@@ -1,0 +1,163 @@
+"""titan's model families as vLLM models: the `titan.models` decoder itself, with only its inner
+attention swapped for vLLM's paged-KV-cache `Attention`.
+
+vLLM hands a model one packed 1-D stream of tokens (every running sequence's new tokens side by
+side) with each token's position. A titan decoder runs it as a batch of one row: RoPE rows are
+gathered at the given positions, and each block's `inner_attention` (the module context
+parallelism also replaces) becomes `PagedAttention`, which reshapes q/k/v to vLLM's
+[tokens, heads x head_dim] layout and lets vLLM's kernel attend over the paged cache, where the
+sequence boundaries live. Projections, norms, RoPE, the MoE and the weights' names are
+titan's: `load_weights` takes titan names (the trainer's `full_state_dict`, buffers included)
+or, when vLLM loads a Hub checkpoint from disk, Hugging Face names through the family's adapter.
+
+Each class is registered with vLLM under its own name (`titan.rl.generate.vllm.plugin`) and
+chosen by the `architectures` entry of the model folder's `config.json`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from titan.models.common.decoder import Decoder
+from titan.models.llama3 import Llama3Model, Llama3StateDictAdapter
+from titan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter
+from titan.models.qwen3_moe import Qwen3MoeModel, Qwen3MoeStateDictAdapter
+from titan.rl.generate.base import copy_weights_by_name
+from torch import nn
+from vllm.model_executor.layers.attention import Attention
+
+MIN_CPU_HEAD_DIM = 32
+"""vLLM's CPU attention kernels take head_dim >= 32 only."""
+
+
+class PagedAttention(nn.Module):
+    """titan's inner-attention contract (q [1, H, T, Dh], k/v [1, Hkv, T, Dh] -> [1, H, T, Dh])
+    served by vLLM's paged `Attention` over the packed stream of tokens (causal within each
+    sequence, over everything cached for it)."""
+
+    def __init__(self, attn: Attention) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of the one packed row; shapes as titan's `ScaledDotProductAttention`."""
+        _, n_heads, tokens, head_dim = q.shape
+
+        def packed(t: torch.Tensor) -> torch.Tensor:  # [1, H, T, Dh] -> [T, H * Dh]
+            return t[0].transpose(0, 1).reshape(tokens, -1)
+
+        out = self.attn(packed(q), packed(k), packed(v))
+        return out.view(tokens, n_heads, head_dim).transpose(0, 1).unsqueeze(0)
+
+
+class TitanForCausalLM(nn.Module):
+    """A titan decoder run by vLLM (the vLLM model-class contract: `embed_input_ids`,
+    `forward` on packed tokens returning hidden states [T, D], `compute_logits`,
+    `load_weights`). Subclasses name the family: its model class and HF adapter."""
+
+    MODEL_CLASS: ClassVar[type[Decoder]]
+    ADAPTER: ClassVar[type[Llama3StateDictAdapter]]
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__()
+        hf_config = vllm_config.model_config.hf_config.to_dict()
+        args = self.ADAPTER.args_from_hf_config(hf_config)
+        self._check_supported(vllm_config, args)
+        self.model = self.MODEL_CLASS(args).eval()
+        self.adapter = self.ADAPTER(args)
+        # The titan names, taken before vLLM's attention (which has scale buffers) moves in.
+        self._titan_names = tuple(self.model.state_dict())
+        for index, block in self.model.layers.items():
+            name = f"{prefix}model.layers.{index}.attention.inner_attention.attn"
+            block.attention.inner_attention = PagedAttention(
+                Attention(
+                    args.n_heads,
+                    args.head_dim,
+                    scale=args.head_dim**-0.5,
+                    num_kv_heads=args.n_kv_heads,
+                    cache_config=vllm_config.cache_config,
+                    prefix=name,
+                )
+            )
+
+    @staticmethod
+    def _check_supported(vllm_config: Any, args: Any) -> None:
+        """Refuse, by name, what this wrapper does not implement (rather than run it wrong)."""
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ValueError(
+                "titan's vLLM models run unsharded: tensor_parallel_size and pipeline_parallel_size "
+                f"must be 1 (got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
+            )
+        if vllm_config.device_config.device.type == "cpu" and args.head_dim < MIN_CPU_HEAD_DIM:
+            raise ValueError(
+                f"vLLM's CPU attention needs head_dim >= {MIN_CPU_HEAD_DIM}, this model has "
+                f"{args.head_dim} (dim {args.dim} / {args.n_heads} heads); use fewer heads "
+                "(--model.n_heads, --model.n_kv_heads) or --generator.kind native"
+            )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, D] of the packed token ids [T]."""
+        return self.model.tok_embeddings(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [T, D] of the packed tokens at `positions` [T]."""
+        if intermediate_tensors is not None:
+            raise ValueError("titan's vLLM models do not run pipeline-parallel in vLLM")
+        h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        rope = self.model.rope_cache[positions].unsqueeze(0)  # one row: [1, T, Dh]
+        h = h.unsqueeze(0)
+        for block in self.model.layers.values():
+            h = block(h, rope)
+        return self.model.norm(h)[0]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] of the hidden states vLLM samples from."""
+        return self.model.output(hidden_states)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy every weight in, by titan name or (a Hub checkpoint vLLM reads from disk) by
+        Hugging Face name; every state_dict entry must be given (see `copy_weights_by_name`).
+        Returns the parameter names set, as vLLM's loader expects."""
+        weights = dict(weights)
+        if any(name not in self._titan_names for name in weights):
+            weights = self.adapter.from_hf(weights)
+        copy_weights_by_name(self.titan_state_dict(keep_vars=True), weights.items())
+        return {name for name, _ in self.named_parameters()}
+
+
+    def titan_state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        """The titan model's state dict by titan name (without vLLM's attention buffers)."""
+        state = self.model.state_dict(keep_vars=keep_vars)
+        return {name: state[name] for name in self._titan_names}
+
+
+class TitanLlama3ForCausalLM(TitanForCausalLM):
+    """`titan.models.llama3` run by vLLM."""
+
+    MODEL_CLASS = Llama3Model
+    ADAPTER = Llama3StateDictAdapter
+
+
+class TitanQwen3ForCausalLM(TitanForCausalLM):
+    """`titan.models.qwen3` run by vLLM."""
+
+    MODEL_CLASS = Qwen3Model
+    ADAPTER = Qwen3StateDictAdapter
+
+
+class TitanQwen3MoeForCausalLM(TitanForCausalLM):
+    """`titan.models.qwen3_moe` run by vLLM."""
+
+    MODEL_CLASS = Qwen3MoeModel
+    ADAPTER = Qwen3MoeStateDictAdapter
+
