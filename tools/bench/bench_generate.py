@@ -12,6 +12,11 @@ Sync: `titan.rl.weight_sync.sync_colocated` from a 1-process `TrainingEngine` in
 generator (full tensors by name, checksum verification included) against the reference
 `model.load_state_dict` of the same tensors already gathered (the floor: one copy per tensor).
 
+`--vllm` also times `titan.rl.generate.vllm.VLLMGenerator` (vLLM running the same titan model
+code, in-process, fp32) against the native generator on the same weights and prompts, greedy
+and sampled (temperature 1, one completion per prompt), interleaved in rounds; greedy tokens
+must be equal first. Needs vLLM (`make setup-vllm`, then run with `.venv-vllm/bin/python`).
+
 `--disaggregated 2` also times `WeightBroadcaster` in a torchrun job of 2 trainer ranks (the
 model sharded with FSDP2 over them) + 2 generator ranks, gloo, 64 MiB buckets (no reference:
 absolute seconds per sync, as seen by the first trainer rank).
@@ -112,6 +117,45 @@ def bench_generation(args) -> dict[str, list[float]]:
     return times
 
 
+def bench_vllm(args) -> dict[str, list[float]]:
+    """Interleaved rounds of the vLLM and the native generator on the same weights."""
+    from titan.rl.generate.vllm import VLLMGenerator
+
+    max_len = args.prompt_len + args.new_tokens
+    model = build_llama3(args.flavor, vocab_size=args.vocab_size, max_seq_len=max_len)
+    model.init_weights(seed=0)
+    model.eval()
+    native = NativeGenerator(model, device="cpu", max_batch_size=args.prompts)
+    vllm_gen = VLLMGenerator(Llama3StateDictAdapter(model.args).hf_config(), architecture="TitanLlama3ForCausalLM",
+                             kv_cache_memory_bytes=256 << 20, max_num_seqs=args.prompts)
+    vllm_gen.load_weights(model.state_dict().items(), version=1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, args.vocab_size, (args.prompt_len - (i % 4),), generator=g).tolist()
+               for i in range(args.prompts)]
+    greedy = SamplingConfig(temperature=0, max_new_tokens=args.new_tokens)
+    sampled = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
+    first = [[grp[0].token_ids for grp in gen.generate(prompts, greedy)] for gen in (native, vllm_gen)]
+    if first[0] != first[1]:
+        raise SystemExit("vLLM and native greedy tokens disagree; not timing")
+    times: dict[str, list[float]] = {}
+    tokens: dict[str, int] = {}
+    for r in range(args.rounds):
+        order = [("native", native), ("vllm", vllm_gen)]
+        for name, gen in order if r % 2 == 0 else order[::-1]:
+            for mode, sampling in (("greedy", greedy), ("sampled", sampled)):
+                start = time.perf_counter()
+                out = gen.generate(prompts, sampling)
+                times.setdefault(f"{name} {mode}", []).append(time.perf_counter() - start)
+                tokens[f"{name} {mode}"] = sum(len(grp[0].token_ids) for grp in out)
+    for mode in ("greedy", "sampled"):
+        rates = {name: [tokens[f"{name} {mode}"] / t for t in times[f"{name} {mode}"]] for name in ("vllm", "native")}
+        print(f"{mode}: vLLM median {statistics.median(rates['vllm']):,.0f} new tokens/s, native "
+              f"{statistics.median(rates['native']):,.0f} ({args.prompts} prompts x {args.new_tokens} new tokens, "
+              f"{args.flavor}, fp32, CPU)")
+        print(ratio_line(f"vllm/native {mode}", rates["vllm"], rates["native"], "tokens/s"))
+    return times
+
+
 def bench_sync(args) -> dict[str, list[float]]:
     """Interleaved rounds of a colocated sync and the plain load_state_dict floor."""
     with tempfile.TemporaryDirectory() as folder:
@@ -200,6 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 keeps the default)")
     parser.add_argument("--disaggregated", type=int, default=0,
                         help="also time a disaggregated sync with this many trainer and generator ranks each")
+    parser.add_argument("--vllm", action="store_true", help="also time the vLLM generator against the native one")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads:
@@ -208,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
         disaggregated_worker(args.flavor, args.vocab_size, args.rounds)
         return {}
     results = {"generate": bench_generation(args), "sync": bench_sync(args)}
+    if args.vllm:
+        results["vllm"] = bench_vllm(args)
     if args.disaggregated:
         bench_disaggregated(args)
     return results

@@ -157,6 +157,9 @@ class VLLMGenerator:
                 top_k=sampling.top_k,
                 max_tokens=sampling.max_new_tokens,
                 stop_token_ids=sorted(stop),
+                # Only titan's stop tokens end a completion: vLLM would also stop at the eos id
+                # of the model config (transformers' LlamaConfig defaults it to 2).
+                ignore_eos=True,
                 seed=_prompt_seed(base, index),
                 logprobs=0,  # the sampled token's log-prob only
                 detokenize=False,

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from titan.models.common.decoder import Decoder
 from titan.models.llama3 import Llama3Model, Llama3StateDictAdapter
 from titan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter
@@ -28,28 +29,44 @@ from titan.rl.generate.base import copy_weights_by_name
 from torch import nn
 from vllm.model_executor.layers.attention import Attention
 
-MIN_CPU_HEAD_DIM = 32
-"""vLLM's CPU attention kernels take head_dim >= 32 only."""
+def kernel_head_dim(head_dim: int, device_type: str) -> int:
+    """The head size vLLM's attention kernel runs for a model's `head_dim`: on CPU the
+    smallest size its kernels support that holds it (they take 32, 64, 80, ... only), else
+    `head_dim` itself."""
+    if device_type != "cpu":
+        return head_dim
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    fitting = [size for size in CPUAttentionBackend.get_supported_head_sizes() if size >= head_dim]
+    if not fitting:
+        raise ValueError(f"vLLM's CPU attention has no kernel for head_dim {head_dim}")
+    return min(fitting)
 
 
 class PagedAttention(nn.Module):
     """titan's inner-attention contract (q [1, H, T, Dh], k/v [1, Hkv, T, Dh] -> [1, H, T, Dh])
     served by vLLM's paged `Attention` over the packed stream of tokens (causal within each
-    sequence, over everything cached for it)."""
+    sequence, over everything cached for it).
 
-    def __init__(self, attn: Attention) -> None:
+    When the kernel's head size exceeds the model's (`kernel_head_dim`), q, k and v are
+    zero-padded to it and the output cut back: zero channels add nothing to q.k, and the
+    softmax scale is the model's own, so the result is the unpadded attention."""
+
+    def __init__(self, attn: Attention, head_dim: int) -> None:
         super().__init__()
         self.attn = attn
+        self.pad = attn.head_size - head_dim
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of the one packed row; shapes as titan's `ScaledDotProductAttention`."""
         _, n_heads, tokens, head_dim = q.shape
 
-        def packed(t: torch.Tensor) -> torch.Tensor:  # [1, H, T, Dh] -> [T, H * Dh]
-            return t[0].transpose(0, 1).reshape(tokens, -1)
+        def packed(t: torch.Tensor) -> torch.Tensor:  # [1, H, T, Dh] -> [T, H * Dk]
+            t = t[0].transpose(0, 1)
+            return (F.pad(t, (0, self.pad)) if self.pad else t).reshape(tokens, -1)
 
-        out = self.attn(packed(q), packed(k), packed(v))
-        return out.view(tokens, n_heads, head_dim).transpose(0, 1).unsqueeze(0)
+        out = self.attn(packed(q), packed(k), packed(v)).view(tokens, n_heads, head_dim + self.pad)
+        return out[..., :head_dim].transpose(0, 1).unsqueeze(0)
 
 
 class TitanForCausalLM(nn.Module):
@@ -69,17 +86,19 @@ class TitanForCausalLM(nn.Module):
         self.adapter = self.ADAPTER(args)
         # The titan names, taken before vLLM's attention (which has scale buffers) moves in.
         self._titan_names = tuple(self.model.state_dict())
+        head_size = kernel_head_dim(args.head_dim, vllm_config.device_config.device.type)
         for index, block in self.model.layers.items():
             name = f"{prefix}model.layers.{index}.attention.inner_attention.attn"
             block.attention.inner_attention = PagedAttention(
                 Attention(
                     args.n_heads,
-                    args.head_dim,
-                    scale=args.head_dim**-0.5,
+                    head_size,
+                    scale=args.head_dim**-0.5,  # the model's head_dim, even when padded
                     num_kv_heads=args.n_kv_heads,
                     cache_config=vllm_config.cache_config,
                     prefix=name,
-                )
+                ),
+                args.head_dim,
             )
 
     @staticmethod
@@ -90,12 +109,6 @@ class TitanForCausalLM(nn.Module):
             raise ValueError(
                 "titan's vLLM models run unsharded: tensor_parallel_size and pipeline_parallel_size "
                 f"must be 1 (got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
-            )
-        if vllm_config.device_config.device.type == "cpu" and args.head_dim < MIN_CPU_HEAD_DIM:
-            raise ValueError(
-                f"vLLM's CPU attention needs head_dim >= {MIN_CPU_HEAD_DIM}, this model has "
-                f"{args.head_dim} (dim {args.dim} / {args.n_heads} heads); use fewer heads "
-                "(--model.n_heads, --model.n_kv_heads) or --generator.kind native"
             )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
