@@ -111,6 +111,19 @@ def test_logprobs_equal_titans_forward(family_setup, temperature):
     assert max(diffs) < LOGPROB_ATOL
 
 
+def test_top_k_and_top_p_filter_and_report_the_filtered_distribution(family_setup):
+    """top-k 1 (and a tiny top-p) keep only the argmax: sampling is greedy, and vLLM's
+    processed log-prob is that of the filtered distribution, log 1 = 0 (the documented
+    difference from the native generator, which reports the unfiltered one)."""
+    *_, generator = family_setup
+    greedy = [g[0].token_ids for g in generator.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=6))]
+    for filtered in (SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=6, n=2, seed=1),
+                     SamplingConfig(temperature=1.0, top_p=1e-6, max_new_tokens=6, n=2, seed=1)):
+        groups = generator.generate(PROMPTS, filtered)
+        assert [[c.token_ids for c in g] for g in groups] == [[t, t] for t in greedy]
+        assert all(abs(lp) < 1e-6 for g in groups for c in g for lp in c.logprobs)
+
+
 def test_seeded_sampling_reproduces_and_seeds_differ(family_setup):
     *_, generator = family_setup
 

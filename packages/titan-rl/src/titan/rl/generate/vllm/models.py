@@ -16,6 +16,7 @@ chosen by the `architectures` entry of the model folder's `config.json`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -28,6 +29,7 @@ from titan.models.qwen3_moe import Qwen3MoeModel, Qwen3MoeStateDictAdapter
 from titan.rl.generate.base import copy_weights_by_name
 from torch import nn
 from vllm.model_executor.layers.attention import Attention
+
 
 def kernel_head_dim(head_dim: int, device_type: str) -> int:
     """The head size vLLM's attention kernel runs for a model's `head_dim`: on CPU the
@@ -138,15 +140,20 @@ class TitanForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy every weight in, by titan name or (a Hub checkpoint vLLM reads from disk) by
-        Hugging Face name; every state_dict entry must be given (see `copy_weights_by_name`).
-        Returns the parameter names set, as vLLM's loader expects."""
-        weights = dict(weights)
-        if any(name not in self._titan_names for name in weights):
-            weights = self.adapter.from_hf(weights)
-        copy_weights_by_name(self.titan_state_dict(keep_vars=True), weights.items())
+        """Copy every weight in, by titan name (streamed: the trainer's full tensors are never
+        all held at once) or, when vLLM reads a Hub checkpoint from disk, by Hugging Face name
+        (collected, then converted by the family's adapter). Every state_dict entry must be
+        given (see `copy_weights_by_name`). Returns the parameter names set, as vLLM's loader
+        expects."""
+        weights = iter(weights)
+        first = next(weights, None)
+        if first is None:
+            raise ValueError("load_weights got no weights")
+        stream = itertools.chain([first], weights)
+        if first[0] not in self._titan_names:
+            stream = self.adapter.from_hf(dict(stream)).items()
+        copy_weights_by_name(self.titan_state_dict(keep_vars=True), stream)
         return {name for name, _ in self.named_parameters()}
-
 
     def titan_state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """The titan model's state dict by titan name (without vLLM's attention buffers)."""
