@@ -184,3 +184,28 @@ def test_dry_run_activation_estimate_tracks_what_autograd_saves(ac_mode):
     (est,) = run_dry_run(cfg, world_size=1, print_fn=lambda s: None)
     measured = _saved_activation_bytes(_tiny_model(ac_mode))
     assert 0.6 * measured <= est.activation_bytes <= 1.2 * measured, (est.activation_bytes, measured)
+
+
+def test_dry_run_builds_the_model_titan_train_builds(capsys, tmp_path, monkeypatch):
+    """`--model.vocab_size` and `--model.*` shape overrides reach the dry run as they reach
+    the trainer: both report the same vocabulary and parameter count (one resolution rule,
+    `ModelConfig.resolve_vocab_size`, and the same overrides)."""
+    from titan.train.trainer import Trainer
+
+    from titan.recipes.families import model_spec
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    flags = ["--config", "llama3_debug", "--model.vocab_size", "1000", "--model.n_layers", "2",
+             "--training.seq_len", "32", "--training.steps", "1", "--job.dump_folder", str(tmp_path)]
+    assert main(["dry-run", "--world_size", "1", *flags]) == 0
+    out = capsys.readouterr().out
+    params, vocab = re.search(r": ([\d.]+)M params \(vocab ([\d,]+) from --model.vocab_size\)", out).groups()
+    config = parse_train_args(flags)
+    trainer = Trainer(config, model_spec=model_spec(config.model.name))
+    try:
+        assert trainer.engine.model_parts[0].args.vocab_size == int(vocab.replace(",", "")) == 1000
+        assert len(trainer.engine.model_parts[0].layers) == 2
+        assert f"{trainer.num_params / 1e6:.2f}" == params
+    finally:
+        trainer.close()

@@ -132,6 +132,24 @@ def test_vllm_generator_is_refused_with_the_extra_named():
     check_generator_kind("native")
 
 
+def test_rl_builds_the_vocabulary_model_vocab_size_asks_for(tmp_path, monkeypatch):
+    """`--model.vocab_size` reaches the policy and the generator (it used to be ignored: RL
+    rounded the tokenizer's size up on its own)."""
+    pytest.importorskip("titan.recipes")
+    from titan.recipes.cli import parse_train_args
+    from titan.recipes.families import model_spec
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    config = parse_train_args(["--config", "grpo_debug", "--model.vocab_size", "1000", "--job.dump_folder",
+                               str(tmp_path)], command="rl")
+    trainer = RLTrainer(config, model_spec=model_spec("llama3"))
+    try:
+        assert trainer.engine.model_parts[0].args.vocab_size == trainer.generator.model.args.vocab_size == 1000
+    finally:
+        trainer.close()
+
+
 def test_vllm_only_generator_flags_are_refused_with_the_native_generator():
     from titan.rl.config import GeneratorConfig
 

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
+import torch
 from titan.dist import ParallelDims, RankEstimate, dry_run
 from titan.train.config import TrainerConfig
 
@@ -63,16 +64,19 @@ def split_world_size_flag(argv: Sequence[str]) -> tuple[int | None, list[str]]:
 
 
 def vocab_size_for(config: TrainerConfig) -> tuple[int, str]:
-    """The vocabulary the trainer would build (tokenizer size rounded up to
-    ``--model.vocab_multiple_of``), and where it came from. A tokenizer file that is not
-    on this machine falls back to the flavor's published vocabulary."""
-    tok = config.tokenizer
+    """The vocabulary the trainer would build (`ModelConfig.resolve_vocab_size`: the
+    trainer's own rule), and where it came from. A tokenizer file that is not on this machine
+    falls back to the flavor's published vocabulary."""
+    tok, model = config.tokenizer, config.model
     if tok.kind == "byte" or (tok.path and os.path.exists(tok.path)):
         size, source = tok.build().vocab_size, "tokenizer"
+    elif model.vocab_size is not None:  # no tokenizer here to check it against
+        return model.vocab_size, "--model.vocab_size"
     else:
-        size, source = model_spec(config.model.name).flavors[config.model.flavor].vocab_size, "flavor"
-    multiple = config.model.vocab_multiple_of
-    return -(-size // multiple) * multiple, source
+        size, source = model_spec(model.name).flavors[model.flavor].vocab_size, "flavor"
+    if model.vocab_size is not None:
+        source = "--model.vocab_size"
+    return model.resolve_vocab_size(size), source
 
 
 def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[RankEstimate]:
@@ -84,11 +88,14 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
     training = config.training
 
     def model_fn():
-        return spec.build(config.model.flavor, vocab_size=vocab, max_seq_len=training.seq_len)
+        return spec.build(config.model.flavor, **config.model.overrides(), vocab_size=vocab, max_seq_len=training.seq_len)
 
     d = ParallelDims.from_config(config.parallelism, world_size)  # resolves dp_shard -1; raises early
+    with torch.device("meta"):
+        params = model_fn().num_params()  # the count `titan train` logs for the same flags
     print_fn(
-        f"dry run: {config.model.name} {config.model.flavor} (vocab {vocab:,} from {source}) on {world_size} "
+        f"dry run: {config.model.name} {config.model.flavor}: {params / 1e6:.2f}M params (vocab {vocab:,} from "
+        f"{source}) on {world_size} "
         f"ranks: pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} x "
         f"tp {d.tp}; local batch {training.local_batch_size} x seq {training.seq_len}, "
         f"AC {config.activation_checkpoint.mode}, params {training.mixed_precision_param} in compute"

@@ -240,7 +240,7 @@ class RLTrainer:
         model_spec.check_flavor(cfg.model.flavor)
         check_generator_kind(cfg.generator.kind)
         self.tokenizer = cfg.tokenizer.build()
-        self.vocab_size = -(-self.tokenizer.vocab_size // cfg.model.vocab_multiple_of) * cfg.model.vocab_multiple_of
+        self.vocab_size = cfg.model.resolve_vocab_size(self.tokenizer.vocab_size)
         self.engine = TrainingEngine.from_config(cfg, model_spec=model_spec, vocab_size=self.vocab_size)
         self._check_layout()
         check_generator_kind(cfg.generator.kind, world_size=self.engine.dist_env.world_size)

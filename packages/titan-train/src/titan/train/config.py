@@ -70,6 +70,20 @@ class ModelConfig:
             if value < (0 if name == "router_aux_loss_coef" else 1):
                 raise ValueError(f"--model.{name} must be >= {0 if name == 'router_aux_loss_coef' else 1}, got {value}")
 
+    def resolve_vocab_size(self, tokenizer_vocab: int) -> int:
+        """The model's vocabulary for a tokenizer of ``tokenizer_vocab`` tokens — the one rule
+        `titan train`, `titan sft`, `titan rl` and `titan dry-run` share: ``--model.vocab_size``
+        when given (at least the tokenizer's), else the tokenizer's rounded up to
+        ``--model.vocab_multiple_of``."""
+        if self.vocab_size is None:
+            return -(-tokenizer_vocab // self.vocab_multiple_of) * self.vocab_multiple_of
+        if self.vocab_size < tokenizer_vocab:
+            raise ValueError(
+                f"--model.vocab_size {self.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} tokens; "
+                f"use >= {tokenizer_vocab} or leave it unset"
+            )
+        return self.vocab_size
+
     def overrides(self) -> dict[str, int | float]:
         """The fields set on the command line or by the recipe, for the family's build (a
         family without such a field refuses it by name)."""

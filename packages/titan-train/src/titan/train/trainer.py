@@ -49,11 +49,6 @@ class StepResult:
     """The learning rate this step applied (the scheduler has moved on since)."""
 
 
-def round_up(value: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``value``."""
-    return -(-value // multiple) * multiple
-
-
 def next_token_loss(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Pretraining's loss: summed cross-entropy over the valid ``labels`` of the microbatch."""
     return cross_entropy_sum(logits, batch["labels"])
@@ -103,17 +98,8 @@ class Trainer:
         self._log_start()
 
     def _vocab_size(self) -> int:
-        """The model's vocabulary: ``--model.vocab_size`` when given (checked against the
-        tokenizer), else the tokenizer's padded to ``--model.vocab_multiple_of``."""
-        model, tokens = self.config.model, self.tokenizer.vocab_size
-        if model.vocab_size is None:
-            return round_up(tokens, model.vocab_multiple_of)
-        if model.vocab_size < tokens:
-            raise ValueError(
-                f"--model.vocab_size {model.vocab_size} is smaller than the tokenizer's {tokens} tokens; "
-                f"use >= {tokens} or leave it unset"
-            )
-        return model.vocab_size
+        """The model's vocabulary (`ModelConfig.resolve_vocab_size` of the tokenizer's)."""
+        return self.config.model.resolve_vocab_size(self.tokenizer.vocab_size)
 
     # ---- the data: what a loop on the same engine replaces -------------------------------
 
