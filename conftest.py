@@ -71,16 +71,6 @@ def pytest_configure(config):
     torch.set_num_threads(threads)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Run the modules holding slow tests first, each module's tests kept together and in
-    order. pytest-xdist hands tests out in this order, so the minute-long end-to-end runs
-    start early instead of leaving one worker busy at the end while the other idles; keeping
-    a module whole keeps its module-scoped fixtures (some launch torchrun) set up once."""
-    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (item.module.__name__ not in slow_modules, order[id(item)]))
-
-
 def pytest_unconfigure(config):
     """Remove this process's temporary cache folder."""
     for folder in (_cache_dir, _inductor_dir):
