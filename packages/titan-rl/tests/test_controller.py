@@ -150,6 +150,44 @@ def test_rl_builds_the_vocabulary_model_vocab_size_asks_for(tmp_path, monkeypatc
         trainer.close()
 
 
+def test_sft_warmup_accumulates_to_the_global_batch(tmp_path, monkeypatch):
+    """`--training.global_batch_size` twice the local batch: the warm-up accumulates two
+    microbatches per step, equal to one step on the double batch (it used to take one
+    microbatch per step, the flag silently ignored); without a warm-up the flag is refused."""
+    pytest.importorskip("titan.recipes")
+    from titan.recipes.cli import parse_train_args
+    from titan.recipes.families import model_spec
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    common = ["--config", "grpo_debug", "--training.steps", "3", "--rl.sft_warmup_steps", "2", "--rl.eval_freq", "0",
+              "--rl.kl_coef", "0", "--rl.ppo_epochs", "1", "--metrics.log_freq", "1", "--rl.prompts_per_step", "2",
+              "--rl.group_size", "2"]
+
+    def warmup(name, *flags):
+        config = parse_train_args([*common, "--job.dump_folder", str(tmp_path / name), *flags], command="rl")
+        trainer = RLTrainer(config, model_spec=model_spec("llama3"))
+        try:
+            return [r["loss"] for r in trainer.train() if r.get("phase") == "sft_warmup"]
+        finally:
+            trainer.close()
+
+    accumulated = warmup("accum", "--training.local_batch_size", "8", "--training.global_batch_size", "16")
+    big = warmup("big", "--training.local_batch_size", "16")
+    half = warmup("half", "--training.local_batch_size", "8")
+    # Step 1's loss is over all 16 rows, step 2's follows step 1's update: both equal the big
+    # batch's up to float reassociation of the two halves (fp32 sums of ~500 token losses of
+    # O(1): ~1e-7 relative; 1e-5 leaves room for a kernel's other order). One microbatch of 8
+    # per step (the old behaviour, `half`) differs at step 1 already.
+    assert len(accumulated) == len(big) == 2
+    assert accumulated == pytest.approx(big, rel=1e-5)
+    assert abs(half[0] - big[0]) > 1e-3
+    config = parse_train_args([*common, "--rl.sft_warmup_steps", "0", "--training.global_batch_size", "64",
+                               "--job.dump_folder", str(tmp_path / "none")], command="rl")
+    with pytest.raises(ValueError, match="sets the SFT warm-up's batch"):
+        RLTrainer(config, model_spec=model_spec("llama3"))
+
+
 def test_vllm_only_generator_flags_are_refused_with_the_native_generator():
     from titan.rl.config import GeneratorConfig
 

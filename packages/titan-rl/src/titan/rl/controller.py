@@ -73,6 +73,7 @@ from titan.train.engine import TrainingEngine
 from titan.train.loss import count_valid_tokens, cross_entropy_sum
 from titan.train.metrics import MetricsLogger
 from titan.train.model_spec import ModelSpec
+from titan.train.trainer import grad_accum_steps
 from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("titan")
@@ -256,6 +257,7 @@ class RLTrainer:
         self.state = ControllerState(prompts_per_step=cfg.rl.prompts_per_step, num_prompts=len(train_prompts))
         self.engine.add_state("rl_controller", self.state)
         self.warmup_loader = self._build_warmup_loader()
+        self.warmup_accum_steps = self._warmup_accum_steps()
         self.sampling = dataclasses.replace(cfg.sampling, n=cfg.rl.group_size)
         self.generator = self._build_generator(cfg.generator.kind) if self.is_rank0 else None
         # The frozen KL reference (rank 0), taken when RL starts and checkpointed with the run;
@@ -298,6 +300,18 @@ class RLTrainer:
                 f"--sampling.max_new_tokens {cfg.sampling.max_new_tokens} does not fit --training.seq_len "
                 f"{cfg.training.seq_len}; raise the sequence length or lower the budget"
             )
+
+    def _warmup_accum_steps(self) -> int:
+        """Microbatches per warm-up step (``--training.global_batch_size``); RL steps train on
+        the rollout instead, so a global batch without a warm-up is refused, not ignored."""
+        training = self.config.training
+        if training.global_batch_size != -1 and not self.config.rl.sft_warmup_steps:
+            raise ValueError(
+                f"--training.global_batch_size {training.global_batch_size} sets the SFT warm-up's batch, and "
+                "this run has no warm-up (--rl.sft_warmup_steps 0); an RL step trains on its rollout "
+                "(--rl.prompts_per_step x --rl.group_size completions): leave it at -1"
+            )
+        return grad_accum_steps(training, self.engine.parallel_dims.dp_world_size)
 
     def _build_warmup_loader(self):
         """The SFT loader of the warm-up steps (None without warm-up), checkpointed."""
@@ -708,17 +722,21 @@ class RLTrainer:
     # ---- warm-up and evaluation ---------------------------------------------------------
 
     def sft_step(self, data_iter) -> dict[str, Any]:
-        """One supervised step on the synthetic task's answers (the warm-up)."""
+        """One supervised step on the synthetic task's answers (the warm-up), over
+        ``--training.global_batch_size`` sequences (gradient accumulation, as in pretraining):
+        every microbatch's loss is divided by the valid tokens of the whole global batch."""
         engine = self.engine
-        batch = next(data_iter)
-        local = count_valid_tokens(batch["labels"]).float().to(engine.device)
+        microbatches = [next(data_iter) for _ in range(self.warmup_accum_steps)]
+        local = torch.stack([count_valid_tokens(mb["labels"]) for mb in microbatches]).sum().float().to(engine.device)
         total = engine.sum_over(local.clone(), "dp")
-        rank_loss = engine.forward_backward(
-            batch, lambda logits, b: cross_entropy_sum(logits, b["labels"]), global_token_count=total
+        rank_loss = sum(
+            engine.forward_backward(mb, lambda logits, b: cross_entropy_sum(logits, b["labels"]), global_token_count=total)
+            for mb in microbatches
         )
         lr = engine.lr_schedulers.last_lr()
         grad_norm = engine.optimizer_step()
-        self.metrics.record_tokens(batch["input_ids"].numel() // engine.parallel_dims.non_data_parallel_size)
+        tokens = sum(mb["input_ids"].numel() for mb in microbatches)
+        self.metrics.record_tokens(tokens // engine.parallel_dims.non_data_parallel_size)
         loss = engine.sum_over(rank_loss.clone(), "dp_cp")
         if engine.parallel_dims.pp_enabled:  # only the last stage computed it
             loss = engine.sum_over(loss, "pp")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from titan.dist import reduce_max
-from titan.train.config import TrainerConfig
+from titan.train.config import TrainerConfig, TrainingConfig
 from titan.train.data import build_dataloader, validate_data_config
 from titan.train.device_peak import device_peak_flops
 from titan.train.engine import TrainingEngine
@@ -47,6 +47,21 @@ class StepResult:
     """Global gradient norm before clipping."""
     lr: float
     """The learning rate this step applied (the scheduler has moved on since)."""
+
+
+def grad_accum_steps(training: TrainingConfig, dp_world_size: int) -> int:
+    """Microbatches per optimizer step on each data-parallel rank: ``--training.global_batch_size``
+    over ``--training.local_batch_size`` x the data-parallel degree (1 when the global batch is
+    -1); a global batch that is not a multiple raises, naming the nearest valid one."""
+    per_step = training.local_batch_size * dp_world_size
+    global_batch = per_step if training.global_batch_size == -1 else training.global_batch_size
+    if global_batch % per_step:
+        raise ValueError(
+            f"--training.global_batch_size {global_batch} must be a multiple of "
+            f"--training.local_batch_size {training.local_batch_size} x data-parallel degree "
+            f"{dp_world_size} = {per_step}; e.g. use {max(1, global_batch // per_step) * per_step}"
+        )
+    return global_batch // per_step
 
 
 def next_token_loss(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -179,16 +194,7 @@ class Trainer:
         return self.engine.flops_per_token
 
     def _grad_accum_steps(self) -> int:
-        training = self.config.training
-        per_step = training.local_batch_size * self.parallel_dims.dp_world_size
-        global_batch = per_step if training.global_batch_size == -1 else training.global_batch_size
-        if global_batch % per_step:
-            raise ValueError(
-                f"--training.global_batch_size {global_batch} must be a multiple of "
-                f"--training.local_batch_size {training.local_batch_size} x data-parallel degree "
-                f"{self.parallel_dims.dp_world_size} = {per_step}; e.g. use {max(1, global_batch // per_step) * per_step}"
-            )
-        return global_batch // per_step
+        return grad_accum_steps(self.config.training, self.parallel_dims.dp_world_size)
 
     def _log_start(self) -> None:
         cfg = self.config
