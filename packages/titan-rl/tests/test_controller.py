@@ -337,6 +337,23 @@ def test_rl_resume_continues_the_same_trajectory(tmp_path):
 DETERMINISTIC = [*SHORT, "--debug.deterministic"]
 
 
+def test_rl_evaluations_reach_tensorboard(tmp_path):
+    """Held-out evaluations go through the metrics logger like every step: TensorBoard gets
+    `eval_reward` and `eval_exact_match` at the evaluation steps, equal to the JSONL lines
+    (they used to be appended to metrics.jsonl by hand, so TensorBoard and W&B never saw them)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_rl(tmp_path, *SHORT, "--rl.eval_freq", "4", "--rl.eval_prompts", "8", "--metrics.enable_tensorboard")
+    evals = [r for r in records(tmp_path) if r.get("phase") == "eval"]
+    assert [r["step"] for r in evals] == [2, 4, 8]  # RL's start (after the 2 warm-up steps), every 4th, the last
+    acc = EventAccumulator(str(tmp_path / "tb" / "rank0"))
+    acc.Reload()
+    for key in ("eval_reward", "eval_exact_match"):
+        got = {e.step: e.value for e in acc.Scalars(key)}
+        assert got == {r["step"]: pytest.approx(r[key], rel=1e-6, abs=1e-12) for r in evals}, key
+
+
 @pytest.fixture
 def one_rank_short(build_once) -> list[dict]:
     """The records of one 1-rank run of ``DETERMINISTIC`` (shared by the layout tests)."""

@@ -298,3 +298,17 @@ def test_titan_train_flags_write_tensorboard_events_equal_to_the_jsonl(tmp_path)
     expected = _expected_series(rows)
     assert {"loss", "lr", "tokens_per_second", "memory_peak_gib", "tokens_seen"} <= set(expected)
     _assert_same_series(_tensorboard_series(tmp_path / "tb" / "rank0"), expected)
+
+
+def test_a_record_of_ones_own_reaches_every_backend(tmp_path):
+    """`log_record` (evaluations, say): the JSONL line and the TensorBoard scalars of any
+    record with a step; a record without one is refused."""
+    pytest.importorskip("tensorboard")
+    metrics = _logger(tmp_path, enable_tensorboard=True)
+    metrics.log_record({"step": 5, "eval_reward": 0.25, "eval_exact_match": 0.125})
+    with pytest.raises(ValueError, match="needs a 'step'"):
+        metrics.log_record({"eval_reward": 1.0})
+    metrics.close()
+    rows = _jsonl(tmp_path / "metrics.jsonl")
+    assert rows == [{"step": 5, "eval_reward": 0.25, "eval_exact_match": 0.125}]
+    _assert_same_series(_tensorboard_series(tmp_path / "tb" / "rank0"), _expected_series(rows))

@@ -847,18 +847,13 @@ class RLTrainer:
                                 extra=extra)
 
     def _log_eval(self, step: int) -> dict[str, Any]:
-        """Score the held-out prompts and write the result as its own metrics line."""
+        """Score the held-out prompts and log the result as its own record (JSONL, TensorBoard
+        and W&B alike)."""
         result = {"step": step, "phase": "eval", **self.evaluate()}
         if self.is_rank0:
             logger.info("eval at step %d: reward %.3f, exact match %.3f", step, result.get("eval_reward", float("nan")),
                         result.get("eval_exact_match", float("nan")))
-            if self.config.metrics.enable_jsonl:
-                import json
-
-                path = Path(self.config.job.dump_folder) / "metrics.jsonl"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with path.open("a") as f:
-                    f.write(json.dumps(result) + "\n")
+        self.metrics.log_record(result)  # only the writing ranks write
         return result
 
     def close(self) -> None:

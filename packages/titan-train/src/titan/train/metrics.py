@@ -361,6 +361,13 @@ class MetricsLogger:
         self._write(record)
         return record
 
+    def log_record(self, record: Mapping[str, Any]) -> None:
+        """Send a record of the caller's own (an evaluation, say; it must carry ``step``) to
+        this rank's JSONL file and every enabled backend, as `log` does with a step's."""
+        if "step" not in record:
+            raise ValueError(f"a metrics record needs a 'step'; got keys {sorted(record)}")
+        self._write(dict(record))
+
     def _correct_peak(self, achieved: float) -> None:
         """Raise the peak to ``achieved`` FLOP/s when throughput exceeds it (see the class doc)."""
         if achieved <= self.peak_flops:
@@ -395,7 +402,7 @@ class MetricsLogger:
         else:
             logger.info(line)
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, record: Mapping[str, Any]) -> None:
         """Send ``record`` to this rank's JSONL file and backends (none on non-writing ranks)."""
         if self._jsonl is not None:
             self._jsonl.log(record)
