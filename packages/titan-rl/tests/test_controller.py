@@ -337,6 +337,36 @@ def test_rl_resume_continues_the_same_trajectory(tmp_path):
 DETERMINISTIC = [*SHORT, "--debug.deterministic"]
 
 
+@pytest.mark.slow
+def test_sigterm_during_titan_rl_saves_and_the_same_command_resumes(tmp_path):
+    """The first SIGTERM finishes the step, saves it and exits 0 (RL had no preemption guard);
+    the same command resumes from that step. The signal is sent once three steps are logged,
+    so the process is known to be inside the loop."""
+    import signal
+
+    flags = [*SHORT, "--training.steps", "400", "--checkpoint.enable", "--checkpoint.interval", "1000"]
+    cmd = [*TITAN, "rl", "--config", "grpo_debug", "--job.dump_folder", str(tmp_path),
+           "--metrics.no_enable_progress_bar", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    metrics = tmp_path / "metrics.jsonl"
+    try:
+        while proc.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.2)  # polls a condition; pytest-timeout bounds the wait
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    stopped = max(r["step"] for r in records(tmp_path))
+    assert stopped < 400 and f"stopped at step {stopped}" in err and "RL preempted" in err, err[-2000:]
+    assert (tmp_path / "checkpoint" / f"step-{stopped}").is_dir()
+    resumed = run_rl(tmp_path, *flags, "--training.steps", str(stopped + 2))
+    assert f"resumed from step {stopped}" in resumed.stderr
+    assert [r["step"] for r in records(tmp_path) if r.get("phase") != "eval"][-2:] == [stopped + 1, stopped + 2]
+
+
 def test_rl_evaluations_reach_tensorboard(tmp_path):
     """Held-out evaluations go through the metrics logger like every step: TensorBoard gets
     `eval_reward` and `eval_exact_match` at the evaluation steps, equal to the JSONL lines

@@ -73,6 +73,7 @@ from titan.train.engine import TrainingEngine
 from titan.train.loss import count_valid_tokens, cross_entropy_sum
 from titan.train.metrics import MetricsLogger
 from titan.train.model_spec import ModelSpec
+from titan.train.preemption import PreemptionGuard, save_for_preemption
 from titan.train.trainer import grad_accum_steps
 from torch.distributed.tensor import DTensor
 
@@ -781,15 +782,36 @@ class RLTrainer:
     # ---- the loop -----------------------------------------------------------------------
 
     def train(self) -> list[dict[str, Any]]:
-        """Resume when a checkpoint exists, run warm-up then RL to ``--training.steps``, and
+        """Resume when a checkpoint exists, run warm-up then RL to ``--training.steps`` (the
+        first SIGTERM/SIGINT finishes the step, saves and stops: see `PreemptionGuard`), and
         return the logged records."""
         cfg, engine = self.config, self.engine
         if engine.load_checkpoint():
             logger.info("resumed from step %d (rollout %d)", engine.step, self.state.rollout_index)
         records: list[dict[str, Any]] = []
-        total, warmup = cfg.training.steps, cfg.rl.sft_warmup_steps
         self.metrics.start(engine.step)
+        warmup = cfg.rl.sft_warmup_steps
         data_iter = iter(self.warmup_loader) if self.warmup_loader is not None and engine.step < warmup else None
+        guard = PreemptionGuard(engine.device)
+        try:
+            preempted = self._steps(guard, data_iter, records)
+        finally:
+            guard.close()
+        self._wait_pending()
+        self.metrics.close()
+        logger.info(
+            "RL %s: %d steps | time: generation %.1fs, training %.1fs, weight sync %.1fs",
+            "preempted" if preempted else "done", engine.step, self.timings["generation_s"],
+            self.timings["train_s"], self.timings["sync_s"],
+        )
+        self._summarize_held_out(records)
+        return records
+
+    def _steps(self, guard: PreemptionGuard, data_iter, records: list[dict[str, Any]]) -> bool:
+        """Warm-up and RL steps until --training.steps, an early stop, or an agreed preemption
+        request (then the step just finished is saved); returns whether a signal stopped it."""
+        engine, cfg = self.engine, self.config
+        total, warmup = cfg.training.steps, cfg.rl.sft_warmup_steps
         first_rl = True
         consecutive_skips = 0
         while engine.step < total:
@@ -818,14 +840,10 @@ class RLTrainer:
             if step > warmup and self._should_eval(before, step, False):
                 records.append(self._log_eval(step))
             engine.maybe_save(last_step=step == total, since=before)
-        self._wait_pending()
-        self.metrics.close()
-        logger.info(
-            "RL done: %d steps | time: generation %.1fs, training %.1fs, weight sync %.1fs",
-            engine.step, self.timings["generation_s"], self.timings["train_s"], self.timings["sync_s"],
-        )
-        self._summarize_held_out(records)
-        return records
+            if step < total and guard.requested():
+                save_for_preemption(engine.checkpointer, step)  # what maybe_save would save here
+                return True
+        return False
 
     def _summarize_held_out(self, records: list[dict[str, Any]]) -> None:
         """The final summary: held-out exact match and reward where RL started and at the end."""

@@ -58,3 +58,13 @@ class PreemptionGuard:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def save_for_preemption(checkpointer, step: int) -> None:
+    """Save the step just finished so the same command resumes from it, and say so (a run
+    with checkpointing off says that nothing was saved)."""
+    if checkpointer.save_now(step):
+        logger.warning("stopped at step %d and saved a checkpoint in %s; run the same command to resume",
+                       step, checkpointer.folder)
+    else:
+        logger.warning("stopped at step %d; checkpointing is off (--checkpoint.enable), nothing was saved", step)

@@ -25,7 +25,7 @@ from titan.train.engine import TrainingEngine
 from titan.train.loss import NonFiniteLossError, count_valid_tokens, cross_entropy_sum
 from titan.train.metrics import MetricsLogger
 from titan.train.model_spec import ModelSpec
-from titan.train.preemption import PreemptionGuard
+from titan.train.preemption import PreemptionGuard, save_for_preemption
 from titan.train.profiling import StepProfiler
 from titan.train.validation import Validator
 
@@ -321,12 +321,7 @@ class Trainer:
 
     def _stop_for_preemption(self) -> None:
         """Save the step just finished so the same command resumes from it."""
-        if self.engine.checkpointer.save_now(self.step):
-            logger.warning("stopped at step %d and saved a checkpoint in %s; run the same command to resume",
-                           self.step, self.engine.checkpointer.folder)
-        else:
-            logger.warning("stopped at step %d; checkpointing is off (--checkpoint.enable), nothing was saved",
-                           self.step)
+        save_for_preemption(self.engine.checkpointer, self.step)
 
     def _save_config(self) -> None:
         """The resolved config as ``<dump_folder>/config.json`` (rank 0), so a run folder says
