@@ -375,6 +375,8 @@ def test_rl_evaluations_reach_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_rl(tmp_path, *SHORT, "--rl.eval_freq", "4", "--rl.eval_prompts", "8", "--metrics.enable_tensorboard")
+    saved = json.loads((tmp_path / "config.json").read_text())  # the run folder says how it was made
+    assert saved["type"] == "RLConfig" and saved["rl"]["eval_freq"] == 4
     evals = [r for r in records(tmp_path) if r.get("phase") == "eval"]
     assert [r["step"] for r in evals] == [2, 4, 8]  # RL's start (after the 2 warm-up steps), every 4th, the last
     acc = EventAccumulator(str(tmp_path / "tb" / "rank0"))

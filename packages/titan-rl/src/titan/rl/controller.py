@@ -74,7 +74,7 @@ from titan.train.loss import count_valid_tokens, cross_entropy_sum
 from titan.train.metrics import MetricsLogger
 from titan.train.model_spec import ModelSpec
 from titan.train.preemption import PreemptionGuard, save_for_preemption
-from titan.train.trainer import grad_accum_steps
+from titan.train.trainer import grad_accum_steps, save_run_config
 from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("titan")
@@ -786,6 +786,7 @@ class RLTrainer:
         first SIGTERM/SIGINT finishes the step, saves and stops: see `PreemptionGuard`), and
         return the logged records."""
         cfg, engine = self.config, self.engine
+        save_run_config(cfg, rank=engine.dist_env.rank)
         if engine.load_checkpoint():
             logger.info("resumed from step %d (rollout %d)", engine.step, self.state.rollout_index)
         records: list[dict[str, Any]] = []

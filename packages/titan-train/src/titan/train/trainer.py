@@ -49,6 +49,17 @@ class StepResult:
     """The learning rate this step applied (the scheduler has moved on since)."""
 
 
+def save_run_config(config: Any, *, rank: int) -> None:
+    """The resolved config as ``<dump_folder>/config.json`` (rank 0), so a run folder says
+    how it was made (every loop writes it: train, SFT, RL)."""
+    if rank != 0:
+        return
+    folder = Path(config.job.dump_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"type": type(config).__name__, **dataclasses.asdict(config)}
+    (folder / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
 def grad_accum_steps(training: TrainingConfig, dp_world_size: int) -> int:
     """Microbatches per optimizer step on each data-parallel rank: ``--training.global_batch_size``
     over ``--training.local_batch_size`` x the data-parallel degree (1 when the global batch is
@@ -324,14 +335,7 @@ class Trainer:
         save_for_preemption(self.engine.checkpointer, self.step)
 
     def _save_config(self) -> None:
-        """The resolved config as ``<dump_folder>/config.json`` (rank 0), so a run folder says
-        how it was made."""
-        if self.engine.dist_env.rank != 0:
-            return
-        folder = Path(self.config.job.dump_folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        config = {"type": type(self.config).__name__, **dataclasses.asdict(self.config)}
-        (folder / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+        save_run_config(self.config, rank=self.engine.dist_env.rank)
 
     def _log_summary(self, records: list[dict[str, Any]], preempted: bool) -> None:
         """One closing line: steps, tokens, wall time, mean throughput, best and last loss,
