@@ -367,6 +367,18 @@ def test_sigterm_during_titan_rl_saves_and_the_same_command_resumes(tmp_path):
     assert [r["step"] for r in records(tmp_path) if r.get("phase") != "eval"][-2:] == [stopped + 1, stopped + 2]
 
 
+def test_profiler_flags_write_traces_from_titan_rl(tmp_path):
+    """`--profiler.enable_profiling` was accepted by `titan rl` and ignored: the window that
+    ends on step 2 (the last warm-up step: a trace of an RL step, generation included, takes
+    ~25 s more to write on CPU) now writes a Chrome trace with the step's operators in it."""
+    run_rl(tmp_path, *SHORT, "--training.steps", "3", "--profiler.enable_profiling", "--profiler.profile_freq", "2",
+           "--profiler.profiler_warmup", "0", "--profiler.profiler_active", "1")
+    traces = sorted(tmp_path.rglob("*trace*.json"))
+    assert traces, sorted(p.name for p in tmp_path.rglob("*"))
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)
+
+
 def test_rl_evaluations_reach_tensorboard(tmp_path):
     """Held-out evaluations go through the metrics logger like every step: TensorBoard gets
     `eval_reward` and `eval_exact_match` at the evaluation steps, equal to the JSONL lines

@@ -74,6 +74,7 @@ from titan.train.loss import count_valid_tokens, cross_entropy_sum
 from titan.train.metrics import MetricsLogger
 from titan.train.model_spec import ModelSpec
 from titan.train.preemption import PreemptionGuard, save_for_preemption
+from titan.train.profiling import StepProfiler
 from titan.train.trainer import grad_accum_steps, save_run_config
 from torch.distributed.tensor import DTensor
 
@@ -794,8 +795,11 @@ class RLTrainer:
         warmup = cfg.rl.sft_warmup_steps
         data_iter = iter(self.warmup_loader) if self.warmup_loader is not None and engine.step < warmup else None
         guard = PreemptionGuard(engine.device)
+        profiler = StepProfiler(cfg.profiler, dump_folder=cfg.job.dump_folder, rank=engine.dist_env.rank,
+                                device=engine.device, start_step=engine.step)
         try:
-            preempted = self._steps(guard, data_iter, records)
+            with profiler:
+                preempted = self._steps(guard, profiler, data_iter, records)
         finally:
             guard.close()
         self._wait_pending()
@@ -808,9 +812,11 @@ class RLTrainer:
         self._summarize_held_out(records)
         return records
 
-    def _steps(self, guard: PreemptionGuard, data_iter, records: list[dict[str, Any]]) -> bool:
+    def _steps(self, guard: PreemptionGuard, profiler: StepProfiler, data_iter, records: list[dict[str, Any]]) -> bool:
         """Warm-up and RL steps until --training.steps, an early stop, or an agreed preemption
-        request (then the step just finished is saved); returns whether a signal stopped it."""
+        request (then the step just finished is saved); returns whether a signal stopped it.
+        The profiler counts optimizer steps (an RL step may take several: its window then
+        holds the whole rollout, generation included)."""
         engine, cfg = self.engine, self.config
         total, warmup = cfg.training.steps, cfg.rl.sft_warmup_steps
         first_rl = True
@@ -836,6 +842,8 @@ class RLTrainer:
                     continue
                 consecutive_skips = 0
             step = engine.step  # an RL step may take several optimizer steps
+            for _ in range(step - before):
+                profiler.step()
             if self.metrics.should_log(step) or _crossed(before, step, cfg.metrics.log_freq):
                 records.append(self._log(step, record))
             if step > warmup and self._should_eval(before, step, False):
