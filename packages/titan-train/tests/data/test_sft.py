@@ -203,12 +203,13 @@ def test_packing_positions_document_ids_and_padding():
     assert row["input_ids"].tolist() == [1, 2, 3, 5, 6, 0, 0, 0]
     assert row["labels"].tolist() == [-100, 3, 4, 6, 7, -100, -100, -100]
     assert row["positions"].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
-    assert row["document_ids"].tolist() == [0, 0, 0, 1, 1, 2, 2, 2]
+    # The padding tail is id -1: negative ids are padding to an MoE's balancing statistics.
+    assert row["document_ids"].tolist() == [0, 0, 0, 1, 1, -1, -1, -1]
     row = packer.next_row()  # the example that did not fit starts the next row
     assert row["input_ids"].tolist() == [8, 9, 10, 11, 1, 2, 3, 0]
     assert row["labels"].tolist() == [-100, -100, 11, 12, -100, 3, 4, -100]
     assert row["positions"].tolist() == [0, 1, 2, 3, 0, 1, 2, 0]
-    assert row["document_ids"].tolist() == [0, 0, 0, 0, 1, 1, 1, 2]
+    assert row["document_ids"].tolist() == [0, 0, 0, 0, 1, 1, 1, -1]
     assert packer.epoch == 1
 
 
@@ -217,7 +218,7 @@ def test_no_packing_puts_one_example_per_row():
     packer = _packer(examples, seq_len=6, packing=False)
     rows = [packer.next_row() for _ in range(2)]
     assert [r["input_ids"].tolist() for r in rows] == [[1, 2, 0, 0, 0, 0], [4, 5, 0, 0, 0, 0]]
-    assert all(r["document_ids"].tolist() == [0, 0, 1, 1, 1, 1] for r in rows)
+    assert all(r["document_ids"].tolist() == [0, 0, -1, -1, -1, -1] for r in rows)
 
 
 def test_overlong_examples_are_dropped_and_counted_or_truncated():
@@ -376,7 +377,7 @@ def test_chat_jsonl_glob_through_datasets(tmp_path):
     labels = batch["labels"][0]
     turns = ["yo", "4", "yo"]  # a.jsonl's two assistant turns, then b.jsonl's one
     assert labels[labels != -100].tolist() == [t for a in turns for t in list(a.encode()) + [EOS]]
-    assert batch["document_ids"][0].unique().tolist() == [0, 1, 2]
+    assert batch["document_ids"][0].unique().tolist() == [-1, 0, 1]  # two examples, then padding
 
 
 # --- errors: one line naming the flag and the fix ----------------------------------------

@@ -14,9 +14,10 @@ Rows of `seq_len` positions are filled greedily with whole examples in a seeded 
 - `input_ids`, `labels` (-100 = ignored: prompt tokens and padding);
 - `positions`: 0, 1, ... restarting at every example (what RoPE should see);
 - `document_ids`: 0, 1, 2, ... one id per example in the row, in order; the padding at
-  the end of a row is one more segment with its own id (positions again from 0), so an
+  the end of a row is one more segment with id -1 (positions again from 0), so an
   equality-plus-causal attention mask never lets a real token see padding and every
-  padding token still sees itself (no empty softmax row).
+  padding token still sees itself (no empty softmax row), and an MoE layer, which reads a
+  negative id as padding, leaves it out of its balancing counts and aux loss.
 
 An example longer than `seq_len + 1` tokens (seq_len positions after the shift) is
 dropped (`--sft_data.overlong drop`, the default: a cut-off completion would teach the
@@ -684,6 +685,7 @@ class SFTPacker:
         if used < self.seq_len:
             starts[used] = True  # the padding tail: its own segment, positions from 0
         positions, document_ids = document_layout(starts[None])
+        document_ids[0, used:] = -1  # padding (see the module docstring)
         return {
             "input_ids": input_ids,
             "labels": labels,
