@@ -83,7 +83,7 @@ class TitanForCausalLM(nn.Module):
         super().__init__()
         hf_config = vllm_config.model_config.hf_config.to_dict()
         args = self.ADAPTER.args_from_hf_config(hf_config)
-        self._check_supported(vllm_config, args)
+        self._check_supported(vllm_config)
         self.model = self.MODEL_CLASS(args).eval()
         self.adapter = self.ADAPTER(args)
         # The titan names, taken before vLLM's attention (which has scale buffers) moves in.
@@ -104,7 +104,7 @@ class TitanForCausalLM(nn.Module):
             )
 
     @staticmethod
-    def _check_supported(vllm_config: Any, args: Any) -> None:
+    def _check_supported(vllm_config: Any) -> None:
         """Refuse, by name, what this wrapper does not implement (rather than run it wrong)."""
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
