@@ -70,13 +70,11 @@ def vocab_size_for(config: TrainerConfig) -> tuple[int, str]:
     tok, model = config.tokenizer, config.model
     if tok.kind == "byte" or (tok.path and os.path.exists(tok.path)):
         size, source = tok.build().vocab_size, "tokenizer"
-    elif model.vocab_size is not None:  # no tokenizer here to check it against
-        return model.vocab_size, "--model.vocab_size"
-    else:
+    elif model.vocab_size is None:
         size, source = model_spec(model.name).flavors[model.flavor].vocab_size, "flavor"
-    if model.vocab_size is not None:
-        source = "--model.vocab_size"
-    return model.resolve_vocab_size(size), source
+    else:  # no tokenizer here to check the given size against
+        return model.vocab_size, "--model.vocab_size"
+    return model.resolve_vocab_size(size), source if model.vocab_size is None else "--model.vocab_size"
 
 
 def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[RankEstimate]:

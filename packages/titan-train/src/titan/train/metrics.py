@@ -366,7 +366,7 @@ class MetricsLogger:
         this rank's JSONL file and every enabled backend, as `log` does with a step's."""
         if "step" not in record:
             raise ValueError(f"a metrics record needs a 'step'; got keys {sorted(record)}")
-        self._write(dict(record))
+        self._write(record)
 
     def _correct_peak(self, achieved: float) -> None:
         """Raise the peak to ``achieved`` FLOP/s when throughput exceeds it (see the class doc)."""
