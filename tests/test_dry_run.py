@@ -209,3 +209,18 @@ def test_dry_run_builds_the_model_titan_train_builds(capsys, tmp_path, monkeypat
         assert f"{trainer.num_params / 1e6:.2f}" == params
     finally:
         trainer.close()
+
+
+def test_dry_run_converts_float8_before_the_layout_like_titan_train():
+    pytest.importorskip("torchao.float8")
+    lines = []
+    cfg = parse_train_args(["--config", "llama3_8b", "--parallelism.tensor_parallel_degree", "2",
+                            "--quantize.linear.float8.recipe", "rowwise"])
+    run_dry_run(cfg, world_size=8, print_fn=lines.append)
+    # 32 blocks x 7 linears converted; the output projection kept.
+    assert "dry run: float8 rowwise: converted 224 of 225 linears" in lines[0]
+    with pytest.raises(ValueError, match="needs FSDP2"):
+        run_dry_run(parse_train_args(["--config", "llama3_8b", "--parallelism.tensor_parallel_degree", "8",
+                                      "--quantize.linear.float8.recipe", "tensorwise",
+                                      "--quantize.linear.float8.enable_fsdp_float8_all_gather"]),
+                    world_size=8, print_fn=lines.append)

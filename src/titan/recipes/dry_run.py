@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from titan.dist import ParallelDims, RankEstimate, dry_run
 from titan.train.config import TrainerConfig
+from titan.train.quantize import apply_quantization, check_quantize_supported
 
 from titan.recipes.families import model_spec
 
@@ -85,12 +86,20 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
     vocab, source = vocab_size_for(config)
     training = config.training
 
+    conversions = []
+
     def model_fn():
-        return spec.build(config.model.flavor, **config.model.overrides(), vocab_size=vocab, max_seq_len=training.seq_len)
+        model = spec.build(config.model.flavor, **config.model.overrides(), vocab_size=vocab, max_seq_len=training.seq_len)
+        # Converted as `titan train` converts it, before any parallelism.
+        conversions.append(apply_quantization(model, config.quantize))
+        return model
 
     d = ParallelDims.from_config(config.parallelism, world_size)  # resolves dp_shard -1; raises early
+    check_quantize_supported(config.quantize, torch.device("cpu"), uses_fully_shard=d.uses_fully_shard)
     with torch.device("meta"):
         params = model_fn().num_params()  # the count `titan train` logs for the same flags
+    if conversions[0] is not None:
+        print_fn(f"dry run: {conversions[0].summary(config.quantize.linear.float8.recipe)}")
     print_fn(
         f"dry run: {config.model.name} {config.model.flavor}: {params / 1e6:.2f}M params (vocab {vocab:,} from "
         f"{source}) on {world_size} "

@@ -6,7 +6,14 @@ from titan.ckpt.convert import load_dcp_model, save_dcp_model
 from titan.ckpt.errors import CheckpointError
 from titan.ckpt.hf import StateDictAdapter, load_hf, save_hf
 from titan.ckpt.manager import CheckpointManager
-from titan.ckpt.stateful import ModelWrapper, OptimizerWrapper, RankLocal, RNGState, TrainState
+from titan.ckpt.stateful import (
+    ModelWrapper,
+    OptimizerWrapper,
+    RankLocal,
+    RNGState,
+    TrainState,
+    plain_tensor,
+)
 
 __all__ = [
     "CheckpointConfig",
@@ -19,6 +26,7 @@ __all__ = [
     "StateDictAdapter",
     "TrainState",
     "load_dcp_model",
+    "plain_tensor",
     "load_hf",
     "save_dcp_model",
     "save_hf",

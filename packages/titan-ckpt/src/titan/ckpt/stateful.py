@@ -22,8 +22,47 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
-__all__ = ["ModelWrapper", "OptimizerWrapper", "RNGState", "RankLocal", "TrainState"]
+__all__ = ["ModelWrapper", "OptimizerWrapper", "RNGState", "RankLocal", "TrainState", "plain_tensor"]
+
+
+def plain_tensor(value: Any) -> Any:
+    """``value`` without a tensor subclass that only wraps one plain tensor of its own shape
+    and dtype (e.g. torchao's float8 all-gather weights), as a DTensor when it was one; any
+    other value unchanged.
+
+    A checkpoint must hold plain tensors: DCP writes a subclass's local tensor with its class
+    pickled, which a ``weights_only`` load refuses and which could not load without the
+    library that defined it. The plain tensor shares the wrapper's storage, so DCP's in-place
+    load still writes into the model.
+    """
+    if isinstance(value, DTensor):
+        local = value._local_tensor
+        inner = _wrapped_tensor(local)
+        if inner is local:
+            return value
+        return DTensor.from_local(inner, value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    return _wrapped_tensor(value) if isinstance(value, torch.Tensor) else value
+
+
+def _wrapped_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The first inner tensor of a traceable wrapper subclass when it stands for the whole
+    wrapper (same shape and dtype); ``tensor`` itself otherwise."""
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if type(tensor) in (torch.Tensor, nn.Parameter) or flatten is None:
+        return tensor
+    names, _ = tensor.__tensor_flatten__()
+    inner = getattr(tensor, names[0], None) if names else None
+    if isinstance(inner, torch.Tensor) and inner.shape == tensor.shape and inner.dtype == tensor.dtype:
+        return inner
+    return tensor
+
+
+def _plain_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A flat state dict with every wrapped tensor unwrapped (see `plain_tensor`)."""
+    return {key: plain_tensor(value) for key, value in state.items()}
 
 
 def _as_list(parts: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -47,7 +86,7 @@ class ModelWrapper:
         merged: dict[str, Any] = {}
         for part in self.model_parts:
             merged.update(get_model_state_dict(part))
-        return merged
+        return _plain_state(merged)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the entries each part owns; keys of parts held by other ranks are ignored."""
@@ -87,7 +126,7 @@ class OptimizerWrapper:
         merged: dict[str, Any] = {}
         for part, opt in zip(self.model_parts, self.optimizers, strict=True):
             merged.update(get_optimizer_state_dict(part, opt, options=self._options()))
-        return merged
+        return _plain_state(merged)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Give each optimizer the entries of its own parameters."""

@@ -15,6 +15,7 @@ from titan.train.lr_scheduler import LRSchedulerConfig
 from titan.train.metrics import MetricsConfig
 from titan.train.optimizer import OptimizerConfig
 from titan.train.profiling import ProfilerConfig
+from titan.train.quantize import QuantizeConfig
 from titan.train.validation import ValidationConfig
 
 
@@ -164,6 +165,7 @@ class RunConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)

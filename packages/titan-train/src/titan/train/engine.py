@@ -30,7 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from titan.ckpt import CheckpointConfig, CheckpointManager, OptimizerWrapper, TrainState
+from titan.ckpt import (
+    CheckpointConfig,
+    CheckpointManager,
+    OptimizerWrapper,
+    TrainState,
+    plain_tensor,
+)
 from titan.dist import (
     ActivationCheckpointConfig,
     CompileConfig,
@@ -50,6 +56,12 @@ from titan.train.loss import IGNORE_INDEX, NonFiniteLossError
 from titan.train.lr_scheduler import LRSchedulerConfig, build_lr_scheduler
 from titan.train.model_spec import ModelSpec
 from titan.train.optimizer import OptimizerConfig, build_optimizer
+from titan.train.quantize import (
+    QuantizeConfig,
+    apply_quantization,
+    check_quantize_supported,
+    precompute_float8_scales,
+)
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -154,6 +166,7 @@ class TrainingEngine:
         seed: int = 0,
         deterministic: bool = False,
         model_overrides: Mapping[str, Any] | None = None,
+        quantize: QuantizeConfig | None = None,
         states: Mapping[str, Any] | None = None,
     ) -> None:
         model_spec.check_flavor(flavor)
@@ -165,6 +178,8 @@ class TrainingEngine:
         self.device = self.dist_env.device
         set_determinism(seed, deterministic, self.device)
         self.parallel_dims = ParallelDims.from_config(parallelism, world_size=self.dist_env.world_size)
+        self.quantize = quantize or QuantizeConfig()
+        check_quantize_supported(self.quantize, self.device, uses_fully_shard=self.parallel_dims.uses_fully_shard)
         meta_model = self._build_meta_model(
             vocab_size, seq_len, dict(model_overrides or {}), global_batch_size, local_batch_size
         )
@@ -210,6 +225,7 @@ class TrainingEngine:
             seed=config.debug.seed,
             deterministic=config.debug.deterministic,
             model_overrides=config.model.overrides(),
+            quantize=getattr(config, "quantize", None),
             states=states,
         )
 
@@ -236,7 +252,13 @@ class TrainingEngine:
 
     def _parallelize(self, model: nn.Module, activation_checkpoint, compile, mp_policy, local_batch_size: int, seed: int):
         """Apply the configured parallelisms, then materialize and initialize this rank's
-        shards. Returns the model parts this rank holds (several under pipeline parallel)."""
+        shards. Returns the model parts this rank holds (several under pipeline parallel).
+
+        The quantization conversion comes first, on the whole model (so every pipeline stage
+        gets the same converted linears); the parallelisms then see ordinary linears."""
+        self.quantization = apply_quantization(model, self.quantize)
+        if self.quantization is not None:
+            logger.info(self.quantization.summary(self.quantize.linear.float8.recipe))
         common = dict(parallelism=self.parallelism, activation_checkpoint=activation_checkpoint, compile=compile)
         if self.parallel_dims.pp_enabled:
             self.pp_schedule, parts, self.pp_has_first, self.pp_has_last = build_pipeline(
@@ -403,6 +425,7 @@ class TrainingEngine:
             ]
         for hook in self._step_hooks:
             hook(sum_over_dp)
+        precompute_float8_scales(self.model_parts, self.quantize)
 
     def _first_non_finite_gradient(self) -> str | None:
         """The name of the first parameter (in model order) whose gradient shard on this rank
@@ -557,7 +580,8 @@ class TrainingEngine:
         from the owning pipeline stage under PP)."""
         with torch.no_grad():  # a copy of the weights, not part of any graph
             full = param.full_tensor() if isinstance(param, DTensor) else param
-        full = full.detach() if full is not None else None
+        # plain_tensor: a float8 all-gather weight leaves as the high-precision tensor it wraps.
+        full = plain_tensor(full.detach()) if full is not None else None
         if not self.parallel_dims.pp_enabled:
             return full
         pp_mesh = self.parallel_dims.mesh("pp")

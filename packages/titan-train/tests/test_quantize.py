@@ -1,0 +1,128 @@
+"""The torchao float8 conversion: which linears it converts, what it refuses, and that a
+converted linear really computes in float8 (its output differs from the high-precision one by
+float8 rounding, and equals torchao's own converted linear)."""
+
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn as nn
+from titan.train.quantize import (
+    Float8LinearConfig,
+    QuantizeConfig,
+    QuantizeLinearConfig,
+    apply_quantization,
+    check_quantize_supported,
+)
+
+pytest.importorskip("torchao.float8")
+
+
+def _config(**float8) -> QuantizeConfig:
+    return QuantizeConfig(linear=QuantizeLinearConfig(float8=Float8LinearConfig(**float8)))
+
+
+@dataclass
+class _Plan:
+    tensor_parallel: dict[str, str] = field(default_factory=dict)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq = nn.Linear(64, 64, bias=False)
+        self.w2 = nn.Linear(128, 64, bias=False)
+        self.narrow = nn.Linear(64, 24, bias=False)  # 24 is not a multiple of 16
+        self.gate = nn.Linear(64, 16, bias=False)  # a router: the plan replicates it
+
+
+class _Model(nn.Module):
+    """Two blocks, an embedding and an output projection, with a plan like a family's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(32, 64)
+        self.layers = nn.ModuleDict({"0": _Block(), "1": _Block()})
+        self.output = nn.Linear(64, 32, bias=False)
+
+    def sharding_plan(self) -> _Plan:
+        return _Plan({"layers.*.wq": "colwise", "layers.*.gate": "replicate", "output": "output"})
+
+
+def _converted(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+
+
+def test_converts_exactly_the_filtered_linears_on_the_meta_device():
+    with torch.device("meta"):
+        model = _Model()
+    report = apply_quantization(model, _config(recipe="rowwise"))
+    assert _converted(model) == ["layers.0.wq", "layers.0.w2", "layers.1.wq", "layers.1.w2"]
+    assert list(report.converted) == _converted(model)
+    assert report.skipped == {
+        "layers.0.narrow": "dims not divisible by 16", "layers.0.gate": "output layer or router (model plan)",
+        "layers.1.narrow": "dims not divisible by 16", "layers.1.gate": "output layer or router (model plan)",
+        "output": "output layer or router (model plan)",
+    }
+    assert "converted 4 of 9 linears" in report.summary("rowwise")
+    assert isinstance(model.tok_embeddings, nn.Embedding)
+
+
+def test_filter_fqns_keeps_named_linears_in_high_precision():
+    model = _Model()
+    report = apply_quantization(model, _config(recipe="tensorwise", filter_fqns=["w2"]))
+    assert _converted(model) == ["layers.0.wq", "layers.1.wq"]
+    assert report.skipped["layers.1.w2"] == "--quantize.linear.float8.filter_fqns"
+
+
+def test_off_by_default_and_leaves_the_model_alone():
+    model = _Model()
+    assert apply_quantization(model, QuantizeConfig()) is None
+    assert _converted(model) == []
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_converted_linear_computes_in_float8(recipe):
+    from torchao.float8 import Float8LinearConfig as AOConfig
+    from torchao.float8 import convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = _Model()
+    reference = nn.Sequential(nn.Linear(64, 64, bias=False))
+    reference[0].weight.data.copy_(model.layers["0"].wq.weight)
+    apply_quantization(model, _config(recipe=recipe))
+    convert_to_float8_training(reference, config=AOConfig.from_recipe_name(recipe))
+    x = torch.randn(32, 64)
+    out = model.layers["0"].wq(x)
+    # Float8 rounding is visible (e4m3 keeps 3 mantissa bits), and the result is torchao's own.
+    exact = x @ model.layers["0"].wq.weight.T
+    assert not torch.allclose(out, exact, rtol=1e-3, atol=1e-3)
+    assert torch.equal(out, reference(x))
+    # The state dict keeps high-precision weights under the same names.
+    assert model.state_dict()["layers.0.wq.weight"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(recipe="fp4"), "recipe='fp4' is unknown"),
+    (dict(recipe="rowwise", enable_fsdp_float8_all_gather=True), "needs --quantize.linear.float8.recipe tensorwise"),
+    (dict(recipe="tensorwise", precompute_float8_dynamic_scale_for_fsdp=True),
+     "needs --quantize.linear.float8.enable_fsdp_float8_all_gather"),
+])
+def test_bad_combinations_are_refused_by_name(flags, message):
+    with pytest.raises(ValueError, match=message):
+        Float8LinearConfig(**flags)
+
+
+def test_float8_all_gather_without_fsdp_is_refused():
+    config = _config(recipe="tensorwise", enable_fsdp_float8_all_gather=True)
+    with pytest.raises(ValueError, match="needs FSDP2"):
+        check_quantize_supported(config, torch.device("cpu"), uses_fully_shard=False)
+    check_quantize_supported(config, torch.device("cpu"), uses_fully_shard=True)
+
+
+def test_missing_torchao_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # makes the import fail
+    with pytest.raises(ImportError, match=r"titan-train\[float8\]"):
+        check_quantize_supported(_config(recipe="rowwise"), torch.device("cpu"), uses_fully_shard=False)
+    check_quantize_supported(QuantizeConfig(), torch.device("cpu"), uses_fully_shard=False)  # off: no import
