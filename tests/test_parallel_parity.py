@@ -92,6 +92,10 @@ LAYOUTS: dict[str, tuple[int, list[str], bool]] = {
     "ddp2": _layout(2, *_dp(replicate=2), dp=2, quick=True),
     "tp2": _layout(2, *_dp(), *TP2, *NO_SP, quick=True),
     "tp2_sp": _layout(2, *_dp(), *TP2, quick=True),  # SP and loss parallel are on by default
+    # Cross-entropy 48 positions at a time (256 per microbatch, so the last chunk is short):
+    # on full logits, and vocab-parallel on TP-sharded ones.
+    "chunked_loss": _layout(1, "--training.loss_chunk_tokens", "48", quick=True),
+    "tp2_sp_chunked_loss": _layout(2, *_dp(), *TP2, "--training.loss_chunk_tokens", "48", quick=True),
     "fsdp2_tp2": _layout(4, *_dp(shard=2), *TP2, dp=2),
     "pp2_gpipe": _layout(2, *_dp(), *_pp("GPipe")),
     "pp2_1f1b": _layout(2, *_dp(), *_pp("1F1B"), quick=True),

@@ -731,10 +731,12 @@ class RLTrainer:
         microbatches = [next(data_iter) for _ in range(self.warmup_accum_steps)]
         local = torch.stack([count_valid_tokens(mb["labels"]) for mb in microbatches]).sum().float().to(engine.device)
         total = engine.sum_over(local.clone(), "dp")
-        rank_loss = sum(
-            engine.forward_backward(mb, lambda logits, b: cross_entropy_sum(logits, b["labels"]), global_token_count=total)
-            for mb in microbatches
-        )
+        chunk_tokens = self.config.training.loss_chunk_tokens
+
+        def loss_fn(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return cross_entropy_sum(logits, batch["labels"], chunk_tokens=chunk_tokens)
+
+        rank_loss = sum(engine.forward_backward(mb, loss_fn, global_token_count=total) for mb in microbatches)
         lr = engine.lr_schedulers.last_lr()
         grad_norm = engine.optimizer_step()
         tokens = sum(mb["input_ids"].numel() for mb in microbatches)

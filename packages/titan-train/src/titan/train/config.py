@@ -116,6 +116,12 @@ class TrainingConfig:
     FSDP2 its policy casts the parameters; elsewhere the forward runs under autocast."""
     mixed_precision_reduce: str = "float32"
     """dtype of gradient reduction under FSDP."""
+    loss_chunk_tokens: int = 0
+    """Compute the cross-entropy this many token positions at a time, recomputing each chunk
+    in backward, so the float32 logits and log-softmax ([tokens, vocab] each) never exist for a
+    whole microbatch (pretraining, SFT, validation and RL's SFT warm-up); 0 computes it in one
+    piece. Saves the most memory with large vocabularies (e.g. 4096 with Llama 3's 128K);
+    costs one recomputed softmax."""
     document_mask: bool = False
     """Attend only within each packed document (causal AND same document), with RoPE
     positions restarting at 0 per document, so a sample's outputs do not depend on what it
@@ -125,6 +131,8 @@ class TrainingConfig:
     loops turn it on: there a sequence's log-probabilities must be its own."""
 
     def __post_init__(self) -> None:
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(f"--training.loss_chunk_tokens must be >= 0 (0 = one piece), got {self.loss_chunk_tokens}")
         for flag in ("steps", "local_batch_size", "seq_len"):
             if getattr(self, flag) < 1:
                 raise ValueError(f"--training.{flag} must be >= 1, got {getattr(self, flag)}")

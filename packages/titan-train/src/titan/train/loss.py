@@ -4,24 +4,38 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 """Label value for positions that carry no target (padding)."""
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, *, chunk_tokens: int = 0) -> torch.Tensor:
     """Sum of per-token cross-entropy over valid labels, computed in float32.
 
     Summing (rather than averaging) per microbatch lets the caller divide by the token count
     of the whole global batch, so every token weighs the same whatever microbatch or rank it
     landed in.
+
+    ``chunk_tokens > 0`` computes it ``chunk_tokens`` positions at a time, each chunk
+    recomputed in backward instead of saved: the float32 copy of the logits and the
+    log-softmax autograd keeps (each ``[tokens, vocab]`` float32, the largest activations of
+    a big-vocabulary model) then exist for one chunk at a time, never for the whole
+    microbatch. Vocab-sharded logits (loss parallel) are chunked the same way, each chunk a
+    vocab-parallel cross-entropy. The value equals the unchunked one up to float32 summation
+    order.
     """
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(),
-        labels.flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+    flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten()
+    if chunk_tokens <= 0 or flat_labels.numel() <= chunk_tokens:
+        return _summed_cross_entropy(flat_logits, flat_labels)
+    chunks = zip(flat_logits.split(chunk_tokens), flat_labels.split(chunk_tokens), strict=True)
+    return sum(checkpoint(_summed_cross_entropy, chunk, chunk_labels, use_reentrant=False)
+               for chunk, chunk_labels in chunks)
+
+
+def _summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Float32 cross-entropy of ``[tokens, vocab]`` logits, summed over valid labels."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def count_valid_tokens(labels: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ valid-token count -> backward -> mesh-wide clip -> optimizer step -> LR step -> 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -75,9 +76,10 @@ def grad_accum_steps(training: TrainingConfig, dp_world_size: int) -> int:
     return global_batch // per_step
 
 
-def next_token_loss(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Pretraining's loss: summed cross-entropy over the valid ``labels`` of the microbatch."""
-    return cross_entropy_sum(logits, batch["labels"])
+def next_token_loss(logits: torch.Tensor, batch: Mapping[str, torch.Tensor], *, chunk_tokens: int = 0) -> torch.Tensor:
+    """Pretraining's loss: summed cross-entropy over the valid ``labels`` of the microbatch
+    (``chunk_tokens``: see :func:`~titan.train.loss.cross_entropy_sum`)."""
+    return cross_entropy_sum(logits, batch["labels"], chunk_tokens=chunk_tokens)
 
 
 class Trainer:
@@ -99,6 +101,7 @@ class Trainer:
         self.tokenizer = config.tokenizer.build()
         vocab_size = self._vocab_size()
         self.engine = TrainingEngine.from_config(config, model_spec=model_spec, vocab_size=vocab_size)
+        self._loss_fn = functools.partial(next_token_loss, chunk_tokens=config.training.loss_chunk_tokens)
         self.grad_accum_steps = self._grad_accum_steps()
         self.dataloader = self.build_dataloader()
         # The loader's position is one global record, equal on every rank (every rank fetches
@@ -110,6 +113,7 @@ class Trainer:
             tokenizer=self.tokenizer,
             local_batch_size=config.training.local_batch_size,
             seq_len=config.training.seq_len,
+            loss_chunk_tokens=config.training.loss_chunk_tokens,
             seed=config.debug.seed + 1,  # another order than training's, even on the same corpus
         )
         self.metrics = MetricsLogger(
@@ -235,7 +239,7 @@ class Trainer:
         global_tokens = self.engine.sum_over(local_tokens.clone(), "dp")
         rank_loss = torch.zeros((), device=self.engine.device)
         for mb in microbatches:
-            rank_loss += self.engine.forward_backward(mb, next_token_loss, global_token_count=global_tokens)
+            rank_loss += self.engine.forward_backward(mb, self._loss_fn, global_token_count=global_tokens)
         self._check_finite(float(rank_loss))
         lr = self.engine.lr_schedulers.last_lr()
         grad_norm = self.engine.optimizer_step()

@@ -43,8 +43,9 @@ class Validator:
     equal on every rank; collective)."""
 
     def __init__(self, config: ValidationConfig, *, engine: TrainingEngine, tokenizer, local_batch_size: int,
-                 seq_len: int, seed: int) -> None:
+                 seq_len: int, seed: int, loss_chunk_tokens: int = 0) -> None:
         self.config, self.engine = config, engine
+        self.loss_chunk_tokens = loss_chunk_tokens
         dims = engine.parallel_dims
         self._loader_args = dict(dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
                                  local_batch_size=local_batch_size, seq_len=seq_len, seed=seed)
@@ -62,6 +63,10 @@ class Validator:
             self._batches = [next(loader) for _ in range(self.config.steps)]
         return self._batches
 
+    def _loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed cross-entropy of one batch, chunked as training's is."""
+        return cross_entropy_sum(logits, batch["labels"], chunk_tokens=self.loss_chunk_tokens)
+
     def run(self) -> dict[str, float]:
         """One pass in eval mode; the model goes back to training mode after it."""
         engine = self.engine
@@ -71,7 +76,7 @@ class Validator:
         engine.train(False)
         try:
             for batch in self._fixed_batches():
-                loss_sum += engine.forward_only(batch, lambda logits, b: cross_entropy_sum(logits, b["labels"]))
+                loss_sum += engine.forward_only(batch, self._loss)
                 tokens += count_valid_tokens(batch["labels"]).to(device)
         finally:
             engine.train(True)

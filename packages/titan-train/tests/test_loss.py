@@ -1,0 +1,76 @@
+"""The summed cross-entropy, whole and chunked: equal values and gradients, and the chunked
+form never keeps a float32 [tokens, vocab] tensor for backward."""
+
+import pytest
+import torch
+from titan.train.loss import IGNORE_INDEX, cross_entropy_sum
+
+
+def _inputs(dtype: torch.dtype):
+    torch.manual_seed(0)
+    logits = torch.randn(2, 40, 96, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, 96, (2, 40))
+    labels[0, :7] = IGNORE_INDEX  # a padded head: ignored positions inside a chunk
+    labels[1, -30:] = IGNORE_INDEX  # a chunk with no valid label at all
+    return logits, labels
+
+
+def _loss_and_grad(logits, labels, chunk_tokens):
+    logits.grad = None
+    loss = cross_entropy_sum(logits, labels, chunk_tokens=chunk_tokens)
+    loss.backward()
+    return loss.detach(), logits.grad.clone()
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 16, 24, 79, 80, 1000])
+def test_chunked_equals_whole_with_its_gradient(chunk_tokens):
+    logits, labels = _inputs(torch.float32)
+    whole, whole_grad = _loss_and_grad(logits, labels, 0)
+    chunked, chunked_grad = _loss_and_grad(logits, labels, chunk_tokens)
+    # A sum over 80 positions regrouped into chunks: float32 reassociation only (~1e-7 relative
+    # per addition); the gradient of each position does not depend on the grouping at all.
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
+    torch.testing.assert_close(chunked_grad, whole_grad, rtol=0, atol=0)
+    # A hand computation: log-sum-exp minus the target logit, over valid positions.
+    flat, target = logits.detach().flatten(0, 1).double(), labels.flatten()
+    valid = target != IGNORE_INDEX
+    by_hand = (flat.logsumexp(-1) - flat.gather(1, target.clamp(min=0)[:, None])[:, 0])[valid].sum()
+    torch.testing.assert_close(whole.double(), by_hand, rtol=1e-6, atol=0)
+
+
+def _saved_for_backward(logits, labels, chunk_tokens) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    saved = []
+
+    def pack(tensor):
+        saved.append((tuple(tensor.shape), tensor.dtype))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        cross_entropy_sum(logits, labels, chunk_tokens=chunk_tokens)
+    return saved
+
+
+def test_chunked_keeps_no_float32_logits_for_backward():
+    logits, labels = _inputs(torch.bfloat16)
+    whole = _saved_for_backward(logits, labels, 0)
+    chunked = _saved_for_backward(logits, labels, 16)
+    # Whole: the float32 copy / log-softmax of all 80 positions is kept for backward ...
+    assert ((80, 96), torch.float32) in whole
+    # ... chunked: only the bf16 chunks of the logits (views, no new memory) and their labels.
+    assert all(dtype != torch.float32 for _, dtype in chunked), chunked
+    assert max(shape[0] for shape, _ in chunked) == 16
+
+
+def test_bf16_logits_chunked_equal_whole():
+    logits, labels = _inputs(torch.bfloat16)
+    whole, whole_grad = _loss_and_grad(logits, labels, 0)
+    chunked, chunked_grad = _loss_and_grad(logits, labels, 16)
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)  # both sum in float32
+    torch.testing.assert_close(chunked_grad, whole_grad, rtol=0, atol=0)
+
+
+def test_negative_chunk_size_is_refused_by_flag_name():
+    from titan.train.config import TrainingConfig
+
+    with pytest.raises(ValueError, match="--training.loss_chunk_tokens must be >= 0"):
+        TrainingConfig(loss_chunk_tokens=-1)
