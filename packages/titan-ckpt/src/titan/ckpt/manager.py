@@ -297,11 +297,7 @@ class CheckpointManager:
         several optimizer steps at once) a multiple of the interval anywhere in
         `(since, step]` counts. Returns whether a save started. The last step's save is
         synchronous (model-only / Hugging Face when configured)."""
-        if not self.config.enable or step == self._last_saved:
-            return False
-        interval = self.config.interval
-        due = step % interval == 0 if since is None else step // interval > since // interval
-        if not last_step and (step <= 0 or not due):
+        if not self.save_due(step, last_step=last_step, since=since):
             return False
         if last_step and self.config.last_save_in_hf:
             self._save_hf(step)
@@ -313,6 +309,15 @@ class CheckpointManager:
             self._save_sync(step, self._snapshot(), states=list(self.states), model_only=False)
         self._last_saved = step
         return True
+
+    def save_due(self, step: int, *, last_step: bool = False, since: int | None = None) -> bool:
+        """Whether `maybe_save` with the same arguments would save (a loop checks what must
+        hold first, e.g. that the weights are finite)."""
+        if not self.config.enable or step == self._last_saved:
+            return False
+        interval = self.config.interval
+        due = step % interval == 0 if since is None else step // interval > since // interval
+        return last_step or (step > 0 and due)
 
     def save_now(self, step: int) -> bool:
         """A full, resumable, synchronous save of `step` whatever the interval (e.g. when the

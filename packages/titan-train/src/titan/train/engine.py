@@ -186,6 +186,7 @@ class TrainingEngine:
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
         self._pipeline_loss_call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._step_hooks: list[Callable] | None = None
+        self._first_non_finite_step: torch.Tensor | None = None
         mp_policy = mixed_precision_policy(mixed_precision_param, mixed_precision_reduce)
         self.model_parts = self._parallelize(
             meta_model, activation_checkpoint, compile, mp_policy, local_batch_size, seed
@@ -379,17 +380,26 @@ class TrainingEngine:
         for part in self.model_parts:
             part.train(mode)
 
-    def optimizer_step(self) -> float:
+    def optimizer_step(self, *, sync: bool = True) -> float | torch.Tensor:
         """Clip the global gradient norm (``max_norm <= 0``: measure only), step every
         optimizer and LR scheduler, zero the gradients; returns the norm before clipping.
 
         Raises ``NonFiniteLossError`` before stepping when the norm is NaN/inf, so the
         weights stay finite (a non-finite loss on any rank makes the global norm non-finite,
         so every rank stops together).
+
+        ``sync=False`` never waits for the device: the norm comes back as a device tensor and
+        its finiteness is recorded on the device, for :meth:`raise_if_non_finite` to raise at
+        the loop's next synchronizing step (a logging or checkpoint step). The steps in
+        between may then write non-finite weights, but no checkpoint holds them:
+        :meth:`maybe_save` checks first.
         """
-        grad_norm = float(
-            clip_grad_norm_([p for part in self.model_parts for p in part.parameters()], self.max_norm, mesh=self.mesh)
-        )
+        norm = clip_grad_norm_([p for part in self.model_parts for p in part.parameters()], self.max_norm, mesh=self.mesh)
+        if not sync:
+            self._record_non_finite(norm)
+            self._step_optimizers()
+            return norm.detach()
+        grad_norm = float(norm)
         if not math.isfinite(grad_norm):
             culprit = self._first_non_finite_gradient()
             self.zero_grad()
@@ -400,13 +410,37 @@ class TrainingEngine:
                 "still finite. Try a lower --optimizer.lr, a longer --lr_scheduler.warmup_steps, or clipping "
                 "with --training.max_norm."
             )
+        self._step_optimizers()
+        return grad_norm
+
+    def _step_optimizers(self) -> None:
         for opt in self.optimizers:
             opt.step()
         self.lr_schedulers.step()
         self.zero_grad()
         self.train_state.step += 1
         self._after_optimizer_step()
-        return grad_norm
+
+    def _record_non_finite(self, grad_norm: torch.Tensor) -> None:
+        """Remember, on the device, the first step whose gradient norm was NaN/inf."""
+        norm = local_value(grad_norm.detach())
+        if self._first_non_finite_step is None:
+            self._first_non_finite_step = torch.zeros((), dtype=torch.long, device=norm.device)
+        first = self._first_non_finite_step
+        step = torch.full_like(first, self.step + 1)
+        first.copy_(torch.where((first == 0) & ~torch.isfinite(norm), step, first))
+
+    def raise_if_non_finite(self) -> None:
+        """Raise ``NonFiniteLossError`` when a step taken with ``optimizer_step(sync=False)``
+        had a non-finite gradient norm (waits for the device)."""
+        first = self._first_non_finite_step
+        if first is None or int(first) == 0:
+            return
+        raise NonFiniteLossError(
+            f"step {int(first)}: non-finite grad norm (read after step {self.step}, at the first sync since) — "
+            "training stopped; no checkpoint was written after it. Try a lower --optimizer.lr, a longer "
+            "--lr_scheduler.warmup_steps, or clipping with --training.max_norm."
+        )
 
     def _after_optimizer_step(self) -> None:
         """Let modules update state that is not trained by gradients (e.g. an MoE router's
@@ -608,7 +642,10 @@ class TrainingEngine:
     def maybe_save(self, *, last_step: bool = False, since: int | None = None) -> None:
         """Save a checkpoint when the interval (or ``last_step``) says so; ``since``: the step
         of the previous call, when one loop step takes several optimizer steps (a multiple of
-        the interval passed over then counts)."""
+        the interval passed over then counts). Raises first when a step taken without
+        synchronizing had a non-finite gradient norm, so no checkpoint holds such weights."""
+        if self.checkpointer.save_due(self.step, last_step=last_step, since=since):
+            self.raise_if_non_finite()
         self.checkpointer.maybe_save(self.step, last_step=last_step, since=since)
 
     def close(self) -> None:

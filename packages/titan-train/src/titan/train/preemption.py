@@ -26,12 +26,16 @@ class PreemptionGuard:
 
     ``requested()`` is collective: every rank learns whether any rank was signalled, so all
     of them stop after the same step (torchrun and Slurm signal every rank, but not at the
-    same instant).
+    same instant). Distributed, it answers for the call before (one step late) so the host
+    never waits for the device: each call starts the reduction of this step's flag and copies
+    the result to the host behind the step's work, and the next call reads that copy, long
+    done by then.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.signalled = False
+        self._in_flight: tuple[torch.Tensor, object | None] | None = None
         self._previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
@@ -46,12 +50,30 @@ class PreemptionGuard:
                        signal.Signals(signum).name)
 
     def requested(self) -> bool:
-        """Whether any rank was signalled (a MAX all-reduce over the world when distributed)."""
+        """Whether any rank was signalled (a MAX all-reduce over the world when distributed,
+        by the previous call: every rank gets the same answer at the same call)."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return self.signalled
         flag = torch.tensor([1.0 if self.signalled else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        previous, self._in_flight = self._in_flight, self._copy_to_host(flag)
+        if previous is None:
+            return False
+        host, ready = previous
+        if ready is not None:
+            ready.synchronize()  # the previous step's copy: finished long ago
+        return bool(host[0] > 0)
+
+    def _copy_to_host(self, flag: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+        """A host copy of ``flag`` queued behind the device's work, and the event marking it
+        done (None where the copy is already done: a CPU device)."""
+        if self.device.type != "cuda":
+            return flag, None
+        host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
 
     def close(self) -> None:
         """Restore the handlers that were installed before."""

@@ -36,16 +36,17 @@ logger = logging.getLogger("titan")
 @dataclass
 class StepResult:
     """What one optimizer step produced. The loss stays this rank's share until a logging
-    step reduces it (see ``Trainer.global_loss``): no collective on steps nobody logs."""
+    step reduces it (see ``Trainer.global_loss``): no collective on steps nobody logs, and
+    the counts and the norm stay on the device (no host sync) until a step reads them."""
 
     rank_loss: torch.Tensor
     """This rank's share of the global mean loss (zero on pipeline stages without the loss)."""
     rank_tokens: torch.Tensor
     """Valid label tokens this rank's share was computed over."""
-    tokens: int
-    """Valid label tokens of the whole global batch."""
-    grad_norm: float
-    """Global gradient norm before clipping."""
+    tokens: torch.Tensor
+    """Valid label tokens of the whole global batch (a device scalar)."""
+    grad_norm: float | torch.Tensor
+    """Global gradient norm before clipping (a device scalar on steps that did not sync)."""
     lr: float
     """The learning rate this step applied (the scheduler has moved on since)."""
 
@@ -231,21 +232,26 @@ class Trainer:
         """Optimizer steps taken so far (restored by a checkpoint resume)."""
         return self.engine.step
 
-    def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> StepResult:
+    def train_step(self, microbatches: list[dict[str, torch.Tensor]], *, sync: bool = True) -> StepResult:
         """One optimizer step over ``microbatches`` (gradient accumulation): the loss of every
-        microbatch is divided by the valid label tokens of the whole global batch."""
+        microbatch is divided by the valid label tokens of the whole global batch.
+
+        ``sync=False`` (steps that neither log nor save) never waits for the device: the loss
+        and the gradient norm are checked for NaN/inf on the device and reported by the next
+        step that syncs (see ``TrainingEngine.optimizer_step``), before it computes anything."""
+        if sync:
+            self.engine.raise_if_non_finite()
         local_tokens = torch.stack([count_valid_tokens(mb["labels"]) for mb in microbatches]).sum().float()
         local_tokens = local_tokens.to(self.engine.device)
         global_tokens = self.engine.sum_over(local_tokens.clone(), "dp")
         rank_loss = torch.zeros((), device=self.engine.device)
         for mb in microbatches:
             rank_loss += self.engine.forward_backward(mb, self._loss_fn, global_token_count=global_tokens)
-        self._check_finite(float(rank_loss))
+        if sync:  # otherwise a non-finite loss shows in the global grad norm, checked on device
+            self._check_finite(float(rank_loss))
         lr = self.engine.lr_schedulers.last_lr()
-        grad_norm = self.engine.optimizer_step()
-        return StepResult(
-            rank_loss=rank_loss, rank_tokens=local_tokens, tokens=int(global_tokens), grad_norm=grad_norm, lr=lr
-        )
+        grad_norm = self.engine.optimizer_step(sync=sync)
+        return StepResult(rank_loss=rank_loss, rank_tokens=local_tokens, tokens=global_tokens, grad_norm=grad_norm, lr=lr)
 
     def global_loss(self, result: StepResult) -> tuple[float, float]:
         """(mean, max over data-parallel ranks) of a step's loss. Collective: every rank calls
@@ -315,11 +321,15 @@ class Trainer:
                records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
         """Train until ``--training.steps`` or an agreed preemption request."""
         total = self.config.training.steps
+        self._unsynced_tokens = torch.zeros((), device=self.engine.device)
         while self.step < total:
             microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
-            result = self.train_step(microbatches)
+            sync = self._syncs(self.step + 1)
+            result = self.train_step(microbatches, sync=sync)
             profiler.step()
-            self.train_state.tokens_seen += result.tokens
+            self._unsynced_tokens += result.tokens
+            if sync:
+                self._sync_host()
             # Per-device throughput: the data-parallel rank's tokens are shared by its cp x tp x pp
             # devices, so each device's share is what MFU compares with one device's peak.
             batch_tokens = sum(mb["input_ids"].numel() for mb in microbatches)
@@ -334,8 +344,23 @@ class Trainer:
                 return records, True
         return records, False
 
+    def _syncs(self, step: int) -> bool:
+        """Whether optimizer step ``step`` reads device values on the host: when it logs,
+        validates or saves, and at the last step; every other step runs ahead of the device."""
+        last = step == self.config.training.steps
+        return (last or self.metrics.should_log(step) or self.validator.due(step, last_step=last)
+                or self.engine.checkpointer.save_due(step, last_step=last))
+
+    def _sync_host(self) -> None:
+        """Read what the unsynced steps left on the device: raise on a non-finite step, add
+        their tokens to ``tokens_seen``."""
+        self.engine.raise_if_non_finite()
+        self.train_state.tokens_seen += int(self._unsynced_tokens)
+        self._unsynced_tokens.zero_()
+
     def _stop_for_preemption(self) -> None:
         """Save the step just finished so the same command resumes from it."""
+        self._sync_host()
         save_for_preemption(self.engine.checkpointer, self.step)
 
     def _save_config(self) -> None:
@@ -363,7 +388,7 @@ class Trainer:
         return self.metrics.log(
             step=self.step,
             loss=loss,
-            grad_norm=result.grad_norm,
+            grad_norm=float(result.grad_norm),
             lr=result.lr,
             extra={
                 "loss_max": loss_max,
