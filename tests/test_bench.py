@@ -5,6 +5,7 @@ start. The numbers themselves are not checked; tools/bench/README.md says how to
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,23 @@ def test_bench_data_prints_ratios(capsys):
         "ratio jsonl/bpe rank-0 dp2/dp1 batches/s:",
     ):
         assert line in out, out
+
+
+def test_bench_train_runs_every_side_and_reports_ratios(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("torchao.float8")
+    out_json = tmp_path / "bench.json"
+    results = load("bench_train").main(
+        f"--flavor debugmodel_tiny --seq-len 16 --batch-size 2 --rounds 2 --iters 1 --warmup 1 "
+        f"--float8 rowwise --json {out_json}".split()
+    )
+    assert set(results["sides"]) == {"titan", "hand", "hf", "titan_float8", "hand_float8"}
+    assert json.loads(out_json.read_text()) == json.loads(json.dumps(results))
+    ratios = {r["ratio"]: r for r in results["ratios"]}
+    # Ratios come from the timings (not constants): recompute one from the sides' medians.
+    sides = results["sides"]
+    assert ratios["titan/hand"]["value"] == pytest.approx(sides["titan"]["tokens_per_s"] / sides["hand"]["tokens_per_s"])
+    assert ratios["titan/hand"]["target"] == 1.00 and ratios["titan/hand"]["met"] in (True, False)
+    assert all(side["tokens_per_s"] > 0 and side["saved_activations_mib"] > 0 for side in sides.values())
+    out = capsys.readouterr().out
+    assert "| titan/hf |" in out and "ratio titan_float8/titan tokens/s:" in out

@@ -48,3 +48,40 @@ def test_inductor_compile_matches_eager(tmp_path):
     assert eager_counts["dynamo"].get("unique_graphs", 0) == 0, eager_counts
     assert len(compiled) == len(eager) == 3
     assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_whole_model_compile_matches_eager_and_compiles_the_root(tmp_path):
+    compiled, counts = _run(tmp_path / "model", "--compile.enable", "--compile.granularity", "model")
+    eager, _ = _run(tmp_path / "eager")
+    assert counts["dynamo"].get("unique_graphs", 0) >= 1, counts
+    assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+def test_whole_model_compile_wraps_the_model_not_its_blocks():
+    from titan.dist import CompileConfig, apply_compile
+    from titan.models.llama3 import build_llama3
+
+    model = build_llama3("debugmodel_tiny", vocab_size=64, max_seq_len=16)
+    apply_compile(model, None, CompileConfig(enable=True, granularity="model"))
+    assert model._compiled_call_impl is not None
+    assert all(block._compiled_call_impl is None for block in model.layers.values())
+    blocks = build_llama3("debugmodel_tiny", vocab_size=64, max_seq_len=16)
+    apply_compile(blocks, None, CompileConfig(enable=True))
+    assert blocks._compiled_call_impl is None
+    assert all(block._compiled_call_impl is not None for block in blocks.layers.values())
+
+
+def test_whole_model_compile_is_refused_with_fsdp_or_pipeline():
+    from titan.dist import CompileConfig, ParallelDims, ParallelismConfig, check_compile_granularity
+
+    whole = CompileConfig(enable=True, granularity="model")
+    fsdp = ParallelDims.from_config(ParallelismConfig(), world_size=2)
+    pipeline = ParallelDims.from_config(ParallelismConfig(pipeline_parallel_degree=2), world_size=2)
+    for dims in (fsdp, pipeline):
+        with pytest.raises(ValueError, match="--compile.granularity model"):
+            check_compile_granularity(whole, dims)
+    check_compile_granularity(CompileConfig(enable=True), fsdp)  # per block: fine
+    check_compile_granularity(whole, ParallelDims.from_config(ParallelismConfig(), world_size=1))
+    with pytest.raises(ValueError, match="granularity='layer' is unknown"):
+        CompileConfig(granularity="layer")

@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 import torch
-from titan.dist import ParallelDims, RankEstimate, dry_run
+from titan.dist import ParallelDims, RankEstimate, check_compile_granularity, dry_run
 from titan.train.config import TrainerConfig
 from titan.train.quantize import apply_quantization, check_quantize_supported
 
@@ -96,6 +96,7 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
 
     d = ParallelDims.from_config(config.parallelism, world_size)  # resolves dp_shard -1; raises early
     check_quantize_supported(config.quantize, torch.device("cpu"), uses_fully_shard=d.uses_fully_shard)
+    check_compile_granularity(config.compile, d)
     with torch.device("meta"):
         params = model_fn().num_params()  # the count `titan train` logs for the same flags
     if conversions[0] is not None:

@@ -15,7 +15,7 @@ Public API (everything else is internal):
 """
 
 from titan.dist.activation_checkpoint import apply_activation_checkpointing
-from titan.dist.compile import apply_compile
+from titan.dist.compile import apply_compile, check_compile_granularity
 from titan.dist.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
 from titan.dist.dims import ParallelDims
 from titan.dist.env import DistEnv, destroy_distributed, init_distributed
@@ -53,6 +53,7 @@ __all__ = [
     "shard_batch_for_context_parallel",
     "apply_activation_checkpointing",
     "apply_compile",
+    "check_compile_granularity",
     "clip_grad_norm_",
     "destroy_distributed",
     "init_distributed",

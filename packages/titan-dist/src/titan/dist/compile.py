@@ -1,4 +1,4 @@
-"""torch.compile per transformer block."""
+"""torch.compile per transformer block, or of the whole model."""
 
 from __future__ import annotations
 
@@ -14,9 +14,26 @@ def apply_compile(model: nn.Module, mesh, config) -> nn.Module:
     code, so one compiled graph is reused for all, and FSDP's per-block hooks stay outside
     the graphs. Module names are unchanged (`nn.Module.compile` works in place).
     `mesh` is unused but kept for the `apply_*` signature.
+
+    With ``granularity="model"`` the model is one graph instead (callers refuse it under FSDP
+    and pipeline parallel, see `check_compile_granularity`).
     """
     if not config.enable:
+        return model
+    if getattr(config, "granularity", "block") == "model":
+        model.compile(backend=config.backend, fullgraph=config.fullgraph)
         return model
     for _, block in blocks_of(model):
         block.compile(backend=config.backend, fullgraph=config.fullgraph)
     return model
+
+
+def check_compile_granularity(config, parallel_dims) -> None:
+    """Refuse whole-model compile where the model's graph would be cut by FSDP2's per-block
+    hooks or split into pipeline stages (raises ValueError naming the flags)."""
+    if not (config.enable and getattr(config, "granularity", "block") == "model"):
+        return
+    if parallel_dims.uses_fully_shard or parallel_dims.pp_enabled:
+        raise ValueError("--compile.granularity model compiles one graph of the whole model, which FSDP2's per-block "
+                         "hooks and pipeline stages cut apart; use --compile.granularity block (the default) with "
+                         "FSDP/HSDP or pipeline parallel")

@@ -21,6 +21,7 @@ PIPELINE_SCHEDULES = (
 RESHARD_POLICIES = ("default", "always", "never")
 DTYPES = ("float32", "bfloat16", "float16")
 AC_MODES = ("none", "full", "selective")
+COMPILE_GRANULARITIES = ("block", "model")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -131,10 +132,15 @@ class ActivationCheckpointConfig:
 
 @dataclass(kw_only=True)
 class CompileConfig:
-    """torch.compile applied to each transformer block (`--compile.*`)."""
+    """torch.compile applied to each transformer block or to the whole model (`--compile.*`)."""
 
     enable: bool = False
-    """Compile every transformer block (inductor on CPU and CUDA)."""
+    """Compile the model (inductor on CPU and CUDA), per `granularity`."""
+    granularity: str = "block"
+    """"block": each transformer block on its own (one graph reused by every block; works with
+    every parallelism, FSDP's per-block hooks stay outside the graphs). "model": the whole model
+    as one graph (embedding, norms and output fused too; longer compile), on one device, DDP or
+    TP only."""
     backend: str = "inductor"
     """torch.compile backend; "aot_eager" is handy to debug compile issues quickly."""
     fullgraph: bool = False
@@ -142,3 +148,6 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.backend), "--compile.backend must name a torch.compile backend")
+        _require(self.granularity in COMPILE_GRANULARITIES,
+                 f"--compile.granularity={self.granularity!r} is unknown; choose one of "
+                 f"{', '.join(COMPILE_GRANULARITIES)}")

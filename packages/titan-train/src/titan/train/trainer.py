@@ -325,7 +325,11 @@ class Trainer:
         while self.step < total:
             microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
             sync = self._syncs(self.step + 1)
+            started = time.perf_counter()
             result = self.train_step(microbatches, sync=sync)
+            if self.config.compile.enable and self.step == self._run_start[1] + 1:
+                logger.info("first step: %.1f s, compiling included (%s)", time.perf_counter() - started,
+                            f"--compile.granularity {self.config.compile.granularity}")
             profiler.step()
             self._unsynced_tokens += result.tokens
             if sync:

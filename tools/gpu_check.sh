@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One prepared GPU check: the training benchmark (tools/bench/bench_train.py) for Llama 3.2 1B
+# in bf16 on one GPU — titan's trainer, the hand-written loop and transformers, eager and
+# compiled, float8 off and on (when torchao is installed) — printing the markdown table and
+# writing outputs/gpu_check/{loops,compile,float8}.json. Under 8 minutes on an H100/H200.
+#
+#   ./tools/gpu_check.sh                      # defaults: 1B, seq 2048, batch 2, tensorwise float8
+#   SEQ_LEN=4096 BATCH=1 FLOAT8=rowwise ./tools/gpu_check.sh
+#
+# Needs only an existing torch (>= 2.11) with CUDA and the project's packages (and
+# transformers for the reference side); installs nothing. PYTHON picks the interpreter.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+python="${PYTHON:-$( [ -x "$here/.venv/bin/python" ] && echo "$here/.venv/bin/python" || echo python3)}"
+out="${OUT_DIR:-$here/outputs/gpu_check}"
+mkdir -p "$out"
+
+"$python" - <<'EOF'
+import sys
+import torch
+if not torch.cuda.is_available():
+    sys.exit("gpu_check: torch sees no CUDA device")
+print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name()} "
+      f"(sm{''.join(map(str, torch.cuda.get_device_capability()))})")
+EOF
+
+float8=()
+if "$python" -c "import torchao.float8" 2>/dev/null; then
+    float8=(--float8 "${FLOAT8:-tensorwise}")
+else
+    echo "gpu_check: torchao not installed, float8 sides skipped (pip install 'titan-train[float8]')"
+fi
+
+# Three runs, each holding at most three copies of the 1B model with AdamW states (~20 GB each):
+# the loops, compile, float8. Every run has titan eager, so each ratio is paired in one run.
+bench() {
+    timeout "${TIMEOUT_S:-160}" "$python" "$here/tools/bench/bench_train.py" \
+        --device cuda --dtype bfloat16 --flavor 1B --vocab-size 128256 \
+        --seq-len "${SEQ_LEN:-2048}" --batch-size "${BATCH:-2}" \
+        --rounds "${ROUNDS:-5}" --iters "${ITERS:-3}" --warmup 2 "$@"
+}
+bench --sides titan,hand,hf --json "$out/loops.json"
+bench --compile --sides titan,titan_compiled,hand_compiled --json "$out/compile.json"
+if [ ${#float8[@]} -gt 0 ]; then
+    bench "${float8[@]}" --sides titan,titan_float8,hand_float8 --json "$out/float8.json"
+fi
