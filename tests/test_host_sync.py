@@ -8,6 +8,7 @@ that counter lives on the host, also on GPUs, so it is not a device sync.)
 """
 
 import collections
+import time
 import traceback
 
 import pytest
@@ -119,3 +120,22 @@ def test_a_nan_on_a_logging_step_stops_before_the_optimizer_step(tmp_path):
     with pytest.raises(NonFiniteLossError, match="step 5: loss nan"):
         trainer.train()
     assert trainer.step == 4  # the weights were never updated with it
+
+
+def test_the_trainer_measures_its_data_wait(tmp_path):
+    """A loader that sleeps shows in every record's data wait (a real measurement)."""
+    trainer = _trainer(tmp_path, "--training.steps", "2", "--metrics.log_freq", "1")
+    batches = iter(trainer.dataloader)
+
+    class SlowLoader:
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            time.sleep(0.2)
+            return next(batches)
+
+    trainer.dataloader = SlowLoader()
+    records = trainer.train()
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["data_wait_s"] >= 0.2 and 0 < r["data_wait_pct"] <= 100 for r in records), records

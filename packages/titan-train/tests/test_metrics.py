@@ -112,6 +112,30 @@ def test_tokens_per_second_is_tokens_over_elapsed_with_a_fixed_clock(tmp_path):
     assert rec["device_tokens"] == 300 and rec["tokens_per_second"] == 300 / 0.5
 
 
+def test_data_wait_is_the_interval_sum_and_its_share_of_the_time(tmp_path):
+    clock = FakeClock()
+    log = _logger(tmp_path, peak=1e12, clock=clock)
+    log.start(0)
+    for wait in (0.25, 0.5, 0.25):
+        log.record_tokens(100, data_wait_s=wait)
+    clock.now += 4.0
+    rec = log.log(step=3, loss=1.0, grad_norm=1.0, lr=1.0)
+    assert rec["data_wait_s"] == 1.0 and rec["data_wait_pct"] == 25.0
+    clock.now += 1.0
+    rec = log.log(step=4, loss=1.0, grad_norm=1.0, lr=1.0)  # a new interval without waits
+    assert rec["data_wait_s"] == 0.0 and rec["data_wait_pct"] == 0.0
+
+
+def test_data_wait_is_none_when_the_loop_does_not_measure_it(tmp_path):
+    clock = FakeClock()
+    log = _logger(tmp_path, peak=1e12, clock=clock)
+    log.start(0)
+    log.record_tokens(100)
+    clock.now += 1.0
+    rec = log.log(step=1, loss=1.0, grad_norm=1.0, lr=1.0)
+    assert rec["data_wait_s"] is None and rec["data_wait_pct"] is None
+
+
 def test_mfu_from_a_known_peak_equals_the_hand_computation(tmp_path):
     clock = FakeClock()
     log = _logger(tmp_path, peak=2e12, clock=clock)

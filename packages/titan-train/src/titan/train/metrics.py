@@ -35,7 +35,7 @@ from titan.train.device_peak import raise_cpu_peak_flops
 logger = logging.getLogger("titan")
 
 METRIC_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_second", "tflops", "mfu", "memory_peak_gib",
-               "device_tokens", "elapsed_s")
+               "device_tokens", "elapsed_s", "data_wait_s", "data_wait_pct")
 
 
 @dataclass(kw_only=True)
@@ -290,6 +290,7 @@ class MetricsLogger:
         if is_rank0 or cfg.save_for_all_ranks:
             self._open_backends(dump_folder, run_config)
         self._tokens_since_log = 0
+        self._data_wait_since_log: float | None = None
         self._last_log_time = clock()
         self._start_time = self._last_log_time
         self._start_step = 0
@@ -324,9 +325,13 @@ class MetricsLogger:
         """Whether ``step`` is a logging step."""
         return step == 1 or step % self.cfg.log_freq == 0 or step == self.total_steps
 
-    def record_tokens(self, tokens: int) -> None:
-        """Count tokens this rank processed in a step."""
+    def record_tokens(self, tokens: int, *, data_wait_s: float | None = None) -> None:
+        """Count tokens this rank processed in a step, and the seconds the step waited for its
+        batches (logged as ``data_wait_s`` since the last log and its share of the time; None
+        in the record when the loop does not measure it)."""
         self._tokens_since_log += tokens
+        if data_wait_s is not None:
+            self._data_wait_since_log = (self._data_wait_since_log or 0.0) + data_wait_s
         if self._bar is not None:
             self._bar.update(1)
 
@@ -352,9 +357,12 @@ class MetricsLogger:
             "memory_peak_gib": peak_memory_gib(self.device),
             "device_tokens": self._tokens_since_log,
             "elapsed_s": elapsed,
+            "data_wait_s": self._data_wait_since_log,
+            "data_wait_pct": None if self._data_wait_since_log is None else 100.0 * self._data_wait_since_log / elapsed,
         }
         record.update(extra or {})
         self._tokens_since_log = 0
+        self._data_wait_since_log = None if self._data_wait_since_log is None else 0.0
         self._last_log_time = now
         if self.is_rank0:
             self._print(record, eta=self._eta(step, now))
@@ -395,7 +403,8 @@ class MetricsLogger:
             f"  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  lr {record['lr']:.2e}"
             f"  tps {record['tokens_per_second']:,.0f}  tflops {record['tflops']:.3f}  mfu {mfu}"
             f"  mem {record['memory_peak_gib']:.2f}GiB"
-            f"  eta {'?' if math.isnan(eta) else format_duration(eta)}"
+            + ("" if record["data_wait_pct"] is None else f"  data {record['data_wait_pct']:.1f}%")
+            + f"  eta {'?' if math.isnan(eta) else format_duration(eta)}"
         )
         if self._bar is not None:
             self._bar.write(line)

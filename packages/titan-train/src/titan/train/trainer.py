@@ -323,7 +323,9 @@ class Trainer:
         total = self.config.training.steps
         self._unsynced_tokens = torch.zeros((), device=self.engine.device)
         while self.step < total:
+            waiting = time.perf_counter()
             microbatches = [next(data_iter) for _ in range(self.grad_accum_steps)]
+            data_wait = time.perf_counter() - waiting
             sync = self._syncs(self.step + 1)
             started = time.perf_counter()
             result = self.train_step(microbatches, sync=sync)
@@ -337,7 +339,7 @@ class Trainer:
             # Per-device throughput: the data-parallel rank's tokens are shared by its cp x tp x pp
             # devices, so each device's share is what MFU compares with one device's peak.
             batch_tokens = sum(mb["input_ids"].numel() for mb in microbatches)
-            self.metrics.record_tokens(batch_tokens // self.parallel_dims.non_data_parallel_size)
+            self.metrics.record_tokens(batch_tokens // self.parallel_dims.non_data_parallel_size, data_wait_s=data_wait)
             last = self.step == total
             validation = self.validator.run() if self.validator.due(self.step, last_step=last) else {}
             if validation or self.metrics.should_log(self.step):
