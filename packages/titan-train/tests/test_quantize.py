@@ -26,6 +26,7 @@ def _config(**float8) -> QuantizeConfig:
 @dataclass
 class _Plan:
     tensor_parallel: dict[str, str] = field(default_factory=dict)
+    expert_modules: str | None = None
 
 
 class _Block(nn.Module):
@@ -67,6 +68,21 @@ def test_converts_exactly_the_filtered_linears_on_the_meta_device():
     }
     assert "converted 4 of 9 linears" in report.summary("rowwise")
     assert isinstance(model.tok_embeddings, nn.Embedding)
+
+
+def test_grouped_experts_are_reported_as_high_precision():
+    class _MoE(_Model):
+        def __init__(self) -> None:
+            super().__init__()
+            for block in self.layers.values():
+                block.experts = nn.Module()  # stands for a GroupedExperts: no nn.Linear inside
+
+        def sharding_plan(self) -> _Plan:
+            return _Plan({"output": "output"}, expert_modules="layers.*.experts")
+
+    report = apply_quantization(_MoE(), _config(recipe="rowwise"))
+    assert report.high_precision_experts == 2
+    assert "2 grouped-experts modules stay in high precision" in report.summary("rowwise")
 
 
 def test_filter_fqns_keeps_named_linears_in_high_precision():

@@ -100,6 +100,8 @@ class ConversionReport:
 
     converted: tuple[str, ...]
     skipped: dict[str, str]
+    high_precision_experts: int = 0
+    """Grouped-experts modules (the plan's ``expert_modules``), which stay in high precision."""
 
     def summary(self, recipe: str) -> str:
         """One log line: how many linears run in float8, and the skipped ones by reason."""
@@ -108,8 +110,10 @@ class ConversionReport:
             by_reason.setdefault(reason, []).append(name)
         kept = "; ".join(f"{reason}: {len(names)} ({_abbreviate(names)})" for reason, names in by_reason.items())
         total = len(self.converted) + len(self.skipped)
+        experts = (f"; {self.high_precision_experts} grouped-experts modules stay in high precision (no float8 "
+                   "grouped GEMM yet)" if self.high_precision_experts else "")
         return (f"float8 {recipe}: converted {len(self.converted)} of {total} linears"
-                + (f"; kept in high precision, {kept}" if kept else ""))
+                + (f"; kept in high precision, {kept}" if kept else "") + experts)
 
 
 def _abbreviate(names: list[str], shown: int = 3) -> str:
@@ -185,7 +189,10 @@ def apply_quantization(model: nn.Module, config: QuantizeConfig) -> ConversionRe
         ao_config = dataclasses.replace(ao_config, enable_fsdp_float8_all_gather=True)
     to_convert = frozenset(converted)
     ao.convert_to_float8_training(model, config=ao_config, module_filter_fn=lambda _m, fqn: fqn in to_convert)
-    return ConversionReport(converted=tuple(converted), skipped=skipped)
+    plan = sharding_plan(model)
+    experts_glob = getattr(plan, "expert_modules", None)
+    experts = len(match_modules(model, experts_glob)) if experts_glob else 0
+    return ConversionReport(converted=tuple(converted), skipped=skipped, high_precision_experts=experts)
 
 
 def precompute_float8_scales(model_parts: list[nn.Module], config: QuantizeConfig) -> None:
