@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -70,7 +71,7 @@ from titan.rl.weight_sync import sync_colocated
 from titan.train.data.sft import build_sft_dataloader
 from titan.train.device_peak import device_peak_flops
 from titan.train.engine import TrainingEngine
-from titan.train.loss import count_valid_tokens, cross_entropy_sum
+from titan.train.loss import count_valid_tokens, next_token_loss
 from titan.train.metrics import MetricsLogger
 from titan.train.model_spec import ModelSpec
 from titan.train.preemption import PreemptionGuard, save_for_preemption
@@ -731,11 +732,7 @@ class RLTrainer:
         microbatches = [next(data_iter) for _ in range(self.warmup_accum_steps)]
         local = torch.stack([count_valid_tokens(mb["labels"]) for mb in microbatches]).sum().float().to(engine.device)
         total = engine.sum_over(local.clone(), "dp")
-        chunk_tokens = self.config.training.loss_chunk_tokens
-
-        def loss_fn(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            return cross_entropy_sum(logits, batch["labels"], chunk_tokens=chunk_tokens)
-
+        loss_fn = functools.partial(next_token_loss, chunk_tokens=self.config.training.loss_chunk_tokens)
         rank_loss = sum(engine.forward_backward(mb, loss_fn, global_token_count=total) for mb in microbatches)
         lr = engine.lr_schedulers.last_lr()
         grad_norm = engine.optimizer_step()

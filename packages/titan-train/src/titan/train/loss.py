@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -31,6 +33,13 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, *, chunk_token
     chunks = zip(flat_logits.split(chunk_tokens), flat_labels.split(chunk_tokens), strict=True)
     return sum(checkpoint(_summed_cross_entropy, chunk, chunk_labels, use_reentrant=False)
                for chunk, chunk_labels in chunks)
+
+
+def next_token_loss(logits: torch.Tensor, batch: Mapping[str, torch.Tensor], *, chunk_tokens: int = 0) -> torch.Tensor:
+    """The ``LossFn`` of pretraining, SFT, validation and RL's SFT warm-up: summed
+    cross-entropy over the valid ``labels`` of the microbatch (``chunk_tokens``: see
+    :func:`cross_entropy_sum`)."""
+    return cross_entropy_sum(logits, batch["labels"], chunk_tokens=chunk_tokens)
 
 
 def _summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -122,9 +122,9 @@ def _abbreviate(names: list[str], shown: int = 3) -> str:
     return head + (f", +{len(names) - shown} more" if len(names) > shown else "")
 
 
-def float8_skip_reason(model: nn.Module, fqn: str, module: nn.Module, filter_fqns: list[str]) -> str | None:
+def _skip_reason(fqn: str, module: nn.Linear, plan_skipped: frozenset[str], filter_fqns: list[str]) -> str | None:
     """Why linear ``fqn`` stays in high precision, or None when it is converted."""
-    if fqn in _plan_skipped_linears(model):
+    if fqn in plan_skipped:
         return "output layer or router (model plan)"
     if any(pattern in fqn for pattern in filter_fqns):
         return "--quantize.linear.float8.filter_fqns"
@@ -133,10 +133,9 @@ def float8_skip_reason(model: nn.Module, fqn: str, module: nn.Module, filter_fqn
     return None
 
 
-def _plan_skipped_linears(model: nn.Module) -> frozenset[str]:
+def _plan_skipped_linears(model: nn.Module, plan) -> frozenset[str]:
     """Names the model's sharding plan marks as the output projection or replicated linears;
     without a plan, a top-level module named "output" (the usual final projection)."""
-    plan = sharding_plan(model)
     if plan is None:
         return frozenset({"output"})
     return frozenset(fqn for pattern, style in plan.tensor_parallel.items() if style in _SKIPPED_PLAN_STYLES
@@ -175,11 +174,13 @@ def apply_quantization(model: nn.Module, config: QuantizeConfig) -> ConversionRe
     if not float8.enabled:
         return None
     ao = import_torchao_float8()
+    plan = sharding_plan(model)
+    plan_skipped = _plan_skipped_linears(model, plan)  # once: each lookup walks the whole model
     skipped = {}
     converted = []
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear):
-            reason = float8_skip_reason(model, fqn, module, float8.filter_fqns)
+            reason = _skip_reason(fqn, module, plan_skipped, float8.filter_fqns)
             if reason is None:
                 converted.append(fqn)
             else:
@@ -189,7 +190,6 @@ def apply_quantization(model: nn.Module, config: QuantizeConfig) -> ConversionRe
         ao_config = dataclasses.replace(ao_config, enable_fsdp_float8_all_gather=True)
     to_convert = frozenset(converted)
     ao.convert_to_float8_training(model, config=ao_config, module_filter_fn=lambda _m, fqn: fqn in to_convert)
-    plan = sharding_plan(model)
     experts_glob = getattr(plan, "expert_modules", None)
     experts = len(match_modules(model, experts_glob)) if experts_glob else 0
     return ConversionReport(converted=tuple(converted), skipped=skipped, high_precision_experts=experts)

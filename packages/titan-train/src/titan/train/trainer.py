@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from titan.train.config import TrainerConfig, TrainingConfig
 from titan.train.data import build_dataloader, validate_data_config
 from titan.train.device_peak import device_peak_flops
 from titan.train.engine import TrainingEngine
-from titan.train.loss import NonFiniteLossError, count_valid_tokens, cross_entropy_sum
+from titan.train.loss import NonFiniteLossError, count_valid_tokens, next_token_loss
 from titan.train.metrics import MetricsLogger
 from titan.train.model_spec import ModelSpec
 from titan.train.preemption import PreemptionGuard, save_for_preemption
@@ -75,12 +74,6 @@ def grad_accum_steps(training: TrainingConfig, dp_world_size: int) -> int:
             f"{dp_world_size} = {per_step}; e.g. use {max(1, global_batch // per_step) * per_step}"
         )
     return global_batch // per_step
-
-
-def next_token_loss(logits: torch.Tensor, batch: Mapping[str, torch.Tensor], *, chunk_tokens: int = 0) -> torch.Tensor:
-    """Pretraining's loss: summed cross-entropy over the valid ``labels`` of the microbatch
-    (``chunk_tokens``: see :func:`~titan.train.loss.cross_entropy_sum`)."""
-    return cross_entropy_sum(logits, batch["labels"], chunk_tokens=chunk_tokens)
 
 
 class Trainer:

@@ -8,13 +8,14 @@ position of its stream: the numbers of different steps are comparable.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 from titan.train.data import DatasetConfig, build_dataloader
 from titan.train.engine import TrainingEngine
-from titan.train.loss import count_valid_tokens, cross_entropy_sum
+from titan.train.loss import count_valid_tokens, next_token_loss
 
 
 @dataclass(kw_only=True)
@@ -45,7 +46,7 @@ class Validator:
     def __init__(self, config: ValidationConfig, *, engine: TrainingEngine, tokenizer, local_batch_size: int,
                  seq_len: int, seed: int, loss_chunk_tokens: int = 0) -> None:
         self.config, self.engine = config, engine
-        self.loss_chunk_tokens = loss_chunk_tokens
+        self._loss = functools.partial(next_token_loss, chunk_tokens=loss_chunk_tokens)
         dims = engine.parallel_dims
         self._loader_args = dict(dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
                                  local_batch_size=local_batch_size, seq_len=seq_len, seed=seed)
@@ -62,10 +63,6 @@ class Validator:
             loader = iter(build_dataloader(self.config.dataset, self._tokenizer, **self._loader_args))
             self._batches = [next(loader) for _ in range(self.config.steps)]
         return self._batches
-
-    def _loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Summed cross-entropy of one batch, chunked as training's is."""
-        return cross_entropy_sum(logits, batch["labels"], chunk_tokens=self.loss_chunk_tokens)
 
     def run(self) -> dict[str, float]:
         """One pass in eval mode; the model goes back to training mode after it."""
