@@ -1,6 +1,7 @@
 """The `titan` command: recipes, flag names, overrides, the recipe's own flag tree, and errors."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -206,18 +207,82 @@ def run_titan(args: list[str], **env: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name, flags, needle", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input_is_one_line_exit_2_no_traceback(tmp_path, name, flags, needle):
-    dump = tmp_path / "dump"
-    args = ["--config", "llama3_debug_synthetic", "--job.dump_folder", str(dump), *flags(tmp_path)]
-    result = run_titan(args)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert len(lines) == 1, result.stderr[-3000:]
+# Runs `titan train` once per case inside one interpreter, as the console script would
+# (`main(argv)`, its return value the exit code), with file descriptors 1 and 2 pointed at a
+# file per case, so whatever reaches the terminal (Python, logging, C++ warnings) is caught.
+# One interpreter for every case: starting one costs ~3 s of imports, the failures milliseconds.
+RUN_CASES = """
+import json, os, sys, tempfile, traceback
+from titan.recipes.cli import main
+
+cases, results = json.load(open(sys.argv[1])), {}
+for name, argv in cases:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush(); sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+        try:
+            code = main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+        except BaseException:
+            traceback.print_exc()
+            code = None
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+            os.close(saved[0]); os.close(saved[1])
+        out.seek(0); err.seek(0)
+        results[name] = {"code": code, "stdout": out.read().decode(), "stderr": err.read().decode()}
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+
+def bad_input_args(tmp_path: Path, flags) -> list[str]:
+    return ["train", "--config", "llama3_debug_synthetic", "--job.dump_folder", str(tmp_path / "dump"),
+            *flags(tmp_path)]
+
+
+@pytest.fixture(scope="module")
+def bad_input_results(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """name -> (the case's folder, its exit code and output), every case in one interpreter."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    folders = {name: root / name for name, _, _ in BAD_INPUTS}
+    for folder in folders.values():
+        folder.mkdir()
+    cases = [(name, bad_input_args(folders[name], flags)) for name, flags, _ in BAD_INPUTS]
+    (root / "cases.json").write_text(json.dumps(cases))
+    result = subprocess.run([sys.executable, "-c", RUN_CASES, str(root / "cases.json"), str(root / "results.json")],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((root / "results.json").read_text())
+    return {name: (folders[name], results[name]) for name in folders}
+
+
+def assert_one_line_error(code, stdout: str, stderr: str, needle: str, dump: Path) -> None:
+    """Exit code 2, one line on stderr naming the problem, no traceback, nothing trained."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2, stderr[-3000:]
+    assert len(lines) == 1, stderr[-3000:]
     assert lines[0].startswith("titan train: error: ") and needle in lines[0], lines[0]
-    assert "Traceback" not in result.stderr + result.stdout
+    assert "Traceback" not in stderr + stdout
     assert not (dump / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, needle", [(b[0], b[2]) for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2_no_traceback(bad_input_results, name, needle):
+    folder, got = bad_input_results[name]
+    assert_one_line_error(got["code"], got["stdout"], got["stderr"], needle, folder / "dump")
+
+
+@pytest.mark.slow
+def test_bad_input_through_the_console_script_is_one_line(tmp_path):
+    """The installed `titan` script itself (a fresh process, its imports included) prints the
+    same one line and exits 2."""
+    name, flags, needle = next(b for b in BAD_INPUTS if b[0] == "zero_steps")
+    result = run_titan(bad_input_args(tmp_path, flags)[1:])
+    assert_one_line_error(result.returncode, result.stdout, result.stderr, needle, tmp_path / "dump")
 
 
 @pytest.mark.slow
