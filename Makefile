@@ -45,11 +45,11 @@ train: $(STAMP)
 
 ## The whole test suite, as CI runs it; the 15 slowest tests are listed at the end.
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)
 
 ## Everything but the slow end-to-end tests.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m "not slow" --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 ## The tests marked `vllm`, in their own environment (vLLM running titan's model code).
 test-vllm: $(VLLM_STAMP)

@@ -71,6 +71,22 @@ def pytest_configure(config):
     torch.set_num_threads(threads)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Keep ``--dist loadgroup`` working: pytest-xdist (3.8) names a test's group by appending
+    ``@group`` to the test's id through ``item._nodeid``, which pytest 9.2 no longer reads (the id
+    lives in ``item._id``), so every group was silently scattered over the workers and a test
+    waited on a file lock for a launch another worker was running. Appends the suffix where
+    xdist's own attempt did not stick; a no-op where it did, or without loadgroup."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        if groups and "@" not in item.nodeid.rpartition("]")[2] and hasattr(item, "_id"):
+            item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(groups)}")
+
+
 def pytest_unconfigure(config):
     """Remove this process's temporary cache folder."""
     for folder in (_cache_dir, _inductor_dir):

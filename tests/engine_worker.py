@@ -1,9 +1,10 @@
 """One rank of `tests/test_engine.py`: a test-only training loop on `TrainingEngine` with a custom
 loss that reads an extra batch key, under whatever layout the flags ask for.
 
-    python -m torch.distributed.run --nproc_per_node N tests/engine_worker.py OUT [--section.flag V ...]
+    python -m torch.distributed.run --nproc_per_node N tests/engine_worker.py RUNS.json
 
-Writes OUT/result.json (rank 0: per-step loss and grad norm) and OUT/weights.pt (rank 0: the
+where the file holds ``[[OUT, [--section.flag, V, ...]], ...]``: several loops, one after another
+in one process group (``train_runs_worker.one_process_group``). Each writes OUT/result.json (rank 0: per-step loss and grad norm) and OUT/weights.pt (rank 0: the
 full model from ``engine.full_state_dict()`` after the last step, titan names, and the HF-named
 pieces of the same call).
 """
@@ -50,8 +51,9 @@ def global_batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def main() -> None:
-    out, flags = Path(sys.argv[1]), sys.argv[2:]
+def run_loop(out: Path, flags: list[str]) -> None:
+    """The test loop under the layout `flags` ask for; rank 0 writes what the test compares."""
+    out.mkdir(parents=True, exist_ok=True)
     cfg = tyro.cli(TrainerConfig, default=recipe("llama3_debug_synthetic"), args=[
         "--model.flavor", "debugmodel_tiny", "--training.seq_len", str(SEQ), "--training.steps", str(STEPS),
         "--training.max_norm", "0.5", "--optimizer.lr", "1e-2", "--optimizer.eps", "1e-5",
@@ -79,5 +81,15 @@ def main() -> None:
     engine.close()
 
 
+def main(runs_file: str) -> None:
+    """Every loop of `runs_file`, in order, in one process group."""
+    from train_runs_worker import one_process_group
+
+    with one_process_group():
+        for out, flags in json.loads(Path(runs_file).read_text()):
+            print(f"engine_worker: run {out}", file=sys.stderr, flush=True)
+            run_loop(Path(out), flags)
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1])

@@ -3,9 +3,11 @@ each parallelism technique left behind to ``<out_dir>/rank<R>.json``.
 
 Usage (one process or under torchrun)::
 
-    python tests/techniques_worker.py OUT_DIR [--config RECIPE] [--section.field VALUE ...]
+    python tests/techniques_worker.py RUNS.json
 
-The config is parsed exactly as ``titan train`` parses it (recipe, then flags). Forward hooks
+where the file holds ``[[OUT_DIR, [flag, ...]], ...]``: several observed runs, one after another
+in one process group (``train_runs_worker.one_process_group``). Each run's config is parsed
+exactly as ``titan train`` parses it (recipe, then flags). Forward hooks
 record, for the first call of each watched module: the output's type, dtype and DTensor
 placements, the dtype of its weight during the call, and for blocks whether their parameters
 are still gathered once forward returns. After the step the worker adds the static facts: the
@@ -157,14 +159,15 @@ def mesh_facts(trainer) -> dict[str, Any] | None:
     return out
 
 
-def main(argv: list[str]) -> None:
+def observe(out_dir: Path, flags: list[str]) -> None:
     """Parse the flags like `titan train`, run one watched step, write the observations."""
     from titan.train.trainer import Trainer
+    from torch._dynamo.utils import counters
 
     from titan.recipes.cli import parse_train_args
     from titan.recipes.families import model_spec
 
-    out_dir, flags = Path(argv[0]), argv[1:]
+    counters.clear()  # what dynamo and inductor count belongs to this run only
     config = parse_train_args(flags)
     trainer = Trainer(config, model_spec=model_spec(config.model.name))
     try:
@@ -192,5 +195,16 @@ def main(argv: list[str]) -> None:
         trainer.close()
 
 
+def main(runs_file: str) -> None:
+    """Observe every run of `runs_file`, in order, in one process group."""
+    from train_runs_worker import one_process_group
+
+    runs = json.loads(Path(runs_file).read_text())
+    with one_process_group():
+        for out_dir, flags in runs:
+            print(f"techniques_worker: run {out_dir}", file=sys.stderr, flush=True)
+            observe(Path(out_dir), flags)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(sys.argv[1])

@@ -7,13 +7,11 @@ hand-written computation of the same loss, and (with unit weights) to the pretra
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launching import launch
 
 WORKER = Path(__file__).with_name("engine_worker.py")
 RTOL = 1e-5
@@ -27,24 +25,34 @@ LAYOUTS = {
 }
 
 
-def run_worker(ranks: int, out: Path, *flags: str) -> tuple[dict, dict]:
-    """Run the worker loop under `ranks` processes; (result.json, weights.pt) of rank 0."""
-    out.mkdir(parents=True, exist_ok=True)
-    if ranks == 1:
-        launcher = [sys.executable]
-    else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                    "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
-    cmd = [*launcher, str(WORKER), str(out), *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-2000:]}\n{done.stderr[-5000:]}"
-    return json.loads((out / "result.json").read_text()), torch.load(out / "weights.pt", weights_only=True)
+def run_loops(build_once, group: str, ranks: int, layouts: dict[str, list[str]]) -> Path:
+    """Every loop of `layouts` (name -> flags) in one launch of `ranks` processes, once per
+    session; the folder holds one output folder per name."""
+
+    def build(folder: Path) -> None:
+        runs_file = folder / "runs.json"
+        runs_file.write_text(json.dumps([[str(folder / name), flags] for name, flags in layouts.items()]))
+        launch(ranks, [str(WORKER), str(runs_file)], folder / "launch.log")
+
+    return build_once(group, build)
+
+
+def results(folder: Path) -> tuple[dict, dict]:
+    """(result.json, weights.pt) that rank 0 wrote."""
+    return json.loads((folder / "result.json").read_text()), torch.load(folder / "weights.pt", weights_only=True)
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    return run_worker(1, tmp_path_factory.mktemp("engine_one"))
+def one_process(build_once):
+    return results(run_loops(build_once, "engine_ranks1", 1, {"one": []}) / "one")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(build_once):
+    """layout -> its results, every layout of LAYOUTS in one launch of 2 ranks."""
+    assert {ranks for ranks, _ in LAYOUTS.values()} == {2}
+    folder = run_loops(build_once, "engine_ranks2", 2, {name: flags for name, (_, flags) in LAYOUTS.items()})
+    return lambda layout: results(folder / layout)
 
 
 def max_rel(got, ref) -> float:
@@ -52,11 +60,11 @@ def max_rel(got, ref) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("engine_loops")  # the tests reading these launches on one worker (conftest.py)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_custom_loss_loop_matches_one_process(layout, one_process, tmp_path):
+def test_custom_loss_loop_matches_one_process(layout, one_process, two_ranks):
     ref, ref_weights = one_process
-    ranks, flags = LAYOUTS[layout]
-    got, weights = run_worker(ranks, tmp_path, *flags)
+    got, weights = two_ranks(layout)
     assert got["step"] == ref["step"] == 3
     assert max_rel(got["loss"], ref["loss"]) <= RTOL, (got["loss"], ref["loss"])
     assert max_rel(got["grad_norm"], ref["grad_norm"]) <= RTOL, (got["grad_norm"], ref["grad_norm"])
@@ -66,6 +74,7 @@ def test_custom_loss_loop_matches_one_process(layout, one_process, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("engine_loops")
 def test_full_state_dict_is_the_whole_model_in_both_namings(one_process):
     """Every parameter, full shape; HF names through the family adapter, cast to the dtype."""
     from titan.models.llama3 import Llama3StateDictAdapter, build_llama3

@@ -5,7 +5,7 @@ Each layout is one run of the real `titan train` (Llama 3 ``debugmodel_tiny``, A
 packed synthetic loader, global-token loss normalization, active grad clipping, metrics.jsonl)
 for ``STEPS`` steps from one seed checkpoint. Every logged loss and every final weight must
 match a single-process run within fp32 tolerance. Runs of the same world size share one launch
-(``parity_worker.py``: one process group, the runs one after another), because starting
+(``train_runs_worker.py``: one process group, the runs one after another), because starting
 torchrun costs more than the run itself.
 
 All layouts see the same global batch of ``GLOBAL_BATCH`` sequences per step: the loader packs
@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launching import launch_train_runs
 from titan.ckpt import load_dcp_model
 
 STEPS = 5
@@ -119,26 +118,6 @@ LAYOUTS: dict[str, tuple[int, list[str], bool]] = {
 QUICK = os.environ.get("TITAN_PARITY_QUICK") == "1"
 
 
-WORKER = Path(__file__).with_name("parity_worker.py")
-
-
-def launch(ranks: int, runs: list[tuple[str, list[str]]], log: Path) -> None:
-    """Every run of `runs` ((name, flags after COMMON)) in one launch of `ranks` processes:
-    this interpreter alone for one rank, torchrun otherwise (see parity_worker.py)."""
-    if ranks == 1:
-        launcher = [sys.executable]
-    else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                    "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
-    runs_file = log.with_suffix(".json")
-    runs_file.write_text(json.dumps([[name, [*COMMON, *flags]] for name, flags in runs]))
-    cmd = [*launcher, str(WORKER), str(runs_file)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    log.write_text(f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-8000:]}")
-    assert result.returncode == 0, log.read_text()
-
-
 def metrics(dump: Path) -> dict[str, list[float]]:
     """Per-step loss and grad norm from metrics.jsonl (rank 0 logs the global values)."""
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
@@ -156,17 +135,6 @@ def save_last_step(*flags: str) -> list[str]:
             "--checkpoint.export_dtype", "float32", *flags]
 
 
-def launch_group(build_once, group: str, ranks: int, runs: dict[str, list[str]]) -> Path:
-    """Launch `runs` (name -> flags) as one group, once per session (`build_once`); returns
-    the group's folder, which holds one dump folder per run name."""
-
-    def build(folder: Path) -> None:
-        named = [(name, [*flags, "--job.dump_folder", str(folder / name)]) for name, flags in runs.items()]
-        launch(ranks, named, folder / "launch.log")
-
-    return build_once(f"parity_{group}", build)
-
-
 @pytest.fixture(scope="module")
 def reference(build_once):
     """The seed checkpoint and the single-process run every layout is compared with; built
@@ -177,7 +145,7 @@ def reference(build_once):
         ref_run = save_last_step("--checkpoint.initial_load_path", str(folder / "seed" / "checkpoint"),
                                  "--training.local_batch_size", str(GLOBAL_BATCH),
                                  "--job.dump_folder", str(folder / "ref"))
-        launch(1, [("seed", seed_run), ("ref", ref_run)], folder / "launch.log")
+        launch_train_runs(1, [("seed", [*COMMON, *seed_run]), ("ref", [*COMMON, *ref_run])], folder / "launch.log")
 
     folder = build_once("parity_reference", build)
     seed = folder / "seed" / "checkpoint"
@@ -199,12 +167,17 @@ def group_of(ranks: int, flags: list[str]) -> str:
     return f"ranks{ranks}" + ("_pp" if pipeline else "")
 
 
+def on_the_launching_worker(ranks: int, flags: list[str]) -> pytest.MarkDecorator:
+    """The tests that read one launch's runs go to one pytest-xdist worker (conftest.py)."""
+    return pytest.mark.xdist_group(f"parity_{group_of(ranks, flags)}")
+
+
 def planned_runs(seed: Path) -> dict[str, tuple[int, dict[str, list[str]]]]:
     """Every run the tests below read: group -> (ranks, run name -> flags)."""
     groups: dict[str, tuple[int, dict[str, list[str]]]] = {}
 
     def add(name: str, ranks: int, flags: list[str]) -> None:
-        groups.setdefault(group_of(ranks, flags), (ranks, {}))[1][name] = flags
+        groups.setdefault(group_of(ranks, flags), (ranks, {}))[1][name] = [*COMMON, *flags]
 
     for name, (ranks, flags, quick) in LAYOUTS.items():
         if quick or not QUICK:
@@ -219,7 +192,7 @@ def planned_runs(seed: Path) -> dict[str, tuple[int, dict[str, list[str]]]]:
 
 
 @pytest.fixture(scope="module")
-def trained(reference, build_once):
+def trained(reference, train_group):
     """run name -> its dump folder, launching its group on first use (one launch per group
     for the whole session, whichever worker asks first)."""
     groups = planned_runs(reference[0])
@@ -227,7 +200,7 @@ def trained(reference, build_once):
     def dump_of(name: str) -> Path:
         group = next(g for g, (_, runs) in groups.items() if name in runs)
         ranks, runs = groups[group]
-        return launch_group(build_once, group, ranks, runs) / name
+        return train_group(f"parity_{group}", ranks, runs) / name
 
     return dump_of
 
@@ -239,8 +212,9 @@ def max_rel(got: list[float], ref: list[float]) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
-    [pytest.param(name, marks=pytest.mark.skip("TITAN_PARITY_QUICK=1") if QUICK and not quick else ())
-     for name, (_, _, quick) in LAYOUTS.items()],
+    [pytest.param(name, marks=[on_the_launching_worker(ranks, flags),
+                               *([pytest.mark.skip("TITAN_PARITY_QUICK=1")] if QUICK and not quick else [])])
+     for name, (ranks, flags, quick) in LAYOUTS.items()],
 )
 def test_layout_matches_one_process(layout, reference, trained):
     _, ref_metrics, ref_weights = reference
@@ -264,6 +238,7 @@ def test_layout_matches_one_process(layout, reference, trained):
 
 
 @pytest.mark.slow
+@on_the_launching_worker(*BF16[:2])
 def test_bf16_compute_tracks_fp32(reference, trained):
     """FSDP 2 with bf16 parameters in compute and fp32 master weights and reductions: the
     losses follow the fp32 single-process run to bf16 precision (~3 significant digits),
@@ -275,7 +250,8 @@ def test_bf16_compute_tracks_fp32(reference, trained):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", FROM_SCRATCH)
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=on_the_launching_worker(*LAYOUTS[name][:2]))
+                                    for name in FROM_SCRATCH])
 def test_layout_from_scratch_matches_one_process(layout, reference, trained):
     """No seed checkpoint: every rank initializes its own shards from `--debug.seed`, as a user's
     first multi-rank run does. Initialization is layout-independent, so the run equals the
@@ -292,6 +268,7 @@ def test_layout_from_scratch_matches_one_process(layout, reference, trained):
 
 
 @pytest.mark.slow
+@on_the_launching_worker(*SEED_ANY_LAYOUT)
 def test_seed_checkpoint_of_any_layout_equals_one_process(reference, trained):
     """A seed checkpoint written by FSDP 2 x TP 2 holds bitwise the single process's initial
     weights, and its shards are not copies of each other (the bug where every rank drew its

@@ -11,14 +11,13 @@ schedule object, the mesh, and the compiled blocks.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launching import launch
 
 WORKER = Path(__file__).with_name("techniques_worker.py")
 # Tiny and short: one step of debugmodel_tiny (4 layers, dim 64) on 2 x 32 tokens per rank.
@@ -39,19 +38,50 @@ LINEARS = ("attention.wq", "feed_forward.w2")
 NORMS = ("attention_norm", "ffn_norm")
 
 
-def observe(tmp_path: Path, ranks: int, *flags: str) -> list[dict[str, Any]]:
-    """Run the worker on `ranks` processes; return each rank's observations, by rank."""
-    out = tmp_path / "observed"
-    if ranks == 1:
-        launcher = [sys.executable]
-    else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                    "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
-    cmd = [*launcher, str(WORKER), str(out), *COMMON, "--job.dump_folder", str(tmp_path / "dump"), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+PP_STAGES = {
+    # 4 one-layer stages on 2 ranks: looped (stage s on rank s % 2) or V-shaped (r, 3 - r).
+    "Interleaved1F1B": {0: [0, 2], 1: [1, 3]},
+    "ZBVZeroBubble": {0: [0, 3], 1: [1, 2]},
+}
+# Every observed run: name -> (ranks, flags). The runs of one world size share one launch.
+RUNS: dict[str, tuple[int, list[str]]] = {
+    "compile": (1, ["--compile.enable"]),
+    "bf16_autocast": (1, BF16),
+    "fsdp_bf16_reshard_always": (2, [*FSDP2, *BF16, "--parallelism.fsdp_reshard_after_forward", "always"]),
+    "fsdp_reshard_never": (2, [*FSDP2, "--parallelism.fsdp_reshard_after_forward", "never"]),
+    "tp_sp": (2, TP2),
+    "tp_no_sp": (2, [*TP2, "--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_loss_parallel"]),
+    **{f"pp_{schedule}": (2, [*NO_DP, "--parallelism.pipeline_parallel_degree", "2",
+                              "--parallelism.pipeline_parallel_schedule", schedule,
+                              "--parallelism.pipeline_parallel_layers_per_stage", "1"])
+       for schedule in PP_STAGES},
+    "hsdp": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.data_parallel_replicate_degree", "2"]),
+}
+
+
+def reads(name: str) -> pytest.MarkDecorator:
+    """Tests that read one launch go to the pytest-xdist worker that launches it (conftest.py)."""
+    return pytest.mark.xdist_group(f"techniques_ranks{RUNS[name][0]}")
+
+
+@pytest.fixture(scope="module")
+def observed(build_once) -> Callable[[str], list[dict[str, Any]]]:
+    """name -> each rank's observations of that run (by rank), launching the runs of its
+    world size together on first use, once per session."""
+
+    def launch_group(ranks: int, folder: Path) -> None:
+        runs = [[str(folder / name), [*COMMON, "--job.dump_folder", str(folder / name / "dump"), *flags]]
+                for name, (n, flags) in RUNS.items() if n == ranks]
+        runs_file = folder / "runs.json"
+        runs_file.write_text(json.dumps(runs))
+        launch(ranks, [str(WORKER), str(runs_file)], folder / "launch.log")
+
+    def observations(name: str) -> list[dict[str, Any]]:
+        ranks = RUNS[name][0]
+        folder = build_once(f"techniques_ranks{ranks}", lambda f: launch_group(ranks, f))
+        return [json.loads((folder / name / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+    return observations
 
 
 def outputs(rank: dict[str, Any], suffixes: tuple[str, ...]) -> dict[str, dict[str, Any]]:
@@ -67,10 +97,11 @@ def blocks(rank: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_compile_compiles_every_block(tmp_path):
+@reads("compile")
+def test_compile_compiles_every_block(observed):
     """The matrix's compile layout: every block carries a compiled call, dynamo captured a
     graph and inductor generated code for it."""
-    (rank,) = observe(tmp_path, 1, "--compile.enable")
+    (rank,) = observed("compile")
     compiled = rank["compile"]
     assert compiled["blocks_compiled"] and all(compiled["blocks_compiled"].values()), (
         f"blocks without a compiled call: {compiled['blocks_compiled']}")
@@ -81,9 +112,10 @@ def test_compile_compiles_every_block(tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_autocast_on_one_process(tmp_path):
+@reads("bf16_autocast")
+def test_bf16_autocast_on_one_process(observed):
     """One process: autocast runs the linears in bf16 while the weights stay fp32."""
-    (rank,) = observe(tmp_path, 1, *BF16)
+    (rank,) = observed("bf16_autocast")
     for name, out in outputs(rank, (*LINEARS, "output")).items():
         assert out["dtype"] == "bfloat16", f"{name} computed in {out['dtype']}, not bf16 (autocast off?)"
     for name, entry in rank["forward"].items():
@@ -94,11 +126,12 @@ def test_bf16_autocast_on_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_bf16_policy_and_reshard_always(tmp_path):
+@reads("fsdp_bf16_reshard_always")
+def test_fsdp_bf16_policy_and_reshard_always(observed):
     """FSDP 2 with `--training.mixed_precision_param bfloat16` and reshard "always": blocks
     compute with bf16 gathered weights over fp32 master shards, and every block's parameters
     are back to their sharded DTensors as soon as its forward returns."""
-    ranks = observe(tmp_path, 2, *FSDP2, *BF16, "--parallelism.fsdp_reshard_after_forward", "always")
+    ranks = observed("fsdp_bf16_reshard_always")
     for rank in ranks:
         for name, out in outputs(rank, (*LINEARS, *NORMS, "output", "tok_embeddings")).items():
             assert out["dtype"] == "bfloat16", f"rank {rank['rank']} {name}: {out['dtype']} activations"
@@ -111,10 +144,11 @@ def test_fsdp_bf16_policy_and_reshard_always(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_reshard_never_keeps_params_gathered(tmp_path):
+@reads("fsdp_reshard_never")
+def test_fsdp_reshard_never_keeps_params_gathered(observed):
     """Reshard "never": blocks keep their gathered (plain) parameters after forward. Also the
     fp32 control for the bf16 checks: without the flag nothing computes in bf16."""
-    ranks = observe(tmp_path, 2, *FSDP2, "--parallelism.fsdp_reshard_after_forward", "never")
+    ranks = observed("fsdp_reshard_never")
     for rank in ranks:
         states = {name: b["params_after_forward"] for name, b in blocks(rank).items()}
         assert len(states) == 4 and set(states.values()) == {"unsharded"}, f"reshard never: {states}"
@@ -122,10 +156,11 @@ def test_fsdp_reshard_never_keeps_params_gathered(tmp_path):
 
 
 @pytest.mark.slow
-def test_tp_sequence_and_loss_parallel(tmp_path):
+@reads("tp_sp")
+def test_tp_sequence_and_loss_parallel(observed):
     """TP 2 with SP and loss parallel (the defaults): every norm works on sequence shards
     (`Shard(1)` DTensor outputs on "tp") and the logits stay vocab-sharded (`Shard(-1)`)."""
-    for rank in observe(tmp_path, 2, *TP2):
+    for rank in observed("tp_sp"):
         for name, out in outputs(rank, (*NORMS, ":norm")).items():
             layout = (out["type"], out["placements"], out["mesh_dims"])
             assert layout == ("DTensor", ["Shard(1)"], ["tp"]), (
@@ -137,11 +172,11 @@ def test_tp_sequence_and_loss_parallel(tmp_path):
 
 
 @pytest.mark.slow
-def test_tp_without_sequence_parallel(tmp_path):
+@reads("tp_no_sp")
+def test_tp_without_sequence_parallel(observed):
     """`--parallelism.no_enable_sequence_parallel` (and no loss parallel): norms see whole
     sequences as plain tensors and the logits are gathered plain tensors."""
-    ranks = observe(tmp_path, 2, *TP2, "--parallelism.no_enable_sequence_parallel",
-                    "--parallelism.no_enable_loss_parallel")
+    ranks = observed("tp_no_sp")
     for rank in ranks:
         for name, out in outputs(rank, (*NORMS, ":norm", ":output")).items():
             assert out["type"] != "DTensor" and out["placements"] is None, (
@@ -149,16 +184,10 @@ def test_tp_without_sequence_parallel(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("schedule", "stages"), [
-    # 4 one-layer stages on 2 ranks: looped (stage s on rank s % 2) or V-shaped (r, 3 - r).
-    ("Interleaved1F1B", {0: [0, 2], 1: [1, 3]}),
-    ("ZBVZeroBubble", {0: [0, 3], 1: [1, 2]}),
-])
-def test_pp_schedule_class_and_stages(tmp_path, schedule, stages):
+@pytest.mark.parametrize("schedule", [pytest.param(s, marks=reads(f"pp_{s}")) for s in PP_STAGES])
+def test_pp_schedule_class_and_stages(observed, schedule):
     """The schedule object is the named torch class, with the expected stages per rank."""
-    ranks = observe(tmp_path, 2, *NO_DP, "--parallelism.pipeline_parallel_degree", "2",
-                    "--parallelism.pipeline_parallel_schedule", schedule,
-                    "--parallelism.pipeline_parallel_layers_per_stage", "1")
+    ranks, stages = observed(f"pp_{schedule}"), PP_STAGES[schedule]
     for rank in ranks:
         pp = rank["pipeline"]
         assert pp["schedule_class"] == f"Schedule{schedule}", pp
@@ -168,11 +197,11 @@ def test_pp_schedule_class_and_stages(tmp_path, schedule, stages):
 
 
 @pytest.mark.slow
-def test_hsdp_replicates_and_shards(tmp_path):
+@reads("hsdp")
+def test_hsdp_replicates_and_shards(observed):
     """HSDP 2 x 2: the mesh has the replicate degree, and every parameter is replicated over
     dp_replicate and sharded over dp_shard."""
-    for rank in observe(tmp_path, 4, "--parallelism.data_parallel_shard_degree", "2",
-                        "--parallelism.data_parallel_replicate_degree", "2"):
+    for rank in observed("hsdp"):
         assert rank["degrees"]["dp_replicate"] == 2 and rank["degrees"]["dp_shard"] == 2
         root = rank["mesh"]["root"]
         assert (root["dp_replicate"], root["dp_shard"]) == (2, 2), rank["mesh"]

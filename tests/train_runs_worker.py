@@ -1,21 +1,23 @@
 """Several `titan train` runs in one launch: one process group (or one process), many runs.
 
 Starting the interpreter, importing torch and rendezvousing cost more than training the tiny
-parity model for a few steps, so the parity matrix starts one launch per group of layouts of
-the same world size and runs each layout's `titan train` in it, one after another, exactly as
-the command line would (`titan.recipes.cli.run`: parse, preflight, build, train, close).
+test models for a few steps, so the end-to-end tests start one launch per group of runs of the
+same world size (``launching.launch_train_runs``) and run each `titan train` in it, one after
+another, exactly as the command line would (`titan.recipes.cli.run`: parse, preflight, build, train, close).
 
 The process group stays up between runs: `close` would destroy it, so the engine's teardown
 only synchronizes the ranks here, and the group is destroyed once, after the last run.
 
-Usage: ``python parity_worker.py RUNS.json`` (under torchrun for several ranks), where the file
+Usage: ``python train_runs_worker.py RUNS.json`` (under torchrun for several ranks), where the file
 holds ``[[name, [flag, ...]], ...]``; each run's flags name its own ``--job.dump_folder``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 
 import titan.train.engine as engine_module
 import torch.distributed as dist
@@ -30,18 +32,25 @@ def _keep_process_group() -> None:
         dist.barrier()
 
 
+@contextlib.contextmanager
+def one_process_group() -> Iterator[None]:
+    """Runs inside share the process group the first one starts; it is destroyed at the end."""
+    engine_module.destroy_distributed = _keep_process_group
+    try:
+        yield
+    finally:
+        destroy_distributed()
+
+
 def main(runs_file: str) -> int:
     """Run every `titan train` of `runs_file` in order; stop at the first failure."""
     with open(runs_file) as f:
         runs = json.load(f)
-    engine_module.destroy_distributed = _keep_process_group
-    try:
+    with one_process_group():
         for name, flags in runs:
-            print(f"parity_worker: run {name}", file=sys.stderr, flush=True)
+            print(f"train_runs_worker: run {name}", file=sys.stderr, flush=True)
             if run(flags, command="train") != 0:
-                raise SystemExit(f"parity_worker: run {name} failed")
-    finally:
-        destroy_distributed()
+                raise SystemExit(f"train_runs_worker: run {name} failed")
     return 0
 
 
