@@ -7,8 +7,14 @@ import sys
 
 import pytest
 
-FLAGS = ["--config", "llama3_debug_synthetic", "--training.steps", "3", "--training.seq_len", "32",
-         "--metrics.log_freq", "1"]
+# The block graph of the parity matrix's compile layout (debugmodel_tiny, 8 x 32 tokens,
+# deterministic): the inductor cache of the test run (conftest.py) compiles it once for both.
+FLAGS = ["--config", "llama3_debug_synthetic", "--model.flavor", "debugmodel_tiny", "--training.steps", "3",
+         "--training.seq_len", "32", "--training.local_batch_size", "8", "--debug.deterministic",
+         "--debug.seed", "0", "--metrics.log_freq", "1"]
+# One worker runs every one-process compile of the suite, one after another, so the first one
+# fills the inductor cache for the others (tests/conftest.py).
+INDUCTOR = pytest.mark.xdist_group("inductor_one_process")
 # `titan train` exactly as the console script runs it, then what dynamo and inductor counted
 # in that process, written to the file named by the first argument.
 RUN_AND_COUNT = """
@@ -24,20 +30,34 @@ sys.exit(code)
 
 def _run(folder, *extra: str) -> tuple[list[float], dict]:
     """Losses of one `titan train` run and its compile counters."""
-    counts = folder.parent / f"{folder.name}_counters.json"
-    result = subprocess.run([sys.executable, "-c", RUN_AND_COUNT, str(counts), "train", *FLAGS,
+    result = subprocess.run([sys.executable, "-c", RUN_AND_COUNT, str(_counters(folder)), "train", *FLAGS,
                              "--job.dump_folder", str(folder), *extra],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-6000:]
+    return _results(folder)
+
+
+def _counters(folder):
+    return folder.parent / f"{folder.name}_counters.json"
+
+
+def _results(folder) -> tuple[list[float], dict]:
     losses = [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return losses, json.loads(counts.read_text())
+    return losses, json.loads(_counters(folder).read_text())
+
+
+@pytest.fixture(scope="module")
+def eager(build_once) -> tuple[list[float], dict]:
+    """The eager control both compiled runs are compared with, run once per session."""
+    return _results(build_once("compile_e2e_eager", lambda folder: _run(folder / "eager")) / "eager")
 
 
 @pytest.mark.slow
-def test_inductor_compile_matches_eager(tmp_path):
-    # ~35 s on a cold inductor cache (one graph per block kind, reused by every block), ~10 s warm.
+@INDUCTOR
+def test_inductor_compile_matches_eager(tmp_path, eager):
+    # ~25 s on a cold inductor cache (one graph per block kind, reused by every block), ~7 s warm.
     compiled, compiled_counts = _run(tmp_path / "compiled", "--compile.enable")
-    eager, eager_counts = _run(tmp_path / "eager")
+    eager, eager_counts = eager
     # The technique ran: dynamo captured the block graph and inductor built (or loaded) its code;
     # the eager run is the control, with nothing compiled.
     assert compiled_counts["dynamo"].get("unique_graphs", 0) >= 1, (
@@ -51,9 +71,10 @@ def test_inductor_compile_matches_eager(tmp_path):
 
 
 @pytest.mark.slow
-def test_whole_model_compile_matches_eager_and_compiles_the_root(tmp_path):
+@INDUCTOR
+def test_whole_model_compile_matches_eager_and_compiles_the_root(tmp_path, eager):
     compiled, counts = _run(tmp_path / "model", "--compile.enable", "--compile.granularity", "model")
-    eager, _ = _run(tmp_path / "eager")
+    eager, _ = eager
     assert counts["dynamo"].get("unique_graphs", 0) >= 1, counts
     assert compiled == pytest.approx(eager, rel=1e-4)
 

@@ -1,7 +1,8 @@
 """Document masking composes with FSDP, TP (+ sequence parallel) and context parallel.
 
-Each case runs in 2 gloo processes (this file is also the worker: `python <this file>
-<case> <rank> <world> <store> <out>`, rendezvous through a FileStore in tmp_path), builds the
+Every case runs in one pair of gloo processes (this file is also the worker: `python <this
+file> <rank> <world> <store> <out_dir>`, rendezvous through a FileStore, the cases one after
+another in one process group: starting the processes costs more than the cases). Each case builds the
 tiny Llama, parallelizes it with `titan.dist`, runs one forward/backward of a packed batch
 with `positions` and `document_ids`, and compares logits and gradients with the same model
 run whole in one process. The model-level test (packages/titan-models) ties that single
@@ -96,9 +97,8 @@ def pipeline_forward_backward(dims, pcfg, batch):
     return (out.detach() if last else None), grads
 
 
-def worker(case: str, rank: int, world: int, store_path: str, out_path: str) -> None:
+def run_case(case: str, world: int, out_path: str) -> None:
     """One rank of `case`: reference and parallel runs; saves both for the test."""
-    import torch.distributed as dist
     from titan.dist import (
         ActivationCheckpointConfig,
         CompileConfig,
@@ -109,51 +109,62 @@ def worker(case: str, rank: int, world: int, store_path: str, out_path: str) -> 
     )
     from titan.dist.context_parallel import ContextParallelAttention
 
+    batch = packed_batch()
+    ref_logits, ref_grads = forward_backward(build_model(), batch)
+    pcfg = ParallelismConfig(**CASES[case])
+    dims = ParallelDims.from_config(pcfg, world)
+    root = dims.build_mesh("cpu")
+    if dims.pp_enabled:
+        logits, grads = pipeline_forward_backward(dims, pcfg, batch)
+        torch.save({"ref_logits": ref_logits, "ref_grads": ref_grads, "logits": logits,
+                    "grads": grads}, out_path)
+        return
+    model = parallelize(build_model(), dims, root, parallelism=pcfg,
+                        activation_checkpoint=ActivationCheckpointConfig(),
+                        compile=CompileConfig())
+    local = batch
+    if dims.dp_shard > 1:  # this rank's rows
+        per = BATCH // dims.dp_shard
+        local = {k: v[dims.dp_rank * per:(dims.dp_rank + 1) * per] for k, v in batch.items()}
+    cp_mesh = dims.mesh("cp") if dims.cp_enabled else None
+    local = shard_batch_dict_for_context_parallel(cp_mesh, local)
+    logits, grads = forward_backward(model, local)
+    used_cp = any(isinstance(m, ContextParallelAttention) for m in model.modules())
+    torch.save({"ref_logits": ref_logits, "ref_grads": ref_grads, "logits": logits,
+                "grads": grads, "local": local, "used_cp": used_cp,
+                "dp_shard": dims.dp_shard, "dp_rank": dims.dp_rank}, out_path)
+
+
+def worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    """One rank: every case in turn, each saved to ``<out_dir>/<case>.<rank>.pt``."""
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        batch = packed_batch()
-        ref_logits, ref_grads = forward_backward(build_model(), batch)
-        pcfg = ParallelismConfig(**CASES[case])
-        dims = ParallelDims.from_config(pcfg, world)
-        root = dims.build_mesh("cpu")
-        if dims.pp_enabled:
-            logits, grads = pipeline_forward_backward(dims, pcfg, batch)
-            dist.barrier()
-            torch.save({"ref_logits": ref_logits, "ref_grads": ref_grads, "logits": logits,
-                        "grads": grads}, out_path)
-            return
-        model = parallelize(build_model(), dims, root, parallelism=pcfg,
-                            activation_checkpoint=ActivationCheckpointConfig(),
-                            compile=CompileConfig())
-        local = batch
-        if dims.dp_shard > 1:  # this rank's rows
-            per = BATCH // dims.dp_shard
-            local = {k: v[dims.dp_rank * per:(dims.dp_rank + 1) * per] for k, v in batch.items()}
-        cp_mesh = dims.mesh("cp") if dims.cp_enabled else None
-        local = shard_batch_dict_for_context_parallel(cp_mesh, local)
-        logits, grads = forward_backward(model, local)
-        used_cp = any(isinstance(m, ContextParallelAttention) for m in model.modules())
-        dist.barrier()
-        torch.save({"ref_logits": ref_logits, "ref_grads": ref_grads, "logits": logits,
-                    "grads": grads, "local": local, "used_cp": used_cp,
-                    "dp_shard": dims.dp_shard, "dp_rank": dims.dp_rank}, out_path)
+        for case in CASES:
+            run_case(case, world, os.path.join(out_dir, f"{case}.{rank}.pt"))
+            dist.barrier()  # every rank done with this case's meshes before the next
     finally:
         dist.destroy_process_group()
 
 
-def _run_case(case: str, tmp_path: Path) -> list[dict]:
+def _run_cases(folder: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, __file__, case, str(r), "2", str(store),
-                               str(tmp_path / f"{r}.pt")], env=env, stderr=subprocess.PIPE,
-                              text=True) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(folder / "store"), str(folder)],
+                              env=env, stderr=subprocess.PIPE, text=True) for r in range(2)]
     errors = [p.communicate(timeout=240)[1] for p in procs]
     for p, err in zip(procs, errors, strict=True):
         assert p.returncode == 0, err[-4000:]
-    return [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def case_results(build_once):
+    """case -> each rank's saved results, every case from one pair of processes per session."""
+    folder = build_once("document_mask_cases", _run_cases)
+    return lambda case: [torch.load(folder / f"{case}.{r}.pt", weights_only=False) for r in range(2)]
 
 
 def _shard_like_cp(t: torch.Tensor, rank: int) -> torch.Tensor:
@@ -163,9 +174,10 @@ def _shard_like_cp(t: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("document_mask_cases")  # one worker launches and reads (tests/conftest.py)
 @pytest.mark.parametrize("case", list(CASES))
-def test_document_mask_under_parallelism_equals_one_process(case, tmp_path):
-    results = _run_case(case, tmp_path)
+def test_document_mask_under_parallelism_equals_one_process(case, case_results):
+    results = case_results(case)
     if case == "pp2":
         torch.testing.assert_close(results[1]["logits"], results[0]["ref_logits"],
                                    atol=1e-5, rtol=1e-5)
@@ -204,4 +216,4 @@ def test_masked_reference_differs_from_unmasked():
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -73,16 +73,22 @@ def test_validation_loss_is_the_mean_cross_entropy_of_held_out_batches(tmp_path)
     assert saved["type"] == "TrainerConfig" and saved["validation"]["freq"] == 2
 
 
+VALIDATION_LAYOUTS = {
+    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
+    "pp2": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
-    ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"],
-], ids=["fsdp2", "pp2"])
-def test_validation_equals_one_process(layout, tmp_path):
-    run(tmp_path / "one", *VALIDATION)
-    run(tmp_path / "two", *VALIDATION, *layout, ranks=2)
-    one = [r["validation_loss"] for r in records(tmp_path / "one") if "validation_loss" in r]
-    two = [r["validation_loss"] for r in records(tmp_path / "two") if "validation_loss" in r]
+@pytest.mark.xdist_group("validation_runs")  # one worker launches and reads (tests/conftest.py)
+@pytest.mark.parametrize("layout", list(VALIDATION_LAYOUTS))
+def test_validation_equals_one_process(layout, train_group):
+    flags = [*TINY, *VALIDATION]
+    one = train_group("validation_one", 1, {"one": flags}) / "one"
+    two = train_group("validation_two", 2, {name: [*flags, *layout_flags]
+                                            for name, layout_flags in VALIDATION_LAYOUTS.items()}) / layout
+    one = [r["validation_loss"] for r in records(one) if "validation_loss" in r]
+    two = [r["validation_loss"] for r in records(two) if "validation_loss" in r]
     assert len(one) == len(two) == 2
     assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(one, two, strict=True)), (one, two)
 

@@ -168,8 +168,10 @@ def group_of(ranks: int, flags: list[str]) -> str:
 
 
 def on_the_launching_worker(ranks: int, flags: list[str]) -> pytest.MarkDecorator:
-    """The tests that read one launch's runs go to one pytest-xdist worker (conftest.py)."""
-    return pytest.mark.xdist_group(f"parity_{group_of(ranks, flags)}")
+    """The tests that read one launch's runs go to one pytest-xdist worker (conftest.py); the
+    one-process runs (the compile layout among them) join every other one-process compile of
+    the suite, so the first compile fills the inductor cache for the rest."""
+    return pytest.mark.xdist_group("inductor_one_process" if ranks == 1 else f"parity_{group_of(ranks, flags)}")
 
 
 def planned_runs(seed: Path) -> dict[str, tuple[int, dict[str, list[str]]]]:

@@ -45,7 +45,9 @@ PP_STAGES = {
 }
 # Every observed run: name -> (ranks, flags). The runs of one world size share one launch.
 RUNS: dict[str, tuple[int, list[str]]] = {
-    "compile": (1, ["--compile.enable"]),
+    # The parity matrix's compile geometry (8 x 32 tokens, deterministic): one inductor
+    # compile of the block graph serves both (the test run's cache, conftest.py).
+    "compile": (1, ["--compile.enable", "--training.local_batch_size", "8", "--debug.deterministic", "--debug.seed", "0"]),
     "bf16_autocast": (1, BF16),
     "fsdp_bf16_reshard_always": (2, [*FSDP2, *BF16, "--parallelism.fsdp_reshard_after_forward", "always"]),
     "fsdp_reshard_never": (2, [*FSDP2, "--parallelism.fsdp_reshard_after_forward", "never"]),
@@ -61,7 +63,9 @@ RUNS: dict[str, tuple[int, list[str]]] = {
 
 def reads(name: str) -> pytest.MarkDecorator:
     """Tests that read one launch go to the pytest-xdist worker that launches it (conftest.py)."""
-    return pytest.mark.xdist_group(f"techniques_ranks{RUNS[name][0]}")
+    ranks = RUNS[name][0]
+    # One worker runs every one-process compile, so the first fills the inductor cache.
+    return pytest.mark.xdist_group("inductor_one_process" if ranks == 1 else f"techniques_ranks{ranks}")
 
 
 @pytest.fixture(scope="module")

@@ -122,16 +122,19 @@ PER_DEVICE = [
 ]
 
 
+PER_DEVICE_LAYOUTS = {
+    "tp2": ["--parallelism.tensor_parallel_degree", "2"],
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    ["--parallelism.tensor_parallel_degree", "2"],
-    ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"],
-], ids=["tp2", "pp2"])
-def test_tokens_per_second_is_per_device_under_tp_and_pp(tmp_path, layout):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = run_titan(*PER_DEVICE, *layout, "--job.dump_folder", str(tmp_path), env=env, ranks=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = read_metrics(tmp_path)
+@pytest.mark.xdist_group("per_device_runs")  # one worker launches and reads (tests/conftest.py)
+@pytest.mark.parametrize("layout", list(PER_DEVICE_LAYOUTS))
+def test_tokens_per_second_is_per_device_under_tp_and_pp(train_group, layout):
+    runs = {name: [*PER_DEVICE, *flags] for name, flags in PER_DEVICE_LAYOUTS.items()}
+    dump = train_group("per_device_runs", 2, runs) / layout
+    rows = read_metrics(dump)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         # 4 x 32 tokens per step for the one data-parallel rank, shared by 2 devices.
