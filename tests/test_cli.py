@@ -37,14 +37,7 @@ def titan_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "titan.recipes.cli"]
 
 
-def _help(command: str) -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "titan.recipes.cli", command, "--help"],
-        capture_output=True, text=True, check=True, env={**os.environ, "COLUMNS": "250"},
-    ).stdout
-
-
-def test_help_lists_recipes_and_flags():
+def test_help_lists_recipes_and_flags(tmp_path):
     """Each command's --help lists the recipes it runs (every recipe under some command) and
     the flags torchtitan users know."""
     from titan.recipes.cli import recipe_command
@@ -53,8 +46,10 @@ def test_help_lists_recipes_and_flags():
     for name in RECIPES:
         by_command.setdefault(recipe_command(name), []).append(name)
     assert None not in by_command and "train" in by_command
+    helps = run_cases(tmp_path, [(command, [command, "--help"]) for command in by_command], COLUMNS="250")
     for command, names in by_command.items():
-        out = _help(command)
+        assert helps[command]["code"] == 0, helps[command]["stderr"][-3000:]
+        out = helps[command]["stdout"]
         for name in names:
             assert name in out, (command, name)
         if command == "train":
@@ -238,6 +233,17 @@ json.dump(results, open(sys.argv[2], "w"))
 """
 
 
+def run_cases(folder: Path, cases: list[tuple[str, list[str]]], **env: str) -> dict[str, dict]:
+    """name -> exit code, stdout and stderr of `titan <argv>` for each (name, argv) of
+    `cases`, all in one fresh interpreter (RUN_CASES)."""
+    (folder / "cases.json").write_text(json.dumps(cases))
+    result = subprocess.run([sys.executable, "-c", RUN_CASES, str(folder / "cases.json"), str(folder / "results.json")],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((folder / "results.json").read_text())
+
+
 def bad_input_args(tmp_path: Path, flags) -> list[str]:
     return ["train", "--config", "llama3_debug_synthetic", "--job.dump_folder", str(tmp_path / "dump"),
             *flags(tmp_path)]
@@ -251,11 +257,7 @@ def bad_input_results(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     for folder in folders.values():
         folder.mkdir()
     cases = [(name, bad_input_args(folders[name], flags)) for name, flags, _ in BAD_INPUTS]
-    (root / "cases.json").write_text(json.dumps(cases))
-    result = subprocess.run([sys.executable, "-c", RUN_CASES, str(root / "cases.json"), str(root / "results.json")],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads((root / "results.json").read_text())
+    results = run_cases(root, cases)
     return {name: (folders[name], results[name]) for name in folders}
 
 
@@ -270,6 +272,7 @@ def assert_one_line_error(code, stdout: str, stderr: str, needle: str, dump: Pat
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("bad_inputs")  # the module's one interpreter runs once (tests/conftest.py)
 @pytest.mark.parametrize("name, needle", [(b[0], b[2]) for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])
 def test_bad_input_is_one_line_exit_2_no_traceback(bad_input_results, name, needle):
     folder, got = bad_input_results[name]

@@ -20,6 +20,10 @@ from torch.distributed.tensor import Shard
 
 REF = moe.reference_run()
 
+# The module-scoped launches below are per worker: every test reading them goes to one worker
+# (--dist loadgroup), so they run once, not once per worker.
+pytestmark = pytest.mark.xdist_group("expert_parallel_spawns")
+
 TWO_RANKS = [
     {"parallelism": {"data_parallel_shard_degree": 2, "expert_parallel_degree": 2}},
     {"parallelism": {"data_parallel_shard_degree": 2, "expert_parallel_degree": 2},

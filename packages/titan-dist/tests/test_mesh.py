@@ -5,6 +5,10 @@ import titan_dist_testlib as lib
 import titan_dist_workers as workers
 import torch
 
+# The module-scoped launches below are per worker: every test reading them goes to one worker
+# (--dist loadgroup), so they run once, not once per worker.
+pytestmark = pytest.mark.xdist_group("mesh_spawn")
+
 
 def clipped_by_hand(full: list[torch.Tensor], max_norm: float) -> tuple[float, list[torch.Tensor]]:
     """(total norm, clipped gradients) from the definition: the 2-norm of every full gradient

@@ -1,7 +1,8 @@
 """The parity matrix: every parallel configuration trains exactly like one process.
 
-Each spawned process group runs several configurations in turn, because starting the
-processes costs more than training the tiny model.
+One spawned process group per world size runs every configuration of that size in turn,
+because starting the processes costs more than training the tiny model; the tests read their
+slice of it (the module's tests share one pytest-xdist worker, so each spawn runs once).
 """
 
 import pytest
@@ -9,6 +10,7 @@ import titan_dist_testlib as lib
 import titan_dist_workers as workers
 
 REF = lib.reference_run()
+pytestmark = pytest.mark.xdist_group("dist_parity_spawns")
 
 
 def _check(results, cases):
@@ -36,8 +38,8 @@ TWO_RANKS = [
 
 
 @pytest.mark.slow
-def test_two_ranks_fsdp_ddp_tp_sp_cp():
-    _check(lib.run_ranks(2, workers.train_cases, TWO_RANKS), TWO_RANKS)
+def test_two_ranks_fsdp_ddp_tp_sp_cp(two_ranks):
+    _check(two_ranks(TWO_RANKS), TWO_RANKS)
 
 
 PP_SCHEDULES = [
@@ -49,8 +51,8 @@ PP_SCHEDULES = [
 
 
 @pytest.mark.slow
-def test_two_ranks_every_pipeline_schedule():
-    _check(lib.run_ranks(2, workers.train_cases, PP_SCHEDULES), PP_SCHEDULES)
+def test_two_ranks_every_pipeline_schedule(two_ranks):
+    _check(two_ranks(PP_SCHEDULES), PP_SCHEDULES)
 
 
 FOUR_RANKS = [
@@ -69,8 +71,8 @@ FOUR_RANKS = [
 
 
 @pytest.mark.slow
-def test_four_ranks_fsdp_hsdp_2d_cp_pp_ac_compile():
-    _check(lib.run_ranks(4, workers.train_cases, FOUR_RANKS), FOUR_RANKS)
+def test_four_ranks_fsdp_hsdp_2d_cp_pp_ac_compile(four_ranks):
+    _check(four_ranks(FOUR_RANKS), FOUR_RANKS)
 
 
 TP_COMPOSITIONS = [
@@ -82,5 +84,23 @@ TP_COMPOSITIONS = [
 
 
 @pytest.mark.slow
-def test_four_ranks_ddp_x_tp_and_pp_x_tp():
-    _check(lib.run_ranks(4, workers.train_cases, TP_COMPOSITIONS), TP_COMPOSITIONS)
+def test_four_ranks_ddp_x_tp_and_pp_x_tp(four_ranks):
+    _check(four_ranks(TP_COMPOSITIONS), TP_COMPOSITIONS)
+
+
+def _spawn_once(world_size: int, groups: list[list[dict]]):
+    """Every case of `groups` in one spawn of `world_size` ranks; returns a function from one
+    of the groups to each rank's results for its cases."""
+    results = lib.run_ranks(world_size, workers.train_cases, [case for group in groups for case in group])
+    starts = {id(group): sum(len(g) for g in groups[:i]) for i, group in enumerate(groups)}
+    return lambda group: [r[starts[id(group)] : starts[id(group)] + len(group)] for r in results]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return _spawn_once(2, [TWO_RANKS, PP_SCHEDULES])
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return _spawn_once(4, [FOUR_RANKS, TP_COMPOSITIONS])
