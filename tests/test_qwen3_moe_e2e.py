@@ -62,17 +62,20 @@ TINY_MOE = ["--config", "qwen3_moe_debug", "--model.flavor", "debugmodel_tiny", 
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("moe_one_process")  # the shared reference on one worker (tests/conftest.py)
 @pytest.mark.parametrize("ranks, layout", [
     (2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
          "--training.local_batch_size", "2"]),
     (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
          "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]),
 ], ids=["ep2", "ep2_tp2_sp"])
-def test_expert_parallel_from_scratch_equals_one_process(ranks, layout, tmp_path):
+def test_expert_parallel_from_scratch_equals_one_process(ranks, layout, tmp_path, train_group):
     """`NGPU=N ./tools/run_train.sh --config qwen3_moe_debug --parallelism.expert_parallel_degree 2`
     at test size: losses, grad norms and expert loads equal one process (experts split over
     ranks, tokens exchanged both ways; with TP 2 and SP on the dense part)."""
-    one = titan_train(tmp_path / "one", *TINY_MOE, "--training.local_batch_size", "4")
+    # The one-process reference of both layouts, run once per session.
+    one_dump = train_group("moe_one_process", 1, {"one": [*TINY_MOE, "--training.local_batch_size", "4"]}) / "one"
+    one = [json.loads(line) for line in (one_dump / "metrics.jsonl").read_text().splitlines()]
     many = titan_train_ranks(tmp_path / "many", ranks, *TINY_MOE, *layout)
     for key in ("loss", "grad_norm", "moe/imbalance_max"):
         got, want = [r[key] for r in many], [r[key] for r in one]
