@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 RUNS_WORKER = Path(__file__).with_name("train_runs_worker.py")
+RUN_MARKER = "train_runs_worker: run "  # what the worker prints before each run
 
 
 def launcher(ranks: int) -> list[str]:
@@ -23,12 +25,25 @@ def launcher(ranks: int) -> list[str]:
 
 def launch(ranks: int, args: list[str], log: Path, *, timeout: float = 600) -> None:
     """Run ``args`` (a script and its arguments) on ``ranks`` processes with one thread each;
-    the command and the ends of its output go to ``log``; fail with them unless it succeeded."""
+    the command and its output (stdout and stderr in the order written) go to ``log``; fail
+    with the command and the end of the output unless it succeeded."""
     cmd = [*launcher(ranks), *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    log.write_text(f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-8000:]}")
-    assert result.returncode == 0, log.read_text()
+    log.write_text(f"{' '.join(cmd)}\n{result.stdout}")
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-10000:]}"
+
+
+def run_output(log: Path, name: str) -> str:
+    """What run ``name`` of a ``launch_train_runs`` launch printed: every rank's lines from the
+    worker's first announcement of that run to its first announcement of another one."""
+    text = log.read_text()
+    # Anywhere in a line: another rank's unfinished line (a progress bar's) may precede it.
+    starts = [(m.start(), m.end(), m.group(1)) for m in re.finditer(f"{re.escape(RUN_MARKER)}(\\S+)\n", text)]
+    mine = [i for i, (_, _, n) in enumerate(starts) if n == name]
+    assert mine, f"no run {name!r} in {log}"
+    after = next((start for start, _, n in starts[mine[0]:] if n != name), len(text))
+    return text[starts[mine[0]][1]:after]
 
 
 def launch_train_runs(ranks: int, runs: list[tuple[str, list[str]]], log: Path) -> None:

@@ -7,30 +7,60 @@ for tracking high precision, and for its parallel layouts and checkpoints.
 """
 
 import json
-import subprocess
-import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from launching import run_output
 
 pytest.importorskip("torchao.float8")
 
 TINY = ["--config", "llama3_debug", "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32",
-        "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "5"]
+        "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "5",
+        "--metrics.no_enable_progress_bar"]
 CONVERTED = "converted 28 of 29 linears"  # debugmodel_tiny: 4 blocks x 7 linears; the output stays
 
 
-def _train(folder, *flags: str, ranks: int = 1) -> tuple[list[float], str]:
-    """Losses per step of one `titan train` run, and its log."""
-    launcher = [sys.executable, "-m", "titan.recipes.cli"]
-    if ranks > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                    "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli"]
-    result = subprocess.run([*launcher, "train", *TINY, "--job.dump_folder", str(folder), *flags],
-                            capture_output=True, text=True, timeout=600)
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-6000:]
-    losses = [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return losses, log
+# One worker runs every float8 test (they read the same launches, tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("float8")
+TRACK = ["--training.steps", "40", "--training.mixed_precision_param", "bfloat16"]
+LAYOUT_STEPS = ["--training.steps", "10"]
+# Each layout and the recipe it runs; the same global batch of 4 sequences as one process.
+LAYOUTS = {
+    "tp2": (["--parallelism.tensor_parallel_degree", "2"], "rowwise"),
+    "fsdp2_float8_all_gather": (["--training.local_batch_size", "2",
+                                 "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                                 "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"], "tensorwise"),
+}
+CHECKPOINTED = ["--quantize.linear.float8.recipe", "tensorwise", "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                "--training.steps", "20", "--training.local_batch_size", "2", "--checkpoint.enable",
+                "--checkpoint.interval", "20"]
+
+
+def _recipe(name: str) -> list[str]:
+    return ["--quantize.linear.float8.recipe", name]
+
+
+def _losses(dump: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def _runs(train_group, group: str, ranks: int, runs: dict[str, list[str]]) -> Callable[[str], tuple[list[float], str]]:
+    """The runs of `group` (one launch per session); name -> (losses per step, its log)."""
+    folder = train_group(group, ranks, {name: [*TINY, *flags] for name, flags in runs.items()})
+    return lambda name: (_losses(folder / name), run_output(folder / "launch.log", name))
+
+
+def _two_ranks_folder(train_group) -> Path:
+    """Every 2-rank float8 run of this file, in one launch: the folder of their dump folders."""
+    runs = {name: [*LAYOUT_STEPS, *_recipe(recipe), *layout] for name, (layout, recipe) in LAYOUTS.items()}
+    return train_group("float8_two_ranks", 2, {name: [*TINY, *flags] for name, flags in
+                                               {**runs, "checkpointed": CHECKPOINTED}.items()})
+
+
+def _two_ranks(train_group) -> Callable[[str], tuple[list[float], str]]:
+    folder = _two_ranks_folder(train_group)
+    return lambda name: (_losses(folder / name), run_output(folder / "launch.log", name))
 
 
 def _max_relative_gap(a: list[float], b: list[float]) -> float:
@@ -38,12 +68,12 @@ def _max_relative_gap(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.slow
-def test_float8_tensorwise_and_rowwise_track_bf16_over_40_steps(tmp_path):
-    steps = ["--training.steps", "40", "--training.mixed_precision_param", "bfloat16"]
-    bf16, bf16_log = _train(tmp_path / "bf16", *steps)
+def test_float8_tensorwise_and_rowwise_track_bf16_over_40_steps(train_group):
+    run = _runs(train_group, "float8_track", 1, {"bf16": TRACK, **{r: [*TRACK, *_recipe(r)] for r in ("tensorwise", "rowwise")}})
+    bf16, bf16_log = run("bf16")
     assert "linears" not in bf16_log  # no conversion
     for recipe in ("tensorwise", "rowwise"):
-        float8, log = _train(tmp_path / recipe, *steps, "--quantize.linear.float8.recipe", recipe)
+        float8, log = run(recipe)
         assert f"float8 {recipe}: {CONVERTED}" in log
         # The matmuls really ran in float8: the trajectory is not bf16's ...
         assert float8 != bf16
@@ -54,16 +84,12 @@ def test_float8_tensorwise_and_rowwise_track_bf16_over_40_steps(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, recipe", [
-    (["--parallelism.tensor_parallel_degree", "2"], "rowwise"),
-    (["--training.local_batch_size", "2", "--quantize.linear.float8.enable_fsdp_float8_all_gather",
-      "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"], "tensorwise"),
-], ids=["tp2", "fsdp2_float8_all_gather"])
-def test_float8_under_tensor_parallel_and_fsdp_matches_one_process(tmp_path, layout, recipe):
-    # The same global batch of 4 sequences on one process and on two ranks.
-    flags = ["--training.steps", "10", "--quantize.linear.float8.recipe", recipe]
-    single, _ = _train(tmp_path / "single", *flags)
-    parallel, log = _train(tmp_path / "parallel", *flags, *layout, ranks=2)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_float8_under_tensor_parallel_and_fsdp_matches_one_process(train_group, layout):
+    singles = _runs(train_group, "float8_one_process", 1,
+                    {recipe: [*LAYOUT_STEPS, *_recipe(recipe)] for _, recipe in LAYOUTS.values()})
+    single, _ = singles(LAYOUTS[layout][1])
+    parallel, log = _two_ranks(train_group)(layout)
     assert CONVERTED in log
     # The two layouts differ only in the order partial sums are reduced (TP's row-parallel
     # outputs, FSDP's gradient reduce-scatter). A last-bit difference can move an element
@@ -74,22 +100,19 @@ def test_float8_under_tensor_parallel_and_fsdp_matches_one_process(tmp_path, lay
 
 
 @pytest.mark.slow
-def test_float8_checkpoint_is_high_precision_and_loads_without_the_conversion(tmp_path):
+def test_float8_checkpoint_is_high_precision_and_loads_without_the_conversion(train_group):
     from torch.distributed.checkpoint import FileSystemReader
 
-    float8 = ["--quantize.linear.float8.recipe", "tensorwise",
-              "--quantize.linear.float8.enable_fsdp_float8_all_gather"]
-    trained, _ = _train(tmp_path / "float8", "--training.steps", "20", "--training.local_batch_size", "2",
-                        "--checkpoint.enable", "--checkpoint.interval", "20", *float8, ranks=2)
-    step = tmp_path / "float8" / "checkpoint" / "step-20"
+    trained, _ = _two_ranks(train_group)("checkpointed")
+    step = _two_ranks_folder(train_group) / "checkpointed" / "checkpoint" / "step-20"
     metadata = FileSystemReader(str(step)).read_metadata()
     dtypes = {name: meta.properties.dtype for name, meta in metadata.state_dict_metadata.items()
               if name.endswith(".weight")}
     assert dtypes and set(dtypes.values()) == {__import__("torch").float32}, dtypes
     # The trained weights load into an unconverted model, and into a converted one.
     load = ["--training.steps", "1", "--checkpoint.initial_load_path", str(step)]
-    plain, plain_log = _train(tmp_path / "plain", *load)
-    converted, _ = _train(tmp_path / "converted", *load, "--quantize.linear.float8.recipe", "tensorwise")
+    loaded = _runs(train_group, "float8_loaded", 1, {"plain": load, "converted": [*load, *_recipe("tensorwise")]})
+    (plain, plain_log), (converted, _) = loaded("plain"), loaded("converted")
     assert "linears" not in plain_log  # no conversion
     # The trained weights, not a fresh initialization (whose first loss is trained[0], 6.24;
     # 20 steps bring it to ~4.4).

@@ -48,9 +48,11 @@ def main(runs_file: str) -> int:
         runs = json.load(f)
     with one_process_group():
         for name, flags in runs:
-            print(f"train_runs_worker: run {name}", file=sys.stderr, flush=True)
+            # One write (atomic on a pipe), so the ranks' announcements never interleave.
+            sys.stderr.write(f"train_runs_worker: run {name}\n")
+            sys.stderr.flush()
             if run(flags, command="train") != 0:
-                raise SystemExit(f"train_runs_worker: run {name} failed")
+                raise SystemExit(f"train_runs_worker: {name} failed")
     return 0
 
 
