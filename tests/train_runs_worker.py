@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import titan.train.engine as engine_module
 import torch.distributed as dist
+from launching import RUN_MARKER
 from titan.dist import destroy_distributed
 
 from titan.recipes.cli import run
@@ -49,7 +50,7 @@ def main(runs_file: str) -> int:
     with one_process_group():
         for name, flags in runs:
             # One write (atomic on a pipe), so the ranks' announcements never interleave.
-            sys.stderr.write(f"train_runs_worker: run {name}\n")
+            sys.stderr.write(f"{RUN_MARKER}{name}\n")
             sys.stderr.flush()
             if run(flags, command="train") != 0:
                 raise SystemExit(f"train_runs_worker: {name} failed")
