@@ -46,9 +46,15 @@ def run_output(log: Path, name: str) -> str:
     return text[starts[mine[0]][1]:after]
 
 
+def launch_runs(ranks: int, worker: Path, runs: list[list], log: Path) -> None:
+    """``worker`` run once on ``ranks`` processes with a JSON file of ``runs`` (the worker's own
+    run descriptions, beside ``log``) as its argument: many runs, one launch."""
+    runs_file = log.with_suffix(".json")
+    runs_file.write_text(json.dumps(runs))
+    launch(ranks, [str(worker), str(runs_file)], log)
+
+
 def launch_train_runs(ranks: int, runs: list[tuple[str, list[str]]], log: Path) -> None:
     """Every `titan train` run of ``runs`` ((name, flags); each names its own
     ``--job.dump_folder``) in one launch of ``ranks`` processes, one run after another."""
-    runs_file = log.with_suffix(".json")
-    runs_file.write_text(json.dumps([[name, flags] for name, flags in runs]))
-    launch(ranks, [str(RUNS_WORKER), str(runs_file)], log)
+    launch_runs(ranks, RUNS_WORKER, [[name, flags] for name, flags in runs], log)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import launch
+from launching import launch_runs
 
 WORKER = Path(__file__).with_name("engine_worker.py")
 RTOL = 1e-5
@@ -30,9 +30,8 @@ def run_loops(build_once, group: str, ranks: int, layouts: dict[str, list[str]])
     session; the folder holds one output folder per name."""
 
     def build(folder: Path) -> None:
-        runs_file = folder / "runs.json"
-        runs_file.write_text(json.dumps([[str(folder / name), flags] for name, flags in layouts.items()]))
-        launch(ranks, [str(WORKER), str(runs_file)], folder / "launch.log")
+        runs = [[str(folder / name), flags] for name, flags in layouts.items()]
+        launch_runs(ranks, WORKER, runs, folder / "launch.log")
 
     return build_once(group, build)
 

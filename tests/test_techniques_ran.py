@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launching import launch
+from launching import launch_runs
 
 WORKER = Path(__file__).with_name("techniques_worker.py")
 # Tiny and short: one step of debugmodel_tiny (4 layers, dim 64) on 2 x 32 tokens per rank.
@@ -76,9 +76,7 @@ def observed(build_once) -> Callable[[str], list[dict[str, Any]]]:
     def launch_group(ranks: int, folder: Path) -> None:
         runs = [[str(folder / name), [*COMMON, "--job.dump_folder", str(folder / name / "dump"), *flags]]
                 for name, (n, flags) in RUNS.items() if n == ranks]
-        runs_file = folder / "runs.json"
-        runs_file.write_text(json.dumps(runs))
-        launch(ranks, [str(WORKER), str(runs_file)], folder / "launch.log")
+        launch_runs(ranks, WORKER, runs, folder / "launch.log")
 
     def observations(name: str) -> list[dict[str, Any]]:
         ranks = RUNS[name][0]
