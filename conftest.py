@@ -71,13 +71,34 @@ def pytest_configure(config):
     torch.set_num_threads(threads)
 
 
+SHARED_BUILD_TIMEOUT_S = 1800
+"""The per-test limit of a test that may build a shared input (``build_once``).
+
+The suite-wide limit (``timeout`` in pyproject.toml, 300 s) is sized for one test; the test
+that happens to ask first for a shared launch also pays for every run of that launch (the
+float8 launches take several minutes on a slow 2-core machine), so under load it hit the
+suite-wide limit while nothing hung. A launch has its own limit (``launching.launch``, 600 s),
+which fails first and with the ranks' output; a test builds at most two launches, so this
+limit sits above both and still stops a hang in the test's own code."""
+
+
+def _extend_shared_build_timeouts(items) -> None:
+    """Give every test that may build a shared input the limit above (unless it sets its own)."""
+    for item in items:
+        if "build_once" in getattr(item, "fixturenames", ()) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SHARED_BUILD_TIMEOUT_S))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Keep ``--dist loadgroup`` working: pytest-xdist (3.8) names a test's group by appending
     ``@group`` to the test's id through ``item._nodeid``, which pytest 9.2 no longer reads (the id
     lives in ``item._id``), so every group was silently scattered over the workers and a test
     waited on a file lock for a launch another worker was running. Appends the suffix where
-    xdist's own attempt did not stick; a no-op where it did, or without loadgroup."""
+    xdist's own attempt did not stick; a no-op where it did, or without loadgroup.
+
+    Also gives the tests that may build a shared input their longer time limit."""
+    _extend_shared_build_timeouts(items)
     if not getattr(config.option, "loadgroup", False):
         return
     for item in items:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +27,26 @@ def launcher(ranks: int) -> list[str]:
 def launch(ranks: int, args: list[str], log: Path, *, timeout: float = 600) -> None:
     """Run ``args`` (a script and its arguments) on ``ranks`` processes with one thread each;
     the command and its output (stdout and stderr in the order written) go to ``log``; fail
-    with the command and the end of the output unless it succeeded."""
+    with the command and the end of the output unless it succeeded (a launch past ``timeout``
+    seconds is killed, every rank with it, and fails with what it printed)."""
     cmd = [*launcher(ranks), *args]
-    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    log.write_text(f"{' '.join(cmd)}\n{result.stdout}")
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-10000:]}"
+    # A session of its own, so that a launch past its limit can be stopped as a whole.
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun stops its ranks on SIGTERM (they run in sessions of their own); whatever is
+        # left after a grace period is killed with the launcher's session.
+        process.terminate()
+        try:
+            output, _ = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+        output += f"\n[launch stopped after its limit of {timeout:.0f} s]"
+    log.write_text(f"{' '.join(cmd)}\n{output}")
+    assert process.returncode == 0, f"{' '.join(cmd)}\n{output[-10000:]}"
 
 
 def run_output(log: Path, name: str) -> str:
