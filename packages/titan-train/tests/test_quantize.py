@@ -119,7 +119,32 @@ def test_a_converted_linear_computes_in_float8(recipe):
     assert model.state_dict()["layers.0.wq.weight"].dtype == torch.float32
 
 
+def test_emulate_reaches_torchao_and_rounds_like_the_float8_kernel():
+    from torchao.float8 import Float8LinearConfig as AOConfig
+    from torchao.float8 import convert_to_float8_training
+
+    torch.manual_seed(0)
+    kernel, emulated = _Model(), _Model()
+    emulated.load_state_dict(kernel.state_dict())
+    apply_quantization(kernel, _config(recipe="tensorwise"))
+    report = apply_quantization(emulated, _config(recipe="tensorwise", emulate=True))
+    assert "matmuls emulated" in report.summary("tensorwise")
+    linear = emulated.layers["0"].wq
+    assert linear.config.emulate and not kernel.layers["0"].wq.config.emulate
+    reference = nn.Sequential(nn.Linear(64, 64, bias=False))
+    reference[0].weight.data.copy_(linear.weight)
+    convert_to_float8_training(reference, config=AOConfig.from_recipe_name("tensorwise"))
+    x = torch.randn(32, 64)
+    # Not the high-precision product: the operands were cast to float8 ...
+    assert not torch.allclose(linear(x), x @ linear.weight.T, rtol=1e-3, atol=1e-3)
+    # ... and the same casts as the kernel's: products of float8 values are exact in fp32, so
+    # the two differ only in the order of a 64-term fp32 sum (a few ulps of the largest partial
+    # sum), far below the float8 rounding of the assertion above.
+    torch.testing.assert_close(linear(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("flags, message", [
+    (dict(emulate=True), "emulate emulates the float8 matmuls of a recipe"),
     (dict(recipe="fp4"), "recipe='fp4' is unknown"),
     (dict(recipe="rowwise", enable_fsdp_float8_all_gather=True), "needs --quantize.linear.float8.recipe tensorwise"),
     (dict(recipe="tensorwise", precompute_float8_dynamic_scale_for_fsdp=True),

@@ -56,6 +56,14 @@ class Float8LinearConfig:
     """With the float8 all-gather: compute every weight's scale in one all-reduce after each
     optimizer step instead of one small all-reduce per weight in the forward."""
 
+    emulate: bool = False
+    """Run the float8 matmuls as high-precision matmuls of the float8-cast operands instead of
+    the hardware float8 GEMM (torchao's ``emulate``; torchtitan's --…float8.emulate): the same
+    casts and scales, so the same quantization error, but the product is accumulated in high
+    precision. For tests and devices without a fast float8 GEMM — measured on CPU, torch 2.13's
+    ``_scaled_mm`` takes ~24 ms for a 128 x 64 x 64 product (a reference kernel), which made
+    one ``debugmodel_tiny`` step ~140x slower than bf16. Not a speed-up anywhere."""
+
     def __post_init__(self) -> None:
         if self.recipe is not None and self.recipe not in FLOAT8_RECIPES:
             raise ValueError(f"--quantize.linear.float8.recipe={self.recipe!r} is unknown; choose one of "
@@ -64,6 +72,9 @@ class Float8LinearConfig:
             raise ValueError("--quantize.linear.float8.enable_fsdp_float8_all_gather needs "
                              f"--quantize.linear.float8.recipe tensorwise (got {self.recipe!r}): torchao "
                              "all-gathers float8 weights only with one scale per tensor")
+        if self.emulate and self.recipe is None:
+            raise ValueError("--quantize.linear.float8.emulate emulates the float8 matmuls of a recipe; set "
+                             "--quantize.linear.float8.recipe too (or drop --quantize.linear.float8.emulate)")
         if self.precompute_float8_dynamic_scale_for_fsdp and not self.enable_fsdp_float8_all_gather:
             raise ValueError("--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp needs "
                              "--quantize.linear.float8.enable_fsdp_float8_all_gather")
@@ -102,6 +113,8 @@ class ConversionReport:
     skipped: dict[str, str]
     high_precision_experts: int = 0
     """Grouped-experts modules (the plan's ``expert_modules``), which stay in high precision."""
+    emulated: bool = False
+    """Whether the float8 matmuls are emulated (``--quantize.linear.float8.emulate``)."""
 
     def summary(self, recipe: str) -> str:
         """One log line: how many linears run in float8, and the skipped ones by reason."""
@@ -112,8 +125,9 @@ class ConversionReport:
         total = len(self.converted) + len(self.skipped)
         experts = (f"; {self.high_precision_experts} grouped-experts modules stay in high precision (no float8 "
                    "grouped GEMM yet)" if self.high_precision_experts else "")
+        emulated = "; matmuls emulated in high precision (--quantize.linear.float8.emulate)" if self.emulated else ""
         return (f"float8 {recipe}: converted {len(self.converted)} of {total} linears"
-                + (f"; kept in high precision, {kept}" if kept else "") + experts)
+                + (f"; kept in high precision, {kept}" if kept else "") + experts + emulated)
 
 
 def _abbreviate(names: list[str], shown: int = 3) -> str:
@@ -186,13 +200,14 @@ def apply_quantization(model: nn.Module, config: QuantizeConfig) -> ConversionRe
             else:
                 skipped[fqn] = reason
     ao_config = ao.Float8LinearConfig.from_recipe_name(float8.recipe)
-    if float8.enable_fsdp_float8_all_gather:
-        ao_config = dataclasses.replace(ao_config, enable_fsdp_float8_all_gather=True)
+    ao_config = dataclasses.replace(ao_config, enable_fsdp_float8_all_gather=float8.enable_fsdp_float8_all_gather,
+                                    emulate=float8.emulate)
     to_convert = frozenset(converted)
     ao.convert_to_float8_training(model, config=ao_config, module_filter_fn=lambda _m, fqn: fqn in to_convert)
     experts_glob = getattr(plan, "expert_modules", None)
     experts = len(match_modules(model, experts_glob)) if experts_glob else 0
-    return ConversionReport(converted=tuple(converted), skipped=skipped, high_precision_experts=experts)
+    return ConversionReport(converted=tuple(converted), skipped=skipped, high_precision_experts=experts,
+                            emulated=float8.emulate)
 
 
 def precompute_float8_scales(model_parts: list[nn.Module], config: QuantizeConfig) -> None:
