@@ -78,8 +78,8 @@ The suite-wide limit (``timeout`` in pyproject.toml, 300 s) is sized for one tes
 that happens to ask first for a shared launch also pays for every run of that launch (the
 float8 launches take several minutes on a slow 2-core machine), so under load it hit the
 suite-wide limit while nothing hung. A launch has its own limit (``launching.launch``, 600 s),
-which fails first and with the ranks' output; a test builds at most two launches, so this
-limit sits above both and still stops a hang in the test's own code."""
+which fails first and with the ranks' output; this limit leaves room for a test that builds
+several launches and still stops a hang in the test's own code."""
 
 
 def _extend_shared_build_timeouts(items) -> None:
