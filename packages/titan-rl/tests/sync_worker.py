@@ -4,6 +4,8 @@
 
 MODE "colocated": every rank is a trainer rank of an FSDP `TrainingEngine` with its own
 `NativeGenerator`; two syncs (before and after an optimizer step).
+MODE "split": the same over a job split by `titan.dist.split_job`: the first half's
+`TrainingEngine` (FSDP over its part's own default group), the second half's generators.
 MODE "disaggregated": the first half of the ranks train (a model sharded with FSDP2 over the
 trainer ranks only), the second half generate; two syncs through `WeightBroadcaster`.
 
@@ -155,7 +157,40 @@ def disaggregated(out: Path) -> None:
     dist.destroy_process_group()
 
 
+def split(out: Path) -> None:
+    """A job split by `split_job`: the first half trains a `TrainingEngine` (FSDP over its own
+    part's default group), the second half generates; two syncs over the bridge."""
+    from titan.dist import split_job
+    from titan.rl.weight_sync import WeightBroadcaster
+
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    job = split_job(world // 2, timeout_s=120)
+    sync = WeightBroadcaster.over_bridge(job.bridge, is_trainer=job.part == 0, bucket_mb=0.05)
+    record = {"versions": [], "weights": [], "seconds": [], "group_size": dist.get_world_size()}
+    if job.part == 0:
+        engine = make_engine(str(out))
+        record["engine_world"] = engine.dist_env.world_size
+        for version in (1, 2):
+            stats = sync.send(engine, version=version)
+            record["versions"].append(version)
+            record["seconds"].append(stats.seconds)
+            record["weights"].append({k: v.clone() for k, v in engine.full_state_dict()})
+            train_step(engine)
+        engine.close()
+    else:
+        from titan.dist import destroy_distributed
+
+        generator = make_generator(seed=100 + job.rank)
+        for _ in (1, 2):
+            stats = sync.receive(generator)
+            record["versions"].append(generator.version)
+            record["seconds"].append(stats.seconds)
+            record["weights"].append({k: v.clone() for k, v in generator.named_weights()})
+        destroy_distributed()
+    torch.save(record, out / f"rank{job.global_rank}.pt")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     mode, out = sys.argv[1], Path(sys.argv[2])
-    {"colocated": colocated, "disaggregated": disaggregated}[mode](out)
+    {"colocated": colocated, "disaggregated": disaggregated, "split": split}[mode](out)

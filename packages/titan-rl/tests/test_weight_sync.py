@@ -191,6 +191,19 @@ def test_disaggregated_sync_two_trainers_two_generators(tmp_path):
     assert any(not torch.equal(first[k], second[k]) for k in first)  # the second sync moved new weights
 
 
+@pytest.mark.slow
+def test_split_job_sync_from_a_two_rank_engine_to_two_generators(tmp_path):
+    trainer0, trainer1, gen0, gen1 = run_ranks(4, "split", tmp_path)
+    assert trainer0["engine_world"] == trainer1["engine_world"] == 2  # the engine spans the trainer part only
+    assert all(r["group_size"] == 2 for r in (trainer0, trainer1, gen0, gen1))
+    for gen in (gen0, gen1):
+        assert gen["versions"] == [1, 2]
+        for sent, got in zip(trainer0["weights"], gen["weights"], strict=True):
+            assert_same_weights(sent, got)
+    first, second = trainer0["weights"]
+    assert any(not torch.equal(first[k], second[k]) for k in first)  # the step between syncs moved weights
+
+
 def test_tensor_checksum_is_exact_and_position_sensitive():
     from titan.rl.weight_sync import tensor_checksum
 

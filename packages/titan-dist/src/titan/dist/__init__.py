@@ -3,7 +3,8 @@
 Public API (everything else is internal):
 
 - configs: `ParallelismConfig`, `ActivationCheckpointConfig`, `CompileConfig`
-- process group: `DistEnv`, `init_distributed`, `destroy_distributed`
+- process group: `DistEnv`, `init_distributed`, `destroy_distributed`; a job split in two parts with
+  a bridge between them: `split_job`, `current_split`, `JobSplit`, `Bridge`
 - mesh: `ParallelDims` (with expert parallel also the "ep" and "expert_fsdp" views)
 - transformation: `parallelize` (fixed order CP -> TP/SP -> EP -> AC -> compile -> FSDP2),
   and the individual `apply_*` functions
@@ -19,6 +20,7 @@ from titan.dist.compile import apply_compile, check_compile_granularity
 from titan.dist.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
 from titan.dist.dims import ParallelDims
 from titan.dist.env import DistEnv, destroy_distributed, init_distributed
+from titan.dist.split import Bridge, JobSplit, current_split, split_job
 from titan.dist.context_parallel import (
     apply_context_parallel,
     shard_batch_dict_for_context_parallel,
@@ -56,6 +58,10 @@ __all__ = [
     "check_compile_granularity",
     "clip_grad_norm_",
     "destroy_distributed",
+    "Bridge",
+    "JobSplit",
+    "current_split",
+    "split_job",
     "init_distributed",
     "parallelize",
     "reduce_max",

@@ -48,14 +48,21 @@ _started_default_group = False
 def init_distributed(timeout_s: float = 300) -> DistEnv:
     """Read torchrun's RANK / LOCAL_RANK / WORLD_SIZE and start the default process group.
 
-    World size 1 starts no process group at all (a plain single-device run). Otherwise the
+    In a job split by `titan.dist.split.split_job` it describes this rank's part instead
+    (rank and size within the part, whose group the split started). World size 1 starts no
+    process group at all (a plain single-device run). Otherwise the
     backend is nccl on CUDA and gloo on CPU; `timeout_s` bounds every collective so a
     mismatched collective fails instead of hanging.
     """
+    from titan.dist.split import current_split  # split.py imports this module
+
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", rank)
     device = _pick_device(local_rank)
+    split = current_split()
+    if split is not None:  # `split_job` already started this part's group (or none: one rank)
+        return DistEnv(rank=split.rank, local_rank=local_rank, world_size=split.size, device=device)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
@@ -65,9 +72,14 @@ def init_distributed(timeout_s: float = 300) -> DistEnv:
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
-        global _started_default_group
-        _started_default_group = True
+        mark_default_group_started()
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def mark_default_group_started() -> None:
+    """Record that titan started this process's default group (`destroy_distributed` ends it)."""
+    global _started_default_group
+    _started_default_group = True
 
 
 def destroy_distributed() -> None:

@@ -8,8 +8,9 @@ Two modes:
   model by titan name, so the model is never held twice.
 * **Disaggregated** (`WeightBroadcaster`): generator ranks and trainer ranks in one torchrun
   job. The first trainer rank broadcasts the full tensors over a dedicated process group (the
-  first trainer rank + every generator rank; gloo on CPU, NCCL on GPU) in buckets of
-  `bucket_mb`; the other trainer ranks take part in gathering the full tensors only.
+  first trainer rank + every generator rank; gloo on CPU, NCCL on GPU: the bridge of a job
+  split by `titan.dist.split.split_job`, or a group made for it) in buckets of `bucket_mb`;
+  the other trainer ranks take part in gathering the full tensors only.
 
 After each sync the generator's whole `state_dict` is checked against the trainer's: a
 checksum per tensor (`tensor_checksum`), computed on the tensors sent and on the tensors
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from titan.dist import Bridge
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -152,15 +154,18 @@ def sync_colocated(
 
 
 class WeightBroadcaster:
-    """Disaggregated weight sync: trainer ranks send, generator ranks receive, in one job.
+    """Disaggregated weight sync: trainer ranks send, generator ranks receive.
 
-    Construct it on EVERY rank of the default process group (creating the dedicated group is
-    collective). Trainer ranks then call `send` (all of them, since gathering full tensors is
-    collective over the trainer), generator ranks call `receive`. Per sync the source (the
-    first trainer rank) broadcasts a header (version, then per bucket the names, shapes and
-    dtype), the buckets as flat tensors, and finally the checksums of everything sent, which
-    each generator rank compares with what it loaded; the outcome is reduced over the group so
-    the trainer learns of a mismatch too.
+    Two ways to build it. In one job whose default group spans every rank, construct it on
+    EVERY rank with the trainer and generator ranks (creating the dedicated group is
+    collective). In a job split by `titan.dist.split.split_job` (trainer ranks in part 0,
+    generator ranks in part 1), build it with :meth:`over_bridge` on every rank. Trainer ranks
+    then call `send` (all of them, since gathering full tensors is collective over the
+    trainer), generator ranks call `receive`. Per sync the source (the first trainer rank)
+    broadcasts a header (version, then per bucket the names, shapes and dtype), the buckets as
+    flat tensors, and finally the checksums of everything sent, which each generator rank
+    compares with what it loaded; the outcome is reduced over the group so the trainer learns
+    of a mismatch too.
     """
 
     def __init__(
@@ -177,35 +182,44 @@ class WeightBroadcaster:
             raise ValueError("trainer_ranks and generator_ranks must not overlap")
         if not trainer_ranks or not generator_ranks:
             raise ValueError("WeightBroadcaster needs at least one trainer rank and one generator rank")
-        if bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        self.trainer_ranks, self.generator_ranks = list(trainer_ranks), list(generator_ranks)
-        self.source = self.trainer_ranks[0]
-        self.bucket_bytes = int(bucket_mb * 2**20)
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self.device = torch.device(device)
-        self.rank = dist.get_rank()
-        self.group = dist.new_group(
-            [self.source, *self.generator_ranks], backend=backend, timeout=timedelta(seconds=timeout_s)
-        )
+        rank = dist.get_rank()
+        members = [trainer_ranks[0], *generator_ranks]
+        group = dist.new_group(members, backend=backend, timeout=timedelta(seconds=timeout_s))
+        bridge = Bridge(group, rank=members.index(rank), size=len(members), device=device) if rank in members else None
+        self._setup(bridge, is_trainer=rank in trainer_ranks, bucket_mb=bucket_mb)
+
+    @classmethod
+    def over_bridge(cls, bridge: Bridge | None, *, is_trainer: bool, bucket_mb: float = 64.0) -> WeightBroadcaster:
+        """The broadcaster of a split job: ``bridge`` is `split_job`'s (None on the trainer
+        ranks after the first), ``is_trainer`` whether this rank is in the training part."""
+        self = cls.__new__(cls)
+        self._setup(bridge, is_trainer=is_trainer, bucket_mb=bucket_mb)
+        return self
+
+    def _setup(self, bridge: Bridge | None, *, is_trainer: bool, bucket_mb: float) -> None:
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if not is_trainer and bridge is None:
+            raise ValueError("a generator rank needs the bridge to the trainer")
+        self.bridge, self._is_trainer = bridge, is_trainer
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.device = bridge.device if bridge is not None else torch.device("cpu")
+        self.is_source = is_trainer and bridge is not None
 
     @property
     def is_trainer(self) -> bool:
         """Whether this rank is one of the trainer ranks."""
-        return self.rank in self.trainer_ranks
+        return self._is_trainer
 
     def _broadcast_object(self, obj: Any = None) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.source, group=self.group, device=self.device)
-        return box[0]
+        return self.bridge.broadcast_object(obj, src=0)
 
     def _all_ok(self, ok: bool) -> bool:
-        flag = torch.tensor([1 if ok else 0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
+        return self.bridge.all_true(ok)
 
     def send(self, source: Any, *, version: int, dtype: torch.dtype | None = None) -> SyncStats:
         """Trainer side: gather the full tensors of `source` (a `TrainingEngine` or an iterable
@@ -213,7 +227,7 @@ class WeightBroadcaster:
         rank, broadcast them in buckets. Raises WeightMismatchError when a generator rank
         loaded different weights."""
         start = time.perf_counter()
-        if self.rank != self.source:
+        if not self.is_source:
             count = sum(1 for _ in _source_tensors(source, dtype))  # take part in the gathers only
             return SyncStats(version=version, seconds=time.perf_counter() - start, tensors=count, bytes=0)
         self._broadcast_object({"version": version})
@@ -243,7 +257,7 @@ class WeightBroadcaster:
         meta = [(name, tuple(t.shape)) for name, t in bucket]
         self._broadcast_object({"bucket": meta, "dtype": bucket[0][1].dtype})
         flat = torch.cat([t.reshape(-1) for _, t in bucket])
-        dist.broadcast(flat, src=self.source, group=self.group)
+        self.bridge.broadcast(flat, src=0)
 
     def receive(self, generator: Any) -> SyncStats:
         """Generator side: receive one sync into `generator` (`load_weights` with the sent
@@ -267,7 +281,7 @@ class WeightBroadcaster:
                     return
                 numels = [torch.Size(shape).numel() for _, shape in header["bucket"]]
                 flat = torch.empty(sum(numels), dtype=header["dtype"], device=self.device)
-                dist.broadcast(flat, src=self.source, group=self.group)
+                self.bridge.broadcast(flat, src=0)
                 stats["bytes"] += flat.numel() * flat.element_size()
                 for (name, shape), piece in zip(header["bucket"], flat.split(numels), strict=True):
                     stats["tensors"] += 1

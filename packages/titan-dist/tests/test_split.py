@@ -1,0 +1,60 @@
+"""A launch split into two parts with their own default groups and a bridge (real torchrun
+processes, gloo)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("split_worker.py")
+
+
+def run_split(ranks: int, first: int, out: Path) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", str(WORKER), str(first), str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-2000:]}\n{done.stderr[-5000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
+
+
+@pytest.mark.slow
+def test_a_split_job_has_two_default_groups_and_a_bridge(tmp_path):
+    trainer0, trainer1, generator0, generator1 = run_split(4, 2, tmp_path)
+    for seen, part, rank in ((trainer0, 0, 0), (trainer1, 0, 1), (generator0, 1, 0), (generator1, 1, 1)):
+        assert (seen["part"], seen["rank"], seen["size"], seen["sizes"]) == (part, rank, 2, (2, 2))
+        assert seen["env"] == (rank, 2) and seen["group_size"] == 2 and seen["same_split"]
+    # Each part's default group sums over its own ranks only (global ranks 0+1 and 2+3).
+    assert trainer0["part_sum"] == trainer1["part_sum"] == 1.0
+    assert generator0["part_sum"] == generator1["part_sum"] == 5.0
+    assert trainer1["bridge"] is None  # only the first trainer rank is on the bridge
+    assert [s["bridge"] for s in (trainer0, generator0, generator1)] == [(0, 3), (1, 3), (2, 3)]
+    for seen in (trainer0, generator0, generator1):
+        assert seen["command"] == {"op": "go", "from": 0}
+        assert seen["reply"] == ["reply", 3]
+        assert seen["tensor"] == [0.0, 1.0, 2.0, 3.0, 4.0]
+        assert seen["all_true"] is True and seen["one_false"] is False
+    assert trainer0["received"] == [{"bridge_rank": 1, "payload": [0]}, {"bridge_rank": 2, "payload": [0, 1]}]
+
+
+@pytest.mark.slow
+def test_a_part_of_one_rank_starts_no_default_group(tmp_path):
+    trainer, generator = run_split(2, 1, tmp_path)
+    for seen, part in ((trainer, 0), (generator, 1)):
+        assert (seen["part"], seen["rank"], seen["size"], seen["env"], seen["group_size"]) == (part, 0, 1, (0, 1), 1)
+        assert "part_sum" not in seen
+    assert trainer["received"] == [{"bridge_rank": 1, "payload": [0]}]
+
+
+def test_split_job_refuses_an_empty_part(monkeypatch):
+    from titan.dist import split_job
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for first in (0, 2):
+        with pytest.raises(ValueError, match="both parts need at least one rank"):
+            split_job(first)
