@@ -405,13 +405,16 @@ def one_rank_short(build_once) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_colocated_fsdp_two_ranks_raises_held_out_reward(tmp_path):
-    """FSDP over 2 ranks, rank 0 generating for both: every sync is checked tensor by tensor
-    (a mismatch stops the run), trainer and generator log-probs agree on every step, and the
-    held-out reward rises over 20 RL steps (0.33 -> 0.49 measured on one rank)."""
+@pytest.mark.parametrize("generator_ranks", ["0", "1"], ids=["colocated", "disaggregated"])
+def test_two_fsdp_trainer_ranks_raise_held_out_reward(tmp_path, generator_ranks):
+    """FSDP over 2 trainer ranks, rank 0 generating for both (colocated) or a third rank
+    generating (disaggregated, the documented NGPU=3 launch): every sync is checked tensor by
+    tensor (a mismatch stops the run), trainer and generator log-probs agree on every step,
+    and the held-out reward rises over 20 RL steps (0.33 -> 0.49 measured on one rank)."""
     # The recipe before its demonstrations-only warm-up: quicker to show a rise (20 RL steps).
-    run_rl_ranks(2, tmp_path, "--training.steps", "80", "--metrics.log_freq", "1", "--rl_data.sft_demonstrations", "0",
-                 "--rl.ppo_epochs", "1", "--rl.kl_coef", "0", "--rl.eval_prompts", "32")
+    run_rl_ranks(2 + int(generator_ranks), tmp_path, "--training.steps", "80", "--metrics.log_freq", "1",
+                 "--rl_data.sft_demonstrations", "0", "--rl.ppo_epochs", "1", "--rl.kl_coef", "0",
+                 "--rl.eval_prompts", "32", "--rl.generator_ranks", generator_ranks)
     rows = records(tmp_path)
     rl = [r for r in rows if r.get("phase") == "rl"]
     evals = [r for r in rows if r.get("phase") == "eval"]
@@ -451,17 +454,26 @@ def test_several_updates_with_trainer_old_logprobs_are_refused_under_pipeline_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness", ["0", "1"], ids=["on_policy", "async"])
-def test_a_failing_reward_stops_every_rank_with_its_message(tmp_path, staleness):
-    """Rank 0 scores the rollouts (in a background thread when async): its error must reach
-    the other rank too, instead of leaving it in the rollout broadcast until the collective
-    timeout (10 minutes). The subprocess timeout guards against that hang."""
-    result = run_rl_ranks(2, tmp_path, *SHORT, "--rl.rewards", "function", "--rl.reward_function",
-                          "failing_reward:raises", "--rl.max_policy_staleness", staleness, check=False, timeout=300)
+@pytest.mark.parametrize("staleness,generator_ranks", [("0", "0"), ("1", "0"), ("1", "1")],
+                         ids=["on_policy", "async", "disaggregated"])
+def test_a_failing_reward_stops_every_rank_with_its_message(tmp_path, staleness, generator_ranks):
+    """Rank 0 scores the rollouts (in a background thread when async; a generator rank when
+    disaggregated): its error must reach every trainer rank, instead of leaving them in the
+    rollout broadcast until the collective timeout (10 minutes), and a generator rank must
+    stop too. The subprocess timeout guards against that hang."""
+    ranks = 2 + int(generator_ranks)
+    result = run_rl_ranks(ranks, tmp_path, *SHORT, "--rl.rewards", "function", "--rl.reward_function",
+                          "failing_reward:raises", "--rl.max_policy_staleness", staleness,
+                          "--rl.generator_ranks", generator_ranks, check=False, timeout=300)
     assert result.returncode != 0
     output = result.stdout + result.stderr
-    message = "failed on rank 0: RewardError: reward 'function' raised ValueError: the grader is broken"
-    assert output.count(message) >= 2, output[-4000:]  # both ranks stop with it
+    error = "RewardError: reward 'function' raised ValueError: the grader is broken"
+    if generator_ranks == "0":
+        assert output.count(f"failed on rank 0: {error}") >= 2, output[-4000:]  # both ranks stop with it
+    else:
+        assert output.count(f"failed on rank 0: GeneratorError: generator rank 0: {error}") >= 2, output[-4000:]
+        assert f"GeneratorError: generator rank 0: {error}" in output.replace(
+            f"failed on rank 0: GeneratorError: generator rank 0: {error}", ""), output[-4000:]  # the generator too
 
 
 @pytest.mark.slow
@@ -531,3 +543,66 @@ def test_async_run_uses_but_never_exceeds_its_staleness_bound(tmp_path):
     rl = [r for r in records(tmp_path) if r.get("phase") == "rl"]
     assert [r["staleness"] for r in rl] == [0, 1, 2, 1, 2, 1], rl
     assert all(r["policy_version"] == r["step"] - 1 - r["staleness"] for r in rl)
+
+
+# ---- disaggregated: generator ranks beside the trainer ranks ------------------------------
+
+# What a disaggregated run must reproduce of a colocated one: everything but timings and memory.
+COMPARED = ("loss", "grad_norm", "reward_mean", "reward_std", "response_length_mean", "kl", "entropy",
+            "clip_fraction", "staleness", "policy_version", "logprob_diff_max", "tokens_seen")
+
+
+@pytest.mark.slow
+def test_one_generator_rank_reproduces_the_colocated_run(tmp_path):
+    """1 generator rank + 2 FSDP trainer ranks vs the same 2 trainer ranks with rank 0
+    generating: the generator rank draws the same prompts and seeds with weights checked
+    tensor by tensor after every sync, so the runs are equal record for record. Async
+    (staleness 1: rollout i + 1 generates while rollout i trains) with the KL penalty on, so
+    the overlap schedule and the reference (taken from the engine, not a generator) are both
+    covered."""
+    flags = [*DETERMINISTIC, "--rl.max_policy_staleness", "1", "--rl.no_drop_zero_variance", "--rl.kl_coef", "0.05"]
+    run_rl_ranks(3, tmp_path / "disaggregated", *flags, "--rl.generator_ranks", "1")
+    run_rl_ranks(2, tmp_path / "colocated", *flags)
+    disaggregated, colocated = records(tmp_path / "disaggregated"), records(tmp_path / "colocated")
+    assert [r["step"] for r in disaggregated] == [r["step"] for r in colocated] == list(range(1, 9))
+    for mine, theirs in zip(disaggregated, colocated, strict=True):
+        assert {k: mine.get(k) for k in COMPARED} == {k: theirs.get(k) for k in COMPARED}, mine["step"]
+    rl = [r for r in disaggregated if r.get("phase") == "rl"]
+    assert [r["staleness"] for r in rl] == [0, 1, 1, 1, 1, 1]  # generation overlapped training
+    assert any(r["kl"] > 0 for r in rl)  # the reference is the step-2 policy, not the current one
+    assert max(r["logprob_diff_max"] for r in rl if r["staleness"] == 0) <= 1e-5
+
+
+@pytest.mark.slow
+def test_two_generator_ranks_share_each_rollout(tmp_path):
+    """2 generator ranks + 2 trainer ranks: each generator rank generates half of every
+    rollout's prompts (dynamic sampling refills its own half), the trainer merges the halves,
+    held-out prompts are split too; log-probs agree on every step."""
+    result = run_rl_ranks(4, tmp_path, *SHORT, "--rl.generator_ranks", "2", "--rl.max_refill_rounds", "1",
+                          "--rl.eval_freq", "3", "--rl.eval_prompts", "5")
+    rows = records(tmp_path)
+    rl = [r for r in rows if r.get("phase") == "rl"]
+    assert len(rl) + sum(1 for r in rows if r.get("phase") == "sft_warmup") <= 8 and rl
+    assert max(r["logprob_diff_max"] for r in rl) <= 1e-5
+    evals = [r for r in rows if r.get("phase") == "eval"]
+    assert evals and all(0 <= e["eval_exact_match"] <= 1 for e in evals)
+    # 5 held-out prompts over 2 ranks: 3 + 2; an exact match rate is a multiple of 1/5.
+    assert all(abs(e["eval_exact_match"] * 5 - round(e["eval_exact_match"] * 5)) < 1e-9 for e in evals)
+    assert "Traceback" not in result.stderr
+
+
+def test_generator_ranks_need_a_trainer_rank(monkeypatch):
+    from titan.rl.disaggregated import split_for_generators
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="--rl.generator_ranks 2 leaves no trainer rank in a launch of 2 ranks"):
+        split_for_generators(2, timeout_s=10)
+
+
+def test_disaggregated_flags_are_checked():
+    with pytest.raises(ValueError, match="--rl.generator_ranks must be >= 0"):
+        RLSection(generator_ranks=-1)
+    with pytest.raises(ValueError, match="which this run does not have"):
+        RLSection(generator_timeout_s=60)
+    with pytest.raises(ValueError, match="--generator.kind vllm is not supported there yet"):
+        RLConfig(rl=RLSection(generator_ranks=1), generator=RLConfig().generator.__class__(kind="vllm"))

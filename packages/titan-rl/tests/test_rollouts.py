@@ -98,3 +98,10 @@ def test_rows_are_dealt_to_data_parallel_ranks_in_equal_microbatch_counts():
     assert all(not r.train and not r.token_ids for r in fillers)
     batch = build_batch(rank1[1], seq_len=6, pad_id=PAD)
     assert batch["loss_mask"].sum() == 0 and (batch["labels"] == -100).all()
+
+
+def test_a_rollout_whose_groups_were_all_dropped_has_no_rows():
+    """Dynamic sampling can drop every group of a (share of a) rollout: nothing to train on,
+    not a crash (it raised "rewards must be [prompts, group]")."""
+    empty = Rollout(index=3, version=1, groups=[], rewards=[], generated_rewards=[[1.0, 1.0]])
+    assert rollout_rows(empty) == []

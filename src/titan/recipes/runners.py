@@ -94,11 +94,13 @@ _register_sft()
 
 
 def _build_rl(config) -> Loop:
-    from titan.rl.controller import RLTrainer  # imported late: --help stays fast
+    # imported late: --help stays fast. With --rl.generator_ranks the launch's last ranks
+    # become generator servers, the others the trainer.
+    from titan.rl.disaggregated import build_rl_loop
 
     from titan.recipes.families import model_spec
 
-    return RLTrainer(config, model_spec=model_spec(config.model.name))
+    return build_rl_loop(config, model_spec=model_spec(config.model.name))
 
 
 def _register_rl() -> None:

@@ -91,6 +91,14 @@ class RLSection:
     max_policy_staleness: int = 0
     """0: on-policy (generate with the current weights, then train). k >= 1: generation of the
     next rollout overlaps training, on weights at most k versions old (synced when needed)."""
+    generator_ranks: int = 0
+    """0: colocated (the trainer's rank 0 generates every rollout for all trainer ranks).
+    N >= 1: disaggregated: the launch's last N ranks generate (each its share of a rollout's
+    prompts, with its own model copy) and the engine spans the other ranks; weights reach them
+    by broadcast after each update, with a checksum of every tensor."""
+    generator_timeout_s: float = 1800.0
+    """Disaggregated runs: how long a generator rank waits for the trainer's next command (the
+    trainer may be training, evaluating or saving meanwhile), and any collective between them."""
     sft_warmup_steps: int = 0
     """Optimizer steps of supervised fine-tuning on the synthetic task (its answers) before RL
     starts; counted in --training.steps."""
@@ -119,7 +127,7 @@ class RLSection:
             if getattr(self, flag) < 1:
                 raise ValueError(f"--rl.{flag} must be >= 1, got {getattr(self, flag)}")
         for flag in ("max_policy_staleness", "sft_warmup_steps", "eval_freq", "max_refill_rounds",
-                     "overlong_buffer_len"):
+                     "overlong_buffer_len", "generator_ranks"):
             if getattr(self, flag) < 0:
                 raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
         if self.loss_type not in LOSS_TYPES:
@@ -136,6 +144,13 @@ class RLSection:
                 raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
         if self.is_cap and self.is_cap < 1:
             raise ValueError(f"--rl.is_cap {self.is_cap} would cap ratios below 1; use a cap >= 1, or 0 to disable")
+        if self.generator_timeout_s <= 0:
+            raise ValueError(f"--rl.generator_timeout_s must be > 0, got {self.generator_timeout_s}")
+        if not self.generator_ranks and self.generator_timeout_s != RLSection.generator_timeout_s:
+            raise ValueError(
+                "--rl.generator_timeout_s bounds the waits of generator ranks, which this run does not have: "
+                "set --rl.generator_ranks, or drop the flag"
+            )
         self._check_importance_sampling()
         self._check_advantages()
         if self.minibatches_per_rollout > self.group_size:
@@ -260,6 +275,11 @@ class RLConfig(RunConfig):
             raise ValueError(
                 "--rl.sft_warmup_steps trains on the synthetic task's answers; with --rl_data.format "
                 "jsonl start from an SFT checkpoint instead (--checkpoint.initial_load_path)"
+            )
+        if self.rl.generator_ranks and self.generator.kind == "vllm":
+            raise ValueError(
+                "--rl.generator_ranks runs the native generator on the generator ranks; --generator.kind vllm is "
+                "not supported there yet: use --generator.kind native, or vLLM colocated on one rank"
             )
         if self.rl.overlong_buffer_len >= self.sampling.max_new_tokens:
             raise ValueError(

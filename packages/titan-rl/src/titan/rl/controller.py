@@ -17,10 +17,12 @@ One RL step (policy version ``v`` = optimizer steps taken so far):
    log-probs (one no-grad forward first when several updates use the rollout) and truncated
    importance weights for the trainer/generator mismatch (``--rl.old_logprobs``).
 
-Why rank 0 generates for everyone: the rollout is then independent of the layout (the same
-completions train a 1-rank and an FSDP run, and a resume regenerates exactly), one
-single-device model copy suffices, and rewards run once. Multi-generator scaling (one
-generator per data-parallel rank, or a disaggregated vLLM fleet) fits the same seam.
+Why rank 0 generates for everyone (colocated, the default): the rollout is then independent
+of the layout (the same completions train a 1-rank and an FSDP run, and a resume regenerates
+exactly), one single-device model copy suffices, and rewards run once. With
+``--rl.generator_ranks N`` the launch's last N ranks generate instead (disaggregated,
+``titan.rl.disaggregated``): rank 0 commands them, broadcasts the weights to them and merges
+their parts of each rollout; with one generator rank the rollouts equal the colocated ones.
 
 **Staleness.** ``--rl.max_policy_staleness 0`` is on-policy: the weights are synced before
 every rollout. With ``k >= 1`` the next rollout is generated in a background thread while the
@@ -55,8 +57,9 @@ import torch
 import torch.distributed as dist
 from titan.dist import reduce_max
 from titan.rl.config import RLConfig
-from titan.rl.data import PromptSampler, build_prompts
-from titan.rl.generate.base import SamplingConfig
+from titan.dist import current_split
+from titan.rl.data import build_prompts
+from titan.rl.disaggregated import RemoteGenerators, build_generator
 from titan.rl.logprobs import sharded_token_entropy, sharded_token_logprobs, token_logprobs
 from titan.rl.losses import (
     importance_weights,
@@ -65,7 +68,7 @@ from titan.rl.losses import (
     stat_means,
     token_entropy,
 )
-from titan.rl.rewards import build_reward, overlong_penalty
+from titan.rl.producer import RolloutProducer, held_out_means
 from titan.rl.rollouts import Rollout, build_batch, rollout_rows, rollout_stats, split_rows
 from titan.rl.weight_sync import sync_colocated
 from titan.train.data.sft import build_sft_dataloader
@@ -109,12 +112,6 @@ def _combine(into: dict[str, Any], stats: Mapping[str, Any]) -> None:
             into[key] = into[key] + value
 
 
-def _with_variance(groups: list, rewards: list[list[float]], texts: list) -> tuple[list, list, list]:
-    """The groups (with their rewards and texts) whose rewards are not all equal."""
-    keep = [i for i, r in enumerate(rewards) if max(r) > min(r)]
-    return [groups[i] for i in keep], [rewards[i] for i in keep], [texts[i] for i in keep]
-
-
 def _assemble_rows(pieces: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -> torch.Tensor | None:
     """One ``[rows, S]`` tensor from (row indices, values) pieces (None without pieces)."""
     if not pieces:
@@ -129,6 +126,38 @@ def _assemble_rows(pieces: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -
 def _crossed(before: int, after: int, every: int) -> bool:
     """Whether a multiple of ``every`` lies in ``(before, after]`` (``every`` <= 0: never)."""
     return every > 0 and after // every > before // every
+
+
+class _Deferred:
+    """A rollout the generator ranks are producing: collected from the bridge when first
+    waited for; an error is kept, to be raised by ``result()`` where every rank hears of it."""
+
+    def __init__(self, collect) -> None:
+        self._collect, self._done, self._value, self._error = collect, False, None, None
+
+    def wait(self) -> None:
+        """Collect the result now (first call only)."""
+        if not self._done:
+            try:
+                self._value = self._collect()
+            except Exception as err:  # raised by result(), inside the rollout broadcast
+                self._error = err
+            self._done = True
+
+    def result(self) -> Any:
+        """The collected result (collecting it first), or the error collecting it raised."""
+        self.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _settle(future: concurrent.futures.Future | _Deferred) -> None:
+    """Wait until ``future`` holds its result or error, without raising it."""
+    if isinstance(future, _Deferred):
+        future.wait()
+    else:
+        concurrent.futures.wait([future])
 
 
 class RolloutError(RuntimeError):
@@ -237,6 +266,8 @@ class RLTrainer:
     """
 
     Config = RLConfig
+    remote: RemoteGenerators | None = None
+    """The generator ranks of a disaggregated run (--rl.generator_ranks); None: colocated."""
 
     def __init__(self, config: RLConfig, *, model_spec: ModelSpec) -> None:
         self.config = cfg = config
@@ -245,32 +276,40 @@ class RLTrainer:
         check_generator_kind(cfg.generator.kind)
         self.tokenizer = cfg.tokenizer.build()
         self.vocab_size = cfg.model.resolve_vocab_size(self.tokenizer.vocab_size)
+        split = current_split()
+        if cfg.rl.generator_ranks and (split is None or split.part != 0):
+            raise ValueError(
+                "--rl.generator_ranks needs every rank of the launch started through "
+                "titan.rl.disaggregated.build_rl_loop (the titan rl command does): it splits the launch into "
+                "trainer and generator ranks before the engine is built"
+            )
         self.engine = TrainingEngine.from_config(cfg, model_spec=model_spec, vocab_size=self.vocab_size)
         self._check_layout()
         check_generator_kind(cfg.generator.kind, world_size=self.engine.dist_env.world_size)
         self.is_rank0 = self.engine.dist_env.rank == 0
         train_prompts, self.eval_prompts = build_prompts(cfg.rl_data, self.tokenizer)
-        self.sampler = PromptSampler(train_prompts, seed=cfg.debug.seed)
-        self.refill_sampler = PromptSampler(train_prompts, seed=cfg.debug.seed + 1)  # DAPO dynamic sampling
-        self.reward = build_reward(
-            cfg.rl.rewards, weights=cfg.rl.reward_weights, format_regex=cfg.rl.format_regex,
-            function=cfg.rl.reward_function, numeric_tolerance=cfg.rl.numeric_tolerance,
-            timeout_s=cfg.rl.reward_timeout_s,
-        )
         self.state = ControllerState(prompts_per_step=cfg.rl.prompts_per_step, num_prompts=len(train_prompts))
         self.engine.add_state("rl_controller", self.state)
         self.warmup_loader = self._build_warmup_loader()
         self.warmup_accum_steps = self._warmup_accum_steps()
         self.sampling = dataclasses.replace(cfg.sampling, n=cfg.rl.group_size)
-        self.generator = self._build_generator(cfg.generator.kind) if self.is_rank0 else None
+        if cfg.rl.generator_ranks:
+            self.remote = RemoteGenerators(split)
+        # Colocated: rank 0 generates and scores every rollout for all ranks.
+        self.generator = self._build_generator(cfg.generator.kind) if self.is_rank0 and self.remote is None else None
+        self.producer = None if self.generator is None else RolloutProducer(
+            cfg, generator=self.generator, tokenizer=self.tokenizer, train_prompts=train_prompts,
+            eval_prompts=self.eval_prompts,
+        )
         # The frozen KL reference (rank 0), taken when RL starts and checkpointed with the run;
         # it only rescores, so it is a native model copy whatever generates.
         self.reference = ReferencePolicy(self._build_generator() if self.is_rank0 and cfg.rl.kl_coef > 0 else None)
         if cfg.rl.kl_coef > 0:
             self.engine.add_state("rl_reference", self.reference)
         self.generator_version = -1  # tracked on every rank: sync decisions are collective
-        self._executor = concurrent.futures.ThreadPoolExecutor(1) if cfg.rl.max_policy_staleness > 0 and self.is_rank0 else None
-        self._pending: tuple[int, concurrent.futures.Future | None] | None = None
+        background = cfg.rl.max_policy_staleness > 0 and self.producer is not None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1) if background else None
+        self._pending: tuple[int, concurrent.futures.Future | _Deferred | None] | None = None
         self.metrics = MetricsLogger(
             cfg.metrics, dump_folder=Path(cfg.job.dump_folder), total_steps=cfg.training.steps,
             flops_per_token=self.engine.flops_per_token, peak_flops=device_peak_flops(self.engine.device),
@@ -330,90 +369,42 @@ class RLTrainer:
         return loader
 
     def _build_generator(self, kind: str = "native"):
-        """Rank 0's generator (``--generator.kind``), built from the same model spec: a
-        single-device model copy (native) or vLLM running the family's model code."""
-        cfg = self.config
-        overrides = {**cfg.model.overrides(), "vocab_size": self.vocab_size, "max_seq_len": cfg.training.seq_len}
-        if kind == "vllm":
-            from titan.rl.generate.vllm import VLLMGenerator
-
-            gen = cfg.generator
-            return VLLMGenerator.from_model_spec(
-                self.model_spec, cfg.model.flavor, overrides=overrides, eos_token_id=self.tokenizer.eos_id,
-                dtype=gen.dtype, kv_cache_memory_bytes=gen.kv_cache_memory_bytes, max_num_seqs=gen.max_num_seqs,
-                seed=cfg.debug.seed,
-            )
-        from titan.rl.generate.native import NativeGenerator
-
-        return NativeGenerator.from_model_spec(
-            self.model_spec, cfg.model.flavor, seed=cfg.debug.seed, overrides=overrides,
-            device=self.engine.device, eos_token_id=self.tokenizer.eos_id,
-        )
+        """A generator on this rank (``--generator.kind``): rank 0's in a colocated run, and
+        the KL reference's native model copy."""
+        return build_generator(self.config, self.model_spec, vocab_size=self.vocab_size,
+                               eos_token_id=self.tokenizer.eos_id, device=self.engine.device, kind=kind)
 
     # ---- weight sync and generation -----------------------------------------------------
 
     def sync_weights(self) -> None:
-        """Copy the engine's current weights into the generator and check them (collective:
-        every rank iterates the full state dict; rank 0 loads it)."""
+        """Copy the engine's current weights into the generator(s) and check them (collective:
+        every trainer rank iterates the full state dict; rank 0 loads it, or broadcasts it to
+        the generator ranks)."""
         version = self.engine.step
-        stats = sync_colocated(self.engine, self.generator, version=version, dtype=torch.float32)
+        if self.remote is not None:  # broadcast to the generator ranks
+            stats = self.remote.sync(self.engine, version=version)
+        else:
+            stats = sync_colocated(self.engine, self.generator, version=version, dtype=torch.float32)
         self.generator_version = version
         self.timings["sync_s"] += stats.seconds
 
     def _produce(self, index: int) -> Rollout:
-        """Generate and score rollout ``index`` (rank 0; may run in the background thread).
-        With --rl.max_refill_rounds, groups without reward variance are replaced by groups of
-        fresh prompts (DAPO's dynamic sampling), at most that many extra rounds."""
-        start = time.perf_counter()
-        rl = self.config.rl
-        count = rl.prompts_per_step
-        version = self.generator.version
-        timeouts_before = self.reward.timeouts
-        groups, rewards, texts = self._generate_scored(self.sampler.for_rollout(index, count), index, 0)
-        generated = list(rewards)
-        rounds = 0
-        if rl.max_refill_rounds:
-            groups, rewards, texts = _with_variance(groups, rewards, texts)
-            while len(groups) < count and rounds < rl.max_refill_rounds:
-                rounds += 1
-                # A stream of its own, positioned by (rollout, round): a resumed run refills alike.
-                prompts = self.refill_sampler.window(((index * rl.max_refill_rounds) + rounds - 1) * count, count)
-                more = self._generate_scored(prompts, index, rounds)
-                generated += more[1]
-                kept = _with_variance(*more)
-                groups, rewards, texts = groups + kept[0], rewards + kept[1], texts + kept[2]
-            groups, rewards, texts = groups[:count], rewards[:count], texts[:count]
-        rollout = Rollout(index=index, version=version, groups=groups, rewards=rewards, texts=texts,
-                          reward_timeouts=self.reward.timeouts - timeouts_before,
-                          generated_rewards=generated, refill_rounds=rounds)
+        """Generate and score rollout ``index`` now (rank 0; may run in the background thread):
+        with the colocated producer, or by asking the generator ranks and waiting for them."""
+        if self.remote is not None:
+            self.remote.request(index)
+            return self._with_reference(self.remote.collect())
+        return self._with_reference(self.producer.produce(index))
+
+    def _with_reference(self, rollout: Rollout) -> Rollout:
+        """``rollout`` with the frozen KL reference's log-probs of its completions (rank 0),
+        once the reference is taken; the rescoring time counts as generation."""
         if self.reference.taken:
+            start = time.perf_counter()
             rollout.ref_logprobs = [self.reference.holder.rescore(g, temperature=self.sampling.temperature)
-                                    for g in groups]
-        rollout.generation_s = time.perf_counter() - start
+                                    for g in rollout.groups]
+            rollout.generation_s += time.perf_counter() - start
         return rollout
-
-    def _generate_scored(self, prompts, index: int, round_: int):
-        """Completions of ``prompts`` (sampling seeded by rollout and refill round), their
-        texts, and their rewards (the soft overlong penalty included)."""
-        rl, sampling = self.config.rl, self.sampling
-        if sampling.seed is not None:
-            sampling = dataclasses.replace(sampling, seed=sampling.seed + index + round_ * 2**32)
-        groups = self.generator.generate([p.ids for p in prompts], sampling)
-        texts = [[self._decode(c.token_ids) for c in group] for group in groups]
-        rewards = [
-            self.reward.score([p.text] * len(g), g, [p.answer] * len(g)) for p, g in zip(prompts, texts, strict=True)
-        ]
-        if rl.overlong_buffer_len:
-            for group, scores in zip(groups, rewards, strict=True):
-                for j, completion in enumerate(group):
-                    scores[j] += overlong_penalty(len(completion.token_ids), max_new_tokens=sampling.max_new_tokens,
-                                                  buffer_len=rl.overlong_buffer_len, factor=rl.overlong_penalty_factor)
-        return groups, rewards, texts
-
-    def _decode(self, token_ids: list[int]) -> str:
-        """A completion's text without its stop token."""
-        ids = [t for t in token_ids if t != self.tokenizer.eos_id and t not in self.sampling.stop_token_ids]
-        return self.tokenizer.decode(ids)
 
     def _broadcast(self, result: Any) -> Any:
         """Rank 0's ``result`` (a rollout, an evaluation) on every rank. ``result`` may be a
@@ -434,12 +425,21 @@ class RLTrainer:
             dist.broadcast_object_list(box, src=0, device=device)
             failure, result = box[0]
         if failure is not None:
-            raise RolloutError(f"generating or scoring a rollout failed on rank 0: {failure}")
+            message = f"generating or scoring a rollout failed on rank 0: {failure}"
+            # Logged here on every rank: a launcher may stop this process before its traceback prints.
+            logger.error("%s", message)
+            raise RolloutError(message)
         return result
 
     def _launch(self, index: int) -> None:
-        """Start generating rollout ``index`` in the background (rank 0)."""
-        future = self._executor.submit(self._produce, index) if self._executor is not None else None
+        """Start generating rollout ``index`` (rank 0): in the background thread, or on the
+        generator ranks, collected when first waited for."""
+        future = None
+        if self.remote is not None and self.remote.is_driver:
+            self.remote.request(index)
+            future = _Deferred(lambda: self._with_reference(self.remote.collect()))
+        elif self._executor is not None:
+            future = self._executor.submit(self._produce, index)
         self._pending = (index, future)
 
     def next_rollout(self) -> Rollout:
@@ -457,7 +457,7 @@ class RLTrainer:
             self._launch(index)
         future = self._pending[1]
         if future is not None:  # done before the generator's weights may change below
-            concurrent.futures.wait([future])
+            _settle(future)
         # The next rollout trains at version + updates at the latest (this rollout takes at
         # most that many optimizer steps), so its weights must be of version >= that - bound.
         self._pending = None
@@ -471,7 +471,7 @@ class RLTrainer:
         """Let the background generation finish (before using the generator otherwise); a
         failure stays in the future, for :meth:`next_rollout` to report on every rank."""
         if self._pending is not None and self._pending[1] is not None:
-            concurrent.futures.wait([self._pending[1]])
+            _settle(self._pending[1])
 
     # ---- the RL step ---------------------------------------------------------------------
 
@@ -752,14 +752,9 @@ class RLTrainer:
         if self.generator_version != self.engine.step:
             self.sync_weights()
         def score_held_out() -> dict[str, float]:  # rank 0
-            prompts = self.eval_prompts[: self.config.rl.eval_prompts]
-            greedy = SamplingConfig(temperature=0.0, max_new_tokens=self.sampling.max_new_tokens,
-                                    stop_token_ids=self.sampling.stop_token_ids, n=1, seed=0)
-            groups = self.generator.generate([p.ids for p in prompts], greedy)
-            texts = [self._decode(g[0].token_ids) for g in groups]
-            rewards = self.reward.score([p.text for p in prompts], texts, [p.answer for p in prompts])
-            exact = [float(t.strip() == (p.answer or "").strip()) for t, p in zip(texts, prompts, strict=True)]
-            return {"eval_reward": sum(rewards) / len(rewards), "eval_exact_match": sum(exact) / len(exact)}
+            if self.remote is not None:
+                return self.remote.evaluate()
+            return held_out_means([self.producer.held_out_totals()])
 
         return self._broadcast(score_held_out)
 
@@ -773,6 +768,14 @@ class RLTrainer:
         """Freeze the weights RL starts from as the KL reference (rank 0), when KL is on; a
         resumed run keeps the reference its checkpoint restored."""
         if self.config.rl.kl_coef <= 0:
+            return
+        if self.remote is not None:  # no generator on rank 0: the weights come from the engine
+            weights = self.engine.full_state_dict(dtype=torch.float32)  # collective: every rank iterates it
+            if self.is_rank0 and not self.reference.taken:
+                self.reference.take(weights)
+            else:
+                for _ in weights:
+                    pass
             return
         if self.generator_version != self.engine.step:
             self.sync_weights()
@@ -887,4 +890,17 @@ class RLTrainer:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
         self.metrics.close()
-        self.engine.close()
+        self.engine.close()  # after every trainer rank got here (its barrier): the generators may stop
+        self._stop_generators()
+
+    def _stop_generators(self) -> None:
+        """Tell the generator ranks to stop, also after a failure here (they would otherwise
+        wait for a command until --rl.generator_timeout_s): a rollout still being generated is
+        collected first, so the stop command is the one they wait for."""
+        if self.remote is None or not self.remote.is_driver or self.remote.stopped:
+            return
+        try:
+            self._wait_pending()
+            self.remote.stop()
+        except Exception:  # the generator ranks may be gone already: the launcher stops them
+            logger.warning("could not tell the generator ranks to stop", exc_info=True)

@@ -84,7 +84,10 @@ def rollout_rows(
 ) -> list[Row]:
     """One row per completion, with its group advantage (``estimator``, ``std``:
     :func:`group_advantages`); completions of groups whose rewards are all equal are left out
-    when ``drop_zero_variance``."""
+    when ``drop_zero_variance``. A rollout without groups (dynamic sampling dropped every one)
+    has no rows."""
+    if not rollout.groups:
+        return []
     rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
     advantages = group_advantages(rewards, normalize_std=normalize_std, estimator=estimator, std=std)
     keep = nonzero_variance_groups(rewards) if drop_zero_variance else torch.ones(len(rewards), dtype=torch.bool)

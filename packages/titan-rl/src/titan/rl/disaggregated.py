@@ -1,0 +1,222 @@
+"""Disaggregated RL: generator ranks and trainer ranks in one launch (``--rl.generator_ranks N``).
+
+The launch is split (:func:`titan.dist.split_job`): its first ``world - N`` ranks are the
+trainer, a :class:`~titan.train.engine.TrainingEngine` over their own default process group
+(any layout: FSDP, TP, PP...); its last ``N`` ranks each run a generator
+(:class:`GeneratorServer`) with its own model copy. The first trainer rank drives the
+generator ranks over the split's bridge with commands, in order:
+
+- ``sync``: the trainer's weights follow, broadcast in buckets with the policy version and a
+  checksum of every tensor (:class:`~titan.rl.weight_sync.WeightBroadcaster`); a generator
+  whose weights then differ from the trainer's stops the run on both sides;
+- ``rollout i``: each generator rank generates and scores its share of rollout ``i``'s
+  prompts and sends its part back; the trainer merges the parts (in rank order);
+- ``eval``: greedy completions of each rank's share of the held-out prompts, scored;
+- ``stop``: the run is over.
+
+Generation overlaps training by the order of these commands: with
+``--rl.max_policy_staleness k >= 1`` the trainer asks for rollout ``i + 1`` before it trains on
+rollout ``i`` (after a sync when the generators' weights would be too old), so the generator
+ranks generate while the trainer ranks train. An error on a generator rank is sent back in
+place of its part: every trainer rank raises it, and so does the generator rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from titan.dist import JobSplit, current_split, destroy_distributed, init_distributed, split_job
+from titan.rl.data import build_prompts
+from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts
+from titan.rl.rollouts import Rollout
+from titan.rl.weight_sync import SyncStats, WeightBroadcaster
+from titan.train.model_spec import ModelSpec
+
+logger = logging.getLogger("titan")
+
+TRAINER = 0
+"""The split part of the trainer ranks (the launch's first ranks)."""
+
+
+class GeneratorError(RuntimeError):
+    """A generator rank failed to produce its part of a rollout or an evaluation."""
+
+
+def split_for_generators(generator_ranks: int, *, timeout_s: float) -> JobSplit:
+    """Split this launch into its trainer ranks and its last ``generator_ranks`` ranks (every
+    process of the launch calls this once), with a clear error for a launch too small."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if generator_ranks >= world:
+        raise ValueError(
+            f"--rl.generator_ranks {generator_ranks} leaves no trainer rank in a launch of {world} "
+            f"{'rank' if world == 1 else 'ranks'}; start {generator_ranks + 1} or more ranks with torchrun "
+            "(NGPU=... ./tools/run_train.sh), or use --rl.generator_ranks 0 (rank 0 generates)"
+        )
+    split = current_split()
+    if split is not None:  # e.g. a test harness split the job already
+        if split.part_sizes[1] != generator_ranks:
+            raise ValueError(f"this launch was split for {split.part_sizes[1]} generator ranks, not {generator_ranks}")
+        return split
+    return split_job(world - generator_ranks, timeout_s=timeout_s)
+
+
+def build_generator(config: Any, model_spec: ModelSpec, *, vocab_size: int, eos_token_id: int,
+                    device: torch.device, kind: str = "native") -> Any:
+    """A generator of ``config``'s model (``--generator.kind``), from the same model spec as the
+    trainer: a single-device model copy (native) or vLLM running the family's model code."""
+    overrides = {**config.model.overrides(), "vocab_size": vocab_size, "max_seq_len": config.training.seq_len}
+    if kind == "vllm":
+        from titan.rl.generate.vllm import VLLMGenerator
+
+        gen = config.generator
+        return VLLMGenerator.from_model_spec(
+            model_spec, config.model.flavor, overrides=overrides, eos_token_id=eos_token_id, dtype=gen.dtype,
+            kv_cache_memory_bytes=gen.kv_cache_memory_bytes, max_num_seqs=gen.max_num_seqs, seed=config.debug.seed,
+        )
+    from titan.rl.generate.native import NativeGenerator
+
+    return NativeGenerator.from_model_spec(
+        model_spec, config.model.flavor, seed=config.debug.seed, overrides=overrides, device=device,
+        eos_token_id=eos_token_id,
+    )
+
+
+class RemoteGenerators:
+    """The trainer's side of the bridge (every trainer rank builds one; only the first drives
+    the generator ranks, the others take part in gathering the weights it sends)."""
+
+    def __init__(self, split: JobSplit, *, bucket_mb: float = 64.0) -> None:
+        self.bridge = split.bridge  # the first trainer rank's; None on the other trainer ranks
+        self.generator_ranks = split.part_sizes[1]
+        self.broadcaster = WeightBroadcaster.over_bridge(split.bridge, is_trainer=True, bucket_mb=bucket_mb)
+        self.stopped = False
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this is the trainer rank that commands the generator ranks (the first)."""
+        return self.bridge is not None
+
+    def _command(self, op: str, **fields: Any) -> None:
+        self.bridge.broadcast_object({"op": op, **fields}, src=0)
+
+    def sync(self, engine: Any, *, version: int) -> SyncStats:
+        """Send the engine's weights as policy ``version`` (every trainer rank: collective)."""
+        if self.bridge is not None:
+            self._command("sync")
+        return self.broadcaster.send(engine, version=version, dtype=torch.float32)
+
+    def request(self, index: int) -> None:
+        """Ask the generator ranks for rollout ``index`` (first trainer rank; returns at once)."""
+        self._command("rollout", index=index)
+
+    def collect(self) -> Rollout:
+        """The rollout last requested, merged from every generator rank's part (first trainer
+        rank; waits for it). Raises :class:`GeneratorError` with a generator rank's error."""
+        return merge_rollouts(self._replies())
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out reward and exact match of greedy completions, every generator rank scoring
+        its share of the prompts (first trainer rank)."""
+        self._command("eval")
+        return held_out_means(self._replies())
+
+    def _replies(self) -> list[Any]:
+        replies = [self.bridge.recv_object(src) for src in range(1, self.generator_ranks + 1)]
+        for rank, reply in enumerate(replies):
+            if isinstance(reply, dict) and "error" in reply:
+                raise GeneratorError(f"generator rank {rank}: {reply['error']}")
+        return replies
+
+    def stop(self) -> None:
+        """Tell the generator ranks the run is over (first trainer rank; once)."""
+        if self.bridge is not None and not self.stopped:
+            self._command("stop")
+        self.stopped = True
+
+
+class GeneratorServer:
+    """A generator rank of a disaggregated run: serves the first trainer rank's commands (see
+    the module docstring) until ``stop``. Runs under the ``titan rl`` command like the trainer
+    (``train()`` serves, ``close()`` releases the process group)."""
+
+    def __init__(self, config: Any, *, model_spec: ModelSpec, split: JobSplit) -> None:
+        from titan.train.engine import setup_logging
+
+        self.config, self.split = config, split
+        self.dist_env = init_distributed()  # this rank's part: the generator ranks
+        setup_logging(split.global_rank)
+        model_spec.check_flavor(config.model.flavor)
+        tokenizer = config.tokenizer.build()
+        vocab_size = config.model.resolve_vocab_size(tokenizer.vocab_size)
+        self.generator = build_generator(config, model_spec, vocab_size=vocab_size, eos_token_id=tokenizer.eos_id,
+                                         device=self.dist_env.device, kind=config.generator.kind)
+        train_prompts, eval_prompts = build_prompts(config.rl_data, tokenizer)
+        self.producer = RolloutProducer(config, generator=self.generator, tokenizer=tokenizer,
+                                        train_prompts=train_prompts, eval_prompts=eval_prompts,
+                                        shard=split.rank, shards=split.size)
+        self.bridge = split.bridge
+        self.receiver = WeightBroadcaster.over_bridge(split.bridge, is_trainer=False)
+        self.served = {"sync": 0, "rollout": 0, "eval": 0}
+        self.failure: str | None = None
+
+    def train(self) -> dict[str, int]:
+        """Serve commands until ``stop``; returns how many of each were served."""
+        logger.info("generator rank %d of %d: serving the trainer", self.split.rank, self.split.size)
+        while True:
+            command = self.bridge.broadcast_object(src=0)
+            op = command["op"]
+            if op == "stop":
+                if self.failure is not None:  # the trainer stopped after hearing of it
+                    raise GeneratorError(f"generator rank {self.split.rank}: {self.failure}")
+                logger.info("generator rank %d: done (%s)", self.split.rank, self.served)
+                return dict(self.served)
+            if op == "sync":
+                self.receiver.receive(self.generator)
+            elif op == "rollout":
+                self._reply(lambda: self.producer.produce(command["index"]))
+            elif op == "eval":
+                self._reply(self.producer.held_out_totals)
+            else:
+                raise GeneratorError(f"unknown command {op!r} from the trainer")
+            self.served[op] += 1
+
+    def _reply(self, work) -> None:
+        """Send ``work()``'s result to the first trainer rank, or its error. After an error
+        the server keeps serving until the trainer, which raises it on every trainer rank,
+        sends ``stop``; ``train()`` then raises it here too."""
+        try:
+            result = work()
+        except Exception as err:
+            logger.error("generator rank %d failed", self.split.rank, exc_info=True)
+            self.failure = self.failure or f"{type(err).__name__}: {err}"
+            result = {"error": f"{type(err).__name__}: {err}"}
+        self.bridge.send_object(result, 0)
+
+    def close(self) -> None:
+        """Release this part's process group (when it has one)."""
+        destroy_distributed()
+
+
+def build_rl_loop(config: Any, *, model_spec: ModelSpec) -> Any:
+    """The loop this process runs for ``config``: the trainer (:class:`RLTrainer`) or, with
+    --rl.generator_ranks N, on the launch's last N ranks a :class:`GeneratorServer`."""
+    from titan.rl.controller import RLTrainer
+
+    if config.rl.generator_ranks:
+        split = split_for_generators(config.rl.generator_ranks, timeout_s=config.rl.generator_timeout_s)
+        if split.part != TRAINER:
+            return GeneratorServer(config, model_spec=model_spec, split=split)
+    return RLTrainer(config, model_spec=model_spec)
+
+
+__all__ = [
+    "GeneratorError",
+    "GeneratorServer",
+    "RemoteGenerators",
+    "build_generator",
+    "build_rl_loop",
+    "split_for_generators",
+]

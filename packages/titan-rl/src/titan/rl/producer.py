@@ -1,0 +1,156 @@
+"""Generating and scoring rollouts: what a generator's process does with its generator.
+
+One :class:`RolloutProducer` wraps one generator (native or vLLM) with the prompt samplers,
+the rewards and the sampling settings. A colocated run has one, on rank 0, for all prompts; a
+disaggregated run has one on each generator rank, for its share of each rollout's prompts
+(``shard`` of ``shards``, contiguous). Shares are cut so that one producer over all prompts
+and ``n`` producers over their shares draw the same prompts, and with one shard the same
+completions: rollout ``i``'s prompts, refill prompts and sampling seed are functions of ``i``
+(and of the shard), so a resumed run regenerates the same rollouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from titan.rl.data import Prompt, PromptSampler
+from titan.rl.generate.base import SamplingConfig
+from titan.rl.rewards import build_reward, overlong_penalty
+from titan.rl.rollouts import Rollout
+
+SHARD_SEED_STRIDE = 2**48
+"""Sampling seeds of different shards are this far apart (refill rounds are 2**32 apart)."""
+
+
+def share(count: int, shard: int, shards: int) -> tuple[int, int]:
+    """The contiguous ``(start, length)`` of ``shard``'s part of ``count`` items split over
+    ``shards`` (the first ``count % shards`` parts one longer)."""
+    size, extra = divmod(count, shards)
+    return shard * size + min(shard, extra), size + (shard < extra)
+
+
+def _with_variance(groups: list, rewards: list[list[float]], texts: list) -> tuple[list, list, list]:
+    """The groups (with their rewards and texts) whose rewards are not all equal."""
+    keep = [i for i, r in enumerate(rewards) if max(r) > min(r)]
+    return [groups[i] for i in keep], [rewards[i] for i in keep], [texts[i] for i in keep]
+
+
+class RolloutProducer:
+    """Rollouts and held-out scores from one generator (see the module docstring).
+
+    ``config`` is the run's ``RLConfig``; ``generator`` has ``generate(prompt_ids, sampling)``
+    and a ``version``; ``tokenizer`` decodes completions for the rewards."""
+
+    def __init__(self, config: Any, *, generator: Any, tokenizer: Any, train_prompts: list[Prompt],
+                 eval_prompts: list[Prompt], shard: int = 0, shards: int = 1) -> None:
+        if not 0 <= shard < shards:
+            raise ValueError(f"shard {shard} is not one of {shards} shards")
+        self.config, self.generator, self.tokenizer = config, generator, tokenizer
+        self.eval_prompts = eval_prompts
+        self.shard, self.shards = shard, shards
+        self.sampler = PromptSampler(train_prompts, seed=config.debug.seed)
+        self.refill_sampler = PromptSampler(train_prompts, seed=config.debug.seed + 1)  # DAPO dynamic sampling
+        rl = config.rl
+        self.reward = build_reward(
+            rl.rewards, weights=rl.reward_weights, format_regex=rl.format_regex, function=rl.reward_function,
+            numeric_tolerance=rl.numeric_tolerance, timeout_s=rl.reward_timeout_s,
+        )
+        self.sampling = dataclasses.replace(config.sampling, n=rl.group_size)
+
+    def produce(self, index: int) -> Rollout:
+        """Generate and score this shard's part of rollout ``index``. With
+        --rl.max_refill_rounds, groups without reward variance are replaced by groups of fresh
+        prompts (DAPO's dynamic sampling), at most that many extra rounds."""
+        start = time.perf_counter()
+        rl = self.config.rl
+        total = rl.prompts_per_step
+        first, count = share(total, self.shard, self.shards)
+        version = self.generator.version
+        timeouts_before = self.reward.timeouts
+        prompts = self.sampler.for_rollout(index, total)[first : first + count]
+        groups, rewards, texts = self._generate_scored(prompts, index, 0)
+        generated = list(rewards)
+        rounds = 0
+        if rl.max_refill_rounds:
+            groups, rewards, texts = _with_variance(groups, rewards, texts)
+            while len(groups) < count and rounds < rl.max_refill_rounds:
+                rounds += 1
+                # A stream of its own, positioned by (rollout, round, share): a resumed run refills alike.
+                position = ((index * rl.max_refill_rounds) + rounds - 1) * total + first
+                more = self._generate_scored(self.refill_sampler.window(position, count), index, rounds)
+                generated += more[1]
+                kept = _with_variance(*more)
+                groups, rewards, texts = groups + kept[0], rewards + kept[1], texts + kept[2]
+            groups, rewards, texts = groups[:count], rewards[:count], texts[:count]
+        return Rollout(index=index, version=version, groups=groups, rewards=rewards, texts=texts,
+                       reward_timeouts=self.reward.timeouts - timeouts_before, generated_rewards=generated,
+                       refill_rounds=rounds, generation_s=time.perf_counter() - start)
+
+    def _generate_scored(self, prompts: list[Prompt], index: int, round_: int):
+        """Completions of ``prompts`` (sampling seeded by rollout, refill round and shard),
+        their texts, and their rewards (the soft overlong penalty included)."""
+        rl, sampling = self.config.rl, self.sampling
+        if sampling.seed is not None:
+            seed = sampling.seed + index + round_ * 2**32 + self.shard * SHARD_SEED_STRIDE
+            sampling = dataclasses.replace(sampling, seed=seed)
+        groups = self.generator.generate([p.ids for p in prompts], sampling)
+        texts = [[self.decode(c.token_ids) for c in group] for group in groups]
+        rewards = [
+            self.reward.score([p.text] * len(g), g, [p.answer] * len(g)) for p, g in zip(prompts, texts, strict=True)
+        ]
+        if rl.overlong_buffer_len:
+            for group, scores in zip(groups, rewards, strict=True):
+                for j, completion in enumerate(group):
+                    scores[j] += overlong_penalty(len(completion.token_ids), max_new_tokens=sampling.max_new_tokens,
+                                                  buffer_len=rl.overlong_buffer_len, factor=rl.overlong_penalty_factor)
+        return groups, rewards, texts
+
+    def decode(self, token_ids: list[int]) -> str:
+        """A completion's text without its stop token."""
+        ids = [t for t in token_ids if t != self.tokenizer.eos_id and t not in self.sampling.stop_token_ids]
+        return self.tokenizer.decode(ids)
+
+    def held_out_totals(self) -> dict[str, float]:
+        """This shard's greedy completions of the held-out prompts (the first
+        --rl.eval_prompts), scored: summed reward, summed exact match, and the count."""
+        prompts = self.eval_prompts[: self.config.rl.eval_prompts]
+        first, count = share(len(prompts), self.shard, self.shards)
+        prompts = prompts[first : first + count]
+        if not prompts:
+            return {"reward": 0.0, "exact_match": 0.0, "count": 0}
+        greedy = SamplingConfig(temperature=0.0, max_new_tokens=self.sampling.max_new_tokens,
+                                stop_token_ids=self.sampling.stop_token_ids, n=1, seed=0)
+        groups = self.generator.generate([p.ids for p in prompts], greedy)
+        texts = [self.decode(g[0].token_ids) for g in groups]
+        rewards = self.reward.score([p.text for p in prompts], texts, [p.answer for p in prompts])
+        exact = [float(t.strip() == (p.answer or "").strip()) for t, p in zip(texts, prompts, strict=True)]
+        return {"reward": sum(rewards), "exact_match": sum(exact), "count": len(prompts)}
+
+
+def held_out_means(totals: list[dict[str, float]]) -> dict[str, float]:
+    """Mean held-out reward and exact match over every shard's totals."""
+    count = sum(t["count"] for t in totals)
+    if not count:
+        return {}
+    return {"eval_reward": sum(t["reward"] for t in totals) / count,
+            "eval_exact_match": sum(t["exact_match"] for t in totals) / count}
+
+
+def merge_rollouts(parts: list[Rollout]) -> Rollout:
+    """One rollout from its shards' parts, in shard order (they must share index and version)."""
+    first = parts[0]
+    if any(p.index != first.index or p.version != first.version for p in parts):
+        raise RuntimeError(f"rollout parts disagree: {[(p.index, p.version) for p in parts]} (index, version)")
+    return Rollout(
+        index=first.index, version=first.version,
+        groups=[g for p in parts for g in p.groups], rewards=[r for p in parts for r in p.rewards],
+        texts=[t for p in parts for t in p.texts], generation_s=max(p.generation_s for p in parts),
+        reward_timeouts=sum(p.reward_timeouts for p in parts),
+        generated_rewards=[r for p in parts for r in (p.generated_rewards or p.rewards)],
+        refill_rounds=max(p.refill_rounds for p in parts),
+    )
+
+
+__all__ = ["RolloutProducer", "held_out_means", "merge_rollouts", "share"]

@@ -1,0 +1,70 @@
+"""Rollouts from one producer or from several generator ranks' shares: the shares cover the
+prompts exactly once, one shard is the whole rollout, and parts merge in shard order."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from titan.rl.config import RLConfig, RLSection
+from titan.rl.data import Prompt
+from titan.rl.generate.base import Completion, SamplingConfig
+from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts, share
+from titan.rl.rollouts import Rollout
+
+
+def test_shares_cover_every_item_once_in_order():
+    for count in range(0, 12):
+        for shards in range(1, 5):
+            parts = [share(count, s, shards) for s in range(shards)]
+            covered = [i for start, length in parts for i in range(start, start + length)]
+            assert covered == list(range(count)), (count, shards, parts)
+            assert max(p[1] for p in parts) - min(p[1] for p in parts) <= 1
+
+
+class EchoGenerator:
+    """Completes prompt p with tokens derived from its ids and the sampling seed: which
+    prompts and seed each shard used is visible in the completions."""
+
+    version = 7
+
+    def generate(self, prompt_ids, sampling: SamplingConfig):
+        return [[Completion(prompt_ids=ids, token_ids=[ids[0], (sampling.seed or 0) % 1000, j], logprobs=[0.0] * 3,
+                            finish_reason="stop") for j in range(sampling.n)] for ids in prompt_ids]
+
+
+def producer(shard: int, shards: int, **rl) -> RolloutProducer:
+    config = RLConfig(rl=RLSection(prompts_per_step=5, group_size=2, rewards=("char_match",), **rl),
+                      sampling=SamplingConfig(seed=100, max_new_tokens=4))
+    prompts = [Prompt(ids=[10 + i], text=f"p{i}", answer=f"{i}") for i in range(40)]
+    tokenizer = SimpleNamespace(eos_id=-1, decode=lambda ids: " ".join(map(str, ids)))
+    return RolloutProducer(config, generator=EchoGenerator(), tokenizer=tokenizer, train_prompts=prompts,
+                           eval_prompts=prompts[:3], shard=shard, shards=shards)
+
+
+def test_shards_draw_the_prompts_of_one_producer_and_merge_in_order():
+    whole = producer(0, 1).produce(4)
+    parts = [producer(s, 2).produce(4) for s in range(2)]
+    assert [len(p.groups) for p in parts] == [3, 2]
+    merged = merge_rollouts(parts)
+    first_tokens = lambda r: [g[0].token_ids[0] for g in r.groups]  # noqa: E731 - the prompt of each group
+    assert first_tokens(merged) == first_tokens(whole)
+    assert (merged.index, merged.version) == (4, 7)
+    # Shard 0 samples with the whole rollout's seed; shard 1 with a seed of its own.
+    assert [g[0].token_ids[1] for g in parts[0].groups] == [g[0].token_ids[1] for g in whole.groups[:3]]
+    assert parts[1].groups[0][0].token_ids[1] != whole.groups[3][0].token_ids[1]
+
+
+def test_parts_of_different_rollouts_do_not_merge():
+    a = Rollout(index=1, version=2, groups=[], rewards=[])
+    b = Rollout(index=2, version=2, groups=[], rewards=[])
+    with pytest.raises(RuntimeError, match="rollout parts disagree"):
+        merge_rollouts([a, b])
+
+
+def test_held_out_shares_average_like_the_whole():
+    whole = held_out_means([producer(0, 1).held_out_totals()])
+    split = held_out_means([producer(s, 2).held_out_totals() for s in range(2)])
+    assert split == pytest.approx(whole)
+    assert [producer(s, 2).held_out_totals()["count"] for s in range(2)] == [2, 1]
+    assert held_out_means([{"reward": 0.0, "exact_match": 0.0, "count": 0}]) == {}
