@@ -513,9 +513,11 @@ def test_dynamic_sampling_refills_dropped_groups(tmp_path):
 def test_tensor_parallel_rl_keeps_the_logits_sharded_and_matches_one_rank(tmp_path, one_rank_short):
     """TP 2 with loss parallel: the RL loss computes token log-probs and entropy from the
     vocab-sharded logits (a gather of the full logits raises in every process of the run:
-    the probe in this folder's sitecustomize.py) and trains like one rank."""
+    the probe in this folder's sitecustomize.py), in chunks of 40 positions
+    (--training.loss_chunk_tokens; a microbatch has 8 rows of 32), and trains like one rank in one
+    piece."""
     run_rl_ranks(2, tmp_path / "tp", *DETERMINISTIC, "--parallelism.tensor_parallel_degree", "2",
-                 env={"TITAN_TEST_REFUSE_FULL_LOGITS": "1"})
+                 "--training.loss_chunk_tokens", "40", env={"TITAN_TEST_REFUSE_FULL_LOGITS": "1"})
     one, tp = one_rank_short, records(tmp_path / "tp")
     rl_one, rl_tp = ([r for r in rows if r.get("phase") == "rl"] for rows in (one, tp))
     assert [r["step"] for r in rl_tp] == [r["step"] for r in rl_one] and len(rl_tp) >= 3

@@ -57,7 +57,8 @@ def make_rollout(engine, *, exact: bool = False) -> Rollout:
 def trainer_over(engine, rl: RLSection, rollout: Rollout) -> RLTrainer:
     """An RLTrainer around ``engine`` whose next rollout is ``rollout`` (no generator)."""
     trainer = RLTrainer.__new__(RLTrainer)
-    trainer.config = SimpleNamespace(rl=rl, training=SimpleNamespace(seq_len=SEQ, local_batch_size=1, steps=100))
+    trainer.config = SimpleNamespace(rl=rl, training=SimpleNamespace(seq_len=SEQ, local_batch_size=1, steps=100,
+                                                                    loss_chunk_tokens=0))
     trainer.engine, trainer.is_rank0 = engine, True
     trainer.sampling = SimpleNamespace(temperature=1.0, max_new_tokens=4)
     trainer.tokenizer = SimpleNamespace(pad_id=0)

@@ -60,13 +60,12 @@ from titan.rl.config import RLConfig
 from titan.dist import current_split
 from titan.rl.data import build_prompts
 from titan.rl.disaggregated import RemoteGenerators, build_generator
-from titan.rl.logprobs import sharded_token_entropy, sharded_token_logprobs, token_logprobs
+from titan.rl.logprobs import token_entropy, token_logprobs
 from titan.rl.losses import (
     importance_weights,
     loss_normalizer,
     policy_loss,
     stat_means,
-    token_entropy,
 )
 from titan.rl.producer import RolloutProducer, held_out_means
 from titan.rl.rollouts import Rollout, build_batch, rollout_rows, rollout_stats, split_rows
@@ -80,7 +79,6 @@ from titan.train.model_spec import ModelSpec
 from titan.train.preemption import PreemptionGuard, save_for_preemption
 from titan.train.profiling import StepProfiler
 from titan.train.trainer import grad_accum_steps, save_run_config
-from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("titan")
 
@@ -490,10 +488,8 @@ class RLTrainer:
         def loss_fn(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
             logp, valid = self._label_logprobs(logits, batch)
             with torch.set_grad_enabled(torch.is_grad_enabled() and rl.entropy_coef > 0):  # else only logged
-                if isinstance(logits, DTensor):  # vocab-sharded under loss parallel: never gathered
-                    entropy = sharded_token_entropy(logits, temperature)
-                else:
-                    entropy = token_entropy(logits, temperature=temperature)
+                # Vocab-sharded logits (loss parallel) are never gathered; both in chunks.
+                entropy = token_entropy(logits, temperature, chunk_tokens=self.config.training.loss_chunk_tokens)
             generator = batch["old_logprobs"]
             before_update = trainer_old[batch["row_index"][:, 0]] if trainer_old is not None else logp.detach()
             old, is_weights, is_cap, is_stats = self._ratio_terms(before_update, generator, batch["loss_mask"])
@@ -524,10 +520,8 @@ class RLTrainer:
         vocab-parallel cross-entropy gives each token's log-prob."""
         labels = batch["labels"]
         valid = (labels >= 0).float()
-        if isinstance(logits, DTensor):
-            logp = sharded_token_logprobs(logits, labels.clamp(min=0), self.sampling.temperature)
-        else:
-            logp = token_logprobs(logits, labels.clamp(min=0), self.sampling.temperature)
+        logp = token_logprobs(logits, labels.clamp(min=0), self.sampling.temperature,
+                              chunk_tokens=self.config.training.loss_chunk_tokens)
         return logp * valid, valid
 
     def _ratio_terms(self, before_update: torch.Tensor, generator: torch.Tensor, loss_mask: torch.Tensor):

@@ -6,17 +6,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits / T)[target] for every position: logits [..., V], targets [...]
-    (long) -> [...] float32. `temperature` 0 (greedy) counts as 1; the softmax runs in float32."""
+def _scaled_rows(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[n, V]`` logits in float32 divided by the temperature (0, greedy, counts as 1)."""
     scale = temperature if temperature > 0 else 1.0
     logits = logits.float()
-    if scale != 1.0:
-        logits = logits / scale
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logits / scale if scale != 1.0 else logits
 
 
 def _replicated(value: torch.Tensor) -> torch.Tensor:
@@ -24,29 +21,67 @@ def _replicated(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
+def _logprob_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T)[target] of ``[n, V]`` rows. Vocab-sharded rows (a DTensor
+    under loss parallel) take a vocab-parallel cross-entropy: only the per-token result
+    crosses ranks, the vocabulary is never gathered."""
+    rows = _scaled_rows(logits, temperature)
+    if isinstance(rows, DTensor):
+        return _replicated(-F.cross_entropy(rows, targets, reduction="none"))
+    return torch.log_softmax(rows, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _entropy_rows(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of softmax(logits / T) of ``[n, V]`` rows (vocab-sharded rows: each rank sums
+    its slice of the vocabulary, then the sums are reduced)."""
+    logp = F.log_softmax(_scaled_rows(logits, temperature), dim=-1)
+    return _replicated(-(logp.exp() * logp).sum(-1))
+
+
+def _by_chunks(rows_fn, logits: torch.Tensor, targets: torch.Tensor | None, temperature: float,
+               chunk_tokens: int) -> torch.Tensor:
+    """``rows_fn`` over the positions of ``logits [..., V]`` (and ``targets [...]``),
+    ``chunk_tokens`` positions at a time when > 0: with gradients each chunk is recomputed in
+    backward instead of saved, so the float32 logits and log-softmax exist for one chunk at a
+    time, never for the whole microbatch. Row-wise, so a chunk's values equal the one-piece
+    ones."""
+    shape = logits.shape[:-1]
+    flat = logits.flatten(0, -2)
+    args = () if targets is None else (targets.flatten(),)
+    if chunk_tokens <= 0 or flat.shape[0] <= chunk_tokens:
+        return rows_fn(flat, *args, temperature).view(shape)
+    pieces = zip(flat.split(chunk_tokens), *(a.split(chunk_tokens) for a in args), strict=True)
+    if torch.is_grad_enabled():
+        out = [checkpoint(rows_fn, *piece, temperature, use_reentrant=False) for piece in pieces]
+    else:
+        out = [rows_fn(*piece, temperature) for piece in pieces]
+    return torch.cat(out).view(shape)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
+                   chunk_tokens: int = 0) -> torch.Tensor:
+    """log_softmax(logits / T)[target] for every position: logits [..., V], targets [...]
+    (long) -> [...] float32. `temperature` 0 (greedy) counts as 1; the softmax runs in
+    float32. Vocab-sharded logits (a DTensor under tensor parallel with loss parallel, inside
+    ``loss_parallel()``) are never gathered: a vocab-parallel cross-entropy per token, equal
+    up to float32 summation order. ``chunk_tokens``: see :func:`_by_chunks`."""
+    return _by_chunks(_logprob_rows, logits, targets, temperature, chunk_tokens)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, *, chunk_tokens: int = 0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / T)`` at each position, float32 ``[...]``, from plain or
+    vocab-sharded logits (never gathered), ``chunk_tokens`` positions at a time when > 0."""
+    return _by_chunks(_entropy_rows, logits, None, temperature, chunk_tokens)
+
+
 def sharded_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """:func:`token_logprobs` of vocab-sharded logits (a DTensor under tensor parallel with
-    loss parallel, inside ``loss_parallel()``), without gathering the vocabulary: a
-    vocab-parallel cross-entropy per token, whose per-token result is all that crosses
-    ranks. Equal to :func:`token_logprobs` up to float32 summation order."""
-    scale = temperature if temperature > 0 else 1.0
-    flat = logits.float().flatten(0, 1)
-    if scale != 1.0:
-        flat = flat / scale
-    logp = -F.cross_entropy(flat, targets.flatten(), reduction="none")
-    return _replicated(logp).view(targets.shape)
+    """:func:`token_logprobs` of vocab-sharded logits (the same function; kept by name)."""
+    return token_logprobs(logits, targets, temperature)
 
 
 def sharded_token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of ``softmax(logits / T)`` per position of vocab-sharded logits, reduced over
-    the shards (each rank sums its slice of the vocabulary), float32 ``[B, S]``."""
-    scale = temperature if temperature > 0 else 1.0
-    flat = logits.float().flatten(0, 1)
-    if scale != 1.0:
-        flat = flat / scale
-    logp = F.log_softmax(flat, dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return _replicated(entropy).view(logits.shape[:-1])
+    """:func:`token_entropy` of vocab-sharded logits (the same function; kept by name)."""
+    return token_entropy(logits, temperature)
 
 
 def pad_sequences(
@@ -69,4 +104,4 @@ def pad_sequences(
     return input_ids, targets, mask
 
 
-__all__ = ["pad_sequences", "sharded_token_entropy", "sharded_token_logprobs", "token_logprobs"]
+__all__ = ["pad_sequences", "sharded_token_entropy", "sharded_token_logprobs", "token_entropy", "token_logprobs"]

@@ -56,6 +56,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
+from titan.rl.logprobs import token_entropy  # noqa: F401 - the entropy bonus's input, importable here too
 
 LossType = Literal["grpo", "dapo", "dr_grpo", "gspo"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -253,10 +254,3 @@ def stat_means(stats: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
         if key in stats:
             out[key] = float(stats[key]) / tokens
     return out
-
-
-def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of ``softmax(logits / T)`` at each position, float32 ``[B, S]``."""
-    scale = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits.float() / scale, dim=-1)
-    return -(logp.exp() * logp).sum(-1)

@@ -119,8 +119,8 @@ class TrainingConfig:
     loss_chunk_tokens: int = 0
     """Compute the cross-entropy this many token positions at a time, recomputing each chunk
     in backward, so the float32 logits and log-softmax ([tokens, vocab] each) never exist for a
-    whole microbatch (pretraining, SFT, validation and RL's SFT warm-up); 0 computes it in one
-    piece. Saves the most memory with large vocabularies (e.g. 4096 with Llama 3's 128K);
+    whole microbatch (pretraining, SFT, validation, RL's SFT warm-up, and the RL policy loss's
+    token log-probs and entropy); 0 computes it in one piece. Saves the most memory with large vocabularies (e.g. 4096 with Llama 3's 128K);
     costs one recomputed softmax."""
     document_mask: bool = False
     """Attend only within each packed document (causal AND same document), with RoPE
