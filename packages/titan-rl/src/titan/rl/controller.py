@@ -326,15 +326,6 @@ class RLTrainer:
                 "--rl.loss_type gspo needs each completion's whole sequence on one rank; it does not "
                 "run under --parallelism.context_parallel_degree > 1 (use grpo, dapo or dr_grpo)"
             )
-        if dims.pp_enabled and cfg.rl.old_logprobs == "trainer" and cfg.rl.updates_per_rollout > 1:
-            # The pre-update pass runs the schedule forward-only; a training step after it
-            # was measured to compute its first loss on one stale pipeline microbatch too.
-            raise ValueError(
-                f"--rl.ppo_epochs {cfg.rl.ppo_epochs} x --rl.minibatches_per_rollout {cfg.rl.minibatches_per_rollout} "
-                "updates per rollout need the trainer's pre-update log-probs, which do not run under "
-                "--parallelism.pipeline_parallel_degree > 1 yet; use one update per rollout (--rl.ppo_epochs 1), "
-                "--rl.old_logprobs generator, or no pipeline parallel"
-            )
         if cfg.sampling.max_new_tokens >= cfg.training.seq_len:
             raise ValueError(
                 f"--sampling.max_new_tokens {cfg.sampling.max_new_tokens} does not fit --training.seq_len "

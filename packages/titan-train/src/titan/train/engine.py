@@ -187,6 +187,7 @@ class TrainingEngine:
         )
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
         self._pipeline_loss_call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._inferring_pipeline_metadata = False
         self._step_hooks: list[Callable] | None = None
         self._first_non_finite_step: torch.Tensor | None = None
         mp_policy = mixed_precision_policy(mixed_precision_param, mixed_precision_reduce)
@@ -274,6 +275,7 @@ class TrainingEngine:
                 mp_policy=mp_policy,
                 scale_grads=False,  # the loss is already normalized over the global batch
             )
+            self._mark_pipeline_metadata_inference(self.pp_schedule)
         else:
             parts = [parallelize(model, self.parallel_dims, self.mesh, **common, mp_policy=mp_policy)]
         for part in parts:
@@ -531,9 +533,34 @@ class TrainingEngine:
     def _is_last_stage(self, part: nn.Module) -> bool:
         return part is self.model_parts[-1] and self.pp_has_last
 
+    def _mark_pipeline_metadata_inference(self, schedule: Any) -> None:
+        """torch's schedules infer each stage's tensor metadata on their first run and again
+        after every switch between ``eval`` and ``step``, by running the stage and the loss on
+        placeholder tensors (uninitialized memory). The loop's loss must not see those calls:
+        its statistics would count a microbatch that does not exist (an RL step's KL and
+        entropy came out NaN after its forward-only pre-update pass). This marks that window
+        so :meth:`_pipeline_loss` answers it alone. (torch versions without the method run no
+        loss during inference.)"""
+        initialize = getattr(schedule, "_initialize_pp_stages", None)
+        if initialize is None:
+            return
+
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            self._inferring_pipeline_metadata = True
+            try:
+                return initialize(*args, **kwargs)
+            finally:
+                self._inferring_pipeline_metadata = False
+
+        schedule._initialize_pp_stages = marked
+
     def _pipeline_loss(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: ``rows`` are the batch rows of this pipeline microbatch (the
-        schedule splits the row-index target like any input)."""
+        schedule splits the row-index target like any input). During metadata inference: a
+        zero of the output's graph (what inference needs: the gradients' shapes), without
+        calling the loop's loss."""
+        if self._inferring_pipeline_metadata:
+            return output.float().sum() * 0.0
         if self._pipeline_loss_call is None:
             raise RuntimeError("the pipeline loss ran outside TrainingEngine.forward_backward")
         return self._pipeline_loss_call(output, rows)
