@@ -1,4 +1,5 @@
-"""torchrun entry point of the split-job test: ``split_worker.py FIRST_PART_SIZE OUT``.
+"""torchrun entry point of the split-job test: ``split_worker.py FIRST_PART_SIZE OUT [nogroup1]``
+(``nogroup1``: the second part starts without a default group).
 
 Every rank calls `split_job`, then exercises its part's default group and, on bridge members,
 every bridge collective; each writes OUT/rank<R>.pt with what it saw.
@@ -13,13 +14,17 @@ import torch
 import torch.distributed as dist
 
 
-def main(first: int, out: Path) -> None:
+def main(first: int, out: Path, groups: tuple[bool, bool]) -> None:
     from titan.dist import current_split, destroy_distributed, init_distributed, split_job
 
-    split = split_job(first, timeout_s=60)
-    env = init_distributed()
+    split = split_job(first, timeout_s=60, part_groups=groups)
+    try:
+        env = init_distributed()
+        described = (env.rank, env.world_size)
+    except RuntimeError as err:
+        described = str(err)
     seen = {"part": split.part, "rank": split.rank, "size": split.size, "sizes": split.part_sizes,
-            "env": (env.rank, env.world_size), "same_split": current_split() is split,
+            "env": described, "same_split": current_split() is split, "has_group": split.has_group,
             "group_size": dist.get_world_size() if dist.is_initialized() else 1}
     if dist.is_initialized():  # the part's own group: a sum over this part only
         total = torch.tensor([float(split.global_rank)])
@@ -44,4 +49,4 @@ def main(first: int, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), Path(sys.argv[2]))
+    main(int(sys.argv[1]), Path(sys.argv[2]), (True, not (len(sys.argv) > 3 and sys.argv[3] == "nogroup1")))

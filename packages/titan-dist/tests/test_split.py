@@ -14,9 +14,9 @@ import torch
 WORKER = Path(__file__).with_name("split_worker.py")
 
 
-def run_split(ranks: int, first: int, out: Path) -> list[dict]:
+def run_split(ranks: int, first: int, out: Path, *extra: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", str(WORKER), str(first), str(out)]
+           "--rdzv_endpoint", "localhost:0", str(WORKER), str(first), str(out), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-2000:]}\n{done.stderr[-5000:]}"
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
@@ -48,6 +48,19 @@ def test_a_part_of_one_rank_starts_no_default_group(tmp_path):
         assert (seen["part"], seen["rank"], seen["size"], seen["env"], seen["group_size"]) == (part, 0, 1, (0, 1), 1)
         assert "part_sum" not in seen
     assert trainer["received"] == [{"bridge_rank": 1, "payload": [0]}]
+
+
+@pytest.mark.slow
+def test_a_part_started_without_a_group_has_none(tmp_path):
+    """The generator side of disaggregated RL starts no group: its ranks may start their own
+    (an in-process vLLM engine does); the bridge still reaches each of them."""
+    trainer, generator0, generator1 = run_split(3, 1, tmp_path, "nogroup1")
+    assert trainer["env"] == (0, 1) and not trainer["has_group"]
+    for rank, seen in enumerate((generator0, generator1)):
+        assert (seen["part"], seen["rank"], seen["has_group"], seen["group_size"]) == (1, rank, False, 1)
+        assert "without a process group" in seen["env"]  # no multi-rank engine there
+        assert seen["command"] == {"op": "go", "from": 0}
+    assert trainer["received"] == [{"bridge_rank": 1, "payload": [0]}, {"bridge_rank": 2, "payload": [0, 1]}]
 
 
 def test_split_job_refuses_an_empty_part(monkeypatch):

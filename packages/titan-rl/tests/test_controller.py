@@ -614,5 +614,13 @@ def test_disaggregated_flags_are_checked():
         RLSection(generator_ranks=-1)
     with pytest.raises(ValueError, match="which this run does not have"):
         RLSection(generator_timeout_s=60)
-    with pytest.raises(ValueError, match="--generator.kind vllm is not supported there yet"):
-        RLConfig(rl=RLSection(generator_ranks=1), generator=RLConfig().generator.__class__(kind="vllm"))
+
+def test_vllm_generator_ranks_must_own_the_first_gpu_of_their_process():
+    import torch
+    from titan.rl.disaggregated import check_vllm_device
+
+    check_vllm_device("vllm", torch.device("cpu"))
+    check_vllm_device("vllm", torch.device("cuda", 0))
+    check_vllm_device("native", torch.device("cuda", 3))
+    with pytest.raises(ValueError, match="would take cuda:0, another rank's GPU"):
+        check_vllm_device("vllm", torch.device("cuda", 2))

@@ -272,3 +272,25 @@ def test_grpo_debug_with_vllm_raises_held_out_reward(tmp_path):
     assert [r["step"] for r in rl] == list(range(62, 121, 2))  # every rollout's record (2 updates each)
     assert all("logprob_diff_max" in r for r in rl)
     assert max(r["logprob_diff_max"] for r in rl) <= 1e-5
+
+
+def test_disaggregated_vllm_generator_rank_serves_two_fsdp_trainer_ranks(tmp_path):
+    """`--rl.generator_ranks 1 --generator.kind vllm`: vLLM runs on the generator rank (its
+    own in-process engine, which needs that rank free of titan's process groups) and the
+    engine trains over FSDP 2 on the other two ranks; weights reach vLLM after every update
+    (trainer and vLLM log-probs agree on every step), held-out prompts are scored by vLLM."""
+    dump = tmp_path / "rl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", "--config", "grpo_debug",
+           "--generator.kind", "vllm", "--rl.generator_ranks", "1", "--job.dump_folder", str(dump),
+           "--metrics.no_enable_progress_bar", "--metrics.log_freq", "1", "--training.steps", "8",
+           "--rl.sft_warmup_steps", "2", "--rl.eval_freq", "6", "--rl.prompts_per_step", "4", "--rl.group_size", "4",
+           "--training.local_batch_size", "8", "--rl.ppo_epochs", "1", "--rl.kl_coef", "0"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r.get("phase") == "rl"]
+    evals = [r for r in rows if r.get("phase") == "eval"]
+    assert [r["step"] for r in rl] == list(range(3, 9))
+    assert max(r["logprob_diff_max"] for r in rl) <= 1e-5
+    assert [e["step"] for e in evals] == [2, 6, 8] and all("eval_reward" in e for e in evals)

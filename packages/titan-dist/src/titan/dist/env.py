@@ -62,6 +62,11 @@ def init_distributed(timeout_s: float = 300) -> DistEnv:
     device = _pick_device(local_rank)
     split = current_split()
     if split is not None:  # `split_job` already started this part's group (or none: one rank)
+        if split.size > 1 and not split.has_group:
+            raise RuntimeError(
+                f"part {split.part} of this split job was started without a process group; its "
+                f"{split.size} ranks cannot run a multi-rank engine"
+            )
         return DistEnv(rank=split.rank, local_rank=local_rank, world_size=split.size, device=device)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"

@@ -104,6 +104,11 @@ class JobSplit:
     """Ranks in part 0 and in part 1."""
     bridge: Bridge | None
     """The bridge, on its members (part 0's first rank and every rank of part 1); None elsewhere."""
+    device: torch.device
+    """This process's device: the GPU its LOCAL_RANK names, or the CPU."""
+    has_group: bool
+    """Whether this part has a default process group (a part of one rank, or a part started
+    without one, has none)."""
 
 
 _split: JobSplit | None = None
@@ -126,12 +131,15 @@ def _backend_group(backend: str, store: dist.Store, rank: int, size: int, timeou
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def split_job(first_part_size: int, *, timeout_s: float = 1800.0) -> JobSplit:
+def split_job(first_part_size: int, *, timeout_s: float = 1800.0,
+              part_groups: tuple[bool, bool] = (True, True)) -> JobSplit:
     """Split this launch (torchrun's RANK / WORLD_SIZE / LOCAL_RANK, rendezvous over
     MASTER_ADDR / MASTER_PORT) into its first ``first_part_size`` ranks and the rest, start
-    each part's default process group (none for a part of one rank) and the bridge. Every
-    process of the launch must call it, once. ``timeout_s`` bounds every bridge collective:
-    a generator waits on the bridge while the trainer trains, checkpoints and evaluates."""
+    each part's default process group (none for a part of one rank, nor for a part whose
+    ``part_groups`` entry is False: its ranks then stay free to start groups of their own,
+    as an in-process vLLM engine does) and the bridge. Every process of the launch must call
+    it, once, with the same arguments. ``timeout_s`` bounds every bridge collective: a
+    generator waits on the bridge while the trainer trains, checkpoints and evaluates."""
     global _split
     if _split is not None:
         raise RuntimeError("split_job was already called in this process")
@@ -151,7 +159,8 @@ def split_job(first_part_size: int, *, timeout_s: float = 1800.0) -> JobSplit:
     sizes = (first_part_size, world - first_part_size)
     part = 0 if rank < first_part_size else 1
     part_rank = rank - (0 if part == 0 else first_part_size)
-    if sizes[part] > 1:
+    has_group = sizes[part] > 1 and part_groups[part]
+    if has_group:
         dist.init_process_group(
             backend=backend, store=dist.PrefixStore(f"{STORE_PREFIX}/part{part}", store), rank=part_rank,
             world_size=sizes[part], timeout=timeout, device_id=device if device.type == "cuda" else None,
@@ -163,7 +172,8 @@ def split_job(first_part_size: int, *, timeout_s: float = 1800.0) -> JobSplit:
         group = _backend_group(backend, dist.PrefixStore(f"{STORE_PREFIX}/bridge", store), bridge_rank,
                                sizes[1] + 1, timeout, device)
         bridge = Bridge(group, rank=bridge_rank, size=sizes[1] + 1, device=device)
-    _split = JobSplit(part=part, rank=part_rank, size=sizes[part], global_rank=rank, part_sizes=sizes, bridge=bridge)
+    _split = JobSplit(part=part, rank=part_rank, size=sizes[part], global_rank=rank, part_sizes=sizes, bridge=bridge,
+                      device=device, has_group=has_group)
     return _split
 
 

@@ -219,8 +219,9 @@ class GeneratorConfig:
 
     kind: Literal["native", "vllm"] = "native"
     """native: titan's torch generator over the same model code (KV cache), on rank 0's
-    device; vllm: vLLM running titan's model code in the trainer's process (the
-    titan-rl[vllm] extra; on a CPU machine vLLM's CPU build), one trainer rank."""
+    device (each generator rank's with --rl.generator_ranks); vllm: vLLM running titan's model
+    code in the trainer's process, one trainer rank, or in each generator rank's process (the
+    titan-rl[vllm] extra; on a CPU machine vLLM's CPU build)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """vllm: the dtype vLLM runs the model in (float32 matches the trainer's log-probs
     closest; bfloat16 halves the KV cache and the weights)."""
@@ -275,11 +276,6 @@ class RLConfig(RunConfig):
             raise ValueError(
                 "--rl.sft_warmup_steps trains on the synthetic task's answers; with --rl_data.format "
                 "jsonl start from an SFT checkpoint instead (--checkpoint.initial_load_path)"
-            )
-        if self.rl.generator_ranks and self.generator.kind == "vllm":
-            raise ValueError(
-                "--rl.generator_ranks runs the native generator on the generator ranks; --generator.kind vllm is "
-                "not supported there yet: use --generator.kind native, or vLLM colocated on one rank"
             )
         if self.rl.overlong_buffer_len >= self.sampling.max_new_tokens:
             raise ValueError(

@@ -283,7 +283,8 @@ class RLTrainer:
             )
         self.engine = TrainingEngine.from_config(cfg, model_spec=model_spec, vocab_size=self.vocab_size)
         self._check_layout()
-        check_generator_kind(cfg.generator.kind, world_size=self.engine.dist_env.world_size)
+        if not cfg.rl.generator_ranks:  # disaggregated: vLLM runs on the generator ranks, one each
+            check_generator_kind(cfg.generator.kind, world_size=self.engine.dist_env.world_size)
         self.is_rank0 = self.engine.dist_env.rank == 0
         train_prompts, self.eval_prompts = build_prompts(cfg.rl_data, self.tokenizer)
         self.state = ControllerState(prompts_per_step=cfg.rl.prompts_per_step, num_prompts=len(train_prompts))

@@ -28,7 +28,7 @@ import os
 from typing import Any
 
 import torch
-from titan.dist import JobSplit, current_split, destroy_distributed, init_distributed, split_job
+from titan.dist import JobSplit, current_split, split_job
 from titan.rl.data import build_prompts
 from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts
 from titan.rl.rollouts import Rollout
@@ -60,7 +60,9 @@ def split_for_generators(generator_ranks: int, *, timeout_s: float) -> JobSplit:
         if split.part_sizes[1] != generator_ranks:
             raise ValueError(f"this launch was split for {split.part_sizes[1]} generator ranks, not {generator_ranks}")
         return split
-    return split_job(world - generator_ranks, timeout_s=timeout_s)
+    # The generator ranks get no group of their own: nothing of theirs is collective, and an
+    # in-process vLLM engine starts its own default group on each of them.
+    return split_job(world - generator_ranks, timeout_s=timeout_s, part_groups=(True, False))
 
 
 def build_generator(config: Any, model_spec: ModelSpec, *, vocab_size: int, eos_token_id: int,
@@ -82,6 +84,18 @@ def build_generator(config: Any, model_spec: ModelSpec, *, vocab_size: int, eos_
         model_spec, config.model.flavor, seed=config.debug.seed, overrides=overrides, device=device,
         eos_token_id=eos_token_id,
     )
+
+
+def check_vllm_device(kind: str, device: torch.device) -> None:
+    """Refuse a vLLM generator on a GPU other than its process's first: vLLM's in-process
+    engine places itself on device index 0 whatever the process's current device, which on
+    a generator rank with LOCAL_RANK > 0 is another rank's GPU."""
+    if kind == "vllm" and device.type == "cuda" and (device.index or 0) != 0:
+        raise ValueError(
+            f"--generator.kind vllm on a generator rank whose GPU is {device} (LOCAL_RANK {device.index}): vLLM's "
+            "in-process engine would take cuda:0, another rank's GPU. Give each generator process one visible GPU "
+            "(CUDA_VISIBLE_DEVICES per process), or use --generator.kind native"
+        )
 
 
 class RemoteGenerators:
@@ -145,14 +159,17 @@ class GeneratorServer:
     def __init__(self, config: Any, *, model_spec: ModelSpec, split: JobSplit) -> None:
         from titan.train.engine import setup_logging
 
+        from titan.rl.controller import check_generator_kind
+
         self.config, self.split = config, split
-        self.dist_env = init_distributed()  # this rank's part: the generator ranks
         setup_logging(split.global_rank)
+        check_generator_kind(config.generator.kind)
+        check_vllm_device(config.generator.kind, split.device)
         model_spec.check_flavor(config.model.flavor)
         tokenizer = config.tokenizer.build()
         vocab_size = config.model.resolve_vocab_size(tokenizer.vocab_size)
         self.generator = build_generator(config, model_spec, vocab_size=vocab_size, eos_token_id=tokenizer.eos_id,
-                                         device=self.dist_env.device, kind=config.generator.kind)
+                                         device=split.device, kind=config.generator.kind)
         train_prompts, eval_prompts = build_prompts(config.rl_data, tokenizer)
         self.producer = RolloutProducer(config, generator=self.generator, tokenizer=tokenizer,
                                         train_prompts=train_prompts, eval_prompts=eval_prompts,
@@ -196,8 +213,8 @@ class GeneratorServer:
         self.bridge.send_object(result, 0)
 
     def close(self) -> None:
-        """Release this part's process group (when it has one)."""
-        destroy_distributed()
+        """Nothing to release: the generator ranks start no process group of titan's (an
+        in-process vLLM engine owns its own)."""
 
 
 def build_rl_loop(config: Any, *, model_spec: ModelSpec) -> Any:
