@@ -5,6 +5,7 @@ prompts, trainer and generator log-probs agree, a resumed run continues the same
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import os
 import shutil
@@ -315,17 +316,22 @@ def test_logprob_disagreement_is_warned_on_policy_only(caplog):
 
 
 @pytest.mark.slow
-def test_rl_resume_continues_the_same_trajectory(tmp_path):
+@pytest.mark.parametrize("generator_ranks", [0, 1], ids=["one_rank", "disaggregated"])
+def test_rl_resume_continues_the_same_trajectory(tmp_path, generator_ranks):
     """Losses, rewards, gradient norms and KL of the resumed steps equal the uninterrupted
     run's. KL is on: its reference is the policy RL started from (step 2, after the warm-up),
-    restored from the checkpoint, not the resumed weights of step 5."""
+    restored from the checkpoint, not the resumed weights of step 5. Disaggregated: 2 FSDP
+    trainer ranks and a generator rank, whose weights come from the resumed trainer."""
     flags = [*SHORT, "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
              "--debug.deterministic", "--rl.kl_coef", "0.05"]
+    if generator_ranks:
+        flags += ["--rl.generator_ranks", str(generator_ranks)]
+    run = run_rl if not generator_ranks else functools.partial(run_rl_ranks, 2 + generator_ranks)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_rl(straight, *flags)
+    run(straight, *flags)
     (resumed / "checkpoint").mkdir(parents=True)
     shutil.copytree(straight / "checkpoint" / "step-5", resumed / "checkpoint" / "step-5")
-    log = run_rl(resumed, *flags)
+    log = run(resumed, *flags)
     assert "resumed from step 5" in log.stderr + log.stdout
     keys = ("loss", "reward_mean", "grad_norm", "logprob_diff_max", "kl")
     want = {r["step"]: [r[k] for k in keys] for r in records(straight) if r.get("phase") == "rl"}
@@ -624,3 +630,36 @@ def test_vllm_generator_ranks_must_own_the_first_gpu_of_their_process():
     check_vllm_device("native", torch.device("cuda", 3))
     with pytest.raises(ValueError, match="would take cuda:0, another rank's GPU"):
         check_vllm_device("vllm", torch.device("cuda", 2))
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_disaggregated_launch_saves_and_resumes(tmp_path):
+    """torchrun forwards a SIGTERM to every rank: the trainer ranks finish the step and save,
+    the generator rank keeps serving until the trainer's stop (it died at the signal before,
+    and the trainer could not stop it); the same command then resumes from the checkpoint."""
+    import signal
+
+    flags = [*SHORT, "--training.steps", "400", "--checkpoint.enable", "--checkpoint.interval", "1000",
+             "--rl.generator_ranks", "1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", "--config", "grpo_debug",
+           "--job.dump_folder", str(tmp_path), "--metrics.no_enable_progress_bar", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    metrics = tmp_path / "metrics.jsonl"
+    try:
+        while proc.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.2)  # polls a condition; pytest-timeout bounds the wait
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)  # torchrun exits 1 on a signal, after its ranks stop
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stopped = max(r["step"] for r in records(tmp_path))
+    assert stopped < 400 and f"stopped at step {stopped}" in output, output[-3000:]
+    assert (tmp_path / "checkpoint" / f"step-{stopped}").is_dir()
+    assert "could not tell the generator ranks to stop" not in output, output[-3000:]
+    resumed = run_rl_ranks(3, tmp_path, *flags, "--training.steps", str(stopped + 2))
+    assert f"resumed from step {stopped}" in resumed.stdout + resumed.stderr
+    assert [r["step"] for r in records(tmp_path) if r.get("phase") != "eval"][-1] == stopped + 2

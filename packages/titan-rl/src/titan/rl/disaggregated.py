@@ -34,6 +34,7 @@ from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts
 from titan.rl.rollouts import Rollout
 from titan.rl.weight_sync import SyncStats, WeightBroadcaster
 from titan.train.model_spec import ModelSpec
+from titan.train.preemption import PreemptionGuard
 
 logger = logging.getLogger("titan")
 
@@ -182,6 +183,15 @@ class GeneratorServer:
     def train(self) -> dict[str, int]:
         """Serve commands until ``stop``; returns how many of each were served."""
         logger.info("generator rank %d of %d: serving the trainer", self.split.rank, self.split.size)
+        # A launcher's SIGTERM reaches every rank: the trainer finishes its step, saves and
+        # sends stop; until then this rank keeps serving (a second signal exits at once).
+        guard = PreemptionGuard(self.split.device)
+        try:
+            return self._serve()
+        finally:
+            guard.close()
+
+    def _serve(self) -> dict[str, int]:
         while True:
             command = self.bridge.broadcast_object(src=0)
             op = command["op"]
