@@ -25,10 +25,10 @@ exactly), one single-device model copy suffices, and rewards run once. With
 their parts of each rollout; with one generator rank the rollouts equal the colocated ones.
 
 **Staleness.** ``--rl.max_policy_staleness 0`` is on-policy: the weights are synced before
-every rollout. With ``k >= 1`` the next rollout is generated in a background thread while the
-current one trains; before launching it the controller syncs the generator if its version is
-older than ``v + u - k u`` (the rollout trains at version ``v + u``, ``u`` optimizer steps per
-rollout), so the staleness, counted in rollouts, never exceeds ``k`` (checked on every step;
+every rollout. With ``k >= 1`` the next rollout is generated in a background thread (on the
+generator ranks, disaggregated) while the current one trains; before launching it the
+controller syncs the generator if its version is older than ``v + u - k u`` (the rollout
+trains at version ``v + u``, ``u`` optimizer steps per rollout), so the staleness, counted in rollouts, never exceeds ``k`` (checked on every step;
 larger ``k`` means fewer syncs). A resumed run regenerates the pending rollout from the resumed
 weights.
 
@@ -55,9 +55,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from titan.dist import reduce_max
+from titan.dist import current_split, reduce_max
 from titan.rl.config import RLConfig
-from titan.dist import current_split
 from titan.rl.data import build_prompts
 from titan.rl.disaggregated import RemoteGenerators, build_generator
 from titan.rl.logprobs import token_entropy, token_logprobs
