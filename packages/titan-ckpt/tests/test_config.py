@@ -23,11 +23,11 @@ def test_bad_values_are_rejected(kwargs, message):
         CheckpointConfig(**kwargs)
 
 
-def test_defaults_are_valid_and_build_a_manager(tmp_path):
+def test_defaults_are_valid_for_a_manager(tmp_path):
     import torch
 
     cfg = CheckpointConfig()
-    manager = cfg.build(dump_folder=str(tmp_path), states={}, model_parts=[torch.nn.Linear(2, 2)])
+    manager = CheckpointManager(cfg, dump_folder=str(tmp_path), states={}, model_parts=[torch.nn.Linear(2, 2)])
     assert isinstance(manager, CheckpointManager)
     assert manager.folder == str(tmp_path / "checkpoint")
     manager.close()
@@ -37,7 +37,7 @@ def test_absolute_folder_ignores_dump_folder(tmp_path):
     import torch
 
     cfg = CheckpointConfig(folder=str(tmp_path / "elsewhere"))
-    manager = cfg.build(dump_folder="/unused", states={}, model_parts=[torch.nn.Linear(2, 2)])
+    manager = CheckpointManager(cfg, dump_folder="/unused", states={}, model_parts=[torch.nn.Linear(2, 2)])
     assert manager.folder == str(tmp_path / "elsewhere")
     manager.close()
 

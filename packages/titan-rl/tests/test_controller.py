@@ -623,7 +623,7 @@ def test_disaggregated_flags_are_checked():
 
 def test_vllm_generator_ranks_must_own_the_first_gpu_of_their_process():
     import torch
-    from titan.rl.disaggregated import check_vllm_device
+    from titan.rl.generate.build import check_vllm_device
 
     check_vllm_device("vllm", torch.device("cpu"))
     check_vllm_device("vllm", torch.device("cuda", 0))

@@ -96,7 +96,7 @@ _register_sft()
 def _build_rl(config) -> Loop:
     # imported late: --help stays fast. With --rl.generator_ranks the launch's last ranks
     # become generator servers, the others the trainer.
-    from titan.rl.disaggregated import build_rl_loop
+    from titan.rl.controller import build_rl_loop
 
     from titan.recipes.families import model_spec
 

@@ -98,12 +98,6 @@ class CheckpointConfig:
                 f"{self.exclude_from_loading!r}"
             )
 
-    def build(self, **kwargs):
-        """Construct the `CheckpointManager` for this config (see its keyword arguments)."""
-        from titan.ckpt.manager import CheckpointManager
-
-        return CheckpointManager(self, **kwargs)
-
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     """Raise naming the flag when `value` is not one of `choices`."""

@@ -54,20 +54,18 @@ def init_distributed(timeout_s: float = 300) -> DistEnv:
     backend is nccl on CUDA and gloo on CPU; `timeout_s` bounds every collective so a
     mismatched collective fails instead of hanging.
     """
-    from titan.dist.split import current_split  # split.py imports this module
-
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", rank)
     device = _pick_device(local_rank)
-    split = current_split()
-    if split is not None:  # `split_job` already started this part's group (or none: one rank)
-        if split.size > 1 and not split.has_group:
+    if _part is not None:  # `split_job` already started this part's group (or none: one rank)
+        part_rank, part_size, has_group = _part
+        if part_size > 1 and not has_group:
             raise RuntimeError(
-                f"part {split.part} of this split job was started without a process group; its "
-                f"{split.size} ranks cannot run a multi-rank engine"
+                f"this part of a split job was started without a process group; its {part_size} ranks "
+                "cannot run a multi-rank engine"
             )
-        return DistEnv(rank=split.rank, local_rank=local_rank, world_size=split.size, device=device)
+        return DistEnv(rank=part_rank, local_rank=local_rank, world_size=part_size, device=device)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
@@ -79,6 +77,20 @@ def init_distributed(timeout_s: float = 300) -> DistEnv:
         )
         mark_default_group_started()
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+_part: tuple[int, int, bool] | None = None
+"""(rank, size, has a default group) of this process's part of a job split by
+`titan.dist.split.split_job`; None in an unsplit job."""
+
+
+def enter_part(rank: int, size: int, *, has_group: bool) -> None:
+    """Record this process's part of a split job: `init_distributed` then describes the part
+    (and, when it has one, the part's default group, which the split started)."""
+    global _part
+    _part = (rank, size, has_group)
+    if has_group:
+        mark_default_group_started()
 
 
 def mark_default_group_started() -> None:

@@ -165,7 +165,7 @@ def split_job(first_part_size: int, *, timeout_s: float = 1800.0,
             backend=backend, store=dist.PrefixStore(f"{STORE_PREFIX}/part{part}", store), rank=part_rank,
             world_size=sizes[part], timeout=timeout, device_id=device if device.type == "cuda" else None,
         )
-        _env.mark_default_group_started()
+    _env.enter_part(part_rank, sizes[part], has_group=has_group)
     bridge = None
     if rank == 0 or part == 1:
         bridge_rank = 0 if rank == 0 else part_rank + 1

