@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from titan.rl.advantages import group_advantages, nonzero_variance_groups
 from titan.rl.generate.base import Completion
-
-IGNORE_INDEX = -100
+from titan.train.loss import IGNORE_INDEX
 
 
 @dataclass

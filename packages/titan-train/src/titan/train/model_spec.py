@@ -9,19 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from titan.ckpt.hf import StateDictAdapter  # the one protocol (titan.ckpt reads and writes HF)
 from torch import nn
-
-
-class StateDictAdapter(Protocol):
-    """Maps a family's state dict to and from Hugging Face names."""
-
-    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]: ...
-
-    def from_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]: ...
-
-    def hf_config(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ import torch
 from titan.train.data.loader import document_layout
 from titan.train.data.sources import resolve_data_files
 from titan.train.data.tokenizer import Tokenizer
+from titan.train.loss import IGNORE_INDEX
 from torch.utils.data import DataLoader, IterableDataset
 
 __all__ = [
@@ -77,7 +78,6 @@ __all__ = [
     "validate_sft_data_config",
 ]
 
-IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
 
 # Bumped when the meaning of the saved position changes.
