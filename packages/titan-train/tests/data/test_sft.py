@@ -303,8 +303,6 @@ def test_dp_ranks_see_disjoint_rows_whose_union_is_the_single_rank_batch():
         for key in whole:
             assert torch.equal(torch.cat([p[key] for p in parts]), whole[key])
         assert not torch.equal(parts[0]["input_ids"], parts[1]["input_ids"])
-        counted = sum(int((p["labels"] != -100).sum()) for p in parts)
-        assert ranks[0].last_global_label_tokens == counted == single.last_global_label_tokens
 
 
 def test_resume_refuses_another_seq_len():

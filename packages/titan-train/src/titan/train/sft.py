@@ -17,7 +17,6 @@ from titan.train.config import RunConfig, TrainingConfig
 from titan.train.data.sft import (
     SFTDataConfig,
     build_sft_dataloader,
-    encode_prompt,
     validate_sft_data_config,
 )
 from titan.train.trainer import Trainer
@@ -67,10 +66,6 @@ class SFTTrainer(Trainer):
     def log_extras(self) -> dict[str, Any]:
         """Passes over the data and examples skipped as too long or target-free."""
         return {**super().log_extras(), "epoch": self.dataloader.epoch, "dropped_examples": self.dataloader.dropped_examples}
-
-    def encode_prompt(self, prompt: str) -> list[int]:
-        """Token ids of a prompt as training saw it (template, BOS), ready for generation."""
-        return encode_prompt(prompt, self.tokenizer)
 
 
 @torch.no_grad()

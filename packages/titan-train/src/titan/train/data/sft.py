@@ -767,17 +767,15 @@ class _SFTBatches(IterableDataset):
         self.packer, self.batch_size = packer, batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.rows = 0  # rows consumed globally (all ranks)
-        self.last_global_label_tokens = 0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
             yield self.next_batch()
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        """Build the global microbatch, count its targets, hand out this rank's rows."""
+        """Build the global microbatch, hand out this rank's rows."""
         rows = [self.packer.next_row() for _ in range(self.dp_world_size * self.batch_size)]
         self.rows += len(rows)
-        self.last_global_label_tokens = int(sum((r["labels"] != IGNORE_INDEX).sum() for r in rows))
         mine = rows[self.dp_rank * self.batch_size : (self.dp_rank + 1) * self.batch_size]
         return {key: torch.from_numpy(np.stack([r[key] for r in mine])) for key in mine[0]}
 
@@ -789,10 +787,7 @@ class SFTDataLoader(DataLoader):
     every rank after every fetch: (epoch, cursor, dropped, seed) of the packer and the
     global `rows` consumed, with what they are measured against (seq_len, num_examples,
     shuffle, packing). It resumes under any data-parallel degree, local batch size or
-    accumulation count. `epoch` counts completed passes over the data;
-    `last_global_label_tokens` is the number of labels != -100 in the last fetched global
-    microbatch (every rank's rows), so a loop can normalize the loss by the global target
-    count without an all-reduce.
+    accumulation count. `epoch` counts completed passes over the data.
     """
 
     def __init__(
@@ -818,11 +813,6 @@ class SFTDataLoader(DataLoader):
         """Examples skipped so far: longer than seq_len + 1 (with overlong=drop) or without
         any target token. Counted each time an epoch visits them."""
         return self.packer.dropped
-
-    @property
-    def last_global_label_tokens(self) -> int:
-        """Target tokens (labels != -100) in the last global microbatch, all ranks' rows."""
-        return self.dataset.last_global_label_tokens
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._own_iterator is None:
