@@ -188,3 +188,77 @@ def test_checks_catch_planted_problems(tmp_path):
 
 def test_lowercase_design_doc_is_allowed():
     assert forbidden_mentions("see docs/design.md and [design](design.md)") == []
+
+
+# ---- the README's commands are the product's ---------------------------------------------
+
+README_COMMAND = re.compile(
+    r"^(?:[A-Z_]+=\S+\s+)*"  # environment assignments (NGPU=4 ...)
+    r"(?:\S*/)?(?:titan (?P<command>train|sft|rl)|\./tools/run_train\.sh|python tools/convert_hf\.py)\b(?P<args>.*)$"
+)
+
+
+def readme_commands(text: str) -> list[tuple[str, list[str], str]]:
+    """(command, arguments, the line) of every `titan train|sft|rl`, `tools/run_train.sh`
+    (which runs `titan train`) and `tools/convert_hf.py` line in the code blocks of
+    ``text``; continued lines joined, comments dropped."""
+    import shlex
+
+    found = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.DOTALL):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s#.*$", "", line.strip())
+            match = README_COMMAND.match(line)
+            if match:
+                command = "convert_hf" if "convert_hf.py" in line else match.group("command") or "train"
+                found.append((command, shlex.split(match.group("args")), line))
+    return found
+
+
+def check_readme_command(command: str, args: list[str]) -> str | None:
+    """Why ``args`` would be refused before any work (a flag, value or recipe the command
+    does not know), or None: the train/sft/rl commands parse them as the CLI does; for
+    convert_hf.py the direction and family are checked."""
+    import contextlib
+    import io
+
+    if command == "convert_hf":
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("convert_hf", ROOT / "tools" / "convert_hf.py")
+        tool = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tool)  # defines its parser's families; runs nothing
+        FAMILIES = tool.FAMILIES  # noqa: N806 - the tool's own table
+        model = args[args.index("--model") + 1] if "--model" in args else None
+        if args[0] not in ("to-hf", "from-hf") or model not in FAMILIES:
+            return f"convert_hf.py: direction {args[0]!r}, --model {model!r} (families: {sorted(FAMILIES)})"
+        return None
+    from titan.recipes.cli import parse_train_args
+
+    if "--help" in args:
+        return None
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            parse_train_args(args, command=command)
+    except (SystemExit, Exception) as err:  # noqa: BLE001 - any refusal is the finding
+        return f"{type(err).__name__}: {err} {out.getvalue()[-500:]}"
+    return None
+
+
+def test_every_readme_command_parses():
+    """Every training command the README shows is accepted by the CLI as written: recipes,
+    flags and values exist (docs drift when a flag is renamed; nothing here runs)."""
+    commands = readme_commands((ROOT / "README.md").read_text())
+    assert len(commands) >= 30 and {c for c, _, _ in commands} == {"train", "sft", "rl", "convert_hf"}
+    refused = {line: why for command, args, line in commands if (why := check_readme_command(command, args))}
+    assert not refused, refused
+
+
+def test_a_stale_readme_command_is_caught():
+    planted = "```bash\ntitan train --config llama3_debug --training.stepz 5   # a renamed flag\n" \
+              "NGPU=2 ./tools/run_train.sh --config no_such_recipe\n" \
+              "python tools/convert_hf.py from-hf a b --model gpt2\n```\n"
+    commands = readme_commands(planted)
+    assert [c for c, _, _ in commands] == ["train", "train", "convert_hf"]
+    assert all(check_readme_command(command, args) for command, args, _ in commands)
