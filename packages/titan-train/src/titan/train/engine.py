@@ -55,7 +55,7 @@ from titan.dist import (
 )
 from titan.train.loss import IGNORE_INDEX, NonFiniteLossError
 from titan.train.lr_scheduler import LRSchedulerConfig, build_lr_scheduler
-from titan.train.model_spec import ModelSpec
+from titan.train.model_spec import HasAuxLoss, ModelSpec, UpdatesAfterOptimizerStep
 from titan.train.optimizer import OptimizerConfig, build_optimizer
 from titan.train.quantize import (
     QuantizeConfig,
@@ -186,6 +186,10 @@ class TrainingEngine:
             vocab_size, seq_len, dict(model_overrides or {}), global_batch_size, local_batch_size
         )
         self.mesh = self.parallel_dims.build_mesh(self.device.type)
+        # Pipeline parallel (set by _parallelize under PP): the schedule, and whether this rank
+        # holds the first / last stage (without PP it holds both).
+        self.pp_schedule: Any | None = None
+        self.pp_has_first = self.pp_has_last = True
         self._pipeline_loss_call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._inferring_pipeline_metadata = False
         self._step_hooks: list[Callable] | None = None
@@ -456,10 +460,10 @@ class TrainingEngine:
 
         if self._step_hooks is None:  # found once: the module tree does not change
             self._step_hooks = [
-                hook
+                module.after_optimizer_step
                 for part in self.model_parts
                 for module in part.modules()
-                if callable(hook := getattr(module, "after_optimizer_step", None))
+                if isinstance(module, UpdatesAfterOptimizerStep)
             ]
         for hook in self._step_hooks:
             hook(sum_over_dp)
@@ -511,7 +515,7 @@ class TrainingEngine:
         balancing loss): a model part with an ``aux_loss()`` method returning a scalar tensor
         (coefficient applied) or None. Weighted by the microbatch's labelled tokens, so after
         the engine's division by the global token count it is a token-weighted mean."""
-        terms = [aux for part in parts if callable(getattr(part, "aux_loss", None)) and (aux := part.aux_loss()) is not None]
+        terms = [aux for part in parts if isinstance(part, HasAuxLoss) and (aux := part.aux_loss()) is not None]
         if not terms:
             return 0.0
         labels = batch.get("labels")
@@ -522,7 +526,7 @@ class TrainingEngine:
         """Pipeline stages before the last cannot hand an auxiliary loss to the loss: refuse
         rather than silently train without it."""
         for part in self.model_parts:
-            aux = part.aux_loss() if callable(getattr(part, "aux_loss", None)) else None
+            aux = part.aux_loss() if isinstance(part, HasAuxLoss) else None
             if aux is not None and not self._is_last_stage(part):
                 raise ValueError(
                     "the model's auxiliary (router balancing) loss cannot cross pipeline stages yet; use "

@@ -9,10 +9,39 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
+import torch
 from titan.ckpt.hf import StateDictAdapter  # the one protocol (titan.ckpt reads and writes HF)
 from torch import nn
+
+
+# The optional hooks the engine and the loops call on a model (docs/contracts.md). Checked
+# with isinstance: a model opts in by defining the method, and no family is named.
+
+
+@runtime_checkable
+class HasAuxLoss(Protocol):
+    """A model (part) whose training forward leaves an auxiliary loss, e.g. an MoE router's
+    balancing loss: a scalar tensor with its coefficient applied, or None."""
+
+    def aux_loss(self) -> torch.Tensor | None: ...
+
+
+@runtime_checkable
+class ReportsExpertLoad(Protocol):
+    """A model (part) with figures for every logged record, e.g. MoE per-layer load."""
+
+    def expert_load(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class UpdatesAfterOptimizerStep(Protocol):
+    """Any submodule with state not trained by gradients (an MoE router's balancing bias),
+    updated after every optimizer step; ``sum_over_dp(tensor)`` sums a tensor in place over
+    the data-parallel and context-parallel ranks."""
+
+    def after_optimizer_step(self, sum_over_dp: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from titan.train.device_peak import device_peak_flops
 from titan.train.engine import TrainingEngine
 from titan.train.loss import NonFiniteLossError, count_valid_tokens, next_token_loss
 from titan.train.metrics import MetricsLogger
-from titan.train.model_spec import ModelSpec
+from titan.train.model_spec import ModelSpec, ReportsExpertLoad
 from titan.train.preemption import PreemptionGuard, save_for_preemption
 from titan.train.profiling import StepProfiler
 from titan.train.validation import Validator
@@ -402,9 +402,8 @@ class Trainer:
         any (an ``expert_load()`` method, e.g. MoE per-layer load and imbalance)."""
         extras: dict[str, Any] = {}
         for part in self.model_parts:
-            report = getattr(part, "expert_load", None)
-            if callable(report):
-                extras.update(report())
+            if isinstance(part, ReportsExpertLoad):
+                extras.update(part.expert_load())
         return extras
 
     def close(self) -> None:
