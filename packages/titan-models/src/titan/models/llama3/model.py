@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from titan.models.common.decoder import Decoder, TransformerBlock
+from titan.models.common.flavors import build_flavor
 from titan.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 
 __all__ = ["Llama3Model", "TransformerBlock", "build_llama3"]
@@ -31,14 +30,4 @@ def build_llama3(flavor: str, **overrides: object) -> Llama3Model:
     Modules are created under the active device context; use `with torch.device("meta"):`
     and then `to_empty` + `init_weights` to avoid allocating twice.
     """
-    if flavor not in LLAMA3_FLAVORS:
-        raise ValueError(
-            f"unknown llama3 flavor {flavor!r}; choose one of: {', '.join(LLAMA3_FLAVORS)}"
-        )
-    fields = {f.name for f in dataclasses.fields(Llama3Args)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(
-            f"unknown Llama3Args fields {unknown}; valid fields: {', '.join(sorted(fields))}"
-        )
-    return Llama3Model(dataclasses.replace(LLAMA3_FLAVORS[flavor], **overrides))
+    return build_flavor("llama3", LLAMA3_FLAVORS, Llama3Model, flavor, overrides)

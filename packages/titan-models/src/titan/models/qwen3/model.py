@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from titan.models.common.decoder import Decoder, TransformerBlock
+from titan.models.common.flavors import build_flavor
 from titan.models.common.plan import ShardingPlan
 from titan.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
 from torch import nn
@@ -44,10 +45,4 @@ def build_qwen3(flavor: str, **overrides: object) -> Qwen3Model:
     Modules are created under the active device context; use `with torch.device("meta"):`
     and then `to_empty` + `init_weights` to avoid allocating twice.
     """
-    if flavor not in QWEN3_FLAVORS:
-        raise ValueError(f"unknown qwen3 flavor {flavor!r}; choose one of: {', '.join(QWEN3_FLAVORS)}")
-    fields = {f.name for f in dataclasses.fields(Qwen3Args)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(f"unknown Qwen3Args fields {unknown}; valid fields: {', '.join(sorted(fields))}")
-    return Qwen3Model(dataclasses.replace(QWEN3_FLAVORS[flavor], **overrides))
+    return build_flavor("qwen3", QWEN3_FLAVORS, Qwen3Model, flavor, overrides)

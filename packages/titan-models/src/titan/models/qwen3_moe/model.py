@@ -7,6 +7,7 @@ import dataclasses
 
 import torch
 from titan.models.common.accounting import dense_flops_per_token
+from titan.models.common.flavors import build_flavor
 from titan.models.common.moe import MoE, expert_load_metrics, moe_aux_loss, moe_modules
 from titan.models.common.plan import ShardingPlan
 from titan.models.qwen3.model import Qwen3Model
@@ -90,10 +91,4 @@ def build_qwen3_moe(flavor: str, **overrides: object) -> Qwen3MoeModel:
     Modules are created under the active device context; use `with torch.device("meta"):`
     and then `to_empty` + `init_weights` to avoid allocating twice.
     """
-    if flavor not in QWEN3_MOE_FLAVORS:
-        raise ValueError(f"unknown qwen3_moe flavor {flavor!r}; choose one of: {', '.join(QWEN3_MOE_FLAVORS)}")
-    fields = {f.name for f in dataclasses.fields(Qwen3MoeArgs)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(f"unknown Qwen3MoeArgs fields {unknown}; valid fields: {', '.join(sorted(fields))}")
-    return Qwen3MoeModel(dataclasses.replace(QWEN3_MOE_FLAVORS[flavor], **overrides))
+    return build_flavor("qwen3_moe", QWEN3_MOE_FLAVORS, Qwen3MoeModel, flavor, overrides)
