@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 import torch
+from titan.models.common.hf_config import decoder_hf_config
 from titan.models.common.rope import RopeScaling
 from titan.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 
@@ -154,29 +155,10 @@ class Llama3StateDictAdapter:
 
     def hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """A `config.json` dict for `LlamaForCausalLM` (`transformers.LlamaConfig(**d)` accepts it)."""
-        a = self.args
-        cfg: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": a.dim,
-            "intermediate_size": a.ffn_hidden_dim,
-            "num_hidden_layers": a.n_layers,
-            "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.n_kv_heads,
-            "head_dim": a.head_dim,
-            "vocab_size": a.vocab_size,
-            "max_position_embeddings": a.max_seq_len,
-            "rms_norm_eps": a.norm_eps,
-            "rope_theta": a.rope_theta,
-            "rope_scaling": _rope_scaling_to_hf(a.rope_scaling),
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": a.tie_word_embeddings,
-            "torch_dtype": torch_dtype,
-        }
-        if a.vocab_size > _EOS_ID:
-            cfg.update(bos_token_id=_BOS_ID, eos_token_id=_EOS_ID)
+        cfg = decoder_hf_config(self.args, architecture="LlamaForCausalLM", model_type="llama",
+                                torch_dtype=torch_dtype, special_ids=(_BOS_ID, _EOS_ID),
+                                rope_scaling=_rope_scaling_to_hf(self.args.rope_scaling))
+        cfg["mlp_bias"] = False
         return cfg
 
     @classmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from titan.models.common.hf_config import decoder_hf_config
 from titan.models.llama3.adapter import (
     Llama3StateDictAdapter,
     half_split_to_interleaved,
@@ -66,32 +67,9 @@ class Qwen3StateDictAdapter(Llama3StateDictAdapter):
 
     def hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """A `config.json` dict for `Qwen3ForCausalLM` (`transformers.Qwen3Config(**d)` accepts it)."""
-        a = self.args
-        cfg: dict[str, Any] = {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
-            "hidden_size": a.dim,
-            "intermediate_size": a.ffn_hidden_dim,
-            "num_hidden_layers": a.n_layers,
-            "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.n_kv_heads,
-            "head_dim": a.head_dim,
-            "vocab_size": a.vocab_size,
-            "max_position_embeddings": a.max_seq_len,
-            "rms_norm_eps": a.norm_eps,
-            # Both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta.
-            "rope_theta": a.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "tie_word_embeddings": a.tie_word_embeddings,
-            "torch_dtype": torch_dtype,
-        }
-        if a.vocab_size > _EOS_ID:
-            cfg.update(bos_token_id=_BOS_ID, eos_token_id=_EOS_ID)
+        cfg = decoder_hf_config(self.args, architecture="Qwen3ForCausalLM", model_type="qwen3",
+                                torch_dtype=torch_dtype, special_ids=(_BOS_ID, _EOS_ID))
+        cfg.update(attention_dropout=0.0, use_sliding_window=False, sliding_window=None)
         return cfg
 
     @classmethod
