@@ -2,81 +2,67 @@
 
 The trainer needs only `TokenizerConfig.build()`, `DatasetConfig`,
 `validate_data_config` and `build_dataloader` (docs/contracts.md).
+
+Names are imported from their modules on first use (PEP 562), so that importing one piece
+(the tokenizer, say) does not import every loader.
 """
 
-from titan.train.data.build import build_dataloader, validate_data_config
-from titan.train.data.config import DatasetConfig
-from titan.train.data.loader import (
-    PackedDataLoader,
-    build_packed_dataloader,
-    build_source,
-    synthetic_corpus,
-)
-from titan.train.data.packing import DocumentPacker
-from titan.train.data.sft import (
-    ChatTemplate,
-    SFTDataConfig,
-    SFTDataLoader,
-    SFTExample,
-    SyntheticSFTTask,
-    build_sft_dataloader,
-    encode_chat,
-    encode_chat_prompt,
-    encode_prompt,
-    encode_prompt_completion,
-    synthetic_eval_pairs,
-    validate_sft_data_config,
-)
-from titan.train.data.sources import (
-    DocumentSource,
-    HFDatasetSource,
-    StdlibSource,
-    SyntheticSource,
-    TextSource,
-    stdlib_files,
-)
-from titan.train.data.synthetic import SyntheticCorpus, markov_entropy_floor_nats
-from titan.train.data.tokenized import (
-    TokenizedCorpus,
-    build_tokenized_dataloader,
-    tokenize_corpus,
-)
-from titan.train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerConfig
+from __future__ import annotations
 
-__all__ = [
-    "ByteTokenizer",
-    "ChatTemplate",
-    "DatasetConfig",
-    "DocumentPacker",
-    "DocumentSource",
-    "HFDatasetSource",
-    "HFTokenizer",
-    "PackedDataLoader",
-    "SFTDataConfig",
-    "SFTDataLoader",
-    "SFTExample",
-    "StdlibSource",
-    "SyntheticCorpus",
-    "SyntheticSFTTask",
-    "SyntheticSource",
-    "TextSource",
-    "TokenizedCorpus",
-    "Tokenizer",
-    "TokenizerConfig",
-    "build_dataloader",
-    "build_packed_dataloader",
-    "build_sft_dataloader",
-    "build_source",
-    "build_tokenized_dataloader",
-    "encode_chat",
-    "encode_chat_prompt",
-    "encode_prompt",
-    "encode_prompt_completion",
-    "markov_entropy_floor_nats",
-    "stdlib_files",
-    "synthetic_corpus",
-    "synthetic_eval_pairs",
-    "tokenize_corpus",
-    "validate_data_config",
-    "validate_sft_data_config",
-]
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "build_dataloader": "build",
+    "build_packed_dataloader": "loader",
+    "build_sft_dataloader": "sft",
+    "build_source": "loader",
+    "build_tokenized_dataloader": "tokenized",
+    "ByteTokenizer": "tokenizer",
+    "ChatTemplate": "sft",
+    "DatasetConfig": "config",
+    "DocumentPacker": "packing",
+    "DocumentSource": "sources",
+    "encode_chat": "sft",
+    "encode_chat_prompt": "sft",
+    "encode_prompt": "sft",
+    "encode_prompt_completion": "sft",
+    "HFDatasetSource": "sources",
+    "HFTokenizer": "tokenizer",
+    "markov_entropy_floor_nats": "synthetic",
+    "PackedDataLoader": "loader",
+    "SFTDataConfig": "sft",
+    "SFTDataLoader": "sft",
+    "SFTExample": "sft",
+    "stdlib_files": "sources",
+    "StdlibSource": "sources",
+    "synthetic_corpus": "loader",
+    "synthetic_eval_pairs": "sft",
+    "SyntheticCorpus": "synthetic",
+    "SyntheticSFTTask": "sft",
+    "SyntheticSource": "sources",
+    "TextSource": "sources",
+    "tokenize_corpus": "tokenized",
+    "TokenizedCorpus": "tokenized",
+    "Tokenizer": "tokenizer",
+    "TokenizerConfig": "tokenizer",
+    "validate_data_config": "build",
+    "validate_sft_data_config": "sft",
+}
+"""Public name -> the module of this package that defines it."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Import ``name`` from its module the first time it is asked for."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
