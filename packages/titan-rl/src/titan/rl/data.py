@@ -16,14 +16,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from titan.train.data.sft import SFTDataConfig, SyntheticSFTTask, encode_prompt
+from titan.train.data.sft import SFTDataConfig, SyntheticSFTTask, SyntheticTaskConfig, encode_prompt
 from titan.train.data.sources import resolve_data_files
 from titan.train.data.tokenizer import Tokenizer
 
 
 @dataclass(kw_only=True)
-class RLDataConfig:
-    """``--rl_data.*``: the prompts RL samples from."""
+class RLDataConfig(SyntheticTaskConfig):
+    """``--rl_data.*``: the prompts RL samples from (the synthetic task's flags are
+    `SyntheticTaskConfig`'s, shared with ``--sft_data.*``)."""
 
     format: Literal["synthetic", "jsonl"] = "synthetic"
     """"synthetic": the built-in SFT task (--rl_data.synthetic_*), no file; "jsonl": rows of
@@ -36,20 +37,6 @@ class RLDataConfig:
     """jsonl: the column holding the reference answer (may be missing for rewards that need none)."""
     eval_path: str | None = None
     """jsonl: held-out prompts scored greedily every --rl.eval_freq steps (optional)."""
-    synthetic_task: Literal["sort", "reverse"] = "sort"
-    """synthetic: the task ("sort: cab\\n" -> "abc", "reverse: abc\\n" -> "cba")."""
-    synthetic_examples: int = 4096
-    """synthetic: distinct training prompts."""
-    synthetic_eval_examples: int = 64
-    """synthetic: held-out prompts (never trained on), scored every --rl.eval_freq steps."""
-    synthetic_alphabet: int = 8
-    """synthetic: letters used, the first N of a..z."""
-    synthetic_min_len: int = 3
-    """synthetic: shortest string."""
-    synthetic_max_len: int = 6
-    """synthetic: longest string."""
-    synthetic_seed: int = 0
-    """synthetic: seed of the task (which strings are training and held out)."""
     sft_demonstrations: int = 0
     """synthetic: the SFT warm-up (--rl.sft_warmup_steps) trains on only the first N training
     prompts with their answers — a small fixed set of demonstrations that teaches the format —
@@ -71,7 +58,7 @@ class RLDataConfig:
                 f"{self.synthetic_examples}], got {self.sft_demonstrations}"
             )
         if self.format == "synthetic":
-            self.sft_config()  # the SFT task's own checks, reported under --rl_data
+            self.check_synthetic_task("--rl_data")
 
     def sft_config(self, *, demonstrations_only: bool = False) -> SFTDataConfig:
         """The same synthetic task as an SFT data config (for the task's prompts; with
@@ -80,19 +67,7 @@ class RLDataConfig:
         examples = self.synthetic_examples
         if demonstrations_only and self.sft_demonstrations:
             examples = self.sft_demonstrations
-        try:
-            return SFTDataConfig(
-                format="synthetic",
-                synthetic_task=self.synthetic_task,
-                synthetic_examples=examples,
-                synthetic_eval_examples=self.synthetic_eval_examples,
-                synthetic_alphabet=self.synthetic_alphabet,
-                synthetic_min_len=self.synthetic_min_len,
-                synthetic_max_len=self.synthetic_max_len,
-                synthetic_seed=self.synthetic_seed,
-            )
-        except ValueError as err:
-            raise ValueError(str(err).replace("--sft_data.", "--rl_data.")) from None
+        return SFTDataConfig(format="synthetic", **{**self.synthetic_task_fields(), "synthetic_examples": examples})
 
 
 @dataclass

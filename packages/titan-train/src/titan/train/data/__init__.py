@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "synthetic_eval_pairs": "sft",
     "SyntheticCorpus": "synthetic",
     "SyntheticSFTTask": "sft",
+    "SyntheticTaskConfig": "sft",
     "SyntheticSource": "sources",
     "TextSource": "sources",
     "tokenize_corpus": "tokenized",

@@ -48,6 +48,7 @@ prefix of its continuation (most do; one that rewrites earlier turns is refused)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -64,6 +65,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 __all__ = [
     "SFTDataConfig",
+    "SyntheticTaskConfig",
     "SFTDataLoader",
     "SFTExample",
     "ChatTemplate",
@@ -85,7 +87,72 @@ _STATE_VERSION = 1
 
 
 @dataclass(kw_only=True)
-class SFTDataConfig:
+class SyntheticTaskConfig:
+    """The built-in synthetic task's flags, shared by ``--sft_data.*`` and ``--rl_data.*``:
+    string sorting or reversal over a small alphabet, with held-out strings."""
+
+    synthetic_task: Literal["sort", "reverse"] = "sort"
+    """Synthetic: "sort" ("sort: cab\\n" -> "abc") or "reverse" ("reverse: abc\\n" -> "cba").
+    Sort is learned faster: the debug model (dim 256, 4 layers, 16 x 64 tokens per step)
+    answers about half the held-out prompts exactly after 300 steps, reverse about 40%."""
+    synthetic_examples: int = 4096
+    """Synthetic: number of distinct training prompts."""
+    synthetic_eval_examples: int = 64
+    """Synthetic: number of held-out prompts (never in the training set)."""
+    synthetic_alphabet: int = 8
+    """Synthetic: letters used, the first N of a..z."""
+    synthetic_min_len: int = 3
+    """Synthetic: shortest string, in letters."""
+    synthetic_max_len: int = 6
+    """Synthetic: longest string, in letters."""
+    synthetic_seed: int = 0
+    """Synthetic: seed of the task itself (which strings are training and held out)."""
+
+    def check_synthetic_task(self, section: str) -> None:
+        """The task is known, its sizes are in range and its strings can be distinct; errors
+        name the flags under ``section`` (``--sft_data``, ``--rl_data``)."""
+        if self.synthetic_task not in ("reverse", "sort"):
+            raise ValueError(f"{section}.synthetic_task must be one of reverse, sort, got {self.synthetic_task!r}")
+        for flag, value, low in (
+            ("synthetic_examples", self.synthetic_examples, 1),
+            ("synthetic_eval_examples", self.synthetic_eval_examples, 0),
+            ("synthetic_min_len", self.synthetic_min_len, 1),
+        ):
+            if value < low:
+                raise ValueError(f"{section}.{flag} must be >= {low}, got {value}")
+        if not 2 <= self.synthetic_alphabet <= 26:
+            raise ValueError(
+                f"{section}.synthetic_alphabet must be in [2, 26], got {self.synthetic_alphabet}"
+            )
+        if self.synthetic_max_len < self.synthetic_min_len:
+            raise ValueError(
+                f"{section}.synthetic_max_len {self.synthetic_max_len} is below "
+                f"{section}.synthetic_min_len {self.synthetic_min_len}; raise it"
+            )
+        if self.synthetic_max_len > 20:
+            raise ValueError(
+                f"{section}.synthetic_max_len {self.synthetic_max_len} is over 20; the task is "
+                "meant to be short (prompt + answer under 64 bytes), lower it"
+            )
+        pool = sum(
+            self.synthetic_alphabet**n
+            for n in range(self.synthetic_min_len, self.synthetic_max_len + 1)
+        )
+        wanted = self.synthetic_examples + self.synthetic_eval_examples
+        if 2 * wanted > pool:
+            raise ValueError(
+                f"{section}.synthetic_examples + {section}.synthetic_eval_examples = {wanted} "
+                f"distinct strings is over half of the {pool} possible ones; lower them or raise "
+                f"{section}.synthetic_alphabet / {section}.synthetic_max_len"
+            )
+
+    def synthetic_task_fields(self) -> dict[str, object]:
+        """These fields by name (to build another config of the same task)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(SyntheticTaskConfig)}
+
+
+@dataclass(kw_only=True)
+class SFTDataConfig(SyntheticTaskConfig):
     """`--sft_data.*`: the supervised fine-tuning examples and how they become batches."""
 
     format: Literal["prompt_completion", "chat", "synthetic"] = "synthetic"
@@ -118,27 +185,10 @@ class SFTDataConfig:
     """Visit examples in a fresh seeded order every epoch."""
     cache_dir: str | None = None
     """Where `datasets` caches the parsed JSONL (default: its own cache)."""
-    synthetic_task: Literal["sort", "reverse"] = "sort"
-    """Synthetic: "sort" ("sort: cab\\n" -> "abc") or "reverse" ("reverse: abc\\n" -> "cba").
-    Sort is learned faster: the debug model (dim 256, 4 layers, 16 x 64 tokens per step)
-    answers about half the held-out prompts exactly after 300 steps, reverse about 40%."""
-    synthetic_examples: int = 4096
-    """Synthetic: number of distinct training prompts."""
-    synthetic_eval_examples: int = 64
-    """Synthetic: number of held-out prompts (never in the training set)."""
-    synthetic_alphabet: int = 8
-    """Synthetic: letters used, the first N of a..z."""
-    synthetic_min_len: int = 3
-    """Synthetic: shortest string, in letters."""
-    synthetic_max_len: int = 6
-    """Synthetic: longest string, in letters."""
-    synthetic_seed: int = 0
-    """Synthetic: seed of the task itself (which strings are training and held out)."""
-
     def __post_init__(self) -> None:
         self._check_format()
         self._check_choices()
-        self._check_synthetic()
+        self.check_synthetic_task("--sft_data")
 
     def _check_format(self) -> None:
         """format/path combination makes sense."""
@@ -166,49 +216,12 @@ class SFTDataConfig:
             ("chat_template", ("auto", "tokenizer", "builtin")),
             ("train_on", ("completion", "all")),
             ("overlong", ("drop", "truncate")),
-            ("synthetic_task", ("reverse", "sort")),
         ):
             value = getattr(self, flag)
             if value not in allowed:
                 raise ValueError(
                     f"--sft_data.{flag} must be one of {', '.join(allowed)}, got {value!r}"
                 )
-
-    def _check_synthetic(self) -> None:
-        """Synthetic task sizes are in range and the strings can be distinct."""
-        for flag, value, low in (
-            ("synthetic_examples", self.synthetic_examples, 1),
-            ("synthetic_eval_examples", self.synthetic_eval_examples, 0),
-            ("synthetic_min_len", self.synthetic_min_len, 1),
-        ):
-            if value < low:
-                raise ValueError(f"--sft_data.{flag} must be >= {low}, got {value}")
-        if not 2 <= self.synthetic_alphabet <= 26:
-            raise ValueError(
-                f"--sft_data.synthetic_alphabet must be in [2, 26], got {self.synthetic_alphabet}"
-            )
-        if self.synthetic_max_len < self.synthetic_min_len:
-            raise ValueError(
-                f"--sft_data.synthetic_max_len {self.synthetic_max_len} is below "
-                f"--sft_data.synthetic_min_len {self.synthetic_min_len}; raise it"
-            )
-        if self.synthetic_max_len > 20:
-            raise ValueError(
-                f"--sft_data.synthetic_max_len {self.synthetic_max_len} is over 20; the task is "
-                "meant to be short (prompt + answer under 64 bytes), lower it"
-            )
-        pool = sum(
-            self.synthetic_alphabet**n
-            for n in range(self.synthetic_min_len, self.synthetic_max_len + 1)
-        )
-        wanted = self.synthetic_examples + self.synthetic_eval_examples
-        if 2 * wanted > pool:
-            raise ValueError(
-                f"--sft_data.synthetic_examples + --sft_data.synthetic_eval_examples = {wanted} "
-                f"distinct strings is over half of the {pool} possible ones; lower them or raise "
-                "--sft_data.synthetic_alphabet / --sft_data.synthetic_max_len"
-            )
-
 
 def validate_sft_data_config(cfg: SFTDataConfig) -> None:
     """Filesystem checks, run before any work starts (like `validate_data_config`):
