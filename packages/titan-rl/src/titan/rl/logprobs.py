@@ -74,16 +74,6 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0, *, chunk_token
     return _by_chunks(_entropy_rows, logits, None, temperature, chunk_tokens)
 
 
-def sharded_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """:func:`token_logprobs` of vocab-sharded logits (the same function; kept by name)."""
-    return token_logprobs(logits, targets, temperature)
-
-
-def sharded_token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """:func:`token_entropy` of vocab-sharded logits (the same function; kept by name)."""
-    return token_entropy(logits, temperature)
-
-
 def pad_sequences(
     prompts: list[list[int]], completions: list[list[int]], pad_id: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,4 +94,4 @@ def pad_sequences(
     return input_ids, targets, mask
 
 
-__all__ = ["pad_sequences", "sharded_token_entropy", "sharded_token_logprobs", "token_entropy", "token_logprobs"]
+__all__ = ["pad_sequences", "token_entropy", "token_logprobs"]
