@@ -26,8 +26,8 @@ def test_hooks_are_recognized_only_where_defined():
 
 
 def test_the_moe_family_implements_every_hook():
-    from titan.models.qwen3_moe import build_qwen3_moe
     from titan.models.common.moe import MoE
+    from titan.models.qwen3_moe import build_qwen3_moe
 
     with torch.device("meta"):
         model = build_qwen3_moe("debugmodel", vocab_size=64, max_seq_len=16)

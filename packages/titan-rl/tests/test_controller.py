@@ -385,6 +385,35 @@ def test_profiler_flags_write_traces_from_titan_rl(tmp_path):
     assert any(e.get("name", "").startswith("aten::") for e in events)
 
 
+def test_rl_writes_a_seed_checkpoint_then_starts_from_it(tmp_path):
+    """`--checkpoint.create_seed_checkpoint` was accepted by `titan rl` and ignored (it trained
+    instead): it now writes the initial weights as step 0 and stops, as in `titan train`, and
+    a run with the same flags resumes from it; the warm-up counts its tokens."""
+    flags = [*SHORT, "--training.steps", "3", "--checkpoint.enable"]
+    seed_run = run_rl(tmp_path, *flags, "--checkpoint.create_seed_checkpoint")
+    assert "seed checkpoint written" in seed_run.stderr + seed_run.stdout
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-0"]
+    assert not (tmp_path / "metrics.jsonl").exists()  # nothing trained
+    resumed = run_rl(tmp_path, *flags)
+    assert "resumed from step 0 (rollout 0)" in resumed.stderr + resumed.stdout
+    warmup = [r for r in records(tmp_path) if r.get("phase") == "sft_warmup"]
+    assert [r["step"] for r in warmup] == [1, 2]
+    assert 0 < warmup[0]["tokens_seen"] < warmup[1]["tokens_seen"]
+
+
+def test_every_loop_shares_the_loop_base():
+    """Pretraining, SFT and RL run one shell (titan.train.loop): the run, the supervised step,
+    the metrics path; a loop adds its data and its steps only."""
+    from titan.train.loop import TrainingLoop
+    from titan.train.sft import SFTTrainer
+    from titan.train.trainer import Trainer
+
+    for loop in (Trainer, SFTTrainer, RLTrainer):
+        assert issubclass(loop, TrainingLoop)
+        for shared in ("train", "train_step", "global_loss", "log_step", "log_record"):
+            assert getattr(loop, shared) is getattr(TrainingLoop, shared), (loop, shared)
+
+
 def test_rl_evaluations_reach_tensorboard(tmp_path):
     """Held-out evaluations go through the metrics logger like every step: TensorBoard gets
     `eval_reward` and `eval_exact_match` at the evaluation steps, equal to the JSONL lines

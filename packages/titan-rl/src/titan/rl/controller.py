@@ -46,11 +46,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,14 +69,10 @@ from titan.rl.producer import RolloutProducer, held_out_means
 from titan.rl.rollouts import Rollout, build_batch, rollout_rows, rollout_stats, split_rows
 from titan.rl.weight_sync import sync_colocated
 from titan.train.data.sft import build_sft_dataloader
-from titan.train.device_peak import device_peak_flops
-from titan.train.engine import TrainingEngine
-from titan.train.loss import count_valid_tokens, next_token_loss
-from titan.train.metrics import MetricsLogger
+from titan.train.loop import TrainingLoop
 from titan.train.model_spec import ModelSpec
-from titan.train.preemption import PreemptionGuard, save_for_preemption
+from titan.train.preemption import PreemptionGuard
 from titan.train.profiling import StepProfiler
-from titan.train.trainer import grad_accum_steps, save_run_config
 
 logger = logging.getLogger("titan")
 
@@ -233,8 +227,10 @@ class ReferencePolicy:
                     live[name].copy_(tensor)
 
 
-class RLTrainer:
-    """GRPO-family RL post-training on :class:`TrainingEngine` (see the module docstring).
+class RLTrainer(TrainingLoop):
+    """GRPO-family RL post-training on :class:`~titan.train.loop.TrainingLoop` (see the module
+    docstring): the shared loop's model, metrics, checkpoints, preemption and profiler, with
+    rollouts for data and the policy loss; the SFT warm-up is the shared supervised step.
 
     ``train()`` runs to ``--training.steps`` (warm-up steps included) and returns the logged
     records; ``close()`` drains checkpoints and releases the process group.
@@ -245,32 +241,18 @@ class RLTrainer:
     """The generator ranks of a disaggregated run (--rl.generator_ranks); None: colocated."""
 
     def __init__(self, config: RLConfig, *, model_spec: ModelSpec) -> None:
-        self.config = cfg = config
-        self.model_spec = model_spec
-        model_spec.check_flavor(cfg.model.flavor)
-        check_generator_kind(cfg.generator.kind)
-        self.tokenizer = cfg.tokenizer.build()
-        self.vocab_size = cfg.model.resolve_vocab_size(self.tokenizer.vocab_size)
-        split = current_split()
-        if cfg.rl.generator_ranks and (split is None or split.part != 0):
-            raise ValueError(
-                "--rl.generator_ranks needs every rank of the launch started through "
-                "titan.rl.controller.build_rl_loop (the titan rl command does): it splits the launch into "
-                "trainer and generator ranks before the engine is built"
-            )
-        self.engine = TrainingEngine.from_config(cfg, model_spec=model_spec, vocab_size=self.vocab_size)
+        super().__init__(config, model_spec=model_spec)
+        cfg = config
         self._check_layout()
         if not cfg.rl.generator_ranks:  # disaggregated: vLLM runs on the generator ranks, one each
             check_generator_kind(cfg.generator.kind, world_size=self.engine.dist_env.world_size)
-        self.is_rank0 = self.engine.dist_env.rank == 0
         train_prompts, self.eval_prompts = build_prompts(cfg.rl_data, self.tokenizer)
         self.state = ControllerState(prompts_per_step=cfg.rl.prompts_per_step, num_prompts=len(train_prompts))
         self.engine.add_state("rl_controller", self.state)
         self.warmup_loader = self._build_warmup_loader()
-        self.warmup_accum_steps = self._warmup_accum_steps()
         self.sampling = dataclasses.replace(cfg.sampling, n=cfg.rl.group_size)
         if cfg.rl.generator_ranks:
-            self.remote = RemoteGenerators(split)
+            self.remote = RemoteGenerators(current_split())
         # Colocated: rank 0 generates and scores every rollout for all ranks.
         self.generator = self._build_generator(cfg.generator.kind) if self.is_rank0 and self.remote is None else None
         self.producer = None if self.generator is None else RolloutProducer(
@@ -286,14 +268,30 @@ class RLTrainer:
         background = cfg.rl.max_policy_staleness > 0 and self.producer is not None
         self._executor = concurrent.futures.ThreadPoolExecutor(1) if background else None
         self._pending: tuple[int, concurrent.futures.Future | _Deferred | None] | None = None
-        self.metrics = MetricsLogger(
-            cfg.metrics, dump_folder=Path(cfg.job.dump_folder), total_steps=cfg.training.steps,
-            flops_per_token=self.engine.flops_per_token, peak_flops=device_peak_flops(self.engine.device),
-            device=self.engine.device, is_rank0=self.is_rank0,
-        )
         self.timings = {"generation_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
+        self.log_start()
 
     # ---- construction -------------------------------------------------------------------
+
+    def check_config(self) -> None:
+        """Refuse what cannot run before the engine is built: an unknown generator, generator
+        ranks without the launch split, a global batch without a warm-up to apply it to."""
+        cfg = self.config
+        check_generator_kind(cfg.generator.kind)
+        split = current_split()
+        if cfg.rl.generator_ranks and (split is None or split.part != 0):
+            raise ValueError(
+                "--rl.generator_ranks needs every rank of the launch started through "
+                "titan.rl.controller.build_rl_loop (the titan rl command does): it splits the launch into "
+                "trainer and generator ranks before the engine is built"
+            )
+        # RL steps train on the rollout, so a global batch without a warm-up is refused, not ignored.
+        if cfg.training.global_batch_size != -1 and not cfg.rl.sft_warmup_steps:
+            raise ValueError(
+                f"--training.global_batch_size {cfg.training.global_batch_size} sets the SFT warm-up's batch, and "
+                "this run has no warm-up (--rl.sft_warmup_steps 0); an RL step trains on its rollout "
+                "(--rl.prompts_per_step x --rl.group_size completions): leave it at -1"
+            )
 
     def _check_layout(self) -> None:
         """Refuse layouts the RL loss cannot follow, before any work."""
@@ -309,18 +307,6 @@ class RLTrainer:
                 f"--sampling.max_new_tokens {cfg.sampling.max_new_tokens} does not fit --training.seq_len "
                 f"{cfg.training.seq_len}; raise the sequence length or lower the budget"
             )
-
-    def _warmup_accum_steps(self) -> int:
-        """Microbatches per warm-up step (``--training.global_batch_size``); RL steps train on
-        the rollout instead, so a global batch without a warm-up is refused, not ignored."""
-        training = self.config.training
-        if training.global_batch_size != -1 and not self.config.rl.sft_warmup_steps:
-            raise ValueError(
-                f"--training.global_batch_size {training.global_batch_size} sets the SFT warm-up's batch, and "
-                "this run has no warm-up (--rl.sft_warmup_steps 0); an RL step trains on its rollout "
-                "(--rl.prompts_per_step x --rl.group_size completions): leave it at -1"
-            )
-        return grad_accum_steps(training, self.engine.parallel_dims.dp_world_size)
 
     def _build_warmup_loader(self):
         """The SFT loader of the warm-up steps (None without warm-up), checkpointed."""
@@ -688,23 +674,16 @@ class RLTrainer:
     # ---- warm-up and evaluation ---------------------------------------------------------
 
     def sft_step(self, data_iter) -> dict[str, Any]:
-        """One supervised step on the synthetic task's answers (the warm-up), over
-        ``--training.global_batch_size`` sequences (gradient accumulation, as in pretraining):
-        every microbatch's loss is divided by the valid tokens of the whole global batch."""
-        engine = self.engine
-        microbatches = [next(data_iter) for _ in range(self.warmup_accum_steps)]
-        local = torch.stack([count_valid_tokens(mb["labels"]) for mb in microbatches]).sum().float().to(engine.device)
-        total = engine.sum_over(local.clone(), "dp")
-        loss_fn = functools.partial(next_token_loss, chunk_tokens=self.config.training.loss_chunk_tokens)
-        rank_loss = sum(engine.forward_backward(mb, loss_fn, global_token_count=total) for mb in microbatches)
-        lr = engine.lr_schedulers.last_lr()
-        grad_norm = engine.optimizer_step()
-        tokens = sum(mb["input_ids"].numel() for mb in microbatches)
-        self.metrics.record_tokens(tokens // engine.parallel_dims.non_data_parallel_size)
-        loss = engine.sum_over(rank_loss.clone(), "dp_cp")
-        if engine.parallel_dims.pp_enabled:  # only the last stage computed it
-            loss = engine.sum_over(loss, "pp")
-        return {"loss": float(loss), "grad_norm": grad_norm, "lr": lr, "phase": "sft_warmup"}
+        """One supervised step on the synthetic task's answers (the warm-up): the shared
+        :meth:`~titan.train.loop.TrainingLoop.train_step`, over ``--training.global_batch_size``
+        sequences (gradient accumulation, as in pretraining)."""
+        microbatches = self.next_microbatches(data_iter)
+        result = self.train_step(microbatches)
+        self.metrics.record_tokens(self.device_tokens(microbatches))
+        self.train_state.tokens_seen += int(result.tokens)
+        loss, loss_max = self.global_loss(result)
+        return {"loss": loss, "loss_max": loss_max, "grad_norm": float(result.grad_norm), "lr": result.lr,
+                "phase": "sft_warmup", "tokens_seen": self.train_state.tokens_seen}
 
     def evaluate(self) -> dict[str, float]:
         """Mean reward and exact-match rate of greedy completions of the held-out prompts, with
@@ -747,43 +726,32 @@ class RLTrainer:
 
     # ---- the loop -----------------------------------------------------------------------
 
-    def train(self) -> list[dict[str, Any]]:
-        """Resume when a checkpoint exists, run warm-up then RL to ``--training.steps`` (the
-        first SIGTERM/SIGINT finishes the step, saves and stops: see `PreemptionGuard`), and
-        return the logged records."""
-        cfg, engine = self.config, self.engine
-        save_run_config(cfg, rank=engine.dist_env.rank)
-        if engine.load_checkpoint():
-            logger.info("resumed from step %d (rollout %d)", engine.step, self.state.rollout_index)
-        records: list[dict[str, Any]] = []
-        self.metrics.start(engine.step)
-        warmup = cfg.rl.sft_warmup_steps
-        data_iter = iter(self.warmup_loader) if self.warmup_loader is not None and engine.step < warmup else None
-        guard = PreemptionGuard(engine.device)
-        profiler = StepProfiler(cfg.profiler, dump_folder=cfg.job.dump_folder, rank=engine.dist_env.rank,
-                                device=engine.device, start_step=engine.step)
-        try:
-            with profiler:
-                preempted = self._steps(guard, profiler, data_iter, records)
-        finally:
-            guard.close()
+    def resume_position(self) -> str:
+        """The next rollout of a resumed run, for the log."""
+        return f"rollout {self.state.rollout_index}"
+
+    def after_steps(self) -> None:
+        """Let a background generation finish before the summary."""
         self._wait_pending()
-        self.metrics.close()
+
+    def log_summary(self, records: list[dict[str, Any]], preempted: bool) -> None:
+        """Where the time went (generation, training, weight sync), and the held-out results
+        where RL started and at the end."""
         logger.info(
             "RL %s: %d steps | time: generation %.1fs, training %.1fs, weight sync %.1fs",
-            "preempted" if preempted else "done", engine.step, self.timings["generation_s"],
+            "preempted" if preempted else "done", self.step, self.timings["generation_s"],
             self.timings["train_s"], self.timings["sync_s"],
         )
         self._summarize_held_out(records)
-        return records
 
-    def _steps(self, guard: PreemptionGuard, profiler: StepProfiler, data_iter, records: list[dict[str, Any]]) -> bool:
+    def run_steps(self, guard: PreemptionGuard, profiler: StepProfiler, records: list[dict[str, Any]]) -> bool:
         """Warm-up and RL steps until --training.steps, an early stop, or an agreed preemption
         request (then the step just finished is saved); returns whether a signal stopped it.
         The profiler counts optimizer steps (an RL step may take several: its window then
         holds the whole rollout, generation included)."""
         engine, cfg = self.engine, self.config
         total, warmup = cfg.training.steps, cfg.rl.sft_warmup_steps
+        data_iter = iter(self.warmup_loader) if self.warmup_loader is not None and engine.step < warmup else None
         first_rl = True
         consecutive_skips = 0
         while engine.step < total:
@@ -815,7 +783,7 @@ class RLTrainer:
                 records.append(self._log_eval(step))
             engine.maybe_save(last_step=step == total, since=before)
             if step < total and guard.requested():
-                save_for_preemption(engine.checkpointer, step)  # what maybe_save would save here
+                self.stop_for_preemption()  # what maybe_save would save here
                 return True
         return False
 
@@ -835,8 +803,7 @@ class RLTrainer:
         extra.setdefault("phase", "rl")
         extra["rollout_index"] = self.state.rollout_index
         extra.update({f"total_{k}": v for k, v in self.timings.items()})
-        return self.metrics.log(step=step, loss=record["loss"], grad_norm=record["grad_norm"], lr=record["lr"],
-                                extra=extra)
+        return self.log_step(step, loss=record["loss"], grad_norm=record["grad_norm"], lr=record["lr"], extra=extra)
 
     def _log_eval(self, step: int) -> dict[str, Any]:
         """Score the held-out prompts and log the result as its own record (JSONL, TensorBoard
@@ -845,15 +812,13 @@ class RLTrainer:
         if self.is_rank0:
             logger.info("eval at step %d: reward %.3f, exact match %.3f", step, result.get("eval_reward", float("nan")),
                         result.get("eval_exact_match", float("nan")))
-        self.metrics.log_record(result)  # only the writing ranks write
-        return result
+        return self.log_record(result)
 
     def close(self) -> None:
         """Stop the background generation, drain checkpoint saves, release the process group."""
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
-        self.metrics.close()
-        self.engine.close()  # after every trainer rank got here (its barrier): the generators may stop
+        super().close()  # the engine's close waits for every trainer rank: the generators may stop
         self._stop_generators()
 
     def _stop_generators(self) -> None:

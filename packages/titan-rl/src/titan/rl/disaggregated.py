@@ -169,7 +169,7 @@ class GeneratorServer:
             if op == "sync":
                 self.receiver.receive(self.generator)
             elif op == "rollout":
-                self._reply(lambda: self.producer.produce(command["index"]))
+                self._reply(lambda index=command["index"]: self.producer.produce(index))
             elif op == "eval":
                 self._reply(self.producer.held_out_totals)
             else:

@@ -668,8 +668,9 @@ class TrainingEngine:
         first load or save."""
         self.checkpointer.add_state(name, state)
 
-    def load_checkpoint(self) -> bool:
-        """Resume from the newest checkpoint (or the initial load path); False if none."""
+    def load_checkpoint(self) -> int | None:
+        """Resume from the newest checkpoint (or the initial load path): the step loaded (0 for
+        a seed checkpoint or an initial load), None when there was nothing to load."""
         return self.checkpointer.load()
 
     def maybe_save(self, *, last_step: bool = False, since: int | None = None) -> None:

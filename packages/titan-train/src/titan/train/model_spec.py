@@ -15,7 +15,6 @@ import torch
 from titan.ckpt.hf import StateDictAdapter  # the one protocol (titan.ckpt reads and writes HF)
 from torch import nn
 
-
 # The optional hooks the engine and the loops call on a model (docs/contracts.md). Checked
 # with isinstance: a model opts in by defining the method, and no family is named.
 

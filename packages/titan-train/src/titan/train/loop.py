@@ -1,0 +1,346 @@
+"""The base every training loop extends: pretraining, SFT and RL post-training.
+
+What a loop shares lives here once, so the loops cannot drift apart:
+
+- **the model it builds**: the flavor check, the tokenizer, the vocabulary
+  (``ModelConfig.resolve_vocab_size``: ``--model.vocab_size`` or the tokenizer's, rounded) and
+  the ``--model.*`` shape overrides, handed to one :class:`~titan.train.engine.TrainingEngine`;
+- **the supervised step** (:meth:`TrainingLoop.train_step`): gradient accumulation to
+  ``--training.global_batch_size``, the loss of each microbatch divided by the valid label
+  tokens of the whole global batch, then one optimizer step — pretraining's step, SFT's, and
+  RL's SFT warm-up;
+- **metrics**: one :class:`~titan.train.metrics.MetricsLogger` per loop; step records through
+  :meth:`TrainingLoop.log_step`, any other record (an evaluation) through
+  :meth:`TrainingLoop.log_record`; both reach every backend (JSONL, TensorBoard, W&B);
+- **the run around the steps** (:meth:`TrainingLoop.train`): ``--checkpoint.create_seed_checkpoint``,
+  the saved ``config.json``, resuming, the preemption guard (a SIGTERM finishes the step and
+  saves), the profiler, the closing summary; :meth:`TrainingLoop.close` drains checkpoints.
+
+A loop adds only its data and what one of its steps is (:meth:`TrainingLoop.run_steps`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from titan.dist import reduce_max
+from titan.train.config import TrainingConfig
+from titan.train.device_peak import device_peak_flops
+from titan.train.engine import TrainingEngine
+from titan.train.loss import NonFiniteLossError, count_valid_tokens, next_token_loss
+from titan.train.metrics import MetricsLogger
+from titan.train.model_spec import ModelSpec
+from titan.train.preemption import PreemptionGuard, save_for_preemption
+from titan.train.profiling import StepProfiler
+
+logger = logging.getLogger("titan")
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step produced. The loss stays this rank's share until a logging
+    step reduces it (see ``TrainingLoop.global_loss``): no collective on steps nobody logs, and
+    the counts and the norm stay on the device (no host sync) until a step reads them."""
+
+    rank_loss: torch.Tensor
+    """This rank's share of the global mean loss (zero on pipeline stages without the loss)."""
+    rank_tokens: torch.Tensor
+    """Valid label tokens this rank's share was computed over."""
+    tokens: torch.Tensor
+    """Valid label tokens of the whole global batch (a device scalar)."""
+    grad_norm: float | torch.Tensor
+    """Global gradient norm before clipping (a device scalar on steps that did not sync)."""
+    lr: float
+    """The learning rate this step applied (the scheduler has moved on since)."""
+
+
+def save_run_config(config: Any, *, rank: int) -> None:
+    """The resolved config as ``<dump_folder>/config.json`` (rank 0), so a run folder says
+    how it was made (every loop writes it: train, SFT, RL)."""
+    if rank != 0:
+        return
+    folder = Path(config.job.dump_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"type": type(config).__name__, **dataclasses.asdict(config)}
+    (folder / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+def grad_accum_steps(training: TrainingConfig, dp_world_size: int) -> int:
+    """Microbatches per optimizer step on each data-parallel rank: ``--training.global_batch_size``
+    over ``--training.local_batch_size`` x the data-parallel degree (1 when the global batch is
+    -1); a global batch that is not a multiple raises, naming the nearest valid one."""
+    per_step = training.local_batch_size * dp_world_size
+    global_batch = per_step if training.global_batch_size == -1 else training.global_batch_size
+    if global_batch % per_step:
+        raise ValueError(
+            f"--training.global_batch_size {global_batch} must be a multiple of "
+            f"--training.local_batch_size {training.local_batch_size} x data-parallel degree "
+            f"{dp_world_size} = {per_step}; e.g. use {max(1, global_batch // per_step) * per_step}"
+        )
+    return global_batch // per_step
+
+
+class TrainingLoop:
+    """The shell around :class:`~titan.train.engine.TrainingEngine` that every loop shares
+    (see the module docstring). Subclasses set ``Config``, may check their flags in
+    :meth:`check_config` (before anything is built), build their data after ``__init__`` and
+    implement :meth:`run_steps`."""
+
+    Config: type = object
+    """The config class of this loop (its command's flags)."""
+
+    def __init__(self, config: Any, *, model_spec: ModelSpec) -> None:
+        self.config = config
+        self.model_spec = model_spec
+        model_spec.check_flavor(config.model.flavor)
+        self.check_config()
+        self.tokenizer = config.tokenizer.build()
+        self.vocab_size = config.model.resolve_vocab_size(self.tokenizer.vocab_size)
+        self.engine = TrainingEngine.from_config(config, model_spec=model_spec, vocab_size=self.vocab_size)
+        self.is_rank0 = self.engine.dist_env.rank == 0
+        self.grad_accum_steps = grad_accum_steps(config.training, self.parallel_dims.dp_world_size)
+        self._supervised_loss = functools.partial(next_token_loss, chunk_tokens=config.training.loss_chunk_tokens)
+        self.metrics = MetricsLogger(
+            config.metrics,
+            dump_folder=Path(config.job.dump_folder),
+            total_steps=config.training.steps,
+            flops_per_token=self.engine.flops_per_token,
+            peak_flops=device_peak_flops(self.engine.device),
+            device=self.engine.device,
+            is_rank0=self.is_rank0,
+        )
+        self._run_start = (time.perf_counter(), 0, 0)
+
+    def check_config(self) -> None:
+        """Refuse flags this loop cannot honour, before the engine is built (raises
+        ValueError naming the flag). The base checks nothing beyond the flavor."""
+
+    # ---- what the engine owns, under the names loops and tests use ----------------------
+
+    @property
+    def parallel_dims(self):
+        """The mesh degrees (``titan.dist.ParallelDims``)."""
+        return self.engine.parallel_dims
+
+    @property
+    def mesh(self):
+        """The root device mesh (None on one process)."""
+        return self.engine.mesh
+
+    @property
+    def model_parts(self) -> list[torch.nn.Module]:
+        """The model parts this rank holds (several under pipeline parallel)."""
+        return self.engine.model_parts
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """One optimizer per model part."""
+        return self.engine.optimizers
+
+    @property
+    def pp_schedule(self):
+        """The pipeline schedule (pipeline parallel only)."""
+        return self.engine.pp_schedule
+
+    @property
+    def checkpointer(self):
+        """The engine's checkpoint manager."""
+        return self.engine.checkpointer
+
+    @property
+    def train_state(self):
+        """Step and tokens seen (checkpointed)."""
+        return self.engine.train_state
+
+    @property
+    def dist_env(self):
+        """Rank, world size and device of this process."""
+        return self.engine.dist_env
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device."""
+        return self.engine.device
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the whole model."""
+        return self.engine.num_params
+
+    @property
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token at the configured sequence length."""
+        return self.engine.flops_per_token
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far (restored by a checkpoint resume)."""
+        return self.engine.step
+
+    def log_start(self) -> None:
+        """The opening line: model, size, layout, batch geometry (and the config when
+        ``--job.print_config``)."""
+        cfg = self.config
+        if cfg.job.print_config and self.is_rank0:
+            logger.info("config:\n%s", json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
+        d = self.parallel_dims
+        logger.info(
+            "%s %s: %.2fM params, %.1f MFLOPs/token | world %d on %s (dp_replicate %d, dp_shard %d, cp %d, tp %d, pp %d) | "
+            "batch %d x %d tokens, %d accumulation step(s) | %d steps",
+            cfg.model.name, cfg.model.flavor, self.num_params / 1e6, self.flops_per_token / 1e6,
+            self.dist_env.world_size, self.device, d.dp_replicate, d.dp_shard, d.cp, d.tp, d.pp,
+            cfg.training.local_batch_size, cfg.training.seq_len, self.grad_accum_steps, cfg.training.steps,
+        )  # fmt: skip
+
+    # ---- the supervised step ------------------------------------------------------------
+
+    def next_microbatches(self, data_iter) -> list[dict[str, torch.Tensor]]:
+        """The ``grad_accum_steps`` microbatches of one optimizer step on this rank."""
+        return [next(data_iter) for _ in range(self.grad_accum_steps)]
+
+    def train_step(self, microbatches: list[dict[str, torch.Tensor]], *, sync: bool = True) -> StepResult:
+        """One optimizer step over ``microbatches`` (gradient accumulation): the loss of every
+        microbatch is divided by the valid label tokens of the whole global batch.
+
+        ``sync=False`` (steps that neither log nor save) never waits for the device: the loss
+        and the gradient norm are checked for NaN/inf on the device and reported by the next
+        step that syncs (see ``TrainingEngine.optimizer_step``), before it computes anything."""
+        if sync:
+            self.engine.raise_if_non_finite()
+        local_tokens = torch.stack([count_valid_tokens(mb["labels"]) for mb in microbatches]).sum().float()
+        local_tokens = local_tokens.to(self.engine.device)
+        global_tokens = self.engine.sum_over(local_tokens.clone(), "dp")
+        rank_loss = torch.zeros((), device=self.engine.device)
+        for mb in microbatches:
+            rank_loss += self.engine.forward_backward(mb, self._supervised_loss, global_token_count=global_tokens)
+        if sync:  # otherwise a non-finite loss shows in the global grad norm, checked on device
+            self._check_finite(float(rank_loss))
+        lr = self.engine.lr_schedulers.last_lr()
+        grad_norm = self.engine.optimizer_step(sync=sync)
+        return StepResult(rank_loss=rank_loss, rank_tokens=local_tokens, tokens=global_tokens, grad_norm=grad_norm, lr=lr)
+
+    def device_tokens(self, microbatches: list[dict[str, torch.Tensor]]) -> int:
+        """This device's share of the tokens of ``microbatches``: a data-parallel rank's tokens
+        are shared by its cp x tp x pp devices, so each device's share is what MFU compares
+        with one device's peak."""
+        return sum(mb["input_ids"].numel() for mb in microbatches) // self.parallel_dims.non_data_parallel_size
+
+    def global_loss(self, result: StepResult) -> tuple[float, float]:
+        """(mean, max over data-parallel ranks) of a step's loss. Collective: every rank calls
+        it on the same steps."""
+        rank_loss = result.rank_loss
+        if self.parallel_dims.pp_enabled:
+            rank_loss = self.engine.sum_over(rank_loss.clone(), "pp")  # only the last stage computed it
+        # Context-parallel peers each hold part of a sequence's loss: their sum is the rank's.
+        mean = float(self.engine.sum_over(rank_loss.clone(), "dp_cp"))
+        rank_mean = self.engine.sum_over(rank_loss.clone(), "cp") * result.tokens / result.rank_tokens.clamp(min=1)
+        return mean, float(reduce_max(rank_mean, self.parallel_dims.mesh("dp_cp")))
+
+    def _check_finite(self, rank_loss: float) -> None:
+        """Stop before the optimizer step on a non-finite loss on this rank (the engine's
+        global grad norm catches every other rank's)."""
+        if math.isfinite(rank_loss):
+            return
+        self.engine.zero_grad()
+        raise NonFiniteLossError(
+            f"step {self.step + 1}: loss {rank_loss} — training stopped before the optimizer step, so the "
+            "weights are still finite. Try a lower --optimizer.lr, a longer --lr_scheduler.warmup_steps, "
+            "or clipping with --training.max_norm."
+        )
+
+    # ---- metrics ------------------------------------------------------------------------
+
+    def log_step(self, step: int, *, loss: float, grad_norm: float, lr: float, extra: dict[str, Any]) -> dict[str, Any]:
+        """Log one step's record (console, JSONL, TensorBoard, W&B); returns it."""
+        return self.metrics.log(step=step, loss=loss, grad_norm=grad_norm, lr=lr, extra=extra)
+
+    def log_record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Log any other record with a ``step`` (an evaluation) to every backend; returns it."""
+        self.metrics.log_record(record)  # only the writing ranks write
+        return record
+
+    # ---- the run ------------------------------------------------------------------------
+
+    def save_seed_checkpoint(self) -> str:
+        """Write the freshly initialized weights as step 0 (``--checkpoint.create_seed_checkpoint``)."""
+        path = self.checkpointer.save_seed_checkpoint()
+        logger.info("seed checkpoint written to %s", path)
+        return path
+
+    def train(self) -> list[dict[str, Any]]:
+        """Resume from a checkpoint when there is one, run until ``--training.steps`` (or a
+        SIGTERM/SIGINT: the step finishes and a checkpoint is saved), and return the records
+        that were logged."""
+        if self.config.checkpoint.create_seed_checkpoint:
+            self.save_seed_checkpoint()
+            return []
+        save_run_config(self.config, rank=self.dist_env.rank)
+        if self.engine.load_checkpoint() is not None:  # step 0 too: a seed checkpoint, an initial load
+            logger.info("resumed from step %d (%s)", self.step, self.resume_position())
+        records: list[dict[str, Any]] = []
+        self._run_start = (time.perf_counter(), self.step, self.train_state.tokens_seen)
+        self.metrics.start(self.step)
+        guard = PreemptionGuard(self.engine.device)
+        try:
+            with self._profiler() as profiler:
+                preempted = self.run_steps(guard, profiler, records)
+        finally:
+            guard.close()
+        self.after_steps()
+        self.metrics.close()
+        self.log_summary(records, preempted)
+        return records
+
+    def resume_position(self) -> str:
+        """Where a resumed run continues, for the log (the loops add their data position)."""
+        return f"{self.train_state.tokens_seen} tokens seen"
+
+    def run_steps(self, guard: PreemptionGuard, profiler: StepProfiler, records: list[dict[str, Any]]) -> bool:
+        """The loop's steps until ``--training.steps`` or an agreed preemption request (then
+        :meth:`stop_for_preemption`); appends the logged records; returns whether a signal
+        stopped the run."""
+        raise NotImplementedError
+
+    def after_steps(self) -> None:
+        """Settle what the steps left running (e.g. a background generation) before the
+        summary."""
+
+    def stop_for_preemption(self) -> None:
+        """Save the step just finished so the same command resumes from it."""
+        save_for_preemption(self.engine.checkpointer, self.step)
+
+    def _profiler(self) -> StepProfiler:
+        """Traces (and memory reports) every ``--profiler.profile_freq`` steps when enabled."""
+        return StepProfiler(self.config.profiler, dump_folder=self.config.job.dump_folder,
+                            rank=self.engine.dist_env.rank, device=self.engine.device, start_step=self.step)
+
+    def log_summary(self, records: list[dict[str, Any]], preempted: bool) -> None:
+        """One closing line: steps, tokens, wall time, mean throughput, best and last loss,
+        where the checkpoints are."""
+        started, first_step, first_tokens = self._run_start
+        wall = time.perf_counter() - started
+        tokens = self.train_state.tokens_seen - first_tokens
+        losses = [r["loss"] for r in records if "loss" in r]
+        best = f"{min(losses):.4f}" if losses else "n/a"
+        last = f"{losses[-1]:.4f}" if losses else "n/a"
+        where = self.engine.checkpointer.folder if self.config.checkpoint.enable else "off"
+        logger.info(
+            "%s: steps %d-%d, %d tokens in %.1fs (%.0f tokens/s over all ranks) | loss best %s, last %s | "
+            "checkpoints: %s",
+            "preempted" if preempted else "training done", first_step, self.step, tokens, wall,
+            tokens / wall if wall > 0 else 0.0, best, last, where,
+        )
+
+    def close(self) -> None:
+        """Drain checkpoint saves, close the progress bar and release the process group."""
+        self.metrics.close()
+        self.engine.close()
