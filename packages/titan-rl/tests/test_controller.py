@@ -4,7 +4,6 @@ prompts, trainer and generator log-probs agree, a resumed run continues the same
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import json
 import os
@@ -20,76 +19,71 @@ import pytest
 from titan.rl.config import RLConfig, RLSection
 from titan.rl.controller import RLTrainer
 from titan.rl.rollouts import Rollout
+from titan.rl.schedule import RolloutSchedule
 
 # ---- the staleness bound ---------------------------------------------------------------
 
 
-def scheduled_trainer(bound: int, steps: int):
-    """An RLTrainer whose engine, generator and broadcast are stand-ins: only the scheduling
-    logic of ``next_rollout`` runs (with real background threads when bound >= 1)."""
-    trainer = RLTrainer.__new__(RLTrainer)
-    trainer.config = SimpleNamespace(rl=SimpleNamespace(max_policy_staleness=bound, updates_per_rollout=1),
-                                     training=SimpleNamespace(steps=steps))
-    trainer.engine = SimpleNamespace(step=0)
-    trainer.state = SimpleNamespace(rollout_index=0)
-    trainer.is_rank0 = True
-    trainer.generator_version = -1
-    trainer._pending = None
-    trainer._executor = concurrent.futures.ThreadPoolExecutor(1) if bound else None
-    trainer.syncs = []
-    busy = threading.Lock()
+class ScheduledRun:
+    """A :class:`RolloutSchedule` over stand-ins: a version counter for the engine, a
+    generator that reports the weights' version it generated with (and fails the test if
+    its weights change while it generates), a broadcast to one rank. Background threads are
+    real when bound >= 1."""
 
-    def sync_weights():
+    def __init__(self, bound: int, steps: int) -> None:
+        self.step, self.syncs = 0, []
+        self.busy = threading.Lock()
+        self.schedule = RolloutSchedule(max_staleness=bound, updates_per_rollout=1, total_steps=steps,
+                                        sync=self.sync, produce=self.produce, broadcast=self.broadcast,
+                                        background=True)
+
+    def sync(self) -> None:
         # The generator must be idle while its weights change.
-        assert busy.acquire(blocking=False), "weights synced while a rollout was being generated"
-        busy.release()
-        trainer.generator_version = trainer.engine.step
-        trainer.syncs.append(trainer.engine.step)
+        assert self.busy.acquire(blocking=False), "weights synced while a rollout was being generated"
+        self.busy.release()
+        self.syncs.append(self.step)
 
-    def produce(index):
-        with busy:
-            version = trainer.generator_version
-            time.sleep(0.002)
+    def produce(self, index: int) -> Rollout:
+        with self.busy:
+            version = self.syncs[-1]
+            time.sleep(0.002)  # widens the window a concurrent sync would hit
             return Rollout(index=index, version=version, groups=[], rewards=[])
 
-    trainer.sync_weights = sync_weights
-    trainer._produce = produce
-    trainer._broadcast = lambda result: result() if callable(result) else result
-    return trainer
+    @staticmethod
+    def broadcast(result):
+        return result() if callable(result) else result
 
 
 @pytest.mark.parametrize("bound", [0, 1, 2, 3])
 def test_async_schedule_never_exceeds_the_staleness_bound(bound):
     steps = 12
-    trainer = scheduled_trainer(bound, steps)
+    run = ScheduledRun(bound, steps)
     staleness = []
     for step in range(steps):
-        rollout = trainer.next_rollout()
+        rollout = run.schedule.next_rollout(step, run.step)
         assert rollout.index == step
-        staleness.append(trainer.engine.step - rollout.version)
-        trainer.engine.step += 1  # the optimizer step
-        trainer.state.rollout_index += 1
+        staleness.append(run.step - rollout.version)
+        run.step += 1  # the optimizer step
+    run.schedule.close()
     assert all(0 <= s <= bound for s in staleness), staleness
     if bound == 0:
-        assert staleness == [0] * steps and trainer.syncs == list(range(steps))
+        assert staleness == [0] * steps and run.syncs == list(range(steps))
     else:
         # The bound is used, not just respected: later rollouts run `bound` versions behind,
         # with one sync every `bound` steps.
         assert max(staleness) == bound, staleness
-        assert len(trainer.syncs) <= steps // bound + 1, trainer.syncs
-    trainer._executor and trainer._executor.shutdown()
+        assert len(run.syncs) <= steps // bound + 1, run.syncs
 
 
 def test_a_skipped_rollout_still_respects_the_bound():
     """A rollout with nothing to learn takes no optimizer step; the next must still fit."""
-    trainer = scheduled_trainer(1, 10)
+    run = ScheduledRun(1, 10)
     for step in range(8):
-        rollout = trainer.next_rollout()
-        assert 0 <= trainer.engine.step - rollout.version <= 1
+        rollout = run.schedule.next_rollout(step, run.step)
+        assert 0 <= run.step - rollout.version <= 1
         if step % 3 != 1:  # every third rollout is skipped: no version change
-            trainer.engine.step += 1
-        trainer.state.rollout_index += 1
-    trainer._executor.shutdown()
+            run.step += 1
+    run.schedule.close()
 
 
 # ---- config ------------------------------------------------------------------------------
@@ -412,6 +406,21 @@ def test_every_loop_shares_the_loop_base():
         assert issubclass(loop, TrainingLoop)
         for shared in ("train", "train_step", "global_loss", "log_step", "log_record"):
             assert getattr(loop, shared) is getattr(TrainingLoop, shared), (loop, shared)
+
+
+def test_async_rl_from_loaded_weights_generates_its_first_rollout_with_them(tmp_path):
+    """With --rl.max_policy_staleness >= 1 and no KL reference, nothing synced the generator
+    before the first background rollout: a run starting from --checkpoint.initial_load_path
+    generated rollout 0 with the generator's freshly built weights (reported as version 0,
+    so no staleness check caught it). The first sync now always precedes the first rollout:
+    trainer and generator log-probs of rollout 0 agree."""
+    run_rl(tmp_path / "trained", *SHORT, "--training.steps", "3", "--checkpoint.enable")
+    loaded = ["--checkpoint.initial_load_path", str(tmp_path / "trained" / "checkpoint" / "step-3")]
+    run_rl(tmp_path / "rl", *SHORT, *loaded, "--rl.sft_warmup_steps", "0", "--training.steps", "2",
+           "--rl.max_policy_staleness", "1", "--rl.no_drop_zero_variance")
+    rl = [r for r in records(tmp_path / "rl") if r.get("phase") == "rl"]
+    assert rl[0]["step"] == 1 and rl[0]["staleness"] == 0
+    assert rl[0]["logprob_diff_max"] <= 1e-5, rl[0]
 
 
 def test_rl_evaluations_reach_tensorboard(tmp_path):

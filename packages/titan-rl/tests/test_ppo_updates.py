@@ -14,6 +14,7 @@ import torch
 from titan.rl.config import RLSection
 from titan.rl.controller import RLTrainer
 from titan.rl.generate.base import Completion
+from titan.rl.rollout_loss import RolloutLoss
 from titan.rl.rollouts import Rollout
 
 WORKER = Path(__file__).with_name("sync_worker.py")
@@ -61,6 +62,7 @@ def trainer_over(engine, rl: RLSection, rollout: Rollout) -> RLTrainer:
                                                                     loss_chunk_tokens=0))
     trainer.engine, trainer.is_rank0 = engine, True
     trainer.sampling = SimpleNamespace(temperature=1.0, max_new_tokens=4)
+    trainer.loss = RolloutLoss(rl, temperature=1.0, chunk_tokens=0)
     trainer.tokenizer = SimpleNamespace(pad_id=0)
     trainer.state = SimpleNamespace(rollout_index=0, skipped=0)
     trainer.metrics = SimpleNamespace(record_tokens=lambda n: None)

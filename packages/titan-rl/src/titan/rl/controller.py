@@ -25,12 +25,10 @@ exactly), one single-device model copy suffices, and rewards run once. With
 their parts of each rollout; with one generator rank the rollouts equal the colocated ones.
 
 **Staleness.** ``--rl.max_policy_staleness 0`` is on-policy: the weights are synced before
-every rollout. With ``k >= 1`` the next rollout is generated in a background thread (on the
-generator ranks, disaggregated) while the current one trains; before launching it the
-controller syncs the generator if its version is older than ``v + u - k u`` (the rollout
-trains at version ``v + u``, ``u`` optimizer steps per rollout), so the staleness, counted in rollouts, never exceeds ``k`` (checked on every step;
-larger ``k`` means fewer syncs). A resumed run regenerates the pending rollout from the resumed
-weights.
+every rollout. With ``k >= 1`` the next rollout is generated in the background while the
+current one trains, never more than ``k`` rollouts behind (``titan.rl.schedule.RolloutSchedule``
+decides when to sync and launch). A resumed run regenerates the pending rollout from the
+resumed weights. The per-microbatch policy loss is ``titan.rl.rollout_loss.RolloutLoss``.
 
 An error while rank 0 generates or scores is broadcast in place of the rollout, so every rank
 stops with it (:class:`RolloutError`).
@@ -44,7 +42,6 @@ an SFT checkpoint with ``--checkpoint.initial_load_path``.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -58,15 +55,11 @@ from titan.rl.config import RLConfig
 from titan.rl.data import build_prompts
 from titan.rl.disaggregated import TRAINER, GeneratorServer, RemoteGenerators, split_for_generators
 from titan.rl.generate.build import build_generator, check_generator_kind
-from titan.rl.logprobs import token_entropy, token_logprobs
-from titan.rl.losses import (
-    importance_weights,
-    loss_normalizer,
-    policy_loss,
-    stat_means,
-)
+from titan.rl.losses import loss_normalizer, stat_means
 from titan.rl.producer import RolloutProducer, held_out_means
+from titan.rl.rollout_loss import MAX_STATS, SUMMED_STATS, RolloutLoss, combine_stats
 from titan.rl.rollouts import Rollout, build_batch, rollout_rows, rollout_stats, split_rows
+from titan.rl.schedule import RolloutSchedule
 from titan.rl.weight_sync import sync_colocated
 from titan.train.data.sft import build_sft_dataloader
 from titan.train.loop import TrainingLoop
@@ -78,30 +71,6 @@ logger = logging.getLogger("titan")
 
 MAX_CONSECUTIVE_SKIPS = 16
 """Stop when this many rollouts in a row have no group with reward variance (nothing to learn)."""
-
-
-SUMMED_STATS: tuple[str, ...] = (
-    "tokens", "clipped", "kl", "entropy", "completion_tokens", "logprob_diff_sum", "is_weight", "is_capped",
-    "is_masked",
-)
-"""The loss's stats that add over microbatches and ranks."""
-MAX_STATS: tuple[str, ...] = ("logprob_diff_max", "is_weight_max")
-"""The loss's stats reduced with a max."""
-
-
-def _combine(into: dict[str, Any], stats: Mapping[str, Any]) -> None:
-    """Add ``stats`` into ``into``: sums, except :data:`MAX_STATS`, which keep their maximum.
-    For a loss call's tensors (detached, float64, on the device: no host sync) and for an
-    update's reduced floats alike."""
-    for key, value in stats.items():
-        if isinstance(value, torch.Tensor):
-            value = value.detach().double()
-        if key not in into:
-            into[key] = value
-        elif key in MAX_STATS:
-            into[key] = torch.maximum(into[key], value) if isinstance(value, torch.Tensor) else max(into[key], value)
-        else:
-            into[key] = into[key] + value
 
 
 def _assemble_rows(pieces: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -> torch.Tensor | None:
@@ -118,38 +87,6 @@ def _assemble_rows(pieces: list[tuple[torch.Tensor, torch.Tensor]], rows: int) -
 def _crossed(before: int, after: int, every: int) -> bool:
     """Whether a multiple of ``every`` lies in ``(before, after]`` (``every`` <= 0: never)."""
     return every > 0 and after // every > before // every
-
-
-class _Deferred:
-    """A rollout the generator ranks are producing: collected from the bridge when first
-    waited for; an error is kept, to be raised by ``result()`` where every rank hears of it."""
-
-    def __init__(self, collect) -> None:
-        self._collect, self._done, self._value, self._error = collect, False, None, None
-
-    def wait(self) -> None:
-        """Collect the result now (first call only)."""
-        if not self._done:
-            try:
-                self._value = self._collect()
-            except Exception as err:  # raised by result(), inside the rollout broadcast
-                self._error = err
-            self._done = True
-
-    def result(self) -> Any:
-        """The collected result (collecting it first), or the error collecting it raised."""
-        self.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-def _settle(future: concurrent.futures.Future | _Deferred) -> None:
-    """Wait until ``future`` holds its result or error, without raising it."""
-    if isinstance(future, _Deferred):
-        future.wait()
-    else:
-        concurrent.futures.wait([future])
 
 
 class RolloutError(RuntimeError):
@@ -251,6 +188,8 @@ class RLTrainer(TrainingLoop):
         self.engine.add_state("rl_controller", self.state)
         self.warmup_loader = self._build_warmup_loader()
         self.sampling = dataclasses.replace(cfg.sampling, n=cfg.rl.group_size)
+        self.loss = RolloutLoss(cfg.rl, temperature=self.sampling.temperature,
+                                chunk_tokens=cfg.training.loss_chunk_tokens)
         if cfg.rl.generator_ranks:
             self.remote = RemoteGenerators(current_split())
         # Colocated: rank 0 generates and scores every rollout for all ranks.
@@ -264,10 +203,12 @@ class RLTrainer(TrainingLoop):
         self.reference = ReferencePolicy(self._build_generator() if self.is_rank0 and cfg.rl.kl_coef > 0 else None)
         if cfg.rl.kl_coef > 0:
             self.engine.add_state("rl_reference", self.reference)
-        self.generator_version = -1  # tracked on every rank: sync decisions are collective
-        background = cfg.rl.max_policy_staleness > 0 and self.producer is not None
-        self._executor = concurrent.futures.ThreadPoolExecutor(1) if background else None
-        self._pending: tuple[int, concurrent.futures.Future | _Deferred | None] | None = None
+        driver = self.remote is not None and self.remote.is_driver
+        self.schedule = RolloutSchedule(
+            max_staleness=cfg.rl.max_policy_staleness, updates_per_rollout=cfg.rl.updates_per_rollout,
+            total_steps=cfg.training.steps, sync=self.sync_weights, produce=self._produce, broadcast=self._broadcast,
+            request=self._request if driver else None, background=self.producer is not None,
+        )
         self.timings = {"generation_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
         self.log_start()
 
@@ -338,16 +279,20 @@ class RLTrainer(TrainingLoop):
             stats = self.remote.sync(self.engine, version=version)
         else:
             stats = sync_colocated(self.engine, self.generator, version=version, dtype=torch.float32)
-        self.generator_version = version
         self.timings["sync_s"] += stats.seconds
 
     def _produce(self, index: int) -> Rollout:
         """Generate and score rollout ``index`` now (rank 0; may run in the background thread):
         with the colocated producer, or by asking the generator ranks and waiting for them."""
         if self.remote is not None:
-            self.remote.request(index)
-            return self._with_reference(self.remote.collect())
+            return self._request(index)()
         return self._with_reference(self.producer.produce(index))
+
+    def _request(self, index: int):
+        """Ask the generator ranks for rollout ``index`` (rank 0); returns the function that
+        collects it (with the KL reference's log-probs)."""
+        self.remote.request(index)
+        return lambda: self._with_reference(self.remote.collect())
 
     def _with_reference(self, rollout: Rollout) -> Rollout:
         """``rollout`` with the frozen KL reference's log-probs of its completions (rank 0),
@@ -384,114 +329,15 @@ class RLTrainer(TrainingLoop):
             raise RolloutError(message)
         return result
 
-    def _launch(self, index: int) -> None:
-        """Start generating rollout ``index`` (rank 0): in the background thread, or on the
-        generator ranks, collected when first waited for."""
-        future = None
-        if self.remote is not None and self.remote.is_driver:
-            self.remote.request(index)
-            future = _Deferred(lambda: self._with_reference(self.remote.collect()))
-        elif self._executor is not None:
-            future = self._executor.submit(self._produce, index)
-        self._pending = (index, future)
-
     def next_rollout(self) -> Rollout:
-        """The rollout for this step, generated under the staleness bound (module docstring)."""
-        index, version = self.state.rollout_index, self.engine.step
-        updates = self.config.rl.updates_per_rollout
-        bound = self.config.rl.max_policy_staleness * updates  # in policy versions
-        if bound == 0:
-            if self.generator_version != version:
-                self.sync_weights()
-            return self._broadcast(lambda: self._produce(index))
-        if self._pending is None or self._pending[0] != index:
-            if self.generator_version < version - bound:
-                self.sync_weights()
-            self._launch(index)
-        future = self._pending[1]
-        if future is not None:  # done before the generator's weights may change below
-            _settle(future)
-        # The next rollout trains at version + updates at the latest (this rollout takes at
-        # most that many optimizer steps), so its weights must be of version >= that - bound.
-        self._pending = None
-        if version + updates < self.config.training.steps:  # another step will need a rollout
-            if self.generator_version < version + updates - bound:
-                self.sync_weights()
-            self._launch(index + 1)
-        return self._broadcast(future.result if future is not None else None)
+        """The rollout for this step, generated under the staleness bound (``titan.rl.schedule``)."""
+        return self.schedule.next_rollout(self.state.rollout_index, self.engine.step)
 
     def _wait_pending(self) -> None:
-        """Let the background generation finish (before using the generator otherwise); a
-        failure stays in the future, for :meth:`next_rollout` to report on every rank."""
-        if self._pending is not None and self._pending[1] is not None:
-            _settle(self._pending[1])
+        """Let the background generation finish (before using the generator otherwise)."""
+        self.schedule.wait()
 
     # ---- the RL step ---------------------------------------------------------------------
-
-    def _loss_fn(self, accumulator: dict[str, torch.Tensor], trainer_old: torch.Tensor | None, *,
-                 measure_mismatch: bool):
-        """``loss_fn(logits, batch)`` for the engine: policy log-probs of the labels (fp32),
-        the configured policy loss, and token-sum stats added to ``accumulator``.
-
-        ``trainer_old``: the trainer's log-probs of this microbatch before the rollout's first
-        update (``[rows, this rank's sequence share]``, looked up by ``row_index``: a pipeline
-        schedule hands the loss a subset of rows at a time), or None when the current
-        log-probs are those (one update per rollout). ``measure_mismatch``: record how far the
-        trainer's pre-update log-probs are from the generator's (the first pass)."""
-        rl, temperature = self.config.rl, self.sampling.temperature
-
-        def loss_fn(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-            logp, valid = self._label_logprobs(logits, batch)
-            with torch.set_grad_enabled(torch.is_grad_enabled() and rl.entropy_coef > 0):  # else only logged
-                # Vocab-sharded logits (loss parallel) are never gathered; both in chunks.
-                entropy = token_entropy(logits, temperature, chunk_tokens=self.config.training.loss_chunk_tokens)
-            generator = batch["old_logprobs"]
-            before_update = trainer_old[batch["row_index"][:, 0]] if trainer_old is not None else logp.detach()
-            old, is_weights, is_cap, is_stats = self._ratio_terms(before_update, generator, batch["loss_mask"])
-            ref = batch.get("ref_logprobs")
-            loss, stats = policy_loss(
-                logp, old, batch["advantages"], batch["loss_mask"], loss_type=rl.loss_type,
-                clip_eps_low=rl.clip_eps_low, clip_eps_high=rl.clip_eps_high, is_cap=is_cap, is_weights=is_weights,
-                # Without a reference, "kl" measures the trainer's drift from the generator.
-                ref_logprobs=ref if ref is not None else generator,
-                kl_coef=rl.kl_coef if ref is not None else 0.0,
-                kl_estimator=rl.kl_estimator, entropy=entropy, entropy_coef=rl.entropy_coef,
-                sequence_lengths=batch["sequence_lengths"] if rl.loss_type == "grpo" else None,
-            )
-            stats.update(is_stats)
-            if measure_mismatch:
-                diff = (before_update - generator).abs() * valid
-                stats["completion_tokens"] = valid.sum()
-                stats["logprob_diff_sum"] = diff.sum()
-                stats["logprob_diff_max"] = diff.max() if diff.numel() else torch.zeros((), device=diff.device)
-            _combine(accumulator, stats)
-            return loss
-
-        return loss_fn
-
-    def _label_logprobs(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor]):
-        """Log-probs (fp32, 0 off the labels) of the label tokens, and the label mask. Logits
-        sharded over the vocabulary (tensor parallel with loss parallel) stay sharded: a
-        vocab-parallel cross-entropy gives each token's log-prob."""
-        labels = batch["labels"]
-        valid = (labels >= 0).float()
-        logp = token_logprobs(logits, labels.clamp(min=0), self.sampling.temperature,
-                              chunk_tokens=self.config.training.loss_chunk_tokens)
-        return logp * valid, valid
-
-    def _ratio_terms(self, before_update: torch.Tensor, generator: torch.Tensor, loss_mask: torch.Tensor):
-        """What the PPO ratio is taken against, the importance weights, the ratio cap and the
-        weights' stats, for --rl.old_logprobs (trainer: decoupled; generator: bypass)."""
-        rl = self.config.rl
-        if rl.old_logprobs == "generator":
-            return generator, None, rl.is_cap if rl.is_level == "token" else 0.0, {}
-        if rl.is_level == "off":
-            return before_update, None, 0.0, {}
-        weights, stats = importance_weights(
-            before_update, generator, loss_mask, level=rl.is_level, cap=rl.is_cap,
-            mask_low=rl.is_mask_low, mask_high=rl.is_mask_high,
-        )
-        return before_update, weights, 0.0, stats
 
     @torch.no_grad()
     def _pre_update_logprobs(self, minibatches: list[tuple[float, float, list[dict]]]) -> list[list[torch.Tensor | None]]:
@@ -508,7 +354,7 @@ class RLTrainer(TrainingLoop):
                     pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
 
                     def capture(logits, b, pieces=pieces):
-                        logp = self._label_logprobs(logits, b)[0]
+                        logp = self.loss.label_logprobs(logits, b)[0]
                         pieces.append((b["row_index"][:, 0], logp))
                         return torch.zeros((), device=logp.device)
 
@@ -588,7 +434,7 @@ class RLTrainer(TrainingLoop):
                 for j, batch in enumerate(batches):
                     # The mismatch is measured on pre-update log-probs: every row of the first
                     # pass with the pre-update pass, else the first minibatch (before any step).
-                    loss_fn = self._loss_fn(accumulator, trainer_old[m][j] if trainer_old is not None else None,
+                    loss_fn = self.loss.for_microbatch(accumulator, trainer_old[m][j] if trainer_old is not None else None,
                                             measure_mismatch=epoch == 0 and (trainer_old is not None or m == 0))
                     # The router's aux loss is a mean over completion tokens for every loss type.
                     rank_loss += engine.forward_backward(batch, loss_fn, global_token_count=normalizer,
@@ -598,7 +444,7 @@ class RLTrainer(TrainingLoop):
                                            // engine.parallel_dims.non_data_parallel_size)
                 reduced = self._reduce(accumulator, rank_loss)
                 losses.append(reduced.pop("loss"))
-                _combine(totals, reduced)
+                combine_stats(totals, reduced)
         self.timings["train_s"] += time.perf_counter() - start
         self.timings["generation_s"] += rollout.generation_s
         record = {
@@ -691,8 +537,8 @@ class RLTrainer(TrainingLoop):
         if not self.eval_prompts:
             return {}
         self._wait_pending()
-        if self.generator_version != self.engine.step:
-            self.sync_weights()
+        self.schedule.sync_to(self.engine.step)
+
         def score_held_out() -> dict[str, float]:  # rank 0
             if self.remote is not None:
                 return self.remote.evaluate()
@@ -719,8 +565,7 @@ class RLTrainer(TrainingLoop):
                 for _ in weights:
                     pass
             return
-        if self.generator_version != self.engine.step:
-            self.sync_weights()
+        self.schedule.sync_to(self.engine.step)
         if self.is_rank0:
             self.reference.take(self.generator.named_weights())
 
@@ -816,8 +661,7 @@ class RLTrainer(TrainingLoop):
 
     def close(self) -> None:
         """Stop the background generation, drain checkpoint saves, release the process group."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+        self.schedule.close()
         super().close()  # the engine's close waits for every trainer rank: the generators may stop
         self._stop_generators()
 
