@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from titan.train.data import ByteTokenizer, DatasetConfig, DocumentPacker, build_dataloader
-from titan.train.data.loader import PackedDataLoader, _PackedBatches, document_layout
+from titan.train.data.loader import PackedBatches, PackedDataLoader, document_layout
 
 BOS, EOS = ByteTokenizer.bos_id, ByteTokenizer.eos_id
 
@@ -17,7 +17,7 @@ def _loader(source, *, batch, seq_len, rank=0, world=1):
     tok = source.tokenizer
     packer = DocumentPacker(source, bos_id=tok.bos_id, eos_id=tok.eos_id, shuffle=False, seed=0)
     return PackedDataLoader(
-        _PackedBatches(packer, batch, seq_len, dp_rank=rank, dp_world_size=world),
+        PackedBatches(packer, batch, seq_len, dp_rank=rank, dp_world_size=world),
         dp_rank=rank,
         dp_world_size=world,
         num_documents=len(source),

@@ -351,3 +351,39 @@ def test_checkpoint_round_trip_through_dcp_and_old_format_refused(tmp_path):
     assert "dp_rank_0" in str(err.value) and "--checkpoint.exclude_from_loading dataloader" in str(
         err.value
     )
+
+
+def test_every_training_loader_saves_and_checks_through_one_base(tmp_path):
+    """Pretraining on the fly, pre-tokenized and SFT loaders extend `ResumableLoader`: the same
+    state format (a version, the position, what it is measured against) and the same checks —
+    a future version is refused with the restart flag, a missing field is named."""
+    from titan.train.data import (
+        SFTDataConfig,
+        TokenizerConfig,
+        build_sft_dataloader,
+        tokenize_corpus,
+    )
+    from titan.train.data.resumable import ResumableLoader
+
+    tok = ByteTokenizer()
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": f"document {i} " * (i % 4 + 1)}) + "\n" for i in range(20)))
+    corpus = tmp_path / "corpus"
+    tokenize_corpus(str(source), corpus, TokenizerConfig(), progress=False)
+    loaders = [
+        _build(DatasetConfig(**SMALL_SYNTHETIC)),
+        _build(DatasetConfig(name="tokenized", path=str(corpus))),
+        build_sft_dataloader(SFTDataConfig(), tok, dp_rank=0, dp_world_size=1, local_batch_size=2, seq_len=64, seed=0),
+    ]
+    for loader in loaders:
+        assert isinstance(loader, ResumableLoader)
+        next(loader)
+        state = _checkpoint_round_trip(loader.state_dict())
+        assert state["version"] == type(loader).STATE_VERSION
+        assert set(loader.measured_against()) <= set(state)
+        with pytest.raises(ValueError, match="--checkpoint.exclude_from_loading dataloader"):
+            loader.load_state_dict({**state, "version": type(loader).STATE_VERSION + 1})
+        field = next(iter(loader.measured_against()))
+        with pytest.raises(ValueError, match=f"the checkpoint has {field}=None"):
+            loader.load_state_dict({k: v for k, v in state.items() if k != field})
+        loader.load_state_dict(state)  # its own state loads

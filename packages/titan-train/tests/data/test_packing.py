@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from titan.train.data import ByteTokenizer, DocumentPacker
-from titan.train.data.loader import PackedDataLoader, _PackedBatches
+from titan.train.data.loader import PackedBatches, PackedDataLoader
 
 TEXTS = ["alpha", "", "beta gamma", "δέλτα", "epsilon zeta eta theta iota kappa lambda mu", "nu"]
 
@@ -20,7 +20,7 @@ def _loader(source, *, batch=2, seq_len=7, shuffle=False, rank=0, world=1, seed=
     """The loader as `build_dataloader` wires it: one packer over the whole corpus per rank."""
     packer = _packer(source, shuffle=shuffle, seed=seed)
     return PackedDataLoader(
-        _PackedBatches(packer, batch, seq_len, dp_rank=rank, dp_world_size=world),
+        PackedBatches(packer, batch, seq_len, dp_rank=rank, dp_world_size=world),
         dp_rank=rank,
         dp_world_size=world,
         num_documents=len(source),

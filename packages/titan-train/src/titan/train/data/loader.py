@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from titan.train.data.config import DatasetConfig
 from titan.train.data.packing import DocumentPacker
+from titan.train.data.resumable import RESTART_HINT, ResumableLoader, check_loader_args
 from titan.train.data.sources import (
     DocumentSource,
     HFDatasetSource,
@@ -19,21 +20,17 @@ from titan.train.data.sources import (
 )
 from titan.train.data.synthetic import SyntheticCorpus
 from titan.train.data.tokenizer import Tokenizer
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset
 
 __all__ = [
+    "PackedBatches",
     "PackedDataLoader",
+    "load_hf_dataset",
     "build_packed_dataloader",
     "build_source",
     "document_layout",
     "synthetic_corpus",
 ]
-
-# Bumped when the meaning of the saved position changes (2: a position in the one global
-# stream, no longer in a per-rank document shard, still stored once per dp rank; 3: one
-# global record, the same on every rank, counted in windows of seq_len + 1 tokens).
-_STATE_VERSION = 3
-
 
 def synthetic_corpus(cfg: DatasetConfig, tokenizer: Tokenizer) -> SyntheticCorpus:
     """The synthetic corpus `cfg` describes, its symbols mapped to `tokenizer`'s
@@ -62,10 +59,10 @@ def build_source(cfg: DatasetConfig, tokenizer: Tokenizer) -> DocumentSource:
         return SyntheticSource(synthetic_corpus(cfg, tokenizer))
     if cfg.name == "stdlib":
         return StdlibSource(tokenizer)
-    return HFDatasetSource(_load_hf_dataset(cfg), tokenizer, cfg.text_field)
+    return HFDatasetSource(load_hf_dataset(cfg), tokenizer, cfg.text_field)
 
 
-def _load_hf_dataset(cfg: DatasetConfig):
+def load_hf_dataset(cfg: DatasetConfig):
     """Local files (text/json/parquet) or a hub dataset, as a map-style Dataset."""
     import datasets  # deferred: importing it costs ~1 s, synthetic runs never need it
 
@@ -97,7 +94,7 @@ def document_layout(starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return index - last_start, document_ids
 
 
-class _PackedBatches(IterableDataset):
+class PackedBatches(IterableDataset):
     """One data-parallel rank's batches [B, seq_len + 1] cut from the global
     stream, split into inputs and labels, with the inputs' per-document
     `positions` and `document_ids` (see `document_layout`).
@@ -155,7 +152,7 @@ class _PackedBatches(IterableDataset):
         }
 
 
-class PackedDataLoader(DataLoader):
+class PackedDataLoader(ResumableLoader):
     """An endless `torch.utils.data.DataLoader` of packed batches, resumable.
 
     Iterate it (`for batch in loader`, or `next(loader)`); every iterator
@@ -166,81 +163,56 @@ class PackedDataLoader(DataLoader):
     batch size or accumulation count: the next fetch takes the next
     dp_world_size x B windows, so a resumed run reads exactly the windows an
     uninterrupted one would. Only seq_len (window boundaries), the corpus and
-    shuffling must match. Batches are built in the calling process
-    (num_workers=0): packing is cheap, and it keeps the saved position exact.
+    shuffling must match (`ResumableLoader` checks them).
     """
 
+    # 2: a position in the one global stream, no longer in a per-rank document shard, still
+    # stored once per dp rank; 3: one global record, the same on every rank, counted in
+    # windows of seq_len + 1 tokens.
+    STATE_VERSION = 3
+
     def __init__(
-        self, dataset: _PackedBatches, *, dp_rank: int, dp_world_size: int, num_documents: int
+        self, dataset: PackedBatches, *, dp_rank: int, dp_world_size: int, num_documents: int
     ) -> None:
-        super().__init__(dataset, batch_size=None, num_workers=0)
-        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size)
         self.num_documents = num_documents
-        self._own_iterator: Iterator | None = None
 
     @property
     def packer(self) -> DocumentPacker:
         """The packer behind this loader (its position is the loader's state)."""
         return self.dataset.packer
 
-    def __next__(self) -> dict[str, torch.Tensor]:
-        if self._own_iterator is None:
-            self._own_iterator = iter(self)
-        return next(self._own_iterator)
+    def position(self) -> dict[str, Any]:
+        """The packer's (epoch, cursor, offset, seed) — or a pre-tokenized stream's token
+        count — and the `windows` consumed globally."""
+        return {**self.packer.state_dict(), "windows": self.dataset.windows}
 
-    def state_dict(self) -> dict[str, Any]:
-        """The global position, plain ints/bools only, identical on every rank: the packer's
-        (epoch, cursor, offset, seed), `windows` consumed globally, and what they are
-        measured against (`seq_len`, `num_documents`, `shuffle`)."""
-        state = dict(self.packer.state_dict())
-        state.update(
-            version=_STATE_VERSION,
-            seq_len=self.dataset.seq_len,
-            windows=self.dataset.windows,
-            num_documents=self.num_documents,
-            shuffle=self.packer.shuffle,
-        )
-        return state
+    def restore(self, state: dict[str, Any]) -> None:
+        """Put the packer and the window count where the saved loader stood."""
+        self.packer.load_state_dict(state)
+        self.dataset.windows = int(state["windows"])
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue exactly where the saved loader stopped, whatever this run's data-parallel
-        degree or batch split. An empty dict is a fresh start (nothing was saved)."""
-        if not state_dict:
-            return
-        self._check_compatible(state_dict)
-        self.packer.load_state_dict(state_dict)
-        self.dataset.windows = int(state_dict["windows"])
+    def measured_against(self) -> dict[str, tuple[Any, str]]:
+        """Window boundaries, the corpus and its order."""
+        return {
+            "seq_len": (self.dataset.seq_len, "--training.seq_len (windows are seq_len + 1 tokens)"),
+            "num_documents": (self.num_documents, "dataset (--dataset.name/--dataset.path, --dataset.synthetic_*)"),
+            "shuffle": (self.packer.shuffle, "--dataset.shuffle / --dataset.no_shuffle"),
+        }
 
-    def _check_compatible(self, state: dict[str, Any]) -> None:
-        """A position is only meaningful for the same windows of the same corpus order."""
+    def saved_version(self, state: dict[str, Any]) -> Any:
+        """Versions <= 2 stored one entry per rank ({"dp_rank_<r>": {...}}) without a version."""
         version = state.get("version")
         if version is None and any(str(key).startswith("dp_rank_") for key in state):
-            version = 2  # the per-rank layout {"dp_rank_<r>": {...}} of versions <= 2
-        if version != _STATE_VERSION:
-            older = isinstance(version, int) and version < _STATE_VERSION
-            raise ValueError(
-                f"data loader state version {version} is not {_STATE_VERSION}: it was written by "
-                f"{'an older titan-train (one entry per data-parallel rank)' if older else 'another titan-train'}"
-                ", which this one cannot resume; restart the data stream with "
-                "--checkpoint.exclude_from_loading dataloader, or resume with the titan-train "
-                "that wrote it"
-            )
-        fixes = {
-            "seq_len": "--training.seq_len (windows are seq_len + 1 tokens)",
-            "num_documents": "dataset (--dataset.name/--dataset.path, --dataset.synthetic_*)",
-            "shuffle": "--dataset.shuffle / --dataset.no_shuffle",
-        }
-        here = {
-            "seq_len": self.dataset.seq_len,
-            "num_documents": self.num_documents,
-            "shuffle": self.packer.shuffle,
-        }
-        for key, fix in fixes.items():
-            if state[key] != here[key]:
-                raise ValueError(
-                    f"cannot resume the data loader: the checkpoint has {key}={state[key]}, this "
-                    f"run has {key}={here[key]}; resume with the same {fix}"
-                )
+            return 2
+        return version
+
+    def version_error(self, version: Any) -> str:
+        """Names the older layout when the state is one."""
+        older = isinstance(version, int) and version < self.STATE_VERSION
+        writer = "an older titan-train (one entry per data-parallel rank)" if older else "another titan-train"
+        return (f"data loader state version {version} is not {self.STATE_VERSION}: it was written by {writer}, "
+                f"which this one cannot resume; {RESTART_HINT}, or resume with the titan-train that wrote it")
 
 
 def build_packed_dataloader(
@@ -261,7 +233,7 @@ def build_packed_dataloader(
     shared by all ranks (`seed` reorders each epoch when --dataset.shuffle),
     into one global stream of windows of seq_len + 1, shifted by one. Each
     fetch takes dp_world_size x B windows and hands this rank its B rows
-    (see `_PackedBatches`): ranks never share a sample, and a step's global
+    (see `PackedBatches`): ranks never share a sample, and a step's global
     batch is the same whatever the data-parallel degree, which is what
     makes a data-parallel run equal to one process with gradient
     accumulation. The price: every rank tokenizes the whole stream, not
@@ -272,26 +244,14 @@ def build_packed_dataloader(
     """
     if cfg.name == "tokenized":
         raise ValueError("--dataset.name tokenized is read by build_tokenized_dataloader (build_dataloader picks it)")
-    _check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
+    check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
     source = build_source(cfg, tokenizer)
     packer = DocumentPacker(
         source, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, shuffle=cfg.shuffle, seed=seed
     )
-    batches = _PackedBatches(
+    batches = PackedBatches(
         packer, local_batch_size, seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size
     )
     return PackedDataLoader(
         batches, dp_rank=dp_rank, dp_world_size=dp_world_size, num_documents=len(source)
     )
-
-
-def _check_loader_args(
-    dp_rank: int, dp_world_size: int, local_batch_size: int, seq_len: int
-) -> None:
-    """Reject impossible shapes and ranks before touching any data."""
-    if dp_world_size < 1 or not 0 <= dp_rank < dp_world_size:
-        raise ValueError(f"dp_rank {dp_rank} must be in [0, dp_world_size={dp_world_size})")
-    if local_batch_size < 1:
-        raise ValueError(f"local batch size must be >= 1, got {local_batch_size}")
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")

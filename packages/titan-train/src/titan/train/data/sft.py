@@ -58,10 +58,11 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from titan.train.data.loader import document_layout
+from titan.train.data.resumable import ResumableLoader, check_loader_args
 from titan.train.data.sources import resolve_data_files
 from titan.train.data.tokenizer import Tokenizer
 from titan.train.loss import IGNORE_INDEX
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset
 
 __all__ = [
     "SFTDataConfig",
@@ -81,10 +82,6 @@ __all__ = [
 ]
 
 ROLES = ("system", "user", "assistant")
-
-# Bumped when the meaning of the saved position changes.
-_STATE_VERSION = 1
-
 
 @dataclass(kw_only=True)
 class SyntheticTaskConfig:
@@ -769,10 +766,10 @@ class SFTPacker:
         self._order = self._pending = None
 
 
-class _SFTBatches(IterableDataset):
+class SFTBatches(IterableDataset):
     """One data-parallel rank's SFT batches: each fetch builds the global microbatch
     (dp_world_size x B rows, in the one global order) and keeps rows r*B .. (r+1)*B - 1,
-    as the pretraining `_PackedBatches` does with windows."""
+    as the pretraining `PackedBatches` does with windows."""
 
     def __init__(
         self, packer: SFTPacker, batch_size: int, *, dp_rank: int = 0, dp_world_size: int = 1
@@ -793,23 +790,25 @@ class _SFTBatches(IterableDataset):
         return {key: torch.from_numpy(np.stack([r[key] for r in mine])) for key in mine[0]}
 
 
-class SFTDataLoader(DataLoader):
+class SFTDataLoader(ResumableLoader):
     """An endless, resumable `DataLoader` of SFT batches for one data-parallel rank.
 
     Iterate it or call `next(loader)`. `state_dict()` is one global record, the same on
     every rank after every fetch: (epoch, cursor, dropped, seed) of the packer and the
     global `rows` consumed, with what they are measured against (seq_len, num_examples,
-    shuffle, packing). It resumes under any data-parallel degree, local batch size or
-    accumulation count. `epoch` counts completed passes over the data.
+    shuffle, packing; `ResumableLoader` checks them). It resumes under any data-parallel
+    degree, local batch size or accumulation count. `epoch` counts completed passes over
+    the data.
     """
 
+    STATE_VERSION = 1
+    KIND = "SFT data loader"
+
     def __init__(
-        self, dataset: _SFTBatches, *, dp_rank: int, dp_world_size: int, num_examples: int
+        self, dataset: SFTBatches, *, dp_rank: int, dp_world_size: int, num_examples: int
     ) -> None:
-        super().__init__(dataset, batch_size=None, num_workers=0)
-        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size)
         self.num_examples = num_examples
-        self._own_iterator: Iterator | None = None
 
     @property
     def packer(self) -> SFTPacker:
@@ -827,58 +826,23 @@ class SFTDataLoader(DataLoader):
         any target token. Counted each time an epoch visits them."""
         return self.packer.dropped
 
-    def __next__(self) -> dict[str, torch.Tensor]:
-        if self._own_iterator is None:
-            self._own_iterator = iter(self)
-        return next(self._own_iterator)
+    def position(self) -> dict[str, Any]:
+        """The packer's position between rows and the `rows` consumed globally."""
+        return {**self.packer.state_dict(), "rows": self.dataset.rows}
 
-    def state_dict(self) -> dict[str, Any]:
-        """The global position, plain ints/bools only, identical on every rank."""
-        state = dict(self.packer.state_dict())
-        state.update(
-            version=_STATE_VERSION,
-            rows=self.dataset.rows,
-            seq_len=self.packer.seq_len,
-            num_examples=self.num_examples,
-            shuffle=self.packer.shuffle,
-            packing=self.packer.packing,
-        )
-        return state
+    def restore(self, state: dict[str, Any]) -> None:
+        """Put the packer and the row count where the saved loader stood."""
+        self.packer.load_state_dict(state)
+        self.dataset.rows = int(state["rows"])
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue exactly where the saved loader stopped. An empty dict is a fresh start."""
-        if not state_dict:
-            return
-        self._check_compatible(state_dict)
-        self.packer.load_state_dict(state_dict)
-        self.dataset.rows = int(state_dict["rows"])
-
-    def _check_compatible(self, state: dict[str, Any]) -> None:
-        """A position is only meaningful for the same rows of the same examples in the same order."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"SFT data loader state version {state.get('version')} is not {_STATE_VERSION}; "
-                "restart the data stream with --checkpoint.exclude_from_loading dataloader, or "
-                "resume with the titan-train that wrote it"
-            )
-        fixes = {
-            "seq_len": "--training.seq_len",
-            "num_examples": "data (--sft_data.path, --sft_data.format, --sft_data.synthetic_*)",
-            "shuffle": "--sft_data.shuffle / --sft_data.no_shuffle",
-            "packing": "--sft_data.packing / --sft_data.no_packing",
+    def measured_against(self) -> dict[str, tuple[Any, str]]:
+        """The rows' length, the examples, their order and packing."""
+        return {
+            "seq_len": (self.packer.seq_len, "--training.seq_len"),
+            "num_examples": (self.num_examples, "data (--sft_data.path, --sft_data.format, --sft_data.synthetic_*)"),
+            "shuffle": (self.packer.shuffle, "--sft_data.shuffle / --sft_data.no_shuffle"),
+            "packing": (self.packer.packing, "--sft_data.packing / --sft_data.no_packing"),
         }
-        here = {
-            "seq_len": self.packer.seq_len,
-            "num_examples": self.num_examples,
-            "shuffle": self.packer.shuffle,
-            "packing": self.packer.packing,
-        }
-        for key, fix in fixes.items():
-            if state[key] != here[key]:
-                raise ValueError(
-                    f"cannot resume the SFT data loader: the checkpoint has {key}={state[key]}, "
-                    f"this run has {key}={here[key]}; resume with the same {fix}"
-                )
 
 
 def build_sft_dataloader(
@@ -893,12 +857,7 @@ def build_sft_dataloader(
 ) -> SFTDataLoader:
     """An endless loader of `{"input_ids", "labels", "positions", "document_ids"}`
     LongTensors [B, seq_len] for one data-parallel rank (see the module docstring)."""
-    if dp_world_size < 1 or not 0 <= dp_rank < dp_world_size:
-        raise ValueError(f"dp_rank {dp_rank} must be in [0, dp_world_size={dp_world_size})")
-    if local_batch_size < 1:
-        raise ValueError(f"local batch size must be >= 1, got {local_batch_size}")
-    if seq_len < 1:
-        raise ValueError(f"--training.seq_len must be >= 1, got {seq_len}")
+    check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
     source = build_sft_source(cfg, tokenizer)
     packer = SFTPacker(
         source,
@@ -909,7 +868,7 @@ def build_sft_dataloader(
         shuffle=cfg.shuffle,
         seed=seed,
     )
-    batches = _SFTBatches(packer, local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
+    batches = SFTBatches(packer, local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
     return SFTDataLoader(
         batches, dp_rank=dp_rank, dp_world_size=dp_world_size, num_examples=len(source)
     )

@@ -46,12 +46,8 @@ from typing import Any
 
 import numpy as np
 from titan.train.data.config import DatasetConfig, mix_block_counts, parse_mix
-from titan.train.data.loader import (
-    PackedDataLoader,
-    _check_loader_args,
-    _load_hf_dataset,
-    _PackedBatches,
-)
+from titan.train.data.loader import PackedBatches, PackedDataLoader, load_hf_dataset
+from titan.train.data.resumable import check_loader_args
 from titan.train.data.sources import LOCAL_FORMATS, resolve_data_files
 from titan.train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerConfig
 
@@ -327,7 +323,7 @@ def _tokenize_into(work, out, plan, tokenizer, built, fingerprint, cache_dir, nu
         # Local text is converted to Arrow once; that copy is not worth keeping afterwards.
         cache_dir=str(work / "datasets-cache") if local_cache else cache_dir,
     )
-    dataset = _load_hf_dataset(cfg)
+    dataset = load_hf_dataset(cfg)
     if text_field not in dataset.column_names:
         raise ValueError(
             f"--text_field {text_field!r} is not a column of {source}; available columns: "
@@ -596,7 +592,7 @@ class CorpusStream:
 
 class TokenizedPacker:
     """`DocumentPacker`'s interface (`fill`, `skip`, `state_dict`, `shuffle`, `seed`) over
-    one or several pre-tokenized corpora, so `_PackedBatches` and `PackedDataLoader` cut and
+    one or several pre-tokenized corpora, so `PackedBatches` and `PackedDataLoader` cut and
     resume its stream exactly as they do the on-the-fly one. The position is one token count
     into the global stream; `skip` is O(1) and `fill` costs the tokens it copies.
 
@@ -694,7 +690,7 @@ def build_tokenized_dataloader(
 ) -> PackedDataLoader:
     """`build_dataloader` for `--dataset.name tokenized`: the same batches, state format and
     resume guarantees, read from memory-mapped corpora (see the module docstring)."""
-    _check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
+    check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
     corpora = _corpora(cfg)
     streams, ids = [], []
     for flag, path, _ in corpora:
@@ -707,7 +703,7 @@ def build_tokenized_dataloader(
     corpus_id = ",".join(f"{i}*{n}" for i, n in zip(ids, counts, strict=True))
     packer = TokenizedPacker(streams, counts, window=seq_len + 1, shuffle=cfg.shuffle, seed=seed,
                              corpus_id=corpus_id)
-    batches = _PackedBatches(
+    batches = PackedBatches(
         packer, local_batch_size, seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size
     )
     return PackedDataLoader(
