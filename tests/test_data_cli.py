@@ -89,10 +89,10 @@ def test_an_existing_corpus_is_kept(tmp_path, capsys):
 
 HOLD_AFTER_SHARD_1 = '''
 import sys, threading
-from titan.train.data import tokenized
+from titan.train.data import corpus_writer
 from titan.recipes.cli import main
 
-real_write = tokenized._ShardWriter.write
+real_write = corpus_writer._ShardWriter.write
 
 def write_then_hold(self, shard, start, stop):
     entry = real_write(self, shard, start, stop)
@@ -100,7 +100,7 @@ def write_then_hold(self, shard, start, stop):
         threading.Event().wait()  # until killed
     return entry
 
-tokenized._ShardWriter.write = write_then_hold
+corpus_writer._ShardWriter.write = write_then_hold
 sys.exit(main())
 '''
 

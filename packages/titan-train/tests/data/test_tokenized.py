@@ -16,6 +16,7 @@ from titan.train.data import (
     HFTokenizer,
     TokenizedCorpus,
     build_dataloader,
+    corpus_writer,
     tokenize_corpus,
     validate_data_config,
 )
@@ -135,7 +136,7 @@ def test_the_corpus_does_not_depend_on_num_proc(jsonl, tmp_path):
 
 def test_an_interrupted_run_leaves_no_corpus_and_a_rerun_finishes_it(jsonl, tmp_path, monkeypatch):
     out = tmp_path / "corpus"
-    real_write, written = tokenized_module._ShardWriter.write, []
+    real_write, written = corpus_writer._ShardWriter.write, []
 
     def write_then_die(self, shard, start, stop):
         if len(written) == 2:
@@ -143,7 +144,7 @@ def test_an_interrupted_run_leaves_no_corpus_and_a_rerun_finishes_it(jsonl, tmp_
         written.append(shard)
         return real_write(self, shard, start, stop)
 
-    monkeypatch.setattr(tokenized_module._ShardWriter, "write", write_then_die)
+    monkeypatch.setattr(corpus_writer._ShardWriter, "write", write_then_die)
     with pytest.raises(KeyboardInterrupt):
         _tokenize(jsonl, out, rows_per_shard=10)
     assert not out.exists()
@@ -152,7 +153,7 @@ def test_an_interrupted_run_leaves_no_corpus_and_a_rerun_finishes_it(jsonl, tmp_
     assert (tmp_path / "corpus.incomplete" / "index-00001.npy").exists()
 
     written.clear()
-    monkeypatch.setattr(tokenized_module._ShardWriter, "write", lambda self, *a: (
+    monkeypatch.setattr(corpus_writer._ShardWriter, "write", lambda self, *a: (
         written.append(a[0]), real_write(self, *a))[1])
     resumed = _tokenize(jsonl, out, rows_per_shard=10)
     assert written == [2, 3]  # only the unfinished shards

@@ -2,7 +2,7 @@
 
 A prompt is text plus an optional reference answer the rewards check against. JSONL files
 (read with ``datasets``' json loader) give them in two columns (``--rl_data.prompt_field``,
-``--rl_data.answer_field``). The synthetic task is SFT's (``titan.train.data.sft``: sort or
+``--rl_data.answer_field``). The synthetic task is SFT's (``titan.train.data.sft_sources``: sort or
 reverse a short string), so an SFT warm-up and the RL run see the same prompt format and the
 same held-out prompts.
 
@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from titan.train.data.sft import SFTDataConfig, SyntheticSFTTask, SyntheticTaskConfig, encode_prompt
+from titan.train.data.chat import encode_prompt
+from titan.train.data.sft_config import SFTDataConfig, SyntheticTaskConfig
+from titan.train.data.sft_sources import SyntheticSFTTask
 from titan.train.data.sources import resolve_data_files
 from titan.train.data.tokenizer import Tokenizer
 

@@ -25,31 +25,35 @@ into blocks of `MIX_BLOCK` windows, each holding a fixed number of windows of ev
 k of its corpus' own stream, where k counts that corpus' windows before w; both follow from
 w alone, so the position stays one number and resumes under any layout.
 
-Writing is atomic: everything goes to `<OUT>.incomplete/` and is renamed to `OUT` once the
-manifest is written, so an interrupted run never leaves a folder that looks complete. A rerun
-with the same arguments keeps the shards that were finished (a shard is finished when its
-index file exists) and tokenizes the rest.
+Writing (`titan.train.data.corpus_writer.tokenize_corpus`, also importable from here) is
+atomic and resumable; the format's names and the tokenizer fingerprint are in
+`titan.train.data.corpus_format`. This module reads corpora and streams them to the loader.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
-import multiprocessing
 import os
-import shutil
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from titan.train.data.config import DatasetConfig, mix_block_counts, parse_mix
-from titan.train.data.loader import PackedBatches, PackedDataLoader, load_hf_dataset
+from titan.train.data.corpus_format import (
+    FORMAT,
+    FORMAT_VERSION,
+    INCOMPLETE_SUFFIX,
+    MANIFEST,
+    describe_fingerprint,
+    fingerprint_of,
+    same_tokenizer,
+    tokenizer_fingerprint,
+)
+from titan.train.data.corpus_writer import tokenize_corpus
+from titan.train.data.loader import PackedBatches, PackedDataLoader
 from titan.train.data.resumable import check_loader_args
-from titan.train.data.sources import LOCAL_FORMATS, resolve_data_files
-from titan.train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerConfig
+from titan.train.data.tokenizer import Tokenizer, TokenizerConfig
 
 __all__ = [
     "FORMAT",
@@ -64,336 +68,6 @@ __all__ = [
     "tokenize_corpus",
     "tokenizer_fingerprint",
 ]
-
-FORMAT = "titan-tokenized"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-PLAN = "plan.json"  # in the work folder only: the arguments a resumed run must share
-INCOMPLETE_SUFFIX = ".incomplete"
-DEFAULT_ROWS_PER_SHARD = 1 << 18
-DEFAULT_CHUNK_ROWS = 512
-
-
-# ---- tokenizer identity ------------------------------------------------------------------
-
-
-def tokenizer_fingerprint(kind: str, path: str | os.PathLike | None) -> dict[str, Any]:
-    """What identifies a tokenizer's ids: its kind and the sha256 of its file (None for the
-    built-in byte tokenizer, which has no file)."""
-    if kind == "byte":
-        return {"kind": "byte", "sha256": None}
-    file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
-    return {"kind": kind, "sha256": hashlib.sha256(file.read_bytes()).hexdigest()}
-
-
-def _fingerprint_of(tokenizer: Tokenizer | TokenizerConfig) -> dict[str, Any]:
-    """The fingerprint of a built tokenizer or of a `--tokenizer.*` config."""
-    if isinstance(tokenizer, TokenizerConfig):
-        return tokenizer_fingerprint(tokenizer.kind, tokenizer.path)
-    if isinstance(tokenizer, HFTokenizer):
-        return tokenizer_fingerprint("hf", tokenizer.path)
-    if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer_fingerprint("byte", None)
-    return {"kind": type(tokenizer).__name__, "sha256": None}
-
-
-def _same_tokenizer(corpus_fp: dict[str, Any], run_fp: dict[str, Any]) -> bool:
-    return corpus_fp.get("kind") == run_fp["kind"] and corpus_fp.get("sha256") == run_fp["sha256"]
-
-
-def _describe(fp: dict[str, Any]) -> str:
-    sha = fp.get("sha256")
-    return f"{fp.get('kind')}" + (f" (sha256 {sha[:12]})" if sha else "")
-
-
-# ---- writing: `titan data tokenize` ------------------------------------------------------
-
-
-def _infer_format(source: str) -> str | None:
-    """The local format of `source` from its files' endings; None if it is not local."""
-    exists = os.path.exists(source) or any(ch in source for ch in "*?[")
-    if not exists:
-        if source.endswith(tuple(e for endings in LOCAL_FORMATS.values() for e in endings)):
-            raise FileNotFoundError(f"SRC {source!r} does not exist; fix the path")
-        return None  # a hub dataset name
-    matches = []
-    for name, endings in LOCAL_FORMATS.items():
-        try:
-            files = resolve_data_files(name, source)
-        except FileNotFoundError:
-            continue
-        if all(f.endswith(endings) for f in files):
-            matches.append(name)
-    if len(matches) != 1:
-        raise ValueError(
-            f"cannot tell the format of {source!r} from its file endings (found "
-            f"{', '.join(matches) or 'none'}); pass --format text, json or parquet"
-        )
-    return matches[0]
-
-
-# The dataset and tokenizer of a worker process, set once by `_init_worker`.
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(dataset, text_field: str, tokenizer_cfg: TokenizerConfig) -> None:
-    """Pool initializer: every worker builds its own tokenizer once."""
-    _WORKER.update(dataset=dataset, field=text_field, tokenizer=tokenizer_cfg.build())
-
-
-def _encode_rows(rows: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids (uint32, documents end to end) and per-document lengths of rows [a, b)."""
-    start, stop = rows
-    texts = _WORKER["dataset"][start:stop][_WORKER["field"]]
-    encode = _WORKER["tokenizer"].encode
-    docs = [encode("" if t is None else str(t)) for t in texts]  # None: a null in parquet
-    lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
-    # uint32 halves what travels back from a worker; ids are checked against the vocab later.
-    flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.uint32, count=int(lengths.sum()))
-    return flat, lengths
-
-
-def _dtype_for(vocab_size: int) -> np.dtype:
-    """The narrowest unsigned type that holds every id of the vocabulary."""
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
-
-
-def _shard_names(i: int) -> tuple[str, str]:
-    return f"tokens-{i:05d}.bin", f"index-{i:05d}.npy"
-
-
-@dataclass
-class _ShardWriter:
-    """Tokenizes row ranges into shard files, in order, with a progress bar."""
-
-    work: Path
-    dtype: np.dtype
-    vocab_size: int
-    chunk_rows: int
-    pool: Any  # multiprocessing pool, or None to tokenize in this process
-    bar: Any  # tqdm bar (documents), or None
-    tokens_done: int = 0
-    started: float = 0.0
-
-    def write(self, shard: int, start: int, stop: int) -> dict[str, int]:
-        """Tokenize rows [start, stop) into shard `shard`; the index file is written last
-        (its existence marks the shard finished)."""
-        tokens_name, index_name = _shard_names(shard)
-        chunks = [(a, min(a + self.chunk_rows, stop)) for a in range(start, stop, self.chunk_rows)]
-        results = self.pool.imap(_encode_rows, chunks) if self.pool else map(_encode_rows, chunks)
-        lengths = []
-        partial = self.work / (tokens_name + ".tmp")
-        with open(partial, "wb") as f:
-            for flat, lens in results:
-                if len(flat) and int(flat.max()) >= self.vocab_size:
-                    raise ValueError(f"token id {int(flat.max())} >= vocab size {self.vocab_size}")
-                f.write(flat.astype(self.dtype).tobytes())
-                lengths.append(lens)
-                self._progress(len(lens), len(flat))
-            f.flush()
-            os.fsync(f.fileno())
-        offsets = np.zeros(stop - start + 1, dtype=np.int64)
-        if lengths:
-            np.cumsum(np.concatenate(lengths), out=offsets[1:])
-        os.replace(partial, self.work / tokens_name)
-        _save_npy_atomic(self.work / index_name, offsets)
-        return self._entry(shard, offsets)
-
-    def _progress(self, documents: int, tokens: int) -> None:
-        self.tokens_done += tokens
-        if self.bar is not None:
-            rate = self.tokens_done / max(time.perf_counter() - self.started, 1e-9)
-            self.bar.update(documents)
-            self.bar.set_postfix_str(f"{self.tokens_done:,} tokens, {rate:,.0f} tokens/s")
-
-    @staticmethod
-    def _entry(shard: int, offsets: np.ndarray) -> dict[str, int]:
-        tokens_name, index_name = _shard_names(shard)
-        return {
-            "tokens": tokens_name,
-            "index": index_name,
-            "num_documents": len(offsets) - 1,
-            "num_tokens": int(offsets[-1]),
-        }
-
-
-def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
-    partial = path.with_name(path.name + ".tmp")
-    with open(partial, "wb") as f:
-        np.save(f, array)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(partial, path)
-
-
-def _prepare_work_folder(out: Path, plan: dict[str, Any]) -> Path:
-    """`<out>.incomplete/`, kept if an earlier run with the same plan left it, else new."""
-    if (out / MANIFEST).exists():
-        raise FileExistsError(
-            f"{out} already holds a tokenized corpus; choose another OUT or delete it first"
-        )
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty folder; choose another OUT")
-    work = out.with_name(out.name + INCOMPLETE_SUFFIX)
-    if work.exists():
-        try:
-            same = json.loads((work / PLAN).read_text()) == plan
-        except (OSError, json.JSONDecodeError):
-            same = False
-        if same:
-            return work
-        shutil.rmtree(work)  # another run's leftovers: its shards mean nothing here
-    work.mkdir(parents=True)
-    _write_json_atomic(work / PLAN, plan)
-    return work
-
-
-def tokenize_corpus(
-    source: str,
-    out: str | os.PathLike,
-    tokenizer: TokenizerConfig,
-    *,
-    text_field: str = "text",
-    format: str | None = None,
-    split: str = "train",
-    subset: str | None = None,
-    text_sample_by: str = "line",
-    num_proc: int = 1,
-    rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
-    cache_dir: str | None = None,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Tokenize `source` (local files or a hub dataset, read through `datasets` exactly as
-    `--dataset.name <format> --dataset.path source` would) into a corpus folder `out`.
-
-    `num_proc` worker processes tokenize chunks of `chunk_rows` documents; the chunks are
-    written in order, so the corpus does not depend on `num_proc`. Returns the manifest.
-    Atomic and resumable (see the module docstring). Raises ValueError/FileExistsError with
-    the flag to fix.
-    """
-    if num_proc < 1 or rows_per_shard < 1 or chunk_rows < 1:
-        raise ValueError(
-            f"--num_proc ({num_proc}), --rows_per_shard ({rows_per_shard}) and --chunk_rows "
-            f"({chunk_rows}) must be >= 1"
-        )
-    fmt = format or _infer_format(source)
-    out = Path(out).absolute()
-    built = tokenizer.build()
-    fingerprint = {**_fingerprint_of(tokenizer), "vocab_size": built.vocab_size}
-    plan = {
-        "source": source if fmt is None else str(Path(source).absolute()),
-        "format": fmt or "hub",
-        "text_field": text_field,
-        "split": split,
-        "subset": subset,
-        "text_sample_by": text_sample_by,
-        "tokenizer": fingerprint,
-        "rows_per_shard": rows_per_shard,
-    }
-    work = _prepare_work_folder(out, plan)
-    try:
-        return _tokenize_into(work, out, plan, tokenizer, built, fingerprint, cache_dir,
-                              num_proc, rows_per_shard, chunk_rows, progress)
-    except Exception:
-        if not any(work.glob("index-*.npy")):  # nothing worth resuming: leave no trace
-            shutil.rmtree(work, ignore_errors=True)
-        raise
-
-
-def _tokenize_into(work, out, plan, tokenizer, built, fingerprint, cache_dir, num_proc,
-                   rows_per_shard, chunk_rows, progress) -> dict[str, Any]:
-    """`tokenize_corpus` once the work folder is ready: load, tokenize, write, rename."""
-    fmt = None if plan["format"] == "hub" else plan["format"]
-    source, text_field = plan["source"], plan["text_field"]
-    local_cache = cache_dir is None and fmt is not None
-    cfg = DatasetConfig(
-        name=fmt or source,
-        path=source if fmt else None,
-        text_field=text_field,
-        split=plan["split"],
-        subset=plan["subset"],
-        text_sample_by=plan["text_sample_by"],
-        # Local text is converted to Arrow once; that copy is not worth keeping afterwards.
-        cache_dir=str(work / "datasets-cache") if local_cache else cache_dir,
-    )
-    dataset = load_hf_dataset(cfg)
-    if text_field not in dataset.column_names:
-        raise ValueError(
-            f"--text_field {text_field!r} is not a column of {source}; available columns: "
-            f"{', '.join(dataset.column_names)}"
-        )
-    dataset = dataset.select_columns([text_field])
-    shards = _write_shards(
-        work, dataset, tokenizer, built, text_field, num_proc, rows_per_shard, chunk_rows, progress
-    )
-    manifest = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "dtype": _dtype_for(built.vocab_size).name,
-        "tokenizer": fingerprint,
-        "source": {k: plan[k] for k in ("source", "format", "text_field", "split", "subset",
-                                        "text_sample_by")},
-        "num_documents": sum(s["num_documents"] for s in shards),
-        "num_tokens": sum(s["num_tokens"] for s in shards),
-        "shards": shards,
-    }
-    if local_cache:
-        shutil.rmtree(work / "datasets-cache", ignore_errors=True)
-    _write_json_atomic(work / MANIFEST, manifest)
-    if out.exists():
-        out.rmdir()  # checked empty above
-    os.replace(work, out)
-    (out / PLAN).unlink(missing_ok=True)
-    return manifest
-
-
-def _write_shards(
-    work, dataset, tokenizer_cfg, built, text_field, num_proc, rows_per_shard, chunk_rows, progress
-) -> list[dict[str, int]]:
-    """Tokenize every unfinished shard (in order) and return every shard's manifest entry."""
-    rows = len(dataset)
-    bounds = [(a, min(a + rows_per_shard, rows)) for a in range(0, rows, rows_per_shard)]
-    bounds = bounds or [(0, 0)]  # an empty source still makes a (useless, but valid) corpus
-    finished = {i for i in range(len(bounds)) if (work / _shard_names(i)[1]).exists()}
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        done_rows = sum(b - a for i, (a, b) in enumerate(bounds) if i in finished)
-        bar = tqdm(total=rows, initial=done_rows, unit="doc", desc="tokenize", dynamic_ncols=True)
-    pool = None
-    if num_proc > 1 and len(finished) < len(bounds):
-        # fork (where there is one) shares the memory-mapped dataset without pickling it.
-        methods = multiprocessing.get_all_start_methods()
-        ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
-        pool = ctx.Pool(num_proc, initializer=_init_worker,
-                        initargs=(dataset, text_field, tokenizer_cfg))
-    else:
-        _init_worker(dataset, text_field, tokenizer_cfg)
-    writer = _ShardWriter(work, _dtype_for(built.vocab_size), built.vocab_size, chunk_rows, pool,
-                          bar, started=time.perf_counter())
-    entries = []
-    try:
-        for i, (start, stop) in enumerate(bounds):
-            if i in finished:
-                offsets = np.load(work / _shard_names(i)[1])
-                entries.append(_ShardWriter._entry(i, offsets))
-            else:
-                entries.append(writer.write(i, start, stop))
-    finally:
-        if pool is not None:
-            pool.terminate()
-        if bar is not None:
-            bar.close()
-    return entries
-
 
 # ---- reading ------------------------------------------------------------------------------
 
@@ -489,11 +163,11 @@ def read_manifest(path: Path, *, flag: str = "--dataset.path") -> dict[str, Any]
 
 def check_corpus_tokenizer(path, manifest, tokenizer, flag: str = "--dataset.path") -> None:
     """ValueError (one line, naming the flags) when `tokenizer` differs from the corpus'."""
-    theirs, ours = manifest.get("tokenizer", {}), _fingerprint_of(tokenizer)
-    if not _same_tokenizer(theirs, ours):
+    theirs, ours = manifest.get("tokenizer", {}), fingerprint_of(tokenizer)
+    if not same_tokenizer(theirs, ours):
         raise ValueError(
-            f"{flag} {path} was tokenized with the {_describe(theirs)} tokenizer, but this run's "
-            f"--tokenizer.kind/--tokenizer.path give {_describe(ours)}; train with the corpus' "
+            f"{flag} {path} was tokenized with the {describe_fingerprint(theirs)} tokenizer, but this run's "
+            f"--tokenizer.kind/--tokenizer.path give {describe_fingerprint(ours)}; train with the corpus' "
             "tokenizer, or run `titan data tokenize` again with this one"
         )
 

@@ -1,0 +1,275 @@
+"""SFT encoding: text -> (token ids, per-token target flags), for prompt/completion pairs
+and chat conversations (see `titan.train.data.sft` for how the examples are packed).
+
+Chat rendering: `--sft_data.chat_template builtin` is the format below (role headers are
+plain text, so any tokenizer handles it; EOS closes each assistant turn):
+
+    <BOS><|system|>\\n{system}\\n<|user|>\\n{user}\\n<|assistant|>\\n{answer}<EOS><|user|>\\n...
+
+(`<BOS>` only when the tokenizer has a BOS distinct from EOS, as in pretraining
+framing). `tokenizer` renders the Jinja `chat_template` shipped with the tokenizer
+files (`chat_template.jinja` or `tokenizer_config.json` next to tokenizer.json) with
+jinja2; there the template's own end-of-turn marker closes each assistant turn and is
+trained on, and no extra BOS/EOS is added (templates emit their own). The trained span
+of assistant turn i is found by rendering the conversation up to turn i with and
+without the generation prompt, so a template must render each conversation as a
+prefix of its continuation (most do; one that rewrites earlier turns is refused).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from titan.train.data.tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class SFTExample:
+    """One tokenized example: `ids` (int64) and `targets` (bool, same length): which
+    tokens are trained on (predicted from the tokens before them)."""
+
+    ids: np.ndarray
+    targets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+# A rendered piece: text to tokenize, or a token id placed as is; and whether it is a target.
+Segment = tuple[str | int, bool]
+
+
+def _encode_segments(
+    tokenizer: Tokenizer, segments: Sequence[Segment], train_on: str
+) -> SFTExample:
+    """Tokenize each piece on its own (so a mask boundary is a token boundary) and join."""
+    ids: list[int] = []
+    targets: list[bool] = []
+    for piece, trained in segments:
+        piece_ids = [piece] if isinstance(piece, int) else tokenizer.encode(piece)
+        ids.extend(piece_ids)
+        targets.extend([trained or train_on == "all"] * len(piece_ids))
+    return SFTExample(np.asarray(ids, dtype=np.int64), np.asarray(targets, dtype=bool))
+
+
+def _bos(tokenizer: Tokenizer) -> list[Segment]:
+    """A leading BOS, as pretraining frames documents (none when BOS doubles as EOS)."""
+    return [(tokenizer.bos_id, False)] if tokenizer.bos_id != tokenizer.eos_id else []
+
+
+def encode_prompt_completion(
+    prompt: str, completion: str, tokenizer: Tokenizer, *, train_on: str = "completion"
+) -> SFTExample:
+    """`[BOS] prompt completion EOS`; targets: the completion and EOS (all with train_on="all").
+
+    Prompt and completion are tokenized separately, exactly as `encode_prompt` encodes a
+    prompt for generation, so what the model conditions on at inference is what it saw.
+    """
+    segments = _bos(tokenizer) + [(prompt, False), (completion, True), (tokenizer.eos_id, True)]
+    return _encode_segments(tokenizer, segments, train_on)
+
+
+def encode_prompt(prompt: str, tokenizer: Tokenizer) -> list[int]:
+    """Ids to generate a completion from: `[BOS] prompt`, as in `encode_prompt_completion`."""
+    return [
+        int(i)
+        for i in _encode_segments(tokenizer, _bos(tokenizer) + [(prompt, False)], "completion").ids
+    ]
+
+
+def _builtin_chat_segments(
+    messages: Sequence[dict], tokenizer: Tokenizer, add_generation_prompt: bool = False
+) -> list[Segment]:
+    """The built-in template (module docstring): headers and non-assistant turns are
+    context; each assistant turn's content and its closing EOS are targets."""
+    segments = _bos(tokenizer)
+    for message in messages:
+        role, content = message["role"], message["content"]
+        segments.append((f"<|{role}|>\n", False))
+        if role == "assistant":
+            segments += [(content, True), (tokenizer.eos_id, True)]
+        else:
+            segments.append((content + "\n", False))
+    if add_generation_prompt:
+        segments.append(("<|assistant|>\n", False))
+    return segments
+
+
+class ChatTemplate:
+    """A Jinja chat template as shipped with Hugging Face tokenizer files, rendered with
+    jinja2 in a sandbox, with `bos_token`/`eos_token` and `raise_exception` available."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+        try:
+            import jinja2.ext
+            import jinja2.sandbox
+        except ImportError:  # torch depends on jinja2, so this is a broken environment
+            raise ValueError(
+                "--sft_data.chat_template tokenizer needs the jinja2 package; install it "
+                "(pip install jinja2) or use --sft_data.chat_template builtin"
+            ) from None
+
+        def raise_exception(message: str):
+            raise ValueError(f"the tokenizer's chat template refused a conversation: {message}")
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.globals["raise_exception"] = raise_exception
+        self.template = env.from_string(source)
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> str:
+        """The conversation as text, optionally followed by the assistant header."""
+        return self.template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+
+    @classmethod
+    def from_tokenizer_files(cls, directory: str) -> ChatTemplate | None:
+        """The template next to a tokenizer.json: `chat_template.jinja`, else the
+        `chat_template` of `tokenizer_config.json` (a string, or a list of named ones of
+        which "default" is taken). None when there is none."""
+        config = _read_json(os.path.join(directory, "tokenizer_config.json"))
+        source = None
+        jinja_file = os.path.join(directory, "chat_template.jinja")
+        if os.path.isfile(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                source = f.read()
+        else:
+            source = config.get("chat_template")
+            if isinstance(source, list):
+                named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+                source = named.get("default")
+        if not isinstance(source, str) or not source:
+            return None
+        return cls(
+            source, bos_token=_token_text(config, "bos"), eos_token=_token_text(config, "eos")
+        )
+
+    def segments(
+        self, messages: Sequence[dict], add_generation_prompt: bool = False
+    ) -> list[Segment]:
+        """Split the rendered conversation into context and assistant-turn text.
+
+        Assistant turn i is the text `render(messages[:i+1])` adds to
+        `render(messages[:i], add_generation_prompt=True)`: its content and the
+        template's end-of-turn marker, never the assistant header.
+        """
+        segments: list[Segment] = []
+        done = ""
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            after = self.render(messages[: i + 1])
+            if not before.startswith(done) or not after.startswith(before):
+                raise ValueError(
+                    "the tokenizer's chat template does not render a conversation as a prefix of "
+                    "its continuation, so assistant turns cannot be located; use "
+                    "--sft_data.chat_template builtin"
+                )
+            segments += [(before[len(done) :], False), (after[len(before) :], True)]
+            done = after
+        full = self.render(messages, add_generation_prompt=add_generation_prompt)
+        if not full.startswith(done):
+            raise ValueError(
+                "the tokenizer's chat template renders the whole conversation differently from "
+                "its turns; use --sft_data.chat_template builtin"
+            )
+        segments.append((full[len(done) :], False))
+        return [(text, trained) for text, trained in segments if text]
+
+
+def _read_json(path: str) -> dict:
+    """A JSON object from `path`, {} when the file is absent."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    return value if isinstance(value, dict) else {}
+
+
+def _token_text(config: dict, role: str) -> str:
+    """bos/eos spelling from a tokenizer_config (string or AddedToken dict), "" if absent."""
+    value = config.get(f"{role}_token")
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def resolve_chat_template(choice: str, tokenizer: Tokenizer) -> ChatTemplate | None:
+    """The template `--sft_data.chat_template` selects for `tokenizer`; None = builtin."""
+    if choice == "builtin":
+        return None
+    path = getattr(tokenizer, "path", None)  # HFTokenizer: its tokenizer.json
+    template = ChatTemplate.from_tokenizer_files(os.path.dirname(path)) if path else None
+    if template is None and choice == "tokenizer":
+        where = f"next to {path}" if path else "for the byte tokenizer"
+        raise ValueError(
+            f"--sft_data.chat_template tokenizer: no chat_template {where} (looked for "
+            "chat_template.jinja and tokenizer_config.json); use --sft_data.chat_template "
+            "builtin or a tokenizer that ships one"
+        )
+    return template
+
+
+def check_messages(messages: Any) -> list[dict]:
+    """`messages` is a list of {role, content} with known roles and one assistant turn;
+    returns it as plain dicts. Raises ValueError saying what is wrong."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content}")
+    checked = []
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"message {j} is not a {{role, content}} object")
+        role, content = message["role"], message["content"]
+        if role not in ROLES:
+            raise ValueError(f"message {j} has role {role!r}, not one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise ValueError(f"message {j} has non-string content {content!r}")
+        checked.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in checked):
+        raise ValueError("no assistant message, so nothing to train on")
+    return checked
+
+
+def encode_chat(
+    messages: Sequence[dict],
+    tokenizer: Tokenizer,
+    *,
+    template: ChatTemplate | None = None,
+    train_on: str = "completion",
+) -> SFTExample:
+    """A conversation as ids; targets: every assistant turn (and its end marker), other
+    turns and all role headers masked. `template` None is the built-in template."""
+    messages = check_messages(messages)
+    if template is None:
+        segments = _builtin_chat_segments(messages, tokenizer)
+    else:
+        segments = template.segments(messages)
+    return _encode_segments(tokenizer, segments, train_on)
+
+
+def encode_chat_prompt(
+    messages: Sequence[dict], tokenizer: Tokenizer, *, template: ChatTemplate | None = None
+) -> list[int]:
+    """Ids to generate the next assistant turn from: the conversation and the assistant
+    header, tokenized as in `encode_chat`."""
+    if template is None:
+        segments = _builtin_chat_segments(messages, tokenizer, add_generation_prompt=True)
+    else:
+        segments = template.segments(messages, add_generation_prompt=True)
+    return [int(i) for i in _encode_segments(tokenizer, segments, "completion").ids]

@@ -1,0 +1,156 @@
+"""SFT example sources: index -> `SFTExample` (the synthetic task, JSONL files)."""
+
+from __future__ import annotations
+
+import numpy as np
+from titan.train.data.chat import (
+    ChatTemplate,
+    SFTExample,
+    encode_chat,
+    encode_prompt_completion,
+    resolve_chat_template,
+)
+from titan.train.data.sft_config import SFTDataConfig, resolve_jsonl_files
+from titan.train.data.tokenizer import Tokenizer
+
+
+class SFTSource:
+    """Map-style examples: `len(source)`, `example(i)` tokenized on access."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def example(self, index: int) -> SFTExample:
+        """Example `index`, tokenized with its targets."""
+        raise NotImplementedError
+
+
+class SyntheticSFTTask(SFTSource):
+    """A small exactly-checkable task: "sort: cab\\n" -> "abc" or "reverse: abc\\n" -> "cba".
+
+    Strings are drawn from the first `alphabet` letters, lengths uniform in
+    [min_len, max_len], all distinct, from `seed` alone. The first `eval_examples`
+    strings drawn are held out (`eval_pairs`), the next `examples` are the training set,
+    so the held-out set does not change with the training size.
+    """
+
+    def __init__(self, cfg: SFTDataConfig, tokenizer: Tokenizer) -> None:
+        self.task, self.tokenizer, self.train_on = cfg.synthetic_task, tokenizer, cfg.train_on
+        strings = _distinct_strings(cfg)
+        self.eval_pairs = [self.pair(s) for s in strings[: cfg.synthetic_eval_examples]]
+        self.train_pairs = [self.pair(s) for s in strings[cfg.synthetic_eval_examples :]]
+
+    def pair(self, letters: str) -> tuple[str, str]:
+        """(prompt, answer) for one string."""
+        answer = letters[::-1] if self.task == "reverse" else "".join(sorted(letters))
+        return f"{self.task}: {letters}\n", answer
+
+    def __len__(self) -> int:
+        return len(self.train_pairs)
+
+    def example(self, index: int) -> SFTExample:
+        """Training pair `index`, encoded as prompt/completion."""
+        prompt, answer = self.train_pairs[index]
+        return encode_prompt_completion(prompt, answer, self.tokenizer, train_on=self.train_on)
+
+
+def _distinct_strings(cfg: SFTDataConfig) -> list[str]:
+    """eval + train distinct strings in draw order (config checks they fit twice over)."""
+    rng = np.random.default_rng(cfg.synthetic_seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"[: cfg.synthetic_alphabet]))
+    wanted = cfg.synthetic_eval_examples + cfg.synthetic_examples
+    seen: set[str] = set()
+    out: list[str] = []
+    while len(out) < wanted:
+        length = int(rng.integers(cfg.synthetic_min_len, cfg.synthetic_max_len + 1))
+        s = "".join(rng.choice(letters, size=length))
+        if s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out
+
+
+def synthetic_eval_pairs(cfg: SFTDataConfig) -> list[tuple[str, str]]:
+    """Held-out (prompt, answer) pairs of the synthetic task, never trained on: generate
+    from `encode_prompt(prompt, tokenizer)` and compare the decoded text before EOS."""
+    if cfg.format != "synthetic":
+        raise ValueError("held-out pairs exist only for --sft_data.format synthetic")
+    strings = _distinct_strings(cfg)[: cfg.synthetic_eval_examples]
+    task = cfg.synthetic_task
+    return [
+        (f"{task}: {s}\n", s[::-1] if task == "reverse" else "".join(sorted(s))) for s in strings
+    ]
+
+
+class JSONLSFTSource(SFTSource):
+    """Rows of a `datasets.Dataset` read from JSONL: prompt/completion or chat."""
+
+    def __init__(
+        self, dataset, cfg: SFTDataConfig, tokenizer: Tokenizer, template: ChatTemplate | None
+    ) -> None:
+        self.cfg, self.tokenizer, self.template = cfg, tokenizer, template
+        if cfg.format == "prompt_completion":
+            self.fields = {
+                "prompt_field": cfg.prompt_field,
+                "completion_field": cfg.completion_field,
+            }
+        else:
+            self.fields = {"messages_field": cfg.messages_field}
+        for flag, column in self.fields.items():
+            if column not in dataset.column_names:
+                raise ValueError(
+                    f"--sft_data.path {cfg.path!r}: rows have no {column!r} key (columns: "
+                    f"{', '.join(dataset.column_names) or 'none'}); --sft_data.format {cfg.format} "
+                    f"reads {_format_needs(cfg)}: fix the file, --sft_data.{flag} or --sft_data.format"
+                )
+        self.dataset = dataset.select_columns(list(self.fields.values()))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def example(self, index: int) -> SFTExample:
+        """Row `index` rendered and tokenized; a malformed row fails naming its index."""
+        row = self.dataset[int(index)]
+        try:
+            if self.cfg.format == "prompt_completion":
+                prompt, completion = row[self.cfg.prompt_field], row[self.cfg.completion_field]
+                if not isinstance(prompt, str) or not isinstance(completion, str):
+                    raise ValueError("prompt and completion must both be strings")
+                return encode_prompt_completion(
+                    prompt, completion, self.tokenizer, train_on=self.cfg.train_on
+                )
+            return encode_chat(
+                row[self.cfg.messages_field],
+                self.tokenizer,
+                template=self.template,
+                train_on=self.cfg.train_on,
+            )
+        except ValueError as e:
+            raise ValueError(
+                f"--sft_data.path {self.cfg.path!r}: row {index}: {e}; --sft_data.format "
+                f"{self.cfg.format} reads {_format_needs(self.cfg)}: fix the row"
+            ) from None
+
+
+def _format_needs(cfg: SFTDataConfig) -> str:
+    """What a row of `cfg.format` must hold, for error messages."""
+    if cfg.format == "prompt_completion":
+        return f"string {cfg.prompt_field!r} and {cfg.completion_field!r} per row"
+    return (
+        f"{cfg.messages_field!r}: a list of {{role, content}} (roles system/user/assistant, "
+        "at least one assistant)"
+    )
+
+
+def build_sft_source(cfg: SFTDataConfig, tokenizer: Tokenizer) -> SFTSource:
+    """The example source `cfg` describes."""
+    if cfg.format == "synthetic":
+        return SyntheticSFTTask(cfg, tokenizer)
+    import datasets  # deferred: importing it costs ~1 s, synthetic runs never need it
+
+    files = resolve_jsonl_files(cfg.path)
+    dataset = datasets.load_dataset(
+        "json", data_files=files, split="train", cache_dir=cfg.cache_dir
+    )
+    template = resolve_chat_template(cfg.chat_template, tokenizer) if cfg.format == "chat" else None
+    return JSONLSFTSource(dataset, cfg, tokenizer, template)
