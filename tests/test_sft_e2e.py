@@ -34,6 +34,22 @@ def records(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
+
+@torch.no_grad()
+def greedy_complete(model: torch.nn.Module, prompt_ids: list[int], *, max_new_tokens: int, eos_id: int) -> list[int]:
+    """Greedy continuation of one prompt, written out here (no KV cache, one full forward per
+    token): the test's own decoder, independent of the RL generators. Stops at ``eos_id``."""
+    ids = torch.tensor([prompt_ids])
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        next_id = int(model(ids)[0, -1].argmax())
+        if next_id == eos_id:
+            break
+        out.append(next_id)
+        ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+    return out
+
+
 def held_out_accuracy(
     weights: dict[str, torch.Tensor] | None, n: int = 32, **shape: int
 ) -> tuple[float, float]:
@@ -42,7 +58,6 @@ def held_out_accuracy(
     overrides model fields as the run's `--model.*` flags did."""
     from titan.models.llama3 import build_llama3
     from titan.train.data.sft import encode_prompt, synthetic_eval_pairs
-    from titan.train.sft import greedy_complete
 
     from titan.recipes.recipes import recipe
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from titan.train.config import RunConfig, TrainingConfig
 from titan.train.data.sft import (
     SFTDataConfig,
@@ -66,19 +65,3 @@ class SFTTrainer(Trainer):
     def log_extras(self) -> dict[str, Any]:
         """Passes over the data and examples skipped as too long or target-free."""
         return {**super().log_extras(), "epoch": self.dataloader.epoch, "dropped_examples": self.dataloader.dropped_examples}
-
-
-@torch.no_grad()
-def greedy_complete(model: torch.nn.Module, prompt_ids: list[int], *, max_new_tokens: int, eos_id: int) -> list[int]:
-    """Greedy continuation of one prompt with a single-device model (no KV cache: for
-    evaluation of small models; the RL generators are the fast path). Stops at ``eos_id``."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt_ids], device=device)
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        next_id = int(model(ids)[0, -1].argmax())
-        if next_id == eos_id:
-            break
-        out.append(next_id)
-        ids = torch.cat([ids, torch.tensor([[next_id]], device=device)], dim=1)
-    return out
