@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Launch `titan train` under torchrun: one process per device on this node, any number of
-# nodes through torchrun's c10d rendezvous. Every argument is passed through to titan train.
+# nodes through torchrun's c10d rendezvous. Every argument is passed through to titan train,
+# except torchrun's --max-restarts N: when a rank dies (a crash, a SIGKILL, a lost node), torchrun
+# stops the others and starts the job again, up to N times; each restart resumes from the last
+# complete checkpoint (--checkpoint.enable), never from a half-written one.
 #
 #   ./tools/run_train.sh --config llama3_debug --training.steps 50
+#   NGPU=8 ./tools/run_train.sh --max-restarts 3 --config llama3_8b --checkpoint.enable
 #   NGPU=4 ./tools/run_train.sh --config llama3_debug --parallelism.tensor_parallel_degree 2
 #   NNODES=2 RDZV_ENDPOINT=host0:29500 NGPU=8 ./tools/run_train.sh --config llama3_8b   # on each node
 #
@@ -12,6 +16,7 @@
 #   RDZV_ENDPOINT    host:port of the c10d rendezvous (default localhost:0 = a free port, 1 node)
 #   RDZV_ID          rendezvous id shared by all nodes of one job (default titan)
 #   LOG_RANK         ranks whose output is shown, comma separated (default 0)
+#   MAX_RESTARTS     the default of --max-restarts (default 0: a failed rank ends the job)
 #   PYTHON           interpreter (default .venv/bin/python when present, else python3)
 #   COMM_MODE        fake_backend: dry run instead of training. No torchrun: one process
 #                    validates the config for NGPU x NNODES ranks on this CPU (fake process
@@ -37,10 +42,27 @@ if [[ -z "$python" ]]; then
   if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python=python3; fi
 fi
 
+# torchrun's own option among the arguments; everything else goes to titan train.
+max_restarts="${MAX_RESTARTS:-0}"
+args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --max-restarts|--max_restarts)
+      if [[ $# -lt 2 ]]; then echo "run_train.sh: $1 needs a number" >&2; exit 2; fi
+      max_restarts="$2"; shift 2 ;;
+    --max-restarts=*|--max_restarts=*) max_restarts="${1#*=}"; shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+if ! [[ "$max_restarts" =~ ^[0-9]+$ ]]; then
+  echo "run_train.sh: --max-restarts must be a non-negative integer, got '$max_restarts'" >&2
+  exit 2
+fi
+
 if [[ "${COMM_MODE:-}" == "fake_backend" ]]; then
   # The dry run is one process whatever the world size: never start torchrun.
   export WORLD_SIZE=$((nproc * nnodes))
-  exec "$python" -m titan.recipes.cli train "$@"
+  exec "$python" -m titan.recipes.cli train ${args[@]+"${args[@]}"}
 fi
 
 if [[ "$nnodes" -gt 1 && "$rdzv_endpoint" == "localhost:0" ]]; then
@@ -54,7 +76,8 @@ exec "$python" -m torch.distributed.run \
   --rdzv_backend=c10d \
   --rdzv_endpoint="$rdzv_endpoint" \
   --rdzv_id="$rdzv_id" \
+  --max-restarts="$max_restarts" \
   --local-ranks-filter="$log_rank" \
   --role=rank \
   --tee=3 \
-  -m titan.recipes.cli train "$@"
+  -m titan.recipes.cli train ${args[@]+"${args[@]}"}

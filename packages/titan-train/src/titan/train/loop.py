@@ -26,6 +26,7 @@ import functools
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,8 +285,10 @@ class TrainingLoop:
             self.save_seed_checkpoint()
             return []
         save_run_config(self.config, rank=self.dist_env.rank)
-        if self.engine.load_checkpoint() is not None:  # step 0 too: a seed checkpoint, an initial load
+        resumed = self.engine.load_checkpoint() is not None  # step 0 too: a seed checkpoint, an initial load
+        if resumed:
             logger.info("resumed from step %d (%s)", self.step, self.resume_position())
+        self._report_restart(resumed)
         records: list[dict[str, Any]] = []
         self._run_start = (time.perf_counter(), self.step, self.train_state.tokens_seen)
         self.metrics.start(self.step)
@@ -299,6 +302,21 @@ class TrainingLoop:
         self.metrics.close()
         self.log_summary(records, preempted)
         return records
+
+    def _report_restart(self, resumed: bool) -> None:
+        """Say when the launcher restarted this job (``torchrun --max-restarts``, which sets
+        ``TORCHELASTIC_RESTART_COUNT``): from which step, or that nothing could be resumed."""
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if not restart or not self.is_rank0:
+            return
+        limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+        if resumed:
+            logger.warning("restart %d of at most %s: a rank of the previous attempt failed; continuing from "
+                           "step %d", restart, limit, self.step)
+        else:
+            logger.warning("restart %d of at most %s: a rank of the previous attempt failed and there is no "
+                           "checkpoint to resume (--checkpoint.enable): training starts again from step 0",
+                           restart, limit)
 
     def resume_position(self) -> str:
         """Where a resumed run continues, for the log (the loops add their data position)."""
