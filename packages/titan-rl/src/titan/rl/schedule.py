@@ -84,16 +84,19 @@ class RolloutSchedule:
     def sync_to(self, version: int) -> None:
         """Give the generator the current weights (version ``version``) unless it has them."""
         if self.generator_version != version:
-            self._sync()
-            self.generator_version = version
+            self._sync_now(version)
+
+    def _sync_now(self, version: int) -> None:
+        """Copy the current weights (version ``version``) into the generator."""
+        self._sync()
+        self.generator_version = version
 
     def _sync_if_older(self, oldest: int, version: int) -> None:
         """Sync when the generator's weights are older than ``oldest``, or were never synced
         (a run that starts from loaded weights, or resumes, must not generate with the
         generator's freshly built ones)."""
         if self.generator_version < 0 or self.generator_version < oldest:
-            self._sync()
-            self.generator_version = version
+            self._sync_now(version)
 
     def _launch(self, index: int) -> None:
         """Start generating rollout ``index``: on the generator ranks (collected when first

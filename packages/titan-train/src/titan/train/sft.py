@@ -45,7 +45,7 @@ class SFTTrainer(Trainer):
 
     Config = SFTConfig
 
-    def validate_data(self) -> None:
+    def check_config(self) -> None:
         """Check ``--sft_data.*`` before any work starts."""
         validate_sft_data_config(self.config.sft_data)
 

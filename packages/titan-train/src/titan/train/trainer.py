@@ -54,10 +54,6 @@ class Trainer(TrainingLoop):
 
     def check_config(self) -> None:
         """Check the data flags before any work starts (raises ValueError naming the flag)."""
-        self.validate_data()
-
-    def validate_data(self) -> None:
-        """Check the data flags before any work starts (raises ValueError naming the flag)."""
         validate_data_config(self.config.dataset, self.config.tokenizer)
 
     def build_dataloader(self):
