@@ -14,6 +14,7 @@ then describes this rank's part (its rank and size within the part) and starts n
 
 from __future__ import annotations
 
+import atexit
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,6 +40,14 @@ class Bridge:
 
     def __init__(self, group: Any, *, rank: int, size: int, device: torch.device) -> None:
         self.group, self.rank, self.size, self.device = group, rank, size, torch.device(device)
+
+    def close(self) -> None:
+        """Release the bridge's process group now (idempotent; no collective, so a rank may
+        close while its peers are gone). :func:`split_job` registers this to run at exit:
+        a gloo group still alive when the interpreter shuts down aborted its process
+        ("terminate called without an active exception", 2 of 8 two-rank launches here),
+        while released here its threads are joined in order."""
+        self.group = None
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Broadcast ``tensor`` in place from bridge rank ``src`` to every bridge rank."""
@@ -172,6 +181,7 @@ def split_job(first_part_size: int, *, timeout_s: float = 1800.0,
         group = _backend_group(backend, dist.PrefixStore(f"{STORE_PREFIX}/bridge", store), bridge_rank,
                                sizes[1] + 1, timeout, device)
         bridge = Bridge(group, rank=bridge_rank, size=sizes[1] + 1, device=device)
+        atexit.register(bridge.close)
     _split = JobSplit(part=part, rank=part_rank, size=sizes[part], global_rank=rank, part_sizes=sizes, bridge=bridge,
                       device=device, has_group=has_group)
     return _split
