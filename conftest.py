@@ -22,6 +22,7 @@ before any test runs, so the ``titan`` subprocesses the tests start inherit them
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,10 @@ from pathlib import Path
 import pytest
 import torch
 from filelock import FileLock
+
+# The suite's shared test helpers (tests/forked_cli.py: one-process `titan` runs without the
+# start-up imports), importable from every test folder, packages' included.
+sys.path.insert(0, str(Path(__file__).parent / "tests"))
 
 # Far above what the suite's tiny models reach on any CPU: MFU stays a small, valid percentage.
 SUITE_CPU_PEAK_FLOPS = "1e13"

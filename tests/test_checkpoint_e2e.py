@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked_cli import run_command
 from titan.ckpt import load_dcp_model, load_hf
 from titan.models.llama3 import Llama3Model, Llama3StateDictAdapter
 
@@ -84,7 +85,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 def titan(ranks: int, dump: Path, *flags: str, ok: bool = True, script: str | None = None):
     """Run to completion; by default assert it succeeded."""
     cmd = command(ranks, dump, flags, script)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    result = run_command(cmd, timeout=300, env=ENV)  # one process: forked (tests/forked_cli.py)
     if ok:
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result

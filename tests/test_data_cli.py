@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from forked_cli import run_titan as run_forked
 from titan.train.data import HFTokenizer, TokenizedCorpus
 
 from titan.recipes.cli import main
@@ -18,8 +19,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def titan(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "titan.recipes.cli", *args], capture_output=True,
-                          text=True, timeout=600, env=ENV, **kw)
+    """`titan ARGS`, forked with titan imported (tests/forked_cli.py)."""
+    return run_forked(args, env=ENV, timeout=600, **kw)
 
 
 def write_jsonl(path, docs):

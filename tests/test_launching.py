@@ -1,6 +1,8 @@
 """The launch helper the end-to-end tests share: a launch past its limit fails with its output
 and leaves no rank behind (so a hung collective costs one launch's limit, not the suite's)."""
 
+import json
+import os
 import subprocess
 
 import pytest
@@ -32,3 +34,28 @@ def test_a_launch_that_succeeds_logs_its_command_and_output(tmp_path):
     launch(1, [str(script)], tmp_path / "launch.log")
     log = (tmp_path / "launch.log").read_text()
     assert str(script) in log.splitlines()[0] and "hello from 1 thread" in log
+
+
+def test_a_forked_titan_run_behaves_like_a_fresh_process(tmp_path):
+    """`forked_cli.run_titan` (one-process runs without the start-up imports): the folder, the
+    environment and the exit status are the run's own, and its output is captured."""
+    from forked_cli import CLI, run_command, run_titan
+
+    flags = ["train", "--config", "llama3_debug_synthetic", "--model.flavor", "debugmodel_tiny", "--training.steps",
+             "2", "--training.seq_len", "16", "--training.local_batch_size", "2", "--metrics.no_enable_progress_bar"]
+    env = {**os.environ, "TITAN_CPU_PEAK_FLOPS": "1e15"}  # the suite's is 1e13 (conftest.py)
+    done = run_titan([*flags, "--job.dump_folder", "relative", "--metrics.log_freq", "1"], cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = json.loads((tmp_path / "relative" / "metrics.jsonl").read_text().splitlines()[0])  # relative to cwd
+    assert first["mfu"] == pytest.approx(100 * first["tflops"] * 1e12 / 1e15, rel=1e-6)  # the run's environment
+    assert "training done" in done.stderr
+    refused = run_command([*CLI, "train", "--config", "no_such_recipe"], env=env)
+    assert refused.returncode != 0 and "no_such_recipe" in refused.stdout + refused.stderr
+
+
+def test_a_forked_titan_run_past_its_limit_is_stopped(tmp_path):
+    from forked_cli import run_titan
+
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_titan(["train", "--config", "llama3_debug_synthetic", "--training.steps", "1000000",
+                   "--job.dump_folder", str(tmp_path)], timeout=2)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from forked_cli import run_command
 
 TINY = ["--config", "llama3_debug_synthetic", "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32",
         "--training.local_batch_size", "4", "--metrics.no_enable_progress_bar", "--debug.seed", "0"]
@@ -32,7 +33,7 @@ def titan(dump: Path, *flags: str, ranks: int = 1, **popen) -> list[str]:
 
 def run(dump: Path, *flags: str, ranks: int = 1) -> subprocess.CompletedProcess:
     cmd = titan(dump, *flags, ranks=ranks)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_command(cmd, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return done
 

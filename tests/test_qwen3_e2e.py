@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from forked_cli import run_command
 from titan.ckpt import load_dcp_model
 
 STEPS = 5
@@ -44,8 +44,7 @@ def titan_train(dump: Path, *flags: str, ranks: int = 1) -> list[dict]:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                     "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli"]
     cmd = [*launcher, "train", "--job.dump_folder", str(dump), *flags]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = run_command(cmd, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 

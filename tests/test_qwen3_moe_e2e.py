@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from forked_cli import run_command
 from titan.ckpt import load_dcp_model
 
 STEPS = 30
@@ -18,8 +18,7 @@ STEPS = 30
 def titan_train(dump: Path, *flags: str) -> list[dict]:
     """One single-process `titan train` run; returns the metrics.jsonl rows."""
     cmd = [sys.executable, "-m", "titan.recipes.cli", "train", "--job.dump_folder", str(dump), *flags]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = run_command(cmd, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
@@ -51,7 +50,7 @@ def titan_train_ranks(dump: Path, ranks: int, *flags: str) -> list[dict]:
     """`titan train` under torchrun with `ranks` processes; the metrics.jsonl rows."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--rdzv_backend", "c10d",
            "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "train", "--job.dump_folder", str(dump), *flags]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = run_command(cmd, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 

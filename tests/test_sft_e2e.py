@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked_cli import run_command
 from titan.ckpt import load_dcp_model
 
 TITAN = [sys.executable, "-m", "titan.recipes.cli"]
@@ -24,8 +25,7 @@ def run_sft(dump: Path, *flags: str, ranks: int = 1) -> subprocess.CompletedProc
         "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli"]
     cmd = [*launcher, "sft", "--config", "sft_debug", "--job.dump_folder", str(dump),
            "--metrics.no_enable_progress_bar", *flags]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                            env={**os.environ} if ranks == 1 else {**os.environ, "OMP_NUM_THREADS": "1"})
+    result = run_command(cmd, timeout=900, env={**os.environ} if ranks == 1 else {**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from forked_cli import run_titan as run_forked
 from titan.train.data import ByteTokenizer, DatasetConfig, synthetic_corpus
 from titan.train.metrics import METRIC_KEYS
 
@@ -19,6 +20,8 @@ TINY = [
 
 
 def run_titan(*args: str, cwd=None, env=None, ranks: int = 1) -> subprocess.CompletedProcess:
+    if ranks == 1:  # forked with titan imported (tests/forked_cli.py)
+        return run_forked(["train", *args], cwd=cwd, env=env, timeout=600)
     launcher = [sys.executable, "-m", "titan.recipes.cli"]
     if ranks > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),

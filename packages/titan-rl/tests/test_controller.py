@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from forked_cli import run_titan
 from titan.rl.config import RLConfig, RLSection
 from titan.rl.controller import RLTrainer
 from titan.rl.rollouts import Rollout
@@ -219,12 +220,11 @@ TITAN = [sys.executable, "-m", "titan.recipes.cli"]
 
 
 def run_rl(dump: Path, *flags: str) -> subprocess.CompletedProcess:
-    """`titan rl --config grpo_debug` with `flags`; asserts it succeeded."""
-    cmd = [*TITAN, "rl", "--config", "grpo_debug", "--job.dump_folder", str(dump),
-           "--metrics.no_enable_progress_bar", *flags]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                            env=dict(os.environ))  # threads: the suite's share (conftest.py)
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    """`titan rl --config grpo_debug` with `flags` in one process (forked with titan imported:
+    tests/forked_cli.py; threads: the suite's share, conftest.py); asserts it succeeded."""
+    args = ["rl", "--config", "grpo_debug", "--job.dump_folder", str(dump), "--metrics.no_enable_progress_bar", *flags]
+    result = run_titan(args, timeout=900)
+    assert result.returncode == 0, f"titan {' '.join(args)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result
 
 

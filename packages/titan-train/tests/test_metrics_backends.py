@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked_cli import run_command
 from titan.train import metrics as metrics_mod
 from titan.train.metrics import MetricsConfig, MetricsLogger, scalar_metrics
 
@@ -285,13 +286,12 @@ def test_titan_train_flags_write_tensorboard_events_equal_to_the_jsonl(tmp_path)
     pytest.importorskip("tensorboard")
     pytest.importorskip("titan.recipes")
     import os
-    import subprocess
 
     cmd = [sys.executable, "-m", "titan.recipes.cli", "train", "--config", "llama3_debug_synthetic",
            "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
            "--training.steps", "4", "--metrics.log_freq", "2", "--metrics.no_enable_progress_bar",
            "--metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_command(cmd, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 4]

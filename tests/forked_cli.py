@@ -1,0 +1,112 @@
+"""One-process `titan` runs forked from an interpreter that has already imported titan.
+
+A fresh `titan` process spends ~3 s of CPU importing torch, its distributed packages and
+titan before its first step: more than most test runs of the tiny models train. ``run_titan``
+runs the command line exactly as the console script does (``titan.recipes.cli.main``), in a
+process of its own (its own globals, signal handlers, exit status, stdout and stderr), forked
+from a server process that imported those modules once per pytest process (multiprocessing's
+forkserver, with titan preloaded). Only the imports are shared, none of a run's state: the
+server never runs anything but imports.
+
+Multi-rank runs still start from scratch under torchrun, as users start them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+PRELOAD = ["titan.recipes.cli", "titan.train.trainer", "titan.train.sft", "titan.rl.controller", "torch._dynamo"]
+"""What the server imports: the command line, its three loops, and what every optimizer's
+construction imports (``torch.optim`` imports dynamo on first use)."""
+
+_context = None
+
+
+def _forkserver():
+    """The forkserver context, its preload set once per pytest process (the server itself
+    starts on the first run)."""
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+def _redirect(fd: int, path: str) -> None:
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(target, fd)
+    os.close(target)
+
+
+def _run_in_child(args: list[str], env: dict[str, str], cwd: str | None, stdout: str, stderr: str) -> None:
+    """The forked process: the environment and folder a fresh process would have, its output
+    into the two files, then the command line; its return value is the exit status."""
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    # What a fresh interpreter would take from the environment at start-up.
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    import torch
+
+    if env.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _redirect(1, stdout)
+    _redirect(2, stderr)
+    sys.argv = ["titan", *args]
+    from titan.recipes.cli import main
+
+    sys.exit(main(args))
+
+
+def run_titan(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
+              timeout: float = 600) -> subprocess.CompletedProcess:
+    """``titan ARGS`` in one process, as ``subprocess.run([...], capture_output=True,
+    text=True)`` would run it (``env`` defaults to this process's environment): the returned
+    object has ``returncode`` (negative: killed by that signal), ``stdout`` and ``stderr``. A
+    run past ``timeout`` seconds is stopped (SIGTERM, then SIGKILL) and raises
+    ``subprocess.TimeoutExpired`` with what it printed."""
+    args = [str(a) for a in args]
+    with tempfile.TemporaryDirectory(prefix="titan-run-") as folder:
+        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        process = _forkserver().Process(
+            target=_run_in_child, args=(args, dict(os.environ if env is None else env),
+                                        None if cwd is None else str(cwd), out, err))
+        process.start()
+        process.join(timeout)
+        timed_out = process.is_alive()
+        if timed_out:
+            process.terminate()
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        stdout, stderr = (Path(path).read_text(errors="replace") if os.path.exists(path) else "" for path in (out, err))
+    command = ["titan", *args]
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
+
+
+CLI = [sys.executable, "-m", "titan.recipes.cli"]
+"""How the tests start `titan` in a fresh interpreter (``run_command`` forks this one instead)."""
+
+
+def run_command(cmd: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
+                timeout: float = 600) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, ...)``, except that a one-process
+    `titan` command line (``CLI + args``) runs through :func:`run_titan`; anything else (a
+    torchrun launch, a script) starts as written."""
+    cmd = [str(c) for c in cmd]
+    if cmd[: len(CLI)] == CLI:
+        return run_titan(cmd[len(CLI):], env=env, cwd=cwd, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, env=None if env is None else dict(env), cwd=cwd,
+                          timeout=timeout)
