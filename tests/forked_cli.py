@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -44,15 +45,19 @@ def _redirect(fd: int, path: str) -> None:
     os.close(target)
 
 
-def _run_in_child(args: list[str], env: dict[str, str], cwd: str | None, stdout: str, stderr: str) -> None:
+def _run_in_child(args: list[str], env: dict[str, str], cwd: str | None, stdout: str, stderr: str,
+                  script: str | None = None) -> None:
     """The forked process: the environment and folder a fresh process would have, its output
-    into the two files, then the command line; its return value is the exit status."""
+    into the two files (one file may take both), then the command line (or ``script`` with
+    ``args``, as ``python SCRIPT ARGS`` runs it); its exit status is the run's."""
     os.environ.clear()
     os.environ.update(env)
     if cwd is not None:
         os.chdir(cwd)
-    # What a fresh interpreter would take from the environment at start-up.
+    # What a fresh interpreter would take from the environment and its command line at start-up.
     sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if script is not None:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     import torch
 
     if env.get("OMP_NUM_THREADS"):
@@ -60,26 +65,29 @@ def _run_in_child(args: list[str], env: dict[str, str], cwd: str | None, stdout:
     sys.stdout.flush()
     sys.stderr.flush()
     _redirect(1, stdout)
-    _redirect(2, stderr)
+    if stderr == stdout:
+        os.dup2(1, 2)
+    else:
+        _redirect(2, stderr)
+    if script is not None:
+        sys.argv = [script, *args]
+        runpy.run_path(script, run_name="__main__")
+        return
     sys.argv = ["titan", *args]
     from titan.recipes.cli import main
 
     sys.exit(main(args))
 
 
-def run_titan(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
-              timeout: float = 600) -> subprocess.CompletedProcess:
-    """``titan ARGS`` in one process, as ``subprocess.run([...], capture_output=True,
-    text=True)`` would run it (``env`` defaults to this process's environment): the returned
-    object has ``returncode`` (negative: killed by that signal), ``stdout`` and ``stderr``. A
-    run past ``timeout`` seconds is stopped (SIGTERM, then SIGKILL) and raises
-    ``subprocess.TimeoutExpired`` with what it printed."""
-    args = [str(a) for a in args]
+def _run_forked(args: list[str], script: str | None, env: Mapping[str, str] | None, cwd: str | Path | None,
+                timeout: float, merge_output: bool) -> subprocess.CompletedProcess:
+    command = [sys.executable, script, *args] if script is not None else ["titan", *args]
     with tempfile.TemporaryDirectory(prefix="titan-run-") as folder:
-        out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        out = os.path.join(folder, "stdout")
+        err = out if merge_output else os.path.join(folder, "stderr")
         process = _forkserver().Process(
             target=_run_in_child, args=(args, dict(os.environ if env is None else env),
-                                        None if cwd is None else str(cwd), out, err))
+                                        None if cwd is None else str(cwd), out, err, script))
         process.start()
         process.join(timeout)
         timed_out = process.is_alive()
@@ -90,10 +98,29 @@ def run_titan(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd:
                 process.kill()
                 process.join()
         stdout, stderr = (Path(path).read_text(errors="replace") if os.path.exists(path) else "" for path in (out, err))
-    command = ["titan", *args]
+    if merge_output:
+        stderr = ""
     if timed_out:
         raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
     return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
+
+
+def run_titan(args: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
+              timeout: float = 600) -> subprocess.CompletedProcess:
+    """``titan ARGS`` in one process, as ``subprocess.run([...], capture_output=True,
+    text=True)`` would run it (``env`` defaults to this process's environment): the returned
+    object has ``returncode`` (negative: killed by that signal), ``stdout`` and ``stderr``. A
+    run past ``timeout`` seconds is stopped (SIGTERM, then SIGKILL) and raises
+    ``subprocess.TimeoutExpired`` with what it printed."""
+    return _run_forked([str(a) for a in args], None, env, cwd, timeout, merge_output=False)
+
+
+def run_script(script: str | Path, args: Sequence[str], *, env: Mapping[str, str] | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` in one forked process (the script's folder first on its path, as
+    Python puts it): like :func:`run_titan`, with stdout and stderr in ``stdout``, in the order
+    written."""
+    return _run_forked([str(a) for a in args], str(script), env, None, timeout, merge_output=True)
 
 
 CLI = [sys.executable, "-m", "titan.recipes.cli"]

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from forked_cli import run_script
+
 RUNS_WORKER = Path(__file__).with_name("train_runs_worker.py")
 RUN_MARKER = "train_runs_worker: run "  # what the worker prints before each run
 
@@ -30,9 +32,19 @@ def launch(ranks: int, args: list[str], log: Path, *, timeout: float = 600) -> N
     with the command and the end of the output unless it succeeded (a launch past ``timeout``
     seconds is killed, every rank with it, and fails with what it printed)."""
     cmd = [*launcher(ranks), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if ranks == 1:  # forked from an interpreter with titan imported (forked_cli.py)
+        try:
+            done = run_script(args[0], args[1:], env=env, timeout=timeout)
+            output, returncode = done.stdout, done.returncode
+        except subprocess.TimeoutExpired as stopped:
+            output, returncode = f"{stopped.output}\n[launch stopped after its limit of {timeout:.0f} s]", None
+        log.write_text(f"{' '.join(cmd)}\n{output}")
+        assert returncode == 0, f"{' '.join(cmd)}\n{output[-10000:]}"
+        return
     # A session of its own, so that a launch past its limit can be stopped as a whole.
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                               env=env, start_new_session=True)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

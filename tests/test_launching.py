@@ -8,7 +8,19 @@ import subprocess
 import pytest
 from launching import launch
 
-SLEEPER = "import os, time\nprint('rank', os.environ.get('RANK', '0'), 'started', flush=True)\ntime.sleep(120)\n"
+# Each rank leaves its pid beside the script (a one-process launch is forked, so its command
+# line does not name the script), says it started, and sleeps past any limit.
+SLEEPER = ("import os, time\nrank = os.environ.get('RANK', '0')\n"
+           "open(f'{__file__}.{rank}.pid', 'w').write(str(os.getpid()))\n"
+           "print('rank', rank, 'started', flush=True)\ntime.sleep(120)\n")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _processes_running(script: str) -> list[str]:
@@ -26,6 +38,7 @@ def test_a_launch_past_its_limit_fails_with_its_output_and_stops_every_rank(tmp_
         launch(ranks, [str(script)], tmp_path / "launch.log", timeout=3)
     assert "stopped after its limit" in (tmp_path / "launch.log").read_text()
     assert not _processes_running(str(script))
+    assert not [pid for pid in (int(p.read_text()) for p in tmp_path.glob("sleeper.py.*.pid")) if _alive(pid)]
 
 
 def test_a_launch_that_succeeds_logs_its_command_and_output(tmp_path):
