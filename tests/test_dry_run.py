@@ -137,7 +137,8 @@ def test_dry_run_fsdp3_components_match_hand_computed_bytes():
     """FSDP 3 of debugmodel_tiny with full activation checkpointing: dim-0 sizes 320, 192, 64
     and 32 do not divide by 3, so rank 0 holds ceil(rows / 3) rows of every parameter. fp32
     params and grads (4 B/element), AdamW's two fp32 states, and activations = each block's
-    fp32 input (dim per token) plus the fp32 logits (vocab per token) of the local batch."""
+    fp32 input (dim per token) plus the fp32 logits (vocab per token) of the local batch, and
+    the one block the backward recomputes at a time."""
     cfg = parse_train_args([*TINY, "--parallelism.data_parallel_shard_degree", "3",
                             "--activation_checkpoint.mode", "full"])  # fmt: skip
     (est,) = run_dry_run(cfg, world_size=3, print_fn=lambda s: None)
@@ -153,7 +154,10 @@ def test_dry_run_fsdp3_components_match_hand_computed_bytes():
     assert est.optimizer_bytes == 2 * 4 * numel
     dim, layers, tokens = 64, 4, 2 * 32
     assert est.activation_bytes == layers * dim * tokens * 4 + tokens * TINY_VOCAB * 4
-    assert est.total_bytes == 4 * 4 * numel + est.activation_bytes
+    # During one block's backward its forward is rebuilt: the 22 dim-wide tensors per token an
+    # unchecked block keeps, less the input already kept.
+    assert est.recompute_bytes == (22 - 1) * dim * tokens * 4
+    assert est.total_bytes == 4 * 4 * numel + est.activation_bytes + est.recompute_bytes
 
 
 def _saved_activation_bytes(model) -> int:

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import difflib
 import io
+import logging
 import os
 import sys
 import tempfile
@@ -32,7 +33,7 @@ from typing import Any
 
 import tyro
 from titan.ckpt import CheckpointError
-from titan.train.config import TrainerConfig
+from titan.train.config import RunConfig, TrainerConfig
 from titan.train.loss import NonFiniteLossError
 
 from titan.recipes.dry_run import (
@@ -41,6 +42,8 @@ from titan.recipes.dry_run import (
     split_world_size_flag,
     world_size_from_env,
 )
+from titan.recipes.families import model_spec
+from titan.recipes.memory_check import check_memory, warn_beyond_context
 from titan.recipes.recipes import RECIPES, recipe
 from titan.recipes.runners import DEFAULT_RECIPES, runner_for
 
@@ -309,6 +312,10 @@ def preflight(config: Any) -> None:
 
         validate_data_config(config.dataset, config.tokenizer)
     check_tokenizer(config)
+    if isinstance(config, RunConfig):  # every loop's config; a plugin's may be anything
+        spec = model_spec(config.model.name)
+        spec.check_flavor(config.model.flavor)
+        warn_beyond_context(config, getattr(spec.flavors[config.model.flavor], "max_seq_len", None))
 
 
 def run(argv: Sequence[str], *, command: str = "train") -> int:
@@ -317,7 +324,15 @@ def run(argv: Sequence[str], *, command: str = "train") -> int:
     if fake_backend_requested():
         return dry_run_main(config, world_size_from_env())
     preflight(config)
+    # Before anything is built: a run that cannot fit never starts.
+    memory = check_memory(config) if isinstance(config, RunConfig) else None
     loop = runner_for(config).build(config)
+    if memory is not None and getattr(loop, "is_rank0", False):
+        log = logging.getLogger("titan")
+        if memory.fits:
+            log.info(memory.summary())
+        else:
+            log.warning("%s: running anyway (--debug.skip_memory_check)", memory.summary())
     try:
         loop.train()
     finally:

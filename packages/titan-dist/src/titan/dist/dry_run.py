@@ -23,10 +23,12 @@ from titan.dist.dims import ParallelDims
 from titan.dist.plan import blocks_of, match_modules, sharding_plan
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Activation elements kept per token per block, in units of the model dim (rough figures for
-# a pre-norm attention + SwiGLU block with a fused attention kernel): everything, only what
-# selective checkpointing keeps, or only the block input (full checkpointing).
-_ACT_PER_TOKEN = {"none": 17, "selective": 8, "full": 1}
+# Activation elements kept per token per block, in units of the model dim: everything, only
+# what selective checkpointing keeps, or only the block input (full checkpointing). "none" is
+# what autograd saves for titan's pre-norm attention + SwiGLU block in eager mode (measured with
+# saved-tensor hooks, tests/test_dry_run.py: 22; the earlier 17 left out RoPE's float32
+# intermediates and read 1.27x low); compiled blocks save less.
+_ACT_PER_TOKEN = {"none": 22, "selective": 8, "full": 1}
 
 
 @dataclass
@@ -40,21 +42,31 @@ class RankEstimate:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int
+    recompute_bytes: int = 0
+    """With activation checkpointing: the activations of the one block whose backward is
+    running, rebuilt by its recomputation and freed after it (a transient the peak includes)."""
 
     @property
     def total_bytes(self) -> int:
-        """Params + grads + optimizer states + activations."""
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+        """Params + grads + optimizer states + activations (+ one block's recomputation)."""
+        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+                + self.recompute_bytes)
+
+    def components(self) -> str:
+        """The estimate's parts, e.g. ``params 18.64 MiB, grads ..., activations 1.61 GiB``."""
+        parts = [f"params {format_bytes(self.param_bytes)}", f"grads {format_bytes(self.grad_bytes)}",
+                 f"optimizer {format_bytes(self.optimizer_bytes)}", f"activations {format_bytes(self.activation_bytes)}"]
+        if self.recompute_bytes:
+            parts.append(f"recomputed block {format_bytes(self.recompute_bytes)}")
+        return ", ".join(parts)
 
     def line(self) -> str:
         """One human-readable report line."""
         return (f"ranks {self.ranks:>12} (pp {self.pp_rank}): {self.params:,} params | "
-                f"params {_fmt(self.param_bytes)}, grads {_fmt(self.grad_bytes)}, optimizer "
-                f"{_fmt(self.optimizer_bytes)}, activations {_fmt(self.activation_bytes)}, "
-                f"total {_fmt(self.total_bytes)}")
+                f"{self.components()}, total {format_bytes(self.total_bytes)}")
 
 
-def _fmt(n: int) -> str:
+def format_bytes(n: int) -> str:
     """Bytes in the largest binary unit that keeps the number >= 1."""
     for unit, scale in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
         if n >= scale:
@@ -87,17 +99,22 @@ def _model_shape(model: nn.Module) -> tuple[int, int]:
 
 def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac_mode: str,
                       dim: int, vocab: int, tokens: int, logit_tokens: int,
-                      activation_dtype: str) -> int:
+                      activation_dtype: str) -> tuple[int, int]:
+    """(bytes of the activations kept for backward, bytes of one block's recomputation)."""
     act_bytes = _BYTES[activation_dtype]
     layers = sum(len(list(blocks_of(p))) for p in parts)
     # Sequence parallel shards the residual stream over tp; without it only matmul
     # intermediates are sharded: count half of it as sharded.
     tp_div = dims.tp if cfg.enable_sequence_parallel else max(1.0, dims.tp / 2)
-    per_layer = _ACT_PER_TOKEN[ac_mode] * dim * tokens * act_bytes / tp_div
+    per_dim = dim * tokens * act_bytes / tp_div  # one model-dim-wide tensor of the microbatch
+    per_layer = _ACT_PER_TOKEN[ac_mode] * per_dim
     # fp32 logits live for one microbatch only: the last stage runs its backward right after
     # its forward, so they are not multiplied by the microbatches in flight.
     logits = logit_tokens * vocab * 4 / dims.tp if any(_output_modules(p) for p in parts) else 0
-    return int(layers * per_layer + logits)
+    # A checkpointed block's backward first recomputes everything its forward saved, for one
+    # microbatch (logit_tokens: a microbatch's tokens, also under pipeline parallel).
+    recompute = (_ACT_PER_TOKEN["none"] - _ACT_PER_TOKEN[ac_mode]) * per_dim * logit_tokens / tokens if layers else 0
+    return int(layers * per_layer + logits), int(recompute)
 
 
 def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, activation_checkpoint,
@@ -130,7 +147,7 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
         params = sum(_local_numel(p) for p in parts)
         acts = _activation_bytes(parts, dims, parallelism, activation_checkpoint.mode, dim, vocab,
                                  tokens, logit_tokens, activation_dtype)
-        return params, acts
+        return params, *acts
     finally:
         dist.destroy_process_group()
 
@@ -157,7 +174,7 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     per_pp = world_size // dims.pp
     estimates = []
     for pp_rank in range(dims.pp):
-        params, acts = _estimate_rank(
+        params, acts, recompute = _estimate_rank(
             model_fn, dims, pp_rank * per_pp, parallelism=parallelism,
             activation_checkpoint=activation_checkpoint, compile=compile,
             local_batch_size=local_batch_size, seq_len=seq_len,
@@ -165,7 +182,7 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
         est = RankEstimate(ranks=f"{pp_rank * per_pp}-{(pp_rank + 1) * per_pp - 1}",
                            pp_rank=pp_rank, params=params, param_bytes=4 * params,
                            grad_bytes=4 * params, optimizer_bytes=4 * optimizer_states * params,
-                           activation_bytes=acts)
+                           activation_bytes=acts, recompute_bytes=recompute)
         estimates.append(est)
         if print_fn is not None:
             print_fn(est.line())

@@ -155,6 +155,9 @@ class DebugConfig:
     """Seed for weight init, data order and dropout-free randomness."""
     deterministic: bool = False
     """Use deterministic kernels only (slower; bitwise-reproducible runs on the same layout)."""
+    skip_memory_check: bool = False
+    """Start even when the run's estimated peak memory per rank exceeds the device's (by
+    default such a run is refused before anything is built, with the flags that would fit)."""
 
 
 @dataclass(kw_only=True)
