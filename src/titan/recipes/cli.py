@@ -33,6 +33,7 @@ from typing import Any
 
 import tyro
 from titan.ckpt import CheckpointError
+from titan.dist import CollectiveTimeoutError
 from titan.train.config import RunConfig, TrainerConfig
 from titan.train.loss import NonFiniteLossError
 
@@ -363,7 +364,7 @@ def _one_line(err: BaseException) -> str:
 
 def _exit_code(err: BaseException) -> int | None:
     """The exit code for an error reported as one line, or None for a bug (traceback)."""
-    if isinstance(err, (NonFiniteLossError, CheckpointError)):
+    if isinstance(err, (NonFiniteLossError, CheckpointError, CollectiveTimeoutError)):
         return EXIT_RUN_FAILED
     if isinstance(err, (UsageError, ValueError, *PATH_ERRORS)):
         return EXIT_USAGE

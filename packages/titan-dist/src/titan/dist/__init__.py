@@ -17,7 +17,8 @@ Public API (everything else is internal):
 
 from titan.dist.activation_checkpoint import apply_activation_checkpointing
 from titan.dist.compile import apply_compile, check_compile_granularity
-from titan.dist.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
+from titan.dist.comm import CollectiveTimeoutError, HangWatchdog, enable_flight_recorder, set_collective_timeout
+from titan.dist.config import ActivationCheckpointConfig, CommConfig, CompileConfig, ParallelismConfig
 from titan.dist.dims import ParallelDims
 from titan.dist.env import DistEnv, destroy_distributed, init_distributed
 from titan.dist.split import Bridge, JobSplit, current_split, split_job
@@ -36,6 +37,11 @@ from titan.dist.reduce import clip_grad_norm_, reduce_max, reduce_mean
 
 __all__ = [
     "ActivationCheckpointConfig",
+    "CollectiveTimeoutError",
+    "CommConfig",
+    "HangWatchdog",
+    "enable_flight_recorder",
+    "set_collective_timeout",
     "CompileConfig",
     "DistEnv",
     "ParallelDims",

@@ -151,3 +151,28 @@ class CompileConfig:
         _require(self.granularity in COMPILE_GRANULARITIES,
                  f"--compile.granularity={self.granularity!r} is unknown; choose one of "
                  f"{', '.join(COMPILE_GRANULARITIES)}")
+
+
+@dataclass(kw_only=True)
+class CommConfig:
+    """Collective timeouts and the flight recorder (`--comm.*`, torchtitan's names).
+
+    A collective that never returns (a rank died, hung or diverged) fails the run after the
+    timeout with the collective named, instead of holding every rank for the backend's default
+    (30 minutes on gloo)."""
+
+    init_timeout_seconds: int = 300
+    """Timeout of every collective until the first training step is done (the set-up, the first
+    step's compile and checkpoint load)."""
+    train_timeout_seconds: int = 100
+    """Timeout of every collective from the second training step on (`titan rl` keeps
+    the set-up timeout: its trainer ranks wait on rank 0's generation)."""
+    trace_buf_size: int = 20000
+    """Collectives the flight recorder keeps per rank (0: off). On a timeout each rank writes
+    them to ``<dump_folder>/comm_traces/``; on NCCL torch's watchdog dumps them too."""
+
+    def __post_init__(self) -> None:
+        _require(self.init_timeout_seconds > 0, f"--comm.init_timeout_seconds must be > 0, got {self.init_timeout_seconds}")
+        _require(self.train_timeout_seconds > 0,
+                 f"--comm.train_timeout_seconds must be > 0, got {self.train_timeout_seconds}")
+        _require(self.trace_buf_size >= 0, f"--comm.trace_buf_size must be >= 0, got {self.trace_buf_size}")

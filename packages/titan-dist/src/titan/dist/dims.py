@@ -228,6 +228,16 @@ class ParallelDims:
             self._build_expert_meshes()
         return root
 
+    def process_groups(self) -> list:
+        """Every process group of the mesh and its views (empty before `build_mesh`, or at
+        world size 1)."""
+        meshes = getattr(self, "_meshes", None) or {}
+        groups = {}
+        for mesh in meshes.values():
+            for group in mesh.get_all_groups():
+                groups[id(group)] = group
+        return list(groups.values())
+
     def _build_expert_meshes(self) -> None:
         """Split "dp_shard_cp" into ("dp_shard_mod_ep", "ep"), ep innermost, on the same root
         mesh (FSDP2 concatenates the expert FSDP mesh with the "ep" mesh of the expert

@@ -99,15 +99,18 @@ def mark_default_group_started() -> None:
     _started_default_group = True
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(*, barrier: bool = True) -> None:
     """Tear down the default process group `init_distributed` started (no-op otherwise: a
     group another library started in this process, such as an in-process vLLM engine's, is
     its owner's to destroy).
 
-    The barrier first makes sure no rank leaves while another still waits on a collective.
+    The barrier first makes sure no rank leaves while another still waits on a collective;
+    ``barrier=False`` leaves at once (after a collective timed out: a peer is gone or hung,
+    and a barrier would only time out again).
     """
     global _started_default_group
     if _started_default_group and dist.is_initialized():
         _started_default_group = False
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()

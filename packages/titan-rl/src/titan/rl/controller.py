@@ -173,6 +173,10 @@ class RLTrainer(TrainingLoop):
     records; ``close()`` drains checkpoints and releases the process group.
     """
 
+    uses_training_timeout = False
+    """RL keeps ``--comm.init_timeout_seconds``: its trainer ranks wait in a collective while
+    rank 0 generates and scores a rollout."""
+
     Config = RLConfig
     remote: RemoteGenerators | None = None
     """The generator ranks of a disaggregated run (--rl.generator_ranks); None: colocated."""

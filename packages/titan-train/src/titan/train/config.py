@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titan.ckpt import CheckpointConfig
-from titan.dist import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
+from titan.dist import ActivationCheckpointConfig, CommConfig, CompileConfig, ParallelismConfig
 from titan.train.data import DatasetConfig, TokenizerConfig
 from titan.train.lr_scheduler import LRSchedulerConfig
 from titan.train.metrics import MetricsConfig
@@ -176,6 +176,7 @@ class RunConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)

@@ -39,6 +39,8 @@ from titan.ckpt import (
 )
 from titan.dist import (
     ActivationCheckpointConfig,
+    CollectiveTimeoutError,
+    CommConfig,
     CompileConfig,
     ParallelDims,
     ParallelismConfig,
@@ -46,13 +48,16 @@ from titan.dist import (
     check_compile_granularity,
     clip_grad_norm_,
     destroy_distributed,
+    enable_flight_recorder,
     init_distributed,
     loss_parallel_context,
     mixed_precision_policy,
     parallelize,
+    set_collective_timeout,
     shard_batch_dict_for_context_parallel,
     validate_against_model,
 )
+from titan.dist.comm import TRACE_FOLDER
 from titan.train.loss import IGNORE_INDEX, NonFiniteLossError
 from titan.train.lr_scheduler import LRSchedulerConfig, build_lr_scheduler
 from titan.train.model_spec import HasAuxLoss, ModelSpec, UpdatesAfterOptimizerStep
@@ -169,12 +174,18 @@ class TrainingEngine:
         model_overrides: Mapping[str, Any] | None = None,
         quantize: QuantizeConfig | None = None,
         states: Mapping[str, Any] | None = None,
+        comm: CommConfig | None = None,
     ) -> None:
         model_spec.check_flavor(flavor)
         self.model_spec, self.flavor = model_spec, flavor
         self.parallelism, self.max_norm, self.seq_len = parallelism, max_norm, seq_len
         self.mixed_precision_param, self.document_mask = mixed_precision_param, document_mask
-        self.dist_env = init_distributed()
+        self.comm = comm or CommConfig()
+        self.collectives_failed = False
+        """Whether a collective timed out (`close` then skips everything collective)."""
+        self.trace_folder = Path(dump_folder) / TRACE_FOLDER
+        enable_flight_recorder(self.comm.trace_buf_size, self.trace_folder)
+        self.dist_env = init_distributed(timeout_s=self.comm.init_timeout_seconds)
         setup_logging(self.dist_env.rank)
         self.device = self.dist_env.device
         set_determinism(seed, deterministic, self.device)
@@ -235,7 +246,24 @@ class TrainingEngine:
             model_overrides=config.model.overrides(),
             quantize=getattr(config, "quantize", None),
             states=states,
+            comm=getattr(config, "comm", None),
         )
+
+    # ---- collectives that never return ----------------------------------------------------
+
+    def use_training_timeout(self) -> None:
+        """From now on every collective of this engine times out after
+        ``--comm.train_timeout_seconds`` (the set-up and the first step ran under
+        ``--comm.init_timeout_seconds``)."""
+        set_collective_timeout(self.comm.train_timeout_seconds, self.parallel_dims.process_groups())
+
+    def timeout_error(self, err: BaseException, timeout_flag: str) -> CollectiveTimeoutError | None:
+        """The one-line error naming the collective ``err`` timed out in (None when ``err`` is
+        not a collective timeout); writes this rank's flight-recorder trace under the run."""
+        error = CollectiveTimeoutError.from_error(err, rank=self.dist_env.rank, timeout_flag=timeout_flag,
+                                                  trace_folder=self.trace_folder)
+        self.collectives_failed = self.collectives_failed or error is not None
+        return error
 
     # ---- construction -------------------------------------------------------------------
 
@@ -683,6 +711,11 @@ class TrainingEngine:
         self.checkpointer.maybe_save(self.step, last_step=last_step, since=since)
 
     def close(self) -> None:
-        """Drain checkpoint saves and release the process group."""
+        """Drain checkpoint saves and release the process group (after a collective timed out:
+        release it at once, since a save's or a barrier's collectives would wait on the same
+        missing rank; a save in flight stays unpublished, the previous step loadable)."""
+        if self.collectives_failed:
+            destroy_distributed(barrier=False)
+            return
         self.checkpointer.close()
         destroy_distributed()

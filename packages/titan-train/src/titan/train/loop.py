@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from titan.dist import reduce_max
+from titan.dist import HangWatchdog, reduce_max
 from titan.train.config import TrainingConfig
 from titan.train.device_peak import device_peak_flops
 from titan.train.engine import TrainingEngine
@@ -98,6 +98,8 @@ class TrainingLoop:
 
     Config: type = object
     """The config class of this loop (its command's flags)."""
+    uses_training_timeout: bool = True
+    """Whether collectives switch to ``--comm.train_timeout_seconds`` after the first step."""
 
     def __init__(self, config: Any, *, model_spec: ModelSpec) -> None:
         self.config = config
@@ -107,6 +109,10 @@ class TrainingLoop:
         self.tokenizer = config.tokenizer.build()
         self.vocab_size = config.model.resolve_vocab_size(self.tokenizer.vocab_size)
         self.engine = TrainingEngine.from_config(config, model_spec=model_spec, vocab_size=self.vocab_size)
+        self._training_timeout_on = False
+        # Every thread's stack on stderr when a step outlives the collective timeout (a rank
+        # that hangs outside a collective shows where).
+        self._watchdog = HangWatchdog(self.engine.comm.init_timeout_seconds)
         self.is_rank0 = self.engine.dist_env.rank == 0
         self.grad_accum_steps = grad_accum_steps(config.training, self.parallel_dims.dp_world_size)
         self._supervised_loss = functools.partial(next_token_loss, chunk_tokens=config.training.loss_chunk_tokens)
@@ -217,6 +223,25 @@ class TrainingLoop:
         step that syncs (see ``TrainingEngine.optimizer_step``), before it computes anything."""
         if sync:
             self.engine.raise_if_non_finite()
+        self._watchdog.seconds = self._collective_timeout_s()
+        self._watchdog.step_started()
+        result = self._train_step(microbatches, sync=sync)
+        self._watchdog.stop()
+        if self.uses_training_timeout and not self._training_timeout_on:
+            self.engine.use_training_timeout()  # the set-up and the first step are done
+            self._training_timeout_on = True
+        return result
+
+    def _timeout_flag(self) -> str:
+        """The flag whose timeout the collectives run under now."""
+        on = self._training_timeout_on
+        return f"--comm.{'train' if on else 'init'}_timeout_seconds {self._collective_timeout_s():g}"
+
+    def _collective_timeout_s(self) -> float:
+        comm = self.engine.comm
+        return comm.train_timeout_seconds if self._training_timeout_on else comm.init_timeout_seconds
+
+    def _train_step(self, microbatches: list[dict[str, torch.Tensor]], *, sync: bool) -> StepResult:
         local_tokens = torch.stack([count_valid_tokens(mb["labels"]) for mb in microbatches]).sum().float()
         local_tokens = local_tokens.to(self.engine.device)
         global_tokens = self.engine.sum_over(local_tokens.clone(), "dp")
@@ -296,7 +321,13 @@ class TrainingLoop:
         try:
             with self._profiler() as profiler:
                 preempted = self.run_steps(guard, profiler, records)
+        except RuntimeError as err:
+            timeout = self.engine.timeout_error(err, self._timeout_flag())
+            if timeout is None:
+                raise
+            raise timeout from err
         finally:
+            self._watchdog.stop()
             guard.close()
         self.after_steps()
         self.metrics.close()
