@@ -452,3 +452,56 @@ def test_bad_checkpoints_fail_before_training(one_ref, tmp_path):
     for name in "abc":
         assert not (tmp_path / name / "metrics.jsonl").exists()
     assert complete_steps(one_ref) == [4, 8, 12, 16]  # nothing was written into it
+
+
+# ---------------------------------------------------------------------------- 1b. automatic restart
+
+# Loaded by every Python process of the job (PYTHONPATH): in the first attempt's rank 1 only,
+# `titan train` SIGKILLs itself right after step KILL_AFTER_STEP (checkpoint step 4 is complete,
+# step 8 not begun), as a crashed host or an OOM kill would.
+KILL_AFTER_STEP = 6
+KILLING_SITECUSTOMIZE = '''
+import os
+if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    import signal
+    import titan.ckpt.manager as manager
+
+    real_maybe_save = manager.CheckpointManager.maybe_save
+
+    def maybe_save_then_die(self, step, **kwargs):
+        saved = real_maybe_save(self, step, **kwargs)
+        if step == {step}:
+            self.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return saved
+
+    manager.CheckpointManager.maybe_save = maybe_save_then_die
+'''
+
+
+def test_max_restarts_resumes_a_killed_rank_to_the_uninterrupted_weights(fsdp2_ref, tmp_path):
+    """`tools/run_train.sh --max-restarts 1`: rank 1 is SIGKILLed mid-run; torchrun stops the
+    other rank and starts the job again, which resumes from the last complete checkpoint by
+    itself and ends with the uninterrupted run's weights, bitwise."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(KILLING_SITECUSTOMIZE.format(step=KILL_AFTER_STEP))
+    dump = tmp_path / "run"
+    env = {**ENV, "NPROC": "2", "PYTHON": sys.executable, "LOG_RANK": "0,1",
+           "PYTHONPATH": os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = [str(ROOT / "tools" / "run_train.sh"), "--max-restarts", "1", *COMMON, "--job.dump_folder", str(dump),
+           *FSDP2]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "restart 1 of at most 1" in output and "continuing from step 4" in output, output[-6000:]
+
+    # The first attempt logged up to the kill, the restart from step 5 on; the final weights
+    # equal the uninterrupted run's.
+    assert logged_steps(dump) == [*range(1, KILL_AFTER_STEP + 1), *range(5, STEPS + 1)]
+    got, ref = losses(dump), losses(fsdp2_ref)
+    assert [got[s] for s in range(5, STEPS + 1)] == [ref[s] for s in range(5, STEPS + 1)]
+    final = load_dcp_model(str(dump / "checkpoint"))
+    reference = load_dcp_model(str(fsdp2_ref / "checkpoint"))
+    assert final.keys() == reference.keys()
+    assert all(torch.equal(final[k], reference[k]) for k in reference)

@@ -41,6 +41,18 @@ def _pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The store this attempt's process groups meet in (``env://``: MASTER_ADDR/PORT).
+
+    Under ``torchrun --max-restarts`` every attempt's workers connect to the same store, the
+    agent's, which keeps the keys of the attempts before: a restarted rank would read its dead
+    peer's gloo address and wait on it until the timeout. Keys are kept apart per attempt
+    (``TORCHELASTIC_RESTART_COUNT``)."""
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return store if attempt is None else dist.PrefixStore(f"titan/attempt_{attempt}", store)
+
+
 _started_default_group = False
 """Whether `init_distributed` started the default process group of this process."""
 
@@ -68,11 +80,13 @@ def init_distributed(timeout_s: float = 300) -> DistEnv:
         return DistEnv(rank=part_rank, local_rank=local_rank, world_size=part_size, device=device)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend,
+            store=rendezvous_store(rank, world_size, timeout),
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
         mark_default_group_started()

@@ -164,7 +164,7 @@ def split_job(first_part_size: int, *, timeout_s: float = 1800.0,
     device = _env._pick_device(_env._env_int("LOCAL_RANK", rank))
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    store = _env.rendezvous_store(rank, world, timeout)
     sizes = (first_part_size, world - first_part_size)
     part = 0 if rank < first_part_size else 1
     part_rank = rank - (0 if part == 0 else first_part_size)
