@@ -63,6 +63,10 @@ class MetricsConfig:
     """W&B run name (default: the name of the dump folder)."""
     wandb_mode: str | None = None
     """W&B mode: online, offline or disabled (default: WANDB_MODE, else online)."""
+    straggler_factor: float = 5.0
+    """Warn (rank 0, at log steps) when a step took more than this many times the running
+    median step time, naming the rank whose own work (loading its batch) explains it; 0 turns
+    the check off (pretraining and SFT)."""
     save_for_all_ranks: bool = False
     """Every rank writes its own metrics (metrics_rank<R>.jsonl, tb/rank<R>, a W&B run per
     rank grouped by run name) instead of rank 0 only. The console stays rank 0's."""
@@ -70,6 +74,11 @@ class MetricsConfig:
     def __post_init__(self) -> None:
         if self.log_freq < 1:
             raise ValueError(f"--metrics.log_freq must be >= 1, got {self.log_freq}")
+        if self.straggler_factor != 0 and self.straggler_factor <= 1:
+            raise ValueError(
+                f"--metrics.straggler_factor must be > 1 (times the median step time) or 0 (off), "
+                f"got {self.straggler_factor}"
+            )
         if self.wandb_mode not in (None, "online", "offline", "disabled"):
             raise ValueError(
                 f"--metrics.wandb_mode must be online, offline or disabled, got {self.wandb_mode!r}"

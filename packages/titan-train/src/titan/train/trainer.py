@@ -17,6 +17,7 @@ from titan.train.loop import StepResult, TrainingLoop
 from titan.train.model_spec import ModelSpec, ReportsExpertLoad
 from titan.train.preemption import PreemptionGuard
 from titan.train.profiling import StepProfiler
+from titan.train.straggler import StragglerWatch
 from titan.train.validation import Validator
 
 logger = logging.getLogger("titan")
@@ -48,6 +49,8 @@ class Trainer(TrainingLoop):
             seed=config.debug.seed + 1,  # another order than training's, even on the same corpus
         )
         self._unsynced_tokens = torch.zeros((), device=self.engine.device)
+        self.stragglers = StragglerWatch(config.metrics.straggler_factor)
+        self._unrecorded_steps: list[tuple[float, float]] = []
         self.log_start()
 
     # ---- the data: what a loop on the same engine replaces -------------------------------
@@ -91,6 +94,7 @@ class Trainer(TrainingLoop):
             self._unsynced_tokens += result.tokens
             if sync:
                 self._sync_host()
+            self._record_step_time(time.perf_counter() - waiting, data_wait, synced=sync)
             self.metrics.record_tokens(self.device_tokens(microbatches), data_wait_s=data_wait)
             last = self.step == total
             validation = self.validator.run() if self.validator.due(self.step, last_step=last) else {}
@@ -101,6 +105,16 @@ class Trainer(TrainingLoop):
                 self.stop_for_preemption()
                 return True
         return False
+
+    def _record_step_time(self, seconds: float, data_wait: float, *, synced: bool) -> None:
+        """Feed the straggler watch. On an accelerator the steps that do not sync only enqueue
+        work, so their time is averaged into the next step that syncs."""
+        self._unrecorded_steps.append((seconds, data_wait))
+        if synced or self.engine.device.type == "cpu":
+            count = len(self._unrecorded_steps)
+            total, local = (sum(part) for part in zip(*self._unrecorded_steps, strict=True))
+            self.stragglers.record(self.step, total / count, local / count)
+            self._unrecorded_steps.clear()
 
     def _syncs(self, step: int) -> bool:
         """Whether optimizer step ``step`` reads device values on the host: when it logs,
@@ -123,6 +137,8 @@ class Trainer(TrainingLoop):
 
     def _log(self, result: StepResult, validation: dict[str, float] | None = None) -> dict[str, Any]:
         loss, loss_max = self.global_loss(result)
+        env = self.engine.dist_env
+        self.stragglers.check(env.rank, env.world_size, self.engine.device)
         return self.log_step(
             self.step,
             loss=loss,
