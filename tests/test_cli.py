@@ -192,6 +192,9 @@ BAD_INPUTS = [
     ("batch_geometry", lambda t: ["--training.global_batch_size", "12"], "--training.global_batch_size"),
     ("missing_initial_checkpoint", lambda t: ["--checkpoint.initial_load_path", str(t / "nope")],
      "--checkpoint.initial_load_path"),
+    ("replica_id_out_of_range", lambda t: ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+                                           "--fault_tolerance.replica_id", "2"], "--fault_tolerance.replica_id"),
+    ("straggler_factor", lambda t: ["--metrics.straggler_factor", "0.5"], "--metrics.straggler_factor"),
 ]
 
 

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
+from titan.ckpt import load_dcp_model
 
 # `titan train` whose rank 1 stops taking part at its third step (it sleeps instead of
 # joining the step's collectives), as a hung or deadlocked rank does.
@@ -99,3 +107,120 @@ def test_a_straggling_rank_is_named(tmp_path):
     warnings = [line for line in output.splitlines() if "straggler: step 8 took" in line]
     assert len(warnings) == 1, output[-4000:]
     assert "rank 1 spent 2." in warnings[0] and "loading its batch alone" in warnings[0], warnings[0]
+
+
+# ---------------------------------------------------------------------------- torchft replicas
+
+# `titan train` as one replica group, with two test hooks read from the environment:
+# TITAN_TEST_DIE_AT: SIGKILL this process at the start of that step (a crashed host);
+# TITAN_TEST_HOLDS ("step=file,..."): wait at the start of each such step until its file exists.
+REPLICA_ENTRY = """
+import os, signal, sys, time
+from pathlib import Path
+from titan.recipes.cli import main
+from titan.train.engine import TrainingEngine
+
+real_start = TrainingEngine.start_step
+holds = dict(item.split("=", 1) for item in os.environ.get("TITAN_TEST_HOLDS", "").split(",") if item)
+
+def start_step(self):
+    step = self.step + 1
+    if step == int(os.environ.get("TITAN_TEST_DIE_AT", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if str(step) in holds:
+        while not Path(holds[str(step)]).exists():
+            time.sleep(0.02)
+    real_start(self)
+
+TrainingEngine.start_step = start_step
+sys.exit(main())
+"""
+FT_STEPS, DIE_AT, HOLD_AT = 24, 6, 14
+
+
+def _start_lighthouse(folder):
+    """torchft's lighthouse on a free port; returns (process, its http address)."""
+    log = folder / "lighthouse.log"
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
+                             "--join_timeout_ms", "3000", "--heartbeat_timeout_ms", "1000", "--bind", "[::]:0"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    address = _wait_for(lambda: re.search(r"listening on: http://[^:]+:(\d+)", log.read_text()), proc, 60)
+    return proc, f"http://localhost:{address.group(1)}"
+
+
+def _wait_for(found, proc, seconds):
+    """Poll ``found()`` until it is truthy; a guard against a hang, not part of a verdict."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = found()
+        if value:
+            return value
+        assert proc.poll() is None, f"process exited with {proc.returncode}"
+        time.sleep(0.05)
+    raise AssertionError(f"not seen within {seconds} s")
+
+
+def _logged(dump):
+    path = dump / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="needs torchft: pip install 'titan-train[ft]'")
+def test_torchft_replicas_survive_a_dead_group_and_rejoin_with_equal_weights(tmp_path):
+    """Lighthouse + two replica groups of one rank each. Group 1 is SIGKILLed at step 6; group 0
+    keeps stepping alone (its loss keeps falling) and waits at step 14 until group 1, restarted
+    from nothing, is up; group 1 then rejoins by fetching group 0's live state, and after the
+    last step both groups' weights are equal."""
+    script = tmp_path / "replica.py"
+    script.write_text(REPLICA_ENTRY)
+    lighthouse, address = _start_lighthouse(tmp_path)
+    go = tmp_path / "go"
+    procs = []
+    try:
+        def replica(i, **env):
+            dump = tmp_path / f"replica{i}"
+            log = (tmp_path / f"replica{i}.{len(procs)}.log").open("w")
+            cmd = [sys.executable, str(script), "train", "--config", "llama3_debug_synthetic", "--model.flavor",
+                   "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
+                   "--training.steps", str(FT_STEPS), "--optimizer.lr", "1e-2", "--metrics.log_freq", "1",
+                   "--metrics.no_enable_progress_bar", "--checkpoint.enable", "--checkpoint.interval", "1000",
+                   "--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+                   "--fault_tolerance.replica_id", str(i), "--job.dump_folder", str(dump)]
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1", "TORCHFT_LIGHTHOUSE": address, **env})
+            procs.append(proc)
+            return proc, dump, Path(log.name)
+
+        # Both groups start their first step together (one quorum of two).
+        start = tmp_path / "start"
+        first, dump0, log0 = replica(0, TITAN_TEST_HOLDS=f"1={start},{HOLD_AT}={go}")
+        doomed, dump1, doomed_log = replica(1, TITAN_TEST_HOLDS=f"1={start}", TITAN_TEST_DIE_AT=str(DIE_AT))
+        for proc, log in ((first, log0), (doomed, doomed_log)):
+            _wait_for(lambda log=log: "debugmodel_tiny:" in log.read_text(), proc, 240)
+        start.touch()
+        assert doomed.wait(timeout=240) == -signal.SIGKILL
+        _wait_for(lambda: HOLD_AT - 1 in _logged(dump0), first, 240)  # group 0 stepped on alone
+        alone = _logged(dump0)
+        assert alone[HOLD_AT - 1] < alone[DIE_AT - 1], alone  # and kept learning
+
+        restarted, _, log1 = replica(1)
+        # Its engine (and torchft participant) is built once the run's summary line is out.
+        _wait_for(lambda: "debugmodel_tiny:" in log1.read_text(), restarted, 240)
+        go.touch()
+        assert first.wait(timeout=240) == 0, log0.read_text()[-4000:]
+        assert restarted.wait(timeout=240) == 0, log1.read_text()[-4000:]
+    finally:
+        for proc in [*procs, lighthouse]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert "replica groups live: 1 of 2" in log0.read_text()
+    assert "replica group 1 rejoined" in log1.read_text(), log1.read_text()[-4000:]
+    final0 = load_dcp_model(str(dump0 / "checkpoint"))
+    final1 = load_dcp_model(str(dump1 / "checkpoint"))
+    assert final0.keys() == final1.keys()
+    assert all(torch.equal(final0[k], final1[k]) for k in final0)

@@ -40,6 +40,7 @@ def test_the_rank_whose_own_work_explains_the_step_is_named():
     rows = [[40, 3.1, 0.0, 0.1], [40, 3.1, 0.2, 0.1]]
     assert "no rank's own work explains it (the most: rank 1, 0.20 s" in describe(rows, 5.0)
     assert describe([[3, 0.2, 0.0, 0.1], [0, 0.0, 0.0, 0.0]], 5.0) is None
+    assert describe([[3, 0.9, 0.0, 0.01]], 5.0) is None  # 90x, but 0.89 s: noise of tiny steps
 
 
 def test_the_factor_flag_is_checked():

@@ -223,6 +223,9 @@ class RLTrainer(TrainingLoop):
         ranks without the launch split, a global batch without a warm-up to apply it to."""
         cfg = self.config
         check_generator_kind(cfg.generator.kind)
+        if cfg.fault_tolerance.enable:
+            raise ValueError("--fault_tolerance.enable is for titan train and titan sft; titan rl does not run "
+                             "elastic replica groups")
         split = current_split()
         if cfg.rl.generator_ranks and (split is None or split.part != 0):
             raise ValueError(

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from titan.ckpt import CheckpointConfig
 from titan.dist import ActivationCheckpointConfig, CommConfig, CompileConfig, ParallelismConfig
 from titan.train.data import DatasetConfig, TokenizerConfig
+from titan.train.fault_tolerance import FaultToleranceConfig
 from titan.train.lr_scheduler import LRSchedulerConfig
 from titan.train.metrics import MetricsConfig
 from titan.train.optimizer import OptimizerConfig
@@ -177,6 +178,7 @@ class RunConfig:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from titan.ckpt import (
     CheckpointConfig,
     CheckpointManager,
+    ModelWrapper,
     OptimizerWrapper,
     TrainState,
     plain_tensor,
@@ -58,6 +59,7 @@ from titan.dist import (
     validate_against_model,
 )
 from titan.dist.comm import TRACE_FOLDER
+from titan.train.fault_tolerance import FaultToleranceConfig, ReplicaGroups
 from titan.train.loss import IGNORE_INDEX, NonFiniteLossError
 from titan.train.lr_scheduler import LRSchedulerConfig, build_lr_scheduler
 from titan.train.model_spec import HasAuxLoss, ModelSpec, UpdatesAfterOptimizerStep
@@ -175,6 +177,7 @@ class TrainingEngine:
         quantize: QuantizeConfig | None = None,
         states: Mapping[str, Any] | None = None,
         comm: CommConfig | None = None,
+        fault_tolerance: FaultToleranceConfig | None = None,
     ) -> None:
         model_spec.check_flavor(flavor)
         self.model_spec, self.flavor = model_spec, flavor
@@ -213,6 +216,8 @@ class TrainingEngine:
         self.lr_schedulers = LRSchedulers([build_lr_scheduler(lr_scheduler, opt, steps) for opt in self.optimizers])
         self.train_state = TrainState()
         self.checkpointer = self._build_checkpointer(meta_model, checkpoint, dump_folder, states or {})
+        self.replicas = self._join_replica_groups(fault_tolerance)
+        """This group's torchft participant (``--fault_tolerance.enable``), else None."""
 
     @classmethod
     def from_config(
@@ -247,7 +252,24 @@ class TrainingEngine:
             quantize=getattr(config, "quantize", None),
             states=states,
             comm=getattr(config, "comm", None),
+            fault_tolerance=getattr(config, "fault_tolerance", None),
         )
+
+    def _join_replica_groups(self, config: FaultToleranceConfig | None) -> ReplicaGroups | None:
+        """Start this replica group's torchft participant: what a rejoining group fetches is
+        the model, the optimizer, the schedule and the step counter."""
+        if config is None or not config.enable:
+            return None
+        states = {"model": ModelWrapper(self.model_parts), "optimizer": OptimizerWrapper(self.model_parts, self.optimizers),
+                  "lr_scheduler": self.lr_schedulers, "train_state": self.train_state}
+        return ReplicaGroups(config, states=states, rank=self.dist_env.rank, world_size=self.dist_env.world_size,
+                             device=self.device, timeout_s=self.comm.train_timeout_seconds)
+
+    def start_step(self) -> None:
+        """Before a step's forward: join the replica groups' quorum (with
+        ``--fault_tolerance.enable``; a rejoining group loads the live state here)."""
+        if self.replicas is not None:
+            self.replicas.start_step()
 
     # ---- collectives that never return ----------------------------------------------------
 
@@ -430,7 +452,10 @@ class TrainingEngine:
         between may then write non-finite weights, but no checkpoint holds them:
         :meth:`maybe_save` checks first.
         """
-        norm = clip_grad_norm_([p for part in self.model_parts for p in part.parameters()], self.max_norm, mesh=self.mesh)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        if self.replicas is not None:
+            self.replicas.average_gradients(params)
+        norm = clip_grad_norm_(params, self.max_norm, mesh=self.mesh)
         if not sync:
             self._record_non_finite(norm)
             self._step_optimizers()
@@ -450,6 +475,10 @@ class TrainingEngine:
         return grad_norm
 
     def _step_optimizers(self) -> None:
+        if self.replicas is not None and not self.replicas.should_commit():
+            logger.warning("step %d dropped: a replica group failed during it", self.step + 1)
+            self.zero_grad()
+            return
         for opt in self.optimizers:
             opt.step()
         self.lr_schedulers.step()
@@ -714,6 +743,8 @@ class TrainingEngine:
         """Drain checkpoint saves and release the process group (after a collective timed out:
         release it at once, since a save's or a barrier's collectives would wait on the same
         missing rank; a save in flight stays unpublished, the previous step loadable)."""
+        if self.replicas is not None:
+            self.replicas.close()
         if self.collectives_failed:
             destroy_distributed(barrier=False)
             return

@@ -127,6 +127,16 @@ class TrainingLoop:
         )
         self._run_start = (time.perf_counter(), 0, 0)
 
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """(rank, world size) of this rank's share of the data: its data-parallel rank, among
+        every replica group's ranks with ``--fault_tolerance.enable``."""
+        dims = self.parallel_dims
+        fault_tolerance = getattr(self.config, "fault_tolerance", None)
+        if fault_tolerance is None:
+            return dims.dp_rank, dims.dp_world_size
+        return fault_tolerance.data_shard(dims.dp_rank, dims.dp_world_size)
+
     def check_config(self) -> None:
         """Refuse flags this loop cannot honour, before the engine is built (raises
         ValueError naming the flag). The base checks nothing beyond the flavor."""
@@ -242,6 +252,7 @@ class TrainingLoop:
         return comm.train_timeout_seconds if self._training_timeout_on else comm.init_timeout_seconds
 
     def _train_step(self, microbatches: list[dict[str, torch.Tensor]], *, sync: bool) -> StepResult:
+        self.engine.start_step()
         local_tokens = torch.stack([count_valid_tokens(mb["labels"]) for mb in microbatches]).sum().float()
         local_tokens = local_tokens.to(self.engine.device)
         global_tokens = self.engine.sum_over(local_tokens.clone(), "dp")

@@ -55,8 +55,8 @@ class SFTTrainer(Trainer):
         return build_sft_dataloader(
             cfg.sft_data,
             self.tokenizer,
-            dp_rank=self.parallel_dims.dp_rank,
-            dp_world_size=self.parallel_dims.dp_world_size,
+            dp_rank=self.data_shard[0],
+            dp_world_size=self.data_shard[1],
             local_batch_size=cfg.training.local_batch_size,
             seq_len=cfg.training.seq_len,
             seed=cfg.debug.seed,

@@ -5,8 +5,9 @@ collective), so each rank's step time says *that* a step was slow, not *who*. Wh
 between ranks is the work each does alone, outside collectives: loading its batch. Every rank
 keeps its slowest step since the last log (its wall time and its own data-loading time); at
 each log step, where the ranks already meet to reduce the loss, the records are gathered and
-rank 0 warns when the slowest step exceeds ``factor`` times the running median, naming the rank
-whose own work explains it, or saying that none does (a slow collective, device or link).
+rank 0 warns when the slowest step exceeds ``factor`` times the running median (and the
+median by at least ``MIN_EXCESS_S``), naming the rank whose own work explains it, or saying
+that none does (a slow collective, device or link).
 
 Step time is the host's wall time from asking for the batch to the end of the optimizer step;
 steps that only enqueue work on an accelerator are averaged into the next step that syncs, so
@@ -42,6 +43,10 @@ class StragglerWatch:
     ``record`` after every step (local, no communication); ``check`` at the steps where every
     rank logs (one small all-gather over the default group).
     """
+
+    MIN_EXCESS_S = 1.0
+    """A step must also exceed the median by this many seconds: a 10 ms step that takes 60 ms
+    is noise, not a straggler."""
 
     WARMUP_STEPS = 5
     """Steps recorded before any warning: the first steps compile, warm caches and allocate."""
@@ -91,7 +96,8 @@ class StragglerWatch:
 def describe(rows: list[list[float]], factor: float) -> str | None:
     """The warning for the gathered ``[step, seconds, local_seconds, median]`` of every rank
     (None when no rank's slowest step exceeds ``factor`` x its median)."""
-    slow = [(rank, row) for rank, row in enumerate(rows) if row[3] > 0 and row[1] > factor * row[3]]
+    slow = [(rank, row) for rank, row in enumerate(rows)
+            if row[3] > 0 and row[1] > factor * row[3] and row[1] - row[3] >= StragglerWatch.MIN_EXCESS_S]
     if not slow:
         return None
     _, (step, seconds, _, median) = max(slow, key=lambda item: item[1][1])

@@ -66,8 +66,8 @@ class Trainer(TrainingLoop):
         return build_dataloader(
             cfg.dataset,
             self.tokenizer,
-            dp_rank=self.parallel_dims.dp_rank,
-            dp_world_size=self.parallel_dims.dp_world_size,
+            dp_rank=self.data_shard[0],
+            dp_world_size=self.data_shard[1],
             local_batch_size=cfg.training.local_batch_size,
             seq_len=cfg.training.seq_len,
             seed=cfg.debug.seed,
