@@ -85,3 +85,13 @@ def test_cpu_offload_on_a_cpu_mesh_is_refused_before_sharding():
 
     with pytest.raises(ValueError, match="fsdp_cpu_offload .* Drop the flag"):
         apply_fsdp(lib.make_model(), CpuMesh(), ParallelismConfig(fsdp_cpu_offload=True))
+
+
+def test_a_lost_peer_is_told_apart_from_other_errors():
+    from titan.dist.comm import is_peer_lost
+
+    gloo = ("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:32476: Connection reset by peer. This is "
+            "typically caused by a remote worker hanging")
+    assert is_peer_lost(RuntimeError(gloo))
+    assert not is_peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_lost(ValueError(gloo))

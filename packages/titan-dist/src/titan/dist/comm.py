@@ -30,6 +30,13 @@ TRACE_FOLDER = "comm_traces"
 """Where, under the run's dump folder, each rank writes its flight-recorder trace."""
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_PEER_LOST = re.compile(r"connection (reset|closed)|broken pipe|ncclRemoteError|ncclSystemError", re.IGNORECASE)
+
+
+def is_peer_lost(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that failed because a peer rank went away (its
+    connection reset or closed): the group can no longer run a barrier or a save."""
+    return isinstance(err, RuntimeError) and bool(_PEER_LOST.search(str(err)))
 
 
 def enable_flight_recorder(buffer_size: int, folder: str | Path | None) -> None:
@@ -128,4 +135,4 @@ class HangWatchdog:
 
 
 __all__ = ["TRACE_FOLDER", "CollectiveTimeoutError", "HangWatchdog", "enable_flight_recorder",
-           "flight_recorder_dump", "set_collective_timeout"]
+           "flight_recorder_dump", "is_peer_lost", "set_collective_timeout"]

@@ -58,7 +58,7 @@ from titan.dist import (
     shard_batch_dict_for_context_parallel,
     validate_against_model,
 )
-from titan.dist.comm import TRACE_FOLDER
+from titan.dist.comm import TRACE_FOLDER, is_peer_lost
 from titan.train.fault_tolerance import FaultToleranceConfig, ReplicaGroups
 from titan.train.loss import IGNORE_INDEX, NonFiniteLossError
 from titan.train.lr_scheduler import LRSchedulerConfig, build_lr_scheduler
@@ -281,10 +281,11 @@ class TrainingEngine:
 
     def timeout_error(self, err: BaseException, timeout_flag: str) -> CollectiveTimeoutError | None:
         """The one-line error naming the collective ``err`` timed out in (None when ``err`` is
-        not a collective timeout); writes this rank's flight-recorder trace under the run."""
+        not a collective timeout); writes this rank's flight-recorder trace under the run. A
+        timeout or a lost peer also makes `close` skip everything collective."""
         error = CollectiveTimeoutError.from_error(err, rank=self.dist_env.rank, timeout_flag=timeout_flag,
                                                   trace_folder=self.trace_folder)
-        self.collectives_failed = self.collectives_failed or error is not None
+        self.collectives_failed = self.collectives_failed or error is not None or is_peer_lost(err)
         return error
 
     # ---- construction -------------------------------------------------------------------
