@@ -114,6 +114,20 @@ class CollectiveTimeoutError(RuntimeError):
                    "taking part (its stack is printed above: every rank prints its own when a step nears the timeout)")
 
 
+def _stderr_with_fileno() -> Any:
+    """``sys.stderr``, or the process's original stderr when it was replaced by an object
+    without a file descriptor (a notebook, a test's capture); None when neither has one:
+    faulthandler writes to a descriptor from its own thread."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.fileno()
+                return stream
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+            continue
+    return None
+
+
 class HangWatchdog:
     """Dumps every thread's Python stack to stderr when one step has run 90% of ``seconds``
     (the collective timeout): early enough that every rank is still alive to print, before the
@@ -126,8 +140,11 @@ class HangWatchdog:
         self.seconds = seconds
 
     def step_started(self) -> None:
-        """Restart the countdown for the step that begins now."""
-        faulthandler.dump_traceback_later(self.FRACTION * self.seconds, repeat=False, file=sys.stderr, exit=False)
+        """Restart the countdown for the step that begins now (a no-op when the process has
+        no stderr file descriptor to write to)."""
+        stream = _stderr_with_fileno()
+        if stream is not None:
+            faulthandler.dump_traceback_later(self.FRACTION * self.seconds, repeat=False, file=stream, exit=False)
 
     def stop(self) -> None:
         """Cancel the countdown (the run is over)."""
