@@ -27,7 +27,11 @@ real_step = TrainingLoop._train_step
 
 def withheld_step(self, microbatches, *, sync):
     if os.environ.get("RANK") == "1" and self.step == 2:
-        time.sleep(600)
+        # Withhold until rank 0 has reported its timeout (its trace is written), then join
+        # the collective it left and fail too, instead of holding until the launcher's kill.
+        trace = os.path.join(os.environ["TITAN_TEST_DUMP"], "comm_traces", "rank_0.json")
+        while not os.path.exists(trace):
+            time.sleep(0.05)
     return real_step(self, microbatches, sync=sync)
 
 TrainingLoop._train_step = withheld_step
@@ -49,7 +53,8 @@ def test_a_rank_that_withholds_a_collective_fails_the_run_within_the_timeout(tmp
            "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
            "--training.steps", "10", "--metrics.no_enable_progress_bar", "--comm.train_timeout_seconds", "5",
            "--job.dump_folder", str(dump)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TITAN_TEST_DUMP": str(dump)})
     output = done.stdout + done.stderr
     assert done.returncode != 0, output[-4000:]
     line = next((line for line in output.splitlines() if "rank 0 timed out waiting on" in line), None)
