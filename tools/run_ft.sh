@@ -23,10 +23,8 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 replicas="${REPLICAS:-2}"
 min_replicas="${MIN_REPLICAS:-1}"
 dump="${DUMP:-./outputs/ft}"
-python="${PYTHON:-}"
-if [[ -z "$python" ]]; then
-  if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python=python3; fi
-fi
+# shellcheck source=lib/python.sh
+source "$here/tools/lib/python.sh"
 lighthouse_bin="$(dirname "$python")/torchft_lighthouse"
 if [[ ! -x "$lighthouse_bin" ]]; then
   echo "run_ft.sh: torchft_lighthouse not found next to $python: pip install 'titan-train[ft]'" >&2

@@ -37,10 +37,8 @@ nnodes="${NNODES:-1}"
 rdzv_endpoint="${RDZV_ENDPOINT:-localhost:0}"
 rdzv_id="${RDZV_ID:-titan}"
 log_rank="${LOG_RANK:-0}"
-python="${PYTHON:-}"
-if [[ -z "$python" ]]; then
-  if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python=python3; fi
-fi
+# shellcheck source=lib/python.sh
+source "$here/tools/lib/python.sh"
 
 # torchrun's own option among the arguments; everything else goes to titan train.
 max_restarts="${MAX_RESTARTS:-0}"

@@ -108,3 +108,20 @@ def test_the_hang_watchdog_runs_where_stderr_has_no_descriptor(monkeypatch):
     watchdog = HangWatchdog(100)
     watchdog.step_started()  # falls back to the original stderr, or does nothing
     watchdog.stop()
+
+
+def test_only_a_backends_collective_timeout_is_one():
+    """A collective timeout makes the run skip its checkpoint drain; any other error that
+    mentions a timeout (a data source, a store) must not."""
+    from titan.dist.comm import CollectiveTimeoutError
+
+    gloo = ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv "
+            "operation to complete")
+    nccl = "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE)"
+    for message in (gloo, nccl):
+        error = CollectiveTimeoutError.from_error(RuntimeError(message), rank=0, timeout_flag="--comm.x 5",
+                                                  trace_folder=None)
+        assert error is not None and "rank 0 timed out" in str(error)
+    for message in ("HTTP read timeout fetching shard 3", "Socket Timeout", "timed out after 30s reading the corpus"):
+        assert CollectiveTimeoutError.from_error(RuntimeError(message), rank=0, timeout_flag="--comm.x 5",
+                                                 trace_folder=None) is None

@@ -29,7 +29,11 @@ import torch.distributed as dist
 TRACE_FOLDER = "comm_traces"
 """Where, under the run's dump folder, each rank writes its flight-recorder trace."""
 
-_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+# The backends' own words for a collective that ran out of time (gloo: "Timed out waiting
+# 5000ms for recv operation to complete"; NCCL's watchdog: "Watchdog caught collective
+# operation timeout"); any other error that mentions a timeout (a data source, a store) is not
+# one, and must not make the run skip its checkpoint drain.
+_TIMEOUT = re.compile(r"timed out waiting \d+ ?ms for (recv|send)|collective operation timeout", re.IGNORECASE)
 _PEER_LOST = re.compile(r"connection (reset|closed)|broken pipe|ncclRemoteError|ncclSystemError", re.IGNORECASE)
 
 

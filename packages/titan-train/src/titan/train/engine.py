@@ -33,7 +33,6 @@ import torch.distributed as dist
 from titan.ckpt import (
     CheckpointConfig,
     CheckpointManager,
-    ModelWrapper,
     OptimizerWrapper,
     TrainState,
     plain_tensor,
@@ -74,6 +73,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("titan")
+
+REPLICA_STATES = ("model", "optimizer", "lr_scheduler", "train_state")
+"""What a rejoining replica group (``--fault_tolerance.enable``) fetches from a live one."""
 
 LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
 """``loss_fn(outputs, batch) -> summed loss`` of one microbatch (outputs: the logits)."""
@@ -260,8 +262,8 @@ class TrainingEngine:
         the model, the optimizer, the schedule and the step counter."""
         if config is None or not config.enable:
             return None
-        states = {"model": ModelWrapper(self.model_parts), "optimizer": OptimizerWrapper(self.model_parts, self.optimizers),
-                  "lr_scheduler": self.lr_schedulers, "train_state": self.train_state}
+        # The checkpointer's own wrappers; not its RNG (per rank) nor the loop's data position.
+        states = {name: self.checkpointer.states[name] for name in REPLICA_STATES}
         return ReplicaGroups(config, states=states, rank=self.dist_env.rank, world_size=self.dist_env.world_size,
                              device=self.device, timeout_s=self.comm.train_timeout_seconds)
 

@@ -52,11 +52,12 @@ class SFTTrainer(Trainer):
     def build_dataloader(self):
         """This data-parallel rank's resumable loader of packed SFT examples."""
         cfg = self.config
+        dp_rank, dp_world_size = self.data_shard
         return build_sft_dataloader(
             cfg.sft_data,
             self.tokenizer,
-            dp_rank=self.data_shard[0],
-            dp_world_size=self.data_shard[1],
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
             local_batch_size=cfg.training.local_batch_size,
             seq_len=cfg.training.seq_len,
             seed=cfg.debug.seed,

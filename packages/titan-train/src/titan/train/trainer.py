@@ -63,11 +63,12 @@ class Trainer(TrainingLoop):
         """This data-parallel rank's resumable loader of ``{"input_ids", "labels", ...}``
         microbatches: the packed pretraining corpus."""
         cfg = self.config
+        dp_rank, dp_world_size = self.data_shard
         return build_dataloader(
             cfg.dataset,
             self.tokenizer,
-            dp_rank=self.data_shard[0],
-            dp_world_size=self.data_shard[1],
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
             local_batch_size=cfg.training.local_batch_size,
             seq_len=cfg.training.seq_len,
             seed=cfg.debug.seed,
