@@ -11,10 +11,13 @@ from titan.models.common.norm import RMSNorm
 from titan.models.common.plan import ShardingPlan, glob_matches, match_modules
 from titan.models.common.rope import (
     RopeScaling,
+    YarnScaling,
     apply_rope,
     rope_cache,
     rope_inv_freq,
     scale_inv_freq_llama3,
+    scale_inv_freq_yarn,
+    yarn_mscale,
 )
 
 __all__ = [
@@ -32,6 +35,9 @@ __all__ = [
     "rope_cache",
     "rope_inv_freq",
     "scale_inv_freq_llama3",
+    "scale_inv_freq_yarn",
+    "YarnScaling",
+    "yarn_mscale",
     "SeededInit",
     "fill_seeded_",
 ]

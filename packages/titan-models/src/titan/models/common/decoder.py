@@ -52,20 +52,31 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: `h = x + attention(norm(x))`, then `h + feed_forward(norm(h))`.
 
     `qk_norm` adds per-head RMSNorms on q and k (Qwen3); without it the block is Llama's.
+    A family passes its own `attention` (same call signature as `GroupedQueryAttention`,
+    e.g. multi-head latent attention) or `feed_forward` (e.g. an MoE) to replace the defaults.
     """
 
-    def __init__(self, args: DecoderArgs, *, qk_norm: bool = False) -> None:
+    def __init__(
+        self,
+        args: DecoderArgs,
+        *,
+        qk_norm: bool = False,
+        attention: nn.Module | None = None,
+        feed_forward: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = GroupedQueryAttention(
-            args.dim,
-            args.n_heads,
-            args.n_kv_heads,
-            args.head_dim,
-            qk_norm_eps=args.norm_eps if qk_norm else None,
-        )
+        if attention is None:
+            attention = GroupedQueryAttention(
+                args.dim,
+                args.n_heads,
+                args.n_kv_heads,
+                args.head_dim,
+                qk_norm_eps=args.norm_eps if qk_norm else None,
+            )
+        self.attention = attention
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(
         self,

@@ -23,8 +23,8 @@ import torch
 
 
 class KVCache:
-    """Per-layer K/V buffers [B, Hkv, S_max, Dh], the slots' validity [B, S_max] and each
-    row's next RoPE position [B]."""
+    """Per-layer K/V buffers [B, Hkv, S_max, Dh] (V may have its own `v_head_dim`), the
+    slots' validity [B, S_max] and each row's next RoPE position [B]."""
 
     def __init__(
         self,
@@ -34,12 +34,14 @@ class KVCache:
         n_kv_heads: int,
         head_dim: int,
         max_len: int,
+        v_head_dim: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        shape = (batch_size, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        k_shape = (batch_size, n_kv_heads, max_len, head_dim)
+        v_shape = (batch_size, n_kv_heads, max_len, head_dim if v_head_dim is None else v_head_dim)
+        self.k = [torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.batch_size, self.max_len = batch_size, max_len
@@ -60,14 +62,21 @@ class KVCache:
         dtype: torch.dtype | None = None,
     ) -> KVCache:
         """A cache shaped for `model` (a titan decoder with `args` and `layers`), with the
-        model's parameter dtype unless `dtype` is given."""
-        args = model.args
+        model's parameter dtype unless `dtype` is given. A model whose attention caches
+        something else than per-head K/V (multi-head latent attention) says what through
+        `kv_cache_layout()` -> (heads, k channels, v channels)."""
+        layout = getattr(model, "kv_cache_layout", None)
+        if layout is not None:
+            heads, k_dim, v_dim = layout()
+        else:
+            heads, k_dim, v_dim = model.args.n_kv_heads, model.args.head_dim, model.args.head_dim
         param = next(model.parameters())
         return cls(
             n_layers=len(model.layers),
             batch_size=batch_size,
-            n_kv_heads=args.n_kv_heads,
-            head_dim=args.head_dim,
+            n_kv_heads=heads,
+            head_dim=k_dim,
+            v_head_dim=v_dim,
             max_len=max_len,
             device=device if device is not None else param.device,
             dtype=dtype if dtype is not None else param.dtype,

@@ -194,6 +194,8 @@ class MoE(nn.Module):
     step `after_optimizer_step` sums them over the data-parallel ranks and moves each bias by
     `load_balance_coeff` toward uniform load (up for under-loaded experts, down for
     over-loaded). The engine calls that hook on every module that has one.
+    `always_use_expert_bias` selects with the bias even when balancing is off: a checkpoint
+    trained with it (DeepSeek-V3's `e_score_correction_bias`) routes as it was trained.
 
     Switch-style auxiliary loss (`aux_loss_coef > 0`, Qwen3-MoE's `router_aux_loss_coef`):
     in training, each forward leaves `aux_loss` = coef * E * sum_e f_e * P_e (f_e: tokens
@@ -217,6 +219,7 @@ class MoE(nn.Module):
         norm_topk_prob: bool = False,
         route_scale: float = 1.0,
         load_balance_coeff: float | None = None,
+        always_use_expert_bias: bool = False,
         aux_loss_coef: float = 0.0,
         use_grouped_mm: bool = True,
     ) -> None:
@@ -227,6 +230,7 @@ class MoE(nn.Module):
             raise ValueError(f"aux_loss_coef must be >= 0, got {aux_loss_coef}")
         self.n_experts, self.top_k = n_experts, top_k
         self.load_balance_coeff, self.aux_loss_coef = load_balance_coeff, aux_loss_coef
+        self.always_use_expert_bias = always_use_expert_bias
         self.router = TokenChoiceRouter(
             dim, n_experts, top_k, score_func=score_func, n_groups=n_groups,
             topk_groups=topk_groups, norm_topk_prob=norm_topk_prob, route_scale=route_scale,
@@ -262,7 +266,8 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         scores = self.router.scores(flat)
-        bias = self.expert_bias if self.load_balance_coeff is not None else None
+        use_bias = self.always_use_expert_bias or self.load_balance_coeff is not None
+        bias = self.expert_bias if use_bias else None
         selected = self.router.select(scores, bias)
         weights = self.router.weights(scores, selected)
         counts = torch.bincount(selected.flatten(), minlength=self.n_experts)  # every routed copy

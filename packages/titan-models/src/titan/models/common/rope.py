@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE) with optional Llama 3.1 frequency scaling.
+"""Rotary position embeddings (RoPE) with optional Llama 3.1 or YaRN frequency scaling.
 
 Convention: the interleaved-pair (Meta) layout. Channels (2i, 2i+1) of each head form one pair
 that is rotated by angle `position * inv_freq[i]`. The cache is real-valued (cos and sin side by
@@ -46,6 +46,84 @@ class RopeScaling:
             )
 
 
+@dataclass(frozen=True, kw_only=True)
+class YarnScaling:
+    """YaRN long-context scaling (DeepSeek-V3, Hugging Face `rope_type: "yarn"`).
+
+    Frequencies completing more than `beta_fast` rotations over the original context are
+    kept (extrapolated), those completing fewer than `beta_slow` are divided by `factor`
+    (interpolated), with a linear ramp over the channel pairs in between. The cos/sin table
+    is multiplied by `attention_factor` (so the RoPE part of every q.k score by its square),
+    and an attention using this scaling multiplies its softmax scale by
+    `softmax_scale_multiplier()` (mscale(factor, mscale_all_dim) squared).
+    """
+
+    factor: float
+    """Context extension: the interpolated frequencies are divided by it."""
+    original_max_position_embeddings: int
+    """Context length of pretraining, before the extension."""
+    beta_fast: float = 32.0
+    """Rotations over the original context above which a frequency is kept."""
+    beta_slow: float = 1.0
+    """Rotations over the original context below which a frequency is fully interpolated."""
+    mscale: float = 1.0
+    """Numerator coefficient of the default `attention_factor`."""
+    mscale_all_dim: float = 0.0
+    """Denominator coefficient of the default `attention_factor`, and the coefficient of the
+    softmax-scale multiplier (0: no multiplier)."""
+    attention_factor: float | None = None
+    """Scale of the cos/sin table; None derives it from factor, mscale and mscale_all_dim."""
+    truncate: bool = True
+    """Round the ramp's bounds to whole channel pairs (floor/ceil), as the reference does."""
+
+    def __post_init__(self) -> None:
+        if self.factor < 1:
+            raise ValueError(f"yarn factor must be >= 1, got {self.factor}")
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError(
+                f"yarn original_max_position_embeddings must be > 0, got {self.original_max_position_embeddings}"
+            )
+        if not self.beta_fast > self.beta_slow > 0:
+            raise ValueError(f"yarn needs beta_fast > beta_slow > 0, got {self.beta_fast}, {self.beta_slow}")
+
+    def cos_sin_scale(self) -> float:
+        """The factor the cos/sin table is multiplied by."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def softmax_scale_multiplier(self) -> float:
+        """What an attention multiplies its 1/sqrt(head_dim) softmax scale by."""
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature correction `0.1 * mscale * ln(factor) + 1` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def scale_inv_freq_yarn(inv_freq: torch.Tensor, theta: float, scaling: YarnScaling) -> torch.Tensor:
+    """Apply YaRN's ramp between extrapolated and interpolated frequencies (see `YarnScaling`)."""
+    rotary_dim = 2 * inv_freq.numel()
+
+    def pair_index(rotations: float) -> float:
+        # The channel pair whose frequency completes `rotations` turns over the original context.
+        wavelengths = scaling.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return rotary_dim * math.log(wavelengths) / (2 * math.log(theta))
+
+    low, high = pair_index(scaling.beta_fast), pair_index(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a one-pair ramp would divide by zero
+    ramp = ((torch.arange(inv_freq.numel(), dtype=torch.float32, device=inv_freq.device) - low) / (high - low))
+    keep = 1 - ramp.clamp(0.0, 1.0)  # 1: extrapolate (keep), 0: interpolate
+    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
+
+
 def scale_inv_freq_llama3(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
     """Apply Llama 3.1 scaling to inverse frequencies (see `RopeScaling`)."""
     wavelength = 2 * math.pi / inv_freq
@@ -59,23 +137,28 @@ def scale_inv_freq_llama3(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch
 def rope_inv_freq(
     head_dim: int,
     theta: float,
-    scaling: RopeScaling | None = None,
+    scaling: RopeScaling | YarnScaling | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Inverse frequency of each of the `head_dim // 2` channel pairs, float32."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
     inv_freq = 1.0 / (theta**exponents)
-    return inv_freq if scaling is None else scale_inv_freq_llama3(inv_freq, scaling)
+    if scaling is None:
+        return inv_freq
+    if isinstance(scaling, YarnScaling):
+        return scale_inv_freq_yarn(inv_freq, theta, scaling)
+    return scale_inv_freq_llama3(inv_freq, scaling)
 
 
 def rope_cache(
     head_dim: int,
     max_seq_len: int,
     theta: float,
-    scaling: RopeScaling | None = None,
+    scaling: RopeScaling | YarnScaling | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Float32 table [max_seq_len, head_dim]: cos of each pair's angle, then its sin.
+    """Float32 table [max_seq_len, head_dim]: cos of each pair's angle, then its sin (both
+    times YaRN's `cos_sin_scale()` under YaRN scaling).
 
     Row p holds the rotation for absolute position p, so a caller can gather rows for any
     positions (a context-parallel shard gathers the rows of its own tokens).
@@ -83,7 +166,10 @@ def rope_cache(
     inv_freq = rope_inv_freq(head_dim, theta, scaling, device)
     positions = torch.arange(max_seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(positions, inv_freq)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    if isinstance(scaling, YarnScaling) and scaling.cos_sin_scale() != 1.0:
+        table = table * scaling.cos_sin_scale()
+    return table
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

@@ -14,16 +14,13 @@ import warnings
 from typing import Any
 
 import torch
+from titan.models.common.hub_experts import ExpertStacker, split_experts
 from titan.models.qwen3.adapter import Qwen3StateDictAdapter
 from titan.models.qwen3_moe.args import Qwen3MoeArgs
 
-# titan expert weight -> Hub per-expert projection.
-_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_PROJ_EXPERT = {hf: titan for titan, hf in _EXPERT_PROJ.items()}
 _TITAN_EXPERTS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
 _TITAN_ROUTER = re.compile(r"layers\.(\d+)\.feed_forward\.router\.gate\.weight")
 _TITAN_BIAS = re.compile(r"layers\.(\d+)\.feed_forward\.expert_bias")
-_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _HF_ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.gate\.weight")
 
 
@@ -49,9 +46,7 @@ class Qwen3MoeStateDictAdapter(Qwen3StateDictAdapter):
         rest, out = {}, {}
         for key, value in state_dict.items():
             if (m := _TITAN_EXPERTS.fullmatch(key)) is not None:
-                layer, name = m.groups()
-                for e in range(value.shape[0]):
-                    out[f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_PROJ[name]}.weight"] = value[e]
+                out.update(split_experts(*m.groups(), value))
             elif (m := _TITAN_ROUTER.fullmatch(key)) is not None:
                 out[f"model.layers.{m.group(1)}.mlp.gate.weight"] = value
             elif _TITAN_BIAS.fullmatch(key) is not None:
@@ -68,28 +63,16 @@ class Qwen3MoeStateDictAdapter(Qwen3StateDictAdapter):
     def from_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """HF names/layout -> titan names/layout."""
         rest, out = {}, {}
-        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        experts = ExpertStacker(self.args.num_experts, "num_experts")
         for key, value in state_dict.items():
-            if (m := _HF_EXPERT.fullmatch(key)) is not None:
-                layer, e, proj = m.groups()
-                experts.setdefault((layer, _PROJ_EXPERT[proj]), {})[int(e)] = value
-            elif (m := _HF_ROUTER.fullmatch(key)) is not None:
+            if experts.add(key, value):
+                continue
+            if (m := _HF_ROUTER.fullmatch(key)) is not None:
                 out[f"layers.{m.group(1)}.feed_forward.router.gate.weight"] = value
                 out[f"layers.{m.group(1)}.feed_forward.expert_bias"] = torch.zeros(value.shape[0], dtype=torch.float32)
             else:
                 rest[key] = value
-        for (layer, name), by_index in experts.items():
-            missing = sorted(set(range(self.args.num_experts)) - by_index.keys())
-            if missing or len(by_index) != self.args.num_experts:
-                raise ValueError(
-                    f"layer {layer}: the checkpoint's {_EXPERT_PROJ[name]} experts are "
-                    f"{sorted(by_index)[:8]}...; expected 0..{self.args.num_experts - 1} "
-                    f"(missing {missing[:8]}); is num_experts={self.args.num_experts} right?"
-                )
-            out[f"layers.{layer}.feed_forward.experts.{name}"] = torch.stack(
-                [by_index[e] for e in range(self.args.num_experts)]
-            )
-        return {**super().from_hf(rest), **out}
+        return {**super().from_hf(rest), **out, **experts.stacked()}
 
     def hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """A `config.json` dict for `Qwen3MoeForCausalLM` (`transformers.Qwen3MoeConfig(**d)` accepts it)."""

@@ -1,0 +1,309 @@
+"""DeepSeek-V3: logits parity with transformers.DeepseekV3ForCausalLM (tiny random configs
+written with `save_pretrained`: the Hub's per-expert layout), the router's selection against
+transformers' on negative biased scores, exports that `from_pretrained` loads, YaRN against
+transformers' RoPE init, the MLA inference cache, sizes and the plan."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from titan.models.common.kv_cache import KVCache
+from titan.models.common.moe import MoE
+from titan.models.common.rope import YarnScaling, rope_inv_freq
+from titan.models.deepseek_v3 import (
+    DEEPSEEK_V3_FLAVORS,
+    DeepseekV3Model,
+    DeepseekV3StateDictAdapter,
+    build_deepseek_v3,
+)
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds  # noqa: E402
+
+VOCAB = 256
+REL_TOL = 1e-5
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+CONFIGS = {
+    # The issue's tiny config: low-rank queries, YaRN with mscale == mscale_all_dim.
+    "q_lora_yarn": {},
+    # Direct queries, plain RoPE.
+    "no_q_lora_plain_rope": {"q_lora_rank": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+    # YaRN whose cos/sin scale is not 1 (mscale != mscale_all_dim) and a wider ramp.
+    "yarn_attention_factor": {"rope_parameters": {**YARN, "factor": 8.0, "original_max_position_embeddings": 32,
+                                                  "mscale": 0.7, "mscale_all_dim": 1.0}},
+}
+
+
+def _hf_config(**changes):
+    fields = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        rope_parameters=dict(YARN), attn_implementation="eager",
+    )
+    return transformers.DeepseekV3Config(**{**fields, **changes})
+
+
+def _randomize(model):
+    # Every weight perturbed (norms and router too) and the selection bias drawn wide enough
+    # that biased scores go negative: a swapped name or a misused bias shows in the logits.
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 1.0 if name.endswith("gate.weight") else 0.1
+            param.add_(torch.randn_like(param) * scale)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias") or name.endswith("expert_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.5 - 0.3)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
+def saved_hf(request, tmp_path_factory):
+    """A random DeepseekV3ForCausalLM saved with save_pretrained, and its folder."""
+    torch.manual_seed(0)
+    model = _randomize(transformers.DeepseekV3ForCausalLM(_hf_config(**CONFIGS[request.param]))).eval()
+    folder = tmp_path_factory.mktemp("deepseek_v3_hf")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def _tokens(seq_len: int = 48):
+    return torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(0))
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).norm() / ref.norm())
+
+
+def _load_folder(folder):
+    cfg = json.loads((folder / "config.json").read_text())
+    state = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        state.update(safetensors_torch.load_file(str(path)))
+    return cfg, state
+
+
+def _titan_from_folder(folder):
+    cfg, state = _load_folder(folder)
+    adapter = DeepseekV3StateDictAdapter(DeepseekV3StateDictAdapter.args_from_hf_config(cfg))
+    model = DeepseekV3Model(adapter.args)
+    model.load_state_dict(adapter.from_hf(state), strict=True)
+    return model.eval(), adapter, state
+
+
+def _hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def test_saved_layout_is_the_hub_layout(saved_hf):
+    _, folder = saved_hf
+    _, state = _load_folder(folder)
+    assert state["model.layers.1.mlp.experts.7.gate_proj.weight"].shape == (32, 64)
+    assert state["model.layers.2.mlp.gate.e_score_correction_bias"].shape == (8,)
+    assert state["model.layers.1.mlp.shared_experts.down_proj.weight"].shape == (64, 32)
+    assert state["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape == (16 + 8, 64)
+    assert "model.layers.0.mlp.gate_proj.weight" in state  # the dense first layer
+
+
+def test_from_hf_builds_mla_and_the_moe_layers(saved_hf):
+    _, folder = saved_hf
+    model, adapter, _ = _titan_from_folder(folder)
+    a = adapter.args
+    assert (a.n_routed_experts, a.n_group, a.topk_group, a.first_k_dense_replace) == (8, 2, 1, 1)
+    assert not isinstance(model.layers["0"].feed_forward, MoE)
+    moe = model.layers["1"].feed_forward
+    assert isinstance(moe, MoE) and moe.router.score_func == "sigmoid" and moe.shared_experts is not None
+    assert torch.count_nonzero(moe.expert_bias) > 0  # the checkpoint's bias, loaded
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
+def test_from_hf_logits_match(saved_hf, grouped):
+    hf_model, folder = saved_hf
+    titan, _, _ = _titan_from_folder(folder)
+    for i in ("1", "2"):
+        titan.layers[i].feed_forward.experts.use_grouped_mm = grouped
+    tokens = _tokens()
+    with torch.no_grad():
+        got = titan(tokens)
+    assert _rel_err(got, _hf_logits(hf_model, tokens)) <= REL_TOL
+
+
+def test_parity_needs_the_bias_and_the_yarn_scale(saved_hf):
+    # Guards the parity test: routing without the checkpoint's selection bias, or attention
+    # without YaRN's softmax multiplier, must change the logits.
+    hf_model, folder = saved_hf
+    tokens = _tokens()
+    reference = _hf_logits(hf_model, tokens)
+    titan, _, _ = _titan_from_folder(folder)
+    with torch.no_grad():
+        for i in ("1", "2"):
+            titan.layers[i].feed_forward.expert_bias.zero_()
+        assert _rel_err(titan(tokens), reference) > 1e-3
+    titan, adapter, _ = _titan_from_folder(folder)
+    if adapter.args.rope_scaling is not None:
+        for layer in titan.layers.values():
+            layer.attention.softmax_scale_multiplier = 1.0
+        with torch.no_grad():
+            assert _rel_err(titan(tokens), reference) > 1e-4
+
+
+def test_router_selection_equals_transformers_with_negative_biased_scores():
+    cfg = _hf_config(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4)
+    hf_router = hf_ds.DeepseekV3TopkRouter(cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        hf_router.weight.normal_(0, 1.0)
+        # Sigmoid scores are in (0, 1): a bias below -1 makes every biased score of some experts negative.
+        hf_router.e_score_correction_bias.copy_(torch.linspace(-1.5, 0.2, 16)[torch.randperm(16)])
+    args = DeepseekV3StateDictAdapter.args_from_hf_config(cfg.to_dict())
+    moe = build_deepseek_v3("debugmodel_tiny", **{k: getattr(args, k) for k in (
+        "n_routed_experts", "n_group", "topk_group", "num_experts_per_tok")}).layers["1"].feed_forward
+    with torch.no_grad():
+        moe.router.gate.weight.copy_(hf_router.weight)
+        moe.expert_bias.copy_(hf_router.e_score_correction_bias)
+    x = torch.randn(512, 64)
+    scores = moe.router.scores(x)
+    biased = scores + moe.expert_bias
+    assert (biased < 0).any(dim=-1).float().mean() > 0.5  # the case the issue names
+    selected = moe.router.select(scores, moe.expert_bias)
+    weights = moe.router.weights(scores, selected)
+    _, hf_weights, hf_selected = hf_router(x)
+    hf_order = hf_selected.sort(dim=-1)
+    titan_order = selected.sort(dim=-1)
+    assert torch.equal(titan_order.values, hf_order.values)
+    torch.testing.assert_close(weights.gather(-1, titan_order.indices),
+                               hf_weights.gather(-1, hf_order.indices), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("rope", [CONFIGS["q_lora_yarn"], CONFIGS["yarn_attention_factor"]], ids=["yarn", "yarn_af"])
+def test_yarn_frequencies_and_scales_equal_transformers(rope):
+    cfg = _hf_config(**rope)
+    hf_rotary = hf_ds.DeepseekV3RotaryEmbedding(cfg)
+    args = DeepseekV3StateDictAdapter.args_from_hf_config(cfg.to_dict())
+    assert isinstance(args.rope_scaling, YarnScaling)
+    ours = rope_inv_freq(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling)
+    torch.testing.assert_close(ours, hf_rotary.inv_freq, rtol=1e-6, atol=0)
+    assert args.rope_scaling.cos_sin_scale() == pytest.approx(hf_rotary.attention_scaling, rel=1e-12)
+    hf_scale = hf_ds.DeepseekV3Attention(cfg, 0).scaling
+    ours_scale = args.rope_scaling.softmax_scale_multiplier() / math.sqrt(args.head_dim)
+    assert ours_scale == pytest.approx(hf_scale, rel=1e-12)
+
+
+def test_export_loads_with_from_pretrained(saved_hf, tmp_path):
+    _, folder = saved_hf
+    cfg, _ = _load_folder(folder)
+    args = DeepseekV3StateDictAdapter.args_from_hf_config(cfg)
+    titan = DeepseekV3Model(args)
+    titan.init_weights(seed=1)
+    _randomize(titan).eval()
+    adapter = DeepseekV3StateDictAdapter(args)
+    hf_state = {k: v.contiguous() for k, v in adapter.to_hf(titan.state_dict()).items()}
+    assert "model.layers.2.mlp.experts.3.up_proj.weight" in hf_state
+    assert not any("experts.w" in k for k in hf_state)
+    safetensors_torch.save_file(hf_state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(adapter.hf_config(torch_dtype="float32")))
+    loaded = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert (loaded.config.n_routed_experts, loaded.config.q_lora_rank) == (8, args.q_lora_rank)
+    bias = loaded.model.layers[1].mlp.gate.e_score_correction_bias
+    assert torch.equal(bias, titan.layers["1"].feed_forward.expert_bias)
+    tokens = _tokens()
+    with torch.no_grad():
+        assert _rel_err(titan(tokens), _hf_logits(loaded, tokens)) <= REL_TOL
+
+
+def test_round_trip_is_bit_identical(saved_hf):
+    _, folder = saved_hf
+    _, adapter, state = _titan_from_folder(folder)
+    back = adapter.to_hf(adapter.from_hf(state))
+    assert back.keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(back[key], value), key
+
+
+def test_mtp_weights_are_skipped_with_a_warning(saved_hf):
+    _, folder = saved_hf
+    _, adapter, state = _titan_from_folder(folder)
+    state = {**state, "model.layers.3.eh_proj.weight": torch.zeros(64, 128),
+             "model.layers.3.enorm.weight": torch.ones(64)}
+    with pytest.warns(UserWarning, match="multi-token prediction"):
+        out = adapter.from_hf(state)
+    assert not any(k.startswith("layers.3.") for k in out)
+
+
+def test_unknown_key_and_missing_expert_are_errors(saved_hf):
+    _, folder = saved_hf
+    _, adapter, state = _titan_from_folder(folder)
+    with pytest.raises(ValueError, match="not a DeepseekV3ForCausalLM parameter"):
+        adapter.from_hf({**state, "model.layers.1.self_attn.q_proj.bias": torch.zeros(4)})
+    del state["model.layers.2.mlp.experts.5.gate_proj.weight"]
+    with pytest.raises(ValueError, match="missing \\[5\\]"):
+        adapter.from_hf(state)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_interleave": False}, "rope_interleave"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+])
+def test_unsupported_configs_are_refused(change, message):
+    cfg = {**_hf_config().to_dict(), **change}
+    with pytest.raises(ValueError, match=message):
+        DeepseekV3StateDictAdapter.args_from_hf_config(cfg)
+
+
+def test_hf_config_round_trips_args():
+    args = DeepseekV3StateDictAdapter.args_from_hf_config(_hf_config().to_dict())
+    again = DeepseekV3StateDictAdapter.args_from_hf_config(DeepseekV3StateDictAdapter(args).hf_config())
+    assert again == args
+    cfg = transformers.DeepseekV3Config(**DeepseekV3StateDictAdapter(args).hf_config())
+    assert (cfg.n_routed_experts, cfg.kv_lora_rank, cfg.rope_parameters["rope_type"]) == (8, 16, "yarn")
+
+
+def test_cached_greedy_decoding_equals_full_forwards():
+    # The MLA cache stores one latent and one rotated key part per token (not per-head K/V);
+    # decoding token by token from it must give the logits of a full forward.
+    torch.manual_seed(0)
+    model = build_deepseek_v3("debugmodel_tiny", vocab_size=VOCAB)
+    model.init_weights(seed=0)
+    _randomize(model).eval()
+    prompt = _tokens(12)
+    cache = KVCache.for_model(model, batch_size=2, max_len=20)
+    assert cache.k[0].shape == (2, 1, 20, model.args.kv_lora_rank)
+    assert cache.v[0].shape == (2, 1, 20, model.args.qk_rope_head_dim)
+    tokens = prompt
+    with torch.no_grad():
+        step_logits = model(prompt, kv_cache=cache)[:, -1]
+        for _ in range(6):
+            nxt = step_logits.argmax(-1, keepdim=True)
+            full = model(tokens)[:, -1]
+            torch.testing.assert_close(step_logits, full, rtol=1e-5, atol=1e-5)
+            tokens = torch.cat([tokens, nxt], dim=1)
+            step_logits = model(nxt, kv_cache=cache)[:, -1]
+
+
+@pytest.mark.parametrize(
+    "flavor, total, active",
+    # DeepSeek-V3's report: 671B total, 37B activated (without the 14B MTP module).
+    [("671B", 671.0e9, 37.5e9), ("16B", 15.7e9, 2.66e9)],
+)
+def test_published_sizes_and_plan(flavor, total, active):
+    with torch.device("meta"):
+        model = build_deepseek_v3(flavor)
+    assert model.num_params() == pytest.approx(total, rel=0.01)
+    assert model.num_active_params() == pytest.approx(active, rel=0.01)
+    plan = model.sharding_plan()
+    n_experts = DEEPSEEK_V3_FLAVORS[flavor].n_routed_experts
+    assert plan.expert_parallel_divisible == {"n_routed_experts": n_experts}
+    assert plan.tensor_parallel["layers.*.attention.wkv_a"] == "replicate"
+    assert plan.tensor_parallel["layers.*.attention.wkv_b"] == "colwise"
+    first_moe = DEEPSEEK_V3_FLAVORS[flavor].first_k_dense_replace
+    assert plan.tensor_parallel[f"layers.{first_moe}.feed_forward"] == "replicated_block"
+    assert plan.tensor_parallel[f"layers.{first_moe - 1}.feed_forward"] == "block_input"
