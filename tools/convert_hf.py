@@ -6,7 +6,7 @@
 CKPT is a DCP step folder or a checkpoint folder (its latest complete step is used). OUT of
 `from-hf` is a model-only DCP step folder usable as `--checkpoint.initial_load_path`.
 
-`--model` names a family (llama3, qwen3, qwen3_moe); `--adapter module:Class` names any adapter instead. The
+`--model` names a family (llama3, qwen3, qwen3_moe, deepseek_v3); `--adapter module:Class` names any adapter instead. The
 adapter is built as `Adapter(args)`, where args come from `Adapter.args_from_hf_config(...)`
 of a `config.json` (`--hf-config`; by default the one next to the weights: titan writes it into
 every step it saves when it knows the family) or from a flavor (`--flavor NAME`, with
@@ -31,6 +31,8 @@ FAMILIES = {
     "llama3": ("titan.models.llama3:Llama3StateDictAdapter", "titan.models.llama3:LLAMA3_FLAVORS"),
     "qwen3": ("titan.models.qwen3:Qwen3StateDictAdapter", "titan.models.qwen3:QWEN3_FLAVORS"),
     "qwen3_moe": ("titan.models.qwen3_moe:Qwen3MoeStateDictAdapter", "titan.models.qwen3_moe:QWEN3_MOE_FLAVORS"),
+    "deepseek_v3": ("titan.models.deepseek_v3:DeepseekV3StateDictAdapter",
+                    "titan.models.deepseek_v3:DEEPSEEK_V3_FLAVORS"),
 }
 
 

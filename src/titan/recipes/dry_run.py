@@ -105,7 +105,7 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
         f"dry run: {config.model.name} {config.model.flavor}: {params / 1e6:.2f}M params (vocab {vocab:,} from "
         f"{source}) on {world_size} "
         f"ranks: pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} x "
-        f"tp {d.tp}; local batch {training.local_batch_size} x seq {training.seq_len}, "
+        f"tp {d.tp}{f' (ep {d.ep})' if d.ep_enabled else ''}; local batch {training.local_batch_size} x seq {training.seq_len}, "
         f"AC {config.activation_checkpoint.mode}, params {training.mixed_precision_param} in compute"
     )
     return dry_run(

@@ -6,6 +6,7 @@ This is the one place where a model family (titan.models) meets the trainer (tit
 
 from __future__ import annotations
 
+from titan.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepseekV3StateDictAdapter, build_deepseek_v3
 from titan.models.llama3 import LLAMA3_FLAVORS, Llama3StateDictAdapter, build_llama3
 from titan.models.qwen3 import QWEN3_FLAVORS, Qwen3StateDictAdapter, build_qwen3
 from titan.models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeStateDictAdapter, build_qwen3_moe
@@ -29,6 +30,12 @@ MODEL_FAMILIES: dict[str, ModelSpec] = {
         flavors=QWEN3_MOE_FLAVORS,
         build=build_qwen3_moe,
         adapter=lambda model: Qwen3MoeStateDictAdapter(model.args),
+    ),
+    "deepseek_v3": ModelSpec(
+        name="deepseek_v3",
+        flavors=DEEPSEEK_V3_FLAVORS,
+        build=build_deepseek_v3,
+        adapter=lambda model: DeepseekV3StateDictAdapter(model.args),
     ),
 }
 

@@ -205,6 +205,45 @@ def qwen3_moe_235b_a22b() -> TrainerConfig:
     return cfg
 
 
+def deepseek_v3_debug() -> TrainerConfig:
+    """The DeepSeek-V3 debug model (MLA with low-rank queries, YaRN, 8 experts in 2 groups,
+    a shared expert, one dense block) on CPU: trains in a few minutes on the Python standard
+    library's own source (byte-level), no download. Add `--parallelism.expert_parallel_degree 2`
+    under `NGPU=4` for expert parallel."""
+    cfg = llama3_debug()
+    cfg.model.name = "deepseek_v3"
+    cfg.job.dump_folder = "./outputs/deepseek_v3_debug"
+    return cfg
+
+
+def deepseek_v3_16b() -> TrainerConfig:
+    """The 16B-class DeepSeek-V3 (64 experts top-6 + 2 shared) on 8+ GPUs: FSDP, EP 8 (8
+    experts per rank), full activation checkpointing."""
+    cfg = pretrain_defaults(flavor="16B", seq_len=4096, steps=10_000, lr=2.2e-4, warmup_steps=200)
+    cfg = on_gpu_cluster(cfg, dataset="allenai/c4", tokenizer_path="./assets/deepseek_v3/tokenizer.json")
+    cfg.model.name = "deepseek_v3"
+    cfg.model.vocab_size = 102400
+    cfg.training.local_batch_size = 4
+    cfg.parallelism.expert_parallel_degree = 8
+    cfg.activation_checkpoint.mode = "full"
+    cfg.job.dump_folder = "./outputs/deepseek_v3_16b"
+    return cfg
+
+
+def deepseek_v3_671b() -> TrainerConfig:
+    """DeepSeek-V3 671B on 256+ GPUs: FSDP over all ranks, EP 64 (4 of the 256 experts per
+    rank), full activation checkpointing; `titan dry-run --world_size 256` checks it on a laptop."""
+    cfg = pretrain_defaults(flavor="671B", seq_len=4096, steps=10_000, lr=2.2e-4, warmup_steps=200)
+    cfg = on_gpu_cluster(cfg, dataset="allenai/c4", tokenizer_path="./assets/deepseek_v3/tokenizer.json")
+    cfg.model.name = "deepseek_v3"
+    cfg.model.vocab_size = 129280
+    cfg.training.local_batch_size = 1
+    cfg.parallelism.expert_parallel_degree = 64
+    cfg.activation_checkpoint.mode = "full"
+    cfg.job.dump_folder = "./outputs/deepseek_v3_671b"
+    return cfg
+
+
 def sft_debug() -> SFTConfig:
     """SFT of the debug model on a synthetic string-reversal task (no download): loss only on
     the answers, packed examples with document masks; greedy answers become right."""
@@ -277,6 +316,9 @@ RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig | RLConfig]] = {
     "qwen3_moe_debug": qwen3_moe_debug,
     "qwen3_moe_30b_a3b": qwen3_moe_30b_a3b,
     "qwen3_moe_235b_a22b": qwen3_moe_235b_a22b,
+    "deepseek_v3_debug": deepseek_v3_debug,
+    "deepseek_v3_16b": deepseek_v3_16b,
+    "deepseek_v3_671b": deepseek_v3_671b,
     "sft_debug": sft_debug,
     "grpo_debug": grpo_debug,
 }
