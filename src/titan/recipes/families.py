@@ -6,7 +6,11 @@ This is the one place where a model family (titan.models) meets the trainer (tit
 
 from __future__ import annotations
 
-from titan.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepseekV3StateDictAdapter, build_deepseek_v3
+from titan.models.deepseek_v3 import (
+    DEEPSEEK_V3_FLAVORS,
+    DeepseekV3StateDictAdapter,
+    build_deepseek_v3,
+)
 from titan.models.llama3 import LLAMA3_FLAVORS, Llama3StateDictAdapter, build_llama3
 from titan.models.qwen3 import QWEN3_FLAVORS, Qwen3StateDictAdapter, build_qwen3
 from titan.models.qwen3_moe import QWEN3_MOE_FLAVORS, Qwen3MoeStateDictAdapter, build_qwen3_moe
