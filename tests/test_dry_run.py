@@ -77,6 +77,25 @@ def test_dry_run_resolves_flags_like_titan_train(capsys):
     assert len(LINE.findall(out)) == 2
 
 
+@pytest.mark.parametrize("flags, ep, per_rank", [
+    # The recipe: FSDP over 256 ranks, EP 64 (4 experts per rank, FSDP-sharded over 4).
+    ([], 64, 671.03e9 / 256),
+    # TP 2 (MLA heads split, low-rank projections replicated) x PP 4 x EP 32.
+    (["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "4",
+      "--parallelism.expert_parallel_degree", "32", "--training.local_batch_size", "8"], 32, None),
+], ids=["fsdp256_ep64", "tp2_pp4_ep32"])
+def test_deepseek_v3_671b_on_256_ranks_with_expert_parallel(flags, ep, per_rank, capsys):
+    rc = main(["dry-run", "--world_size", "256", "--config", "deepseek_v3_671b", *flags])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "deepseek_v3 671B: 671026.40M params" in out
+    assert f"(ep {ep})" in out
+    rows = LINE.findall(out)
+    assert rows and all(unit == "GiB" and float(total) < 96 for _, _, total, unit in rows), out
+    if per_rank is not None:
+        assert int(rows[0][1].replace(",", "")) == pytest.approx(per_rank, rel=1e-3)
+
+
 def test_fake_backend_env_turns_train_into_a_dry_run(monkeypatch, capsys):
     monkeypatch.setenv("COMM_MODE", "fake_backend")
     monkeypatch.setenv("NGPU", "4")

@@ -86,8 +86,8 @@ def test_qwen3_tp2_with_sp_matches_one_process(tmp_path):
         torch.testing.assert_close(tp_w[key], ref, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
-def test_convert_hf_knows_the_qwen3_families_by_name(family, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "deepseek_v3"])
+def test_convert_hf_knows_the_moe_and_qwen3_families_by_name(family, tmp_path):
     """`tools/convert_hf.py from-hf/to-hf --model <family>` on a tiny Hub-layout checkpoint
     written by transformers: HF -> titan DCP -> HF is bitwise, and transformers' logits are
     unchanged."""
@@ -101,6 +101,15 @@ def test_convert_hf_knows_the_qwen3_families_by_name(family, tmp_path):
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     if family == "qwen3":
         config, cls = transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
+    elif family == "deepseek_v3":
+        config = transformers.DeepseekV3Config(
+            vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                             "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0})
+        cls = transformers.DeepseekV3ForCausalLM
     else:
         config = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=8,
                                              num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0])

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from titan.models.deepseek_v3 import build_deepseek_v3
 from titan.models.llama3 import build_llama3
 from titan.models.qwen3 import build_qwen3
 from titan.models.qwen3_moe import build_qwen3_moe
 
 
 @pytest.mark.parametrize("family,build", [("llama3", build_llama3), ("qwen3", build_qwen3),
-                                          ("qwen3_moe", build_qwen3_moe)])
+                                          ("qwen3_moe", build_qwen3_moe), ("deepseek_v3", build_deepseek_v3)])
 def test_flavors_overrides_and_refusals(family, build):
     with torch.device("meta"):
         model = build("debugmodel", n_layers=1, vocab_size=96)

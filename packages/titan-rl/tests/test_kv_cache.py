@@ -34,6 +34,8 @@ def build_family(family: str):
         from titan.models.llama3 import build_llama3 as build
     elif family == "qwen3":
         from titan.models.qwen3 import build_qwen3 as build
+    elif family == "deepseek_v3":  # MLA: the cache holds latents, not per-head K/V
+        from titan.models.deepseek_v3 import build_deepseek_v3 as build
     else:
         from titan.models.qwen3_moe import build_qwen3_moe as build
     m = build("debugmodel_tiny", vocab_size=VOCAB, max_seq_len=64)
@@ -41,7 +43,7 @@ def build_family(family: str):
     return m.eval()
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "deepseek_v3"])
 @torch.no_grad()
 def test_prefill_and_decode_equal_full_forward(family):
     """Left-padded batched prefill of prompts of different lengths, then decode one token at a
