@@ -243,6 +243,8 @@ def test_unknown_key_and_missing_expert_are_errors(saved_hf):
     _, adapter, state = _titan_from_folder(folder)
     with pytest.raises(ValueError, match="not a DeepseekV3ForCausalLM parameter"):
         adapter.from_hf({**state, "model.layers.1.self_attn.q_proj.bias": torch.zeros(4)})
+    with pytest.raises(ValueError, match="fp8 block-quantized"):
+        adapter.from_hf({**state, "model.layers.1.self_attn.o_proj.weight_scale_inv": torch.ones(1, 1)})
     del state["model.layers.2.mlp.experts.5.gate_proj.weight"]
     with pytest.raises(ValueError, match="missing \\[5\\]"):
         adapter.from_hf(state)

@@ -211,10 +211,11 @@ class TrainingLoop:
             logger.info("config:\n%s", json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
         d = self.parallel_dims
         logger.info(
-            "%s %s: %.2fM params, %.1f MFLOPs/token | world %d on %s (dp_replicate %d, dp_shard %d, cp %d, tp %d, pp %d) | "
+            "%s %s: %.2fM params, %.1f MFLOPs/token | world %d on %s (dp_replicate %d, dp_shard %d, cp %d, tp %d, pp %d%s) | "
             "batch %d x %d tokens, %d accumulation step(s) | %d steps",
             cfg.model.name, cfg.model.flavor, self.num_params / 1e6, self.flops_per_token / 1e6,
             self.dist_env.world_size, self.device, d.dp_replicate, d.dp_shard, d.cp, d.tp, d.pp,
+            f", ep {d.ep}" if d.ep_enabled else "",
             cfg.training.local_batch_size, cfg.training.seq_len, self.grad_accum_steps, cfg.training.steps,
         )  # fmt: skip
 

@@ -94,6 +94,10 @@ class DeepseekV3StateDictAdapter:
             if block is not None and int(block.group(1)) >= self.args.n_layers:
                 skipped_mtp.add(int(block.group(1)))  # the multi-token-prediction block(s)
                 continue
+            if key.endswith("weight_scale_inv"):
+                raise ValueError(
+                    f"{key!r}: this is the release's fp8 block-quantized checkpoint; dequantize it to "
+                    "bf16 first (each weight times its per-128x128-block scale_inv), then convert")
             if experts.add(key, value):
                 continue
             if block is None and key in _FROM_HF_TOP:
