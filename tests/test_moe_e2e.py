@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from forked_cli import run_command
+from launching import launch_train_runs
 from titan.ckpt import load_dcp_model
 
 STEPS = 30
@@ -64,20 +65,36 @@ EP2_TP2_SP = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.te
               "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]
 EP2_FSDP2 = ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.expert_parallel_degree", "2",
              "--training.local_batch_size", "1"]
-# One launch per world size, shared by every test below (the same dicts for every caller).
-MOE_RUNS = {
-    1: ("moe_one_process", {"qwen3_moe": [*TINY_MOE, "--training.local_batch_size", "4"],
-                            "deepseek_v3": [*TINY_DSV3, "--training.local_batch_size", "4"]}),
-    2: ("moe_two_ranks", {"qwen3_moe_ep2": [*TINY_MOE, *EP2], "deepseek_v3_ep2": [*TINY_DSV3, *EP2]}),
-    4: ("moe_four_ranks", {"qwen3_moe_ep2_tp2_sp": [*TINY_MOE, *EP2_TP2_SP],
-                           "deepseek_v3_ep2_fsdp2": [*TINY_DSV3, *EP2_FSDP2],
-                           "deepseek_v3_ep2_tp2_sp": [*TINY_DSV3, *EP2_TP2_SP]}),
-}
 
 
-def moe_run(train_group, ranks: int, name: str) -> list[dict]:
+def moe_runs(dsv3_seed: Path) -> dict[int, tuple[str, dict[str, list[str]]]]:
+    """One launch per world size, shared by every test below (the same dicts for every
+    caller): Qwen3-MoE from seeded init, DeepSeek-V3 from one seed checkpoint."""
+    seed = ["--checkpoint.initial_load_path", str(dsv3_seed)]
+    return {
+        1: ("moe_one_process", {"qwen3_moe": [*TINY_MOE, "--training.local_batch_size", "4"],
+                                "deepseek_v3": [*TINY_DSV3, *seed, "--training.local_batch_size", "4"]}),
+        2: ("moe_two_ranks", {"qwen3_moe_ep2": [*TINY_MOE, *EP2], "deepseek_v3_ep2": [*TINY_DSV3, *seed, *EP2]}),
+        4: ("moe_four_ranks", {"qwen3_moe_ep2_tp2_sp": [*TINY_MOE, *EP2_TP2_SP],
+                               "deepseek_v3_ep2_fsdp2": [*TINY_DSV3, *seed, *EP2_FSDP2],
+                               "deepseek_v3_ep2_tp2_sp": [*TINY_DSV3, *seed, *EP2_TP2_SP]}),
+    }
+
+
+@pytest.fixture(scope="module")
+def dsv3_seed(build_once) -> Path:
+    """DeepSeek-V3's seed checkpoint (step 0 of `debugmodel_tiny`), written once per session."""
+    def build(folder: Path) -> None:
+        flags = [*TINY_DSV3, "--training.local_batch_size", "4", "--checkpoint.enable",
+                 "--checkpoint.create_seed_checkpoint", "--job.dump_folder", str(folder / "seed")]
+        launch_train_runs(1, [("seed", flags)], folder / "launch.log")
+
+    return build_once("deepseek_v3_seed", build) / "seed" / "checkpoint"
+
+
+def moe_run(train_group, dsv3_seed: Path, ranks: int, name: str) -> list[dict]:
     """The metrics.jsonl rows of run `name` of the shared `ranks`-process MoE launch."""
-    group, runs = MOE_RUNS[ranks]
+    group, runs = moe_runs(dsv3_seed)[ranks]
     dump = train_group(group, ranks, runs) / name
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
@@ -92,14 +109,14 @@ def moe_run(train_group, ranks: int, name: str) -> list[dict]:
     ("deepseek_v3", 4, "deepseek_v3_ep2_tp2_sp"),
 ], ids=["qwen3_moe-ep2", "qwen3_moe-ep2_tp2_sp", "deepseek_v3-ep2", "deepseek_v3-ep2_fsdp2",
         "deepseek_v3-ep2_tp2_sp"])
-def test_expert_parallel_from_scratch_equals_one_process(family, ranks, run, train_group):
+def test_expert_parallel_equals_one_process(family, ranks, run, train_group, dsv3_seed):
     """`NGPU=N ./tools/run_train.sh --config <family>_debug --parallelism.expert_parallel_degree 2`
     at test size: losses, grad norms and expert loads equal one process (experts split over
     ranks, tokens exchanged both ways; with expert FSDP 2, or with TP 2 and SP on the
-    attention). Every layout starts from the same seeded weights (titan's init depends only
-    on the seed and each parameter's name, not on the layout)."""
-    one = moe_run(train_group, 1, family)
-    many = moe_run(train_group, ranks, run)
+    attention). Qwen3-MoE's layouts start from scratch (titan's init depends only on the seed
+    and each parameter's name, not on the layout); DeepSeek-V3's load one seed checkpoint."""
+    one = moe_run(train_group, dsv3_seed, 1, family)
+    many = moe_run(train_group, dsv3_seed, ranks, run)
     assert len(one) == len(many) >= 3
     for key in ("loss", "grad_norm", "moe/imbalance_max"):
         got, want = [r[key] for r in many], [r[key] for r in one]
