@@ -52,6 +52,7 @@ USAGE = """usage: titan train [--config RECIPE] [--section.field VALUE ...] [--d
        titan sft [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
        titan rl [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
        titan dry-run --world_size N [--config RECIPE] [--section.field VALUE ...]
+       titan plan --gpus <N>x<DEVICE> [--config RECIPE] [--json] [--top K] [--section.field VALUE ...]
        titan recipes
        titan data tokenize SRC OUT [--tokenizer.kind K --tokenizer.path P] [--num_proc N]
        titan plot RUN_DIR [RUN_DIR ...] [--out DIR] [--keys loss,lr,...]
@@ -63,6 +64,9 @@ Commands:
   rl        RL post-training (GRPO family): like train, starting from the RL recipes
   dry-run   validate and parallelize the config for N ranks on this CPU (fake process
             group, meta device); print each pipeline rank's params and memory estimate
+  plan      rank every valid parallel layout of the config's model for N devices (H100,
+            H200, B200, A100, MI300X): predicted tokens/s/GPU, MFU, memory per rank, and
+            the `titan train` flags of each (`titan plan --help` for its options)
   recipes   list the recipes
   data      `data tokenize`: tokenize a text corpus once into memory-mapped shards, for
             --dataset.name tokenized --dataset.path OUT
@@ -441,6 +445,10 @@ def _dispatch(command: str, rest: list[str]) -> int:
         world_size, rest = split_world_size_flag(rest)
         config = parse_train_args(rest)
         return dry_run_main(config, world_size or world_size_from_env())
+    if command == "plan":
+        from titan.recipes.plan import plan
+
+        return plan(rest, parse_train_args)
     if command == "recipes":
         print(recipes_description())
         return 0

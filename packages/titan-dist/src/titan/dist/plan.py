@@ -33,13 +33,13 @@ def match_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]
 
     A "*" never crosses a "." so `layers.*.attention` does not match deeper modules.
     """
-    parts = pattern.split(".")
-    out = []
-    for name, module in model.named_modules():
-        names = name.split(".") if name else []
-        if len(names) == len(parts) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(names, parts)):
-            out.append((name, module))
-    return out
+    return [(name, module) for name, module in model.named_modules() if name and glob_matches(pattern, name)]
+
+
+def glob_matches(pattern: str, fqn: str) -> bool:
+    """Whether module name `fqn` matches the plan glob `pattern` ("*" = exactly one name part)."""
+    parts, names = pattern.split("."), fqn.split(".")
+    return len(parts) == len(names) and all(map(fnmatch.fnmatchcase, names, parts))
 
 
 def tied_parameter_groups(model: nn.Module) -> tuple[tuple[str, ...], ...]:

@@ -1,0 +1,526 @@
+"""Layout planner: rank every valid parallel layout of a model for a cluster you do not have,
+with a predicted memory per rank and step time.
+
+The model is described by `ModelFacts` (read once from the meta model and its sharding plan:
+which parameters tensor parallelism shards, which it replicates, which are routed experts),
+the cluster by a `Hardware` profile. For each `Layout` (pp x dp_replicate x dp_shard x cp x
+tp, EP, activation checkpointing, batch and pipeline microbatching) the planner predicts:
+
+memory per rank (worst pipeline stage)
+    fp32 parameters, gradients and AdamW's two states of the rank's shard (16 bytes per
+    parameter, as `titan.dist.dry_run` counts them); FSDP's unsharded compute-dtype copies of
+    the block being computed and the one prefetched, and the fp32 reduce-scatter buffer of
+    one block; activations per block by AC mode (the dry run's per-token coefficients),
+    divided by TP under sequence parallel and by CP, for the microbatches a pipeline schedule
+    keeps in flight; the fp32 logits of one microbatch on the last stage; the recomputation
+    transient of one checkpointed block; then `memory_headroom` (allocator fragmentation,
+    workspaces) on top.
+
+step time (worst pipeline stage)
+    compute = training FLOPs of the rank's tokens (plus the recomputed forward under AC) over
+    the device's bf16 peak x `matmul_efficiency` (x `compile_speedup` when compiled, float8
+    linears `float8_speedup` faster); communication volumes per step: FSDP all-gathers
+    (forward and backward) and reduce-scatter, overlapped with compute except the first
+    block's gather; TP/SP all-gathers and reduce-scatters of the residual stream (4 per block
+    forward, 4 backward, not overlapped); CP all-gathers of K/V (not overlapped); EP
+    all-to-alls (dispatch + combine, forward + backward, not overlapped); HSDP's gradient
+    all-reduce across replicas (not overlapped); PP's bubble (pp - 1) / (v m + pp - 1) for m
+    microbatches and v stages per rank. A group inside one node uses the intra-node link,
+    otherwise the network; the mesh is laid out with tp innermost, then cp, dp_shard,
+    dp_replicate, pp (`titan.dist.ParallelDims`).
+
+The constants are stated in `Hardware` and overridable; the defaults are fitted to one
+published measurement (torchtitan, Llama 3.1 8B on 8 H100, FSDP eager) and every other
+comparison is a prediction (see the README's parallelism section).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from titan.dist.dims import ParallelDims
+from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_plan
+
+GiB = 1024**3
+_ACT_PER_TOKEN = {"none": 22, "selective": 8, "full": 1}
+"""Activation elements kept per token per block in model-dim units (`titan.dist.dry_run`)."""
+_STATE_BYTES = 16
+"""fp32 parameter, gradient and AdamW's two moments, per parameter of the rank's shard."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One accelerator type and how it is wired; every field can be overridden."""
+
+    name: str
+    peak_bf16_tflops: float
+    """Dense bf16 tensor-core peak per device (datasheet)."""
+    peak_fp8_tflops: float
+    """Dense fp8 peak (0: no fp8 tensor cores)."""
+    memory_gib: float
+    """Device memory."""
+    intra_node_gbps: float
+    """Per-device unidirectional bandwidth to the other devices of its node, GB/s."""
+    inter_node_gbps: float
+    """Per-device network bandwidth between nodes, GB/s."""
+    devices_per_node: int = 8
+    matmul_efficiency: float = 0.40
+    """Fraction of the bf16 peak a training step's kernels reach in eager mode (fitted: Llama
+    3.1 8B on 8 H100 with FSDP, torchtitan's 5,762 tokens/s/GPU, ~34% MFU at the SXM peak)."""
+    compile_speedup: float = 1.16
+    """Step-compute speedup of torch.compile (the same table: 6,667 / 5,762)."""
+    float8_speedup: float = 1.28
+    """Further speedup of float8 linears (the same table: 8,532 / 6,667)."""
+    link_efficiency: float = 0.7
+    """Fraction of a link's bandwidth a collective reaches."""
+    half_efficiency_tokens: float = 1024
+    """Tokens per microbatch and rank at which kernels reach half their large-batch
+    efficiency: efficiency scales with M / (M + this), normalized to the fitted run's 16,384
+    (small microbatches, deep CP and PP splits make small, slow GEMMs)."""
+
+    @property
+    def memory_bytes(self) -> float:
+        """Device memory in bytes."""
+        return self.memory_gib * GiB
+
+
+HARDWARE: dict[str, Hardware] = {
+    # NVIDIA datasheets (dense, no sparsity); NVLink 4 = 450 GB/s per direction; 400 Gb/s
+    # InfiniBand NDR per GPU = 50 GB/s.
+    "H100": Hardware(name="H100 SXM 80GB", peak_bf16_tflops=989, peak_fp8_tflops=1979, memory_gib=80,
+                     intra_node_gbps=450, inter_node_gbps=50),
+    "H200": Hardware(name="H200 SXM 141GB", peak_bf16_tflops=989, peak_fp8_tflops=1979, memory_gib=141,
+                     intra_node_gbps=450, inter_node_gbps=50),
+    "B200": Hardware(name="B200 180GB", peak_bf16_tflops=2250, peak_fp8_tflops=4500, memory_gib=180,
+                     intra_node_gbps=900, inter_node_gbps=50),
+    "A100": Hardware(name="A100 SXM 80GB", peak_bf16_tflops=312, peak_fp8_tflops=0, memory_gib=80,
+                     intra_node_gbps=300, inter_node_gbps=25),
+    # AMD datasheet: 1,307 TFLOPs dense bf16, 192 GB HBM3, 7 xGMI links x 64 GB/s.
+    "MI300X": Hardware(name="MI300X 192GB", peak_bf16_tflops=1307, peak_fp8_tflops=2615, memory_gib=192,
+                       intra_node_gbps=448, inter_node_gbps=50),
+}
+"""Hardware profiles by name (`--gpus 256xH100`)."""
+
+
+def parse_gpus(spec: str, overrides: dict[str, float] | None = None) -> tuple[int, Hardware]:
+    """`"256xH100"` -> (256, the H100 profile with `overrides` applied)."""
+    count, sep, kind = spec.partition("x")
+    if not sep or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"--gpus {spec!r}: expected <count>x<type>, e.g. 256xH100")
+    matches = [k for k in HARDWARE if k.lower() == kind.lower()]
+    if not matches:
+        raise ValueError(f"--gpus {spec!r}: unknown device {kind!r}; known: {', '.join(HARDWARE)}")
+    hw = HARDWARE[matches[0]]
+    if overrides:
+        fields = {f.name for f in dataclasses.fields(Hardware)}
+        bad = sorted(set(overrides) - fields)
+        if bad:
+            raise ValueError(f"unknown hardware fields {bad}; valid: {', '.join(sorted(fields))}")
+        hw = dataclasses.replace(hw, **overrides)
+    return int(count), hw
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockParams:
+    """One block's parameters by how the layouts split them."""
+
+    tp_sharded: int
+    """Split over TP ranks (column/row-parallel projections)."""
+    tp_replicated: int
+    """Whole on every TP rank (norms, routers, low-rank projections, shared experts)."""
+    experts: int
+    """Routed experts: split over EP x expert-FSDP ranks, whole per TP rank."""
+
+    @property
+    def total(self) -> int:
+        """All of the block's parameters."""
+        return self.tp_sharded + self.tp_replicated + self.experts
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFacts:
+    """What the planner needs of a model, read once from its meta instance (`from_model`)."""
+
+    blocks: tuple[BlockParams, ...]
+    embedding: int
+    """Parameters on the first pipeline stage outside the blocks (vocab-sharded by TP)."""
+    output: int
+    """Parameters on the last stage outside the blocks (the output projection; 0 when tied)."""
+    final_norm: int
+    dim: int
+    vocab: int
+    flops_per_token: float
+    """Training FLOPs per token (forward + backward), as the trainer's MFU counts them."""
+    kv_fraction: float = 1.0
+    """K+V width per token over `dim` (2 x n_kv_heads / n_heads for GQA; CP gathers them)."""
+    experts_per_token: int = 0
+    """Routed experts each token visits (top-k; 0: dense)."""
+
+    @classmethod
+    def from_model(cls, model: nn.Module, *, flops_per_token: float, experts_per_token: int = 0) -> ModelFacts:
+        """Classify every parameter of a (meta) model by its module's style in the model's
+        sharding plan."""
+        plan = sharding_plan(model)
+        container = plan.layer_container
+        sharded_styles = {"colwise", "rowwise"}
+        tp_globs = [(g, s) for g, s in plan.tensor_parallel.items() if s in sharded_styles]
+        blocks = []
+        for key, block in blocks_of(model):
+            counts = {"tp_sharded": 0, "tp_replicated": 0, "experts": 0}
+            for name, module in block.named_modules():
+                fqn = f"{container}.{key}.{name}" if name else f"{container}.{key}"
+                own = sum(p.numel() for p in module.parameters(recurse=False))
+                if not own:
+                    continue
+                if plan.expert_modules and glob_matches(plan.expert_modules, fqn):
+                    counts["experts"] += own
+                elif any(glob_matches(g, fqn) for g, _ in tp_globs):
+                    counts["tp_sharded"] += own
+                else:
+                    counts["tp_replicated"] += own
+            blocks.append(BlockParams(**counts))
+        first = sum(p.numel() for name in plan.pipeline_first if (m := getattr(model, name, None)) is not None
+                    for p in m.parameters())
+        tied = bool(plan.tied_parameters)
+        last_modules = [getattr(model, name, None) for name in plan.pipeline_last]
+        last = [sum(p.numel() for p in m.parameters()) if m is not None else 0 for m in last_modules]
+        output_weight = [m for g, s in plan.tensor_parallel.items() if s == "output"
+                         for _, m in match_modules(model, g) if hasattr(m, "weight")]
+        vocab, dim = output_weight[0].weight.shape if output_weight else (0, 0)
+        norm = sum(last) - (0 if tied else vocab * dim)
+        divisible = plan.tensor_parallel_divisible or {}
+        kv = 2 * divisible["n_kv_heads"] / divisible["n_heads"] if {"n_kv_heads", "n_heads"} <= divisible.keys() else 2.0
+        return cls(blocks=tuple(blocks), embedding=first, output=0 if tied else vocab * dim, final_norm=norm,
+                   dim=int(dim), vocab=int(vocab), flops_per_token=flops_per_token, kv_fraction=kv,
+                   experts_per_token=experts_per_token)
+
+    @property
+    def n_layers(self) -> int:
+        """Number of blocks."""
+        return len(self.blocks)
+
+    @property
+    def num_params(self) -> int:
+        """Every parameter (a tied matrix once)."""
+        return sum(b.total for b in self.blocks) + self.embedding + self.output + self.final_norm
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One candidate: the mesh degrees, EP, AC, and the batch split."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    ep: int
+    ac: str
+    local_batch_size: int
+    microbatch_size: int
+    schedule: str
+    stages_per_rank: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout uses."""
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline microbatches per step (1 without PP)."""
+        return self.local_batch_size // self.microbatch_size if self.pp > 1 else 1
+
+    def flags(self) -> list[str]:
+        """The `titan train` flags that select this layout."""
+        out = [
+            "--parallelism.data_parallel_replicate_degree", str(self.dp_replicate),
+            "--parallelism.data_parallel_shard_degree", str(self.dp_shard),
+            "--parallelism.tensor_parallel_degree", str(self.tp),
+            "--parallelism.context_parallel_degree", str(self.cp),
+            "--parallelism.pipeline_parallel_degree", str(self.pp),
+            "--parallelism.expert_parallel_degree", str(self.ep),
+            "--activation_checkpoint.mode", self.ac,
+            "--training.local_batch_size", str(self.local_batch_size),
+        ]
+        if self.pp > 1:
+            out += ["--parallelism.pipeline_parallel_schedule", self.schedule,
+                    "--parallelism.pipeline_parallel_microbatch_size", str(self.microbatch_size)]
+        return out
+
+    def describe(self) -> str:
+        """A short human-readable name, e.g. `pp 8 x dp 8 (shard 8) x tp 8, ep 1`."""
+        parts = [f"pp {self.pp}"] if self.pp > 1 else []
+        dp = f"dp {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"fsdp {self.dp_shard}"
+        parts.append(dp)
+        parts += [f"cp {self.cp}"] if self.cp > 1 else []
+        parts += [f"tp {self.tp}"] if self.tp > 1 else []
+        parts += [f"ep {self.ep}"] if self.ep > 1 else []
+        return " x ".join(parts)
+
+
+@dataclass(kw_only=True)
+class Prediction:
+    """What the planner predicts for one layout on one cluster."""
+
+    layout: Layout
+    memory: dict[str, float]
+    """Bytes per rank of the worst pipeline stage, by component, `total` with the headroom."""
+    times: dict[str, float]
+    """Seconds per step by component (exposed part), `step` the sum through the bubble."""
+    tokens_per_s_per_device: float
+    mfu: float
+    fits: bool
+
+    @property
+    def dominant(self) -> str:
+        """The largest time component."""
+        parts = {k: v for k, v in self.times.items() if k != "step"}
+        return max(parts, key=parts.get)
+
+    def as_dict(self) -> dict:
+        """JSON-ready view (flags included)."""
+        return {"layout": dataclasses.asdict(self.layout), "describe": self.layout.describe(),
+                "flags": self.layout.flags(), "memory_bytes": self.memory, "time_s": self.times,
+                "tokens_per_s_per_device": self.tokens_per_s_per_device, "mfu": self.mfu,
+                "fits": self.fits, "dominant": self.dominant}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What a step computes: batch, sequence, dtypes and the step's options."""
+
+    global_batch_size: int
+    """Sequences per optimizer step."""
+    seq_len: int
+    compute_dtype_bytes: int = 2
+    """Bytes of an activation / FSDP-gathered parameter (bf16: 2)."""
+    compile: bool = False
+    float8: bool = False
+    sequence_parallel: bool = True
+    memory_headroom: float = 0.10
+    """Fraction added on top of the estimate (allocator fragmentation, workspaces)."""
+
+
+def stage_blocks(n_layers: int, pp: int) -> list[range]:
+    """Blocks of each pipeline rank (contiguous, the first ranks one longer when uneven)."""
+    base, extra = divmod(n_layers, pp)
+    out, start = [], 0
+    for rank in range(pp):
+        size = base + (1 if rank < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def stage_params(facts: ModelFacts, layout: Layout, blocks: range, first: bool, last: bool) -> tuple[float, float]:
+    """(parameters this rank holds, the mean parameters of one of its blocks as a rank
+    computes it: FSDP-gathered, TP- and EP-local)."""
+    fsdp = layout.dp_shard * layout.cp
+    dense = sum(facts.blocks[i].tp_sharded / layout.tp + facts.blocks[i].tp_replicated for i in blocks)
+    experts = sum(facts.blocks[i].experts for i in blocks)
+    outer = (facts.embedding if first else 0) / layout.tp + ((facts.output / layout.tp + facts.final_norm) if last else 0)
+    # Dense parameters: TP-sharded, then FSDP over dp_shard x cp. Experts: split over EP, and
+    # each EP rank's experts FSDP-sharded over the remaining dp_shard x cp / ep ranks.
+    held = (dense + outer + experts) / fsdp
+    return held, (dense + experts / layout.ep) / max(len(blocks), 1)
+
+
+def predict(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware) -> Prediction:
+    """Memory and step time of `layout` (see the module docstring for the rules)."""
+    stages = stage_blocks(facts.n_layers, layout.pp)
+    worst_mem, worst_time = None, None
+    for rank, blocks in enumerate(stages):
+        mem = _memory(facts, layout, work, blocks, first=rank == 0, last=rank == len(stages) - 1)
+        times = _times(facts, layout, work, hw, blocks, first=rank == 0, last=rank == len(stages) - 1)
+        if worst_mem is None or mem["total"] > worst_mem["total"]:
+            worst_mem = mem
+        if worst_time is None or times["step"] > worst_time["step"]:
+            worst_time = times
+    tokens = work.global_batch_size * work.seq_len
+    tps = tokens / worst_time["step"] / layout.world_size
+    mfu = facts.flops_per_token * tps / (hw.peak_bf16_tflops * 1e12)
+    return Prediction(layout=layout, memory=worst_mem, times=worst_time, tokens_per_s_per_device=tps, mfu=mfu,
+                      fits=worst_mem["total"] <= hw.memory_bytes)
+
+
+def _inflight_tokens(layout: Layout, work: Workload) -> tuple[float, float]:
+    """(tokens whose activations a rank keeps at the peak, tokens of one microbatch), per CP shard."""
+    micro_tokens = layout.microbatch_size * work.seq_len / layout.cp if layout.pp > 1 else \
+        layout.local_batch_size * work.seq_len / layout.cp
+    if layout.pp == 1:
+        return micro_tokens, micro_tokens
+    m = layout.microbatches
+    held = m if layout.schedule == "GPipe" else min(m, layout.pp * layout.stages_per_rank)
+    return micro_tokens * held / layout.stages_per_rank, micro_tokens
+
+
+def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *, first: bool, last: bool) -> dict:
+    params, block_unsharded = stage_params(facts, layout, blocks, first, last)
+    held, micro = _inflight_tokens(layout, work)
+    tp_div = layout.tp if work.sequence_parallel else max(1.0, layout.tp / 2)
+    per_dim = facts.dim * work.compute_dtype_bytes / tp_div
+    activations = len(blocks) * _ACT_PER_TOKEN[layout.ac] * per_dim * held
+    recompute = (_ACT_PER_TOKEN["none"] - _ACT_PER_TOKEN[layout.ac]) * per_dim * micro if blocks else 0.0
+    logits = micro * facts.vocab * 4 / layout.tp if last else 0.0
+    # FSDP: the block computed and the one prefetched, gathered in the compute dtype; one
+    # block's fp32 gradients before their reduce-scatter.
+    fsdp_buffers = block_unsharded * (2 * work.compute_dtype_bytes + 4) if layout.dp_shard * layout.cp > 1 else 0.0
+    out = {"params_grads_optimizer": params * _STATE_BYTES, "fsdp_buffers": fsdp_buffers,
+           "activations": activations, "recompute": recompute, "logits": logits}
+    subtotal = sum(out.values())
+    out["headroom"] = subtotal * work.memory_headroom
+    out["total"] = subtotal + out["headroom"]
+    return out
+
+
+_FITTED_MICRO_TOKENS = 16384
+"""Tokens per microbatch of the run `matmul_efficiency` is fitted on (local batch 2 x 8192)."""
+
+
+def _size_factor(tokens: float, hw: Hardware) -> float:
+    """Kernel efficiency at `tokens` per microbatch relative to the fitted run's."""
+    def saturation(m: float) -> float:
+        return m / (m + hw.half_efficiency_tokens)
+    return saturation(tokens) / saturation(_FITTED_MICRO_TOKENS)
+
+
+def _bandwidth(hw: Hardware, span: int) -> float:
+    """Bytes/s of a collective over groups spanning `span` consecutive ranks."""
+    gbps = hw.intra_node_gbps if span <= hw.devices_per_node else hw.inter_node_gbps
+    return gbps * 1e9 * hw.link_efficiency
+
+
+def _ring(volume: float, group: int) -> float:
+    """Bytes each rank sends in a ring all-gather / reduce-scatter of `volume` total bytes."""
+    return volume * (group - 1) / group if group > 1 else 0.0
+
+
+def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, blocks: range, *,
+           first: bool, last: bool) -> dict:
+    L = max(len(blocks), 1)
+    share = len(blocks) / facts.n_layers
+    dp = layout.dp_replicate * layout.dp_shard
+    tokens_rank = work.global_batch_size * work.seq_len / dp / layout.cp  # this rank's TP group's tokens
+    recompute = {"none": 1.0, "selective": 1.0 + 1 / 6, "full": 1.0 + 1 / 3}[layout.ac]
+    flops = facts.flops_per_token * tokens_rank / layout.tp * share * recompute
+    _, micro_tokens = _inflight_tokens(layout, work)
+    rate = hw.peak_bf16_tflops * 1e12 * hw.matmul_efficiency * _size_factor(micro_tokens, hw)
+    rate *= hw.compile_speedup if work.compile else 1.0
+    rate *= hw.float8_speedup if work.float8 else 1.0
+    compute = flops / rate
+    b = work.compute_dtype_bytes
+    # FSDP: two all-gathers (forward, backward) and a fp32 reduce-scatter of the stage.
+    fsdp_group = layout.dp_shard * layout.cp
+    _, block_unsharded = stage_params(facts, layout, blocks, first, last)
+    stage_unsharded = block_unsharded * len(blocks)
+    fsdp_span = layout.tp * layout.cp * layout.dp_shard
+    fsdp_bytes = _ring(stage_unsharded * (2 * b + 4), fsdp_group)
+    fsdp_total = fsdp_bytes / _bandwidth(hw, fsdp_span)
+    fsdp = max(fsdp_total - compute, 0.0) + fsdp_total / L
+    # HSDP: the gradient shards all-reduced across replicas (2x a ring pass, fp32).
+    replicate = 2 * _ring(stage_unsharded / max(fsdp_group, 1) * 4, layout.dp_replicate)
+    replicate /= _bandwidth(hw, layout.world_size // layout.pp)
+    # TP + SP: 4 collectives of the residual stream per block forward, 4 backward.
+    tp = 8 * len(blocks) * _ring(tokens_rank * facts.dim * b, layout.tp) / _bandwidth(hw, layout.tp)
+    # CP: K and V gathered per block forward, their gradients reduce-scattered backward.
+    kv = tokens_rank * layout.cp * facts.dim * facts.kv_fraction * b / layout.tp
+    cp = 2 * len(blocks) * _ring(kv, layout.cp) / _bandwidth(hw, layout.cp * layout.tp)
+    # EP: dispatch + combine all-to-alls, forward and backward, per MoE block.
+    moe_blocks = sum(1 for i in blocks if facts.blocks[i].experts)
+    routed = tokens_rank * facts.experts_per_token * facts.dim * b
+    ep = 4 * moe_blocks * _ring(routed, layout.ep) / _bandwidth(hw, layout.ep * layout.tp)
+    # PP: activations to the next stage and gradients back, per microbatch.
+    pp = 0.0
+    if layout.pp > 1:
+        pp = 2 * tokens_rank * facts.dim * b / layout.tp / _bandwidth(hw, layout.world_size)
+    busy = compute + fsdp + tp + cp + ep + pp
+    bubble = 0.0
+    if layout.pp > 1:
+        m, v = layout.microbatches, layout.stages_per_rank
+        bubble = busy * (layout.pp - 1) / (v * m)
+    out = {"compute": compute, "fsdp_exposed": fsdp, "hsdp_allreduce": replicate, "tp": tp, "cp": cp,
+           "ep": ep, "pp_p2p": pp, "pp_bubble": bubble}
+    out["step"] = sum(out.values())
+    return out
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
+    return [d for d in (1, 2, 4, 8, 16, 32, 64, 128, 256) if d <= limit and n % d == 0]
+
+
+def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_experts: int = 0,
+                      ac_modes: Iterable[str] = ("none", "selective", "full"),
+                      schedules: Iterable[str] = ("1F1B", "Interleaved1F1B", "GPipe"),
+                      max_tp: int = 8, max_cp: int = 8) -> Iterator[Layout]:
+    """Every layout of `world_size` ranks whose degrees divide what they split: TP and CP
+    powers of two up to `max_tp` / `max_cp` (a TP group beyond one node is never faster),
+    CP dividing the sequence into 2 cp chunks, PP at most one block per stage, the global
+    batch split evenly over the data-parallel ranks, EP dividing dp_shard x cp and the
+    experts, pipeline microbatches of 1, 2 or 4 with at least pp of them. The model's own
+    constraints (heads, hidden sizes, ties) are checked by `ParallelDims.validate_model`
+    through `valid`."""
+    for pp in divisors(world_size):
+        if pp > facts.n_layers:
+            continue
+        for tp in _powers_of_two_dividing(world_size // pp, max_tp):
+            for cp in _powers_of_two_dividing(world_size // (pp * tp), max_cp):
+                if work.seq_len % (2 * cp):
+                    continue
+                dp = world_size // (pp * tp * cp)
+                if work.global_batch_size % dp:
+                    continue
+                local = work.global_batch_size // dp
+                for dp_replicate in divisors(dp):
+                    dp_shard = dp // dp_replicate
+                    if dp_replicate > 1 and dp_shard * cp * tp < min(8, world_size // pp):
+                        continue  # replicas across nodes only: shard within a node at least
+                    eps = [1] if not n_experts else [e for e in divisors(dp_shard * cp) if n_experts % e == 0]
+                    for ep in eps:
+                        for ac in ac_modes:
+                            yield from _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local,
+                                                          facts.n_layers, schedules)
+
+
+def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_layers, schedules) -> Iterator[Layout]:
+    base = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, ac=ac,
+                local_batch_size=local)
+    if pp == 1:
+        yield Layout(**base, microbatch_size=local, schedule="1F1B")
+        return
+    for micro in (1, 2, 4):
+        if local % micro or local // micro < pp:
+            continue
+        for schedule in schedules:
+            stages = 2 if schedule == "Interleaved1F1B" else 1
+            if n_layers < pp * stages:
+                continue
+            yield Layout(**base, microbatch_size=micro, schedule=schedule, stages_per_rank=stages)
+
+
+def rank_layouts(facts: ModelFacts, layouts: Iterable[Layout], work: Workload, hw: Hardware,
+                 valid: Callable[[Layout], bool] = lambda layout: True) -> list[Prediction]:
+    """Predictions of the valid layouts, fitting ones first, fastest first."""
+    preds = [predict(facts, lay, work, hw) for lay in layouts if valid(lay)]
+    return sorted(preds, key=lambda p: (not p.fits, -p.tokens_per_s_per_device, p.memory["total"]))
+
+
+def layout_dims(layout: Layout) -> ParallelDims:
+    """The `ParallelDims` of a layout (for `titan.dist.dry_run.validate_against_model`)."""
+    return ParallelDims(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, cp=layout.cp, tp=layout.tp,
+                        pp=layout.pp, ep=layout.ep, world_size=layout.world_size)
+
+
+__all__ = ["HARDWARE", "BlockParams", "Hardware", "Layout", "ModelFacts", "Prediction", "Workload",
+           "divisors", "enumerate_layouts", "layout_dims", "parse_gpus", "predict", "rank_layouts",
+           "stage_blocks", "stage_params"]

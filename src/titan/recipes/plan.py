@@ -1,0 +1,172 @@
+"""``titan plan``: rank the parallel layouts of a recipe's model for a cluster you do not have.
+
+The recipe and its flags resolve exactly as for ``titan train``; the model is built once on
+the meta device and described to ``titan.dist.planner`` (which parameters TP shards or
+replicates, the routed experts, FLOPs per token). Every layout the engine would accept is
+predicted (memory per rank, step time) and the fastest that fit are printed with the exact
+``titan train`` flags of each; ``--verify N`` also runs the real dry run of the first N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+from titan.dist.dry_run import validate_against_model
+from titan.dist.planner import (
+    HARDWARE,
+    Hardware,
+    Layout,
+    ModelFacts,
+    Prediction,
+    Workload,
+    enumerate_layouts,
+    layout_dims,
+    parse_gpus,
+    rank_layouts,
+)
+from titan.models.common.moe import moe_modules
+from titan.train.config import TrainerConfig
+
+from titan.recipes.dry_run import run_dry_run, vocab_size_for
+from titan.recipes.families import model_spec
+
+USAGE = ("titan plan --gpus <N>x<" + "|".join(HARDWARE) + "> [--config RECIPE] [--nodes K] "
+         "[--global_batch_tokens T] [--top 10] [--json] [--verify N] [--memory_headroom 0.1] "
+         "[--hardware.FIELD VALUE ...] [--section.field VALUE ...]")
+
+
+def parse_plan_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The planner's own flags, and the rest (recipe flags for ``parse_train_args``)."""
+    parser = argparse.ArgumentParser(prog="titan plan", usage=USAGE, add_help=True)
+    parser.add_argument("--gpus", required=True, help="cluster size and device, e.g. 256xH100")
+    parser.add_argument("--nodes", type=int, default=None, help="nodes (devices per node = gpus / nodes)")
+    parser.add_argument("--global_batch_tokens", type=int, default=None,
+                        help="tokens per optimizer step (default: the recipe's global batch, or its "
+                             "local batch x the GPUs, times seq_len)")
+    parser.add_argument("--top", type=int, default=10, help="rows to print")
+    parser.add_argument("--json", action="store_true", help="print every ranked layout as JSON")
+    parser.add_argument("--verify", type=int, default=0, help="run the real dry run of the first N rows")
+    parser.add_argument("--memory_headroom", type=float, default=0.10,
+                        help="fraction added on top of the memory estimate (allocator, workspaces)")
+    hw_fields = [f for f in dataclasses.fields(Hardware) if f.type in ("float", "int")]
+    for f in hw_fields:
+        parser.add_argument(f"--hardware.{f.name}", dest=f"hw_{f.name}", type=float, default=None)
+    opts, rest = parser.parse_known_args(list(argv))
+    opts.hardware = {f.name: (int if f.type == "int" else float)(getattr(opts, f"hw_{f.name}"))
+                     for f in hw_fields if getattr(opts, f"hw_{f.name}") is not None}
+    return opts, rest
+
+
+def model_facts(config: TrainerConfig):
+    """(ModelFacts, routed experts per MoE layer or 0, the meta model) of the recipe's model."""
+    spec = model_spec(config.model.name)
+    spec.check_flavor(config.model.flavor)
+    vocab, _ = vocab_size_for(config)
+    seq = config.training.seq_len
+    with torch.device("meta"):
+        model = spec.build(config.model.flavor, **config.model.overrides(), vocab_size=vocab, max_seq_len=seq)
+    moes = [m for _, m in moe_modules(model)]
+    facts = ModelFacts.from_model(model, flops_per_token=model.flops_per_token(seq),
+                                  experts_per_token=moes[0].top_k if moes else 0)
+    return facts, (moes[0].n_experts if moes else 0), model
+
+
+def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | None, headroom: float) -> Workload:
+    """The step the planner times: batch, sequence and the recipe's compile / float8 / SP."""
+    t = config.training
+    if global_batch_tokens is not None:
+        if global_batch_tokens % t.seq_len:
+            raise ValueError(f"--global_batch_tokens {global_batch_tokens} is not a multiple of "
+                             f"--training.seq_len {t.seq_len}")
+        sequences = global_batch_tokens // t.seq_len
+    elif t.global_batch_size > 0:
+        sequences = t.global_batch_size
+    else:
+        sequences = t.local_batch_size * gpus
+    return Workload(global_batch_size=sequences, seq_len=t.seq_len,
+                    compute_dtype_bytes=2 if t.mixed_precision_param in ("bfloat16", "float16") else 4,
+                    compile=config.compile.enable, float8=config.quantize.linear.float8.recipe is not None,
+                    sequence_parallel=config.parallelism.enable_sequence_parallel, memory_headroom=headroom)
+
+
+def passes_engine_checks(probe, seq_len: int, global_batch: int):
+    """A filter: the layout passes the checks `titan train` runs before building anything."""
+    def check(layout: Layout) -> bool:
+        try:
+            validate_against_model(layout_dims(layout), probe, seq_len=seq_len, global_batch_size=global_batch,
+                                   local_batch_size=layout.local_batch_size)
+        except ValueError:
+            return False
+        return True
+    return check
+
+
+def config_for(config: TrainerConfig, layout: Layout) -> TrainerConfig:
+    """``config`` with the layout's degrees, AC and batch (what its flags select)."""
+    p = dataclasses.replace(
+        config.parallelism, data_parallel_replicate_degree=layout.dp_replicate,
+        data_parallel_shard_degree=layout.dp_shard, tensor_parallel_degree=layout.tp,
+        context_parallel_degree=layout.cp, pipeline_parallel_degree=layout.pp,
+        expert_parallel_degree=layout.ep, pipeline_parallel_schedule=layout.schedule,
+        pipeline_parallel_microbatch_size=layout.microbatch_size, pipeline_parallel_layers_per_stage=None,
+        pipeline_parallel_split_points=None)
+    ac = dataclasses.replace(config.activation_checkpoint, mode=layout.ac)
+    training = dataclasses.replace(config.training, local_batch_size=layout.local_batch_size, global_batch_size=-1)
+    return dataclasses.replace(config, parallelism=p, activation_checkpoint=ac, training=training)
+
+
+def format_table(preds: list[Prediction], hw: Hardware, top: int) -> str:
+    """The ranked markdown table and each row's flags."""
+    lines = ["| # | layout | AC | batch (micro, schedule) | tokens/s/GPU | MFU | memory/rank | dominant |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, p in enumerate(preds[:top], 1):
+        lay = p.layout
+        batch = f"{lay.local_batch_size}" + (f" ({lay.microbatch_size}, {lay.schedule})" if lay.pp > 1 else "")
+        mem = f"{p.memory['total'] / 1024**3:.1f} / {hw.memory_gib:.0f} GiB" + ("" if p.fits else " (does not fit)")
+        lines.append(f"| {i} | {lay.describe()} | {lay.ac} | {batch} | {p.tokens_per_s_per_device:,.0f} | "
+                     f"{100 * p.mfu:.1f}% | {mem} | {p.dominant} |")
+    lines.append("")
+    for i, p in enumerate(preds[:top], 1):
+        lines.append(f"{i}: titan train " + " ".join(p.layout.flags()))
+    return "\n".join(lines)
+
+
+def plan(argv: Sequence[str], parse_train_args) -> int:
+    """Run ``titan plan``; returns the exit code."""
+    start = time.perf_counter()
+    opts, rest = parse_plan_args(argv)
+    config = parse_train_args(rest)
+    gpus, hw = parse_gpus(opts.gpus, opts.hardware)
+    if opts.nodes is not None:
+        if opts.nodes < 1 or gpus % opts.nodes:
+            raise ValueError(f"--nodes {opts.nodes} must divide --gpus {gpus}")
+        hw = dataclasses.replace(hw, devices_per_node=gpus // opts.nodes)
+    facts, n_experts, probe = model_facts(config)
+    work = workload_for(config, gpus, opts.global_batch_tokens, opts.memory_headroom)
+    layouts = enumerate_layouts(facts, gpus, work, n_experts=n_experts)
+    preds = rank_layouts(facts, layouts, work, hw,
+                         valid=passes_engine_checks(probe, work.seq_len, work.global_batch_size))
+    if not preds:
+        raise ValueError(f"no layout of {gpus} ranks passes the model's checks for a global batch of "
+                         f"{work.global_batch_size} x {work.seq_len} tokens; change --global_batch_tokens")
+    for p in preds[: opts.verify]:
+        run_dry_run(config_for(config, p.layout), world_size=gpus, print_fn=lambda s: None)
+    if opts.json:
+        print(json.dumps({"hardware": dataclasses.asdict(hw), "gpus": gpus,
+                          "workload": dataclasses.asdict(work), "layouts": [p.as_dict() for p in preds]}))
+        return 0
+    fitting = sum(p.fits for p in preds)
+    print(f"titan plan: {config.model.name} {config.model.flavor} ({facts.num_params / 1e9:.1f}B params) on "
+          f"{gpus} x {hw.name} ({hw.devices_per_node} per node); batch {work.global_batch_size} x "
+          f"{work.seq_len} tokens; compile {'on' if work.compile else 'off'}, float8 "
+          f"{'on' if work.float8 else 'off'}; {len(preds)} valid layouts, {fitting} fit in memory")
+    print(format_table(preds, hw, opts.top))
+    verified = f"; the first {min(opts.verify, len(preds))} passed the dry run" if opts.verify else ""
+    print(f"planned in {time.perf_counter() - start:.1f} s{verified}", file=sys.stderr)
+    return 0

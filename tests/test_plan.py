@@ -1,0 +1,170 @@
+"""`titan plan`: the layouts it prints pass the dry run, its per-rank parameter counts equal
+the dry run's (the real parallelization on the meta device), its memory components equal
+bytes computed by hand, and the command line works end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from titan.dist.planner import (
+    HARDWARE,
+    Layout,
+    ModelFacts,
+    Workload,
+    enumerate_layouts,
+    parse_gpus,
+    predict,
+    stage_blocks,
+    stage_params,
+)
+from titan.models.llama3 import build_llama3
+
+from titan.recipes.cli import main, parse_train_args
+from titan.recipes.dry_run import run_dry_run
+from titan.recipes.plan import config_for, model_facts, passes_engine_checks, workload_for
+
+TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2"]
+
+
+def _layout(**kw) -> Layout:
+    base = dict(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1, ac="none", local_batch_size=2,
+                microbatch_size=2, schedule="1F1B")
+    return Layout(**{**base, **kw})
+
+
+@pytest.mark.parametrize("recipe, layout", [
+    ("llama3_debug", _layout(dp_shard=4)),
+    ("llama3_debug", _layout(dp_shard=2, tp=2)),
+    ("llama3_debug", _layout(dp_shard=2, pp=2, local_batch_size=4, microbatch_size=1)),
+    ("llama3_debug", _layout(dp_shard=2, cp=2)),
+    ("llama3_debug", _layout(dp_replicate=2, dp_shard=2, pp=2, microbatch_size=1, schedule="Interleaved1F1B",
+                             stages_per_rank=2)),
+    ("qwen3_moe_debug", _layout(dp_shard=4, ep=2)),
+    ("qwen3_moe_debug", _layout(dp_shard=2, tp=2, ep=2)),
+    ("deepseek_v3_debug", _layout(dp_shard=2, tp=2, ep=2)),
+    ("deepseek_v3_debug", _layout(dp_shard=4, ep=4, pp=2, local_batch_size=4, microbatch_size=2)),
+], ids=["fsdp4", "fsdp2_tp2", "fsdp2_pp2", "fsdp2_cp2", "hsdp_pp2_interleaved", "qwen3_moe_ep2",
+        "qwen3_moe_tp2_ep2", "deepseek_v3_tp2_ep2", "deepseek_v3_pp2_ep4"])
+def test_per_rank_parameters_equal_the_dry_run(recipe, layout):
+    """The planner's analytic shard sizes against the dry run's real parallelization (FSDP
+    rounds uneven dim-0 shards up, hence 1%)."""
+    config = parse_train_args(["--config", recipe, *TINY])
+    facts, _, _ = model_facts(config)
+    estimates = run_dry_run(config_for(config, layout), world_size=layout.world_size, print_fn=lambda s: None)
+    stages = stage_blocks(facts.n_layers, layout.pp)
+    for est, blocks in zip(estimates, stages, strict=True):
+        first, last = est.pp_rank == 0, est.pp_rank == layout.pp - 1
+        if layout.stages_per_rank > 1:
+            continue  # looped stages: the dry run's rank holds two non-adjacent stages
+        planned, _ = stage_params(facts, layout, blocks, first, last)
+        assert planned == pytest.approx(est.params, rel=0.01), (est.pp_rank, planned, est.params)
+
+
+def test_model_facts_classify_every_parameter():
+    with torch.device("meta"):
+        model = build_llama3("debugmodel_tiny", vocab_size=320, max_seq_len=32)
+    facts = ModelFacts.from_model(model, flops_per_token=model.flops_per_token(32))
+    assert facts.num_params == model.num_params()
+    a = model.args
+    block = facts.blocks[0]
+    # wq, wo [dim, dim]; wk, wv [kv_dim, dim]; w1, w3 [hidden, dim]; w2 [dim, hidden]: TP-sharded.
+    kv_dim = a.n_kv_heads * a.head_dim
+    assert block.tp_sharded == 2 * a.dim * a.dim + 2 * kv_dim * a.dim + 3 * a.ffn_hidden_dim * a.dim
+    assert block.tp_replicated == 2 * a.dim  # the two norms
+    assert (block.experts, facts.embedding, facts.output, facts.final_norm) == (0, 320 * a.dim, 320 * a.dim, a.dim)
+    assert facts.kv_fraction == pytest.approx(2 * a.n_kv_heads / a.n_heads)
+
+
+def test_memory_components_equal_hand_computed_bytes():
+    """FSDP 2 x TP 2, selective AC, the llama3 debugmodel_tiny, batch 2 x 32."""
+    config = parse_train_args(["--config", "llama3_debug", "--model.flavor", "debugmodel_tiny", *TINY])
+    facts, _, _ = model_facts(config)
+    work = Workload(global_batch_size=4, seq_len=32, memory_headroom=0.1)
+    layout = _layout(dp_shard=2, tp=2, ac="selective")
+    mem = predict(facts, layout, work, HARDWARE["H100"]).memory
+    b = facts.blocks[0]
+    per_block_tp = b.tp_sharded / 2 + b.tp_replicated
+    params = (facts.n_layers * per_block_tp + facts.embedding / 2 + facts.output / 2 + facts.final_norm) / 2
+    assert mem["params_grads_optimizer"] == pytest.approx(16 * params)
+    assert mem["fsdp_buffers"] == pytest.approx(per_block_tp * (2 * 2 + 4))
+    tokens = 2 * 32  # local batch x seq, one microbatch
+    per_dim = facts.dim * 2 / 2  # bf16, sequence-parallel over TP 2
+    assert mem["activations"] == pytest.approx(facts.n_layers * 8 * per_dim * tokens)
+    assert mem["recompute"] == pytest.approx((22 - 8) * per_dim * tokens)
+    assert mem["logits"] == pytest.approx(tokens * facts.vocab * 4 / 2)
+    subtotal = sum(v for k, v in mem.items() if k not in ("headroom", "total"))
+    assert mem["total"] == pytest.approx(1.1 * subtotal)
+
+
+def test_pipeline_bubble_and_links():
+    config = parse_train_args(["--config", "llama3_debug", *TINY])
+    facts, _, _ = model_facts(config)
+    work = Workload(global_batch_size=8, seq_len=32)
+    hw = HARDWARE["H100"]
+    one = predict(facts, _layout(pp=2, local_batch_size=8, microbatch_size=2), work, hw).times
+    assert one["pp_bubble"] == pytest.approx((one["step"] - one["pp_bubble"]) * (2 - 1) / 4)
+    looped = predict(facts, _layout(pp=2, local_batch_size=8, microbatch_size=2, schedule="Interleaved1F1B",
+                                    stages_per_rank=2), work, hw).times
+    assert looped["pp_bubble"] == pytest.approx((looped["step"] - looped["pp_bubble"]) / 8)
+    # The same FSDP group inside one node vs spread over nodes: only the link differs.
+    inside = predict(facts, _layout(dp_shard=8, local_batch_size=1), Workload(global_batch_size=8, seq_len=32), hw)
+    spread = predict(facts, _layout(dp_shard=8, local_batch_size=1), Workload(global_batch_size=8, seq_len=32),
+                     parse_gpus("8xH100", {"devices_per_node": 1})[1])
+    assert spread.times["fsdp_exposed"] > inside.times["fsdp_exposed"]
+
+
+def test_every_enumerated_layout_the_engine_accepts_passes_the_dry_run():
+    """Enumeration respects what the engine enforces: a deterministic sample of the valid
+    layouts of the MoE debug model on 8 ranks, every one dry-run for real."""
+    config = parse_train_args(["--config", "qwen3_moe_debug", "--model.flavor", "debugmodel_tiny", *TINY])
+    facts, n_experts, probe = model_facts(config)
+    work = workload_for(config, 8, 16 * 32, 0.1)
+    valid = passes_engine_checks(probe, work.seq_len, work.global_batch_size)
+    layouts = [lay for lay in enumerate_layouts(facts, 8, work, n_experts=n_experts, ac_modes=("none",)) if valid(lay)]
+    assert len(layouts) > 20
+    assert {lay.pp for lay in layouts} >= {1, 2} and {lay.ep for lay in layouts} >= {1, 2, 4}
+    for layout in layouts[:: max(1, len(layouts) // 12)]:
+        run_dry_run(config_for(config, layout), world_size=8, print_fn=lambda s: None)
+
+
+def test_titan_plan_prints_a_ranked_table_whose_rows_pass_the_dry_run(capsys):
+    rc = main(["plan", "--config", "llama3_70b", "--gpus", "256xH100", "--top", "5", "--verify", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "llama3 70B" in out and "256 x H100" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 5
+    speeds = [float(r.split("|")[5].replace(",", "")) for r in rows]
+    assert speeds == sorted(speeds, reverse=True)
+    flags = [line.split("titan train ", 1)[1].split() for line in out.splitlines() if ": titan train " in line]
+    assert len(flags) == 5
+    # The printed flags are `titan train` flags: they parse, and the layout they select passes.
+    cfg = parse_train_args(["--config", "llama3_70b", *flags[0]])
+    run_dry_run(cfg, world_size=256, print_fn=lambda s: None)
+
+
+def test_titan_plan_json_and_hardware_overrides(capsys):
+    rc = main(["plan", "--config", "deepseek_v3_16b", "--gpus", "16xH200", "--nodes", "2", "--json",
+               "--hardware.memory_gib", "96", "--global_batch_tokens", str(64 * 4096)])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["hardware"]["memory_gib"] == 96 and doc["hardware"]["devices_per_node"] == 8
+    assert doc["workload"]["global_batch_size"] == 64
+    top = doc["layouts"][0]
+    assert top["fits"] and top["memory_bytes"]["total"] <= 96 * 1024**3
+    assert any(lay["layout"]["ep"] > 1 for lay in doc["layouts"])
+    assert {"compute", "fsdp_exposed", "ep", "step"} <= top["time_s"].keys()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "256xV100"], "unknown device 'V100'"),
+    (["--gpus", "many"], "expected <count>x<type>"),
+    (["--gpus", "8xH100", "--nodes", "3"], "--nodes 3 must divide --gpus 8"),
+    (["--gpus", "8xH100", "--global_batch_tokens", "1000"], "not a multiple of --training.seq_len"),
+])
+def test_titan_plan_bad_input_is_one_line(argv, message, capsys):
+    rc = main(["plan", "--config", "llama3_8b", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err
