@@ -92,7 +92,9 @@ def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | No
     return Workload(global_batch_size=sequences, seq_len=t.seq_len,
                     compute_dtype_bytes=2 if t.mixed_precision_param in ("bfloat16", "float16") else 4,
                     compile=config.compile.enable, float8=config.quantize.linear.float8.recipe is not None,
-                    sequence_parallel=config.parallelism.enable_sequence_parallel, memory_headroom=headroom)
+                    sequence_parallel=config.parallelism.enable_sequence_parallel,
+                    async_tp=config.parallelism.enable_async_tensor_parallel, memory_headroom=headroom,
+                    loss_chunk_tokens=t.loss_chunk_tokens)
 
 
 def passes_engine_checks(probe, seq_len: int, global_batch: int):
@@ -116,7 +118,7 @@ def config_for(config: TrainerConfig, layout: Layout) -> TrainerConfig:
         expert_parallel_degree=layout.ep, pipeline_parallel_schedule=layout.schedule,
         pipeline_parallel_microbatch_size=layout.microbatch_size, pipeline_parallel_layers_per_stage=None,
         pipeline_parallel_split_points=None)
-    ac = dataclasses.replace(config.activation_checkpoint, mode=layout.ac)
+    ac = dataclasses.replace(config.activation_checkpoint, mode=layout.ac, selective_op=layout.ac == "selective")
     training = dataclasses.replace(config.training, local_batch_size=layout.local_batch_size, global_batch_size=-1)
     return dataclasses.replace(config, parallelism=p, activation_checkpoint=ac, training=training)
 

@@ -10,9 +10,11 @@ memory per rank (worst pipeline stage)
     fp32 parameters, gradients and AdamW's two states of the rank's shard (16 bytes per
     parameter, as `titan.dist.dry_run` counts them); FSDP's unsharded compute-dtype copies of
     the block being computed and the one prefetched, and the fp32 reduce-scatter buffer of
-    one block; activations per block by AC mode (the dry run's per-token coefficients),
-    divided by TP under sequence parallel and by CP, for the microbatches a pipeline schedule
-    keeps in flight; the fp32 logits of one microbatch on the last stage; the recomputation
+    one block; activations per block by AC mode (the dry run's per-token coefficients;
+    "selective" is per-op selective AC, which the printed flags select), divided by TP under
+    sequence parallel and by CP, for the microbatches a pipeline schedule keeps in flight; on
+    the last stage one microbatch's logits in the compute dtype plus the loss's fp32 upcast
+    and gradient (per loss chunk when chunked); the recomputation
     transient of one checkpointed block; then `memory_headroom` (allocator fragmentation,
     workspaces) on top.
 
@@ -22,7 +24,7 @@ step time (worst pipeline stage)
     linears `float8_speedup` faster); communication volumes per step: FSDP all-gathers
     (forward and backward) and reduce-scatter, overlapped with compute except the first
     block's gather; TP/SP all-gathers and reduce-scatters of the residual stream (4 per block
-    forward, 4 backward, not overlapped); CP all-gathers of K/V (not overlapped); EP
+    forward, 4 backward, not overlapped unless async TP); CP all-gathers of K/V (not overlapped); EP
     all-to-alls (dispatch + combine, forward + backward, not overlapped); HSDP's gradient
     all-reduce across replicas (not overlapped); PP's bubble (pp - 1) / (v m + pp - 1) for m
     microbatches and v stages per rank. A group inside one node uses the intra-node link,
@@ -69,9 +71,9 @@ class Hardware:
     inter_node_gbps: float
     """Per-device network bandwidth between nodes, GB/s."""
     devices_per_node: int = 8
-    matmul_efficiency: float = 0.40
+    matmul_efficiency: float = 0.35
     """Fraction of the bf16 peak a training step's kernels reach in eager mode (fitted: Llama
-    3.1 8B on 8 H100 with FSDP, torchtitan's 5,762 tokens/s/GPU, ~34% MFU at the SXM peak)."""
+    3.1 8B on 8 H100 with FSDP and per-op selective AC, torchtitan's 5,762 tokens/s/GPU)."""
     compile_speedup: float = 1.16
     """Step-compute speedup of torch.compile (the same table: 6,667 / 5,762)."""
     float8_speedup: float = 1.28
@@ -248,6 +250,8 @@ class Layout:
             "--activation_checkpoint.mode", self.ac,
             "--training.local_batch_size", str(self.local_batch_size),
         ]
+        if self.ac == "selective":
+            out.append("--activation_checkpoint.selective_op")  # keep matmul outputs, rerun the rest
         if self.pp > 1:
             out += ["--parallelism.pipeline_parallel_schedule", self.schedule,
                     "--parallelism.pipeline_parallel_microbatch_size", str(self.microbatch_size)]
@@ -303,8 +307,14 @@ class Workload:
     compile: bool = False
     float8: bool = False
     sequence_parallel: bool = True
+    async_tp: bool = False
+    """Async TP (`--parallelism.enable_async_tensor_parallel`): TP collectives overlap the
+    matmuls, so only what exceeds the compute is exposed."""
     memory_headroom: float = 0.10
     """Fraction added on top of the estimate (allocator fragmentation, workspaces)."""
+    loss_chunk_tokens: int = 0
+    """`--training.loss_chunk_tokens`: positions whose fp32 loss intermediates exist at once
+    (0: the whole microbatch)."""
 
 
 def stage_blocks(n_layers: int, pp: int) -> list[range]:
@@ -367,7 +377,10 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     per_dim = facts.dim * work.compute_dtype_bytes / tp_div
     activations = len(blocks) * _ACT_PER_TOKEN[layout.ac] * per_dim * held
     recompute = (_ACT_PER_TOKEN["none"] - _ACT_PER_TOKEN[layout.ac]) * per_dim * micro if blocks else 0.0
-    logits = micro * facts.vocab * 4 / layout.tp if last else 0.0
+    # The output projection's logits in the compute dtype, plus the loss's fp32 upcast and
+    # its gradient for one chunk of positions (the whole microbatch unless chunked).
+    chunk = min(micro, work.loss_chunk_tokens) if work.loss_chunk_tokens else micro
+    logits = (micro * work.compute_dtype_bytes + chunk * 8) * facts.vocab / layout.tp if last else 0.0
     # FSDP: the block computed and the one prefetched, gathered in the compute dtype; one
     # block's fp32 gradients before their reduce-scatter.
     fsdp_buffers = block_unsharded * (2 * work.compute_dtype_bytes + 4) if layout.dp_shard * layout.cp > 1 else 0.0
@@ -407,7 +420,9 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     share = len(blocks) / facts.n_layers
     dp = layout.dp_replicate * layout.dp_shard
     tokens_rank = work.global_batch_size * work.seq_len / dp / layout.cp  # this rank's TP group's tokens
-    recompute = {"none": 1.0, "selective": 1.0 + 1 / 6, "full": 1.0 + 1 / 3}[layout.ac]
+    # Full AC reruns each block's forward (2 of its 6 FLOPs per parameter); selective (per op)
+    # reruns only the cheap ops between the matmuls, a few percent.
+    recompute = {"none": 1.0, "selective": 1.03, "full": 1.0 + 1 / 3}[layout.ac]
     flops = facts.flops_per_token * tokens_rank / layout.tp * share * recompute
     _, micro_tokens = _inflight_tokens(layout, work)
     rate = hw.peak_bf16_tflops * 1e12 * hw.matmul_efficiency * _size_factor(micro_tokens, hw)
@@ -428,6 +443,8 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     replicate /= _bandwidth(hw, layout.world_size // layout.pp)
     # TP + SP: 4 collectives of the residual stream per block forward, 4 backward.
     tp = 8 * len(blocks) * _ring(tokens_rank * facts.dim * b, layout.tp) / _bandwidth(hw, layout.tp)
+    if work.async_tp:
+        tp = max(tp - compute, 0.0)
     # CP: K and V gathered per block forward, their gradients reduce-scattered backward.
     kv = tokens_rank * layout.cp * facts.dim * facts.kv_fraction * b / layout.tp
     cp = 2 * len(blocks) * _ring(kv, layout.cp) / _bandwidth(hw, layout.cp * layout.tp)
