@@ -90,9 +90,11 @@ def test_memory_components_equal_hand_computed_bytes():
     assert mem["params_grads_optimizer"] == pytest.approx(16 * params)
     assert mem["fsdp_buffers"] == pytest.approx(per_block_tp * (2 * 2 + 4))
     tokens = 2 * 32  # local batch x seq, one microbatch
-    per_dim = facts.dim * 2 / 2  # bf16, sequence-parallel over TP 2
-    assert mem["activations"] == pytest.approx(facts.n_layers * 8 * per_dim * tokens)
-    assert mem["recompute"] == pytest.approx((22 - 8) * per_dim * tokens)
+    width = facts.dim * 2  # bf16
+    # 8 units kept per token and block (selective), 2 of them the gathered, unsharded inputs.
+    assert mem["activations"] == pytest.approx(facts.n_layers * ((8 - 2) / 2 + 2) * width * tokens)
+    assert mem["recompute"] == pytest.approx((22 - 8) * width / 2 * tokens)
+    assert mem["backward"] == pytest.approx(22 * width / 2 * tokens)
     # bf16 logits, the loss's fp32 upcast and gradient, vocab-sharded over TP 2.
     assert mem["logits"] == pytest.approx(tokens * facts.vocab * (2 + 8) / 2)
     subtotal = sum(v for k, v in mem.items() if k not in ("headroom", "total"))

@@ -15,7 +15,8 @@ memory per rank (worst pipeline stage)
     sequence parallel and by CP, for the microbatches a pipeline schedule keeps in flight; on
     the last stage one microbatch's logits in the compute dtype plus the loss's fp32 upcast
     and gradient (per loss chunk when chunked); the recomputation
-    transient of one checkpointed block; then `memory_headroom` (allocator fragmentation,
+    transient of one checkpointed block and the activation gradients of the block being
+    differentiated (under CP, plus the K/V gathered from the other ranks); then `memory_headroom` (allocator fragmentation,
     workspaces) on top.
 
 step time (worst pipeline stage)
@@ -51,6 +52,8 @@ from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_pla
 GiB = 1024**3
 _ACT_PER_TOKEN = {"none": 22, "selective": 8, "full": 1}
 """Activation elements kept per token per block in model-dim units (`titan.dist.dry_run`)."""
+_GATHERED_INPUTS = 2
+"""Of those, the units TP cannot shard: attention's and the feed-forward's gathered inputs."""
 _STATE_BYTES = 16
 """fp32 parameter, gradient and AdamW's two moments, per parameter of the rank's shard."""
 
@@ -374,9 +377,19 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     params, block_unsharded = stage_params(facts, layout, blocks, first, last)
     held, micro = _inflight_tokens(layout, work)
     tp_div = layout.tp if work.sequence_parallel else max(1.0, layout.tp / 2)
-    per_dim = facts.dim * work.compute_dtype_bytes / tp_div
-    activations = len(blocks) * _ACT_PER_TOKEN[layout.ac] * per_dim * held
-    recompute = (_ACT_PER_TOKEN["none"] - _ACT_PER_TOKEN[layout.ac]) * per_dim * micro if blocks else 0.0
+    width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
+    kept = _ACT_PER_TOKEN[layout.ac]
+    # Under TP the inputs of attention and feed-forward are gathered whole (SP) or replicated
+    # before the sharded matmuls save them: those 2 units are not divided by TP.
+    gathered = _GATHERED_INPUTS if layout.tp > 1 and layout.ac != "full" else 0
+    per_block_token = ((kept - gathered) / tp_div + gathered) * width
+    if layout.cp > 1 and layout.ac != "full":
+        # CP attention saves the K and V it gathered from the other CP ranks.
+        per_block_token += facts.kv_fraction * (layout.cp - 1) * width / layout.tp
+    activations = len(blocks) * per_block_token * held
+    recompute = (_ACT_PER_TOKEN["none"] - kept) * width / tp_div * micro if blocks else 0.0
+    # The backward of one block holds the gradients of what it saved, as large again.
+    backward = _ACT_PER_TOKEN["none"] * width / tp_div * micro if blocks else 0.0
     # The output projection's logits in the compute dtype, plus the loss's fp32 upcast and
     # its gradient for one chunk of positions (the whole microbatch unless chunked).
     chunk = min(micro, work.loss_chunk_tokens) if work.loss_chunk_tokens else micro
@@ -385,7 +398,7 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     # block's fp32 gradients before their reduce-scatter.
     fsdp_buffers = block_unsharded * (2 * work.compute_dtype_bytes + 4) if layout.dp_shard * layout.cp > 1 else 0.0
     out = {"params_grads_optimizer": params * _STATE_BYTES, "fsdp_buffers": fsdp_buffers,
-           "activations": activations, "recompute": recompute, "logits": logits}
+           "activations": activations, "recompute": recompute, "backward": backward, "logits": logits}
     subtotal = sum(out.values())
     out["headroom"] = subtotal * work.memory_headroom
     out["total"] = subtotal + out["headroom"]

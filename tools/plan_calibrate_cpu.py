@@ -1,0 +1,186 @@
+"""Calibrate `titan plan` on this CPU: its predicted peak memory and step time against real
+`titan train` runs of the same model in several layouts (gloo, one thread per rank).
+
+    python tools/plan_calibrate_cpu.py [--steps 6] [--json]
+
+The hardware profile is measured here first: the fp32 GEMM rate of one thread (the "peak")
+and how it falls for few tokens,
+the bandwidth of a 2-rank gloo all-gather, and the memory a rank holds before training (the
+interpreter with torch and titan loaded, which a GPU's memory does not contain). The kernel
+efficiency is then fitted on the one-process run's step time; every other layout's time,
+and every memory figure, is a prediction. Memory is the peak resident set of the largest rank
+(`memory_peak_gib` in metrics.jsonl). Takes a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from titan.dist.planner import Hardware, Layout, predict
+
+from titan.recipes.cli import parse_train_args
+from titan.recipes.plan import model_facts, workload_for
+
+MODEL = ["--config", "llama3_debug", "--training.seq_len", "512"]
+LAYOUTS = {
+    # name: (ranks, layout flags, local batch)
+    "one process": (1, [], 8),
+    "fsdp 2": (2, ["--parallelism.data_parallel_shard_degree", "2"], 4),
+    "tp 2": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"], 8),
+    "pp 2": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
+                 "--parallelism.pipeline_parallel_microbatch_size", "2"], 8),
+    "cp 2": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"], 8),
+}
+
+
+def gemm_tflops(n: int = 1024, repeats: int = 10) -> float:
+    """fp32 matmul rate of one thread, TFLOP/s (best of three timings)."""
+    torch.set_num_threads(1)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 * repeats / best / 1e12
+
+
+def half_efficiency_tokens(dim: int = 256, small: int = 64, large: int = 4096) -> float:
+    """Tokens M at which a [M, dim] x [dim, 3 dim] matmul runs at half its large-M rate,
+    from the rates at `small` and `large` M (rate = R M / (M + h), solved for h)."""
+    torch.set_num_threads(1)
+    weight = torch.randn(dim, 3 * dim)
+
+    def rate(m: int) -> float:
+        x = torch.randn(m, dim)
+        x @ weight
+        repeats = max(1, 2**16 // m)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            x @ weight
+        return 2 * m * dim * 3 * dim * repeats / (time.perf_counter() - start)
+
+    r_small, r_large = rate(small), rate(large)
+    return max(0.0, (r_large - r_small) / (r_small / small - r_large / large))
+
+
+def _all_gather_worker(rank: int, store_path: str, out: str, megabytes: int) -> None:
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    shard = torch.ones(megabytes * 2**20 // 4)
+    full = torch.empty(2 * shard.numel())
+    dist.all_gather_into_tensor(full, shard)
+    start = time.perf_counter()
+    for _ in range(5):
+        dist.all_gather_into_tensor(full, shard)
+    elapsed = time.perf_counter() - start
+    if rank == 0:
+        Path(out).write_text(str(5 * shard.numel() * 4 / elapsed / 1e9))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def gloo_gbps(megabytes: int = 32) -> float:
+    """GB/s each of 2 gloo ranks receives in an all-gather."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rate")
+        mp.spawn(_all_gather_worker, args=(os.path.join(tmp, "store"), out, megabytes), nprocs=2)
+        return float(Path(out).read_text())
+
+
+def process_gib() -> float:
+    """Resident memory of an interpreter with torch and titan's trainer imported."""
+    code = ("import resource, titan.recipes.cli, titan.train.trainer; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1]) * 1024 / 2**30
+
+
+def train(name: str, folder: Path, steps: int) -> dict:
+    """One `titan train` run of a layout; (peak memory GiB, median step seconds)."""
+    ranks, flags, local = LAYOUTS[name]
+    launch = [sys.executable] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
+    cmd = [*launch, "-m", "titan.recipes.cli", "train", *MODEL, *flags, "--training.local_batch_size", str(local),
+           "--training.steps", str(steps), "--metrics.log_freq", "1", "--metrics.no_enable_progress_bar",
+           "--job.dump_folder", str(folder)]
+    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return {"memory_gib": max(r["memory_peak_gib"] for r in rows),
+            "step_s": statistics.median(r["elapsed_s"] for r in rows[2:])}
+
+
+def layout_of(name: str) -> Layout:
+    """The planner's `Layout` for a calibration run (AC off, titan's defaults otherwise)."""
+    ranks, flags, local = LAYOUTS[name]
+    degrees = dict(zip(flags[::2], flags[1::2], strict=True))
+    pp = int(degrees.get("--parallelism.pipeline_parallel_degree", 1))
+    return Layout(pp=pp, dp_replicate=1, dp_shard=int(degrees.get("--parallelism.data_parallel_shard_degree", ranks)),
+                  cp=int(degrees.get("--parallelism.context_parallel_degree", 1)),
+                  tp=int(degrees.get("--parallelism.tensor_parallel_degree", 1)), ep=1, ac="none",
+                  local_batch_size=local, microbatch_size=int(degrees.get(
+                      "--parallelism.pipeline_parallel_microbatch_size", local)), schedule="1F1B")
+
+
+def main() -> None:
+    """Measure the profile, run every layout, print predicted vs measured."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    peak, half, link, base = gemm_tflops(), half_efficiency_tokens(), gloo_gbps(), process_gib()
+    config = parse_train_args(MODEL)
+    facts, _, _ = model_facts(config)
+    with tempfile.TemporaryDirectory() as tmp:
+        measured = {name: train(name, Path(tmp) / name.replace(" ", "_"), args.steps) for name in LAYOUTS}
+    ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    hw = Hardware(name="this CPU (1 thread per rank)", peak_bf16_tflops=peak, peak_fp8_tflops=0, memory_gib=ram_gib,
+                  intra_node_gbps=link, inter_node_gbps=link, devices_per_node=8, link_efficiency=1.0,
+                  half_efficiency_tokens=half)
+    # No headroom: the CPU allocator returns freed memory, and the peak is what is resident.
+    work = workload_for(config, 1, 8 * 512, 0.0)
+    # Fit the one free constant on the one-process run's time, as on GPUs.
+    first = predict(facts, layout_of("one process"), work, hw)
+    efficiency = hw.matmul_efficiency * first.times["step"] / measured["one process"]["step_s"]
+    hw = dataclasses.replace(hw, matmul_efficiency=efficiency)
+    rows = []
+    for name in LAYOUTS:
+        p = predict(facts, layout_of(name), work, hw)
+        memory = p.memory["total"] / 2**30 + base
+        rows.append({"layout": name, "memory_gib": measured[name]["memory_gib"], "predicted_memory_gib": memory,
+                     "memory_error": memory / measured[name]["memory_gib"] - 1,
+                     "step_s": measured[name]["step_s"], "predicted_step_s": p.times["step"],
+                     "time_error": p.times["step"] / measured[name]["step_s"] - 1, "dominant": p.dominant})
+    profile = {"gemm_tflops_1_thread": peak, "half_efficiency_tokens": half, "gloo_gbps": link, "process_gib": base, "fitted_efficiency": efficiency,
+               "self_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if args.json:
+        print(json.dumps({"profile": profile, "rows": rows}, indent=1))
+        return
+    print(f"profile: fp32 GEMM {peak * 1e3:.1f} GFLOP/s per thread (half of it at {half:.0f} tokens), gloo all-gather {link:.2f} GB/s, "
+          f"{base:.2f} GiB per process before training; fitted kernel efficiency {efficiency:.2f}")
+    print("| layout | measured peak | predicted | error | measured step | predicted | error |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layout']} | {r['memory_gib']:.2f} GiB | {r['predicted_memory_gib']:.2f} GiB | "
+              f"{100 * r['memory_error']:+.0f}% | {r['step_s']:.2f} s | {r['predicted_step_s']:.2f} s | "
+              f"{100 * r['time_error']:+.0f}% |")
+
+
+if __name__ == "__main__":
+    main()
