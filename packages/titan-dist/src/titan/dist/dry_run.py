@@ -24,11 +24,14 @@ from titan.dist.plan import blocks_of, match_modules, sharding_plan
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Activation elements kept per token per block, in units of the model dim: everything, only
-# what selective checkpointing keeps, or only the block input (full checkpointing). "none" is
+# what per-op selective checkpointing keeps (matmul outputs), or only the block input (a
+# checkpointed block: full, or layer-selective's every k-th block). "none" is
 # what autograd saves for titan's pre-norm attention + SwiGLU block in eager mode (measured with
 # saved-tensor hooks, tests/test_dry_run.py: 22; the earlier 17 left out RoPE's float32
 # intermediates and read 1.27x low); compiled blocks save less.
-_ACT_PER_TOKEN = {"none": 22, "selective": 8, "full": 1}
+ACT_UNITS_PER_TOKEN = {"none": 22, "selective": 8, "full": 1}
+"""Activation elements kept per token per block, in model-dim units, by AC mode ("selective":
+per-op). The layout planner (`titan.dist.planner`) uses the same figures."""
 
 
 @dataclass
@@ -97,7 +100,23 @@ def _model_shape(model: nn.Module) -> tuple[int, int]:
     return int(dim), int(vocab)
 
 
-def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac_mode: str,
+def kept_units(ac, n_layers: int) -> tuple[float, float]:
+    """(activation units kept per token over `n_layers` blocks, units one checkpointed block
+    rebuilds in its backward) under the activation-checkpointing config `ac`: "selective"
+    with `selective_op` keeps matmul outputs in every block; otherwise it checkpoints whole
+    blocks 0, k, 2k, ... (k = `selective_layer_every`), which keep their input only."""
+    none, full = ACT_UNITS_PER_TOKEN["none"], ACT_UNITS_PER_TOKEN["full"]
+    if ac.mode == "none" or not n_layers:
+        return none * n_layers, 0.0
+    if ac.mode == "selective" and ac.selective_op:
+        kept = ACT_UNITS_PER_TOKEN["selective"]
+        return kept * n_layers, none - kept
+    every = 1 if ac.mode == "full" else ac.selective_layer_every
+    checkpointed = -(-n_layers // every)
+    return checkpointed * full + (n_layers - checkpointed) * none, none - full
+
+
+def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
                       dim: int, vocab: int, tokens: int, logit_tokens: int,
                       activation_dtype: str) -> tuple[int, int]:
     """(bytes of the activations kept for backward, bytes of one block's recomputation)."""
@@ -107,14 +126,14 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac_mode: 
     # intermediates are sharded: count half of it as sharded.
     tp_div = dims.tp if cfg.enable_sequence_parallel else max(1.0, dims.tp / 2)
     per_dim = dim * tokens * act_bytes / tp_div  # one model-dim-wide tensor of the microbatch
-    per_layer = _ACT_PER_TOKEN[ac_mode] * per_dim
+    kept, rebuilt = kept_units(ac, layers)
     # fp32 logits live for one microbatch only: the last stage runs its backward right after
     # its forward, so they are not multiplied by the microbatches in flight.
     logits = logit_tokens * vocab * 4 / dims.tp if any(_output_modules(p) for p in parts) else 0
     # A checkpointed block's backward first recomputes everything its forward saved, for one
     # microbatch (logit_tokens: a microbatch's tokens, also under pipeline parallel).
-    recompute = (_ACT_PER_TOKEN["none"] - _ACT_PER_TOKEN[ac_mode]) * per_dim * logit_tokens / tokens if layers else 0
-    return int(layers * per_layer + logits), int(recompute)
+    recompute = rebuilt * per_dim * logit_tokens / tokens
+    return int(kept * per_dim + logits), int(recompute)
 
 
 def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, activation_checkpoint,
@@ -145,7 +164,7 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
                                  activation_checkpoint=activation_checkpoint, compile=compile)]
             tokens = logit_tokens = local_batch_size * seq_len // dims.cp
         params = sum(_local_numel(p) for p in parts)
-        acts = _activation_bytes(parts, dims, parallelism, activation_checkpoint.mode, dim, vocab,
+        acts = _activation_bytes(parts, dims, parallelism, activation_checkpoint, dim, vocab,
                                  tokens, logit_tokens, activation_dtype)
         return params, *acts
     finally:

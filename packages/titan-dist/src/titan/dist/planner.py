@@ -47,11 +47,10 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from titan.dist.dims import ParallelDims
+from titan.dist.dry_run import ACT_UNITS_PER_TOKEN
 from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_plan
 
 GiB = 1024**3
-_ACT_PER_TOKEN = {"none": 22, "selective": 8, "full": 1}
-"""Activation elements kept per token per block in model-dim units (`titan.dist.dry_run`)."""
 _GATHERED_INPUTS = 2
 """Of those, the units TP cannot shard: attention's and the feed-forward's gathered inputs."""
 _STATE_BYTES = 16
@@ -378,7 +377,7 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     held, micro = _inflight_tokens(layout, work)
     tp_div = layout.tp if work.sequence_parallel else max(1.0, layout.tp / 2)
     width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
-    kept = _ACT_PER_TOKEN[layout.ac]
+    kept = ACT_UNITS_PER_TOKEN[layout.ac]
     # Under TP the inputs of attention and feed-forward are gathered whole (SP) or replicated
     # before the sharded matmuls save them: those 2 units are not divided by TP.
     gathered = _GATHERED_INPUTS if layout.tp > 1 and layout.ac != "full" else 0
@@ -387,9 +386,9 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
         # CP attention saves the K and V it gathered from the other CP ranks.
         per_block_token += facts.kv_fraction * (layout.cp - 1) * width / layout.tp
     activations = len(blocks) * per_block_token * held
-    recompute = (_ACT_PER_TOKEN["none"] - kept) * width / tp_div * micro if blocks else 0.0
+    recompute = (ACT_UNITS_PER_TOKEN["none"] - kept) * width / tp_div * micro if blocks else 0.0
     # The backward of one block holds the gradients of what it saved, as large again.
-    backward = _ACT_PER_TOKEN["none"] * width / tp_div * micro if blocks else 0.0
+    backward = ACT_UNITS_PER_TOKEN["none"] * width / tp_div * micro if blocks else 0.0
     # The output projection's logits in the compute dtype, plus the loss's fp32 upcast and
     # its gradient for one chunk of positions (the whole microbatch unless chunked).
     chunk = min(micro, work.loss_chunk_tokens) if work.loss_chunk_tokens else micro
