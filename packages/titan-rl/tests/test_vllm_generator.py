@@ -40,8 +40,13 @@ TINY = {"vocab_size": 320, "max_seq_len": 64, "dim": 64, "n_heads": 2, "n_kv_hea
 # Llama keeps debugmodel_tiny's 4 heads of 16 channels: below the CPU kernels' smallest head
 # size (32), so vLLM runs it zero-padded (checked below); the Qwen families run 2 heads of 32.
 HEADS = {"llama3": {"n_heads": 4, "n_kv_heads": 2}}
-FLAVORS = {"llama3": "debugmodel_tiny", "qwen3": "debugmodel", "qwen3_moe": "debugmodel"}
-HF_CLASSES = {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+FLAVORS = {"llama3": "debugmodel_tiny", "qwen3": "debugmodel", "qwen3_moe": "debugmodel",
+           "deepseek_v3": "debugmodel_tiny"}
+HF_CLASSES = {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+              "deepseek_v3": "DeepseekV3ForCausalLM"}
+# DeepSeek-V3's tiny flavor keeps its own MLA shape (4 heads, q/k 16 + 8 channels, v 16):
+# vLLM runs it zero-padded to the CPU kernels' 32 channels.
+PADS = {"llama3": 16, "deepseek_v3": 32 - 24}
 PROMPTS = [[5, 17, 33, 2, 9], [100, 101, 102], [7, 8, 9, 10, 11, 12, 13, 14]]
 
 
@@ -53,6 +58,8 @@ def hf_checkpoint(family: str, folder):
     overrides = {**TINY, **HEADS.get(family, {})}
     if family == "qwen3_moe":
         overrides.pop("n_layers")
+    if family == "deepseek_v3":
+        overrides = {"vocab_size": TINY["vocab_size"], "max_seq_len": TINY["max_seq_len"]}
     with torch.device("meta"):
         meta = spec.build(FLAVORS[family], **overrides)
     config = spec.adapter(meta).hf_config(torch_dtype="float32")
@@ -97,7 +104,7 @@ def test_greedy_tokens_equal_transformers_and_native(family_setup):
                           eos_token_id=None, pad_token_id=0)
         assert out[0, len(prompt):].tolist() == tokens
     pads = generator.llm.apply_model(lambda m: [b.attention.inner_attention.pad for b in m.model.layers.values()])[0]
-    assert pads == [16 if family == "llama3" else 0] * len(pads)
+    assert pads == [PADS.get(family, 0)] * len(pads)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
@@ -172,7 +179,7 @@ def load_sync_worker():
     return module
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "deepseek_v3"])
 def test_weight_updates_from_a_training_engine_move_vllms_logprobs(family, tmp_path, monkeypatch):
     """vLLM generates with the trainer's weights after each sync (optimizer steps between
     syncs): its log-probs equal the trainer's forward within 1e-5 and differ from the old
@@ -189,8 +196,9 @@ def test_weight_updates_from_a_training_engine_move_vllms_logprobs(family, tmp_p
         monkeypatch.delenv(var, raising=False)
     worker = load_sync_worker()
     spec = model_spec(family)
-    flavor = "debugmodel_tiny" if family == "llama3" else "debugmodel"
-    overrides = {} if family == "llama3" else {"dim": 64, "n_heads": 2, "n_kv_heads": 1}
+    tiny = family in ("llama3", "deepseek_v3")  # flavors already test-sized
+    flavor = "debugmodel_tiny" if tiny else "debugmodel"
+    overrides = {} if tiny else {"dim": 64, "n_heads": 2, "n_kv_heads": 1}
     engine = worker.make_engine(str(tmp_path), flavor=flavor, spec=spec, overrides=overrides)
     sharpen_routers(engine.model_parts[0])
     generator = VLLMGenerator.from_model_spec(
@@ -210,7 +218,7 @@ def test_weight_updates_from_a_training_engine_move_vllms_logprobs(family, tmp_p
             completions = [c for g in generator.generate(prompts, sampling) for c in g]
             assert all(c.version == version for c in completions)
             got = [lp for c in completions for lp in c.logprobs]
-            if family == "qwen3_moe" and version == 2:
+            if family in ("qwen3_moe", "deepseek_v3") and version == 2:
                 trained = dict(engine.full_state_dict())
                 biases = [n for n in trained if n.endswith("expert_bias")]
                 held = dict(generator.named_weights())

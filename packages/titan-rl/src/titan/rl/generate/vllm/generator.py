@@ -77,6 +77,7 @@ class VLLMGenerator:
             # The trainer's weights arrive through load_weights: vLLM starts from placeholders.
             self._folder = _model_folder({**hf_config, "architectures": [architecture]}, work_dir)
             model, load_format = self._folder.name, "dummy"
+        _expanded_latent_attention(hf_config)
         self.max_seq_len = int(hf_config["max_position_embeddings"])
         self.eos_token_id = eos_token_id
         args: dict[str, Any] = {
@@ -204,6 +205,21 @@ def _require_in_process_engine() -> None:
         raise ValueError(
             f"VLLM_ENABLE_V1_MULTIPROCESSING={value}: titan's vLLM generator runs the engine in "
             "the trainer's process (weight updates are in-memory copies); unset it or set it to 0"
+        )
+
+
+def _expanded_latent_attention(hf_config: dict[str, Any]) -> None:
+    """A multi-head-latent-attention config (DeepSeek's `kv_lora_rank`) would send vLLM down its
+    own MLA path (a latent KV cache and MLA kernels, none on CPU); titan's model computes the
+    latents itself and hands vLLM per-head keys and values, so that path is turned off
+    (`VLLM_MLA_DISABLE=1`). A user setting that asks for it is refused rather than overridden."""
+    if hf_config.get("kv_lora_rank") is None:
+        return
+    value = os.environ.setdefault("VLLM_MLA_DISABLE", "1")
+    if value != "1":
+        raise ValueError(
+            f"VLLM_MLA_DISABLE={value}: titan's DeepSeek-V3 runs in vLLM as per-head attention over "
+            "the keys and values its latents expand to; unset VLLM_MLA_DISABLE or set it to 1"
         )
 
 

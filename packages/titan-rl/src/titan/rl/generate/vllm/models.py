@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from titan.models.common.decoder import Decoder
+from titan.models.deepseek_v3 import DeepseekV3Model, DeepseekV3StateDictAdapter
 from titan.models.llama3 import Llama3Model, Llama3StateDictAdapter
 from titan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter
 from titan.models.qwen3_moe import Qwen3MoeModel, Qwen3MoeStateDictAdapter
@@ -52,23 +53,28 @@ class PagedAttention(nn.Module):
 
     When the kernel's head size exceeds the model's (`kernel_head_dim`), q, k and v are
     zero-padded to it and the output cut back: zero channels add nothing to q.k, and the
-    softmax scale is the model's own, so the result is the unpadded attention."""
+    softmax scale is the model's own, so the result is the unpadded attention. Values may be
+    narrower than queries and keys (multi-head latent attention: v_head_dim < nope + rope):
+    each is padded to the kernel's size, and the output cut back to the values' width."""
 
     def __init__(self, attn: Attention, head_dim: int) -> None:
         super().__init__()
         self.attn = attn
         self.pad = attn.head_size - head_dim
+        """Zero channels added to each query/key head."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of the one packed row; shapes as titan's `ScaledDotProductAttention`."""
-        _, n_heads, tokens, head_dim = q.shape
+        _, n_heads, tokens, _ = q.shape
+        size = self.attn.head_size
 
-        def packed(t: torch.Tensor) -> torch.Tensor:  # [1, H, T, Dh] -> [T, H * Dk]
+        def packed(t: torch.Tensor) -> torch.Tensor:  # [1, H, T, Dh] -> [T, H * size]
             t = t[0].transpose(0, 1)
-            return (F.pad(t, (0, self.pad)) if self.pad else t).reshape(tokens, -1)
+            pad = size - t.shape[-1]
+            return (F.pad(t, (0, pad)) if pad else t).reshape(tokens, -1)
 
-        out = self.attn(packed(q), packed(k), packed(v)).view(tokens, n_heads, head_dim + self.pad)
-        return out[..., :head_dim].transpose(0, 1).unsqueeze(0)
+        out = self.attn(packed(q), packed(k), packed(v)).view(tokens, n_heads, size)
+        return out[..., : v.shape[-1]].transpose(0, 1).unsqueeze(0)
 
 
 class TitanForCausalLM(nn.Module):
@@ -88,7 +94,10 @@ class TitanForCausalLM(nn.Module):
         self.adapter = self.ADAPTER(args)
         # The titan names, taken before vLLM's attention (which has scale buffers) moves in.
         self._titan_names = tuple(self.model.state_dict())
-        head_size = kernel_head_dim(args.head_dim, vllm_config.device_config.device.type)
+        # Multi-head latent attention runs here as the per-head attention it expands to (the
+        # cache holds per-head keys and values): values may be narrower than queries/keys.
+        widest = max(args.head_dim, getattr(args, "v_head_dim", args.head_dim))
+        head_size = kernel_head_dim(widest, vllm_config.device_config.device.type)
         for index, block in self.model.layers.items():
             name = f"{prefix}model.layers.{index}.attention.inner_attention.attn"
             block.attention.inner_attention = PagedAttention(
@@ -181,3 +190,11 @@ class TitanQwen3MoeForCausalLM(TitanForCausalLM):
     MODEL_CLASS = Qwen3MoeModel
     ADAPTER = Qwen3MoeStateDictAdapter
 
+
+class TitanDeepseekV3ForCausalLM(TitanForCausalLM):
+    """`titan.models.deepseek_v3` run by vLLM: MLA's queries, latents and RoPE are titan's;
+    its inner attention over the expanded per-head keys and values is vLLM's paged kernel
+    (the generator turns vLLM's own MLA path off, see `VLLMGenerator`)."""
+
+    MODEL_CLASS = DeepseekV3Model
+    ADAPTER = DeepseekV3StateDictAdapter

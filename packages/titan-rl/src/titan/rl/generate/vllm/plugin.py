@@ -12,6 +12,7 @@ ARCHITECTURES: dict[str, str] = {
     "TitanLlama3ForCausalLM": "titan.rl.generate.vllm.models:TitanLlama3ForCausalLM",
     "TitanQwen3ForCausalLM": "titan.rl.generate.vllm.models:TitanQwen3ForCausalLM",
     "TitanQwen3MoeForCausalLM": "titan.rl.generate.vllm.models:TitanQwen3MoeForCausalLM",
+    "TitanDeepseekV3ForCausalLM": "titan.rl.generate.vllm.models:TitanDeepseekV3ForCausalLM",
 }
 """vLLM architecture name -> the class that runs it."""
 
@@ -19,6 +20,7 @@ FAMILY_ARCHITECTURES: dict[str, str] = {
     "llama3": "TitanLlama3ForCausalLM",
     "qwen3": "TitanQwen3ForCausalLM",
     "qwen3_moe": "TitanQwen3MoeForCausalLM",
+    "deepseek_v3": "TitanDeepseekV3ForCausalLM",
 }
 """titan model family (``--model.name``) -> its vLLM architecture name."""
 
