@@ -18,6 +18,7 @@ from launching import launch_train_runs
 from titan.ckpt import load_dcp_model
 
 STEPS = 30
+DSV3_STEPS = 15  # DeepSeek-V3's debug model learns the byte stream faster (6.2 -> ~2.5 by step 10)
 
 
 def titan_train(dump: Path, *flags: str) -> list[dict]:
@@ -134,13 +135,13 @@ def test_deepseek_v3_debug_trains_with_falling_loss_and_exports_to_transformers(
     from titan.models.deepseek_v3 import DeepseekV3StateDictAdapter, build_deepseek_v3
 
     rows = titan_train(
-        tmp_path, "--config", "deepseek_v3_debug", "--training.steps", str(STEPS),
+        tmp_path, "--config", "deepseek_v3_debug", "--training.steps", str(DSV3_STEPS),
         "--training.seq_len", "64", "--training.local_batch_size", "8",
         "--lr_scheduler.warmup_steps", "5", "--metrics.log_freq", "5",
         "--metrics.no_enable_progress_bar", "--checkpoint.enable",
-        "--checkpoint.interval", str(STEPS),
+        "--checkpoint.interval", str(DSV3_STEPS),
     )
-    assert [r["step"] for r in rows] == [1, 5, 10, 15, 20, 25, 30]
+    assert [r["step"] for r in rows] == [1, 5, 10, 15]
     first, last = rows[0]["loss"], rows[-1]["loss"]
     assert last < first - 1.5, f"loss fell only from {first:.3f} to {last:.3f}"
 
