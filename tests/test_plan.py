@@ -190,3 +190,14 @@ def test_published_comparison_script_reproduces_its_figures():
     seventy = tool.compare(next(row for row in tool.PUBLISHED if row.recipe == "llama3_70b"))
     assert abs(seventy["error"]) < 0.20 and seventy["rank"] is not None
     assert "| 70B, 256 GPUs" in tool.markdown([fitted, seventy])
+
+
+def test_layout_flags_on_the_command_line_pin_the_choices(capsys):
+    """A `--parallelism.*` / `--activation_checkpoint.mode` flag is a constraint, never ignored."""
+    rc = main(["plan", "--config", "llama3_70b", "--gpus", "64xH100", "--json",
+               "--parallelism.tensor_parallel_degree", "8", "--activation_checkpoint.mode=full"])
+    assert rc == 0
+    layouts = [row["layout"] for row in json.loads(capsys.readouterr().out)["layouts"]]
+    assert layouts and all(lay["tp"] == 8 and lay["ac"] == "full" for lay in layouts)
+    rc = main(["plan", "--config", "llama3_70b", "--gpus", "64xH100", "--parallelism.tensor_parallel_degree", "3"])
+    assert rc == 2 and "'tp': 3" in capsys.readouterr().err

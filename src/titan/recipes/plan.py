@@ -5,6 +5,8 @@ the meta device and described to ``titan.dist.planner`` (which parameters TP sha
 replicates, the routed experts, FLOPs per token). Every layout the engine would accept is
 predicted (memory per rank, step time) and the fastest that fit are printed with the exact
 ``titan train`` flags of each; ``--verify N`` also runs the real dry run of the first N.
+Layout flags given on the command line (``--parallelism.tensor_parallel_degree 8``,
+``--activation_checkpoint.mode full``, ...) pin those choices.
 """
 
 from __future__ import annotations
@@ -63,6 +65,35 @@ def parse_plan_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]
     return opts, rest
 
 
+# Layout choices a user may pin on the command line: flag -> (Layout field, parser).
+PINNABLE = {
+    "--parallelism.data_parallel_replicate_degree": ("dp_replicate", int),
+    "--parallelism.data_parallel_shard_degree": ("dp_shard", int),
+    "--parallelism.tensor_parallel_degree": ("tp", int),
+    "--parallelism.context_parallel_degree": ("cp", int),
+    "--parallelism.pipeline_parallel_degree": ("pp", int),
+    "--parallelism.expert_parallel_degree": ("ep", int),
+    "--parallelism.pipeline_parallel_schedule": ("schedule", str),
+    "--parallelism.pipeline_parallel_microbatch_size": ("microbatch_size", int),
+    "--activation_checkpoint.mode": ("ac", str),
+}
+
+
+def pinned_choices(argv: Sequence[str]) -> dict[str, object]:
+    """Layout fields the command line fixes (`--parallelism.tensor_parallel_degree 8`, ...):
+    the planner ranks only layouts with those values instead of ignoring the flags.
+    `data_parallel_shard_degree -1` (fill the rest) pins nothing."""
+    args, pinned = list(argv), {}
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in PINNABLE and (eq or i + 1 < len(args)):
+            field, parse = PINNABLE[flag]
+            value = parse(value if eq else args[i + 1])
+            if not (field == "dp_shard" and value == -1):
+                pinned[field] = value
+    return pinned
+
+
 def model_facts(config: TrainerConfig):
     """(ModelFacts, routed experts per MoE layer or 0, the meta model) of the recipe's model."""
     spec = model_spec(config.model.name)
@@ -97,9 +128,12 @@ def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | No
                     loss_chunk_tokens=t.loss_chunk_tokens)
 
 
-def passes_engine_checks(probe, seq_len: int, global_batch: int):
-    """A filter: the layout passes the checks `titan train` runs before building anything."""
+def passes_engine_checks(probe, seq_len: int, global_batch: int, pinned: dict[str, object] | None = None):
+    """A filter: the layout has the `pinned` values and passes the checks `titan train` runs
+    before building anything."""
     def check(layout: Layout) -> bool:
+        if pinned and any(getattr(layout, field) != value for field, value in pinned.items()):
+            return False
         try:
             validate_against_model(layout_dims(layout), probe, seq_len=seq_len, global_batch_size=global_batch,
                                    local_batch_size=layout.local_batch_size)
@@ -152,11 +186,14 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
     facts, n_experts, probe = model_facts(config)
     work = workload_for(config, gpus, opts.global_batch_tokens, opts.memory_headroom)
     layouts = enumerate_layouts(facts, gpus, work, n_experts=n_experts)
+    pinned = pinned_choices(rest)
     preds = rank_layouts(facts, layouts, work, hw,
-                         valid=passes_engine_checks(probe, work.seq_len, work.global_batch_size))
+                         valid=passes_engine_checks(probe, work.seq_len, work.global_batch_size, pinned))
     if not preds:
-        raise ValueError(f"no layout of {gpus} ranks passes the model's checks for a global batch of "
-                         f"{work.global_batch_size} x {work.seq_len} tokens; change --global_batch_tokens")
+        fixed = f" with {pinned}" if pinned else ""
+        raise ValueError(f"no layout of {gpus} ranks{fixed} passes the model's checks for a global batch of "
+                         f"{work.global_batch_size} x {work.seq_len} tokens; change --global_batch_tokens"
+                         + (" or the pinned --parallelism / --activation_checkpoint flags" if pinned else ""))
     for p in preds[: opts.verify]:
         run_dry_run(config_for(config, p.layout), world_size=gpus, print_fn=lambda s: None)
     if opts.json:
