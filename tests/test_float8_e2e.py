@@ -143,3 +143,26 @@ def test_float8_checkpoint_is_high_precision_and_loads_without_the_conversion(tr
     # 20 steps bring it to ~4.4).
     assert plain[0] < 0.8 * trained[0]
     assert converted[0] == pytest.approx(plain[0], rel=0.01)  # same weights, float8 rounding apart
+
+
+def test_deepseek_v3_conversion_keeps_mla_low_rank_projections_routers_and_experts_high_precision():
+    """DeepSeek-V3's float8 filter, counted: of debugmodel_tiny's 27 linears (3 blocks of MLA's
+    wq_a, wq_b, wkv_a, wkv_b, wo; block 0's dense SwiGLU; blocks 1-2's routers and shared
+    experts; the output), the TP-replicated low-rank projections, the routers and the output
+    stay in high precision, and so do the grouped experts."""
+    import torch
+    from titan.models.deepseek_v3 import build_deepseek_v3
+    from titan.train.quantize import QuantizeConfig, apply_quantization
+
+    with torch.device("meta"):
+        model = build_deepseek_v3("debugmodel_tiny", vocab_size=320, max_seq_len=32)
+    config = QuantizeConfig()
+    config.linear.float8.recipe = "rowwise"
+    report = apply_quantization(model, config)
+    kept = sorted(report.skipped)
+    low_rank = [f"layers.{i}.attention.{name}" for i in range(3) for name in ("wkv_a", "wq_a")]
+    routers = [f"layers.{i}.feed_forward.router.gate" for i in (1, 2)]
+    assert kept == sorted([*low_rank, *routers, "output"])
+    assert len(report.converted) == 27 - len(kept) == 18
+    assert "layers.0.attention.wkv_b" in report.converted and "layers.1.feed_forward.shared_experts.w2" in report.converted
+    assert report.high_precision_experts == 2

@@ -62,9 +62,9 @@ def test_converts_exactly_the_filtered_linears_on_the_meta_device():
     assert _converted(model) == ["layers.0.wq", "layers.0.w2", "layers.1.wq", "layers.1.w2"]
     assert list(report.converted) == _converted(model)
     assert report.skipped == {
-        "layers.0.narrow": "dims not divisible by 16", "layers.0.gate": "output layer or router (model plan)",
-        "layers.1.narrow": "dims not divisible by 16", "layers.1.gate": "output layer or router (model plan)",
-        "output": "output layer or router (model plan)",
+        "layers.0.narrow": "dims not divisible by 16", "layers.0.gate": "output layer or TP-replicated linear: router, low-rank projection (model plan)",
+        "layers.1.narrow": "dims not divisible by 16", "layers.1.gate": "output layer or TP-replicated linear: router, low-rank projection (model plan)",
+        "output": "output layer or TP-replicated linear: router, low-rank projection (model plan)",
     }
     assert "converted 4 of 9 linears" in report.summary("rowwise")
     assert isinstance(model.tok_embeddings, nn.Embedding)

@@ -139,7 +139,7 @@ def _abbreviate(names: list[str], shown: int = 3) -> str:
 def _skip_reason(fqn: str, module: nn.Linear, plan_skipped: frozenset[str], filter_fqns: list[str]) -> str | None:
     """Why linear ``fqn`` stays in high precision, or None when it is converted."""
     if fqn in plan_skipped:
-        return "output layer or router (model plan)"
+        return "output layer or TP-replicated linear: router, low-rank projection (model plan)"
     if any(pattern in fqn for pattern in filter_fqns):
         return "--quantize.linear.float8.filter_fqns"
     if module.in_features % _FLOAT8_DIM_MULTIPLE or module.out_features % _FLOAT8_DIM_MULTIPLE:
