@@ -62,6 +62,7 @@ class Hardware:
     """One accelerator type and how it is wired; every field can be overridden."""
 
     name: str
+    """What the tables call the device."""
     peak_bf16_tflops: float
     """Dense bf16 tensor-core peak per device (datasheet)."""
     peak_fp8_tflops: float
@@ -73,6 +74,7 @@ class Hardware:
     inter_node_gbps: float
     """Per-device network bandwidth between nodes, GB/s."""
     devices_per_node: int = 8
+    """Devices sharing the intra-node link (`--nodes` sets it to gpus / nodes)."""
     matmul_efficiency: float = 0.35
     """Fraction of the bf16 peak a training step's kernels reach in eager mode (fitted: Llama
     3.1 8B on 8 H100 with FSDP and per-op selective AC, torchtitan's 5,762 tokens/s/GPU)."""
@@ -151,13 +153,17 @@ class ModelFacts:
     """What the planner needs of a model, read once from its meta instance (`from_model`)."""
 
     blocks: tuple[BlockParams, ...]
+    """Each block's parameters, in order."""
     embedding: int
     """Parameters on the first pipeline stage outside the blocks (vocab-sharded by TP)."""
     output: int
     """Parameters on the last stage outside the blocks (the output projection; 0 when tied)."""
     final_norm: int
+    """The final norm's parameters (last stage, replicated over TP)."""
     dim: int
+    """Width of the residual stream (read off the output projection)."""
     vocab: int
+    """Rows of the output projection."""
     flops_per_token: float
     """Training FLOPs per token (forward + backward), as the trainer's MFU counts them."""
     kv_fraction: float = 1.0
