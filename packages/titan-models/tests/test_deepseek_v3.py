@@ -254,6 +254,8 @@ def test_unknown_key_and_missing_expert_are_errors(saved_hf):
     ({"rope_interleave": False}, "rope_interleave"),
     ({"attention_bias": True}, "attention_bias"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "dequantize"),
 ])
 def test_unsupported_configs_are_refused(change, message):
     cfg = {**_hf_config().to_dict(), **change}
@@ -309,3 +311,17 @@ def test_published_sizes_and_plan(flavor, total, active):
     first_moe = DEEPSEEK_V3_FLAVORS[flavor].first_k_dense_replace
     assert plan.tensor_parallel[f"layers.{first_moe}.feed_forward"] == "replicated_block"
     assert plan.tensor_parallel[f"layers.{first_moe - 1}.feed_forward"] == "block_input"
+
+
+def test_the_hubs_config_layout_is_read():
+    """The release's config.json spelling: `rope_scaling` with "type", `rope_theta` at top level,
+    and the keys transformers does not use (MTP, scoring, top-k method)."""
+    cfg = {**_hf_config().to_dict(), "rope_theta": 10000.0, "num_nextn_predict_layers": 1,
+           "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+    cfg.pop("rope_parameters")
+    cfg["rope_scaling"] = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                           "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    args = DeepseekV3StateDictAdapter.args_from_hf_config(cfg)
+    assert args.rope_theta == 10000.0
+    assert args.rope_scaling == YarnScaling(factor=40, original_max_position_embeddings=4096, mscale=1.0,
+                                            mscale_all_dim=1.0)

@@ -236,6 +236,11 @@ def _check_supported(cfg: dict[str, Any]) -> None:
         problems.append(f"scoring_func {cfg['scoring_func']!r} (DeepSeek-V3 routes with 'sigmoid')")
     if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
         problems.append(f"topk_method {cfg['topk_method']!r} (DeepSeek-V3's 'noaux_tc')")
+    if cfg.get("moe_layer_freq", 1) != 1:
+        problems.append(f"moe_layer_freq={cfg['moe_layer_freq']} (every block after the dense ones routes)")
+    if cfg.get("quantization_config"):
+        problems.append("quantization_config (the release's fp8 block-quantized weights: dequantize them to "
+                        "bf16 and drop quantization_config first)")
     if (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) != cfg["num_attention_heads"]:
         problems.append("num_key_value_heads != num_attention_heads (MLA expands a key and value per head)")
     if problems:
