@@ -5,7 +5,7 @@
 
 The hardware profile is measured here first: the fp32 GEMM rate of one thread (the "peak")
 and how it falls for few tokens,
-the bandwidth of a 2-rank gloo all-gather, and the memory a rank holds before training (the
+the bandwidth and per-call cost of a 2-rank gloo all-gather, and the memory a rank holds before training (the
 interpreter with torch and titan loaded, which a GPU's memory does not contain). The kernel
 efficiency is then fitted on the one-process run's step time; every other layout's time,
 and every memory figure, is a prediction. Memory is the peak resident set of the largest rank
@@ -89,18 +89,24 @@ def _all_gather_worker(rank: int, store_path: str, out: str, megabytes: int) -> 
     for _ in range(5):
         dist.all_gather_into_tensor(full, shard)
     elapsed = time.perf_counter() - start
+    tiny, gathered, calls = torch.ones(1), torch.empty(2), []
+    for _ in range(50):
+        start = time.perf_counter()
+        dist.all_gather_into_tensor(gathered, tiny)
+        calls.append(time.perf_counter() - start)
     if rank == 0:
-        Path(out).write_text(str(5 * shard.numel() * 4 / elapsed / 1e9))
+        Path(out).write_text(json.dumps([5 * shard.numel() * 4 / elapsed / 1e9, 1e6 * statistics.median(calls)]))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def gloo_gbps(megabytes: int = 32) -> float:
-    """GB/s each of 2 gloo ranks receives in an all-gather."""
+def gloo_link(megabytes: int = 32) -> tuple[float, float]:
+    """(GB/s each of 2 gloo ranks receives in a large all-gather, microseconds of a tiny one)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rate")
         mp.spawn(_all_gather_worker, args=(os.path.join(tmp, "store"), out, megabytes), nprocs=2)
-        return float(Path(out).read_text())
+        rate, latency = json.loads(Path(out).read_text())
+        return rate, latency
 
 
 def process_gib() -> float:
@@ -144,7 +150,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    peak, half, link, base = gemm_tflops(), half_efficiency_tokens(), gloo_gbps(), process_gib()
+    peak, half, base = gemm_tflops(), half_efficiency_tokens(), process_gib()
+    link, latency = gloo_link()
     config = parse_train_args(MODEL)
     facts, _, _ = model_facts(config)
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,7 +159,7 @@ def main() -> None:
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     hw = Hardware(name="this CPU (1 thread per rank)", peak_bf16_tflops=peak, peak_fp8_tflops=0, memory_gib=ram_gib,
                   intra_node_gbps=link, inter_node_gbps=link, devices_per_node=8, link_efficiency=1.0,
-                  half_efficiency_tokens=half)
+                  half_efficiency_tokens=half, collective_latency_us=latency)
     # No headroom: the CPU allocator returns freed memory, and the peak is what is resident.
     work = workload_for(config, 1, 8 * 512, 0.0)
     # Fit the one free constant on the one-process run's time, as on GPUs.
@@ -167,12 +174,13 @@ def main() -> None:
                      "memory_error": memory / measured[name]["memory_gib"] - 1,
                      "step_s": measured[name]["step_s"], "predicted_step_s": p.times["step"],
                      "time_error": p.times["step"] / measured[name]["step_s"] - 1, "dominant": p.dominant})
-    profile = {"gemm_tflops_1_thread": peak, "half_efficiency_tokens": half, "gloo_gbps": link, "process_gib": base, "fitted_efficiency": efficiency,
+    profile = {"gemm_tflops_1_thread": peak, "half_efficiency_tokens": half, "collective_latency_us": latency, "gloo_gbps": link, "process_gib": base, "fitted_efficiency": efficiency,
                "self_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     if args.json:
         print(json.dumps({"profile": profile, "rows": rows}, indent=1))
         return
-    print(f"profile: fp32 GEMM {peak * 1e3:.1f} GFLOP/s per thread (half of it at {half:.0f} tokens), gloo all-gather {link:.2f} GB/s, "
+    print(f"profile: fp32 GEMM {peak * 1e3:.1f} GFLOP/s per thread (half of it at {half:.0f} tokens), gloo all-gather {link:.2f} GB/s "
+          f"({latency:.0f} us per call), "
           f"{base:.2f} GiB per process before training; fitted kernel efficiency {efficiency:.2f}")
     print("| layout | measured peak | predicted | error | measured step | predicted | error |")
     print("|---|---|---|---|---|---|---|")

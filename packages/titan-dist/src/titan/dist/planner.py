@@ -28,7 +28,8 @@ step time (worst pipeline stage)
     forward, 4 backward, not overlapped unless async TP); CP all-gathers of K/V (not overlapped); EP
     all-to-alls (dispatch + combine, forward + backward, not overlapped); HSDP's gradient
     all-reduce across replicas (not overlapped); PP's bubble (pp - 1) / (v m + pp - 1) for m
-    microbatches and v stages per rank. A group inside one node uses the intra-node link,
+    microbatches and v stages per rank. Unoverlapped collectives also pay
+    `collective_latency_us` per call. A group inside one node uses the intra-node link,
     otherwise the network; the mesh is laid out with tp innermost, then cp, dp_shard,
     dp_replicate, pp (`titan.dist.ParallelDims`).
 
@@ -40,12 +41,10 @@ comparison is a prediction (see the README's parallelism section).
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch.nn as nn
-
 from titan.dist.dims import ParallelDims
 from titan.dist.dry_run import ACT_UNITS_PER_TOKEN
 from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_plan
@@ -84,6 +83,9 @@ class Hardware:
     """Further speedup of float8 linears (the same table: 8,532 / 6,667)."""
     link_efficiency: float = 0.7
     """Fraction of a link's bandwidth a collective reaches."""
+    collective_latency_us: float = 20.0
+    """Cost of one collective call however small its message (NCCL within a node: 10-30 us),
+    paid by the collectives that are not overlapped (TP, CP, EP, PP)."""
     half_efficiency_tokens: float = 1024
     """Tokens per microbatch and rank at which kernels reach half their large-batch
     efficiency: efficiency scales with M / (M + this), normalized to the fitted run's 16,384
@@ -459,21 +461,25 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     # HSDP: the gradient shards all-reduced across replicas (2x a ring pass, fp32).
     replicate = 2 * _ring(stage_unsharded / max(fsdp_group, 1) * 4, layout.dp_replicate)
     replicate /= _bandwidth(hw, layout.world_size // layout.pp)
+    # Unoverlapped collectives also pay a fixed cost per call, once per microbatch.
+    calls = layout.microbatches * hw.collective_latency_us * 1e-6
     # TP + SP: 4 collectives of the residual stream per block forward, 4 backward.
-    tp = 8 * len(blocks) * _ring(tokens_rank * facts.dim * b, layout.tp) / _bandwidth(hw, layout.tp)
-    if work.async_tp:
-        tp = max(tp - compute, 0.0)
+    tp = 0.0
+    if layout.tp > 1:
+        tp = 8 * len(blocks) * (_ring(tokens_rank * facts.dim * b, layout.tp) / _bandwidth(hw, layout.tp) + calls)
+        if work.async_tp:
+            tp = max(tp - compute, 0.0)
     # CP: K and V gathered per block forward, their gradients reduce-scattered backward.
     kv = tokens_rank * layout.cp * facts.dim * facts.kv_fraction * b / layout.tp
-    cp = 2 * len(blocks) * _ring(kv, layout.cp) / _bandwidth(hw, layout.cp * layout.tp)
+    cp = 2 * len(blocks) * (_ring(kv, layout.cp) / _bandwidth(hw, layout.cp * layout.tp) + calls) if layout.cp > 1 else 0.0
     # EP: dispatch + combine all-to-alls, forward and backward, per MoE block.
     moe_blocks = sum(1 for i in blocks if facts.blocks[i].experts)
     routed = tokens_rank * facts.experts_per_token * facts.dim * b
-    ep = 4 * moe_blocks * _ring(routed, layout.ep) / _bandwidth(hw, layout.ep * layout.tp)
+    ep = 4 * moe_blocks * (_ring(routed, layout.ep) / _bandwidth(hw, layout.ep * layout.tp) + calls) if layout.ep > 1 else 0.0
     # PP: activations to the next stage and gradients back, per microbatch.
     pp = 0.0
     if layout.pp > 1:
-        pp = 2 * tokens_rank * facts.dim * b / layout.tp / _bandwidth(hw, layout.world_size)
+        pp = 2 * (tokens_rank * facts.dim * b / layout.tp / _bandwidth(hw, layout.world_size) + calls)
     busy = compute + fsdp + tp + cp + ep + pp
     bubble = 0.0
     if layout.pp > 1:
