@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -118,7 +117,7 @@ def process_gib() -> float:
 
 
 def train(name: str, folder: Path, steps: int) -> dict:
-    """One `titan train` run of a layout; (peak memory GiB, median step seconds)."""
+    """One `titan train` run of a layout: its peak memory (GiB) and median step time (s)."""
     ranks, flags, local = LAYOUTS[name]
     launch = [sys.executable] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
@@ -174,8 +173,8 @@ def main() -> None:
                      "memory_error": memory / measured[name]["memory_gib"] - 1,
                      "step_s": measured[name]["step_s"], "predicted_step_s": p.times["step"],
                      "time_error": p.times["step"] / measured[name]["step_s"] - 1, "dominant": p.dominant})
-    profile = {"gemm_tflops_1_thread": peak, "half_efficiency_tokens": half, "collective_latency_us": latency, "gloo_gbps": link, "process_gib": base, "fitted_efficiency": efficiency,
-               "self_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    profile = {"gemm_tflops_1_thread": peak, "half_efficiency_tokens": half, "collective_latency_us": latency,
+               "gloo_gbps": link, "process_gib": base, "fitted_efficiency": efficiency}
     if args.json:
         print(json.dumps({"profile": profile, "rows": rows}, indent=1))
         return

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from titan.models.llama3 import build_llama3
+
+sys.path.insert(0, os.path.dirname(__file__))  # titan_models_testlib (--import-mode=importlib)
 
 TINY = dict(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=128, max_seq_len=64)
 """debugmodel shrunk to test size (head_dim 8, GQA 2:1, llama3 RoPE scaling kept)."""

@@ -19,6 +19,7 @@ from titan.models.deepseek_v3 import (
     DeepseekV3StateDictAdapter,
     build_deepseek_v3,
 )
+from titan_models_testlib import hf_logits, load_folder, rel_err, titan_from_folder
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -78,34 +79,17 @@ def _tokens(seq_len: int = 48):
     return torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(0))
 
 
-def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got - ref).norm() / ref.norm())
 
 
-def _load_folder(folder):
-    cfg = json.loads((folder / "config.json").read_text())
-    state = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        state.update(safetensors_torch.load_file(str(path)))
-    return cfg, state
 
 
-def _titan_from_folder(folder):
-    cfg, state = _load_folder(folder)
-    adapter = DeepseekV3StateDictAdapter(DeepseekV3StateDictAdapter.args_from_hf_config(cfg))
-    model = DeepseekV3Model(adapter.args)
-    model.load_state_dict(adapter.from_hf(state), strict=True)
-    return model.eval(), adapter, state
 
 
-def _hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(tokens).logits
 
 
 def test_saved_layout_is_the_hub_layout(saved_hf):
     _, folder = saved_hf
-    _, state = _load_folder(folder)
+    _, state = load_folder(folder)
     assert state["model.layers.1.mlp.experts.7.gate_proj.weight"].shape == (32, 64)
     assert state["model.layers.2.mlp.gate.e_score_correction_bias"].shape == (8,)
     assert state["model.layers.1.mlp.shared_experts.down_proj.weight"].shape == (64, 32)
@@ -115,7 +99,7 @@ def test_saved_layout_is_the_hub_layout(saved_hf):
 
 def test_from_hf_builds_mla_and_the_moe_layers(saved_hf):
     _, folder = saved_hf
-    model, adapter, _ = _titan_from_folder(folder)
+    model, adapter, _ = titan_from_folder(folder, DeepseekV3StateDictAdapter, DeepseekV3Model)
     a = adapter.args
     assert (a.n_routed_experts, a.n_group, a.topk_group, a.first_k_dense_replace) == (8, 2, 1, 1)
     assert not isinstance(model.layers["0"].feed_forward, MoE)
@@ -127,13 +111,13 @@ def test_from_hf_builds_mla_and_the_moe_layers(saved_hf):
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
 def test_from_hf_logits_match(saved_hf, grouped):
     hf_model, folder = saved_hf
-    titan, _, _ = _titan_from_folder(folder)
+    titan, _, _ = titan_from_folder(folder, DeepseekV3StateDictAdapter, DeepseekV3Model)
     for i in ("1", "2"):
         titan.layers[i].feed_forward.experts.use_grouped_mm = grouped
     tokens = _tokens()
     with torch.no_grad():
         got = titan(tokens)
-    assert _rel_err(got, _hf_logits(hf_model, tokens)) <= REL_TOL
+    assert rel_err(got, hf_logits(hf_model, tokens)) <= REL_TOL
 
 
 def test_parity_needs_the_bias_and_the_yarn_scale(saved_hf):
@@ -141,18 +125,18 @@ def test_parity_needs_the_bias_and_the_yarn_scale(saved_hf):
     # without YaRN's softmax multiplier, must change the logits.
     hf_model, folder = saved_hf
     tokens = _tokens()
-    reference = _hf_logits(hf_model, tokens)
-    titan, _, _ = _titan_from_folder(folder)
+    reference = hf_logits(hf_model, tokens)
+    titan, _, _ = titan_from_folder(folder, DeepseekV3StateDictAdapter, DeepseekV3Model)
     with torch.no_grad():
         for i in ("1", "2"):
             titan.layers[i].feed_forward.expert_bias.zero_()
-        assert _rel_err(titan(tokens), reference) > 1e-3
-    titan, adapter, _ = _titan_from_folder(folder)
+        assert rel_err(titan(tokens), reference) > 1e-3
+    titan, adapter, _ = titan_from_folder(folder, DeepseekV3StateDictAdapter, DeepseekV3Model)
     if adapter.args.rope_scaling is not None:
         for layer in titan.layers.values():
             layer.attention.softmax_scale_multiplier = 1.0
         with torch.no_grad():
-            assert _rel_err(titan(tokens), reference) > 1e-4
+            assert rel_err(titan(tokens), reference) > 1e-4
 
 
 def test_router_selection_equals_transformers_with_negative_biased_scores():
@@ -199,7 +183,7 @@ def test_yarn_frequencies_and_scales_equal_transformers(rope):
 
 def test_export_loads_with_from_pretrained(saved_hf, tmp_path):
     _, folder = saved_hf
-    cfg, _ = _load_folder(folder)
+    cfg, _ = load_folder(folder)
     args = DeepseekV3StateDictAdapter.args_from_hf_config(cfg)
     titan = DeepseekV3Model(args)
     titan.init_weights(seed=1)
@@ -216,12 +200,12 @@ def test_export_loads_with_from_pretrained(saved_hf, tmp_path):
     assert torch.equal(bias, titan.layers["1"].feed_forward.expert_bias)
     tokens = _tokens()
     with torch.no_grad():
-        assert _rel_err(titan(tokens), _hf_logits(loaded, tokens)) <= REL_TOL
+        assert rel_err(titan(tokens), hf_logits(loaded, tokens)) <= REL_TOL
 
 
 def test_round_trip_is_bit_identical(saved_hf):
     _, folder = saved_hf
-    _, adapter, state = _titan_from_folder(folder)
+    _, adapter, state = titan_from_folder(folder, DeepseekV3StateDictAdapter, DeepseekV3Model)
     back = adapter.to_hf(adapter.from_hf(state))
     assert back.keys() == state.keys()
     for key, value in state.items():
@@ -230,7 +214,7 @@ def test_round_trip_is_bit_identical(saved_hf):
 
 def test_mtp_weights_are_skipped_with_a_warning(saved_hf):
     _, folder = saved_hf
-    _, adapter, state = _titan_from_folder(folder)
+    _, adapter, state = titan_from_folder(folder, DeepseekV3StateDictAdapter, DeepseekV3Model)
     state = {**state, "model.layers.3.eh_proj.weight": torch.zeros(64, 128),
              "model.layers.3.enorm.weight": torch.ones(64)}
     with pytest.warns(UserWarning, match="multi-token prediction"):
@@ -240,7 +224,7 @@ def test_mtp_weights_are_skipped_with_a_warning(saved_hf):
 
 def test_unknown_key_and_missing_expert_are_errors(saved_hf):
     _, folder = saved_hf
-    _, adapter, state = _titan_from_folder(folder)
+    _, adapter, state = titan_from_folder(folder, DeepseekV3StateDictAdapter, DeepseekV3Model)
     with pytest.raises(ValueError, match="not a DeepseekV3ForCausalLM parameter"):
         adapter.from_hf({**state, "model.layers.1.self_attn.q_proj.bias": torch.zeros(4)})
     with pytest.raises(ValueError, match="fp8 block-quantized"):
@@ -303,6 +287,11 @@ def test_published_sizes_and_plan(flavor, total, active):
         model = build_deepseek_v3(flavor)
     assert model.num_params() == pytest.approx(total, rel=0.01)
     assert model.num_active_params() == pytest.approx(active, rel=0.01)
+    a = model.args
+    # 6 x the active non-embedding parameters + attention, whose scores run over nope + rope
+    # channels and whose weighted sum over v channels.
+    attention = 6 * a.n_layers * a.n_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * 4096
+    assert model.flops_per_token(4096) == 6 * model.num_active_params(exclude_embedding=True) + attention
     plan = model.sharding_plan()
     n_experts = DEEPSEEK_V3_FLAVORS[flavor].n_routed_experts
     assert plan.expert_parallel_divisible == {"n_routed_experts": n_experts}

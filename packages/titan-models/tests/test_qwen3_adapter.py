@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 from titan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter
+from titan_models_testlib import hf_logits, load_folder, rel_err, titan_from_folder
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -61,35 +62,17 @@ def _tokens():
     return torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
 
 
-def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got - ref).norm() / ref.norm())
 
 
-def _load_folder(folder):
-    """(config dict, HF state dict) exactly as written on disk."""
-    cfg = json.loads((folder / "config.json").read_text())
-    state = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        state.update(safetensors_torch.load_file(str(path)))
-    return cfg, state
 
 
-def _titan_from_folder(folder):
-    cfg, state = _load_folder(folder)
-    adapter = Qwen3StateDictAdapter(Qwen3StateDictAdapter.args_from_hf_config(cfg))
-    model = Qwen3Model(adapter.args)
-    model.load_state_dict(adapter.from_hf(state), strict=True)
-    return model.eval(), adapter, state
 
 
-def _hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(tokens).logits
 
 
 def test_saved_layout_is_the_hub_layout(saved_hf):
     _, folder, tied = saved_hf
-    _, state = _load_folder(folder)
+    _, state = load_folder(folder)
     assert "model.layers.0.self_attn.q_norm.weight" in state
     assert state["model.layers.1.self_attn.k_norm.weight"].shape == (32,)
     assert ("lm_head.weight" in state) is not tied
@@ -97,7 +80,7 @@ def test_saved_layout_is_the_hub_layout(saved_hf):
 
 def test_args_from_saved_config(saved_hf):
     _, folder, tied = saved_hf
-    model, adapter, _ = _titan_from_folder(folder)
+    model, adapter, _ = titan_from_folder(folder, Qwen3StateDictAdapter, Qwen3Model)
     a = adapter.args
     assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim) == (64, 2, 4, 2, 32)
     assert (a.ffn_hidden_dim, a.vocab_size, a.rope_theta, a.norm_eps) == (128, VOCAB, 1e6, 1e-6)
@@ -107,30 +90,30 @@ def test_args_from_saved_config(saved_hf):
 
 def test_from_hf_logits_match(saved_hf):
     hf_model, folder, _ = saved_hf
-    titan, _, _ = _titan_from_folder(folder)
+    titan, _, _ = titan_from_folder(folder, Qwen3StateDictAdapter, Qwen3Model)
     tokens = _tokens()
     with torch.no_grad():
         got = titan(tokens)
-    assert _rel_err(got, _hf_logits(hf_model, tokens)) <= REL_TOL
+    assert rel_err(got, hf_logits(hf_model, tokens)) <= REL_TOL
 
 
 def test_parity_needs_the_qk_norm_permutation(saved_hf):
     # Guards the parity test: loading the q/k norm weights without the RoPE-layout
     # permutation must visibly change the logits (the norms were randomized).
     hf_model, folder, _ = saved_hf
-    titan, adapter, state = _titan_from_folder(folder)
+    titan, adapter, state = titan_from_folder(folder, Qwen3StateDictAdapter, Qwen3Model)
     raw = {k: v for k, v in state.items() if "_norm." in k and "self_attn" in k}
     with torch.no_grad():
         for key, value in raw.items():
             titan.get_parameter(adapter._titan_key(key)).copy_(value)
     tokens = _tokens()
     with torch.no_grad():
-        assert _rel_err(titan(tokens), _hf_logits(hf_model, tokens)) > 1e-3
+        assert rel_err(titan(tokens), hf_logits(hf_model, tokens)) > 1e-3
 
 
 def test_export_loads_with_from_pretrained(saved_hf, tmp_path):
     _, folder, tied = saved_hf
-    cfg, _ = _load_folder(folder)
+    cfg, _ = load_folder(folder)
     args = Qwen3StateDictAdapter.args_from_hf_config(cfg)
     torch.manual_seed(1)
     titan = Qwen3Model(args)
@@ -146,12 +129,12 @@ def test_export_loads_with_from_pretrained(saved_hf, tmp_path):
     assert loaded.config.head_dim == 32 and loaded.config.tie_word_embeddings is tied
     tokens = _tokens()
     with torch.no_grad():
-        assert _rel_err(titan(tokens), _hf_logits(loaded, tokens)) <= REL_TOL
+        assert rel_err(titan(tokens), hf_logits(loaded, tokens)) <= REL_TOL
 
 
 def test_round_trip_is_bit_identical(saved_hf):
     _, folder, _ = saved_hf
-    _, adapter, state = _titan_from_folder(folder)
+    _, adapter, state = titan_from_folder(folder, Qwen3StateDictAdapter, Qwen3Model)
     back = adapter.to_hf(adapter.from_hf(state))
     assert back.keys() == state.keys()
     for key, value in state.items():

@@ -15,6 +15,7 @@ from titan.models.qwen3_moe import (
     Qwen3MoeStateDictAdapter,
     build_qwen3_moe,
 )
+from titan_models_testlib import hf_logits, load_folder, rel_err, titan_from_folder
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -61,34 +62,17 @@ def _tokens():
     return torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
 
 
-def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got - ref).norm() / ref.norm())
 
 
-def _load_folder(folder):
-    cfg = json.loads((folder / "config.json").read_text())
-    state = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        state.update(safetensors_torch.load_file(str(path)))
-    return cfg, state
 
 
-def _titan_from_folder(folder):
-    cfg, state = _load_folder(folder)
-    adapter = Qwen3MoeStateDictAdapter(Qwen3MoeStateDictAdapter.args_from_hf_config(cfg))
-    model = Qwen3MoeModel(adapter.args)
-    model.load_state_dict(adapter.from_hf(state), strict=True)
-    return model.eval(), adapter, state
 
 
-def _hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(tokens).logits
 
 
 def test_saved_layout_is_the_hub_per_expert_layout(saved_hf):
     _, folder = saved_hf
-    _, state = _load_folder(folder)
+    _, state = load_folder(folder)
     assert state["model.layers.1.mlp.experts.7.gate_proj.weight"].shape == (32, 64)
     assert state["model.layers.1.mlp.experts.0.down_proj.weight"].shape == (64, 32)
     assert state["model.layers.1.mlp.gate.weight"].shape == (8, 64)
@@ -97,7 +81,7 @@ def test_saved_layout_is_the_hub_per_expert_layout(saved_hf):
 
 def test_from_hf_builds_the_moe_layers(saved_hf):
     _, folder = saved_hf
-    model, adapter, _ = _titan_from_folder(folder)
+    model, adapter, _ = titan_from_folder(folder, Qwen3MoeStateDictAdapter, Qwen3MoeModel)
     a = adapter.args
     assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.mlp_only_layers) == (8, 2, 32, (0,))
     assert not isinstance(model.layers["0"].feed_forward, MoE)
@@ -108,28 +92,28 @@ def test_from_hf_builds_the_moe_layers(saved_hf):
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
 def test_from_hf_logits_match(saved_hf, grouped):
     hf_model, folder = saved_hf
-    titan, _, _ = _titan_from_folder(folder)
+    titan, _, _ = titan_from_folder(folder, Qwen3MoeStateDictAdapter, Qwen3MoeModel)
     titan.layers["1"].feed_forward.experts.use_grouped_mm = grouped
     tokens = _tokens()
     with torch.no_grad():
         got = titan(tokens)
-    assert _rel_err(got, _hf_logits(hf_model, tokens)) <= REL_TOL
+    assert rel_err(got, hf_logits(hf_model, tokens)) <= REL_TOL
 
 
 def test_parity_needs_the_right_expert_order(saved_hf):
     # Guards the parity test: swapping two experts' weights must change the logits.
     hf_model, folder = saved_hf
-    titan, _, _ = _titan_from_folder(folder)
+    titan, _, _ = titan_from_folder(folder, Qwen3MoeStateDictAdapter, Qwen3MoeModel)
     with torch.no_grad():
         for w in (titan.layers["1"].feed_forward.experts.w1,):
             w[[0, 1]] = w[[1, 0]].clone()
         tokens = _tokens()
-        assert _rel_err(titan(tokens), _hf_logits(hf_model, tokens)) > 1e-3
+        assert rel_err(titan(tokens), hf_logits(hf_model, tokens)) > 1e-3
 
 
 def test_export_loads_with_from_pretrained(saved_hf, tmp_path):
     _, folder = saved_hf
-    cfg, _ = _load_folder(folder)
+    cfg, _ = load_folder(folder)
     args = Qwen3MoeStateDictAdapter.args_from_hf_config(cfg)
     titan = Qwen3MoeModel(args)
     titan.init_weights(seed=1)
@@ -144,12 +128,12 @@ def test_export_loads_with_from_pretrained(saved_hf, tmp_path):
     assert loaded.config.num_experts == 8 and list(loaded.config.mlp_only_layers) == [0]
     tokens = _tokens()
     with torch.no_grad():
-        assert _rel_err(titan(tokens), _hf_logits(loaded, tokens)) <= REL_TOL
+        assert rel_err(titan(tokens), hf_logits(loaded, tokens)) <= REL_TOL
 
 
 def test_round_trip_is_bit_identical(saved_hf):
     _, folder = saved_hf
-    _, adapter, state = _titan_from_folder(folder)
+    _, adapter, state = titan_from_folder(folder, Qwen3MoeStateDictAdapter, Qwen3MoeModel)
     back = adapter.to_hf(adapter.from_hf(state))
     assert back.keys() == state.keys()
     for key, value in state.items():
@@ -168,7 +152,7 @@ def test_streaming_export_maps_one_parameter_at_a_time():
 
 def test_missing_expert_is_an_error(saved_hf):
     _, folder = saved_hf
-    _, adapter, state = _titan_from_folder(folder)
+    _, adapter, state = titan_from_folder(folder, Qwen3MoeStateDictAdapter, Qwen3MoeModel)
     del state["model.layers.1.mlp.experts.3.up_proj.weight"]
     with pytest.raises(ValueError, match="missing \\[3\\]"):
         adapter.from_hf(state)

@@ -233,13 +233,11 @@ def deepseek_v3_16b() -> TrainerConfig:
 def deepseek_v3_671b() -> TrainerConfig:
     """DeepSeek-V3 671B on 256+ GPUs: FSDP over all ranks, EP 64 (4 of the 256 experts per
     rank), full activation checkpointing; `titan dry-run --world_size 256` checks it on a laptop."""
-    cfg = pretrain_defaults(flavor="671B", seq_len=4096, steps=10_000, lr=2.2e-4, warmup_steps=200)
-    cfg = on_gpu_cluster(cfg, dataset="allenai/c4", tokenizer_path="./assets/deepseek_v3/tokenizer.json")
-    cfg.model.name = "deepseek_v3"
+    cfg = deepseek_v3_16b()
+    cfg.model.flavor = "671B"
     cfg.model.vocab_size = 129280
     cfg.training.local_batch_size = 1
     cfg.parallelism.expert_parallel_degree = 64
-    cfg.activation_checkpoint.mode = "full"
     cfg.job.dump_folder = "./outputs/deepseek_v3_671b"
     return cfg
 

@@ -16,6 +16,7 @@ from titan.models.common.attention import GroupedQueryAttention
 from titan.models.common.feed_forward import FeedForward
 from titan.models.common.init import SeededInit
 from titan.models.common.kv_cache import KVCache, LayerKVCache
+from titan.models.common.moe import inactive_expert_params
 from titan.models.common.norm import RMSNorm
 from titan.models.common.plan import ShardingPlan
 from titan.models.common.rope import RopeScaling, rope_cache
@@ -250,15 +251,29 @@ class Decoder(nn.Module):
         embedding/output matrix counts once, and `exclude_embedding` excludes it."""
         return count_params(self, self.tok_embeddings if exclude_embedding else None)
 
+    def num_active_params(self, exclude_embedding: bool = False) -> int:
+        """Parameters one token uses: `num_params` less the routed experts it is not sent to
+        (equal to `num_params` for a dense model)."""
+        return self.num_params(exclude_embedding) - inactive_expert_params(self)
+
+    def attention_head_dim(self) -> float:
+        """Channels of each of attention's two matmuls per head (scores, weighted sum), for
+        the FLOP count; a family whose values are narrower than its keys returns the mean."""
+        return self.args.head_dim
+
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        """(heads, K channels, V channels) an inference `KVCache` holds per layer and token."""
+        return self.args.n_kv_heads, self.args.head_dim, self.args.head_dim
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token at `seq_len`, for the blocks this module holds."""
-        a = self.args
-        n_params = self.num_params(exclude_embedding=True)
+        """Training FLOPs per token at `seq_len`: 6 x the active non-embedding parameters +
+        attention, for the blocks this module holds."""
+        n_params = self.num_active_params(exclude_embedding=True)
         if self._check_tie():
             # Excluding the embedding excluded the shared matrix, but the output matmul with it
             # still runs: count its FLOPs like an untied output's.
             n_params += self.output.weight.numel()
-        return dense_flops_per_token(n_params, len(self.layers), a.n_heads, a.head_dim, seq_len)
+        return dense_flops_per_token(n_params, len(self.layers), self.args.n_heads, self.attention_head_dim(), seq_len)
 
     def sharding_plan(self) -> ShardingPlan:
         """Declarative TP/SP, FSDP, PP and CP plan for `titan.dist`."""

@@ -61,15 +61,11 @@ class KVCache:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> KVCache:
-        """A cache shaped for `model` (a titan decoder with `args` and `layers`), with the
-        model's parameter dtype unless `dtype` is given. A model whose attention caches
-        something else than per-head K/V (multi-head latent attention) says what through
-        `kv_cache_layout()` -> (heads, k channels, v channels)."""
-        layout = getattr(model, "kv_cache_layout", None)
-        if layout is not None:
-            heads, k_dim, v_dim = layout()
-        else:
-            heads, k_dim, v_dim = model.args.n_kv_heads, model.args.head_dim, model.args.head_dim
+        """A cache shaped for `model` (a titan decoder: its `layers` and its
+        `kv_cache_layout()` -> (heads, K channels, V channels), which multi-head latent
+        attention sets to its latent and rotated key part), with the model's parameter dtype
+        unless `dtype` is given."""
+        heads, k_dim, v_dim = model.kv_cache_layout()
         param = next(model.parameters())
         return cls(
             n_layers=len(model.layers),

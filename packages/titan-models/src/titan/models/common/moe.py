@@ -358,6 +358,16 @@ def expert_load_metrics(model: nn.Module) -> dict[str, float]:
     return out
 
 
+def inactive_expert_params(model: nn.Module) -> int:
+    """Parameters of the routed experts a token is not sent to, summed over `model`'s MoE
+    layers (what separates its total from its active parameter count)."""
+    inactive = 0
+    for _, moe in moe_modules(model):
+        per_expert = sum(w.numel() for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3)) // moe.n_experts
+        inactive += per_expert * (moe.n_experts - moe.top_k)
+    return inactive
+
+
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
     """Sum of the aux losses the `MoE` modules of `model` left in their last forward
     (already multiplied by each module's `aux_loss_coef`); None when none did."""

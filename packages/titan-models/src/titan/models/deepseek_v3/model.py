@@ -7,12 +7,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from titan.models.common.accounting import dense_flops_per_token
 from titan.models.common.decoder import Decoder, TransformerBlock
 from titan.models.common.feed_forward import FeedForward
 from titan.models.common.flavors import build_flavor
 from titan.models.common.mla import MultiHeadLatentAttention
-from titan.models.common.moe import MoE, expert_load_metrics, moe_aux_loss, moe_modules
+from titan.models.common.moe import MoE, expert_load_metrics, moe_aux_loss
 from titan.models.common.plan import ShardingPlan
 from titan.models.common.rope import YarnScaling, rope_cache
 from titan.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepseekV3Args
@@ -63,28 +62,13 @@ class DeepseekV3Model(Decoder):
     def kv_cache_layout(self) -> tuple[int, int, int]:
         """What an inference cache holds per layer and token: one "head" of the normalized
         latent (`kv_lora_rank` channels, stored as K) and the rotated shared key part
-        (`qk_rope_head_dim`, stored as V); see `titan.models.common.kv_cache.KVCache.for_model`."""
+        (`qk_rope_head_dim`, stored as V)."""
         return 1, self.args.kv_lora_rank, self.args.qk_rope_head_dim
 
-    def num_active_params(self, exclude_embedding: bool = False) -> int:
-        """Parameters one token uses: all but the routed experts it is not sent to."""
-        inactive = 0
-        for _, moe in moe_modules(self):
-            per_expert = sum(w.numel() for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3)) // moe.n_experts
-            inactive += per_expert * (moe.n_experts - moe.top_k)
-        return self.num_params(exclude_embedding) - inactive
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token at `seq_len`: 6 x the *active* non-embedding parameters
-        (plus the output matmul when tied) + attention (scores over nope+rope channels, the
-        weighted sum over v channels), for the blocks this module holds."""
+    def attention_head_dim(self) -> float:
+        """Scores run over nope + rope channels, the weighted sum over v channels: the mean."""
         a = self.args
-        n_params = self.num_active_params(exclude_embedding=True)
-        if self._check_tie():
-            n_params += self.output.weight.numel()
-        # dense_flops_per_token counts two matmuls of head_dim channels: pass their mean.
-        mean_head_dim = (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) / 2
-        return dense_flops_per_token(n_params, len(self.layers), a.n_heads, mean_head_dim, seq_len)
+        return (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) / 2
 
     def expert_load(self) -> dict[str, float]:
         """Per-layer expert load of the last optimizer step (summed over data-parallel ranks);

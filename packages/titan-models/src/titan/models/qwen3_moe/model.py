@@ -6,9 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from titan.models.common.accounting import dense_flops_per_token
 from titan.models.common.flavors import build_flavor
-from titan.models.common.moe import MoE, expert_load_metrics, moe_aux_loss, moe_modules
+from titan.models.common.moe import MoE, expert_load_metrics, moe_aux_loss
 from titan.models.common.plan import ShardingPlan
 from titan.models.qwen3.model import Qwen3Model
 from titan.models.qwen3_moe.args import QWEN3_MOE_FLAVORS, Qwen3MoeArgs
@@ -38,23 +37,6 @@ class Qwen3MoeModel(Qwen3Model):
                 load_balance_coeff=a.load_balance_coeff, aux_loss_coef=a.router_aux_loss_coef,
             )
         return block
-
-    def num_active_params(self, exclude_embedding: bool = False) -> int:
-        """Parameters one token uses: all but the routed experts it is not sent to."""
-        inactive = 0
-        for _, moe in moe_modules(self):
-            per_expert = sum(w.numel() for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3)) // moe.n_experts
-            inactive += per_expert * (moe.n_experts - moe.top_k)
-        return self.num_params(exclude_embedding) - inactive
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token at `seq_len`: 6 x the *active* non-embedding parameters
-        (plus the output matmul when tied) + attention, for the blocks this module holds."""
-        a = self.args
-        n_params = self.num_active_params(exclude_embedding=True)
-        if self._check_tie():
-            n_params += self.output.weight.numel()
-        return dense_flops_per_token(n_params, len(self.layers), a.n_heads, a.head_dim, seq_len)
 
     def expert_load(self) -> dict[str, float]:
         """Per-layer expert load of the last optimizer step (summed over data-parallel ranks):
