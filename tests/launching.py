@@ -26,13 +26,15 @@ def launcher(ranks: int) -> list[str]:
             "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
 
 
-def launch(ranks: int, args: list[str], log: Path, *, timeout: float = 600) -> None:
-    """Run ``args`` (a script and its arguments) on ``ranks`` processes with one thread each;
-    the command and its output (stdout and stderr in the order written) go to ``log``; fail
-    with the command and the end of the output unless it succeeded (a launch past ``timeout``
-    seconds is killed, every rank with it, and fails with what it printed)."""
+def launch(ranks: int, args: list[str], log: Path, *, timeout: float = 600,
+           env: dict[str, str] | None = None) -> None:
+    """Run ``args`` (a script and its arguments) on ``ranks`` processes with one thread each
+    (and ``env`` added to their environment); the command and its output (stdout and stderr
+    in the order written) go to ``log``; fail with the command and the end of the output
+    unless it succeeded (a launch past ``timeout`` seconds is killed, every rank with it, and
+    fails with what it printed)."""
     cmd = [*launcher(ranks), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if ranks == 1:  # forked from an interpreter with titan imported (forked_cli.py)
         try:
             done = run_script(args[0], args[1:], env=env, timeout=timeout)
@@ -73,15 +75,17 @@ def run_output(log: Path, name: str) -> str:
     return text[starts[mine[0]][1]:after]
 
 
-def launch_runs(ranks: int, worker: Path, runs: list[list], log: Path) -> None:
+def launch_runs(ranks: int, worker: Path, runs: list[list], log: Path, *,
+                env: dict[str, str] | None = None) -> None:
     """``worker`` run once on ``ranks`` processes with a JSON file of ``runs`` (the worker's own
     run descriptions, beside ``log``) as its argument: many runs, one launch."""
     runs_file = log.with_suffix(".json")
     runs_file.write_text(json.dumps(runs))
-    launch(ranks, [str(worker), str(runs_file)], log)
+    launch(ranks, [str(worker), str(runs_file)], log, env=env)
 
 
-def launch_train_runs(ranks: int, runs: list[tuple[str, list[str]]], log: Path) -> None:
-    """Every `titan train` run of ``runs`` ((name, flags); each names its own
-    ``--job.dump_folder``) in one launch of ``ranks`` processes, one run after another."""
-    launch_runs(ranks, RUNS_WORKER, [[name, flags] for name, flags in runs], log)
+def launch_train_runs(ranks: int, runs: list[tuple[str, list[str]]], log: Path, *, command: str = "train",
+                      env: dict[str, str] | None = None) -> None:
+    """Every `titan <command>` run (train, sft or rl) of ``runs`` ((name, flags); each names its
+    own ``--job.dump_folder``) in one launch of ``ranks`` processes, one run after another."""
+    launch_runs(ranks, RUNS_WORKER, [[name, flags, command] for name, flags in runs], log, env=env)

@@ -1,4 +1,4 @@
-"""Several `titan train` runs in one launch: one process group (or one process), many runs.
+"""Several `titan train` (or `titan sft`, `titan rl`) runs in one launch: one process group (or one process), many runs.
 
 Starting the interpreter, importing torch and rendezvousing cost more than training the tiny
 test models for a few steps, so the end-to-end tests start one launch per group of runs of the
@@ -9,7 +9,8 @@ The process group stays up between runs: `close` would destroy it, so the engine
 only synchronizes the ranks here, and the group is destroyed once, after the last run.
 
 Usage: ``python train_runs_worker.py RUNS.json`` (under torchrun for several ranks), where the file
-holds ``[[name, [flag, ...]], ...]``; each run's flags name its own ``--job.dump_folder``.
+holds ``[[name, [flag, ...], command], ...]`` (command: train, sft or rl; train when left out);
+each run's flags name its own ``--job.dump_folder``.
 """
 
 from __future__ import annotations
@@ -44,15 +45,15 @@ def one_process_group() -> Iterator[None]:
 
 
 def main(runs_file: str) -> int:
-    """Run every `titan train` of `runs_file` in order; stop at the first failure."""
+    """Run every run of `runs_file` in order; stop at the first failure."""
     with open(runs_file) as f:
         runs = json.load(f)
     with one_process_group():
-        for name, flags in runs:
+        for name, flags, *command in runs:
             # One write (atomic on a pipe), so the ranks' announcements never interleave.
             sys.stderr.write(f"{RUN_MARKER}{name}\n")
             sys.stderr.flush()
-            if run(flags, command="train") != 0:
+            if run(flags, command=command[0] if command else "train") != 0:
                 raise SystemExit(f"train_runs_worker: {name} failed")
     return 0
 

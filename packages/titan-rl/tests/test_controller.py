@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 from forked_cli import run_titan
+from launching import launch_train_runs, run_output
 from titan.rl.config import RLConfig, RLSection
 from titan.rl.controller import RLTrainer
 from titan.rl.rollouts import Rollout
@@ -228,6 +229,12 @@ def run_rl(dump: Path, *flags: str) -> subprocess.CompletedProcess:
     return result
 
 
+def tests_on_pythonpath() -> str:
+    """PYTHONPATH with this folder first: reward functions given by dotted path, and the
+    probes of sitecustomize.py."""
+    return os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+
+
 def run_rl_ranks(ranks: int, dump: Path, *flags: str, check: bool = True, timeout: float = 900,
                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`titan rl --config grpo_debug` under torchrun with ``ranks`` gloo processes (this
@@ -235,9 +242,9 @@ def run_rl_ranks(ranks: int, dump: Path, *flags: str, check: bool = True, timeou
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--rdzv_backend", "c10d",
            "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", "--config", "grpo_debug",
            "--job.dump_folder", str(dump), "--metrics.no_enable_progress_bar", *flags]
-    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tests_on_pythonpath(),
+                                 **(env or {})})
     if check:
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result
@@ -444,6 +451,39 @@ def test_rl_evaluations_reach_tensorboard(tmp_path):
         assert got == {r["step"]: pytest.approx(r[key], rel=1e-6, abs=1e-12) for r in evals}, key
 
 
+# The recipe before its demonstrations-only warm-up: quicker to show a rise (20 RL steps).
+LEARNS = ["--training.steps", "80", "--metrics.log_freq", "1", "--rl_data.sft_demonstrations", "0",
+          "--rl.ppo_epochs", "1", "--rl.kl_coef", "0", "--rl.eval_prompts", "32"]
+# Async (staleness 1: rollout i + 1 generates while rollout i trains) with the KL penalty on.
+ASYNC_KL = [*DETERMINISTIC, "--rl.max_policy_staleness", "1", "--rl.no_drop_zero_variance", "--rl.kl_coef", "0.05"]
+
+# The 2-rank runs of several tests, in one launch (tests/train_runs_worker.py): starting
+# torchrun, importing torch and rendezvousing cost ~11 s of CPU per launch, as much as some of
+# these runs. The full-logits probe (sitecustomize.py) is on for all of them: only the TP run
+# shards its logits, and no run may gather them whole.
+TWO_RANK_RUNS = {
+    "learns": LEARNS,
+    "pp": [*DETERMINISTIC, "--parallelism.pipeline_parallel_degree", "2"],
+    "pp_two_passes": [*DETERMINISTIC, "--rl.ppo_epochs", "2", "--parallelism.pipeline_parallel_degree", "2"],
+    "tp": [*DETERMINISTIC, "--parallelism.tensor_parallel_degree", "2", "--training.loss_chunk_tokens", "40"],
+    "async_kl": ASYNC_KL,
+}
+TWO_RANKS = pytest.mark.xdist_group("rl_two_ranks")
+
+
+@pytest.fixture
+def two_rank_runs(build_once) -> Path:
+    """The folder of the launch of ``TWO_RANK_RUNS`` (one dump folder per run, and launch.log)."""
+
+    def build(folder: Path) -> None:
+        runs = [(name, ["--config", "grpo_debug", "--job.dump_folder", str(folder / name),
+                        "--metrics.no_enable_progress_bar", *flags]) for name, flags in TWO_RANK_RUNS.items()]
+        launch_train_runs(2, runs, folder / "launch.log", command="rl",
+                          env={"PYTHONPATH": tests_on_pythonpath(), "TITAN_TEST_REFUSE_FULL_LOGITS": "1"})
+
+    return build_once("rl_two_ranks", build)
+
+
 @pytest.fixture
 def one_rank_short(build_once) -> list[dict]:
     """The records of one 1-rank run of ``DETERMINISTIC`` (shared by the layout tests)."""
@@ -451,17 +491,19 @@ def one_rank_short(build_once) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("generator_ranks", ["0", "1"], ids=["colocated", "disaggregated"])
-def test_two_fsdp_trainer_ranks_raise_held_out_reward(tmp_path, generator_ranks):
+@pytest.mark.parametrize("generator_ranks", [pytest.param("0", marks=TWO_RANKS), "1"],
+                         ids=["colocated", "disaggregated"])
+def test_two_fsdp_trainer_ranks_raise_held_out_reward(request, tmp_path, generator_ranks):
     """FSDP over 2 trainer ranks, rank 0 generating for both (colocated) or a third rank
     generating (disaggregated, the documented NGPU=3 launch): every sync is checked tensor by
     tensor (a mismatch stops the run), trainer and generator log-probs agree on every step,
     and the held-out reward rises over 20 RL steps (0.33 -> 0.49 measured on one rank)."""
-    # The recipe before its demonstrations-only warm-up: quicker to show a rise (20 RL steps).
-    run_rl_ranks(2 + int(generator_ranks), tmp_path, "--training.steps", "80", "--metrics.log_freq", "1",
-                 "--rl_data.sft_demonstrations", "0", "--rl.ppo_epochs", "1", "--rl.kl_coef", "0",
-                 "--rl.eval_prompts", "32", "--rl.generator_ranks", generator_ranks)
-    rows = records(tmp_path)
+    if generator_ranks == "0":
+        dump = request.getfixturevalue("two_rank_runs") / "learns"
+    else:
+        dump = tmp_path
+        run_rl_ranks(3, dump, *LEARNS, "--rl.generator_ranks", generator_ranks)
+    rows = records(dump)
     rl = [r for r in rows if r.get("phase") == "rl"]
     evals = [r for r in rows if r.get("phase") == "eval"]
     assert len(rl) == 20 and all(r["staleness"] == 0 for r in rl)
@@ -471,13 +513,13 @@ def test_two_fsdp_trainer_ranks_raise_held_out_reward(tmp_path, generator_ranks)
 
 
 @pytest.mark.slow
-def test_pipeline_parallel_rl_steps_run_and_match_one_rank(tmp_path, one_rank_short):
+@TWO_RANKS
+def test_pipeline_parallel_rl_steps_run_and_match_one_rank(two_rank_runs, one_rank_short):
     """PP 2: the stage without the loss takes part in the stats' reductions (it crashed), the
     warm-up loss is the last stage's (it logged 0), and the trainer's weights reach the
     generator (log-probs agree)."""
-    log = run_rl_ranks(2, tmp_path / "pp", *DETERMINISTIC, "--parallelism.pipeline_parallel_degree", "2")
-    assert "autograd kernel was not registered" not in log.stderr
-    one, pp = one_rank_short, records(tmp_path / "pp")
+    assert "autograd kernel was not registered" not in run_output(two_rank_runs / "launch.log", "pp")
+    one, pp = one_rank_short, records(two_rank_runs / "pp")
     assert [r["step"] for r in pp] == [r["step"] for r in one] == list(range(1, 9))
     # The warm-up has no sampling: same init, same batches, the same loss up to summation order.
     assert pp[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-5) and pp[0]["loss"] > 1
@@ -487,15 +529,15 @@ def test_pipeline_parallel_rl_steps_run_and_match_one_rank(tmp_path, one_rank_sh
 
 
 @pytest.mark.slow
-def test_pipeline_parallel_with_a_pre_update_pass_matches_one_rank(tmp_path):
+@TWO_RANKS
+def test_pipeline_parallel_with_a_pre_update_pass_matches_one_rank(tmp_path, two_rank_runs):
     """PP 2 with two PPO passes per rollout: the trainer's pre-update log-probs come from a
     forward-only pipeline pass, after which torch's schedule infers its stage metadata again
     by running the loss on placeholder tensors; the RL loss must not count that call (its
     KL and entropy came out NaN). Equal to one rank up to float32 summation order."""
-    flags = [*DETERMINISTIC, "--rl.ppo_epochs", "2"]
-    run_rl_ranks(2, tmp_path / "pp", *flags, "--parallelism.pipeline_parallel_degree", "2")
-    run_rl(tmp_path / "one", *flags)
-    pp, one = ([r for r in records(tmp_path / name) if r.get("phase") == "rl"] for name in ("pp", "one"))
+    run_rl(tmp_path / "one", *DETERMINISTIC, "--rl.ppo_epochs", "2")
+    pp, one = ([r for r in records(folder) if r.get("phase") == "rl"]
+               for folder in (two_rank_runs / "pp_two_passes", tmp_path / "one"))
     assert [r["step"] for r in pp] == [r["step"] for r in one] == [4, 6, 8]
     for mine, theirs in zip(pp, one, strict=True):
         # The loss sums per-token terms of order 1 and of either sign to ~0.02 (advantages
@@ -564,15 +606,14 @@ def test_dynamic_sampling_refills_dropped_groups(tmp_path):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_rl_keeps_the_logits_sharded_and_matches_one_rank(tmp_path, one_rank_short):
+@TWO_RANKS
+def test_tensor_parallel_rl_keeps_the_logits_sharded_and_matches_one_rank(two_rank_runs, one_rank_short):
     """TP 2 with loss parallel: the RL loss computes token log-probs and entropy from the
     vocab-sharded logits (a gather of the full logits raises in every process of the run:
     the probe in this folder's sitecustomize.py), in chunks of 40 positions
     (--training.loss_chunk_tokens; a microbatch has 8 rows of 32), and trains like one rank in one
     piece."""
-    run_rl_ranks(2, tmp_path / "tp", *DETERMINISTIC, "--parallelism.tensor_parallel_degree", "2",
-                 "--training.loss_chunk_tokens", "40", env={"TITAN_TEST_REFUSE_FULL_LOGITS": "1"})
-    one, tp = one_rank_short, records(tmp_path / "tp")
+    one, tp = one_rank_short, records(two_rank_runs / "tp")
     rl_one, rl_tp = ([r for r in rows if r.get("phase") == "rl"] for rows in (one, tp))
     assert [r["step"] for r in rl_tp] == [r["step"] for r in rl_one] and len(rl_tp) >= 3
     # The first RL step trains on the same rollout (same warm-up weights, same sampling seed).
@@ -609,17 +650,16 @@ COMPARED = ("loss", "grad_norm", "reward_mean", "reward_std", "response_length_m
 
 
 @pytest.mark.slow
-def test_one_generator_rank_reproduces_the_colocated_run(tmp_path):
+@TWO_RANKS
+def test_one_generator_rank_reproduces_the_colocated_run(tmp_path, two_rank_runs):
     """1 generator rank + 2 FSDP trainer ranks vs the same 2 trainer ranks with rank 0
     generating: the generator rank draws the same prompts and seeds with weights checked
     tensor by tensor after every sync, so the runs are equal record for record. Async
     (staleness 1: rollout i + 1 generates while rollout i trains) with the KL penalty on, so
     the overlap schedule and the reference (taken from the engine, not a generator) are both
     covered."""
-    flags = [*DETERMINISTIC, "--rl.max_policy_staleness", "1", "--rl.no_drop_zero_variance", "--rl.kl_coef", "0.05"]
-    run_rl_ranks(3, tmp_path / "disaggregated", *flags, "--rl.generator_ranks", "1")
-    run_rl_ranks(2, tmp_path / "colocated", *flags)
-    disaggregated, colocated = records(tmp_path / "disaggregated"), records(tmp_path / "colocated")
+    run_rl_ranks(3, tmp_path / "disaggregated", *ASYNC_KL, "--rl.generator_ranks", "1")
+    disaggregated, colocated = records(tmp_path / "disaggregated"), records(two_rank_runs / "async_kl")
     assert [r["step"] for r in disaggregated] == [r["step"] for r in colocated] == list(range(1, 9))
     for mine, theirs in zip(disaggregated, colocated, strict=True):
         assert {k: mine.get(k) for k in COMPARED} == {k: theirs.get(k) for k in COMPARED}, mine["step"]
