@@ -29,9 +29,11 @@ construction imports (``torch.optim`` imports dynamo on first use)."""
 _context = None
 
 
-def _forkserver():
+def forkserver():
     """The forkserver context, its preload set once per pytest process (the server itself
-    starts on the first run)."""
+    starts on the first run). Also the start method of the titan-dist tests' spawned ranks
+    (titan_dist_testlib.run_ranks): a process has one forkserver, so every user preloads the
+    same modules."""
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
@@ -85,7 +87,7 @@ def _run_forked(args: list[str], script: str | None, env: Mapping[str, str] | No
     with tempfile.TemporaryDirectory(prefix="titan-run-") as folder:
         out = os.path.join(folder, "stdout")
         err = out if merge_output else os.path.join(folder, "stderr")
-        process = _forkserver().Process(
+        process = forkserver().Process(
             target=_run_in_child, args=(args, dict(os.environ if env is None else env),
                                         None if cwd is None else str(cwd), out, err, script))
         process.start()

@@ -227,12 +227,20 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> No
 
 
 def run_ranks(world_size: int, fn, *args) -> list:
-    """Run fn(rank, world_size, *args) in `world_size` gloo processes; return each result."""
+    """Run fn(rank, world_size, *args) in `world_size` gloo processes; return each result.
+
+    The ranks are forked from the suite's forkserver (tests/forked_cli.py), which imported
+    torch and titan once per pytest process: a spawned rank spent ~2.5 s of CPU on those
+    imports, more than most of these checks compute. Nothing else is shared: the server never
+    runs anything but imports, and each rank starts its own process group."""
+    from forked_cli import forkserver  # the repository's tests/ (root conftest.py)
+
     store = _rendezvous_store(world_size)
+    forkserver()  # its preload set before the server starts
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.spawn(_worker, args=(world_size, store.port, out_dir, fn, args),
-                     nprocs=world_size, join=True)
+            mp.start_processes(_worker, args=(world_size, store.port, out_dir, fn, args),
+                               nprocs=world_size, join=True, start_method="forkserver")
         except Exception as err:
             errs = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir))
                     if f.endswith(".err")]
