@@ -23,10 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 from forked_cli import run_command
+from launching import launch_train_runs, run_output
 from titan.ckpt import load_dcp_model, load_hf
 from titan.models.llama3 import Llama3Model, Llama3StateDictAdapter
 
-pytestmark = pytest.mark.slow
+# One worker runs the module: its tests read the same shared launches (two_rank_runs and
+# four_rank_runs), which a second worker would wait for.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("checkpoint_e2e")]
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, INTERVAL, GLOBAL_BATCH, SEQ = 16, 4, 4, 32
@@ -150,10 +153,9 @@ def assert_close_losses(got: dict[int, float], ref: dict[int, float], steps: ran
 # ---------------------------------------------------------------------------- shared runs
 
 
-@pytest.fixture
-def fsdp2_ref(build_once) -> Path:
-    """Uninterrupted 2-rank FSDP run: steps 4, 8, 12 in full, 16 model-only."""
-    return build_once("ckpt_fsdp2", lambda d: titan(2, d, *FSDP2))
+def run_flags(dump: Path, *flags: str) -> list[str]:
+    """The flags of one run of a shared launch (``launching.launch_train_runs``)."""
+    return [*COMMON, "--job.dump_folder", str(dump), *flags]
 
 
 @pytest.fixture
@@ -188,106 +190,21 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.fixture
-def killed_and_resumed(build_once) -> Path:
-    """A 2-rank run SIGKILLed after its first checkpoint, then relaunched; the relaunch exports
-    its last step as Hugging Face safetensors."""
+def kill_after_first_checkpoint(dump: Path) -> None:
+    """A 2-rank run SIGKILLed once it holds after step HOLD_AFTER_STEP; what it had saved and
+    logged by then goes to killed_at.json."""
+    dump.mkdir(parents=True)
+    script = dump / "hold_after_step.py"
+    script.write_text(HOLDING_ENTRY.format(step=HOLD_AFTER_STEP))
+    proc = launch(2, dump, *FSDP2, script=str(script))
+    held = dump / "held"
+    deadline = time.monotonic() + 240  # a guard against a hang, not part of the verdict
+    while not held.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kill_tree(proc)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    (dump / "killed_at.json").write_text(json.dumps({"complete": complete_steps(dump), "logged": logged_steps(dump)}))
 
-    def build(dump: Path) -> None:
-        script = dump / "hold_after_step.py"
-        script.write_text(HOLDING_ENTRY.format(step=HOLD_AFTER_STEP))
-        proc = launch(2, dump, *FSDP2, script=str(script))
-        held = dump / "held"
-        deadline = time.monotonic() + 240  # a guard against a hang, not part of the verdict
-        while not held.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        kill_tree(proc)
-        assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
-        (dump / "killed_at.json").write_text(json.dumps(
-            {"complete": complete_steps(dump), "logged": logged_steps(dump)}))
-        result = titan(2, dump, *FSDP2, "--checkpoint.last_save_in_hf")
-        (dump / "resume.log").write_text(result.stdout + result.stderr)
-
-    return build_once("ckpt_killed", build)
-
-
-# ---------------------------------------------------------------------------- 1. kill and resume
-
-
-def test_sigkill_then_resume_is_bitwise_identical(killed_and_resumed, fsdp2_ref):
-    dump = killed_and_resumed
-    killed = json.loads((dump / "killed_at.json").read_text())
-    resumed_from = killed["complete"][-1]
-    assert resumed_from < STEPS and STEPS not in killed["logged"], killed  # really mid-run
-    assert f"resumed from step {resumed_from}" in (dump / "resume.log").read_text()
-
-    # metrics.jsonl: the killed run's lines, then the resumed run's steps appended once each.
-    n_killed = len(killed["logged"])
-    assert logged_steps(dump)[:n_killed] == killed["logged"]
-    assert logged_steps(dump)[n_killed:] == list(range(resumed_from + 1, STEPS + 1))
-
-    got, ref = losses(dump), losses(fsdp2_ref)
-    tail = range(resumed_from + 1, STEPS + 1)
-    assert [got[s] for s in tail] == [ref[s] for s in tail]  # bitwise
-    print(f"killed after step {killed['logged'][-1]} (checkpoint {resumed_from}); "
-          f"{len(tail)} resumed losses bitwise equal")
-
-    # The final weights too: the resumed run's HF export == the uninterrupted run's DCP save.
-    final = dump / "checkpoint" / f"step-{STEPS}"
-    exported = load_hf(str(final), adapter_for(final))
-    reference = load_dcp_model(str(fsdp2_ref / "checkpoint"))
-    assert exported.keys() == reference.keys()
-    assert all(torch.equal(exported[k], reference[k]) for k in reference)
-
-
-# ---------------------------------------------------------------------------- 2. resharding
-
-
-def test_reshard_fsdp2_to_fsdp2_x_tp2(fsdp2_ref, tmp_path):
-    dump = seed_from(tmp_path, fsdp2_ref, 8)
-    titan(4, dump, *FSDP2_TP2)
-    worst = assert_close_losses(losses(dump), losses(fsdp2_ref), range(9, STEPS + 1))
-    print(f"FSDP2 -> FSDP2xTP2: max rel loss diff {worst:.1e}")
-
-
-def test_reshard_no_pp_to_pp2_and_back(one_ref, tmp_path):
-    ref = losses(one_ref)
-    pp = seed_from(tmp_path / "pp", one_ref, 8)
-    titan(2, pp, *PP2)
-    worst = assert_close_losses(losses(pp), ref, range(9, STEPS + 1))
-    back = seed_from(tmp_path / "back", pp, 12)  # a step written by the pipeline layout
-    titan(1, back, *ONE)
-    worst = max(worst, assert_close_losses(losses(back), ref, range(13, STEPS + 1)))
-    print(f"1 -> PP2 -> 1: max rel loss diff {worst:.1e}")
-
-
-def test_reshard_across_data_parallel_degrees(fsdp2_ref, tmp_path):
-    """FSDP 2 -> one process accumulating 2 microbatches -> FSDP 4, data loader included: its
-    position is global (windows of the one global stream), so every resumed step trains on
-    the global batch the uninterrupted run trained on."""
-    ref = losses(fsdp2_ref)
-    one = seed_from(tmp_path / "one", fsdp2_ref, 8)
-
-    # Another seq_len cuts the stream into other windows: refused before training, naming the flag.
-    failed = titan(1, one, *ONE, "--training.seq_len", str(SEQ // 2), ok=False)
-    assert failed.returncode != 0
-    assert "cannot restore 'dataloader'" in failed.stderr, failed.stderr[-3000:]
-    assert "seq_len=32, this run has seq_len=16" in failed.stderr and "--training.seq_len" in failed.stderr
-    assert not (one / "metrics.jsonl").exists()
-
-    # The same global batch, split otherwise: resumes without --checkpoint.exclude_from_loading.
-    accumulating = ["--parallelism.data_parallel_shard_degree", "1",
-                    "--training.local_batch_size", str(GLOBAL_BATCH // 2),
-                    "--training.global_batch_size", str(GLOBAL_BATCH)]
-    titan(1, one, *accumulating)
-    worst = assert_close_losses(losses(one), ref, range(9, STEPS + 1))
-    four = seed_from(tmp_path / "four", one, 12)
-    titan(4, four, *FSDP4)
-    worst = max(worst, assert_close_losses(losses(four), ref, range(13, STEPS + 1)))
-    print(f"FSDP2 -> 1 (2 microbatches) -> FSDP4, loader resumed: max rel loss diff {worst:.1e}")
-
-
-# ---------------------------------------------------------------------------- 3. crash in a save
 
 CRASHING_ENTRY = '''
 """`titan train`, except that rank 1 is SIGKILLed right after writing its shard of step {step}."""
@@ -311,43 +228,203 @@ manager._make_writer = make_writer
 if __name__ == "__main__":
     sys.exit(main())
 '''
+CRASH_IN_SAVE_OF_STEP = 8
 
 
-def test_crash_during_save_keeps_previous_step(fsdp2_ref, tmp_path):
-    script = tmp_path / "crash_in_save.py"
-    script.write_text(CRASHING_ENTRY.format(step=8))
-    dump = tmp_path / "run"
+def crash_in_a_save(dump: Path) -> None:
+    """A 2-rank run whose rank 1 dies right after writing its shard of step 8; its exit
+    status and what the checkpoint folder held afterwards go to crashed_at.json."""
+    dump.mkdir(parents=True)
+    script = dump / "crash_in_save.py"
+    script.write_text(CRASHING_ENTRY.format(step=CRASH_IN_SAVE_OF_STEP))
     crashed = titan(2, dump, *FSDP2, script=str(script), ok=False)
-    assert crashed.returncode != 0
-    folder = dump / "checkpoint"
-    assert complete_steps(dump) == [4]
-    assert (folder / "step-8.tmp").is_dir() and any((folder / "step-8.tmp").iterdir())  # the partial
-    assert not (folder / "step-8").exists()
+    partial = dump / "checkpoint" / f"step-{CRASH_IN_SAVE_OF_STEP}.tmp"
+    (dump / "crashed_at.json").write_text(json.dumps({
+        "returncode": crashed.returncode, "complete": complete_steps(dump),
+        "partial_written": partial.is_dir() and any(partial.iterdir()),
+        "published": (dump / "checkpoint" / f"step-{CRASH_IN_SAVE_OF_STEP}").exists()}))
 
-    resumed = titan(2, dump, *FSDP2)
-    log = resumed.stdout + resumed.stderr
+
+ASYNC_RETAINING = ["--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "2"]
+
+
+def save_in_the_background(dump: Path) -> None:
+    """A 2-rank run saving asynchronously and keeping the latest 2 steps; its checkpoint
+    folder's listing and step 12's manifest go to async_saved.json."""
+    titan(2, dump, *FSDP2, *ASYNC_RETAINING)
+    folder = dump / "checkpoint"
+    (dump / "async_saved.json").write_text(json.dumps({
+        "complete": complete_steps(dump), "listing": sorted(p.name for p in folder.iterdir()),
+        "manifest_12": json.loads((folder / "step-12" / "titan_checkpoint.json").read_text())}))
+
+
+@pytest.fixture
+def two_rank_runs(build_once, one_ref) -> Path:
+    """Every 2-rank run the tests read. Starting torchrun and importing torch cost ~10 s of CPU
+    per launch, as much as a run: the runs that must end on their own launch (killed, crashed,
+    saving in the background) go first, then one launch (tests/train_runs_worker.py) holds the
+    uninterrupted reference and every resumption:
+
+    - ``fsdp2``: uninterrupted, steps 4, 8, 12 in full, 16 model-only;
+    - ``killed``: SIGKILLed after step 6, then resumed, exporting its last step as HF;
+    - ``crashed``: rank 1 killed inside step 8's save, then resumed;
+    - ``async``: background saves keeping 2 steps, then resumed from its step 12;
+    - ``pp``: ``one_ref``'s step 8 resumed under PP 2.
+
+    ``launch.log`` holds the shared launch's output (``launching.run_output``)."""
+
+    def build(folder: Path) -> None:
+        kill_after_first_checkpoint(folder / "killed")
+        crash_in_a_save(folder / "crashed")
+        save_in_the_background(folder / "async")
+        seed_from(folder / "pp", one_ref, 8)
+        runs = [("fsdp2", run_flags(folder / "fsdp2", *FSDP2)),
+                ("killed", run_flags(folder / "killed", *FSDP2, "--checkpoint.last_save_in_hf")),
+                ("crashed", run_flags(folder / "crashed", *FSDP2)),
+                ("async", run_flags(folder / "async", *FSDP2, *ASYNC_RETAINING, "--checkpoint.load_step", "12")),
+                ("pp", run_flags(folder / "pp", *PP2))]
+        launch_train_runs(2, runs, folder / "launch.log")
+
+    return build_once("ckpt_two_ranks", build)
+
+
+@pytest.fixture
+def fsdp2_ref(two_rank_runs) -> Path:
+    """Uninterrupted 2-rank FSDP run: steps 4, 8, 12 in full, 16 model-only."""
+    return two_rank_runs / "fsdp2"
+
+
+@pytest.fixture
+def killed_and_resumed(two_rank_runs) -> Path:
+    """A 2-rank run SIGKILLed after its first checkpoint, then relaunched; the relaunch exports
+    its last step as Hugging Face safetensors."""
+    return two_rank_runs / "killed"
+
+
+@pytest.fixture
+def four_rank_runs(build_once, fsdp2_ref) -> Path:
+    """The 4-rank resumptions, in one launch: ``tp`` (FSDP 2 x TP 2 from the FSDP 2 run's step
+    8) and ``four`` (FSDP 4 from step 12 of ``one``: one process accumulating 2 microbatches,
+    itself resumed from the FSDP 2 run's step 8)."""
+
+    def build(folder: Path) -> None:
+        seed_from(folder / "tp", fsdp2_ref, 8)
+        one = seed_from(folder / "one", fsdp2_ref, 8)
+        titan(1, one, *ACCUMULATING)
+        seed_from(folder / "four", one, 12)
+        launch_train_runs(4, [("tp", run_flags(folder / "tp", *FSDP2_TP2)),
+                              ("four", run_flags(folder / "four", *FSDP4))], folder / "launch.log")
+
+    return build_once("ckpt_four_ranks", build)
+
+
+# ---------------------------------------------------------------------------- 1. kill and resume
+
+
+def test_sigkill_then_resume_is_bitwise_identical(killed_and_resumed, fsdp2_ref):
+    dump = killed_and_resumed
+    killed = json.loads((dump / "killed_at.json").read_text())
+    resumed_from = killed["complete"][-1]
+    assert resumed_from < STEPS and STEPS not in killed["logged"], killed  # really mid-run
+    assert f"resumed from step {resumed_from}" in run_output(dump.parent / "launch.log", "killed")
+
+    # metrics.jsonl: the killed run's lines, then the resumed run's steps appended once each.
+    n_killed = len(killed["logged"])
+    assert logged_steps(dump)[:n_killed] == killed["logged"]
+    assert logged_steps(dump)[n_killed:] == list(range(resumed_from + 1, STEPS + 1))
+
+    got, ref = losses(dump), losses(fsdp2_ref)
+    tail = range(resumed_from + 1, STEPS + 1)
+    assert [got[s] for s in tail] == [ref[s] for s in tail]  # bitwise
+    print(f"killed after step {killed['logged'][-1]} (checkpoint {resumed_from}); "
+          f"{len(tail)} resumed losses bitwise equal")
+
+    # The final weights too: the resumed run's HF export == the uninterrupted run's DCP save.
+    final = dump / "checkpoint" / f"step-{STEPS}"
+    exported = load_hf(str(final), adapter_for(final))
+    reference = load_dcp_model(str(fsdp2_ref / "checkpoint"))
+    assert exported.keys() == reference.keys()
+    assert all(torch.equal(exported[k], reference[k]) for k in reference)
+
+
+# ---------------------------------------------------------------------------- 2. resharding
+
+
+def test_reshard_fsdp2_to_fsdp2_x_tp2(fsdp2_ref, four_rank_runs):
+    worst = assert_close_losses(losses(four_rank_runs / "tp"), losses(fsdp2_ref), range(9, STEPS + 1))
+    print(f"FSDP2 -> FSDP2xTP2: max rel loss diff {worst:.1e}")
+
+
+def test_reshard_no_pp_to_pp2_and_back(one_ref, two_rank_runs, tmp_path):
+    ref = losses(one_ref)
+    pp = two_rank_runs / "pp"  # one_ref's step 8 resumed under PP 2
+    worst = assert_close_losses(losses(pp), ref, range(9, STEPS + 1))
+    back = seed_from(tmp_path / "back", pp, 12)  # a step written by the pipeline layout
+    titan(1, back, *ONE)
+    worst = max(worst, assert_close_losses(losses(back), ref, range(13, STEPS + 1)))
+    print(f"1 -> PP2 -> 1: max rel loss diff {worst:.1e}")
+
+
+ACCUMULATING = ["--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", str(GLOBAL_BATCH // 2),
+                "--training.global_batch_size", str(GLOBAL_BATCH)]
+
+
+def test_reshard_across_data_parallel_degrees(fsdp2_ref, four_rank_runs, tmp_path):
+    """FSDP 2 -> one process accumulating 2 microbatches -> FSDP 4, data loader included: its
+    position is global (windows of the one global stream), so every resumed step trains on
+    the global batch the uninterrupted run trained on."""
+    ref = losses(fsdp2_ref)
+    one = seed_from(tmp_path / "one", fsdp2_ref, 8)
+
+    # Another seq_len cuts the stream into other windows: refused before training, naming the flag.
+    failed = titan(1, one, *ONE, "--training.seq_len", str(SEQ // 2), ok=False)
+    assert failed.returncode != 0
+    assert "cannot restore 'dataloader'" in failed.stderr, failed.stderr[-3000:]
+    assert "seq_len=32, this run has seq_len=16" in failed.stderr and "--training.seq_len" in failed.stderr
+    assert not (one / "metrics.jsonl").exists()
+
+    # The same global batch, split otherwise (ACCUMULATING, run by four_rank_runs on its own
+    # copy of step 8): resumes without --checkpoint.exclude_from_loading.
+    worst = assert_close_losses(losses(four_rank_runs / "one"), ref, range(9, STEPS + 1))
+    worst = max(worst, assert_close_losses(losses(four_rank_runs / "four"), ref, range(13, STEPS + 1)))
+    print(f"FSDP2 -> 1 (2 microbatches) -> FSDP4, loader resumed: max rel loss diff {worst:.1e}")
+
+
+# ---------------------------------------------------------------------------- 3. crash in a save
+
+
+def test_crash_during_save_keeps_previous_step(two_rank_runs, fsdp2_ref):
+    dump = two_rank_runs / "crashed"
+    crashed = json.loads((dump / "crashed_at.json").read_text())
+    assert crashed["returncode"] != 0
+    assert crashed["complete"] == [4]
+    assert crashed["partial_written"] and not crashed["published"]  # step 8 left half-written
+
+    log = run_output(two_rank_runs / "launch.log", "crashed")
     assert "resumed from step 4" in log and "ignoring half-written steps [8]" in log
     got, ref = losses(dump), losses(fsdp2_ref)
     assert [got[s] for s in range(5, STEPS + 1)] == [ref[s] for s in range(5, STEPS + 1)]
-    assert not (folder / "step-8.tmp").exists()  # replaced by the real step 8
+    assert not (dump / "checkpoint" / "step-8.tmp").exists()  # replaced by the real step 8
 
 
 # ---------------------------------------------------------------------------- 4 + 6. async, retention
 
 
-def test_async_saves_drain_and_keep_latest_k(fsdp2_ref, tmp_path):
-    flags = ["--checkpoint.async_mode", "async", "--checkpoint.keep_latest_k", "2"]
-    titan(2, tmp_path, *FSDP2, *flags)
+def test_async_saves_drain_and_keep_latest_k(two_rank_runs, fsdp2_ref):
+    dump = two_rank_runs / "async"
+    saved = json.loads((dump / "async_saved.json").read_text())  # after the first run
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     ref = losses(fsdp2_ref)
-    assert losses(tmp_path) == ref  # background saves do not perturb training (bitwise)
-    folder = tmp_path / "checkpoint"
-    assert complete_steps(tmp_path) == [12, 16]  # exactly k, the newest
-    assert sorted(p.name for p in folder.iterdir()) == ["step-12", "step-16"]  # no leftovers
-    manifest = json.loads((folder / "step-12" / "titan_checkpoint.json").read_text())
-    assert not manifest["model_only"] and manifest["world_size"] == 2
-    # The async-saved step holds the state of step 12 (staged before training went on).
-    titan(2, tmp_path, *FSDP2, *flags, "--checkpoint.load_step", "12")
-    got = losses(tmp_path)
+    # Background saves do not perturb training (bitwise): the first run's lines.
+    assert {r["step"]: r["loss"] for r in rows[:STEPS]} == ref
+    assert saved["complete"] == [12, 16]  # exactly k, the newest
+    assert saved["listing"] == ["step-12", "step-16"]  # no leftovers
+    assert not saved["manifest_12"]["model_only"] and saved["manifest_12"]["world_size"] == 2
+    # The async-saved step holds the state of step 12 (staged before training went on): the
+    # run resumed from it (--checkpoint.load_step 12) trains on like the uninterrupted one.
+    assert "resumed from step 12" in run_output(two_rank_runs / "launch.log", "async")
+    got = losses(dump)
+    assert [r["step"] for r in rows[STEPS:]] == list(range(13, STEPS + 1))
     assert [got[s] for s in range(13, STEPS + 1)] == [ref[s] for s in range(13, STEPS + 1)]
 
 
