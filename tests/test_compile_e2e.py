@@ -2,10 +2,9 @@
 the blocks really were compiled (matching losses alone would also pass with compile off)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+from forked_cli import run_script
 
 # The block graph of the parity matrix's compile layout (debugmodel_tiny, 8 x 32 tokens,
 # deterministic): the inductor cache of the test run (conftest.py) compiles it once for both.
@@ -16,7 +15,9 @@ FLAGS = ["--config", "llama3_debug_synthetic", "--model.flavor", "debugmodel_tin
 # fills the inductor cache for the others (tests/conftest.py).
 INDUCTOR = pytest.mark.xdist_group("inductor_one_process")
 # `titan train` exactly as the console script runs it, then what dynamo and inductor counted
-# in that process, written to the file named by the first argument.
+# in that process, written to the file named by the first argument. Forked from the suite's
+# server that imported titan (tests/forked_cli.py: it never runs anything, so the counters
+# start at zero as in a fresh interpreter).
 RUN_AND_COUNT = """
 import json, sys
 from titan.recipes.cli import main
@@ -30,10 +31,11 @@ sys.exit(code)
 
 def _run(folder, *extra: str) -> tuple[list[float], dict]:
     """Losses of one `titan train` run and its compile counters."""
-    result = subprocess.run([sys.executable, "-c", RUN_AND_COUNT, str(_counters(folder)), "train", *FLAGS,
-                             "--job.dump_folder", str(folder), *extra],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-6000:]
+    script = folder.parent / f"{folder.name}_run_and_count.py"
+    script.write_text(RUN_AND_COUNT)
+    result = run_script(script, [str(_counters(folder)), "train", *FLAGS, "--job.dump_folder", str(folder), *extra],
+                        timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:]
     return _results(folder)
 
 
