@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from forked_cli import run_titan
+from launching import launch_train_runs
 from safetensors import safe_open
 from titan.ckpt import load_hf, save_hf
 from titan.ckpt.stateful import ModelWrapper
@@ -160,16 +159,12 @@ TP2 = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_pa
        "--training.local_batch_size", str(GLOBAL_BATCH)]
 
 
-def titan(ranks: int, dump: Path, *flags: str) -> None:
-    """`titan train` under torchrun when ranks > 1; assert it succeeded."""
-    entry = ["-m", "titan.recipes.cli", "train"]
-    launcher = [sys.executable] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
-    cmd = [*launcher, *entry, *COMMON, "--job.dump_folder", str(dump), *flags]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+def titan(dump: Path, *flags: str) -> None:
+    """One-process `titan train` (forked with titan imported: tests/forked_cli.py); assert it
+    succeeded."""
+    args = ["train", *COMMON, "--job.dump_folder", str(dump), *flags]
+    result = run_titan(args, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert result.returncode == 0, f"titan {' '.join(args)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
 
 
 def losses(dump: Path) -> dict[int, float]:
@@ -192,17 +187,21 @@ def exported(dump: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_trainer_fsdp2_and_tp2_resharded_match_one_process(tmp_path):
-    """One process, FSDP 2 from scratch, then TP 2 resuming FSDP 2's step-3 checkpoint (a
-    reshard of the tied matrix and its optimizer state): same losses, same exported weights."""
+    """One process, FSDP 2 from scratch, then TP 2 starting from FSDP 2's whole step-3
+    checkpoint (weights, optimizer state, counters and data position: a reshard of the tied
+    matrix and its optimizer state): same losses, same exported weights. Both 2-rank runs in
+    one launch (tests/train_runs_worker.py)."""
     one, fsdp, tp = tmp_path / "one", tmp_path / "fsdp2", tmp_path / "tp2"
-    titan(1, one, *ONE)
-    titan(2, fsdp, *FSDP2)
+    titan(one, *ONE)
+    from_step_3 = ["--checkpoint.initial_load_path", str(fsdp / "checkpoint" / "step-3"),
+                   "--checkpoint.no_initial_load_model_only"]
+    launch_train_runs(2, [("fsdp2", [*COMMON, "--job.dump_folder", str(fsdp), *FSDP2]),
+                          ("tp2", [*COMMON, "--job.dump_folder", str(tp), *TP2, *from_step_3])],
+                      tmp_path / "launch.log")
     ref = losses(one)
     assert ref[STEPS] < ref[1]  # it trained
     assert_close_losses(losses(fsdp), ref, range(1, STEPS + 1))
-    shutil.copytree(fsdp / "checkpoint" / "step-3", tp / "checkpoint" / "step-3")
-    titan(2, tp, *TP2)
-    assert sorted(losses(tp)) == list(range(4, STEPS + 1))  # it resumed from step 3
+    assert sorted(losses(tp)) == list(range(4, STEPS + 1))  # it went on from step 3
     assert_close_losses(losses(tp), ref, range(4, STEPS + 1))
     ref_weights = exported(one)
     for dump in (fsdp, tp):
