@@ -229,7 +229,7 @@ def run_rl(dump: Path, *flags: str) -> subprocess.CompletedProcess:
     return result
 
 
-def tests_on_pythonpath() -> str:
+def pythonpath_with_this_folder() -> str:
     """PYTHONPATH with this folder first: reward functions given by dotted path, and the
     probes of sitecustomize.py."""
     return os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
@@ -243,7 +243,7 @@ def run_rl_ranks(ranks: int, dump: Path, *flags: str, check: bool = True, timeou
            "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", "--config", "grpo_debug",
            "--job.dump_folder", str(dump), "--metrics.no_enable_progress_bar", *flags]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tests_on_pythonpath(),
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_with_this_folder(),
                                  **(env or {})})
     if check:
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
@@ -479,7 +479,7 @@ def two_rank_runs(build_once) -> Path:
         runs = [(name, ["--config", "grpo_debug", "--job.dump_folder", str(folder / name),
                         "--metrics.no_enable_progress_bar", *flags]) for name, flags in TWO_RANK_RUNS.items()]
         launch_train_runs(2, runs, folder / "launch.log", command="rl",
-                          env={"PYTHONPATH": tests_on_pythonpath(), "TITAN_TEST_REFUSE_FULL_LOGITS": "1"})
+                          env={"PYTHONPATH": pythonpath_with_this_folder(), "TITAN_TEST_REFUSE_FULL_LOGITS": "1"})
 
     return build_once("rl_two_ranks", build)
 
