@@ -71,6 +71,11 @@ PP2 = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_
 # ---------------------------------------------------------------------------- running titan
 
 
+def run_flags(dump: Path, *flags: str) -> list[str]:
+    """`titan train` flags of one run: the common ones, its dump folder, then ``flags``."""
+    return [*COMMON, "--job.dump_folder", str(dump), *flags]
+
+
 def command(ranks: int, dump: Path, flags: tuple[str, ...], script: str | None = None) -> list[str]:
     """`titan train` (or a test entry script wrapping it), under torchrun when ranks > 1."""
     entry = [script] if script else ["-m", "titan.recipes.cli"]
@@ -79,7 +84,7 @@ def command(ranks: int, dump: Path, flags: tuple[str, ...], script: str | None =
     else:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                     "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", *entry]
-    return [*launcher, "train", *COMMON, "--job.dump_folder", str(dump), *flags]
+    return [*launcher, "train", *run_flags(dump, *flags)]
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -151,11 +156,6 @@ def assert_close_losses(got: dict[int, float], ref: dict[int, float], steps: ran
 
 
 # ---------------------------------------------------------------------------- shared runs
-
-
-def run_flags(dump: Path, *flags: str) -> list[str]:
-    """The flags of one run of a shared launch (``launching.launch_train_runs``)."""
-    return [*COMMON, "--job.dump_folder", str(dump), *flags]
 
 
 @pytest.fixture

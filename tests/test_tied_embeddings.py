@@ -159,10 +159,15 @@ TP2 = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_pa
        "--training.local_batch_size", str(GLOBAL_BATCH)]
 
 
+def run_flags(dump: Path, *flags: str) -> list[str]:
+    """`titan train` flags of one run: the common ones, its dump folder, then ``flags``."""
+    return [*COMMON, "--job.dump_folder", str(dump), *flags]
+
+
 def titan(dump: Path, *flags: str) -> None:
     """One-process `titan train` (forked with titan imported: tests/forked_cli.py); assert it
     succeeded."""
-    args = ["train", *COMMON, "--job.dump_folder", str(dump), *flags]
+    args = ["train", *run_flags(dump, *flags)]
     result = run_titan(args, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert result.returncode == 0, f"titan {' '.join(args)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
 
@@ -195,8 +200,7 @@ def test_trainer_fsdp2_and_tp2_resharded_match_one_process(tmp_path):
     titan(one, *ONE)
     from_step_3 = ["--checkpoint.initial_load_path", str(fsdp / "checkpoint" / "step-3"),
                    "--checkpoint.no_initial_load_model_only"]
-    launch_train_runs(2, [("fsdp2", [*COMMON, "--job.dump_folder", str(fsdp), *FSDP2]),
-                          ("tp2", [*COMMON, "--job.dump_folder", str(tp), *TP2, *from_step_3])],
+    launch_train_runs(2, [("fsdp2", run_flags(fsdp, *FSDP2)), ("tp2", run_flags(tp, *TP2, *from_step_3))],
                       tmp_path / "launch.log")
     ref = losses(one)
     assert ref[STEPS] < ref[1]  # it trained

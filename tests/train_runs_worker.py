@@ -9,7 +9,7 @@ The process group stays up between runs: `close` would destroy it, so the engine
 only synchronizes the ranks here, and the group is destroyed once, after the last run.
 
 Usage: ``python train_runs_worker.py RUNS.json`` (under torchrun for several ranks), where the file
-holds ``[[name, [flag, ...], command], ...]`` (command: train, sft or rl; train when left out);
+holds ``[[name, [flag, ...], command], ...]`` (command: train, sft or rl);
 each run's flags name its own ``--job.dump_folder``.
 """
 
@@ -49,11 +49,11 @@ def main(runs_file: str) -> int:
     with open(runs_file) as f:
         runs = json.load(f)
     with one_process_group():
-        for name, flags, *command in runs:
+        for name, flags, command in runs:
             # One write (atomic on a pipe), so the ranks' announcements never interleave.
             sys.stderr.write(f"{RUN_MARKER}{name}\n")
             sys.stderr.flush()
-            if run(flags, command=command[0] if command else "train") != 0:
+            if run(flags, command=command) != 0:
                 raise SystemExit(f"train_runs_worker: {name} failed")
     return 0
 

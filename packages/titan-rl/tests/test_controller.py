@@ -220,10 +220,15 @@ def test_titan_rl_is_a_command_with_its_recipe():
 TITAN = [sys.executable, "-m", "titan.recipes.cli"]
 
 
+def rl_flags(dump: Path, *flags: str) -> list[str]:
+    """The flags of `titan rl --config grpo_debug` writing to ``dump``, then ``flags``."""
+    return ["--config", "grpo_debug", "--job.dump_folder", str(dump), "--metrics.no_enable_progress_bar", *flags]
+
+
 def run_rl(dump: Path, *flags: str) -> subprocess.CompletedProcess:
     """`titan rl --config grpo_debug` with `flags` in one process (forked with titan imported:
     tests/forked_cli.py; threads: the suite's share, conftest.py); asserts it succeeded."""
-    args = ["rl", "--config", "grpo_debug", "--job.dump_folder", str(dump), "--metrics.no_enable_progress_bar", *flags]
+    args = ["rl", *rl_flags(dump, *flags)]
     result = run_titan(args, timeout=900)
     assert result.returncode == 0, f"titan {' '.join(args)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result
@@ -240,8 +245,7 @@ def run_rl_ranks(ranks: int, dump: Path, *flags: str, check: bool = True, timeou
     """`titan rl --config grpo_debug` under torchrun with ``ranks`` gloo processes (this
     folder importable, for reward functions given by dotted path)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", "--config", "grpo_debug",
-           "--job.dump_folder", str(dump), "--metrics.no_enable_progress_bar", *flags]
+           "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", *rl_flags(dump, *flags)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_with_this_folder(),
                                  **(env or {})})
@@ -354,8 +358,7 @@ def test_sigterm_during_titan_rl_saves_and_the_same_command_resumes(tmp_path):
     import signal
 
     flags = [*SHORT, "--training.steps", "400", "--checkpoint.enable", "--checkpoint.interval", "1000"]
-    cmd = [*TITAN, "rl", "--config", "grpo_debug", "--job.dump_folder", str(tmp_path),
-           "--metrics.no_enable_progress_bar", *flags]
+    cmd = [*TITAN, "rl", *rl_flags(tmp_path, *flags)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     metrics = tmp_path / "metrics.jsonl"
     try:
@@ -476,8 +479,7 @@ def two_rank_runs(build_once) -> Path:
     """The folder of the launch of ``TWO_RANK_RUNS`` (one dump folder per run, and launch.log)."""
 
     def build(folder: Path) -> None:
-        runs = [(name, ["--config", "grpo_debug", "--job.dump_folder", str(folder / name),
-                        "--metrics.no_enable_progress_bar", *flags]) for name, flags in TWO_RANK_RUNS.items()]
+        runs = [(name, rl_flags(folder / name, *flags)) for name, flags in TWO_RANK_RUNS.items()]
         launch_train_runs(2, runs, folder / "launch.log", command="rl",
                           env={"PYTHONPATH": pythonpath_with_this_folder(), "TITAN_TEST_REFUSE_FULL_LOGITS": "1"})
 
@@ -722,8 +724,7 @@ def test_sigterm_to_a_disaggregated_launch_saves_and_resumes(tmp_path):
     flags = [*SHORT, "--training.steps", "400", "--checkpoint.enable", "--checkpoint.interval", "1000",
              "--rl.generator_ranks", "1"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", "--config", "grpo_debug",
-           "--job.dump_folder", str(tmp_path), "--metrics.no_enable_progress_bar", *flags]
+           "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", *rl_flags(tmp_path, *flags)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     metrics = tmp_path / "metrics.jsonl"
