@@ -8,17 +8,21 @@ from a server process that imported those modules once per pytest process (multi
 forkserver, with titan preloaded). Only the imports are shared, none of a run's state: the
 server never runs anything but imports.
 
-Multi-rank runs still start from scratch under torchrun, as users start them.
+Multi-rank `titan` runs still start from scratch under torchrun, as users start them; the
+test workers that drive titan's components on several ranks (no `titan` command line) fork
+their ranks from the same server with torchrun's worker environment (``run_script_ranks``).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import runpy
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -123,6 +127,69 @@ def run_script(script: str | Path, args: Sequence[str], *, env: Mapping[str, str
     Python puts it): like :func:`run_titan`, with stdout and stderr in ``stdout``, in the order
     written."""
     return _run_forked([str(a) for a in args], str(script), env, None, timeout, merge_output=True)
+
+
+def _torchrun_worker_env(env: Mapping[str, str], rank: int, ranks: int, port: int) -> dict[str, str]:
+    """What torchrun's agent puts in a worker's environment on one node (``LOCAL_RANK``,
+    ``RANK``, ``WORLD_SIZE``, their group and role forms, the rendezvous address), with every
+    rank a client of the store the launching process hosts (``TORCHELASTIC_USE_AGENT_STORE``,
+    as torchrun's own workers are clients of their agent's store)."""
+    return {**env, "LOCAL_RANK": str(rank), "RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(ranks), "WORLD_SIZE": str(ranks),
+            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0"}
+
+
+def _stop(processes: list, grace: float = 30) -> None:
+    """SIGTERM every live process, then SIGKILL what is still alive after ``grace`` seconds."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def run_script_ranks(script: str | Path, args: Sequence[str], ranks: int, *, env: Mapping[str, str] | None = None,
+                     timeout: float = 600) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node RANKS SCRIPT ARGS`` with the ranks forked from the server:
+    each rank gets the environment torchrun gives its workers, and rendezvouses in a store
+    this process hosts on a port the OS picks (never released while the ranks run, so no
+    other test can take it). As torchrun does, the first rank that fails stops the others.
+    Returns like :func:`run_script`: ``returncode`` is the first failed rank's (0 when all
+    succeeded) and ``stdout`` each rank's output in turn, under a ``[rank R]`` line."""
+    import torch.distributed as dist
+
+    args = [str(a) for a in args]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), str(script), *args]
+    store = dist.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False)
+    base = dict(os.environ if env is None else env)
+    with tempfile.TemporaryDirectory(prefix="titan-ranks-") as folder:
+        outputs = [os.path.join(folder, f"rank{rank}") for rank in range(ranks)]
+        processes = [forkserver().Process(target=_run_in_child, args=(
+            args, _torchrun_worker_env(base, rank, ranks, store.port), None, out, out, str(script)))
+            for rank, out in enumerate(outputs)]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout
+        failed = None
+        while failed is None and any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+            multiprocessing.connection.wait([p.sentinel for p in processes if p.is_alive()],
+                                            timeout=max(0.0, deadline - time.monotonic()))
+            failed = next((p.exitcode for p in processes if p.exitcode not in (None, 0)), None)
+        timed_out = failed is None and any(p.is_alive() for p in processes)
+        _stop(processes)
+        failed = failed if failed is not None else next((p.exitcode for p in processes if p.exitcode), 0)
+        stdout = "".join(f"[rank {rank}]\n" + (Path(out).read_text(errors="replace") if os.path.exists(out) else "")
+                         for rank, out in enumerate(outputs))
+    del store
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr="")
+    return subprocess.CompletedProcess(command, failed, stdout, "")
 
 
 CLI = [sys.executable, "-m", "titan.recipes.cli"]

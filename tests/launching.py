@@ -1,5 +1,6 @@
 """How the end-to-end tests start processes: one interpreter for one rank, torchrun for
-several, each rank on one thread; and several `titan train` runs in one launch."""
+several (or, for test workers of titan's components, ranks forked with torchrun's worker
+environment), each rank on one thread; and several `titan train` runs in one launch."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from forked_cli import run_script
+from forked_cli import run_script, run_script_ranks
 
 RUNS_WORKER = Path(__file__).with_name("train_runs_worker.py")
 RUN_MARKER = "train_runs_worker: run "  # what the worker prints before each run
@@ -27,17 +28,22 @@ def launcher(ranks: int) -> list[str]:
 
 
 def launch(ranks: int, args: list[str], log: Path, *, timeout: float = 600,
-           env: dict[str, str] | None = None) -> None:
+           env: dict[str, str] | None = None, torchrun: bool = True) -> None:
     """Run ``args`` (a script and its arguments) on ``ranks`` processes with one thread each
     (and ``env`` added to their environment); the command and its output (stdout and stderr
     in the order written) go to ``log``; fail with the command and the end of the output
     unless it succeeded (a launch past ``timeout`` seconds is killed, every rank with it, and
-    fails with what it printed)."""
+    fails with what it printed). ``torchrun=False``: several ranks are forked from the
+    preloaded server with torchrun's worker environment instead (for test workers that
+    drive titan's components, not a `titan` command line)."""
     cmd = [*launcher(ranks), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    if ranks == 1:  # forked from an interpreter with titan imported (forked_cli.py)
+    if ranks == 1 or not torchrun:  # forked from an interpreter with titan imported (forked_cli.py)
         try:
-            done = run_script(args[0], args[1:], env=env, timeout=timeout)
+            if ranks == 1:
+                done = run_script(args[0], args[1:], env=env, timeout=timeout)
+            else:
+                done = run_script_ranks(args[0], args[1:], ranks, env=env, timeout=timeout)
             output, returncode = done.stdout, done.returncode
         except subprocess.TimeoutExpired as stopped:
             output, returncode = f"{stopped.output}\n[launch stopped after its limit of {timeout:.0f} s]", None
@@ -76,12 +82,13 @@ def run_output(log: Path, name: str) -> str:
 
 
 def launch_runs(ranks: int, worker: Path, runs: list[list], log: Path, *,
-                env: dict[str, str] | None = None) -> None:
+                env: dict[str, str] | None = None, torchrun: bool = True) -> None:
     """``worker`` run once on ``ranks`` processes with a JSON file of ``runs`` (the worker's own
-    run descriptions, beside ``log``) as its argument: many runs, one launch."""
+    run descriptions, beside ``log``) as its argument: many runs, one launch (``torchrun``:
+    as in :func:`launch`)."""
     runs_file = log.with_suffix(".json")
     runs_file.write_text(json.dumps(runs))
-    launch(ranks, [str(worker), str(runs_file)], log, env=env)
+    launch(ranks, [str(worker), str(runs_file)], log, env=env, torchrun=torchrun)
 
 
 def launch_train_runs(ranks: int, runs: list[tuple[str, list[str]]], log: Path, *, command: str = "train",

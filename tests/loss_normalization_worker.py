@@ -1,4 +1,4 @@
-"""One rank of ``test_loss_normalization``'s data-parallel case, under torchrun.
+"""One rank of ``test_loss_normalization``'s data-parallel case (torchrun's worker environment).
 
 ``python -m torch.distributed.run ... loss_normalization_worker.py BATCHES OUT FLAG...``:
 builds the real ``Trainer`` from the ``titan train`` flags, takes this data-parallel rank's

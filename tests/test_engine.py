@@ -31,7 +31,7 @@ def run_loops(build_once, group: str, ranks: int, layouts: dict[str, list[str]])
 
     def build(folder: Path) -> None:
         runs = [[str(folder / name), flags] for name, flags in layouts.items()]
-        launch_runs(ranks, WORKER, runs, folder / "launch.log")
+        launch_runs(ranks, WORKER, runs, folder / "launch.log", torchrun=False)
 
     return build_once(group, build)
 

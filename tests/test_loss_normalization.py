@@ -6,19 +6,18 @@ microbatch more than one of a full microbatch; the trainer divides every microba
 loss by the valid-token count of the whole global batch instead. The reference here is the
 definition: the mean cross-entropy over the union of every microbatch of every rank, computed
 in one call on an unsharded copy of the same weights. Checked in one process with gradient
-accumulation and under FSDP 2 (two gloo ranks under torchrun, each with its own microbatches).
+accumulation and under FSDP 2 (two gloo ranks, each with its own microbatches).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from forked_cli import run_script_ranks
 from titan.models.llama3 import build_llama3
 from titan.train.trainer import Trainer
 
@@ -163,15 +162,11 @@ def test_fsdp2_uneven_padding_across_ranks_equals_one_cross_entropy(tmp_path):
         "--job.dump_folder",
         str(tmp_path / "run"),
     ]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0",
-        str(Path(__file__).with_name("loss_normalization_worker.py")),
-        str(tmp_path / "batches.pt"), str(out), *flags,
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    # Two gloo ranks with torchrun's worker environment, forked from the preloaded server.
+    worker = Path(__file__).with_name("loss_normalization_worker.py")
+    proc = run_script_ranks(worker, [tmp_path / "batches.pt", out, *flags], 2,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-9000:]
     got = torch.load(out)
     # The technique ran: two data-parallel ranks, parameters sharded by FSDP.
     assert got["dp_world_size"] == 2 and got["sharded"], got

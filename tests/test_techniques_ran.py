@@ -76,7 +76,7 @@ def observed(build_once) -> Callable[[str], list[dict[str, Any]]]:
     def launch_group(ranks: int, folder: Path) -> None:
         runs = [[str(folder / name), [*COMMON, "--job.dump_folder", str(folder / name / "dump"), *flags]]
                 for name, (n, flags) in RUNS.items() if n == ranks]
-        launch_runs(ranks, WORKER, runs, folder / "launch.log")
+        launch_runs(ranks, WORKER, runs, folder / "launch.log", torchrun=False)
 
     def observations(name: str) -> list[dict[str, Any]]:
         ranks = RUNS[name][0]

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,13 +18,14 @@ STEPS, MORE = 3, 2
 pytestmark = pytest.mark.slow
 
 
-def _torchrun(mode: str, dump, out, async_mode: str = "disabled") -> list[float]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           WORKER, "--mode", mode, "--dump", str(dump), "--out", str(out),
-           "--steps", str(STEPS), "--more", str(MORE), "--async-mode", async_mode]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+def _two_ranks(mode: str, dump, out, async_mode: str = "disabled") -> list[float]:
+    """The worker on two gloo ranks, forked with torchrun's worker environment from the
+    suite's preloaded server (tests/forked_cli.py)."""
+    from forked_cli import run_script_ranks  # the repository's tests/ (root conftest.py)
+
+    args = ["--mode", mode, "--dump", dump, "--out", out, "--steps", STEPS, "--more", MORE, "--async-mode", async_mode]
+    result = run_script_ranks(WORKER, args, 2, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=240)
+    assert result.returncode == 0, result.stdout[-9000:]
     with open(os.path.join(out, "losses.json")) as f:
         return json.load(f)
 
@@ -79,7 +78,7 @@ def _assert_same_state(a: dict, b: dict) -> None:
 
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_fsdp2_save_loads_in_one_process(tmp_path, async_mode):
-    losses_2rank = _torchrun("save", tmp_path, tmp_path, async_mode)
+    losses_2rank = _two_ranks("save", tmp_path, tmp_path, async_mode)
     ref = torch.load(tmp_path / "ref.pt", weights_only=True)
 
     one = OneProcess(tmp_path, seed=123)
@@ -106,7 +105,7 @@ def test_one_process_save_loads_in_fsdp2(tmp_path):
     losses_1 = [one.step() for _ in range(MORE)]
     one.manager.close()
 
-    losses_2rank = _torchrun("load", tmp_path, tmp_path)
+    losses_2rank = _two_ranks("load", tmp_path, tmp_path)
     loaded = torch.load(tmp_path / "ref.pt", weights_only=True)
     _assert_same_state(ref, loaded)
     torch.testing.assert_close(losses_2rank, losses_1, rtol=1e-5, atol=1e-6)

@@ -1,11 +1,9 @@
-"""A launch split into two parts with their own default groups and a bridge (real torchrun
-processes, gloo)."""
+"""A launch split into two parts with their own default groups and a bridge (gloo ranks with
+torchrun's worker environment, forked from the suite's preloaded server)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,10 +13,11 @@ WORKER = Path(__file__).with_name("split_worker.py")
 
 
 def run_split(ranks: int, first: int, out: Path, *extra: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", str(WORKER), str(first), str(out), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-2000:]}\n{done.stderr[-5000:]}"
+    from forked_cli import run_script_ranks  # the repository's tests/ (root conftest.py)
+
+    done = run_script_ranks(WORKER, [first, out, *extra], ranks, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            timeout=300)
+    assert done.returncode == 0, f"{' '.join(done.args)}\n{done.stdout[-7000:]}"
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
 
 

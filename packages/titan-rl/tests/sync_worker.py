@@ -1,4 +1,5 @@
-"""Helpers and torchrun entry points for the weight-sync tests.
+"""Helpers and the multi-rank entry point of the weight-sync tests (the test forks its ranks
+with torchrun's worker environment; torchrun itself runs it the same way)::
 
     python -m torch.distributed.run --nproc_per_node N sync_worker.py MODE OUT
 

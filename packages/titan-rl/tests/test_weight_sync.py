@@ -1,12 +1,10 @@
 """Weight sync from the trainer into the generator: colocated (1 process and 2-rank FSDP)
-and disaggregated (2 trainer + 2 generator gloo ranks in one torchrun job)."""
+and disaggregated (2 trainer + 2 generator gloo ranks in one job)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,11 +21,12 @@ def load_worker():
 
 
 def run_ranks(ranks: int, mode: str, out: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-           "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", str(WORKER), mode, str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-2000:]}\n{done.stderr[-5000:]}"
+    """The worker on ``ranks`` gloo ranks with torchrun's worker environment, forked from the
+    suite's preloaded server (tests/forked_cli.py)."""
+    from forked_cli import run_script_ranks  # the repository's tests/ (root conftest.py)
+
+    done = run_script_ranks(WORKER, [mode, out], ranks, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert done.returncode == 0, f"{' '.join(done.args)}\n{done.stdout[-7000:]}"
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(ranks)]
 
 

@@ -1,6 +1,7 @@
 """One rank of a FSDP (fully_shard) run of TinyLM that saves or loads a checkpoint.
 
-Launched by test_fsdp.py through torchrun; writes what the test compares into --out:
+Launched by test_fsdp.py on two ranks with torchrun's worker environment (forked from the
+suite's preloaded server; ``torchrun --nproc-per-node=2 fsdp_worker.py ...`` runs it alike); writes what the test compares into --out:
   ref.pt       full (unsharded) model and flattened optimizer state right after save/load
   losses.json  the global mean loss of each step after that point
 """
