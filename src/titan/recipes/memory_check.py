@@ -110,6 +110,12 @@ def _isolated(fn: Any, *args: Any) -> Any:
     process that trains must never run it. A fork costs milliseconds and shares the imports."""
     if not hasattr(os, "fork"):
         return fn(*args)
+    # The estimate's first meta-tensor initialization imports torch._dynamo (~1 s of CPU), which
+    # the training process imports anyway (its optimizer and determinism settings do): imported
+    # here, before the fork, it is imported once per process instead of once in the child (whose
+    # work is then ~0.05 s) and again in the parent.
+    import torch._dynamo  # noqa: F401
+
     sys.stdout.flush()
     sys.stderr.flush()
     read, write = os.pipe()
