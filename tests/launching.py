@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from forked_cli import run_script, run_script_ranks
+from forked_cli import run_script, run_script_ranks, run_torchrun
 
 RUNS_WORKER = Path(__file__).with_name("train_runs_worker.py")
 RUN_MARKER = "train_runs_worker: run "  # what the worker prints before each run
@@ -38,35 +37,20 @@ def launch(ranks: int, args: list[str], log: Path, *, timeout: float = 600,
     drive titan's components, not a `titan` command line)."""
     cmd = [*launcher(ranks), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    if ranks == 1 or not torchrun:  # forked from an interpreter with titan imported (forked_cli.py)
-        try:
-            if ranks == 1:
-                done = run_script(args[0], args[1:], env=env, timeout=timeout)
-            else:
-                done = run_script_ranks(args[0], args[1:], ranks, env=env, timeout=timeout)
-            output, returncode = done.stdout, done.returncode
-        except subprocess.TimeoutExpired as stopped:
-            output, returncode = f"{stopped.output}\n[launch stopped after its limit of {timeout:.0f} s]", None
-        log.write_text(f"{' '.join(cmd)}\n{output}")
-        assert returncode == 0, f"{' '.join(cmd)}\n{output[-10000:]}"
-        return
-    # A session of its own, so that a launch past its limit can be stopped as a whole.
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=env, start_new_session=True)
+    # Forked from an interpreter with torch and titan imported (forked_cli.py): one rank, the
+    # ranks of a component worker, or torchrun's agent (whose ranks start afresh).
     try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # torchrun stops its ranks on SIGTERM (they run in sessions of their own); whatever is
-        # left after a grace period is killed with the launcher's session.
-        process.terminate()
-        try:
-            output, _ = process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-        output += f"\n[launch stopped after its limit of {timeout:.0f} s]"
+        if ranks == 1:
+            done = run_script(args[0], args[1:], env=env, timeout=timeout)
+        elif torchrun:
+            done = run_torchrun(cmd[3:], env=env, timeout=timeout, merge_output=True)
+        else:
+            done = run_script_ranks(args[0], args[1:], ranks, env=env, timeout=timeout)
+        output, returncode = done.stdout, done.returncode
+    except subprocess.TimeoutExpired as stopped:
+        output, returncode = f"{stopped.output}\n[launch stopped after its limit of {timeout:.0f} s]", None
     log.write_text(f"{' '.join(cmd)}\n{output}")
-    assert process.returncode == 0, f"{' '.join(cmd)}\n{output[-10000:]}"
+    assert returncode == 0, f"{' '.join(cmd)}\n{output[-10000:]}"
 
 
 def run_output(log: Path, name: str) -> str:

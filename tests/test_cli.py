@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from forked_cli import run_command
 from titan.train.config import TrainerConfig
 
 from titan.recipes import cli, runners
@@ -305,8 +306,7 @@ def test_every_rank_fails_alike_and_rank_0_prints_once(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend",
            "c10d", "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "train",
            "--training.steps", "0", "--job.dump_folder", str(tmp_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = run_command(cmd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # torchrun's agent forked
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "titan train: error:" in line]
     assert errors == ["titan train: error: --training.steps must be >= 1, got 0"], result.stderr[-3000:]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked_cli import run_command  # torchrun's agent forked, its ranks fresh
 from titan.ckpt import load_dcp_model
 
 # `titan train` whose rank 1 stops taking part at its third step (it sleeps instead of
@@ -53,8 +54,7 @@ def test_a_rank_that_withholds_a_collective_fails_the_run_within_the_timeout(tmp
            "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
            "--training.steps", "10", "--metrics.no_enable_progress_bar", "--comm.train_timeout_seconds", "5",
            "--job.dump_folder", str(dump)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "TITAN_TEST_DUMP": str(dump)})
+    done = run_command(cmd, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1", "TITAN_TEST_DUMP": str(dump)})
     output = done.stdout + done.stderr
     assert done.returncode != 0, output[-4000:]
     line = next((line for line in output.splitlines() if "rank 0 timed out waiting on" in line), None)
@@ -106,7 +106,7 @@ def test_a_straggling_rank_is_named(tmp_path):
            "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
            "--training.steps", "10", "--metrics.log_freq", "1", "--metrics.no_enable_progress_bar",
            "--job.dump_folder", str(tmp_path / "run")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_command(cmd, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     warnings = [line for line in output.splitlines() if "straggler: step 8 took" in line]

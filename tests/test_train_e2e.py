@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from forked_cli import run_command
 from forked_cli import run_titan as run_forked
 from titan.train.data import ByteTokenizer, DatasetConfig, synthetic_corpus
 from titan.train.metrics import METRIC_KEYS
@@ -26,9 +27,7 @@ def run_titan(*args: str, cwd=None, env=None, ranks: int = 1) -> subprocess.Comp
     if ranks > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                     "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", *launcher[1:]]
-    return subprocess.run(
-        [*launcher, "train", *args], capture_output=True, text=True, cwd=cwd, timeout=600, env=env,
-    )
+    return run_command([*launcher, "train", *args], cwd=cwd, timeout=600, env=env)  # torchrun's agent forked
 
 
 def read_metrics(folder) -> list[dict]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from forked_cli import run_titan
+from forked_cli import run_command, run_titan
 from launching import launch_train_runs, run_output
 from titan.rl.config import RLConfig, RLSection
 from titan.rl.controller import RLTrainer
@@ -246,9 +246,9 @@ def run_rl_ranks(ranks: int, dump: Path, *flags: str, check: bool = True, timeou
     folder importable, for reward functions given by dotted path)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--rdzv_backend", "c10d",
            "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", *rl_flags(dump, *flags)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_with_this_folder(),
-                                 **(env or {})})
+    result = run_command(cmd, timeout=timeout,  # torchrun's agent forked (tests/forked_cli.py)
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_with_this_folder(),
+                              **(env or {})})
     if check:
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result
