@@ -9,7 +9,11 @@ the bandwidth and per-call cost of a 2-rank gloo all-gather, and the memory a ra
 interpreter with torch and titan loaded, which a GPU's memory does not contain). The kernel
 efficiency is then fitted on the one-process run's step time; every other layout's time,
 and every memory figure, is a prediction. Memory is the peak resident set of the largest rank
-(`memory_peak_gib` in metrics.jsonl). Takes a few minutes on 2 cores.
+(`memory_peak_gib` in metrics.jsonl) in a second run of each layout whose allocator returns
+every freed tensor to the system (glibc's `MALLOC_MMAP_THRESHOLD_` fixed at 128 KiB): with
+glibc's defaults the resident set also keeps freed heap, which grows over the steps and with
+the threads a process runs (6-19% above the live peak, measured), and is printed beside it.
+Takes several minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -116,7 +120,12 @@ def process_gib() -> float:
     return int(out.stdout.split()[-1]) * 1024 / 2**30
 
 
-def train(name: str, folder: Path, steps: int) -> dict:
+RETURN_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+"""glibc serves every allocation above 128 KiB with its own mapping and unmaps it when freed
+(a fixed threshold also stops glibc from raising it after the first frees)."""
+
+
+def train(name: str, folder: Path, steps: int, env: dict[str, str] | None = None) -> dict:
     """One `titan train` run of a layout: its peak memory (GiB) and median step time (s)."""
     ranks, flags, local = LAYOUTS[name]
     launch = [sys.executable] if ranks == 1 else [
@@ -125,7 +134,8 @@ def train(name: str, folder: Path, steps: int) -> dict:
     cmd = [*launch, "-m", "titan.recipes.cli", "train", *MODEL, *flags, "--training.local_batch_size", str(local),
            "--training.steps", str(steps), "--metrics.log_freq", "1", "--metrics.no_enable_progress_bar",
            "--job.dump_folder", str(folder)]
-    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                   timeout=900)
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     return {"memory_gib": max(r["memory_peak_gib"] for r in rows),
             "step_s": statistics.median(r["elapsed_s"] for r in rows[2:])}
@@ -155,6 +165,8 @@ def main() -> None:
     facts, _, _ = model_facts(config)
     with tempfile.TemporaryDirectory() as tmp:
         measured = {name: train(name, Path(tmp) / name.replace(" ", "_"), args.steps) for name in LAYOUTS}
+        live = {name: train(name, Path(tmp) / (name.replace(" ", "_") + "_live"), args.steps, RETURN_FREED_MEMORY)
+                for name in LAYOUTS}
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     hw = Hardware(name="this CPU (1 thread per rank)", peak_bf16_tflops=peak, peak_fp8_tflops=0, memory_gib=ram_gib,
                   intra_node_gbps=link, inter_node_gbps=link, devices_per_node=8, link_efficiency=1.0,
@@ -169,8 +181,9 @@ def main() -> None:
     for name in LAYOUTS:
         p = predict(facts, layout_of(name), work, hw)
         memory = p.memory["total"] / 2**30 + base
-        rows.append({"layout": name, "memory_gib": measured[name]["memory_gib"], "predicted_memory_gib": memory,
-                     "memory_error": memory / measured[name]["memory_gib"] - 1,
+        rows.append({"layout": name, "memory_gib": live[name]["memory_gib"], "predicted_memory_gib": memory,
+                     "memory_error": memory / live[name]["memory_gib"] - 1,
+                     "default_allocator_memory_gib": measured[name]["memory_gib"],
                      "step_s": measured[name]["step_s"], "predicted_step_s": p.times["step"],
                      "time_error": p.times["step"] / measured[name]["step_s"] - 1, "dominant": p.dominant})
     profile = {"gemm_tflops_1_thread": peak, "half_efficiency_tokens": half, "collective_latency_us": latency,
@@ -181,11 +194,12 @@ def main() -> None:
     print(f"profile: fp32 GEMM {peak * 1e3:.1f} GFLOP/s per thread (half of it at {half:.0f} tokens), gloo all-gather {link:.2f} GB/s "
           f"({latency:.0f} us per call), "
           f"{base:.2f} GiB per process before training; fitted kernel efficiency {efficiency:.2f}")
-    print("| layout | measured peak | predicted | error | measured step | predicted | error |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layout | measured peak | predicted | error | peak, glibc defaults | measured step | predicted | error |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layout']} | {r['memory_gib']:.2f} GiB | {r['predicted_memory_gib']:.2f} GiB | "
-              f"{100 * r['memory_error']:+.0f}% | {r['step_s']:.2f} s | {r['predicted_step_s']:.2f} s | "
+              f"{100 * r['memory_error']:+.0f}% | {r['default_allocator_memory_gib']:.2f} GiB | "
+              f"{r['step_s']:.2f} s | {r['predicted_step_s']:.2f} s | "
               f"{100 * r['time_error']:+.0f}% |")
 
 

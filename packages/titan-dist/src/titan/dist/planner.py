@@ -11,8 +11,9 @@ memory per rank (worst pipeline stage)
     parameter, as `titan.dist.dry_run` counts them); FSDP's unsharded compute-dtype copies of
     the block being computed and the one prefetched, and the fp32 reduce-scatter buffer of
     one block; activations per block by AC mode (the dry run's per-token coefficients;
-    "selective" is per-op selective AC, which the printed flags select), divided by TP under
-    sequence parallel and by CP, for the microbatches a pipeline schedule keeps in flight; on
+    "selective" is per-op selective AC, which the printed flags select), divided by TP except
+    the inputs the sharded matmuls gather (2 units with sequence parallel; without it also the
+    RMSNorms' 6) and by CP, for the microbatches a pipeline schedule keeps in flight; on
     the last stage one microbatch's logits in the compute dtype plus the loss's fp32 upcast
     and gradient (per loss chunk when chunked); the recomputation
     transient of one checkpointed block and the activation gradients of the block being
@@ -52,6 +53,10 @@ from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_pla
 GiB = 1024**3
 _GATHERED_INPUTS = 2
 """Of those, the units TP cannot shard: attention's and the feed-forward's gathered inputs."""
+_REPLICATED_WITHOUT_SP = 6
+"""The units TP without sequence parallel leaves whole (no AC): each of a block's two RMSNorms
+keeps its input, its normalized input and its output (the sharded matmuls' input). Measured
+with autograd's saved tensors: 21.3 of 33.1 MB per rank under TP 2 (tests/test_plan.py)."""
 _STATE_BYTES = 16
 """fp32 parameter, gradient and AdamW's two moments, per parameter of the rank's shard."""
 
@@ -383,12 +388,14 @@ def _inflight_tokens(layout: Layout, work: Workload) -> tuple[float, float]:
 def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *, first: bool, last: bool) -> dict:
     params, block_unsharded = stage_params(facts, layout, blocks, first, last)
     held, micro = _inflight_tokens(layout, work)
-    tp_div = layout.tp if work.sequence_parallel else max(1.0, layout.tp / 2)
+    tp_div = layout.tp
     width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
     kept = ACT_UNITS_PER_TOKEN[layout.ac]
-    # Under TP the inputs of attention and feed-forward are gathered whole (SP) or replicated
-    # before the sharded matmuls save them: those 2 units are not divided by TP.
-    gathered = _GATHERED_INPUTS if layout.tp > 1 and layout.ac != "full" else 0
+    # Under TP the inputs of attention and feed-forward are gathered whole (SP) before the
+    # sharded matmuls save them: those 2 units are not divided by TP. Without SP the two
+    # RMSNorms run on the whole sequence too, and each keeps 3 units (with no AC).
+    unsharded = _GATHERED_INPUTS if work.sequence_parallel or layout.ac != "none" else _REPLICATED_WITHOUT_SP
+    gathered = unsharded if layout.tp > 1 and layout.ac != "full" else 0
     per_block_token = ((kept - gathered) / tp_div + gathered) * width
     if layout.cp > 1 and layout.ac != "full":
         # CP attention saves the K and V it gathered from the other CP ranks.
