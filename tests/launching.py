@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from forked_cli import run_script, run_script_ranks, run_torchrun
+from forked_cli import TORCHRUN, run_script, run_script_ranks, run_torchrun
 
 RUNS_WORKER = Path(__file__).with_name("train_runs_worker.py")
 RUN_MARKER = "train_runs_worker: run "  # what the worker prints before each run
@@ -22,8 +22,7 @@ def launcher(ranks: int) -> list[str]:
     for one, torchrun (c10d rendezvous on a port the OS picks) for several."""
     if ranks == 1:
         return [sys.executable]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-            "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
+    return [*TORCHRUN, "--nproc_per_node", str(ranks), "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
 
 
 def launch(ranks: int, args: list[str], log: Path, *, timeout: float = 600,
@@ -43,7 +42,7 @@ def launch(ranks: int, args: list[str], log: Path, *, timeout: float = 600,
         if ranks == 1:
             done = run_script(args[0], args[1:], env=env, timeout=timeout)
         elif torchrun:
-            done = run_torchrun(cmd[3:], env=env, timeout=timeout, merge_output=True)
+            done = run_torchrun(cmd[len(TORCHRUN):], env=env, timeout=timeout, merge_output=True)
         else:
             done = run_script_ranks(args[0], args[1:], ranks, env=env, timeout=timeout)
         output, returncode = done.stdout, done.returncode

@@ -11,13 +11,12 @@ accumulation and under FSDP 2 (two gloo ranks, each with its own microbatches).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from forked_cli import run_script_ranks
+from launching import launch
 from titan.models.llama3 import build_llama3
 from titan.train.trainer import Trainer
 
@@ -164,9 +163,8 @@ def test_fsdp2_uneven_padding_across_ranks_equals_one_cross_entropy(tmp_path):
     ]
     # Two gloo ranks with torchrun's worker environment, forked from the preloaded server.
     worker = Path(__file__).with_name("loss_normalization_worker.py")
-    proc = run_script_ranks(worker, [tmp_path / "batches.pt", out, *flags], 2,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-9000:]
+    launch(2, [str(worker), str(tmp_path / "batches.pt"), str(out), *flags], tmp_path / "launch.log", timeout=300,
+           torchrun=False)
     got = torch.load(out)
     # The technique ran: two data-parallel ranks, parameters sharded by FSDP.
     assert got["dp_world_size"] == 2 and got["sharded"], got

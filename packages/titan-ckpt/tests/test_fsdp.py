@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,11 +22,10 @@ pytestmark = pytest.mark.slow
 def _two_ranks(mode: str, dump, out, async_mode: str = "disabled") -> list[float]:
     """The worker on two gloo ranks, forked with torchrun's worker environment from the
     suite's preloaded server (tests/forked_cli.py)."""
-    from forked_cli import run_script_ranks  # the repository's tests/ (root conftest.py)
+    from launching import launch  # the repository's tests/ (root conftest.py)
 
     args = ["--mode", mode, "--dump", dump, "--out", out, "--steps", STEPS, "--more", MORE, "--async-mode", async_mode]
-    result = run_script_ranks(WORKER, args, 2, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=240)
-    assert result.returncode == 0, result.stdout[-9000:]
+    launch(2, [WORKER, *map(str, args)], Path(out) / f"launch_{mode}.log", timeout=240, torchrun=False)
     with open(os.path.join(out, "losses.json")) as f:
         return json.load(f)
 

@@ -3,7 +3,6 @@ torchrun's worker environment, forked from the suite's preloaded server)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,9 @@ WORKER = Path(__file__).with_name("split_worker.py")
 
 
 def run_split(ranks: int, first: int, out: Path, *extra: str) -> list[dict]:
-    from forked_cli import run_script_ranks  # the repository's tests/ (root conftest.py)
+    from launching import launch  # the repository's tests/ (root conftest.py)
 
-    done = run_script_ranks(WORKER, [first, out, *extra], ranks, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            timeout=300)
-    assert done.returncode == 0, f"{' '.join(done.args)}\n{done.stdout[-7000:]}"
+    launch(ranks, [str(WORKER), str(first), str(out), *extra], out / "launch.log", timeout=300, torchrun=False)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
 
 

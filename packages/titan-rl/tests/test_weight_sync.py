@@ -4,7 +4,6 @@ and disaggregated (2 trainer + 2 generator gloo ranks in one job)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -23,10 +22,9 @@ def load_worker():
 def run_ranks(ranks: int, mode: str, out: Path) -> list[dict]:
     """The worker on ``ranks`` gloo ranks with torchrun's worker environment, forked from the
     suite's preloaded server (tests/forked_cli.py)."""
-    from forked_cli import run_script_ranks  # the repository's tests/ (root conftest.py)
+    from launching import launch  # the repository's tests/ (root conftest.py)
 
-    done = run_script_ranks(WORKER, [mode, out], ranks, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
-    assert done.returncode == 0, f"{' '.join(done.args)}\n{done.stdout[-7000:]}"
+    launch(ranks, [str(WORKER), mode, str(out)], out / "launch.log", timeout=600, torchrun=False)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(ranks)]
 
 

@@ -388,7 +388,6 @@ def _inflight_tokens(layout: Layout, work: Workload) -> tuple[float, float]:
 def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *, first: bool, last: bool) -> dict:
     params, block_unsharded = stage_params(facts, layout, blocks, first, last)
     held, micro = _inflight_tokens(layout, work)
-    tp_div = layout.tp
     width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
     kept = ACT_UNITS_PER_TOKEN[layout.ac]
     # Under TP the inputs of attention and feed-forward are gathered whole (SP) before the
@@ -396,14 +395,14 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     # RMSNorms run on the whole sequence too, and each keeps 3 units (with no AC).
     unsharded = _GATHERED_INPUTS if work.sequence_parallel or layout.ac != "none" else _REPLICATED_WITHOUT_SP
     gathered = unsharded if layout.tp > 1 and layout.ac != "full" else 0
-    per_block_token = ((kept - gathered) / tp_div + gathered) * width
+    per_block_token = ((kept - gathered) / layout.tp + gathered) * width
     if layout.cp > 1 and layout.ac != "full":
         # CP attention saves the K and V it gathered from the other CP ranks.
         per_block_token += facts.kv_fraction * (layout.cp - 1) * width / layout.tp
     activations = len(blocks) * per_block_token * held
-    recompute = (ACT_UNITS_PER_TOKEN["none"] - kept) * width / tp_div * micro if blocks else 0.0
+    recompute = (ACT_UNITS_PER_TOKEN["none"] - kept) * width / layout.tp * micro if blocks else 0.0
     # The backward of one block holds the gradients of what it saved, as large again.
-    backward = ACT_UNITS_PER_TOKEN["none"] * width / tp_div * micro if blocks else 0.0
+    backward = ACT_UNITS_PER_TOKEN["none"] * width / layout.tp * micro if blocks else 0.0
     # The output projection's logits in the compute dtype, plus the loss's fp32 upcast and
     # its gradient for one chunk of positions (the whole microbatch unless chunked).
     chunk = min(micro, work.loss_chunk_tokens) if work.loss_chunk_tokens else micro
