@@ -102,6 +102,49 @@ def test_memory_components_equal_hand_computed_bytes():
     assert mem["total"] == pytest.approx(1.1 * subtotal)
 
 
+def test_pipeline_with_fsdp_holds_the_stage_unsharded_and_its_fp32_gradients():
+    """Under PP the engine keeps FSDP's gathered parameters for the whole step and the schedule
+    defers gradient sync to the last microbatch, so each rank holds its stage unsharded in
+    bf16 plus the unsharded gradients FSDP accumulates in fp32, and one block's reduce-scatter
+    buffer; without PP only two gathered blocks and one block's fp32 gradients."""
+    config = parse_train_args(["--config", "llama3_debug", "--model.flavor", "debugmodel_tiny", *TINY])
+    facts, _, _ = model_facts(config)
+    work = Workload(global_batch_size=8, seq_len=32)
+    b = facts.blocks[0]
+    per_block_tp = b.tp_sharded / 2 + b.tp_replicated
+    piped = predict(facts, _layout(pp=2, dp_shard=2, tp=2, local_batch_size=4, microbatch_size=1), work,
+                    HARDWARE["H100"]).memory
+    stage = facts.n_layers // 2 * per_block_tp
+    assert piped["fsdp_buffers"] == pytest.approx(stage * (2 + 4) + per_block_tp * 4)
+    flat = predict(facts, _layout(dp_shard=4, tp=2, local_batch_size=2), work, HARDWARE["H100"]).memory
+    assert flat["fsdp_buffers"] == pytest.approx(per_block_tp * (2 * 2 + 4))
+
+
+@pytest.mark.parametrize("schedule, pp, microbatches, stages", [
+    ("1F1B", 4, 8, 1), ("GPipe", 4, 8, 1), ("Interleaved1F1B", 2, 4, 2), ("Interleaved1F1B", 4, 12, 2),
+    ("Interleaved1F1B", 8, 16, 2), ("Interleaved1F1B", 4, 4, 2)])
+def test_pipeline_chunks_in_flight_follow_torch_schedules(schedule, pp, microbatches, stages):
+    """The forwards each pipeline rank holds at its peak equal the most outstanding forwards
+    (not yet differentiated) in the action order `torch.distributed.pipelining` builds for
+    the same schedule, on every rank."""
+    from titan.dist.planner import _chunks_in_flight
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    ops = get_schedule_ops(schedule, pp, microbatches, num_stages_per_rank=stages)
+    layout = _layout(pp=pp, local_batch_size=microbatches, microbatch_size=1, schedule=schedule,
+                     stages_per_rank=stages)
+    for rank, actions in enumerate(ops):
+        live = peak = 0
+        for action in filter(None, actions):
+            if action.computation_type == _ComputationType.FORWARD:
+                live += 1
+            elif action.computation_type in (_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT):
+                live -= 1
+            peak = max(peak, live)
+        assert _chunks_in_flight(layout, rank) == peak, (rank, peak)
+
+
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 ACTIVATION_LAYOUTS = {  # name: (TP degree, extra flags)
     "one_process": (1, []),

@@ -76,11 +76,11 @@ PUBLISHED = [
     Published(name="405B, 512 GPUs, FSDP 8 x TP 8 x PP 8, 1F1B", recipe="llama3_405b", gpus=512,
               layout=_lay(pp=8, dp=8, tp=8, ac="full", local=32, micro=4), global_batch=256, seq_len=8192,
               compile=True, float8=True, tokens_per_s=100, memory_gib=82.5, async_tp=True,
-              note="microbatch 4 assumed"),
+              note="microbatch 4: torchtitan's default of pp microbatches"),
     Published(name="405B, 512 GPUs, FSDP 8 x TP 8 x PP 8, Interleaved 1F1B", recipe="llama3_405b", gpus=512,
-              layout=_lay(pp=8, dp=8, tp=8, ac="full", local=32, micro=4, schedule="Interleaved1F1B", stages=2),
+              layout=_lay(pp=8, dp=8, tp=8, ac="full", local=32, micro=2, schedule="Interleaved1F1B", stages=2),
               global_batch=256, seq_len=8192, compile=True, float8=True, tokens_per_s=128, memory_gib=72.7, async_tp=True,
-              note="microbatch 4 assumed"),
+              note="microbatch 2: torchtitan's default of pp x stages per rank microbatches"),
 ]
 """torchtitan's published Llama 3.1 runs on H100 (tables 1-5 of its December 2024 benchmark)."""
 

@@ -10,10 +10,13 @@ memory per rank (worst pipeline stage)
     fp32 parameters, gradients and AdamW's two states of the rank's shard (16 bytes per
     parameter, as `titan.dist.dry_run` counts them); FSDP's unsharded compute-dtype copies of
     the block being computed and the one prefetched, and the fp32 reduce-scatter buffer of
-    one block; activations per block by AC mode (the dry run's per-token coefficients;
+    one block (under PP: the whole stage gathered for the step and its unsharded gradients
+    accumulated in fp32 until the last microbatch, as the engine and torch's schedules run
+    it); activations per block by AC mode (the dry run's per-token coefficients;
     "selective" is per-op selective AC, which the printed flags select), divided by TP except
     the inputs the sharded matmuls gather (2 units with sequence parallel; without it also the
-    RMSNorms' 6) and by CP, for the microbatches a pipeline schedule keeps in flight; on
+    RMSNorms' 6) and by CP, for the forwards each pipeline rank has outstanding at its peak
+    in the order `torch.distributed.pipelining` runs the schedule; on
     the last stage one microbatch's logits in the compute dtype plus the loss's fp32 upcast
     and gradient (per loss chunk when chunked); the recomputation
     transient of one checkpointed block and the activation gradients of the block being
@@ -25,7 +28,8 @@ step time (worst pipeline stage)
     the device's bf16 peak x `matmul_efficiency` (x `compile_speedup` when compiled, float8
     linears `float8_speedup` faster); communication volumes per step: FSDP all-gathers
     (forward and backward) and reduce-scatter, overlapped with compute except the first
-    block's gather; TP/SP all-gathers and reduce-scatters of the residual stream (4 per block
+    block's gather (under PP one gather per step, and the reduce-scatter after the last
+    microbatch exposed); TP/SP all-gathers and reduce-scatters of the residual stream (4 per block
     forward, 4 backward, not overlapped unless async TP); CP all-gathers of K/V (not overlapped); EP
     all-to-alls (dispatch + combine, forward + backward, not overlapped); HSDP's gradient
     all-reduce across replicas (not overlapped); PP's bubble (pp - 1) / (v m + pp - 1) for m
@@ -361,7 +365,7 @@ def predict(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware) -> 
     stages = stage_blocks(facts.n_layers, layout.pp)
     worst_mem, worst_time = None, None
     for rank, blocks in enumerate(stages):
-        mem = _memory(facts, layout, work, blocks, first=rank == 0, last=rank == len(stages) - 1)
+        mem = _memory(facts, layout, work, blocks, first=rank == 0, last=rank == len(stages) - 1, pp_rank=rank)
         times = _times(facts, layout, work, hw, blocks, first=rank == 0, last=rank == len(stages) - 1)
         if worst_mem is None or mem["total"] > worst_mem["total"]:
             worst_mem = mem
@@ -374,20 +378,36 @@ def predict(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware) -> 
                       fits=worst_mem["total"] <= hw.memory_bytes)
 
 
-def _inflight_tokens(layout: Layout, work: Workload) -> tuple[float, float]:
-    """(tokens whose activations a rank keeps at the peak, tokens of one microbatch), per CP shard."""
+def _inflight_tokens(layout: Layout, work: Workload, pp_rank: int = 0) -> tuple[float, float]:
+    """(tokens whose activations pipeline rank `pp_rank` keeps at its peak, counted as if every
+    one of its blocks held them; tokens of one microbatch), per CP shard."""
     micro_tokens = layout.microbatch_size * work.seq_len / layout.cp if layout.pp > 1 else \
         layout.local_batch_size * work.seq_len / layout.cp
     if layout.pp == 1:
         return micro_tokens, micro_tokens
-    m = layout.microbatches
-    held = m if layout.schedule == "GPipe" else min(m, layout.pp * layout.stages_per_rank)
-    return micro_tokens * held / layout.stages_per_rank, micro_tokens
+    return micro_tokens * _chunks_in_flight(layout, pp_rank) / layout.stages_per_rank, micro_tokens
 
 
-def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *, first: bool, last: bool) -> dict:
+def _chunks_in_flight(layout: Layout, pp_rank: int) -> int:
+    """Forwards (microbatch x local stage) pipeline rank `pp_rank` has run and not yet
+    differentiated at its peak, as `torch.distributed.pipelining` orders them: GPipe runs
+    every forward first; 1F1B runs `pp - rank` forwards before its first backward; Interleaved
+    1F1B warms up with (v - 1) rounds of microbatches plus 2 per hop from the last rank, then
+    one more forward before each backward."""
+    m, v, pp = layout.microbatches, layout.stages_per_rank, layout.pp
+    if layout.schedule == "GPipe":
+        return m * v
+    if v == 1:
+        return min(m, pp - pp_rank)
+    rounds = max(1, m // pp)
+    warmup = (v - 1) * (m // rounds) + 2 * (pp - 1 - pp_rank)
+    return min(warmup + 1, m * v)
+
+
+def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *, first: bool, last: bool,
+            pp_rank: int = 0) -> dict:
     params, block_unsharded = stage_params(facts, layout, blocks, first, last)
-    held, micro = _inflight_tokens(layout, work)
+    held, micro = _inflight_tokens(layout, work, pp_rank)
     width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
     kept = ACT_UNITS_PER_TOKEN[layout.ac]
     # Under TP the inputs of attention and feed-forward are gathered whole (SP) before the
@@ -407,15 +427,32 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     # its gradient for one chunk of positions (the whole microbatch unless chunked).
     chunk = min(micro, work.loss_chunk_tokens) if work.loss_chunk_tokens else micro
     logits = (micro * work.compute_dtype_bytes + chunk * 8) * facts.vocab / layout.tp if last else 0.0
-    # FSDP: the block computed and the one prefetched, gathered in the compute dtype; one
-    # block's fp32 gradients before their reduce-scatter.
-    fsdp_buffers = block_unsharded * (2 * work.compute_dtype_bytes + 4) if layout.dp_shard * layout.cp > 1 else 0.0
+    fsdp_buffers = _fsdp_buffers(layout, work, block_unsharded, len(blocks))
     out = {"params_grads_optimizer": params * _STATE_BYTES, "fsdp_buffers": fsdp_buffers,
            "activations": activations, "recompute": recompute, "backward": backward, "logits": logits}
     subtotal = sum(out.values())
     out["headroom"] = subtotal * work.memory_headroom
     out["total"] = subtotal + out["headroom"]
     return out
+
+
+def _fsdp_buffers(layout: Layout, work: Workload, block_unsharded: float, n_blocks: int) -> float:
+    """Bytes of FSDP's unsharded copies on one rank at its peak.
+
+    Without PP: the block computed and the one prefetched, gathered in the compute dtype, and
+    one block's fp32 gradients before their reduce-scatter. Under PP the engine keeps the
+    gathered parameters for the whole step (`reshard_after_forward` is off, or every
+    microbatch would gather them again), and the pipeline schedule turns gradient sync off
+    until the last microbatch, so FSDP accumulates the stage's unsharded gradients in the fp32
+    reduce dtype: the whole stage in the compute dtype plus 4 bytes per parameter, and one
+    block's reduce-scatter buffer.
+    """
+    if layout.dp_shard * layout.cp == 1:
+        return 0.0
+    reduce_buffer = block_unsharded * 4
+    if layout.pp == 1:
+        return block_unsharded * 2 * work.compute_dtype_bytes + reduce_buffer
+    return block_unsharded * n_blocks * (work.compute_dtype_bytes + 4) + reduce_buffer
 
 
 _FITTED_MICRO_TOKENS = 16384
@@ -456,14 +493,21 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     rate *= hw.float8_speedup if work.float8 else 1.0
     compute = flops / rate
     b = work.compute_dtype_bytes
-    # FSDP: two all-gathers (forward, backward) and a fp32 reduce-scatter of the stage.
+    # FSDP: two all-gathers (forward, backward) and a fp32 reduce-scatter of the stage, all
+    # overlapped with compute except the first block's gather. Under PP the stage is gathered
+    # once per step and kept, and its gradients reduce-scattered after the last microbatch's
+    # backward, with nothing left to overlap.
     fsdp_group = layout.dp_shard * layout.cp
     _, block_unsharded = stage_params(facts, layout, blocks, first, last)
     stage_unsharded = block_unsharded * len(blocks)
-    fsdp_span = layout.tp * layout.cp * layout.dp_shard
-    fsdp_bytes = _ring(stage_unsharded * (2 * b + 4), fsdp_group)
-    fsdp_total = fsdp_bytes / _bandwidth(hw, fsdp_span)
-    fsdp = max(fsdp_total - compute, 0.0) + fsdp_total / L
+    fsdp_link = _bandwidth(hw, layout.tp * layout.cp * layout.dp_shard)
+    gathers = 2 if layout.pp == 1 else 1
+    gather = _ring(stage_unsharded * gathers * b, fsdp_group) / fsdp_link
+    reduce = _ring(stage_unsharded * 4, fsdp_group) / fsdp_link
+    if layout.pp == 1:
+        fsdp = max(gather + reduce - compute, 0.0) + (gather + reduce) / L
+    else:
+        fsdp = max(gather - compute, 0.0) + gather / L + reduce
     # HSDP: the gradient shards all-reduced across replicas (2x a ring pass, fp32).
     replicate = 2 * _ring(stage_unsharded / max(fsdp_group, 1) * 4, layout.dp_replicate)
     replicate /= _bandwidth(hw, layout.world_size // layout.pp)
