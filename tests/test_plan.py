@@ -120,6 +120,29 @@ def test_pipeline_with_fsdp_holds_the_stage_unsharded_and_its_fp32_gradients():
     assert flat["fsdp_buffers"] == pytest.approx(per_block_tp * (2 * 2 + 4))
 
 
+def test_float8_runs_the_converted_linears_at_the_fp8_peak_and_pays_for_the_casts():
+    """The float8 rule by hand: the block linears the conversion converts (all 28 of
+    debugmodel_tiny's, the output layer stays) run their 6 FLOPs per parameter and token at
+    the fp8 peak, and each element they cast costs `float8_cast_bytes` of memory traffic."""
+    flags = ["--config", "llama3_debug", "--model.flavor", "debugmodel_tiny", *TINY]
+    facts, _, model = model_facts(parse_train_args(flags))
+    linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "output"]
+    assert len(linears) == 28 and facts.float8_params == sum(m.weight.numel() for m in linears)
+    assert facts.float8_cast_width == sum(m.in_features + m.out_features for m in linears)
+    hw, layout = HARDWARE["H100"], _layout(local_batch_size=4, microbatch_size=4)
+    plain = predict(facts, layout, Workload(global_batch_size=4, seq_len=32), hw).times["compute"]
+    fp8 = predict(facts, layout, Workload(global_batch_size=4, seq_len=32, float8=True), hw).times["compute"]
+    tokens = 4 * 32
+    linear_time = plain * 6 * facts.float8_params / facts.flops_per_token
+    casts = facts.float8_cast_width * tokens * hw.float8_cast_bytes / (hw.memory_tbps * 1e12)
+    assert fp8 == pytest.approx(plain - linear_time * (1 - 989 / 1979) + casts)
+
+
+def test_float8_on_a_device_without_fp8_is_refused(capsys):
+    rc = main(["plan", "--config", "llama3_8b", "--gpus", "8xA100", "--quantize.linear.float8.recipe", "tensorwise"])
+    assert rc == 2 and "float8 needs fp8 tensor cores; A100 SXM 80GB has none" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("schedule, pp, microbatches, stages", [
     ("1F1B", 4, 8, 1), ("GPipe", 4, 8, 1), ("Interleaved1F1B", 2, 4, 2), ("Interleaved1F1B", 4, 12, 2),
     ("Interleaved1F1B", 8, 16, 2), ("Interleaved1F1B", 4, 4, 2)])
@@ -253,7 +276,8 @@ def test_titan_plan_bad_input_is_one_line(argv, message, capsys):
 
 def test_published_comparison_script_reproduces_its_figures():
     """tools/plan_vs_published.py: the fitted row is reproduced and ranked first; the 70B
-    row (a prediction: another model, 256 GPUs, TP, compile and float8) within 20%."""
+    row (a prediction: another model, 256 GPUs, TP, compile and float8) within 20%; the 2D
+    405B run (no published memory) within 20% and its layout among the first three."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -267,7 +291,10 @@ def test_published_comparison_script_reproduces_its_figures():
     assert abs(fitted["error"]) < 0.02 and fitted["rank"] == 1
     seventy = tool.compare(next(row for row in tool.PUBLISHED if row.recipe == "llama3_70b"))
     assert abs(seventy["error"]) < 0.20 and seventy["rank"] is not None
-    assert "| 70B, 256 GPUs" in tool.markdown([fitted, seventy])
+    two_d = tool.compare(next(row for row in tool.PUBLISHED if row.recipe == "llama3_405b" and row.layout.pp == 1))
+    assert abs(two_d["error"]) < 0.20 and two_d["rank"] <= 3 and two_d["memory_error"] is None
+    table = tool.markdown([fitted, seventy, two_d])
+    assert "| 70B, 256 GPUs" in table and "| not published |" in table
 
 
 def test_layout_flags_on_the_command_line_pin_the_choices(capsys):

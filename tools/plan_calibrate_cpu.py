@@ -169,6 +169,7 @@ def main() -> None:
                 for name in LAYOUTS}
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     hw = Hardware(name="this CPU (1 thread per rank)", peak_bf16_tflops=peak, peak_fp8_tflops=0, memory_gib=ram_gib,
+                  memory_tbps=0.0,  # only float8's casts use it, and float8 is off here
                   intra_node_gbps=link, inter_node_gbps=link, devices_per_node=8, link_efficiency=1.0,
                   half_efficiency_tokens=half, collective_latency_us=latency)
     # No headroom: the CPU allocator returns freed memory, and the peak is what is resident.

@@ -6,9 +6,10 @@ own layout, and where the planner ranks that layout among every valid one.
 
 The published rows are torchtitan's Llama 3.1 benchmarks on H100 (December 2024, the
 `benchmarks/llama3_h100_202412_torchtitan.md` file of the torchtitan repository): Grand Teton
-hosts, 8 H100 per host with 96 GB HBM2e at 500 W, 400 Gb/s RDMA per GPU, seq 8192. The
-hardware profile is the H100 one with 96 GiB of memory; the planner's efficiency constants are
-fitted on the first row only (FSDP 8, eager), so every other row is a prediction. Runs one
+hosts, 8 H100 per host with 96 GB HBM2e (2.4 TB/s) at 500 W, 400 Gb/s RDMA per GPU, seq 8192.
+The hardware profile is the H100 one with that memory; the planner's constants are fitted on
+the 8B rows on 8 GPUs only (eager: the kernel efficiency; compiled: compile's speedup; float8:
+the casts' memory traffic), so every other row is a prediction. Runs one
 process on CPU in seconds.
 """
 
@@ -44,8 +45,8 @@ class Published:
     compile: bool
     float8: bool
     tokens_per_s: float
-    memory_gib: float
-    """The published peak memory (GiB, the largest rank)."""
+    memory_gib: float | None
+    """The published peak memory (GiB, the largest rank; None: not published)."""
     async_tp: bool = False
     note: str = ""
 
@@ -82,13 +83,24 @@ PUBLISHED = [
               global_batch=256, seq_len=8192, compile=True, float8=True, tokens_per_s=128, memory_gib=72.7, async_tp=True,
               note="microbatch 2: torchtitan's default of pp x stages per rank microbatches"),
 ]
-"""torchtitan's published Llama 3.1 runs on H100 (tables 1-5 of its December 2024 benchmark)."""
+PUBLISHED.append(
+    Published(name="405B, 128 GPUs, FSDP 16 x TP 8 (2D, mid 2024)", recipe="llama3_405b", gpus=128,
+              layout=_lay(dp=16, tp=8, ac="full", local=2), global_batch=32, seq_len=8192, compile=True,
+              float8=True, tokens_per_s=185, memory_gib=None, async_tp=True,
+              note="torchtitan's docs/performance.md before the 2024-12 benchmark: same H100s; memory not "
+                   "published; compile on (its async TP needs it)"))
+"""torchtitan's published Llama 3.1 runs on H100 (tables 1-5 of its December 2024 benchmark, and
+its earlier 2D 405B run)."""
+
+
+BENCHMARK_H100 = {"memory_gib": 96.0, "memory_tbps": 2.4}
+"""The benchmark's H100s: 96 GB of HBM2e at 2.4 TB/s (the H100 profile has 80 GB at 3.35 TB/s)."""
 
 
 def compare(row: Published) -> dict:
     """The planner's prediction of `row`'s own layout and that layout's rank among all."""
     config = parse_train_args(["--config", row.recipe, "--training.seq_len", str(row.seq_len)])
-    _, hw = parse_gpus(f"{row.gpus}xH100", {"memory_gib": 96.0})
+    _, hw = parse_gpus(f"{row.gpus}xH100", BENCHMARK_H100)
     facts, n_experts, probe = model_facts(config)
     work = Workload(global_batch_size=row.global_batch, seq_len=row.seq_len, compile=row.compile, float8=row.float8,
                     async_tp=row.async_tp)
@@ -100,7 +112,8 @@ def compare(row: Published) -> dict:
     return {"name": row.name, "published": row.tokens_per_s, "predicted": own.tokens_per_s_per_device,
             "error": own.tokens_per_s_per_device / row.tokens_per_s - 1,
             "memory_gib": own.memory["total"] / 1024**3, "published_memory_gib": row.memory_gib,
-            "memory_error": own.memory["total"] / 1024**3 / row.memory_gib - 1, "fits": own.fits, "rank": same[0] if same else None,
+            "memory_error": own.memory["total"] / 1024**3 / row.memory_gib - 1 if row.memory_gib else None,
+            "fits": own.fits, "rank": same[0] if same else None,
             "of": len(ranked), "best": best.layout.describe() + f", AC {best.layout.ac}",
             "best_tokens_per_s": best.tokens_per_s_per_device, "dominant": own.dominant, "note": row.note}
 
@@ -117,8 +130,10 @@ def markdown(rows: list[dict]) -> str:
            "rank of its layout | planner's first choice |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rank = f"{r['rank']} of {r['of']}" if r["rank"] else f"not enumerated ({r['of']} valid)"
+        measured, error = ((f"{r['published_memory_gib']:.1f} GiB", f"{100 * r['memory_error']:+.0f}%")
+                           if r["published_memory_gib"] else ("not published", "-"))
         out.append(f"| {r['name']} | {r['published']:,.0f} | {r['predicted']:,.0f} | {100 * r['error']:+.0f}% | "
-                   f"{r['published_memory_gib']:.1f} GiB | {r['memory_gib']:.1f} GiB | {100 * r['memory_error']:+.0f}% | "
+                   f"{measured} | {r['memory_gib']:.1f} GiB | {error} | "
                    f"{rank} | "
                    f"{r['best']} ({r['best_tokens_per_s']:,.0f}) |")
     return "\n".join(out)

@@ -14,6 +14,7 @@ from titan.train.quantize import (
     QuantizeLinearConfig,
     apply_quantization,
     check_quantize_supported,
+    float8_linears,
 )
 
 pytest.importorskip("torchao.float8")
@@ -68,6 +69,17 @@ def test_converts_exactly_the_filtered_linears_on_the_meta_device():
     }
     assert "converted 4 of 9 linears" in report.summary("rowwise")
     assert isinstance(model.tok_embeddings, nn.Embedding)
+
+
+def test_float8_linears_names_what_the_conversion_converts():
+    """The planner counts float8 FLOPs with `float8_linears`, without torchao: it names exactly
+    the linears `apply_quantization` turns into Float8Linear, and why each other one stays."""
+    with torch.device("meta"):
+        model = _Model()
+    names, skipped = float8_linears(model, Float8LinearConfig(recipe="tensorwise"))
+    apply_quantization(model, _config(recipe="tensorwise"))
+    assert names == _converted(model) == ["layers.0.wq", "layers.0.w2", "layers.1.wq", "layers.1.w2"]
+    assert set(skipped) == {"layers.0.narrow", "layers.0.gate", "layers.1.narrow", "layers.1.gate", "output"}
 
 
 def test_grouped_experts_are_reported_as_high_precision():

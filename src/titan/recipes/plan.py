@@ -34,6 +34,7 @@ from titan.dist.planner import (
 )
 from titan.models.common.moe import moe_modules
 from titan.train.config import TrainerConfig
+from titan.train.quantize import float8_linears
 
 from titan.recipes.dry_run import run_dry_run, vocab_size_for
 from titan.recipes.families import model_spec
@@ -103,8 +104,9 @@ def model_facts(config: TrainerConfig):
     with torch.device("meta"):
         model = spec.build(config.model.flavor, **config.model.overrides(), vocab_size=vocab, max_seq_len=seq)
     moes = [m for _, m in moe_modules(model)]
+    converted, _ = float8_linears(model, config.quantize.linear.float8)
     facts = ModelFacts.from_model(model, flops_per_token=model.flops_per_token(seq),
-                                  experts_per_token=moes[0].top_k if moes else 0)
+                                  experts_per_token=moes[0].top_k if moes else 0, float8_linears=converted)
     return facts, (moes[0].n_experts if moes else 0), model
 
 

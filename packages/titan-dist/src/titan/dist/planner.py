@@ -25,8 +25,9 @@ memory per rank (worst pipeline stage)
 
 step time (worst pipeline stage)
     compute = training FLOPs of the rank's tokens (plus the recomputed forward under AC) over
-    the device's bf16 peak x `matmul_efficiency` (x `compile_speedup` when compiled, float8
-    linears `float8_speedup` faster); communication volumes per step: FSDP all-gathers
+    the device's bf16 peak x `matmul_efficiency` (x `compile_speedup` when compiled); with
+    float8 the converted linears' FLOPs at the fp8 peak instead, plus `float8_cast_bytes`
+    of memory traffic per cast element; communication volumes per step: FSDP all-gathers
     (forward and backward) and reduce-scatter, overlapped with compute except the first
     block's gather (under PP one gather per step, and the reduce-scatter after the last
     microbatch exposed); TP/SP all-gathers and reduce-scatters of the residual stream (4 per block
@@ -55,6 +56,8 @@ from titan.dist.dry_run import ACT_UNITS_PER_TOKEN
 from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_plan
 
 GiB = 1024**3
+FITTED_FLOAT8_CAST_BYTES = 18.8
+"""`Hardware.float8_cast_bytes` as fitted (see there)."""
 _GATHERED_INPUTS = 2
 """Of those, the units TP cannot shard: attention's and the feed-forward's gathered inputs."""
 _REPLICATED_WITHOUT_SP = 6
@@ -77,6 +80,8 @@ class Hardware:
     """Dense fp8 peak (0: no fp8 tensor cores)."""
     memory_gib: float
     """Device memory."""
+    memory_tbps: float
+    """Device memory bandwidth, TB/s (datasheet)."""
     intra_node_gbps: float
     """Per-device unidirectional bandwidth to the other devices of its node, GB/s."""
     inter_node_gbps: float
@@ -88,8 +93,12 @@ class Hardware:
     3.1 8B on 8 H100 with FSDP and per-op selective AC, torchtitan's 5,762 tokens/s/GPU)."""
     compile_speedup: float = 1.16
     """Step-compute speedup of torch.compile (the same table: 6,667 / 5,762)."""
-    float8_speedup: float = 1.28
-    """Further speedup of float8 linears (the same table: 8,532 / 6,667)."""
+    float8_cast_bytes: float = FITTED_FLOAT8_CAST_BYTES
+    """Memory traffic per element float8 scales and casts (inputs forward, output gradients
+    backward, with amax), at the device's memory bandwidth; the float8 matmuls themselves
+    run at the fp8 peak times the same kernel efficiency. Fitted on the same table's float8
+    row (8,532 vs 6,667 compiled), so the float8 gain grows with the width of the linears
+    (more FLOPs per cast element) and shrinks with the attention's share."""
     link_efficiency: float = 0.7
     """Fraction of a link's bandwidth a collective reaches."""
     collective_latency_us: float = 20.0
@@ -110,16 +119,16 @@ HARDWARE: dict[str, Hardware] = {
     # NVIDIA datasheets (dense, no sparsity); NVLink 4 = 450 GB/s per direction; 400 Gb/s
     # InfiniBand NDR per GPU = 50 GB/s.
     "H100": Hardware(name="H100 SXM 80GB", peak_bf16_tflops=989, peak_fp8_tflops=1979, memory_gib=80,
-                     intra_node_gbps=450, inter_node_gbps=50),
+                     memory_tbps=3.35, intra_node_gbps=450, inter_node_gbps=50),
     "H200": Hardware(name="H200 SXM 141GB", peak_bf16_tflops=989, peak_fp8_tflops=1979, memory_gib=141,
-                     intra_node_gbps=450, inter_node_gbps=50),
+                     memory_tbps=4.8, intra_node_gbps=450, inter_node_gbps=50),
     "B200": Hardware(name="B200 180GB", peak_bf16_tflops=2250, peak_fp8_tflops=4500, memory_gib=180,
-                     intra_node_gbps=900, inter_node_gbps=50),
+                     memory_tbps=8.0, intra_node_gbps=900, inter_node_gbps=50),
     "A100": Hardware(name="A100 SXM 80GB", peak_bf16_tflops=312, peak_fp8_tflops=0, memory_gib=80,
-                     intra_node_gbps=300, inter_node_gbps=25),
-    # AMD datasheet: 1,307 TFLOPs dense bf16, 192 GB HBM3, 7 xGMI links x 64 GB/s.
+                     memory_tbps=2.04, intra_node_gbps=300, inter_node_gbps=25),
+    # AMD datasheet: 1,307 TFLOPs dense bf16, 192 GB HBM3 at 5.3 TB/s, 7 xGMI links x 64 GB/s.
     "MI300X": Hardware(name="MI300X 192GB", peak_bf16_tflops=1307, peak_fp8_tflops=2615, memory_gib=192,
-                       intra_node_gbps=448, inter_node_gbps=50),
+                       memory_tbps=5.3, intra_node_gbps=448, inter_node_gbps=50),
 }
 """Hardware profiles by name (`--gpus 256xH100`)."""
 
@@ -181,9 +190,15 @@ class ModelFacts:
     """K+V width per token over `dim` (2 x n_kv_heads / n_heads for GQA; CP gathers them)."""
     experts_per_token: int = 0
     """Routed experts each token visits (top-k; 0: dense)."""
+    float8_params: int = 0
+    """Parameters of the block linears a float8 conversion converts (their matmuls, 6 FLOPs
+    per parameter and token, run in float8; the output layer, attention and experts do not)."""
+    float8_cast_width: int = 0
+    """Elements per token float8 casts: in + out features summed over those linears."""
 
     @classmethod
-    def from_model(cls, model: nn.Module, *, flops_per_token: float, experts_per_token: int = 0) -> ModelFacts:
+    def from_model(cls, model: nn.Module, *, flops_per_token: float, experts_per_token: int = 0,
+                   float8_linears: Iterable[str] = ()) -> ModelFacts:
         """Classify every parameter of a (meta) model by its module's style in the model's
         sharding plan."""
         plan = sharding_plan(model)
@@ -216,9 +231,11 @@ class ModelFacts:
         norm = sum(last) - (0 if tied else vocab * dim)
         divisible = plan.tensor_parallel_divisible or {}
         kv = 2 * divisible["n_kv_heads"] / divisible["n_heads"] if {"n_kv_heads", "n_heads"} <= divisible.keys() else 2.0
+        linears = [model.get_submodule(name) for name in float8_linears]
         return cls(blocks=tuple(blocks), embedding=first, output=0 if tied else vocab * dim, final_norm=norm,
                    dim=int(dim), vocab=int(vocab), flops_per_token=flops_per_token, kv_fraction=kv,
-                   experts_per_token=experts_per_token)
+                   experts_per_token=experts_per_token, float8_params=sum(m.weight.numel() for m in linears),
+                   float8_cast_width=sum(m.in_features + m.out_features for m in linears))
 
     @property
     def n_layers(self) -> int:
@@ -455,6 +472,17 @@ def _fsdp_buffers(layout: Layout, work: Workload, block_unsharded: float, n_bloc
     return block_unsharded * n_blocks * (work.compute_dtype_bytes + 4) + reduce_buffer
 
 
+def _float8_change(facts: ModelFacts, hw: Hardware, tokens: float, rate: float) -> float:
+    """Seconds float8 adds (negative: saves) to the compute of `tokens`: the converted
+    linears' FLOPs at the fp8 instead of the bf16 peak, plus the casts' memory traffic."""
+    if hw.peak_fp8_tflops <= 0:
+        raise ValueError(f"float8 needs fp8 tensor cores; {hw.name} has none (peak_fp8_tflops is 0)")
+    linear_flops = 6 * facts.float8_params * tokens
+    saved = linear_flops / rate * (1 - hw.peak_bf16_tflops / hw.peak_fp8_tflops)
+    casts = facts.float8_cast_width * tokens * hw.float8_cast_bytes / (hw.memory_tbps * 1e12)
+    return casts - saved
+
+
 _FITTED_MICRO_TOKENS = 16384
 """Tokens per microbatch of the run `matmul_efficiency` is fitted on (local batch 2 x 8192)."""
 
@@ -486,12 +514,13 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     # Full AC reruns each block's forward (2 of its 6 FLOPs per parameter); selective (per op)
     # reruns only the cheap ops between the matmuls, a few percent.
     recompute = {"none": 1.0, "selective": 1.03, "full": 1.0 + 1 / 3}[layout.ac]
-    flops = facts.flops_per_token * tokens_rank / layout.tp * share * recompute
+    tokens_stage = tokens_rank / layout.tp * share * recompute  # tokens x the stage's share, reruns counted
     _, micro_tokens = _inflight_tokens(layout, work)
     rate = hw.peak_bf16_tflops * 1e12 * hw.matmul_efficiency * _size_factor(micro_tokens, hw)
     rate *= hw.compile_speedup if work.compile else 1.0
-    rate *= hw.float8_speedup if work.float8 else 1.0
-    compute = flops / rate
+    compute = facts.flops_per_token * tokens_stage / rate
+    if work.float8:
+        compute += _float8_change(facts, hw, tokens_stage, rate)
     b = work.compute_dtype_bytes
     # FSDP: two all-gathers (forward, backward) and a fp32 reduce-scatter of the stage, all
     # overlapped with compute except the first block's gather. Under PP the stage is gathered

@@ -188,10 +188,24 @@ def apply_quantization(model: nn.Module, config: QuantizeConfig) -> ConversionRe
     if not float8.enabled:
         return None
     ao = import_torchao_float8()
-    plan = sharding_plan(model)
-    plan_skipped = _plan_skipped_linears(model, plan)  # once: each lookup walks the whole model
-    skipped = {}
-    converted = []
+    converted, skipped = float8_linears(model, float8)
+    ao_config = ao.Float8LinearConfig.from_recipe_name(float8.recipe)
+    ao_config = dataclasses.replace(ao_config, enable_fsdp_float8_all_gather=float8.enable_fsdp_float8_all_gather,
+                                    emulate=float8.emulate)
+    to_convert = frozenset(converted)
+    ao.convert_to_float8_training(model, config=ao_config, module_filter_fn=lambda _m, fqn: fqn in to_convert)
+    experts_glob = getattr(sharding_plan(model), "expert_modules", None)
+    experts = len(match_modules(model, experts_glob)) if experts_glob else 0
+    return ConversionReport(converted=tuple(converted), skipped=skipped, high_precision_experts=experts,
+                            emulated=float8.emulate)
+
+
+def float8_linears(model: nn.Module, float8: Float8LinearConfig) -> tuple[list[str], dict[str, str]]:
+    """The linears a float8 conversion of ``model`` would convert (names, in model order) and
+    the others with the reason each stays in high precision; works on the meta device and
+    does not need torchao (the planner counts float8 FLOPs with it)."""
+    plan_skipped = _plan_skipped_linears(model, sharding_plan(model))  # once: each lookup walks the whole model
+    converted, skipped = [], {}
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear):
             reason = _skip_reason(fqn, module, plan_skipped, float8.filter_fqns)
@@ -199,15 +213,7 @@ def apply_quantization(model: nn.Module, config: QuantizeConfig) -> ConversionRe
                 converted.append(fqn)
             else:
                 skipped[fqn] = reason
-    ao_config = ao.Float8LinearConfig.from_recipe_name(float8.recipe)
-    ao_config = dataclasses.replace(ao_config, enable_fsdp_float8_all_gather=float8.enable_fsdp_float8_all_gather,
-                                    emulate=float8.emulate)
-    to_convert = frozenset(converted)
-    ao.convert_to_float8_training(model, config=ao_config, module_filter_fn=lambda _m, fqn: fqn in to_convert)
-    experts_glob = getattr(plan, "expert_modules", None)
-    experts = len(match_modules(model, experts_glob)) if experts_glob else 0
-    return ConversionReport(converted=tuple(converted), skipped=skipped, high_precision_experts=experts,
-                            emulated=float8.emulate)
+    return converted, skipped
 
 
 def precompute_float8_scales(model_parts: list[nn.Module], config: QuantizeConfig) -> None:
