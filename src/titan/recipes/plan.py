@@ -126,6 +126,7 @@ def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | No
                     compute_dtype_bytes=2 if t.mixed_precision_param in ("bfloat16", "float16") else 4,
                     compile=config.compile.enable, float8=config.quantize.linear.float8.recipe is not None,
                     sequence_parallel=config.parallelism.enable_sequence_parallel,
+                    loss_parallel=config.parallelism.enable_loss_parallel,
                     async_tp=config.parallelism.enable_async_tensor_parallel, memory_headroom=headroom,
                     loss_chunk_tokens=t.loss_chunk_tokens)
 

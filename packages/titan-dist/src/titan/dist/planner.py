@@ -16,9 +16,11 @@ memory per rank (worst pipeline stage)
     "selective" is per-op selective AC, which the printed flags select), divided by TP except
     the inputs the sharded matmuls gather (2 units with sequence parallel; without it also the
     RMSNorms' 6) and by CP, for the forwards each pipeline rank has outstanding at its peak
-    in the order `torch.distributed.pipelining` runs the schedule; on
-    the last stage one microbatch's logits in the compute dtype plus the loss's fp32 upcast
-    and gradient (per loss chunk when chunked); the recomputation
+    in the order `torch.distributed.pipelining` runs the schedule; on the last stage the
+    loss's peak in its backward: 3 fp32 copies of one microbatch's logits (4 under loss
+    parallel, vocab-sharded over TP; whole on every TP rank without it), per chunk when the
+    loss is chunked, plus then the whole microbatch's compute-dtype logits the chunks save
+    and their gradient (measured with `MemTracker`, tests/test_plan.py); the recomputation
     transient of one checkpointed block and the activation gradients of the block being
     differentiated (under CP, plus the K/V gathered from the other ranks); then `memory_headroom` (allocator fragmentation,
     workspaces) on top.
@@ -64,6 +66,10 @@ _REPLICATED_WITHOUT_SP = 6
 """The units TP without sequence parallel leaves whole (no AC): each of a block's two RMSNorms
 keeps its input, its normalized input and its output (the sharded matmuls' input). Measured
 with autograd's saved tensors: 21.3 of 33.1 MB per rank under TP 2 (tests/test_plan.py)."""
+_LOSS_FP32_COPIES = 3
+_LOSS_PARALLEL_FP32_COPIES = 4
+"""fp32 [tokens, vocab] tensors alive at the loss's peak (see `_loss_peak`); measured 12.0 and
+16.0 bytes per logit element (tests/test_plan.py)."""
 _STATE_BYTES = 16
 """fp32 parameter, gradient and AdamW's two moments, per parameter of the rank's shard."""
 
@@ -343,6 +349,9 @@ class Workload:
     compile: bool = False
     float8: bool = False
     sequence_parallel: bool = True
+    loss_parallel: bool = True
+    """Vocab-parallel loss under TP (`--parallelism.enable_loss_parallel`): each TP rank keeps
+    its vocabulary shard of the logits instead of all of them."""
     async_tp: bool = False
     """Async TP (`--parallelism.enable_async_tensor_parallel`): TP collectives overlap the
     matmuls, so only what exceeds the compute is exposed."""
@@ -440,10 +449,7 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     recompute = (ACT_UNITS_PER_TOKEN["none"] - kept) * width / layout.tp * micro if blocks else 0.0
     # The backward of one block holds the gradients of what it saved, as large again.
     backward = ACT_UNITS_PER_TOKEN["none"] * width / layout.tp * micro if blocks else 0.0
-    # The output projection's logits in the compute dtype, plus the loss's fp32 upcast and
-    # its gradient for one chunk of positions (the whole microbatch unless chunked).
-    chunk = min(micro, work.loss_chunk_tokens) if work.loss_chunk_tokens else micro
-    logits = (micro * work.compute_dtype_bytes + chunk * 8) * facts.vocab / layout.tp if last else 0.0
+    logits = _loss_peak(facts, layout, work, micro) if last else 0.0
     fsdp_buffers = _fsdp_buffers(layout, work, block_unsharded, len(blocks))
     out = {"params_grads_optimizer": params * _STATE_BYTES, "fsdp_buffers": fsdp_buffers,
            "activations": activations, "recompute": recompute, "backward": backward, "logits": logits}
@@ -451,6 +457,20 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     out["headroom"] = subtotal * work.memory_headroom
     out["total"] = subtotal + out["headroom"]
     return out
+
+
+def _loss_peak(facts: ModelFacts, layout: Layout, work: Workload, micro: float) -> float:
+    """Bytes of the loss at its peak, in its backward (titan frees the compute-dtype logits
+    before it): the saved fp32 log-softmax and the gradients with respect to it and to the
+    fp32 logits, one fp32 copy more under loss parallel (its vocab-parallel log-softmax).
+    Chunked, those exist for one chunk, while the chunks' checkpoints keep the whole
+    microbatch's compute-dtype logits and their gradient is assembled whole."""
+    parallel = layout.tp > 1 and work.loss_parallel
+    vocab = facts.vocab / layout.tp if parallel else facts.vocab
+    fp32_copies = _LOSS_PARALLEL_FP32_COPIES if parallel else _LOSS_FP32_COPIES
+    if not work.loss_chunk_tokens or work.loss_chunk_tokens >= micro:
+        return micro * vocab * fp32_copies * 4
+    return (work.loss_chunk_tokens * fp32_copies * 4 + micro * 2 * work.compute_dtype_bytes) * vocab
 
 
 def _fsdp_buffers(layout: Layout, work: Workload, block_unsharded: float, n_blocks: int) -> float:
