@@ -65,15 +65,22 @@ PUBLISHED = [
               global_batch=16, seq_len=8192, compile=True, float8=True, tokens_per_s=8532, memory_gib=76.8),
     Published(name="8B, 128 GPUs, FSDP", recipe="llama3_8b", gpus=128, layout=_lay(dp=128, local=2),
               global_batch=256, seq_len=8192, compile=False, float8=False, tokens_per_s=5605, memory_gib=67.0),
+    Published(name="8B, 128 GPUs, FSDP + compile", recipe="llama3_8b", gpus=128, layout=_lay(dp=128, local=2),
+              global_batch=256, seq_len=8192, compile=True, float8=False, tokens_per_s=6514, memory_gib=62.0),
     Published(name="8B, 128 GPUs, FSDP + compile + float8", recipe="llama3_8b", gpus=128,
               layout=_lay(dp=128, local=2), global_batch=256, seq_len=8192, compile=True, float8=True,
               tokens_per_s=8380, memory_gib=61.8),
-    Published(name="8B, 8 GPUs, FSDP 4 x CP 2, seq 65536", recipe="llama3_8b", gpus=8,
-              layout=_lay(dp=4, cp=2, ac="full", local=1), global_batch=4, seq_len=65536, compile=True,
-              float8=True, tokens_per_s=2540, memory_gib=84.2),
+    *[Published(name=f"8B, 8 GPUs, FSDP {8 // cp}" + (f" x CP {cp}" if cp > 1 else "") + f", seq {seq}",
+                recipe="llama3_8b", gpus=8, layout=_lay(dp=8 // cp, cp=cp, ac="full", local=1), global_batch=8 // cp,
+                seq_len=seq, compile=True, float8=True, tokens_per_s=tps, memory_gib=mem)
+      for cp, seq, tps, mem in [(1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
+                                (8, 262144, 548, 84.5)]],
     Published(name="70B, 256 GPUs, FSDP 32 x TP 8", recipe="llama3_70b", gpus=256,
               layout=_lay(dp=32, tp=8, ac="full", local=16), global_batch=512, seq_len=8192, compile=True,
               float8=True, tokens_per_s=829, memory_gib=71.9),
+    Published(name="70B, 256 GPUs, FSDP 32 x TP 8, async TP", recipe="llama3_70b", gpus=256,
+              layout=_lay(dp=32, tp=8, ac="full", local=16), global_batch=512, seq_len=8192, compile=True,
+              float8=True, tokens_per_s=876, memory_gib=67.6, async_tp=True),
     Published(name="405B, 512 GPUs, FSDP 8 x TP 8 x PP 8, 1F1B", recipe="llama3_405b", gpus=512,
               layout=_lay(pp=8, dp=8, tp=8, ac="full", local=32, micro=4), global_batch=256, seq_len=8192,
               compile=True, float8=True, tokens_per_s=100, memory_gib=82.5, async_tp=True,
@@ -83,14 +90,21 @@ PUBLISHED = [
               global_batch=256, seq_len=8192, compile=True, float8=True, tokens_per_s=128, memory_gib=72.7, async_tp=True,
               note="microbatch 2: torchtitan's default of pp x stages per rank microbatches"),
 ]
+PUBLISHED += [
+    Published(name=f"405B, 512 GPUs, FSDP {8 // cp}" + (f" x CP {cp}" if cp > 1 else "") + f" x TP 8 x PP 8, seq {seq}",
+              recipe="llama3_405b", gpus=512, layout=_lay(pp=8, dp=8 // cp, cp=cp, tp=8, ac="full", local=8, micro=1),
+              global_batch=8 * (8 // cp), seq_len=seq, compile=True, float8=True, tokens_per_s=tps, memory_gib=mem,
+              async_tp=True, note="microbatch 1: torchtitan's default of pp microbatches")
+    for cp, seq, tps, mem in [(1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
+                              (8, 262144, 16, 84.9)]]
 PUBLISHED.append(
     Published(name="405B, 128 GPUs, FSDP 16 x TP 8 (2D, mid 2024)", recipe="llama3_405b", gpus=128,
               layout=_lay(dp=16, tp=8, ac="full", local=2), global_batch=32, seq_len=8192, compile=True,
               float8=True, tokens_per_s=185, memory_gib=None, async_tp=True,
               note="torchtitan's docs/performance.md before the 2024-12 benchmark: same H100s; memory not "
                    "published; compile on (its async TP needs it)"))
-"""torchtitan's published Llama 3.1 runs on H100 (tables 1-5 of its December 2024 benchmark, and
-its earlier 2D 405B run)."""
+"""torchtitan's published Llama 3.1 runs on H100 (every row of the six tables of its December 2024
+benchmark, and its earlier 2D 405B run)."""
 
 
 BENCHMARK_H100 = {"memory_gib": 96.0, "memory_tbps": 2.4}

@@ -534,13 +534,15 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     # Full AC reruns each block's forward (2 of its 6 FLOPs per parameter); selective (per op)
     # reruns only the cheap ops between the matmuls, a few percent.
     recompute = {"none": 1.0, "selective": 1.03, "full": 1.0 + 1 / 3}[layout.ac]
-    tokens_stage = tokens_rank / layout.tp * share * recompute  # tokens x the stage's share, reruns counted
+    block_tokens = tokens_rank / layout.tp * share * recompute  # tokens x the stage's share, reruns counted
+    # The output projection runs on the last stage only, on top of its blocks, never rerun.
+    output_flops = 6 * facts.vocab * facts.dim * tokens_rank / layout.tp if last else 0.0
     _, micro_tokens = _inflight_tokens(layout, work)
     rate = hw.peak_bf16_tflops * 1e12 * hw.matmul_efficiency * _size_factor(micro_tokens, hw)
     rate *= hw.compile_speedup if work.compile else 1.0
-    compute = facts.flops_per_token * tokens_stage / rate
+    compute = ((facts.flops_per_token - 6 * facts.vocab * facts.dim) * block_tokens + output_flops) / rate
     if work.float8:
-        compute += _float8_change(facts, hw, tokens_stage, rate)
+        compute += _float8_change(facts, hw, block_tokens, rate)
     b = work.compute_dtype_bytes
     # FSDP: two all-gathers (forward, backward) and a fp32 reduce-scatter of the stage, all
     # overlapped with compute except the first block's gather. Under PP the stage is gathered
@@ -575,10 +577,11 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     moe_blocks = sum(1 for i in blocks if facts.blocks[i].experts)
     routed = tokens_rank * facts.experts_per_token * facts.dim * b
     ep = 4 * moe_blocks * (_ring(routed, layout.ep) / _bandwidth(hw, layout.ep * layout.tp) + calls) if layout.ep > 1 else 0.0
-    # PP: activations to the next stage and gradients back, per microbatch.
+    # PP: activations to the next stage and gradients back, per microbatch and local stage.
     pp = 0.0
     if layout.pp > 1:
-        pp = 2 * (tokens_rank * facts.dim * b / layout.tp / _bandwidth(hw, layout.world_size) + calls)
+        hop = tokens_rank * facts.dim * b / layout.tp / _bandwidth(hw, layout.world_size) + calls
+        pp = 2 * layout.stages_per_rank * hop
     busy = compute + fsdp + tp + cp + ep + pp
     bubble = 0.0
     if layout.pp > 1:
