@@ -111,11 +111,24 @@ BENCHMARK_H100 = {"memory_gib": 96.0, "memory_tbps": 2.4}
 """The benchmark's H100s: 96 GB of HBM2e at 2.4 TB/s (the H100 profile has 80 GB at 3.35 TB/s)."""
 
 
+def torchtitan_selective_units(model) -> float:
+    """Model-width units per token torchtitan's per-op selective AC keeps in a Llama block: the
+    output of every compute op on its list except every second matmul, counted per block in
+    the order a Llama block calls them (wq, wk, wv, wo, w1, w3, w2: wq, wv, w1 and w2 kept), plus
+    the block input and the attention output. titan's own policy keeps every matmul's output
+    (`titan.dist.dry_run.selective_op_units`): 12.5 units for 8B against torchtitan's 7.75."""
+    block = model.layers[next(iter(model.layers.keys()))] if hasattr(model.layers, "keys") else model.layers[0]
+    attention, ffn = block.attention, block.feed_forward
+    kept = attention.wq.out_features + attention.wv.out_features + ffn.w1.out_features + ffn.w2.out_features
+    return 2 + kept / ffn.w2.out_features
+
+
 def compare(row: Published) -> dict:
     """The planner's prediction of `row`'s own layout and that layout's rank among all."""
     config = parse_train_args(["--config", row.recipe, "--training.seq_len", str(row.seq_len)])
     _, hw = parse_gpus(f"{row.gpus}xH100", BENCHMARK_H100)
     facts, n_experts, probe = model_facts(config)
+    facts = dataclasses.replace(facts, selective_units=torchtitan_selective_units(probe))
     work = Workload(global_batch_size=row.global_batch, seq_len=row.seq_len, compile=row.compile, float8=row.float8,
                     async_tp=row.async_tp)
     own = predict(facts, row.layout, work, hw)

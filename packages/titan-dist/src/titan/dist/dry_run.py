@@ -29,9 +29,20 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # what autograd saves for titan's pre-norm attention + SwiGLU block in eager mode (measured with
 # saved-tensor hooks, tests/test_dry_run.py: 22; the earlier 17 left out RoPE's float32
 # intermediates and read 1.27x low); compiled blocks save less.
-ACT_UNITS_PER_TOKEN = {"none": 22, "selective": 8, "full": 1}
-"""Activation elements kept per token per block, in model-dim units, by AC mode ("selective":
-per-op). The layout planner (`titan.dist.planner`) uses the same figures."""
+ACT_UNITS_PER_TOKEN = {"none": 22, "full": 1}
+"""Activation elements kept per token per block, in model-dim units, with no AC and with the
+whole block checkpointed; per-op selective AC depends on the block's linears
+(`selective_op_units`). The layout planner (`titan.dist.planner`) uses the same figures."""
+
+
+def selective_op_units(block: nn.Module, dim: int) -> float:
+    """Model-width units per token `block` keeps under per-op selective AC
+    (`titan.dist.activation_checkpoint` saves every matmul's output and recomputes the rest):
+    its input, the attention's output and each linear's output; routed experts' grouped
+    matmuls are recomputed. Measured with torch's `MemTracker` (tests/test_plan.py): 12.0 for
+    the Llama debug block (12 predicted), 5.1 for the Qwen3-MoE one (5.0); Llama 3 8B: 12.5."""
+    outputs = sum(m.out_features for m in block.modules() if isinstance(m, nn.Linear))
+    return 2 + outputs / dim
 
 
 @dataclass
@@ -100,17 +111,17 @@ def _model_shape(model: nn.Module) -> tuple[int, int]:
     return int(dim), int(vocab)
 
 
-def kept_units(ac, n_layers: int) -> tuple[float, float]:
+def kept_units(ac, n_layers: int, selective_units: float) -> tuple[float, float]:
     """(activation units kept per token over `n_layers` blocks, units one checkpointed block
     rebuilds in its backward) under the activation-checkpointing config `ac`: "selective"
-    with `selective_op` keeps matmul outputs in every block; otherwise it checkpoints whole
-    blocks 0, k, 2k, ... (k = `selective_layer_every`), which keep their input only."""
+    with `selective_op` keeps `selective_units` (the blocks' `selective_op_units`) in every
+    block; otherwise it checkpoints whole blocks 0, k, 2k, ... (k = `selective_layer_every`),
+    which keep their input only."""
     none, full = ACT_UNITS_PER_TOKEN["none"], ACT_UNITS_PER_TOKEN["full"]
     if ac.mode == "none" or not n_layers:
         return none * n_layers, 0.0
     if ac.mode == "selective" and ac.selective_op:
-        kept = ACT_UNITS_PER_TOKEN["selective"]
-        return kept * n_layers, none - kept
+        return selective_units * n_layers, none - selective_units
     every = 1 if ac.mode == "full" else ac.selective_layer_every
     checkpointed = -(-n_layers // every)
     return checkpointed * full + (n_layers - checkpointed) * none, none - full
@@ -121,12 +132,14 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
                       activation_dtype: str) -> tuple[int, int]:
     """(bytes of the activations kept for backward, bytes of one block's recomputation)."""
     act_bytes = _BYTES[activation_dtype]
-    layers = sum(len(list(blocks_of(p))) for p in parts)
+    blocks = [block for p in parts for _, block in blocks_of(p)]
+    layers = len(blocks)
+    selective = sum(selective_op_units(b, dim) for b in blocks) / max(layers, 1)
     # Sequence parallel shards the residual stream over tp; without it only matmul
     # intermediates are sharded: count half of it as sharded.
     tp_div = dims.tp if cfg.enable_sequence_parallel else max(1.0, dims.tp / 2)
     per_dim = dim * tokens * act_bytes / tp_div  # one model-dim-wide tensor of the microbatch
-    kept, rebuilt = kept_units(ac, layers)
+    kept, rebuilt = kept_units(ac, layers, selective)
     # fp32 logits live for one microbatch only: the last stage runs its backward right after
     # its forward, so they are not multiplied by the microbatches in flight.
     logits = logit_tokens * vocab * 4 / dims.tp if any(_output_modules(p) for p in parts) else 0

@@ -13,7 +13,8 @@ memory per rank (worst pipeline stage)
     one block (under PP: the whole stage gathered for the step and its unsharded gradients
     accumulated in fp32 until the last microbatch, as the engine and torch's schedules run
     it); activations per block by AC mode (the dry run's per-token coefficients;
-    "selective" is per-op selective AC, which the printed flags select), divided by TP except
+    "selective" is per-op selective AC, which the printed flags select: the block's input,
+    attention output and every linear's output), divided by TP except
     the inputs the sharded matmuls gather (2 units with sequence parallel; without it also the
     RMSNorms' 6) and by CP, for the forwards each pipeline rank has outstanding at its peak
     in the order `torch.distributed.pipelining` runs the schedule; on the last stage the
@@ -54,7 +55,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 from titan.dist.dims import ParallelDims
-from titan.dist.dry_run import ACT_UNITS_PER_TOKEN
+from titan.dist.dry_run import ACT_UNITS_PER_TOKEN, selective_op_units
 from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_plan
 
 GiB = 1024**3
@@ -201,6 +202,9 @@ class ModelFacts:
     per parameter and token, run in float8; the output layer, attention and experts do not)."""
     float8_cast_width: int = 0
     """Elements per token float8 casts: in + out features summed over those linears."""
+    selective_units: float = 12.0
+    """Model-width units per token a block keeps under per-op selective AC, averaged over the
+    blocks (`titan.dist.dry_run.selective_op_units`)."""
 
     @classmethod
     def from_model(cls, model: nn.Module, *, flops_per_token: float, experts_per_token: int = 0,
@@ -211,7 +215,7 @@ class ModelFacts:
         container = plan.layer_container
         sharded_styles = {"colwise", "rowwise"}
         tp_globs = [(g, s) for g, s in plan.tensor_parallel.items() if s in sharded_styles]
-        blocks = []
+        blocks, selective = [], []
         for key, block in blocks_of(model):
             counts = {"tp_sharded": 0, "tp_replicated": 0, "experts": 0}
             for name, module in block.named_modules():
@@ -226,6 +230,7 @@ class ModelFacts:
                 else:
                     counts["tp_replicated"] += own
             blocks.append(BlockParams(**counts))
+            selective.append(block)
         first = sum(p.numel() for name in plan.pipeline_first if (m := getattr(model, name, None)) is not None
                     for p in m.parameters())
         tied = bool(plan.tied_parameters)
@@ -241,7 +246,8 @@ class ModelFacts:
         return cls(blocks=tuple(blocks), embedding=first, output=0 if tied else vocab * dim, final_norm=norm,
                    dim=int(dim), vocab=int(vocab), flops_per_token=flops_per_token, kv_fraction=kv,
                    experts_per_token=experts_per_token, float8_params=sum(m.weight.numel() for m in linears),
-                   float8_cast_width=sum(m.in_features + m.out_features for m in linears))
+                   float8_cast_width=sum(m.in_features + m.out_features for m in linears),
+                   selective_units=sum(selective_op_units(b, int(dim)) for b in selective) / max(len(selective), 1))
 
     @property
     def n_layers(self) -> int:
@@ -435,7 +441,7 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     params, block_unsharded = stage_params(facts, layout, blocks, first, last)
     held, micro = _inflight_tokens(layout, work, pp_rank)
     width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
-    kept = ACT_UNITS_PER_TOKEN[layout.ac]
+    kept = facts.selective_units if layout.ac == "selective" else ACT_UNITS_PER_TOKEN[layout.ac]
     # Under TP the inputs of attention and feed-forward are gathered whole (SP) before the
     # sharded matmuls save them: those 2 units are not divided by TP. Without SP the two
     # RMSNorms run on the whole sequence too, and each keeps 3 units (with no AC).
