@@ -242,9 +242,10 @@ def test_activation_units_equal_what_each_block_keeps_under_every_ac_mode(recipe
     checked under selective and full AC only."""
     from titan.dist.activation_checkpoint import checkpoint_block
     from titan.dist.plan import blocks_of
+    from torch.distributed._tools.mem_tracker import MemTracker
+
     from titan.recipes.dry_run import vocab_size_for
     from titan.recipes.families import model_spec
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     batch, seq = 2, 128
     config = parse_train_args(["--config", recipe, "--training.seq_len", str(seq)])
