@@ -231,6 +231,29 @@ def test_loss_peak_equals_what_mem_tracker_measures(tmp_path, tp, chunk):
         assert (abs(error) <= 0.01) if not chunk else (0 <= error <= 0.08), (rank, measured, predicted)
 
 
+def _units_each_block_keeps(model, mode: str, tokens: torch.Tensor, dim: int) -> float:
+    """Mean fp32 model-width units per token that each block's forward leaves alive, with the
+    blocks checkpointed as `mode` says, as torch's `MemTracker` counts live tensors."""
+    from titan.dist.activation_checkpoint import checkpoint_block
+    from titan.dist.plan import blocks_of
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker, kept, before = MemTracker(), [], []
+    tracker.track_external(model)
+
+    def live() -> int:
+        return tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+
+    for _, block in blocks_of(model):
+        if mode != "none":
+            checkpoint_block(block, per_op=mode == "selective")
+        block.register_forward_pre_hook(lambda *_: before.append(live()))
+        block.register_forward_hook(lambda *_: kept.append(live() - before.pop()))
+    with tracker:
+        model(tokens)
+    return sum(kept) / len(kept) / (tokens.numel() * dim * 4)
+
+
 @pytest.mark.parametrize("recipe", ["llama3_debug", "qwen3_moe_debug"])
 def test_activation_units_equal_what_each_block_keeps_under_every_ac_mode(recipe):
     """An outside check of the activation units, per-op selective AC included (which autograd's
@@ -240,10 +263,6 @@ def test_activation_units_equal_what_each_block_keeps_under_every_ac_mode(recipe
     model's own `selective_units`; 1 with the block checkpointed whole). 22 is a Llama block's
     count: the Qwen3-MoE block keeps 20.2 (the planner is 9% high there), so the MoE block is
     checked under selective and full AC only."""
-    from titan.dist.activation_checkpoint import checkpoint_block
-    from titan.dist.plan import blocks_of
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from titan.recipes.dry_run import vocab_size_for
     from titan.recipes.families import model_spec
 
@@ -257,20 +276,7 @@ def test_activation_units_equal_what_each_block_keeps_under_every_ac_mode(recipe
     for mode, units in predicted.items():
         torch.manual_seed(0)
         model = model_spec(config.model.name).build(config.model.flavor, vocab_size=vocab, max_seq_len=seq)
-        tracker, kept, before = MemTracker(), [], []
-        tracker.track_external(model)
-
-        def live() -> int:
-            return tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
-
-        for _, block in blocks_of(model):
-            if mode != "none":
-                checkpoint_block(block, per_op=mode == "selective")
-            block.register_forward_pre_hook(lambda *_: before.append(live()))
-            block.register_forward_hook(lambda *_: kept.append(live() - before.pop()))
-        with tracker:
-            model(torch.randint(0, vocab, (batch, seq)))
-        per_block = sum(kept) / len(kept) / (batch * seq * facts.dim * 4)  # fp32 model-width units
+        per_block = _units_each_block_keeps(model, mode, torch.randint(0, vocab, (batch, seq)), facts.dim)
         bound = 0.05 if mode == "none" else 0.01
         assert abs(units / per_block - 1) <= bound, (mode, per_block, units)
 
