@@ -298,6 +298,49 @@ def test_pipeline_bubble_and_links():
     assert spread.times["fsdp_exposed"] > inside.times["fsdp_exposed"]
 
 
+def _simulated_bubble(schedule: str, pp: int, microbatches: int, stages: int) -> float:
+    """Idle time over busy time of the slowest rank when every rank runs its actions in the
+    order `torch.distributed.pipelining` builds, a forward taking 1 and a backward 2, each
+    waiting for the neighbouring stage's result it needs (communication free)."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from torch.distributed.pipelining.schedules import _ComputationType as Op
+
+    last = pp * stages - 1
+    queues = [[a for a in actions if a is not None and a.computation_type in (Op.FORWARD, Op.FULL_BACKWARD)]
+              for actions in get_schedule_ops(schedule, pp, microbatches, num_stages_per_rank=stages)]
+    finished, clock = {}, [0.0] * pp
+    while any(queues):
+        moved = False
+        for rank, queue in enumerate(queues):
+            while queue:
+                action = queue[0]
+                stage, micro = action.stage_index, action.microbatch_index
+                forward = action.computation_type == Op.FORWARD
+                needs = (("F", stage - 1, micro) if stage else None) if forward else \
+                    (("B", stage + 1, micro) if stage < last else ("F", stage, micro))
+                if needs is not None and needs not in finished:
+                    break
+                clock[rank] = max(clock[rank], finished[needs] if needs else 0.0) + (1.0 if forward else 2.0)
+                finished[("F" if forward else "B", stage, micro)] = clock[rank]
+                queue.pop(0)
+                moved = True
+        assert moved, "the schedule deadlocked"
+    return max(clock) / (microbatches * stages * 3.0) - 1
+
+
+@pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8), (8, 8), (8, 16), (4, 16)])
+def test_interleaved_bubble_equals_a_simulation_of_torch_schedule(pp, microbatches):
+    """The planner's Interleaved 1F1B bubble, (pp - 1) / (v m) of the busy time, against
+    running torch's own action order for that schedule with dependencies between stages."""
+    config = parse_train_args(["--config", "llama3_debug", "--model.n_layers", "16", *TINY])
+    facts, _, _ = model_facts(config)
+    layout = _layout(pp=pp, local_batch_size=microbatches, microbatch_size=1, schedule="Interleaved1F1B",
+                     stages_per_rank=2)
+    times = predict(facts, layout, Workload(global_batch_size=microbatches, seq_len=32), HARDWARE["H100"]).times
+    planned = times["pp_bubble"] / (times["step"] - times["pp_bubble"])
+    assert planned == pytest.approx(_simulated_bubble("Interleaved1F1B", pp, microbatches, 2), rel=1e-9)
+
+
 def test_every_enumerated_layout_the_engine_accepts_passes_the_dry_run():
     """Enumeration respects what the engine enforces: a deterministic sample of the valid
     layouts of the MoE debug model on 8 ranks, every one dry-run for real."""
