@@ -73,7 +73,10 @@ def llama3_8b() -> TrainerConfig:
     cfg = pretrain_defaults(flavor="8B", seq_len=8192, steps=10_000, lr=3e-4, warmup_steps=200)
     cfg = on_gpu_cluster(cfg, dataset="allenai/c4", tokenizer_path="./assets/llama3/tokenizer.json")
     cfg.training.local_batch_size = 1
+    # Per-op selective AC (matmul outputs kept, the cheap ops rerun), as torchtitan's 8B recipe;
+    # "selective" alone checkpoints every whole block, which is full AC.
     cfg.activation_checkpoint.mode = "selective"
+    cfg.activation_checkpoint.selective_op = True
     cfg.job.dump_folder = "./outputs/llama3_8b"
     return cfg
 
@@ -86,6 +89,7 @@ def llama3_70b() -> TrainerConfig:
     cfg.parallelism.tensor_parallel_degree = 8
     cfg.parallelism.enable_sequence_parallel = True
     cfg.activation_checkpoint.mode = "full"
+    cfg.activation_checkpoint.selective_op = False
     cfg.job.dump_folder = "./outputs/llama3_70b"
     return cfg
 
@@ -124,6 +128,7 @@ def qwen3_sized(flavor: str, *, lr: float = 3e-4) -> TrainerConfig:
     cfg.model.vocab_size = QWEN3_VOCAB
     cfg.training.local_batch_size = 2
     cfg.activation_checkpoint.mode = "selective"
+    cfg.activation_checkpoint.selective_op = True  # per op, as llama3_8b
     cfg.job.dump_folder = f"./outputs/qwen3_{flavor.lower().replace('.', '_')}"
     return cfg
 
