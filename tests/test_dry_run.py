@@ -59,7 +59,9 @@ def test_405b_on_512_ranks_through_run_train_sh(tmp_path):
         assert 0.7e9 < p < 0.9e9, params
     # Every rank of a pp rank holds the same shard size: the sum over ranks is the model.
     assert 400e9 < sum(params) * 64 < 410e9
-    assert all(r.group(4) == "GiB" and 10 < float(r.group(3)) < 40 for r in rows), proc.stdout
+    # Each rank also holds its stage gathered with fp32 gradients under PP (37 GiB); torchtitan
+    # measured 73-83 GiB per rank for this layout with 4x the batch.
+    assert all(r.group(4) == "GiB" and 40 < float(r.group(3)) < 80 for r in rows), proc.stdout
     print(f"dry run peak memory {peak_rss / 2**30:.2f} GiB")
     # Nothing of the model is ever allocated (the meta device): one rank's shard alone is
     # ~0.8B fp32 parameters (3 GiB), the whole model 1.6 TB. A wall-clock budget would prove
@@ -91,7 +93,11 @@ def test_deepseek_v3_671b_on_256_ranks_with_expert_parallel(flags, ep, per_rank,
     assert "deepseek_v3 671B: 671026.40M params" in out
     assert f"(ep {ep})" in out
     rows = LINE.findall(out)
-    assert rows and all(unit == "GiB" and float(total) < 96 for _, _, total, unit in rows), out
+    # Under PP each rank also holds its stage gathered with fp32 gradients (FSDP keeps them
+    # between microbatches): with EP 32 the experts are not FSDP-sharded, so the
+    # TP 2 x PP 4 x EP 32 layout needs an H200's 141 GB, the recipe's a 96 GB H100's.
+    limit = 141 if "--parallelism.pipeline_parallel_degree" in flags else 96
+    assert rows and all(unit == "GiB" and float(total) < limit for _, _, total, unit in rows), out
     if per_rank is not None:
         assert int(rows[0][1].replace(",", "")) == pytest.approx(per_rank, rel=1e-3)
 
@@ -174,11 +180,19 @@ def test_dry_run_fsdp3_components_match_hand_computed_bytes():
     assert est.grad_bytes == 4 * numel
     assert est.optimizer_bytes == 2 * 4 * numel
     dim, layers, tokens = 64, 4, 2 * 32
-    assert est.activation_bytes == layers * dim * tokens * 4 + tokens * TINY_VOCAB * 4
+    # Each block's fp32 input; the loss's peak: 3 fp32 copies of the logits.
+    assert est.activation_bytes == layers * dim * tokens * 4
+    assert est.loss_bytes == tokens * TINY_VOCAB * 3 * 4
     # During one block's backward its forward is rebuilt: the 22 dim-wide tensors per token an
     # unchecked block keeps, less the input already kept.
     assert est.recompute_bytes == (22 - 1) * dim * tokens * 4
-    assert est.total_bytes == 4 * 4 * numel + est.activation_bytes + est.recompute_bytes
+    # FSDP: one block gathered and one prefetched (fp32 compute here), one block's fp32
+    # gradients before the reduce-scatter; a block is 2 x 64 x 64 + 2 x 32 x 64 + 3 x 64 x 192
+    # + 2 x 64 parameters whole.
+    block = 2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 192 + 2 * 64
+    assert est.fsdp_buffer_bytes == block * (2 * 4 + 4)
+    assert est.total_bytes == (4 * 4 * numel + est.activation_bytes + est.recompute_bytes + est.loss_bytes
+                               + est.fsdp_buffer_bytes)
 
 
 def _saved_activation_bytes(model) -> int:
@@ -215,7 +229,9 @@ def test_dry_run_activation_estimate_tracks_what_autograd_saves(ac_flags):
     cfg = parse_train_args([*TINY, *ac_flags])
     (est,) = run_dry_run(cfg, world_size=1, print_fn=lambda s: None)
     measured = _saved_activation_bytes(_tiny_model(cfg.activation_checkpoint))
-    assert 0.6 * measured <= est.activation_bytes <= 1.2 * measured, (est.activation_bytes, measured)
+    # Autograd also saves the loss's fp32 log-softmax: one of the loss peak's 3 copies.
+    estimate = est.activation_bytes + est.loss_bytes / 3
+    assert 0.6 * measured <= estimate <= 1.2 * measured, (estimate, measured)
 
 
 def test_dry_run_builds_the_model_titan_train_builds(capsys, tmp_path, monkeypatch):

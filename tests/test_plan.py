@@ -147,18 +147,16 @@ def test_float8_on_a_device_without_fp8_is_refused(capsys):
 
 @pytest.mark.parametrize("schedule, pp, microbatches, stages", [
     ("1F1B", 4, 8, 1), ("GPipe", 4, 8, 1), ("Interleaved1F1B", 2, 4, 2), ("Interleaved1F1B", 4, 12, 2),
-    ("Interleaved1F1B", 8, 16, 2), ("Interleaved1F1B", 4, 4, 2)])
+    ("Interleaved1F1B", 8, 16, 2), ("Interleaved1F1B", 4, 4, 2), ("LoopedBFS", 4, 8, 2)])
 def test_pipeline_chunks_in_flight_follow_torch_schedules(schedule, pp, microbatches, stages):
     """The forwards each pipeline rank holds at its peak equal the most outstanding forwards
     (not yet differentiated) in the action order `torch.distributed.pipelining` builds for
     the same schedule, on every rank."""
-    from titan.dist.planner import _chunks_in_flight
+    from titan.dist.dry_run import forwards_in_flight
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
     from torch.distributed.pipelining.schedules import _ComputationType
 
     ops = get_schedule_ops(schedule, pp, microbatches, num_stages_per_rank=stages)
-    layout = _layout(pp=pp, local_batch_size=microbatches, microbatch_size=1, schedule=schedule,
-                     stages_per_rank=stages)
     for rank, actions in enumerate(ops):
         live = peak = 0
         for action in filter(None, actions):
@@ -167,7 +165,7 @@ def test_pipeline_chunks_in_flight_follow_torch_schedules(schedule, pp, microbat
             elif action.computation_type in (_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT):
                 live -= 1
             peak = max(peak, live)
-        assert _chunks_in_flight(layout, rank) == peak, (rank, peak)
+        assert forwards_in_flight(schedule, pp, microbatches, stages, rank) == peak, (rank, peak)
 
 
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]

@@ -118,6 +118,7 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
         seq_len=training.seq_len,
         global_batch_size=training.global_batch_size,
         activation_dtype=training.mixed_precision_param,
+        loss_chunk_tokens=training.loss_chunk_tokens,
         print_fn=print_fn,
     )
 

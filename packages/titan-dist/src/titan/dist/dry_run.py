@@ -45,6 +45,68 @@ def selective_op_units(block: nn.Module, dim: int) -> float:
     return 2 + outputs / dim
 
 
+_LOSS_FP32_COPIES = 3
+_LOSS_PARALLEL_FP32_COPIES = 4
+"""fp32 [tokens, vocab] tensors alive at the loss's peak (see `loss_peak_bytes`); measured 12.0
+and 16.0 bytes per logit element (tests/test_plan.py)."""
+
+
+def loss_peak_bytes(tokens: float, vocab: int, *, tp: int, loss_parallel: bool, chunk_tokens: int,
+                    compute_dtype_bytes: int) -> float:
+    """Bytes of the loss over `tokens` positions at its peak, in its backward (titan frees the
+    compute-dtype logits before it): the saved fp32 log-softmax and the gradients with
+    respect to it and to the fp32 logits, one fp32 copy more under loss parallel (its
+    vocab-parallel log-softmax, each TP rank holding vocab / tp; without loss parallel every
+    TP rank holds the whole vocabulary). Chunked (`chunk_tokens` < `tokens`), those exist for
+    one chunk, while the chunks' checkpoints keep the whole microbatch's compute-dtype logits
+    and their gradient is assembled whole."""
+    parallel = tp > 1 and loss_parallel
+    width = vocab / tp if parallel else vocab
+    copies = _LOSS_PARALLEL_FP32_COPIES if parallel else _LOSS_FP32_COPIES
+    if not chunk_tokens or chunk_tokens >= tokens:
+        return tokens * width * copies * 4
+    return (chunk_tokens * copies * 4 + tokens * 2 * compute_dtype_bytes) * width
+
+
+def fsdp_buffer_bytes(block_unsharded: float, n_blocks: int, *, sharded: bool, pipelined: bool,
+                      compute_dtype_bytes: int) -> float:
+    """Bytes of FSDP's unsharded copies on one rank at its peak, for blocks of
+    `block_unsharded` parameters each (TP-local, gathered over FSDP).
+
+    Without PP: the block computed and the one prefetched, gathered in the compute dtype, and
+    one block's fp32 gradients before their reduce-scatter. Under PP the engine keeps the
+    gathered parameters for the whole step (`reshard_after_forward` is off, or every
+    microbatch would gather them again), and the pipeline schedule turns gradient sync off
+    until the last microbatch, so FSDP accumulates the stage's unsharded gradients in the fp32
+    reduce dtype: the whole stage in the compute dtype plus 4 bytes per parameter, and one
+    block's reduce-scatter buffer.
+    """
+    if not sharded:
+        return 0.0
+    reduce_buffer = block_unsharded * 4
+    if not pipelined:
+        return block_unsharded * 2 * compute_dtype_bytes + reduce_buffer
+    return block_unsharded * n_blocks * (compute_dtype_bytes + 4) + reduce_buffer
+
+
+def forwards_in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int) -> int:
+    """Forwards (microbatch x local stage) pipeline rank `pp_rank` has run and not yet
+    differentiated at its peak, as `torch.distributed.pipelining` orders them: GPipe and
+    LoopedBFS run every forward first; 1F1B runs `pp - rank` forwards before its first backward;
+    interleaved schedules warm up with (v - 1) rounds of microbatches plus 2 per hop from the
+    last rank, then one more forward before each backward (checked against torch's own action
+    lists for GPipe, 1F1B, Interleaved 1F1B and LoopedBFS; the others are taken to warm up like
+    Interleaved 1F1B)."""
+    m, v = microbatches, stages_per_rank
+    if schedule in ("GPipe", "LoopedBFS"):
+        return m * v
+    if v == 1:
+        return min(m, pp - pp_rank)
+    rounds = max(1, m // pp)
+    warmup = (v - 1) * (m // rounds) + 2 * (pp - 1 - pp_rank)
+    return min(warmup + 1, m * v)
+
+
 @dataclass
 class RankEstimate:
     """Per-rank parameter count and memory estimate (bytes) for one pipeline rank."""
@@ -59,12 +121,19 @@ class RankEstimate:
     recompute_bytes: int = 0
     """With activation checkpointing: the activations of the one block whose backward is
     running, rebuilt by its recomputation and freed after it (a transient the peak includes)."""
+    loss_bytes: int = 0
+    """The loss's peak over one microbatch's logits (`loss_peak_bytes`), on the rank holding
+    the output projection."""
+    fsdp_buffer_bytes: int = 0
+    """FSDP's unsharded copies (`fsdp_buffer_bytes`): the gathered block and its prefetch, or
+    under PP the whole stage and its fp32 gradients."""
 
     @property
     def total_bytes(self) -> int:
-        """Params + grads + optimizer states + activations (+ one block's recomputation)."""
+        """Params + grads + optimizer states + activations (+ one block's recomputation, the
+        loss's peak, FSDP's unsharded copies)."""
         return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
-                + self.recompute_bytes)
+                + self.recompute_bytes + self.loss_bytes + self.fsdp_buffer_bytes)
 
     def components(self) -> str:
         """The estimate's parts, e.g. ``params 18.64 MiB, grads ..., activations 1.61 GiB``."""
@@ -72,6 +141,10 @@ class RankEstimate:
                  f"optimizer {format_bytes(self.optimizer_bytes)}", f"activations {format_bytes(self.activation_bytes)}"]
         if self.recompute_bytes:
             parts.append(f"recomputed block {format_bytes(self.recompute_bytes)}")
+        if self.loss_bytes:
+            parts.append(f"loss {format_bytes(self.loss_bytes)}")
+        if self.fsdp_buffer_bytes:
+            parts.append(f"FSDP buffers {format_bytes(self.fsdp_buffer_bytes)}")
         return ", ".join(parts)
 
     def line(self) -> str:
@@ -129,8 +202,9 @@ def kept_units(ac, n_layers: int, selective_units: float) -> tuple[float, float]
 
 def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
                       dim: int, vocab: int, tokens: int, logit_tokens: int,
-                      activation_dtype: str) -> tuple[int, int]:
-    """(bytes of the activations kept for backward, bytes of one block's recomputation)."""
+                      activation_dtype: str, loss_chunk_tokens: int) -> tuple[int, int, int]:
+    """(bytes of the blocks' activations kept for backward, of one block's recomputation, of
+    the loss's peak)."""
     act_bytes = _BYTES[activation_dtype]
     blocks = [block for p in parts for _, block in blocks_of(p)]
     layers = len(blocks)
@@ -140,18 +214,50 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
     tp_div = dims.tp if cfg.enable_sequence_parallel else max(1.0, dims.tp / 2)
     per_dim = dim * tokens * act_bytes / tp_div  # one model-dim-wide tensor of the microbatch
     kept, rebuilt = kept_units(ac, layers, selective)
-    # fp32 logits live for one microbatch only: the last stage runs its backward right after
-    # its forward, so they are not multiplied by the microbatches in flight.
-    logits = logit_tokens * vocab * 4 / dims.tp if any(_output_modules(p) for p in parts) else 0
+    # The loss lives for one microbatch only: the last stage runs its backward right after
+    # its forward, so it is not multiplied by the microbatches in flight.
+    logits = loss_peak_bytes(logit_tokens, vocab, tp=dims.tp, loss_parallel=cfg.enable_loss_parallel,
+                             chunk_tokens=loss_chunk_tokens, compute_dtype_bytes=act_bytes) \
+        if any(_output_modules(p) for p in parts) else 0
     # A checkpointed block's backward first recomputes everything its forward saved, for one
     # microbatch (logit_tokens: a microbatch's tokens, also under pipeline parallel).
     recompute = rebuilt * per_dim * logit_tokens / tokens
-    return int(kept * per_dim + logits), int(recompute)
+    return int(kept * per_dim), int(recompute), int(logits)
+
+
+_FSDP_AXES = ("dp_shard_cp", "dp_shard", "cp", "expert_fsdp", "dp_shard_mod_ep")
+"""Mesh axes FSDP shards parameters over (`titan.dist.dims`); TP and EP shards stay split."""
+
+
+def _fsdp_gathered_numel(module: nn.Module) -> int:
+    """Elements of `module`'s parameters once FSDP has gathered them on this rank (its TP and
+    EP shards, whole over the FSDP axes)."""
+    total = 0
+    for p in module.parameters():
+        if not isinstance(p, DTensor):
+            total += p.numel()
+            continue
+        numel, names = p.numel(), p.device_mesh.mesh_dim_names or ()  # the global size
+        for axis, placement in enumerate(p.placements):
+            if placement.is_shard() and (axis >= len(names) or names[axis] not in _FSDP_AXES):
+                numel //= p.device_mesh.size(axis)  # TP and EP shards stay split (they divide evenly)
+        total += numel
+    return total
+
+
+def _fsdp_bytes(parts: list[nn.Module], dims: ParallelDims, activation_dtype: str) -> int:
+    """FSDP's unsharded copies on this rank (`fsdp_buffer_bytes`) for its blocks."""
+    blocks = [block for p in parts for _, block in blocks_of(p)]
+    if not blocks or not dims.uses_fully_shard:
+        return 0
+    per_block = sum(_fsdp_gathered_numel(b) for b in blocks) / len(blocks)
+    return int(fsdp_buffer_bytes(per_block, len(blocks), sharded=dims.dp_shard * dims.cp > 1,
+                                 pipelined=dims.pp_enabled, compute_dtype_bytes=_BYTES[activation_dtype]))
 
 
 def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, activation_checkpoint,
                    compile, local_batch_size: int, seq_len: int, optimizer_states: int,
-                   activation_dtype: str):
+                   activation_dtype: str, loss_chunk_tokens: int = 0):
     from titan.dist.parallelize import parallelize
     from titan.dist.pipeline import build_pipeline
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -168,9 +274,11 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
                 model, dims, parallelism=parallelism, activation_checkpoint=activation_checkpoint,
                 compile=compile, loss_fn=lambda out, tgt: out.sum(),
                 local_batch_size=local_batch_size, device=torch.device("cpu"))
-            # 1F1B-style schedules keep up to pp microbatches in flight on the first stage.
+            # The forwards this pipeline rank holds at its peak, as torch's schedule orders them.
             micro = parallelism.pipeline_parallel_microbatch_size
-            tokens = micro * min(dims.pp, local_batch_size // micro) * seq_len // dims.cp
+            in_flight = forwards_in_flight(parallelism.pipeline_parallel_schedule, dims.pp,
+                                           local_batch_size // micro, len(parts), rank // (dims.world_size // dims.pp))
+            tokens = int(micro * in_flight / len(parts) * seq_len // dims.cp)
             logit_tokens = micro * seq_len // dims.cp
         else:
             parts = [parallelize(model, dims, root, parallelism=parallelism,
@@ -178,8 +286,8 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
             tokens = logit_tokens = local_batch_size * seq_len // dims.cp
         params = sum(_local_numel(p) for p in parts)
         acts = _activation_bytes(parts, dims, parallelism, activation_checkpoint, dim, vocab,
-                                 tokens, logit_tokens, activation_dtype)
-        return params, *acts
+                                 tokens, logit_tokens, activation_dtype, loss_chunk_tokens)
+        return params, *acts, _fsdp_bytes(parts, dims, activation_dtype)
     finally:
         dist.destroy_process_group()
 
@@ -187,14 +295,17 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
 def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             activation_checkpoint, compile, local_batch_size: int, seq_len: int,
             global_batch_size: int = -1, optimizer_states: int = 2,
-            activation_dtype: str = "float32", print_fn: Callable[[str], None] | None = print) -> list[RankEstimate]:
+            activation_dtype: str = "float32", loss_chunk_tokens: int = 0,
+            print_fn: Callable[[str], None] | None = print) -> list[RankEstimate]:
     """Validate and parallelize a configuration for `world_size` ranks on this one CPU.
 
     `model_fn()` builds the model (it is called under the meta device). Prints, and returns,
     one `RankEstimate` per pipeline rank: the local parameter count and a memory estimate of
     fp32 params, fp32 grads, `optimizer_states` fp32 states per param (AdamW: 2) and
-    activations (in `activation_dtype`, the FSDP compute dtype). Must run in a process
-    without a process group.
+    activations (in `activation_dtype`, the FSDP compute dtype) with the loss's peak
+    (`loss_peak_bytes`, chunked by `loss_chunk_tokens`) and FSDP's unsharded copies
+    (`fsdp_buffer_bytes`): the rules `titan plan` uses. Must run in a process without a
+    process group.
     """
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group")
@@ -206,15 +317,17 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     per_pp = world_size // dims.pp
     estimates = []
     for pp_rank in range(dims.pp):
-        params, acts, recompute = _estimate_rank(
+        params, acts, recompute, loss, fsdp = _estimate_rank(
             model_fn, dims, pp_rank * per_pp, parallelism=parallelism,
             activation_checkpoint=activation_checkpoint, compile=compile,
             local_batch_size=local_batch_size, seq_len=seq_len,
-            optimizer_states=optimizer_states, activation_dtype=activation_dtype)
+            optimizer_states=optimizer_states, activation_dtype=activation_dtype,
+            loss_chunk_tokens=loss_chunk_tokens)
         est = RankEstimate(ranks=f"{pp_rank * per_pp}-{(pp_rank + 1) * per_pp - 1}",
                            pp_rank=pp_rank, params=params, param_bytes=4 * params,
                            grad_bytes=4 * params, optimizer_bytes=4 * optimizer_states * params,
-                           activation_bytes=acts, recompute_bytes=recompute)
+                           activation_bytes=acts, recompute_bytes=recompute, loss_bytes=loss,
+                           fsdp_buffer_bytes=fsdp)
         estimates.append(est)
         if print_fn is not None:
             print_fn(est.line())

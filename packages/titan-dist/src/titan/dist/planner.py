@@ -55,7 +55,13 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 from titan.dist.dims import ParallelDims
-from titan.dist.dry_run import ACT_UNITS_PER_TOKEN, selective_op_units
+from titan.dist.dry_run import (
+    ACT_UNITS_PER_TOKEN,
+    forwards_in_flight,
+    fsdp_buffer_bytes,
+    loss_peak_bytes,
+    selective_op_units,
+)
 from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_plan
 
 GiB = 1024**3
@@ -67,10 +73,6 @@ _REPLICATED_WITHOUT_SP = 6
 """The units TP without sequence parallel leaves whole (no AC): each of a block's two RMSNorms
 keeps its input, its normalized input and its output (the sharded matmuls' input). Measured
 with autograd's saved tensors: 21.3 of 33.1 MB per rank under TP 2 (tests/test_plan.py)."""
-_LOSS_FP32_COPIES = 3
-_LOSS_PARALLEL_FP32_COPIES = 4
-"""fp32 [tokens, vocab] tensors alive at the loss's peak (see `_loss_peak`); measured 12.0 and
-16.0 bytes per logit element (tests/test_plan.py)."""
 _STATE_BYTES = 16
 """fp32 parameter, gradient and AdamW's two moments, per parameter of the rank's shard."""
 
@@ -417,23 +419,8 @@ def _inflight_tokens(layout: Layout, work: Workload, pp_rank: int = 0) -> tuple[
         layout.local_batch_size * work.seq_len / layout.cp
     if layout.pp == 1:
         return micro_tokens, micro_tokens
-    return micro_tokens * _chunks_in_flight(layout, pp_rank) / layout.stages_per_rank, micro_tokens
-
-
-def _chunks_in_flight(layout: Layout, pp_rank: int) -> int:
-    """Forwards (microbatch x local stage) pipeline rank `pp_rank` has run and not yet
-    differentiated at its peak, as `torch.distributed.pipelining` orders them: GPipe runs
-    every forward first; 1F1B runs `pp - rank` forwards before its first backward; Interleaved
-    1F1B warms up with (v - 1) rounds of microbatches plus 2 per hop from the last rank, then
-    one more forward before each backward."""
-    m, v, pp = layout.microbatches, layout.stages_per_rank, layout.pp
-    if layout.schedule == "GPipe":
-        return m * v
-    if v == 1:
-        return min(m, pp - pp_rank)
-    rounds = max(1, m // pp)
-    warmup = (v - 1) * (m // rounds) + 2 * (pp - 1 - pp_rank)
-    return min(warmup + 1, m * v)
+    chunks = forwards_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank, pp_rank)
+    return micro_tokens * chunks / layout.stages_per_rank, micro_tokens
 
 
 def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *, first: bool, last: bool,
@@ -455,47 +442,17 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     recompute = (ACT_UNITS_PER_TOKEN["none"] - kept) * width / layout.tp * micro if blocks else 0.0
     # The backward of one block holds the gradients of what it saved, as large again.
     backward = ACT_UNITS_PER_TOKEN["none"] * width / layout.tp * micro if blocks else 0.0
-    logits = _loss_peak(facts, layout, work, micro) if last else 0.0
-    fsdp_buffers = _fsdp_buffers(layout, work, block_unsharded, len(blocks))
+    logits = loss_peak_bytes(micro, facts.vocab, tp=layout.tp, loss_parallel=work.loss_parallel,
+                             chunk_tokens=work.loss_chunk_tokens, compute_dtype_bytes=work.compute_dtype_bytes) \
+        if last else 0.0
+    fsdp_buffers = fsdp_buffer_bytes(block_unsharded, len(blocks), sharded=layout.dp_shard * layout.cp > 1,
+                                     pipelined=layout.pp > 1, compute_dtype_bytes=work.compute_dtype_bytes)
     out = {"params_grads_optimizer": params * _STATE_BYTES, "fsdp_buffers": fsdp_buffers,
            "activations": activations, "recompute": recompute, "backward": backward, "logits": logits}
     subtotal = sum(out.values())
     out["headroom"] = subtotal * work.memory_headroom
     out["total"] = subtotal + out["headroom"]
     return out
-
-
-def _loss_peak(facts: ModelFacts, layout: Layout, work: Workload, micro: float) -> float:
-    """Bytes of the loss at its peak, in its backward (titan frees the compute-dtype logits
-    before it): the saved fp32 log-softmax and the gradients with respect to it and to the
-    fp32 logits, one fp32 copy more under loss parallel (its vocab-parallel log-softmax).
-    Chunked, those exist for one chunk, while the chunks' checkpoints keep the whole
-    microbatch's compute-dtype logits and their gradient is assembled whole."""
-    parallel = layout.tp > 1 and work.loss_parallel
-    vocab = facts.vocab / layout.tp if parallel else facts.vocab
-    fp32_copies = _LOSS_PARALLEL_FP32_COPIES if parallel else _LOSS_FP32_COPIES
-    if not work.loss_chunk_tokens or work.loss_chunk_tokens >= micro:
-        return micro * vocab * fp32_copies * 4
-    return (work.loss_chunk_tokens * fp32_copies * 4 + micro * 2 * work.compute_dtype_bytes) * vocab
-
-
-def _fsdp_buffers(layout: Layout, work: Workload, block_unsharded: float, n_blocks: int) -> float:
-    """Bytes of FSDP's unsharded copies on one rank at its peak.
-
-    Without PP: the block computed and the one prefetched, gathered in the compute dtype, and
-    one block's fp32 gradients before their reduce-scatter. Under PP the engine keeps the
-    gathered parameters for the whole step (`reshard_after_forward` is off, or every
-    microbatch would gather them again), and the pipeline schedule turns gradient sync off
-    until the last microbatch, so FSDP accumulates the stage's unsharded gradients in the fp32
-    reduce dtype: the whole stage in the compute dtype plus 4 bytes per parameter, and one
-    block's reduce-scatter buffer.
-    """
-    if layout.dp_shard * layout.cp == 1:
-        return 0.0
-    reduce_buffer = block_unsharded * 4
-    if layout.pp == 1:
-        return block_unsharded * 2 * work.compute_dtype_bytes + reduce_buffer
-    return block_unsharded * n_blocks * (work.compute_dtype_bytes + 4) + reduce_buffer
 
 
 def _float8_change(facts: ModelFacts, hw: Hardware, tokens: float, rate: float) -> float:
