@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 
 import torch
-from titan.dist.dry_run import validate_against_model
+from titan.dist.dry_run import measure_block_units, validate_against_model
 from titan.dist.planner import (
     HARDWARE,
     Hardware,
@@ -101,12 +101,18 @@ def model_facts(config: TrainerConfig):
     spec.check_flavor(config.model.flavor)
     vocab, _ = vocab_size_for(config)
     seq = config.training.seq_len
+    def build():
+        return spec.build(config.model.flavor, **config.model.overrides(), vocab_size=vocab, max_seq_len=seq)
+
     with torch.device("meta"):
-        model = spec.build(config.model.flavor, **config.model.overrides(), vocab_size=vocab, max_seq_len=seq)
+        model = build()
     moes = [m for _, m in moe_modules(model)]
     converted, _ = float8_linears(model, config.quantize.linear.float8)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.training.mixed_precision_param,
+                                                                       torch.float32)
     facts = ModelFacts.from_model(model, flops_per_token=model.flops_per_token(seq),
-                                  experts_per_token=moes[0].top_k if moes else 0, float8_linears=converted)
+                                  experts_per_token=moes[0].top_k if moes else 0, float8_linears=converted,
+                                  block_units=measure_block_units(build, seq_len=min(seq, 64), dtype=dtype))
     return facts, (moes[0].n_experts if moes else 0), model
 
 

@@ -23,6 +23,7 @@ from titan.dist.dims import ParallelDims
 from titan.dist.plan import blocks_of, match_modules, sharding_plan
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Activation elements kept per token per block, in units of the model dim: everything, only
 # what per-op selective checkpointing keeps (matmul outputs), or only the block input (a
 # checkpointed block: full, or layer-selective's every k-th block). "none" is
@@ -43,6 +44,63 @@ def selective_op_units(block: nn.Module, dim: int) -> float:
     the Llama debug block (12 predicted), 5.1 for the Qwen3-MoE one (5.0); Llama 3 8B: 12.5."""
     outputs = sum(m.out_features for m in block.modules() if isinstance(m, nn.Linear))
     return 2 + outputs / dim
+
+
+class _FirstBlockDone(Exception):
+    """Stops a measuring forward once the first block has run."""
+
+
+def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
+                        dtype: torch.dtype = torch.float32) -> dict[str, float] | None:
+    """Model-width units per token the model's first block keeps for backward with no AC
+    ("none") and with per-op selective AC ("selective"), in `dtype` (fp32 intermediates such
+    as RoPE's and RMSNorm's count twice a bf16 unit): measured by running the forward up to
+    that block on fake tensors (no memory, no compute, the real shapes) under torch's
+    `MemTracker`, in a fraction of a second. None for MoE models (their blocks differ, and
+    routing's token counts have data-dependent shapes that fake tensors cannot run) or when
+    an op has no fake kernel; callers then use `ACT_UNITS_PER_TOKEN` and
+    `selective_op_units`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from titan.dist.activation_checkpoint import checkpoint_block
+
+    previous = torch.get_default_dtype()
+    units = {}
+    try:
+        torch.set_default_dtype(dtype)
+        for mode in ("none", "selective"):
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                model = model_fn()
+                if getattr(sharding_plan(model), "expert_modules", None):
+                    return None
+                (_, block), *_ = blocks_of(model)
+                if mode == "selective":
+                    checkpoint_block(block, per_op=True)
+                tracker, kept = MemTracker(), []
+                tracker.track_external(model)
+
+                def live() -> int:
+                    return sum(v["Total"] for v in tracker.get_tracker_snapshot("current").values())
+
+                def stop(*_):
+                    kept.append(live() - kept.pop())
+                    raise _FirstBlockDone
+
+                block.register_forward_pre_hook(lambda *_: kept.append(live()))
+                block.register_forward_hook(stop)
+                dim, vocab = _model_shape(model)
+                try:
+                    with tracker:
+                        model(torch.randint(0, vocab, (1, seq_len)))
+                except _FirstBlockDone:
+                    pass
+                units[mode] = kept[0] / (seq_len * dim * dtype.itemsize)
+    except Exception:  # noqa: BLE001 - any op without a fake kernel: fall back to the rules
+        return None
+    finally:
+        torch.set_default_dtype(previous)
+    return units
 
 
 _LOSS_FP32_COPIES = 3
@@ -184,13 +242,14 @@ def _model_shape(model: nn.Module) -> tuple[int, int]:
     return int(dim), int(vocab)
 
 
-def kept_units(ac, n_layers: int, selective_units: float) -> tuple[float, float]:
+def kept_units(ac, n_layers: int, selective_units: float,
+               none_units: float = ACT_UNITS_PER_TOKEN["none"]) -> tuple[float, float]:
     """(activation units kept per token over `n_layers` blocks, units one checkpointed block
-    rebuilds in its backward) under the activation-checkpointing config `ac`: "selective"
-    with `selective_op` keeps `selective_units` (the blocks' `selective_op_units`) in every
+    rebuilds in its backward) under the activation-checkpointing config `ac`: a block keeps
+    `none_units` without AC; "selective" with `selective_op` keeps `selective_units` in every
     block; otherwise it checkpoints whole blocks 0, k, 2k, ... (k = `selective_layer_every`),
     which keep their input only."""
-    none, full = ACT_UNITS_PER_TOKEN["none"], ACT_UNITS_PER_TOKEN["full"]
+    none, full = none_units, ACT_UNITS_PER_TOKEN["full"]
     if ac.mode == "none" or not n_layers:
         return none * n_layers, 0.0
     if ac.mode == "selective" and ac.selective_op:
@@ -202,18 +261,22 @@ def kept_units(ac, n_layers: int, selective_units: float) -> tuple[float, float]
 
 def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
                       dim: int, vocab: int, tokens: int, logit_tokens: int,
-                      activation_dtype: str, loss_chunk_tokens: int) -> tuple[int, int, int]:
+                      activation_dtype: str, loss_chunk_tokens: int,
+                      measured: dict[str, float] | None) -> tuple[int, int, int]:
     """(bytes of the blocks' activations kept for backward, of one block's recomputation, of
     the loss's peak)."""
     act_bytes = _BYTES[activation_dtype]
     blocks = [block for p in parts for _, block in blocks_of(p)]
     layers = len(blocks)
     selective = sum(selective_op_units(b, dim) for b in blocks) / max(layers, 1)
+    none = ACT_UNITS_PER_TOKEN["none"]
+    if measured:
+        none, selective = measured["none"], measured["selective"]
     # Sequence parallel shards the residual stream over tp; without it only matmul
     # intermediates are sharded: count half of it as sharded.
     tp_div = dims.tp if cfg.enable_sequence_parallel else max(1.0, dims.tp / 2)
     per_dim = dim * tokens * act_bytes / tp_div  # one model-dim-wide tensor of the microbatch
-    kept, rebuilt = kept_units(ac, layers, selective)
+    kept, rebuilt = kept_units(ac, layers, selective, none)
     # The loss lives for one microbatch only: the last stage runs its backward right after
     # its forward, so it is not multiplied by the microbatches in flight.
     logits = loss_peak_bytes(logit_tokens, vocab, tp=dims.tp, loss_parallel=cfg.enable_loss_parallel,
@@ -257,7 +320,7 @@ def _fsdp_bytes(parts: list[nn.Module], dims: ParallelDims, activation_dtype: st
 
 def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, activation_checkpoint,
                    compile, local_batch_size: int, seq_len: int, optimizer_states: int,
-                   activation_dtype: str, loss_chunk_tokens: int = 0):
+                   activation_dtype: str, loss_chunk_tokens: int = 0, measured: dict[str, float] | None = None):
     from titan.dist.parallelize import parallelize
     from titan.dist.pipeline import build_pipeline
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -286,7 +349,7 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
             tokens = logit_tokens = local_batch_size * seq_len // dims.cp
         params = sum(_local_numel(p) for p in parts)
         acts = _activation_bytes(parts, dims, parallelism, activation_checkpoint, dim, vocab,
-                                 tokens, logit_tokens, activation_dtype, loss_chunk_tokens)
+                                 tokens, logit_tokens, activation_dtype, loss_chunk_tokens, measured)
         return params, *acts, _fsdp_bytes(parts, dims, activation_dtype)
     finally:
         dist.destroy_process_group()
@@ -315,6 +378,8 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     validate_against_model(dims, probe, seq_len=seq_len, global_batch_size=global_batch_size,
                            local_batch_size=local_batch_size)
     per_pp = world_size // dims.pp
+    # What one block keeps, measured at the real shapes on fake tensors (None: the rules).
+    measured = measure_block_units(model_fn, seq_len=min(seq_len, 64), dtype=_DTYPES[activation_dtype])
     estimates = []
     for pp_rank in range(dims.pp):
         params, acts, recompute, loss, fsdp = _estimate_rank(
@@ -322,7 +387,7 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             activation_checkpoint=activation_checkpoint, compile=compile,
             local_batch_size=local_batch_size, seq_len=seq_len,
             optimizer_states=optimizer_states, activation_dtype=activation_dtype,
-            loss_chunk_tokens=loss_chunk_tokens)
+            loss_chunk_tokens=loss_chunk_tokens, measured=measured)
         est = RankEstimate(ranks=f"{pp_rank * per_pp}-{(pp_rank + 1) * per_pp - 1}",
                            pp_rank=pp_rank, params=params, param_bytes=4 * params,
                            grad_bytes=4 * params, optimizer_bytes=4 * optimizer_states * params,

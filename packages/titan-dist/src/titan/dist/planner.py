@@ -206,13 +206,17 @@ class ModelFacts:
     """Elements per token float8 casts: in + out features summed over those linears."""
     selective_units: float = 12.0
     """Model-width units per token a block keeps under per-op selective AC, averaged over the
-    blocks (`titan.dist.dry_run.selective_op_units`)."""
+    blocks (`titan.dist.dry_run.selective_op_units`, or measured)."""
+    none_units: float = ACT_UNITS_PER_TOKEN["none"]
+    """Model-width units per token a block keeps without AC, in the compute dtype (measured
+    with `titan.dist.dry_run.measure_block_units`, else a Llama block's fp32 count)."""
 
     @classmethod
     def from_model(cls, model: nn.Module, *, flops_per_token: float, experts_per_token: int = 0,
-                   float8_linears: Iterable[str] = ()) -> ModelFacts:
+                   float8_linears: Iterable[str] = (), block_units: dict[str, float] | None = None) -> ModelFacts:
         """Classify every parameter of a (meta) model by its module's style in the model's
-        sharding plan."""
+        sharding plan; `block_units` ("none", "selective"): what a block keeps, measured
+        (`titan.dist.dry_run.measure_block_units`), instead of the rules."""
         plan = sharding_plan(model)
         container = plan.layer_container
         sharded_styles = {"colwise", "rowwise"}
@@ -249,7 +253,9 @@ class ModelFacts:
                    dim=int(dim), vocab=int(vocab), flops_per_token=flops_per_token, kv_fraction=kv,
                    experts_per_token=experts_per_token, float8_params=sum(m.weight.numel() for m in linears),
                    float8_cast_width=sum(m.in_features + m.out_features for m in linears),
-                   selective_units=sum(selective_op_units(b, int(dim)) for b in selective) / max(len(selective), 1))
+                   **(block_units and {"none_units": block_units["none"], "selective_units": block_units["selective"]}
+                      or {"selective_units": sum(selective_op_units(b, int(dim)) for b in selective)
+                          / max(len(selective), 1)}))
 
     @property
     def n_layers(self) -> int:
@@ -428,7 +434,8 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     params, block_unsharded = stage_params(facts, layout, blocks, first, last)
     held, micro = _inflight_tokens(layout, work, pp_rank)
     width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
-    kept = facts.selective_units if layout.ac == "selective" else ACT_UNITS_PER_TOKEN[layout.ac]
+    none = facts.none_units
+    kept = {"none": none, "selective": facts.selective_units, "full": ACT_UNITS_PER_TOKEN["full"]}[layout.ac]
     # Under TP the inputs of attention and feed-forward are gathered whole (SP) before the
     # sharded matmuls save them: those 2 units are not divided by TP. Without SP the two
     # RMSNorms run on the whole sequence too, and each keeps 3 units (with no AC).
@@ -439,9 +446,9 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
         # CP attention saves the K and V it gathered from the other CP ranks.
         per_block_token += facts.kv_fraction * (layout.cp - 1) * width / layout.tp
     activations = len(blocks) * per_block_token * held
-    recompute = (ACT_UNITS_PER_TOKEN["none"] - kept) * width / layout.tp * micro if blocks else 0.0
+    recompute = (none - kept) * width / layout.tp * micro if blocks else 0.0
     # The backward of one block holds the gradients of what it saved, as large again.
-    backward = ACT_UNITS_PER_TOKEN["none"] * width / layout.tp * micro if blocks else 0.0
+    backward = none * width / layout.tp * micro if blocks else 0.0
     logits = loss_peak_bytes(micro, facts.vocab, tp=layout.tp, loss_parallel=work.loss_parallel,
                              chunk_tokens=work.loss_chunk_tokens, compute_dtype_bytes=work.compute_dtype_bytes) \
         if last else 0.0
