@@ -86,5 +86,6 @@ def test_a_run_that_fits_passes_and_full_checkpointing_counts_the_recomputed_blo
     plain = check_memory(_config())
     full = check_memory(_config("--activation_checkpoint.mode", "full"))
     assert plain.fits and full.fits
-    assert full.estimate.recompute_bytes > 0 == plain.estimate.recompute_bytes
+    # Every block's backward holds its activations' gradients; full AC also rebuilds the block.
+    assert full.estimate.recompute_bytes > plain.estimate.recompute_bytes > 0
     assert full.estimate.activation_bytes < plain.estimate.activation_bytes

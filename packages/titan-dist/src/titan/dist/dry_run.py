@@ -52,55 +52,88 @@ class _FirstBlockDone(Exception):
 
 def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
                         dtype: torch.dtype = torch.float32) -> dict[str, float] | None:
-    """Model-width units per token the model's first block keeps for backward with no AC
-    ("none") and with per-op selective AC ("selective"), in `dtype` (fp32 intermediates such
-    as RoPE's and RMSNorm's count twice a bf16 unit): measured by running the forward up to
-    that block on fake tensors (no memory, no compute, the real shapes) under torch's
-    `MemTracker`, in a fraction of a second. None for MoE models (their blocks differ, and
-    routing's token counts have data-dependent shapes that fake tensors cannot run) or when
-    an op has no fake kernel; callers then use `ACT_UNITS_PER_TOKEN` and
-    `selective_op_units`."""
+    """Model-width units per token of the model's first block, in `dtype` (fp32 intermediates
+    such as RoPE's and RMSNorm's count twice a bf16 unit): what it keeps for backward with no
+    AC ("none") and with per-op selective AC ("selective"), and what its backward allocates on
+    top, parameter gradients aside ("backward": the activation gradients in flight).
+    Measured by running the forward up to that block, and its backward, on fake tensors (no
+    memory, no compute, the real shapes) under torch's `MemTracker`, in a fraction of a
+    second. None for MoE models (their blocks differ, and routing's token counts have
+    data-dependent shapes that fake tensors cannot run) or when an op has no fake kernel;
+    callers then use `ACT_UNITS_PER_TOKEN` and `selective_op_units`."""
+    previous = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        kept, backward = _measure_first_block(model_fn, seq_len, per_op=False)
+        selective, _ = _measure_first_block(model_fn, seq_len, per_op=True)
+    except _MoEModel:
+        return None
+    except Exception:  # noqa: BLE001 - any op without a fake kernel: fall back to the rules
+        return None
+    finally:
+        torch.set_default_dtype(previous)
+    return {"none": kept, "selective": selective, "backward": backward}
+
+
+_TOTAL = "Total"
+_NOT_ACTIVATIONS = ("_MemRefType.PARAM", "_MemRefType.BUFFER", "_MemRefType.GRAD")
+"""`MemTracker` snapshot categories that are not activations or their gradients."""
+
+
+class _MoEModel(Exception):
+    """The model routes tokens to experts: its blocks cannot be measured on fake tensors."""
+
+
+def _measure_first_block(model_fn: Callable[[], nn.Module], seq_len: int, *, per_op: bool) -> tuple[float, float]:
+    """(units the first block keeps after its forward, units its backward allocates beyond
+    its parameters' gradients), with per-op selective AC when `per_op`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from titan.dist.activation_checkpoint import checkpoint_block
 
-    previous = torch.get_default_dtype()
-    units = {}
-    try:
-        torch.set_default_dtype(dtype)
-        for mode in ("none", "selective"):
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                model = model_fn()
-                if getattr(sharding_plan(model), "expert_modules", None):
-                    return None
-                (_, block), *_ = blocks_of(model)
-                if mode == "selective":
-                    checkpoint_block(block, per_op=True)
-                tracker, kept = MemTracker(), []
-                tracker.track_external(model)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = model_fn()
+        if getattr(sharding_plan(model), "expert_modules", None):
+            raise _MoEModel
+        (_, block), *_ = blocks_of(model)
+        if per_op:
+            checkpoint_block(block, per_op=True)
+        dim, vocab = _model_shape(model)
+        forward, marks, outputs = MemTracker(), [], []
+        forward.track_external(model)
 
-                def live() -> int:
-                    return sum(v["Total"] for v in tracker.get_tracker_snapshot("current").values())
+        def live(tracker) -> int:
+            return sum(v["Total"] for v in tracker.get_tracker_snapshot("current").values())
 
-                def stop(*_):
-                    kept.append(live() - kept.pop())
-                    raise _FirstBlockDone
+        def enter(_module, args):
+            marks.append(live(forward))
+            # The block's input as a leaf: its backward stops there, as the block's own part.
+            outputs.append(args[0].detach().requires_grad_())
+            return (outputs[-1], *args[1:])
 
-                block.register_forward_pre_hook(lambda *_: kept.append(live()))
-                block.register_forward_hook(stop)
-                dim, vocab = _model_shape(model)
-                try:
-                    with tracker:
-                        model(torch.randint(0, vocab, (1, seq_len)))
-                except _FirstBlockDone:
-                    pass
-                units[mode] = kept[0] / (seq_len * dim * dtype.itemsize)
-    except Exception:  # noqa: BLE001 - any op without a fake kernel: fall back to the rules
-        return None
-    finally:
-        torch.set_default_dtype(previous)
-    return units
+        def leave(_module, _args, output):
+            marks.append(live(forward) - marks.pop())
+            outputs.append(output)
+            raise _FirstBlockDone
+
+        block.register_forward_pre_hook(enter)
+        block.register_forward_hook(leave)
+        try:
+            with forward:
+                model(torch.randint(0, vocab, (1, seq_len)))
+        except _FirstBlockDone:
+            pass
+        backward = MemTracker()  # counts only what the backward allocates
+        backward.track_external(model)
+        block_input, output = outputs
+        with backward:
+            # The activations' gradients only: the weights' gradients are FSDP's (fsdp_buffer_bytes).
+            output.backward(torch.ones_like(output), inputs=[block_input])
+        allocated = sum(snap[_TOTAL] - sum(v for k, v in snap.items() if str(k) in _NOT_ACTIVATIONS)
+                        for snap in backward.get_tracker_snapshot("peak").values())
+        unit = seq_len * dim * torch.get_default_dtype().itemsize
+        return marks[0] / unit, allocated / unit
 
 
 _LOSS_FP32_COPIES = 3
@@ -177,8 +210,9 @@ class RankEstimate:
     optimizer_bytes: int
     activation_bytes: int
     recompute_bytes: int = 0
-    """With activation checkpointing: the activations of the one block whose backward is
-    running, rebuilt by its recomputation and freed after it (a transient the peak includes)."""
+    """The one block whose backward is running: the activations its recomputation rebuilds
+    (with activation checkpointing) and its activations' gradients, freed after it (a
+    transient the peak includes)."""
     loss_bytes: int = 0
     """The loss's peak over one microbatch's logits (`loss_peak_bytes`), on the rank holding
     the output projection."""
@@ -198,7 +232,7 @@ class RankEstimate:
         parts = [f"params {format_bytes(self.param_bytes)}", f"grads {format_bytes(self.grad_bytes)}",
                  f"optimizer {format_bytes(self.optimizer_bytes)}", f"activations {format_bytes(self.activation_bytes)}"]
         if self.recompute_bytes:
-            parts.append(f"recomputed block {format_bytes(self.recompute_bytes)}")
+            parts.append(f"one block's backward {format_bytes(self.recompute_bytes)}")
         if self.loss_bytes:
             parts.append(f"loss {format_bytes(self.loss_bytes)}")
         if self.fsdp_buffer_bytes:
@@ -269,9 +303,9 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
     blocks = [block for p in parts for _, block in blocks_of(p)]
     layers = len(blocks)
     selective = sum(selective_op_units(b, dim) for b in blocks) / max(layers, 1)
-    none = ACT_UNITS_PER_TOKEN["none"]
+    none = backward = ACT_UNITS_PER_TOKEN["none"]
     if measured:
-        none, selective = measured["none"], measured["selective"]
+        none, selective, backward = measured["none"], measured["selective"], measured["backward"]
     # Sequence parallel shards the residual stream over tp; without it only matmul
     # intermediates are sharded: count half of it as sharded.
     tp_div = dims.tp if cfg.enable_sequence_parallel else max(1.0, dims.tp / 2)
@@ -282,9 +316,10 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
     logits = loss_peak_bytes(logit_tokens, vocab, tp=dims.tp, loss_parallel=cfg.enable_loss_parallel,
                              chunk_tokens=loss_chunk_tokens, compute_dtype_bytes=act_bytes) \
         if any(_output_modules(p) for p in parts) else 0
-    # A checkpointed block's backward first recomputes everything its forward saved, for one
-    # microbatch (logit_tokens: a microbatch's tokens, also under pipeline parallel).
-    recompute = rebuilt * per_dim * logit_tokens / tokens
+    # A checkpointed block's backward first recomputes everything its forward saved, and every
+    # block's backward holds its activations' gradients, for one microbatch (logit_tokens: a
+    # microbatch's tokens, also under pipeline parallel).
+    recompute = (rebuilt + backward) * per_dim * logit_tokens / tokens
     return int(kept * per_dim), int(recompute), int(logits)
 
 

@@ -23,7 +23,8 @@ memory per rank (worst pipeline stage)
     loss is chunked, plus then the whole microbatch's compute-dtype logits the chunks save
     and their gradient (measured with `MemTracker`, tests/test_plan.py); the recomputation
     transient of one checkpointed block and the activation gradients of the block being
-    differentiated (under CP, plus the K/V gathered from the other ranks); then `memory_headroom` (allocator fragmentation,
+    differentiated (measured with its kept units, `measure_block_units`; under CP, plus the
+    K/V gathered from the other ranks); then `memory_headroom` (allocator fragmentation,
     workspaces) on top.
 
 step time (worst pipeline stage)
@@ -210,6 +211,9 @@ class ModelFacts:
     none_units: float = ACT_UNITS_PER_TOKEN["none"]
     """Model-width units per token a block keeps without AC, in the compute dtype (measured
     with `titan.dist.dry_run.measure_block_units`, else a Llama block's fp32 count)."""
+    backward_units: float = ACT_UNITS_PER_TOKEN["none"]
+    """Model-width units per token a block's backward allocates for the activations' gradients
+    (measured, else bounded by what the block keeps without AC)."""
 
     @classmethod
     def from_model(cls, model: nn.Module, *, flops_per_token: float, experts_per_token: int = 0,
@@ -253,7 +257,8 @@ class ModelFacts:
                    dim=int(dim), vocab=int(vocab), flops_per_token=flops_per_token, kv_fraction=kv,
                    experts_per_token=experts_per_token, float8_params=sum(m.weight.numel() for m in linears),
                    float8_cast_width=sum(m.in_features + m.out_features for m in linears),
-                   **(block_units and {"none_units": block_units["none"], "selective_units": block_units["selective"]}
+                   **(block_units and {"none_units": block_units["none"], "selective_units": block_units["selective"],
+                                       "backward_units": block_units["backward"]}
                       or {"selective_units": sum(selective_op_units(b, int(dim)) for b in selective)
                           / max(len(selective), 1)}))
 
@@ -447,8 +452,9 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
         per_block_token += facts.kv_fraction * (layout.cp - 1) * width / layout.tp
     activations = len(blocks) * per_block_token * held
     recompute = (none - kept) * width / layout.tp * micro if blocks else 0.0
-    # The backward of one block holds the gradients of what it saved, as large again.
-    backward = none * width / layout.tp * micro if blocks else 0.0
+    # The backward of one block holds its activations' gradients (measured; at most as large
+    # as what the block saved).
+    backward = facts.backward_units * width / layout.tp * micro if blocks else 0.0
     logits = loss_peak_bytes(micro, facts.vocab, tp=layout.tp, loss_parallel=work.loss_parallel,
                              chunk_tokens=work.loss_chunk_tokens, compute_dtype_bytes=work.compute_dtype_bytes) \
         if last else 0.0
