@@ -24,12 +24,11 @@ from titan.dist.plan import blocks_of, match_modules, sharding_plan
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Activation elements kept per token per block, in units of the model dim: everything, only
-# what per-op selective checkpointing keeps (matmul outputs), or only the block input (a
-# checkpointed block: full, or layer-selective's every k-th block). "none" is
-# what autograd saves for titan's pre-norm attention + SwiGLU block in eager mode (measured with
-# saved-tensor hooks, tests/test_dry_run.py: 22; the earlier 17 left out RoPE's float32
-# intermediates and read 1.27x low); compiled blocks save less.
+# Activation elements kept per token per block, in units of the model dim, when a model's
+# blocks cannot be measured (`measure_block_units`): everything, or only the block input (a
+# checkpointed block: full, or layer-selective's every k-th block). "none" is what autograd
+# saves for titan's pre-norm attention + SwiGLU block in eager mode in fp32 (measured with
+# saved-tensor hooks, tests/test_dry_run.py: 21-22); compiled blocks save less.
 ACT_UNITS_PER_TOKEN = {"none": 22, "full": 1}
 """Activation elements kept per token per block, in model-dim units, with no AC and with the
 whole block checkpointed; per-op selective AC depends on the block's linears
@@ -104,7 +103,7 @@ def _measure_first_block(model_fn: Callable[[], nn.Module], seq_len: int, *, per
         forward.track_external(model)
 
         def live(tracker) -> int:
-            return sum(v["Total"] for v in tracker.get_tracker_snapshot("current").values())
+            return sum(v[_TOTAL] for v in tracker.get_tracker_snapshot("current").values())
 
         def enter(_module, args):
             marks.append(live(forward))
