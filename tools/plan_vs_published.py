@@ -125,7 +125,8 @@ def torchtitan_selective_units(model) -> float:
 
 def compare(row: Published) -> dict:
     """The planner's prediction of `row`'s own layout and that layout's rank among all."""
-    config = parse_train_args(["--config", row.recipe, "--training.seq_len", str(row.seq_len)])
+    config = parse_train_args(["--config", row.recipe, "--training.seq_len", str(row.seq_len),
+                               *(["--compile.enable"] if row.compile else [])])
     _, hw = parse_gpus(f"{row.gpus}xH100", BENCHMARK_H100)
     facts, n_experts, probe = model_facts(config)
     facts = dataclasses.replace(facts, selective_units=torchtitan_selective_units(probe))

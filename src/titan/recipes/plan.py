@@ -112,7 +112,8 @@ def model_facts(config: TrainerConfig):
                                                                        torch.float32)
     facts = ModelFacts.from_model(model, flops_per_token=model.flops_per_token(seq),
                                   experts_per_token=moes[0].top_k if moes else 0, float8_linears=converted,
-                                  block_units=measure_block_units(build, seq_len=min(seq, 64), dtype=dtype))
+                                  block_units=measure_block_units(build, seq_len=min(seq, 64), dtype=dtype,
+                                                                  compiled=config.compile.enable))
     return facts, (moes[0].n_experts if moes else 0), model
 
 

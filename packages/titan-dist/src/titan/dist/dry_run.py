@@ -50,11 +50,14 @@ class _FirstBlockDone(Exception):
 
 
 def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
-                        dtype: torch.dtype = torch.float32) -> dict[str, float] | None:
+                        dtype: torch.dtype = torch.float32, compiled: bool = False) -> dict[str, float] | None:
     """Model-width units per token of the model's first block, in `dtype` (fp32 intermediates
     such as RoPE's and RMSNorm's count twice a bf16 unit): what it keeps for backward with no
     AC ("none") and with per-op selective AC ("selective"), and what its backward allocates on
-    top, parameter gradients aside ("backward": the activation gradients in flight).
+    top, parameter gradients aside ("backward": the activation gradients in flight), and what
+    it keeps without AC when `compiled` ("none_compiled": the forward outputs AOTAutograd's
+    min-cut partitioner, which inductor uses, saves for the backward, plus the block input;
+    otherwise equal to "none").
     Measured by running the forward up to that block, and its backward, on fake tensors (no
     memory, no compute, the real shapes) under torch's `MemTracker`, in a fraction of a
     second. None for MoE models (their blocks differ, and routing's token counts have
@@ -65,13 +68,19 @@ def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
         torch.set_default_dtype(dtype)
         kept, backward = _measure_first_block(model_fn, seq_len, per_op=False)
         selective, _ = _measure_first_block(model_fn, seq_len, per_op=True)
+        units = {"none": kept, "selective": selective, "backward": backward, "none_compiled": kept}
+        if compiled:
+            try:
+                units["none_compiled"] = _measure_compiled_first_block(model_fn, seq_len)
+            except Exception:  # noqa: BLE001 - a block AOTAutograd cannot trace: as eager
+                pass
     except _MoEModel:
         return None
     except Exception:  # noqa: BLE001 - any op without a fake kernel: fall back to the rules
         return None
     finally:
         torch.set_default_dtype(previous)
-    return {"none": kept, "selective": selective, "backward": backward}
+    return units
 
 
 _TOTAL = "Total"
@@ -133,6 +142,55 @@ def _measure_first_block(model_fn: Callable[[], nn.Module], seq_len: int, *, per
                         for snap in backward.get_tracker_snapshot("peak").values())
         unit = seq_len * dim * torch.get_default_dtype().itemsize
         return marks[0] / unit, allocated / unit
+
+
+def _measure_compiled_first_block(model_fn: Callable[[], nn.Module], seq_len: int) -> float:
+    """Units the first block keeps without AC when compiled: its forward traced by AOTAutograd
+    on fake tensors and split by the min-cut partitioner; the saved tensors are the forward
+    graph's outputs beyond the block's own, each storage once, the inputs' (parameters, the
+    block input) aside; the block input then counts as one unit, as in eager."""
+    from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    saved: list[int] = []
+
+    def count_saved(graph_module, _inputs):
+        nodes = list(graph_module.graph.nodes)
+        given = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in nodes
+                 if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+        output = next(n for n in nodes if n.op == "output")
+        storages = {}
+        for node in output.args[0][1:]:
+            value = getattr(node, "meta", {}).get("val")
+            if isinstance(value, torch.Tensor) and StorageWeakRef(value.untyped_storage()) not in given:
+                storages[StorageWeakRef(value.untyped_storage())] = value.untyped_storage().nbytes()
+        saved.append(sum(storages.values()))
+        return make_boxed_func(graph_module)
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = model_fn()
+        (_, block), *_ = blocks_of(model)
+        names = [name for name, _ in block.named_parameters()]
+        eager = block.forward
+        traced = aot_function(lambda params, args, kwargs: functional_call(block, dict(zip(names, params)), args, kwargs),
+                              fw_compiler=count_saved, bw_compiler=make_boxed_func,
+                              partition_fn=min_cut_rematerialization_partition)
+
+        def forward(*args, **kwargs):
+            block.forward = eager  # functional_call runs the block's own forward
+            hidden = args[0].detach().requires_grad_()
+            traced(list(block.parameters()), (hidden, *args[1:]), kwargs)
+            raise _FirstBlockDone
+
+        block.forward = forward
+        dim, vocab = _model_shape(model)
+        try:
+            model(torch.randint(0, vocab, (1, seq_len)))
+        except _FirstBlockDone:
+            pass
+    return 1 + saved[0] / (seq_len * dim * torch.get_default_dtype().itemsize)
 
 
 _LOSS_FP32_COPIES = 3
@@ -304,7 +362,8 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
     selective = sum(selective_op_units(b, dim) for b in blocks) / max(layers, 1)
     none = backward = ACT_UNITS_PER_TOKEN["none"]
     if measured:
-        none, selective, backward = measured["none"], measured["selective"], measured["backward"]
+        # Compiled blocks keep less without AC (the compile config asked for the measurement).
+        none, selective, backward = measured["none_compiled"], measured["selective"], measured["backward"]
     # Sequence parallel shards the residual stream over tp; without it only matmul
     # intermediates are sharded: count half of it as sharded.
     tp_div = dims.tp if cfg.enable_sequence_parallel else max(1.0, dims.tp / 2)
@@ -413,7 +472,8 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
                            local_batch_size=local_batch_size)
     per_pp = world_size // dims.pp
     # What one block keeps, measured at the real shapes on fake tensors (None: the rules).
-    measured = measure_block_units(model_fn, seq_len=min(seq_len, 64), dtype=_DTYPES[activation_dtype])
+    measured = measure_block_units(model_fn, seq_len=min(seq_len, 64), dtype=_DTYPES[activation_dtype],
+                                   compiled=bool(getattr(compile, "enable", False)))
     estimates = []
     for pp_rank in range(dims.pp):
         params, acts, recompute, loss, fsdp = _estimate_rank(

@@ -211,6 +211,9 @@ class ModelFacts:
     none_units: float = ACT_UNITS_PER_TOKEN["none"]
     """Model-width units per token a block keeps without AC, in the compute dtype (measured
     with `titan.dist.dry_run.measure_block_units`, else a Llama block's fp32 count)."""
+    none_units_compiled: float | None = None
+    """What a compiled block keeps without AC (measured with AOTAutograd's partitioner; None:
+    as `none_units`)."""
     backward_units: float = ACT_UNITS_PER_TOKEN["none"]
     """Model-width units per token a block's backward allocates for the activations' gradients
     (measured, else bounded by what the block keeps without AC)."""
@@ -258,7 +261,8 @@ class ModelFacts:
                    experts_per_token=experts_per_token, float8_params=sum(m.weight.numel() for m in linears),
                    float8_cast_width=sum(m.in_features + m.out_features for m in linears),
                    **(block_units and {"none_units": block_units["none"], "selective_units": block_units["selective"],
-                                       "backward_units": block_units["backward"]}
+                                       "backward_units": block_units["backward"],
+                                       "none_units_compiled": block_units.get("none_compiled")}
                       or {"selective_units": sum(selective_op_units(b, int(dim)) for b in selective)
                           / max(len(selective), 1)}))
 
@@ -439,7 +443,7 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     params, block_unsharded = stage_params(facts, layout, blocks, first, last)
     held, micro = _inflight_tokens(layout, work, pp_rank)
     width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
-    none = facts.none_units
+    none = facts.none_units_compiled if work.compile and facts.none_units_compiled else facts.none_units
     kept = {"none": none, "selective": facts.selective_units, "full": ACT_UNITS_PER_TOKEN["full"]}[layout.ac]
     # Under TP the inputs of attention and feed-forward are gathered whole (SP) before the
     # sharded matmuls save them: those 2 units are not divided by TP. Without SP the two
