@@ -13,6 +13,12 @@ from pathlib import Path
 
 from forked_cli import TORCHRUN, run_script, run_script_ranks, run_torchrun
 
+TEST_TIMEOUT = 300
+"""pytest-timeout's limit per test (pyproject.toml)."""
+LAUNCH_TIMEOUT = TEST_TIMEOUT - 30
+"""The longest a launch may run: under the test's limit, so that a hung launch fails with
+what its ranks printed (pytest-timeout would kill the test with only the launcher's stack)."""
+
 RUNS_WORKER = Path(__file__).with_name("train_runs_worker.py")
 RUN_MARKER = "train_runs_worker: run "  # what the worker prints before each run
 
@@ -30,11 +36,12 @@ def launch(ranks: int, args: list[str], log: Path, *, timeout: float = 600,
     """Run ``args`` (a script and its arguments) on ``ranks`` processes with one thread each
     (and ``env`` added to their environment); the command and its output (stdout and stderr
     in the order written) go to ``log``; fail with the command and the end of the output
-    unless it succeeded (a launch past ``timeout`` seconds is killed, every rank with it, and
-    fails with what it printed). ``torchrun=False``: several ranks are forked from the
+    unless it succeeded (a launch past ``timeout`` seconds, at most `LAUNCH_TIMEOUT`, is
+    killed, every rank with it, and fails with what it printed). ``torchrun=False``: several ranks are forked from the
     preloaded server with torchrun's worker environment instead (for test workers that
     drive titan's components, not a `titan` command line)."""
     cmd = [*launcher(ranks), *args]
+    timeout = min(timeout, LAUNCH_TIMEOUT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     # Forked from an interpreter with torch and titan imported (forked_cli.py): one rank, the
     # ranks of a component worker, or torchrun's agent (whose ranks start afresh).
