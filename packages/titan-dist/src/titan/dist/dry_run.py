@@ -11,6 +11,7 @@ parameter count is read off the DTensor shards, so experts are counted sharded.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,42 +46,66 @@ def selective_op_units(block: nn.Module, dim: int) -> float:
     return 2 + outputs / dim
 
 
-class _FirstBlockDone(Exception):
-    """Stops a measuring forward once the first block has run."""
-
-
 def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
                         dtype: torch.dtype = torch.float32, compiled: bool = False) -> dict[str, float] | None:
-    """Model-width units per token of the model's first block, in `dtype` (fp32 intermediates
-    such as RoPE's and RMSNorm's count twice a bf16 unit): what it keeps for backward with no
-    AC ("none") and with per-op selective AC ("selective"), and what its backward allocates on
+    """Model-width units per token of the model's blocks, in `dtype` (fp32 intermediates such
+    as RoPE's and RMSNorm's count twice a bf16 unit): what a block keeps for backward with no
+    AC ("none") and with per-op selective AC ("selective"), what its backward allocates on
     top, parameter gradients aside ("backward": the activation gradients in flight), and what
     it keeps without AC when `compiled` ("none_compiled": the forward outputs AOTAutograd's
     min-cut partitioner, which inductor uses, saves for the backward, plus the block input;
     otherwise equal to "none").
-    Measured by running the forward up to that block, and its backward, on fake tensors (no
-    memory, no compute, the real shapes) under torch's `MemTracker`, in a fraction of a
-    second. None for MoE models (their blocks differ, and routing's token counts have
-    data-dependent shapes that fake tensors cannot run) or when an op has no fake kernel;
-    callers then use `ACT_UNITS_PER_TOKEN` and `selective_op_units`."""
+
+    Measured by running the forward up to a block, and that block's backward, on fake tensors
+    (no memory, no compute, the real shapes) under torch's `MemTracker`, in about a second:
+    the first block and, in an MoE model, the first block with routed experts, averaged over
+    the model's blocks of each kind. None when an op has no fake kernel (CPU's grouped matmul
+    takes bf16 only, so an fp32 MoE model); callers then use `ACT_UNITS_PER_TOKEN` and
+    `selective_op_units`."""
     previous = torch.get_default_dtype()
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
     try:
         torch.set_default_dtype(dtype)
-        kept, backward = _measure_first_block(model_fn, seq_len, per_op=False)
-        selective, _ = _measure_first_block(model_fn, seq_len, per_op=True)
-        units = {"none": kept, "selective": selective, "backward": backward, "none_compiled": kept}
-        if compiled:
-            try:
-                units["none_compiled"] = _measure_compiled_first_block(model_fn, seq_len)
-            except Exception:  # noqa: BLE001 - a block AOTAutograd cannot trace: as eager
-                pass
-    except _MoEModel:
-        return None
+        fake_log.setLevel(logging.CRITICAL)  # an op without a fake kernel is expected: the rules apply
+        kinds = _block_kinds(model_fn)
+        per_kind = []
+        for index, count in kinds:
+            kept, backward = _measure_block(model_fn, seq_len, index, per_op=False)
+            selective, _ = _measure_block(model_fn, seq_len, index, per_op=True)
+            units = {"none": kept, "selective": selective, "backward": backward, "none_compiled": kept}
+            if compiled:
+                try:
+                    units["none_compiled"] = _measure_compiled_block(model_fn, seq_len, index)
+                except Exception:  # noqa: BLE001 - a block AOTAutograd cannot trace: as eager
+                    pass
+            per_kind.append((units, count))
     except Exception:  # noqa: BLE001 - any op without a fake kernel: fall back to the rules
         return None
     finally:
         torch.set_default_dtype(previous)
-    return units
+        fake_log.setLevel(level)
+    total = sum(count for _, count in per_kind)
+    return {key: sum(units[key] * count for units, count in per_kind) / total for key in per_kind[0][0]}
+
+
+def _block_kinds(model_fn: Callable[[], nn.Module]) -> list[tuple[int, int]]:
+    """(index of the first block of a kind, blocks of that kind) for the model's dense blocks
+    and its blocks with routed experts (the plan's `expert_modules`)."""
+    with torch.device("meta"):
+        model = model_fn()
+    experts = getattr(sharding_plan(model), "expert_modules", None)
+    expert_names = {name for name, _ in match_modules(model, experts)} if experts else set()
+    container = sharding_plan(model).layer_container
+    kinds: dict[bool, list[int]] = {}
+    for index, (key, _) in enumerate(blocks_of(model)):
+        routed = any(name.startswith(f"{container}.{key}.") for name in expert_names)
+        kinds.setdefault(routed, []).append(index)
+    return [(indices[0], len(indices)) for indices in kinds.values()]
+
+
+class _BlockDone(Exception):
+    """Stops a measuring forward once the measured block has run."""
 
 
 _TOTAL = "Total"
@@ -88,12 +113,13 @@ _NOT_ACTIVATIONS = ("_MemRefType.PARAM", "_MemRefType.BUFFER", "_MemRefType.GRAD
 """`MemTracker` snapshot categories that are not activations or their gradients."""
 
 
-class _MoEModel(Exception):
-    """The model routes tokens to experts: its blocks cannot be measured on fake tensors."""
+def _nth_block(model: nn.Module, index: int) -> nn.Module:
+    return [block for _, block in blocks_of(model)][index]
 
 
-def _measure_first_block(model_fn: Callable[[], nn.Module], seq_len: int, *, per_op: bool) -> tuple[float, float]:
-    """(units the first block keeps after its forward, units its backward allocates beyond
+def _measure_block(model_fn: Callable[[], nn.Module], seq_len: int, index: int, *,
+                   per_op: bool) -> tuple[float, float]:
+    """(units block `index` keeps after its forward, units its backward allocates beyond
     its parameters' gradients), with per-op selective AC when `per_op`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -102,9 +128,7 @@ def _measure_first_block(model_fn: Callable[[], nn.Module], seq_len: int, *, per
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model_fn()
-        if getattr(sharding_plan(model), "expert_modules", None):
-            raise _MoEModel
-        (_, block), *_ = blocks_of(model)
+        block = _nth_block(model, index)
         if per_op:
             checkpoint_block(block, per_op=True)
         dim, vocab = _model_shape(model)
@@ -123,14 +147,14 @@ def _measure_first_block(model_fn: Callable[[], nn.Module], seq_len: int, *, per
         def leave(_module, _args, output):
             marks.append(live(forward) - marks.pop())
             outputs.append(output)
-            raise _FirstBlockDone
+            raise _BlockDone
 
         block.register_forward_pre_hook(enter)
         block.register_forward_hook(leave)
         try:
             with forward:
                 model(torch.randint(0, vocab, (1, seq_len)))
-        except _FirstBlockDone:
+        except _BlockDone:
             pass
         backward = MemTracker()  # counts only what the backward allocates
         backward.track_external(model)
@@ -144,8 +168,8 @@ def _measure_first_block(model_fn: Callable[[], nn.Module], seq_len: int, *, per
         return marks[0] / unit, allocated / unit
 
 
-def _measure_compiled_first_block(model_fn: Callable[[], nn.Module], seq_len: int) -> float:
-    """Units the first block keeps without AC when compiled: its forward traced by AOTAutograd
+def _measure_compiled_block(model_fn: Callable[[], nn.Module], seq_len: int, index: int) -> float:
+    """Units block `index` keeps without AC when compiled: its forward traced by AOTAutograd
     on fake tensors and split by the min-cut partitioner; the saved tensors are the forward
     graph's outputs beyond the block's own, each storage once, the inputs' (parameters, the
     block input) aside; the block input then counts as one unit, as in eager."""
@@ -171,7 +195,7 @@ def _measure_compiled_first_block(model_fn: Callable[[], nn.Module], seq_len: in
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model_fn()
-        (_, block), *_ = blocks_of(model)
+        block = _nth_block(model, index)
         names = [name for name, _ in block.named_parameters()]
         eager = block.forward
         traced = aot_function(lambda params, args, kwargs: functional_call(block, dict(zip(names, params)), args, kwargs),
@@ -182,13 +206,13 @@ def _measure_compiled_first_block(model_fn: Callable[[], nn.Module], seq_len: in
             block.forward = eager  # functional_call runs the block's own forward
             hidden = args[0].detach().requires_grad_()
             traced(list(block.parameters()), (hidden, *args[1:]), kwargs)
-            raise _FirstBlockDone
+            raise _BlockDone
 
         block.forward = forward
         dim, vocab = _model_shape(model)
         try:
             model(torch.randint(0, vocab, (1, seq_len)))
-        except _FirstBlockDone:
+        except _BlockDone:
             pass
     return 1 + saved[0] / (seq_len * dim * torch.get_default_dtype().itemsize)
 

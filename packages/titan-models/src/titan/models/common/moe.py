@@ -270,7 +270,11 @@ class MoE(nn.Module):
         bias = self.expert_bias if use_bias else None
         selected = self.router.select(scores, bias)
         weights = self.router.weights(scores, selected)
-        counts = torch.bincount(selected.flatten(), minlength=self.n_experts)  # every routed copy
+        # Every routed copy, counted into a fixed [n_experts]: bincount's size depends on the
+        # data, which fake tensors (the planner's memory measurement) cannot follow.
+        routed_to = selected.flatten()
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=routed_to.device).scatter_add_(
+            0, routed_to, torch.ones_like(routed_to))
         if token_mask is None:
             self._record(counts, scores.mean(0), scores.shape[0])
         else:
