@@ -11,10 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import tomllib
 from forked_cli import TORCHRUN, run_script, run_script_ranks, run_torchrun
 
-TEST_TIMEOUT = 300
-"""pytest-timeout's limit per test (pyproject.toml)."""
+TEST_TIMEOUT = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["timeout"]
+"""pytest-timeout's limit per test, as pyproject.toml sets it."""
 LAUNCH_TIMEOUT = TEST_TIMEOUT - 30
 """The longest a launch may run: under the test's limit, so that a hung launch fails with
 what its ranks printed (pytest-timeout would kill the test with only the launcher's stack)."""

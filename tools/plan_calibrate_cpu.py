@@ -12,7 +12,8 @@ and every memory figure, is a prediction. Memory is the peak resident set of the
 (`memory_peak_gib` in metrics.jsonl) in a second run of each layout whose allocator returns
 every freed tensor to the system (glibc's `MALLOC_MMAP_THRESHOLD_` fixed at 128 KiB): with
 glibc's defaults the resident set also keeps freed heap, which grows over the steps and with
-the threads a process runs (6-19% above the live peak, measured), and is printed beside it.
+the threads a process runs (6-27% above the live peak, measured on two machines), and is
+printed beside it.
 Takes several minutes on 2 cores.
 """
 

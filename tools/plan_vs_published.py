@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 
+from titan.dist.plan import blocks_of
 from titan.dist.planner import (
     Layout,
     Workload,
@@ -117,7 +118,7 @@ def torchtitan_selective_units(model) -> float:
     the order a Llama block calls them (wq, wk, wv, wo, w1, w3, w2: wq, wv, w1 and w2 kept), plus
     the block input and the attention output. titan's own policy keeps every matmul's output
     (`titan.dist.dry_run.selective_op_units`): 12.5 units for 8B against torchtitan's 7.75."""
-    block = model.layers[next(iter(model.layers.keys()))] if hasattr(model.layers, "keys") else model.layers[0]
+    (_, block), *_ = blocks_of(model)
     attention, ffn = block.attention, block.feed_forward
     kept = attention.wq.out_features + attention.wv.out_features + ffn.w1.out_features + ffn.w2.out_features
     return 2 + kept / ffn.w2.out_features

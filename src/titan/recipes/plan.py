@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 from titan.dist.dry_run import measure_block_units, validate_against_model
+from titan.dist.fsdp import DTYPES
 from titan.dist.planner import (
     HARDWARE,
     Hardware,
@@ -108,11 +109,10 @@ def model_facts(config: TrainerConfig):
         model = build()
     moes = [m for _, m in moe_modules(model)]
     converted, _ = float8_linears(model, config.quantize.linear.float8)
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.training.mixed_precision_param,
-                                                                       torch.float32)
     facts = ModelFacts.from_model(model, flops_per_token=model.flops_per_token(seq),
                                   experts_per_token=moes[0].top_k if moes else 0, float8_linears=converted,
-                                  block_units=measure_block_units(build, seq_len=min(seq, 64), dtype=dtype,
+                                  block_units=measure_block_units(build, seq_len=min(seq, 64),
+                                                                  dtype=DTYPES[config.training.mixed_precision_param],
                                                                   compiled=config.compile.enable))
     return facts, (moes[0].n_experts if moes else 0), model
 
@@ -130,7 +130,7 @@ def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | No
     else:
         sequences = t.local_batch_size * gpus
     return Workload(global_batch_size=sequences, seq_len=t.seq_len,
-                    compute_dtype_bytes=2 if t.mixed_precision_param in ("bfloat16", "float16") else 4,
+                    compute_dtype_bytes=DTYPES[t.mixed_precision_param].itemsize,
                     compile=config.compile.enable, float8=config.quantize.linear.float8.recipe is not None,
                     sequence_parallel=config.parallelism.enable_sequence_parallel,
                     loss_parallel=config.parallelism.enable_loss_parallel,

@@ -20,11 +20,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from titan.dist.dims import ParallelDims
+from titan.dist.dims import EXPERT_VIEWS, FLATTENED, ParallelDims
+from titan.dist.fsdp import DTYPES
 from titan.dist.plan import blocks_of, match_modules, sharding_plan
 
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # Activation elements kept per token per block, in units of the model dim, when a model's
 # blocks cannot be measured (`measure_block_units`): everything, or only the block input (a
 # checkpointed block: full, or layer-selective's every k-th block). "none" is what autograd
@@ -47,10 +47,11 @@ def selective_op_units(block: nn.Module, dim: int) -> float:
 
 
 def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
-                        dtype: torch.dtype = torch.float32, compiled: bool = False) -> dict[str, float] | None:
+                        dtype: torch.dtype = torch.float32, selective: bool = True,
+                        compiled: bool = False) -> dict[str, float] | None:
     """Model-width units per token of the model's blocks, in `dtype` (fp32 intermediates such
     as RoPE's and RMSNorm's count twice a bf16 unit): what a block keeps for backward with no
-    AC ("none") and with per-op selective AC ("selective"), what its backward allocates on
+    AC ("none") and, if `selective`, with per-op selective AC ("selective"), what its backward allocates on
     top, parameter gradients aside ("backward": the activation gradients in flight), and what
     it keeps without AC when `compiled` ("none_compiled": the forward outputs AOTAutograd's
     min-cut partitioner, which inductor uses, saves for the backward, plus the block input;
@@ -72,8 +73,9 @@ def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
         per_kind = []
         for index, count in kinds:
             kept, backward = _measure_block(model_fn, seq_len, index, per_op=False)
-            selective, _ = _measure_block(model_fn, seq_len, index, per_op=True)
-            units = {"none": kept, "selective": selective, "backward": backward, "none_compiled": kept}
+            units = {"none": kept, "backward": backward, "none_compiled": kept}
+            if selective:
+                units["selective"], _ = _measure_block(model_fn, seq_len, index, per_op=True)
             if compiled:
                 try:
                     units["none_compiled"] = _measure_compiled_block(model_fn, seq_len, index)
@@ -94,9 +96,10 @@ def _block_kinds(model_fn: Callable[[], nn.Module]) -> list[tuple[int, int]]:
     and its blocks with routed experts (the plan's `expert_modules`)."""
     with torch.device("meta"):
         model = model_fn()
-    experts = getattr(sharding_plan(model), "expert_modules", None)
+    plan = sharding_plan(model)
+    experts = getattr(plan, "expert_modules", None)
     expert_names = {name for name, _ in match_modules(model, experts)} if experts else set()
-    container = sharding_plan(model).layer_container
+    container = plan.layer_container
     kinds: dict[bool, list[int]] = {}
     for index, (key, _) in enumerate(blocks_of(model)):
         routed = any(name.startswith(f"{container}.{key}.") for name in expert_names)
@@ -387,7 +390,8 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
     none = backward = ACT_UNITS_PER_TOKEN["none"]
     if measured:
         # Compiled blocks keep less without AC (the compile config asked for the measurement).
-        none, selective, backward = measured["none_compiled"], measured["selective"], measured["backward"]
+        none, backward = measured["none_compiled"], measured["backward"]
+        selective = measured.get("selective", selective)
     # Sequence parallel shards the residual stream over tp; without it only matmul
     # intermediates are sharded: count half of it as sharded.
     tp_div = dims.tp if cfg.enable_sequence_parallel else max(1.0, dims.tp / 2)
@@ -405,7 +409,7 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
     return int(kept * per_dim), int(recompute), int(logits)
 
 
-_FSDP_AXES = ("dp_shard_cp", "dp_shard", "cp", "expert_fsdp", "dp_shard_mod_ep")
+_FSDP_AXES = ("dp_shard_cp", *FLATTENED["dp_shard_cp"], *(view for view in EXPERT_VIEWS if view != "ep"))
 """Mesh axes FSDP shards parameters over (`titan.dist.dims`); TP and EP shards stay split."""
 
 
@@ -496,7 +500,8 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
                            local_batch_size=local_batch_size)
     per_pp = world_size // dims.pp
     # What one block keeps, measured at the real shapes on fake tensors (None: the rules).
-    measured = measure_block_units(model_fn, seq_len=min(seq_len, 64), dtype=_DTYPES[activation_dtype],
+    measured = measure_block_units(model_fn, seq_len=min(seq_len, 64), dtype=DTYPES[activation_dtype],
+                                   selective=activation_checkpoint.mode == "selective" and activation_checkpoint.selective_op,
                                    compiled=bool(getattr(compile, "enable", False)))
     estimates = []
     for pp_rank in range(dims.pp):

@@ -10,14 +10,15 @@ from torch.distributed.tensor import DTensor, Shard
 
 from titan.dist.plan import match_modules, sharding_plan, tied_parameter_groups
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtypes the `--training.mixed_precision_*` flags name."""
 
 
 def mixed_precision_policy(param_dtype: str = "float32", reduce_dtype: str = "float32") -> MixedPrecisionPolicy:
     """FSDP2 policy from dtype names ("float32", "bfloat16", "float16"): parameters are cast to
     `param_dtype` for compute, gradients reduced in `reduce_dtype`; master weights stay as
     they are."""
-    return MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+    return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
 
 
 def reshard_after_forward(config, *, pp_enabled: bool) -> bool:
