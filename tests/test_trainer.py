@@ -134,6 +134,19 @@ def test_bf16_without_fsdp_autocasts_and_tracks_fp32(tmp_path):
     assert any(a["loss"] != b["loss"] for a, b in zip(fp32, bf16, strict=True))
 
 
+def test_mfu_is_against_the_peak_of_the_compute_dtype(tmp_path, monkeypatch):
+    """A bf16 run's MFU uses the bf16 peak (on CPU measured in bf16: AMX makes it several times
+    float32's), and the logger corrects that peak, not float32's."""
+    import titan.train.loop as loop
+
+    asked = []
+    monkeypatch.setattr(loop, "device_peak_flops", lambda device, dtype: asked.append((device.type, dtype)) or 1e12)
+    trainer = Trainer(tiny_config(tmp_path, mixed_precision_param="bfloat16"), model_spec=model_spec("llama3"))
+    trainer.close()
+    assert asked == [("cpu", torch.bfloat16)]
+    assert trainer.metrics.compute_dtype == torch.bfloat16
+
+
 def test_model_vocab_size_is_taken_as_given_or_refused(tmp_path):
     """`--model.vocab_size` sizes the embedding and output (a checkpoint with more rows than the
     tokenizer has tokens); below the tokenizer's vocabulary it is refused by name."""

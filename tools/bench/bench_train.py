@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
             first[name] = time.perf_counter() - start
         rates, peaks = measure(steps, args)
         flops = trainer.engine.flops_per_token
-        results = report(args, rates, first, peaks, saved, flops, device_peak_flops(torch.device(args.device)), gap)
+        results = report(args, rates, first, peaks, saved, flops, device_peak_flops(torch.device(args.device), getattr(torch, args.dtype)), gap)
     print(markdown(results))
     for num, den, _ in RATIOS:
         if num in rates and den in rates:

@@ -36,6 +36,40 @@ def test_cpu_peak_is_measured_once_then_cached(tmp_path, monkeypatch):
     assert list(json.loads(cache.read_text()).values()) == [123e9]
 
 
+def test_cpu_peak_is_measured_and_cached_per_compute_dtype(tmp_path, monkeypatch):
+    """A bf16 run's MFU is against the bf16 GEMM peak (AMX CPUs multiply bf16 several times
+    faster than float32), cached beside the float32 one under its own key."""
+    measured = []
+
+    def fake_measure(trials=3, dtype=torch.float32):
+        measured.append(dtype)
+        return {torch.float32: 4e11, torch.bfloat16: 2.7e12}[dtype]
+
+    monkeypatch.delenv("TITAN_CPU_PEAK_FLOPS", raising=False)
+    monkeypatch.setattr(device_peak, "measure_cpu_peak_flops", fake_measure)
+    cache = tmp_path / "peak.json"
+    assert device_peak.cpu_peak_flops(cache, dtype=torch.bfloat16) == 2.7e12
+    assert device_peak.cpu_peak_flops(cache) == 4e11
+    assert device_peak.cpu_peak_flops(cache, dtype=torch.bfloat16) == 2.7e12
+    assert measured == [torch.bfloat16, torch.float32]
+    cached = json.loads(cache.read_text())
+    assert cached == {device_peak._cpu_cache_key(): 4e11, device_peak._cpu_cache_key(torch.bfloat16): 2.7e12}
+    assert device_peak._cpu_cache_key(torch.bfloat16).endswith("|bfloat16")
+
+
+def test_gemm_measurement_runs_in_the_asked_dtype(monkeypatch):
+    dtypes = []
+    real_mm = torch.mm
+
+    def spy(a, b, **kwargs):
+        dtypes.append(a.dtype)
+        return real_mm(a, b, **kwargs)
+
+    monkeypatch.setattr(device_peak.torch, "mm", spy)
+    assert device_peak.measure_cpu_gemm_flops(size=64, repeats=2, warmup_s=0.0, dtype=torch.bfloat16) > 0
+    assert set(dtypes) == {torch.bfloat16}
+
+
 def test_pinned_cpu_peak_wins(tmp_path, monkeypatch):
     monkeypatch.setenv("TITAN_CPU_PEAK_FLOPS", "5e11")
     assert device_peak.cpu_peak_flops(tmp_path / "unused.json") == 5e11
@@ -50,7 +84,7 @@ def test_real_cpu_gemm_measurement_is_plausible():
 def test_peak_measurement_keeps_the_best_trial(monkeypatch):
     """A trial slowed by other load must not lower the peak: the best one wins."""
     readings = iter([1e9, 5e9, 2e9] * 3)
-    monkeypatch.setattr(device_peak, "measure_cpu_gemm_flops", lambda size, repeats: next(readings))
+    monkeypatch.setattr(device_peak, "measure_cpu_gemm_flops", lambda size, repeats, dtype: next(readings))
     monkeypatch.setattr(device_peak.time, "sleep", lambda s: None)
     assert device_peak.measure_cpu_peak_flops(trials=3) == 5e9
 
@@ -82,7 +116,7 @@ class FakeClock:
         return self.now
 
 
-def _logger(tmp_path, peak, clock=None, device="cpu"):
+def _logger(tmp_path, peak, clock=None, device="cpu", compute_dtype=torch.float32):
     return MetricsLogger(
         MetricsConfig(log_freq=5),
         dump_folder=tmp_path,
@@ -91,6 +125,7 @@ def _logger(tmp_path, peak, clock=None, device="cpu"):
         peak_flops=peak,
         device=torch.device(device),
         is_rank0=True,
+        compute_dtype=compute_dtype,
         **({"clock": clock} if clock else {}),
     )
 
@@ -159,7 +194,7 @@ def test_mfu_never_exceeds_100_with_a_low_cached_peak(tmp_path, monkeypatch):
     monkeypatch.delenv("TITAN_CPU_PEAK_FLOPS", raising=False)
     monkeypatch.setenv("TITAN_CACHE_DIR", str(tmp_path))
     path = _write_cached_peak(tmp_path, 1e8)
-    monkeypatch.setattr(device_peak, "measure_cpu_peak_flops", lambda: pytest.fail("re-measured"))
+    monkeypatch.setattr(device_peak, "measure_cpu_peak_flops", lambda **_: pytest.fail("re-measured"))
     peak = device_peak.device_peak_flops(torch.device("cpu"))
     assert peak == 1e8
     clock = FakeClock()
@@ -175,6 +210,22 @@ def test_mfu_never_exceeds_100_with_a_low_cached_peak(tmp_path, monkeypatch):
     log.record_tokens(500)
     clock.now += 1.0
     assert log.log(step=2, loss=1.0, grad_norm=1.0, lr=1.0)["mfu"] == pytest.approx(50.0)
+
+
+def test_a_bf16_run_corrects_only_the_bf16_peak(tmp_path, monkeypatch):
+    """Throughput computed in bf16 says nothing about the float32 peak: it must not raise it."""
+    monkeypatch.delenv("TITAN_CPU_PEAK_FLOPS", raising=False)
+    monkeypatch.setenv("TITAN_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "cpu_peak_flops.json"
+    fp32_key, bf16_key = device_peak._cpu_cache_key(), device_peak._cpu_cache_key(torch.bfloat16)
+    path.write_text(json.dumps({fp32_key: 1e8, bf16_key: 1e8}))
+    clock = FakeClock()
+    log = _logger(tmp_path, peak=1e8, clock=clock, compute_dtype=torch.bfloat16)
+    log.start(0)
+    log.record_tokens(1000)
+    clock.now += 1.0  # 1e9 FLOP/s
+    assert log.log(step=1, loss=1.0, grad_norm=1.0, lr=1.0)["mfu"] == pytest.approx(100.0)
+    assert json.loads(path.read_text()) == {fp32_key: 1e8, bf16_key: pytest.approx(1e9)}
 
 
 def test_pinned_or_missing_peaks_are_not_rewritten(tmp_path, monkeypatch):

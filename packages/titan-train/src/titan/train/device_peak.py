@@ -1,13 +1,15 @@
 """Peak FLOP/s of the training device, for MFU.
 
-GPUs: vendor dense bf16 peaks (no sparsity), matched on the device name. CPUs: a float32 GEMM
-peak measured once on this machine and cached, because CPU peaks depend on cores, vector units
-and clocks that no table captures. Anything else reports no peak (and so no MFU) rather than a
-wrong one.
+GPUs: vendor dense bf16 peaks (no sparsity), matched on the device name. CPUs: a GEMM peak in
+the training's compute dtype, measured once on this machine and cached, because CPU peaks
+depend on cores, vector units and clocks that no table captures -- and on the dtype: a CPU with
+AMX multiplies bf16 several times faster than float32 (one 2-core Xeon: 2.7 vs 0.42 TFLOP/s),
+so a bf16 run's MFU against the float32 peak would read several times too high. Anything else
+reports no peak (and so no MFU) rather than a wrong one.
 
 Environment:
   ``TITAN_CACHE_DIR``       folder of the cache file (default: the user's cache folder, titan/).
-  ``TITAN_CPU_PEAK_FLOPS``  pins the CPU peak (no measurement, no cache); the test suite sets it
+  ``TITAN_CPU_PEAK_FLOPS``  pins the CPU peak, for every dtype (no measurement, no cache); the test suite sets it
                             so that no peak is ever measured under the suite's own load.
 """
 
@@ -52,10 +54,12 @@ def gpu_peak_flops(device_name: str) -> float | None:
     return None
 
 
-def _cpu_cache_key() -> str:
-    return "|".join(
-        [platform.processor() or platform.machine(), _cpu_model_name(), str(torch.get_num_threads()), torch.__version__]
-    )
+def _cpu_cache_key(dtype: torch.dtype = torch.float32) -> str:
+    parts = [platform.processor() or platform.machine(), _cpu_model_name(), str(torch.get_num_threads()),
+             torch.__version__]
+    if dtype != torch.float32:  # float32's key predates the others: caches written before stay valid
+        parts.append(str(dtype).removeprefix("torch."))
+    return "|".join(parts)
 
 
 def _cpu_model_name() -> str:
@@ -68,16 +72,17 @@ def _cpu_model_name() -> str:
     return platform.machine()
 
 
-def measure_cpu_gemm_flops(size: int = 1024, repeats: int = 5, *, warmup_s: float = 0.1) -> float:
-    """Best-of-``repeats`` float32 GEMM throughput on this CPU, in FLOP/s.
+def measure_cpu_gemm_flops(size: int = 1024, repeats: int = 5, *, warmup_s: float = 0.1,
+                           dtype: torch.dtype = torch.float32) -> float:
+    """Best-of-``repeats`` GEMM throughput in ``dtype`` on this CPU, in FLOP/s.
 
     GEMMs run for ``warmup_s`` seconds first: the BLAS thread pool, the caches and the clock
     governor all need a moment, and a cold first call reads far below the peak. The best trial
     (not the mean) is kept because interference from other processes only ever slows a trial.
     """
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    out = torch.empty(size, size)
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    out = torch.empty(size, size, dtype=dtype)
     deadline = time.perf_counter() + warmup_s
     torch.mm(a, b, out=out)
     while time.perf_counter() < deadline:
@@ -100,8 +105,8 @@ def default_cache_path() -> Path:
     return Path(root) / "cpu_peak_flops.json"
 
 
-def measure_cpu_peak_flops(trials: int = 3) -> float:
-    """The best float32 GEMM throughput over a few sizes and ``trials`` rounds.
+def measure_cpu_peak_flops(trials: int = 3, dtype: torch.dtype = torch.float32) -> float:
+    """The best GEMM throughput in ``dtype`` over a few sizes and ``trials`` rounds.
 
     Small sizes win on cache-poor CPUs, large ones where threading overhead dominates; the best
     is the fairest peak. Rounds are spaced out in time so that a burst of load from another
@@ -112,7 +117,7 @@ def measure_cpu_peak_flops(trials: int = 3) -> float:
         if trial:
             time.sleep(0.05)
         for size in (512, 1024, 2048):
-            best = max(best, measure_cpu_gemm_flops(size, repeats=5))
+            best = max(best, measure_cpu_gemm_flops(size, repeats=5, dtype=dtype))
     return best
 
 
@@ -134,9 +139,9 @@ def _write_cache(path: Path, cached: dict[str, float]) -> None:
         logger.warning("could not cache the CPU peak at %s: %s", path, err)
 
 
-def cpu_peak_flops(cache_path: Path | None = None) -> float:
-    """This machine's float32 GEMM peak: ``$TITAN_CPU_PEAK_FLOPS`` when set, else measured on
-    first use and cached by CPU model, thread count and torch version.
+def cpu_peak_flops(cache_path: Path | None = None, dtype: torch.dtype = torch.float32) -> float:
+    """This machine's GEMM peak in ``dtype``: ``$TITAN_CPU_PEAK_FLOPS`` when set, else measured
+    on first use and cached by CPU model, thread count, torch version and dtype.
 
     A measurement taken while other processes load the CPU comes out low; training corrects it
     (:func:`raise_cpu_peak_flops`) as soon as observed throughput exceeds it, so MFU never reads
@@ -146,19 +151,21 @@ def cpu_peak_flops(cache_path: Path | None = None) -> float:
     if pinned:
         return float(pinned)
     path = cache_path or default_cache_path()
-    key = _cpu_cache_key()
+    key = _cpu_cache_key(dtype)
     cached = _read_cache(path)
     if key in cached:
         return float(cached[key])
-    flops = measure_cpu_peak_flops()
+    flops = measure_cpu_peak_flops(dtype=dtype)
     cached[key] = flops
     _write_cache(path, cached)
     return flops
 
 
-def raise_cpu_peak_flops(observed: float, cache_path: Path | None = None) -> bool:
-    """Record that this CPU reached ``observed`` FLOP/s: the cached peak, when lower, is
-    rewritten to ``observed`` (a peak that real work exceeds was measured under load).
+def raise_cpu_peak_flops(observed: float, cache_path: Path | None = None,
+                         dtype: torch.dtype = torch.float32) -> bool:
+    """Record that this CPU reached ``observed`` FLOP/s computing in ``dtype``: the cached peak
+    of that dtype, when lower, is rewritten to ``observed`` (a peak that real work exceeds was
+    measured under load).
 
     Returns whether the cache changed. A peak pinned with ``$TITAN_CPU_PEAK_FLOPS`` is the
     user's choice and is left alone.
@@ -166,7 +173,7 @@ def raise_cpu_peak_flops(observed: float, cache_path: Path | None = None) -> boo
     if os.environ.get("TITAN_CPU_PEAK_FLOPS"):
         return False
     path = cache_path or default_cache_path()
-    key = _cpu_cache_key()
+    key = _cpu_cache_key(dtype)
     cached = _read_cache(path)
     # Only a cached measurement is corrected: with none, the next run measures afresh, which
     # beats caching one run's throughput (a lower bound) as if it were the peak.
@@ -177,10 +184,12 @@ def raise_cpu_peak_flops(observed: float, cache_path: Path | None = None) -> boo
     return True
 
 
-def device_peak_flops(device: torch.device) -> float | None:
-    """Peak FLOP/s for MFU on ``device``: table for GPUs, measured for CPU, None otherwise."""
+def device_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> float | None:
+    """Peak FLOP/s for MFU on ``device``: the bf16 table for GPUs (whatever ``dtype``: the
+    convention MFU figures are quoted in), measured in the compute ``dtype`` for CPUs, None
+    otherwise."""
     if device.type == "cpu":
-        return cpu_peak_flops()
+        return cpu_peak_flops(dtype=dtype)
     if device.type == "cuda" and torch.cuda.is_available():
         name = torch.cuda.get_device_name(device)
         peak = gpu_peak_flops(name)

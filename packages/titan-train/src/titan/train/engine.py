@@ -665,14 +665,18 @@ class TrainingEngine:
             return torch.zeros((), device=self.device)
         return torch.stack([local_value(x).detach() for x in losses]).sum()
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the forward and backward compute in (``--training.mixed_precision_param``)."""
+        return getattr(torch, self.mixed_precision_param)
+
     def _autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision where FSDP2's policy does not reach (one device, DDP, TP alone, PP
         without FSDP): autocast the forward to the compute dtype, keeping fp32 weights. Under
         FSDP2 the policy casts the parameters instead."""
-        dtype = self.mixed_precision_param
-        if dtype == "float32" or self.parallel_dims.uses_fully_shard:
+        if self.compute_dtype == torch.float32 or self.parallel_dims.uses_fully_shard:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=getattr(torch, dtype))
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     # ---- reading the weights ------------------------------------------------------------
 

@@ -121,8 +121,9 @@ class TrainingLoop:
             dump_folder=Path(config.job.dump_folder),
             total_steps=config.training.steps,
             flops_per_token=self.engine.flops_per_token,
-            peak_flops=device_peak_flops(self.engine.device),
+            peak_flops=device_peak_flops(self.engine.device, self.engine.compute_dtype),
             device=self.engine.device,
+            compute_dtype=self.engine.compute_dtype,
             is_rank0=self.is_rank0,
         )
         self._run_start = (time.perf_counter(), 0, 0)

@@ -259,8 +259,8 @@ class MetricsLogger:
 
     MFU never exceeds 100%: throughput above ``peak_flops`` proves the peak wrong (a CPU peak
     measured while other work loaded the machine), so the peak is raised to what was observed,
-    and on CPU the cached peak is rewritten (rank 0) for the next run.
-    ``clock`` (seconds, monotonic) is injectable for tests.
+    and on CPU the cached peak of ``compute_dtype`` (the dtype the peak was measured in) is
+    rewritten (rank 0) for the next run. ``clock`` (seconds, monotonic) is injectable for tests.
 
     Rank 0 prints; the writing ranks (rank 0, or every rank with ``save_for_all_ranks``) send
     each record to the JSONL file and the enabled backends. ``rank`` defaults to the process
@@ -277,6 +277,7 @@ class MetricsLogger:
         peak_flops: float | None,
         device: torch.device,
         is_rank0: bool,
+        compute_dtype: torch.dtype = torch.float32,
         rank: int | None = None,
         run_config: Mapping[str, Any] | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -287,6 +288,7 @@ class MetricsLogger:
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.device = device
+        self.compute_dtype = compute_dtype
         self.is_rank0 = is_rank0
         self.rank = current_rank(is_rank0) if rank is None else rank
         dump_folder = Path(dump_folder)
@@ -397,7 +399,7 @@ class MetricsLogger:
             )
         self.peak_flops = achieved
         if self.device.type == "cpu" and self.is_rank0:
-            raise_cpu_peak_flops(achieved)
+            raise_cpu_peak_flops(achieved, dtype=self.compute_dtype)
 
     def _eta(self, step: int, now: float) -> float:
         done = step - self._start_step
