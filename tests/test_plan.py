@@ -4,6 +4,7 @@ bytes computed by hand, and the command line works end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -312,6 +313,41 @@ def test_pipeline_bubble_and_links():
     spread = predict(facts, _layout(dp_shard=8, local_batch_size=1), Workload(global_batch_size=8, seq_len=32),
                      parse_gpus("8xH100", {"devices_per_node": 1})[1])
     assert spread.times["fsdp_exposed"] > inside.times["fsdp_exposed"]
+
+
+def test_reduce_scatters_cost_what_the_hardware_says():
+    """TP + SP runs 4 all-gathers and 4 reduce-scatters of the residual stream per block; CP one
+    of each of K/V per block; a reduce-scatter takes `reduce_scatter_cost` times an all-gather
+    (gloo sums on the CPU: 1.4-1.6 measured). Hand-computed seconds for the debug model."""
+    config = parse_train_args(["--config", "llama3_debug", *TINY])
+    facts, _, _ = model_facts(config)
+    work = Workload(global_batch_size=2, seq_len=32)  # bf16 compute: 2 bytes
+    base = dataclasses.replace(HARDWARE["H100"], intra_node_gbps=1.0, link_efficiency=1.0, collective_latency_us=0.0)
+    for cost in (1.0, 1.5):
+        hw = dataclasses.replace(base, reduce_scatter_cost=cost)
+        pass_s = 64 * facts.dim * 2 * (1 / 2) / 1e9  # 64 tokens of the residual, half of them sent per ring pass
+        tp = predict(facts, _layout(tp=2), work, hw).times["tp"]
+        assert tp == pytest.approx(facts.n_layers * 4 * (1 + cost) * pass_s)
+        kv_s = 64 * facts.dim * facts.kv_fraction * 2 * (1 / 2) / 1e9
+        cp = predict(facts, _layout(cp=2, local_batch_size=2), work, hw).times["cp"]
+        assert cp == pytest.approx(facts.n_layers * (1 + cost) * kv_s)
+
+
+def test_fsdp_traffic_hides_behind_compute_only_where_the_device_overlaps():
+    """GPUs move FSDP's gathers and reduce-scatters beside their kernels (`comm_overlap` 1);
+    a CPU whose cores all compute cannot (gloo measured 0.1-0.4): then all of it is exposed,
+    the first block's gather once more (it precedes any compute)."""
+    config = parse_train_args(["--config", "llama3_debug", *TINY])
+    facts, _, _ = model_facts(config)
+    work = Workload(global_batch_size=8, seq_len=32)
+    slow_link = dataclasses.replace(HARDWARE["H100"], intra_node_gbps=0.01)
+    layout = _layout(dp_shard=8, local_batch_size=1)
+    hidden = predict(facts, layout, work, slow_link).times
+    serial = predict(facts, layout, work, dataclasses.replace(slow_link, comm_overlap=0.0)).times
+    assert hidden["fsdp_exposed"] < serial["fsdp_exposed"]
+    traffic = serial["fsdp_exposed"] / (1 + 1 / facts.n_layers)  # gathers + reduce-scatter, seconds
+    assert hidden["fsdp_exposed"] == pytest.approx(traffic - hidden["compute"] + traffic / facts.n_layers)
+    assert traffic > hidden["compute"]  # the slow link leaves some exposed even with overlap
 
 
 def _simulated_bubble(schedule: str, pp: int, microbatches: int, stages: int) -> float:

@@ -5,7 +5,9 @@
 
 The hardware profile is measured here first: the fp32 GEMM rate of one thread (the "peak")
 and how it falls for few tokens,
-the bandwidth and per-call cost of a 2-rank gloo all-gather, and the memory a rank holds before training (the
+the bandwidth and per-call cost of a 2-rank gloo all-gather and how much longer a
+reduce-scatter of the same bytes takes (gloo sums on the CPU) and how much of an all-gather
+hides behind matmuls running meanwhile (little: every core runs a rank), and the memory a rank holds before training (the
 interpreter with torch and titan loaded, which a GPU's memory does not contain). The kernel
 efficiency is then fitted on the one-process run's step time; every other layout's time,
 and every memory figure, is a prediction. Memory is the peak resident set of the largest rank
@@ -83,34 +85,55 @@ def half_efficiency_tokens(dim: int = 256, small: int = 64, large: int = 4096) -
     return max(0.0, (r_large - r_small) / (r_small / small - r_large / large))
 
 
-def _all_gather_worker(rank: int, store_path: str, out: str, megabytes: int) -> None:
+def _timed(work, repeats: int) -> float:
+    """Seconds per call of `work()`, after one untimed call."""
+    work()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        work()
+    return (time.perf_counter() - start) / repeats
+
+
+def _gathers_beside_matmuls(full: torch.Tensor, shard: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """5 asynchronous all-gathers issued, 40 matmuls run while they proceed, then waited for."""
+    works = [dist.all_gather_single(full, shard, async_op=True) for _ in range(5)]
+    for _ in range(40):
+        a @ b
+    for work in works:
+        work.wait()
+
+
+def _collectives_worker(rank: int, store_path: str, out: str, megabytes: int) -> None:
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    torch.set_num_threads(1)
     shard = torch.ones(megabytes * 2**20 // 4)
     full = torch.empty(2 * shard.numel())
-    dist.all_gather_into_tensor(full, shard)
-    start = time.perf_counter()
-    for _ in range(5):
-        dist.all_gather_into_tensor(full, shard)
-    elapsed = time.perf_counter() - start
+    gather = _timed(lambda: dist.all_gather_single(full, shard), 5)
+    reduce = _timed(lambda: dist.reduce_scatter_single(shard, full), 5)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    compute = _timed(lambda: a @ b, 40)
+    both = _timed(lambda: _gathers_beside_matmuls(full, shard, a, b), 1)
+    overlap = min(max((40 * compute + 5 * gather - both) / (5 * gather), 0.0), 1.0)
     tiny, gathered, calls = torch.ones(1), torch.empty(2), []
     for _ in range(50):
-        start = time.perf_counter()
-        dist.all_gather_into_tensor(gathered, tiny)
-        calls.append(time.perf_counter() - start)
+        calls.append(_timed(lambda: dist.all_gather_single(gathered, tiny), 1))
     if rank == 0:
-        Path(out).write_text(json.dumps([5 * shard.numel() * 4 / elapsed / 1e9, 1e6 * statistics.median(calls)]))
+        Path(out).write_text(json.dumps([shard.numel() * 4 / gather / 1e9, 1e6 * statistics.median(calls),
+                                         reduce / gather, overlap]))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def gloo_link(megabytes: int = 32) -> tuple[float, float]:
-    """(GB/s each of 2 gloo ranks receives in a large all-gather, microseconds of a tiny one)."""
+def gloo_link(megabytes: int = 32) -> tuple[float, float, float, float]:
+    """(GB/s each of 2 gloo ranks receives in a large all-gather, microseconds of a tiny one,
+    the time of a reduce-scatter of the same bytes relative to the all-gather, the fraction of
+    all-gather time hidden behind matmuls running meanwhile)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rate")
-        mp.spawn(_all_gather_worker, args=(os.path.join(tmp, "store"), out, megabytes), nprocs=2)
-        rate, latency = json.loads(Path(out).read_text())
-        return rate, latency
+        mp.spawn(_collectives_worker, args=(os.path.join(tmp, "store"), out, megabytes), nprocs=2)
+        rate, latency, reduce_cost, overlap = json.loads(Path(out).read_text())
+        return rate, latency, reduce_cost, overlap
 
 
 def process_gib() -> float:
@@ -161,7 +184,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     peak, half, base = gemm_tflops(), half_efficiency_tokens(), process_gib()
-    link, latency = gloo_link()
+    link, latency, reduce_cost, overlap = gloo_link()
     config = parse_train_args(MODEL)
     facts, _, _ = model_facts(config)
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,7 +195,8 @@ def main() -> None:
     hw = Hardware(name="this CPU (1 thread per rank)", peak_bf16_tflops=peak, peak_fp8_tflops=0, memory_gib=ram_gib,
                   memory_tbps=0.0,  # only float8's casts use it, and float8 is off here
                   intra_node_gbps=link, inter_node_gbps=link, devices_per_node=8, link_efficiency=1.0,
-                  half_efficiency_tokens=half, collective_latency_us=latency)
+                  half_efficiency_tokens=half, collective_latency_us=latency, reduce_scatter_cost=reduce_cost,
+                  comm_overlap=overlap)
     # No headroom: the CPU allocator returns freed memory, and the peak is what is resident.
     work = workload_for(config, 1, 8 * 512, 0.0)
     # Fit the one free constant on the one-process run's time, as on GPUs.
@@ -189,12 +213,13 @@ def main() -> None:
                      "step_s": measured[name]["step_s"], "predicted_step_s": p.times["step"],
                      "time_error": p.times["step"] / measured[name]["step_s"] - 1, "dominant": p.dominant})
     profile = {"gemm_tflops_1_thread": peak, "half_efficiency_tokens": half, "collective_latency_us": latency,
-               "gloo_gbps": link, "process_gib": base, "fitted_efficiency": efficiency}
+               "gloo_gbps": link, "reduce_scatter_cost": reduce_cost, "comm_overlap": overlap, "process_gib": base, "fitted_efficiency": efficiency}
     if args.json:
         print(json.dumps({"profile": profile, "rows": rows}, indent=1))
         return
     print(f"profile: fp32 GEMM {peak * 1e3:.1f} GFLOP/s per thread (half of it at {half:.0f} tokens), gloo all-gather {link:.2f} GB/s "
-          f"({latency:.0f} us per call), "
+          f"({latency:.0f} us per call; a reduce-scatter {reduce_cost:.2f}x its time; {overlap:.0%} of it hidden "
+          f"behind matmuls), "
           f"{base:.2f} GiB per process before training; fitted kernel efficiency {efficiency:.2f}")
     print("| layout | measured peak | predicted | error | peak, glibc defaults | measured step | predicted | error |")
     print("|---|---|---|---|---|---|---|---|")

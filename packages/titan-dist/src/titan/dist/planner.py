@@ -32,9 +32,10 @@ step time (worst pipeline stage)
     the device's bf16 peak x `matmul_efficiency` (x `compile_speedup` when compiled); with
     float8 the converted linears' FLOPs at the fp8 peak instead, plus `float8_cast_bytes`
     of memory traffic per cast element; communication volumes per step: FSDP all-gathers
-    (forward and backward) and reduce-scatter, overlapped with compute except the first
-    block's gather (under PP one gather per step, and the reduce-scatter after the last
-    microbatch exposed); TP/SP all-gathers and reduce-scatters of the residual stream (4 per block
+    (forward and backward) and reduce-scatter, overlapped with compute (the `comm_overlap`
+    part of them) except the first block's gather (under PP one gather per step, and the
+    reduce-scatter after the last microbatch exposed); a reduce-scatter takes
+    `reduce_scatter_cost` times an all-gather of the same bytes; TP/SP all-gathers and reduce-scatters of the residual stream (4 per block
     forward, 4 backward, not overlapped unless async TP); CP all-gathers of K/V (not overlapped); EP
     all-to-alls (dispatch + combine, forward + backward, not overlapped); HSDP's gradient
     all-reduce across replicas (not overlapped); PP's bubble (pp - 1) / (v m + pp - 1) for m
@@ -114,6 +115,16 @@ class Hardware:
     collective_latency_us: float = 20.0
     """Cost of one collective call however small its message (NCCL within a node: 10-30 us),
     paid by the collectives that are not overlapped (TP, CP, EP, PP)."""
+    reduce_scatter_cost: float = 1.0
+    """Time of a reduce-scatter relative to an all-gather moving the same bytes. 1 where the
+    reduction is free beside the link (NCCL: the sums run on the GPU's SMs far faster than
+    the link delivers bytes); gloo on CPU sums on the cores the training uses, and measured
+    1.4-1.6 for 2 ranks (`tools/plan_calibrate_cpu.py` measures it)."""
+    comm_overlap: float = 1.0
+    """Fraction of a collective's time that can run while the device computes (FSDP's
+    prefetched gathers and reduce-scatters, async TP). 1 on GPUs, whose copy engines and spare
+    SMs move data beside the kernels; a CPU whose every core runs a rank's compute has no core
+    left for gloo, and measured 0.1-0.4 (`tools/plan_calibrate_cpu.py` measures it)."""
     half_efficiency_tokens: float = 1024
     """Tokens per microbatch and rank at which kernels reach half their large-batch
     efficiency: efficiency scales with M / (M + this), normalized to the fitted run's 16,384
@@ -505,6 +516,12 @@ def _ring(volume: float, group: int) -> float:
     return volume * (group - 1) / group if group > 1 else 0.0
 
 
+def _exposed(comm: float, compute: float, hw: Hardware) -> float:
+    """Seconds of `comm` left on the critical path when it may overlap `compute`: the part
+    the device can run beside its kernels (`comm_overlap`) hides, up to the compute's time."""
+    return comm - min(hw.comm_overlap * comm, compute)
+
+
 def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, blocks: range, *,
            first: bool, last: bool) -> dict:
     L = max(len(blocks), 1)
@@ -534,25 +551,29 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     fsdp_link = _bandwidth(hw, layout.tp * layout.cp * layout.dp_shard)
     gathers = 2 if layout.pp == 1 else 1
     gather = _ring(stage_unsharded * gathers * b, fsdp_group) / fsdp_link
-    reduce = _ring(stage_unsharded * 4, fsdp_group) / fsdp_link
+    reduce = _ring(stage_unsharded * 4, fsdp_group) / fsdp_link * hw.reduce_scatter_cost
     if layout.pp == 1:
-        fsdp = max(gather + reduce - compute, 0.0) + (gather + reduce) / L
+        fsdp = _exposed(gather + reduce, compute, hw) + (gather + reduce) / L
     else:
-        fsdp = max(gather - compute, 0.0) + gather / L + reduce
-    # HSDP: the gradient shards all-reduced across replicas (2x a ring pass, fp32).
-    replicate = 2 * _ring(stage_unsharded / max(fsdp_group, 1) * 4, layout.dp_replicate)
+        fsdp = _exposed(gather, compute, hw) + gather / L + reduce
+    # HSDP: the gradient shards all-reduced across replicas (a ring reduce-scatter, then an
+    # all-gather, fp32).
+    replicate = (1 + hw.reduce_scatter_cost) * _ring(stage_unsharded / max(fsdp_group, 1) * 4, layout.dp_replicate)
     replicate /= _bandwidth(hw, layout.world_size // layout.pp)
     # Unoverlapped collectives also pay a fixed cost per call, once per microbatch.
     calls = layout.microbatches * hw.collective_latency_us * 1e-6
-    # TP + SP: 4 collectives of the residual stream per block forward, 4 backward.
+    # TP + SP: 4 collectives of the residual stream per block forward, 4 backward; half of
+    # them all-gathers, half reduce-scatters.
     tp = 0.0
     if layout.tp > 1:
-        tp = 8 * len(blocks) * (_ring(tokens_rank * facts.dim * b, layout.tp) / _bandwidth(hw, layout.tp) + calls)
+        residual = _ring(tokens_rank * facts.dim * b, layout.tp) / _bandwidth(hw, layout.tp)
+        tp = 4 * len(blocks) * ((1 + hw.reduce_scatter_cost) * residual + 2 * calls)
         if work.async_tp:
-            tp = max(tp - compute, 0.0)
+            tp = _exposed(tp, compute, hw)
     # CP: K and V gathered per block forward, their gradients reduce-scattered backward.
     kv = tokens_rank * layout.cp * facts.dim * facts.kv_fraction * b / layout.tp
-    cp = 2 * len(blocks) * (_ring(kv, layout.cp) / _bandwidth(hw, layout.cp * layout.tp) + calls) if layout.cp > 1 else 0.0
+    cp_pass = _ring(kv, layout.cp) / _bandwidth(hw, layout.cp * layout.tp)
+    cp = len(blocks) * ((1 + hw.reduce_scatter_cost) * cp_pass + 2 * calls) if layout.cp > 1 else 0.0
     # EP: dispatch + combine all-to-alls, forward and backward, per MoE block.
     moe_blocks = sum(1 for i in blocks if facts.blocks[i].experts)
     routed = tokens_rank * facts.experts_per_token * facts.dim * b
