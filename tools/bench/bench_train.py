@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from bench_model import DEFAULT_ATOL, saved_activation_mib, sync  # this folder is on sys.path
 from benchstats import ratio_line
+from titan.train.optimizer import FUSED_BY_DEFAULT
 
 LR, BETAS, WEIGHT_DECAY, MAX_NORM = 3e-4, (0.9, 0.95), 0.1, 1.0
 # (numerator, denominator, target) of the ratios the project tracks (docs: issue targets).
@@ -111,7 +112,7 @@ def titan_step(trainer, batch: dict[str, torch.Tensor]) -> Callable[[], None]:
 def plain_step(model: torch.nn.Module, forward: Callable, batch: dict[str, torch.Tensor], args) -> Callable[[], None]:
     """The loop a user writes: autocast forward, float32 cross-entropy, backward, clip, AdamW."""
     device = torch.device(args.device)
-    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}  # titan's "auto" choice
+    kernel = {"fused": True} if device.type in FUSED_BY_DEFAULT else {"foreach": True}  # titan's "auto" choice
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],

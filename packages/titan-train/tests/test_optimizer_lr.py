@@ -30,7 +30,8 @@ def test_build_optimizer_groups_and_hyperparameters():
     opt = build_optimizer(OptimizerConfig(lr=1e-3, weight_decay=0.2), [model], "cpu")
     assert isinstance(opt, torch.optim.AdamW)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.2, 0.0]
-    assert opt.param_groups[0]["foreach"] is True
+    assert opt.param_groups[0]["fused"] is True  # "auto" on CPU
+    assert build_optimizer(OptimizerConfig(), [model], "meta").param_groups[0]["foreach"] is True
     assert all(g["lr"] == 1e-3 for g in opt.param_groups)
 
 
