@@ -316,7 +316,9 @@ def test_pipeline_bubble_and_links():
 
 
 def test_reduce_scatters_cost_what_the_hardware_says():
-    """TP + SP runs 4 all-gathers and 4 reduce-scatters of the residual stream per block; CP one
+    """TP + SP runs 4 all-gathers and 4 reduce-scatters of the residual stream per block (and
+    one pair each around the embedding and the output; the logits gathered whole without loss
+    parallel); CP one
     of each of K/V per block; a reduce-scatter takes `reduce_scatter_cost` times an all-gather
     (gloo sums on the CPU: 1.4-1.6 measured). Hand-computed seconds for the debug model."""
     config = parse_train_args(["--config", "llama3_debug", *TINY])
@@ -327,7 +329,10 @@ def test_reduce_scatters_cost_what_the_hardware_says():
         hw = dataclasses.replace(base, reduce_scatter_cost=cost)
         pass_s = 64 * facts.dim * 2 * (1 / 2) / 1e9  # 64 tokens of the residual, half of them sent per ring pass
         tp = predict(facts, _layout(tp=2), work, hw).times["tp"]
-        assert tp == pytest.approx(facts.n_layers * 4 * (1 + cost) * pass_s)
+        # 4 pairs per block, one around the embedding and one around the output projection.
+        assert tp == pytest.approx((facts.n_layers * 4 + 2) * (1 + cost) * pass_s)
+        whole_logits = predict(facts, _layout(tp=2), dataclasses.replace(work, loss_parallel=False), hw).times["tp"]
+        assert whole_logits - tp == pytest.approx(64 * facts.vocab * 2 * (1 / 2) / 1e9)
         kv_s = 64 * facts.dim * facts.kv_fraction * 2 * (1 / 2) / 1e9
         cp = predict(facts, _layout(cp=2, local_batch_size=2), work, hw).times["cp"]
         assert cp == pytest.approx(facts.n_layers * (1 + cost) * kv_s)

@@ -35,8 +35,10 @@ step time (worst pipeline stage)
     (forward and backward) and reduce-scatter, overlapped with compute (the `comm_overlap`
     part of them) except the first block's gather (under PP one gather per step, and the
     reduce-scatter after the last microbatch exposed); a reduce-scatter takes
-    `reduce_scatter_cost` times an all-gather of the same bytes; TP/SP all-gathers and reduce-scatters of the residual stream (4 per block
-    forward, 4 backward, not overlapped unless async TP); CP all-gathers of K/V (not overlapped); EP
+    `reduce_scatter_cost` times an all-gather of the same bytes; TP/SP all-gathers and
+    reduce-scatters of the residual stream (4 per block forward, 4 backward, one pair more
+    around the embedding and one around the output projection; without loss parallel the
+    logits gathered whole; not overlapped unless async TP); CP all-gathers of K/V (not overlapped); EP
     all-to-alls (dispatch + combine, forward + backward, not overlapped); HSDP's gradient
     all-reduce across replicas (not overlapped); PP's bubble (pp - 1) / (v m + pp - 1) for m
     microbatches and v stages per rank. Unoverlapped collectives also pay
@@ -522,6 +524,26 @@ def _exposed(comm: float, compute: float, hw: Hardware) -> float:
     return comm - min(hw.comm_overlap * comm, compute)
 
 
+def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, n_blocks: int, *,
+                first: bool, last: bool, tokens_rank: float, calls: float) -> float:
+    """TP + SP's collectives of a stage: the residual stream is all-gathered before and
+    reduce-scattered after each block's attention and feed-forward (forward; the reverse in
+    backward): 4 all-gather + reduce-scatter pairs per block; one more pair on the first stage
+    (the vocab-sharded embedding's output reduce-scattered) and on the last (the final norm's
+    output gathered for the output projection). The last stage's loss: without loss parallel
+    the logits are all-gathered whole on every TP rank; with it, a few all-reduces of
+    per-token statistics (max, sum of exponentials, the label's logit; forward and backward)."""
+    residual = _ring(tokens_rank * facts.dim * work.compute_dtype_bytes, layout.tp) / _bandwidth(hw, layout.tp)
+    pairs = 4 * n_blocks + first + last
+    seconds = pairs * ((1 + hw.reduce_scatter_cost) * residual + 2 * calls)
+    if last and not work.loss_parallel:
+        logits = tokens_rank * facts.vocab * work.compute_dtype_bytes
+        seconds += _ring(logits, layout.tp) / _bandwidth(hw, layout.tp) + calls
+    elif last:
+        seconds += 4 * calls
+    return seconds
+
+
 def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, blocks: range, *,
            first: bool, last: bool) -> dict:
     L = max(len(blocks), 1)
@@ -562,12 +584,10 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     replicate /= _bandwidth(hw, layout.world_size // layout.pp)
     # Unoverlapped collectives also pay a fixed cost per call, once per microbatch.
     calls = layout.microbatches * hw.collective_latency_us * 1e-6
-    # TP + SP: 4 collectives of the residual stream per block forward, 4 backward; half of
-    # them all-gathers, half reduce-scatters.
     tp = 0.0
     if layout.tp > 1:
-        residual = _ring(tokens_rank * facts.dim * b, layout.tp) / _bandwidth(hw, layout.tp)
-        tp = 4 * len(blocks) * ((1 + hw.reduce_scatter_cost) * residual + 2 * calls)
+        tp = _tp_seconds(facts, layout, work, hw, len(blocks), first=first, last=last,
+                         tokens_rank=tokens_rank, calls=calls)
         if work.async_tp:
             tp = _exposed(tp, compute, hw)
     # CP: K and V gathered per block forward, their gradients reduce-scattered backward.
