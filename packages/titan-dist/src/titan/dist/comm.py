@@ -49,8 +49,9 @@ def enable_flight_recorder(buffer_size: int, folder: str | Path | None) -> None:
     timed-out collective to ``folder/rank_<R>``."""
     if buffer_size <= 0:
         return
+    # Only the flight recorder's own name: torch >= 2.11 reads it, and setting the older
+    # TORCH_NCCL_TRACE_BUFFER_SIZE too makes every rank warn that it is deprecated.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(buffer_size))
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(buffer_size))
     if folder is not None:
         Path(folder).mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
