@@ -95,12 +95,12 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
         return model
 
     d = ParallelDims.from_config(config.parallelism, world_size)  # resolves dp_shard -1; raises early
-    check_quantize_supported(config.quantize, torch.device("cpu"), uses_fully_shard=d.uses_fully_shard)
+    check_quantize_supported(config.quantize, None, uses_fully_shard=d.uses_fully_shard)
     check_compile_granularity(config.compile, d)
     with torch.device("meta"):
         params = model_fn().num_params()  # the count `titan train` logs for the same flags
     if conversions[0] is not None:
-        print_fn(f"dry run: {conversions[0].summary(config.quantize.linear.float8.recipe)}")
+        print_fn(f"dry run: {conversions[0].summary(config.quantize.recipe)}")
     print_fn(
         f"dry run: {config.model.name} {config.model.flavor}: {params / 1e6:.2f}M params (vocab {vocab:,} from "
         f"{source}) on {world_size} "

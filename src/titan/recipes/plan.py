@@ -120,6 +120,9 @@ def model_facts(config: TrainerConfig):
 def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | None, headroom: float) -> Workload:
     """The step the planner times: batch, sequence and the recipe's compile / float8 / SP."""
     t = config.training
+    if config.quantize.linear.mx.enabled or config.quantize.grouped_mm.mx.enabled:
+        raise ValueError("titan plan does not model MXFP8 (--quantize.linear.mx / --quantize.grouped_mm.mx) yet: "
+                         "plan without it (float8 is modeled), or check a layout with titan dry-run")
     if global_batch_tokens is not None:
         if global_batch_tokens % t.seq_len:
             raise ValueError(f"--global_batch_tokens {global_batch_tokens} is not a multiple of "

@@ -319,7 +319,7 @@ class TrainingEngine:
         gets the same converted linears); the parallelisms then see ordinary linears."""
         self.quantization = apply_quantization(model, self.quantize)
         if self.quantization is not None:
-            logger.info(self.quantization.summary(self.quantize.linear.float8.recipe))
+            logger.info(self.quantization.summary(self.quantize.recipe))
         common = dict(parallelism=self.parallelism, activation_checkpoint=activation_checkpoint, compile=compile)
         if self.parallel_dims.pp_enabled:
             self.pp_schedule, parts, self.pp_has_first, self.pp_has_last = build_pipeline(

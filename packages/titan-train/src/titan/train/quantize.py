@@ -16,6 +16,13 @@ replicates under tensor parallel (MoE routers), any module named in
 16 (``_scaled_mm`` needs them). Embeddings and grouped experts are not linears and stay in
 high precision.
 
+MXFP8 (``--quantize.linear.mx.recipe_name``, ``--quantize.grouped_mm.mx.fqns``) goes through
+torchao's ``MXFP8TrainingOpConfig`` instead: the weights stay high-precision ``nn.Parameter``s
+whose data is a torchao wrapper tensor that sends the linear's matmul (and the experts'
+grouped GEMM) to MXFP8 kernels with one e8m0 scale per 32 elements. Those kernels need an
+SM100 GPU (B200); elsewhere the MXFP8 recipes are refused, and the ``mxfp8_emulated_rceil``
+recipe runs the same quantization with PyTorch ops for tests (never a speed-up).
+
 torchao is an optional dependency (``pip install 'titan-train[float8]'``), imported only when
 a recipe is set.
 """
@@ -35,6 +42,14 @@ FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 _SKIPPED_PLAN_STYLES = ("output", "replicate")
 _FLOAT8_DIM_MULTIPLE = 16
 _INSTALL_HINT = "pip install 'titan-train[float8]' (torchao>=0.18)"
+MX_RECIPES = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8_emulated_rceil")
+"""torchao 0.18's MXFP8 training recipes (``MXFP8TrainingRecipe``): e8m0 scales rounded up
+(RCEIL); the second keeps the weight gradient's matmul in high precision; the third emulates
+the MXFP8 GEMMs with PyTorch ops on any device."""
+_MX_BLOCK = 32
+"""Elements per MXFP8 scale: a converted linear's dimensions must be multiples of it."""
+_MX_CAPABILITY = (10, 0)
+"""The CUDA compute capability of torchao's MXFP8 GEMMs (SM100: B200, GB200)."""
 
 
 @dataclass(kw_only=True)
@@ -85,11 +100,72 @@ class Float8LinearConfig:
         return self.recipe is not None
 
 
+def _check_mx_recipe(flag: str, recipe: str | None) -> None:
+    if recipe is not None and recipe not in MX_RECIPES:
+        raise ValueError(f"{flag}={recipe!r} is unknown; choose one of {', '.join(MX_RECIPES)} (torchao's "
+                         f"MXFP8 training recipes){' or leave it unset' if flag.endswith('linear.mx.recipe_name') else ''}")
+
+
+@dataclass(kw_only=True)
+class MXLinearConfig:
+    """MXFP8 matmuls for the model's linears (``--quantize.linear.mx.*``, torchtitan's names)."""
+
+    recipe_name: str | None = None
+    """None (off), "mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp" (weight gradient in high
+    precision) — both need an SM100 GPU — or "mxfp8_emulated_rceil" (the same quantization
+    with PyTorch ops, on any device: for tests, never a speed-up)."""
+    filter_fqns: list[str] = field(default_factory=list)
+    """Also keep these modules in high precision (a linear is skipped when any of these strings
+    occurs in its name). The output layer, routers and linears with dimensions not divisible
+    by 32 (one MXFP8 scale per 32 elements) are always skipped."""
+
+    def __post_init__(self) -> None:
+        _check_mx_recipe("--quantize.linear.mx.recipe_name", self.recipe_name)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any linear is converted."""
+        return self.recipe_name is not None
+
+
 @dataclass(kw_only=True)
 class QuantizeLinearConfig:
     """Low-precision training of the model's linear layers (``--quantize.linear.*``)."""
 
     float8: Float8LinearConfig = field(default_factory=Float8LinearConfig)
+    mx: MXLinearConfig = field(default_factory=MXLinearConfig)
+
+    def __post_init__(self) -> None:
+        if self.float8.enabled and self.mx.enabled:
+            raise ValueError(f"--quantize.linear.float8.recipe {self.float8.recipe} and --quantize.linear.mx.recipe_name "
+                             f"{self.mx.recipe_name} both convert the linears; choose one")
+
+
+@dataclass(kw_only=True)
+class MXGroupedMMConfig:
+    """MXFP8 grouped GEMMs for MoE experts (``--quantize.grouped_mm.mx.*``, torchtitan's names)."""
+
+    fqns: list[str] = field(default_factory=list)
+    """Grouped-experts modules to convert: those whose name contains any of these strings
+    (e.g. "experts"); empty: none."""
+    recipe_name: str = "mxfp8_rceil"
+    """One of the MXFP8 recipes (see ``--quantize.linear.mx.recipe_name``); "mxfp8_emulated_rceil"
+    runs on any device."""
+
+    def __post_init__(self) -> None:
+        _check_mx_recipe("--quantize.grouped_mm.mx.recipe_name", self.recipe_name)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any experts are converted."""
+        return bool(self.fqns)
+
+
+@dataclass(kw_only=True)
+class QuantizeGroupedMMConfig:
+    """Low-precision grouped GEMMs of MoE experts (``--quantize.grouped_mm.*``)."""
+
+    mx: MXGroupedMMConfig = field(default_factory=MXGroupedMMConfig)
 
 
 @dataclass(kw_only=True)
@@ -97,37 +173,57 @@ class QuantizeConfig:
     """Quantized training via torchao (``--quantize.*``); off by default."""
 
     linear: QuantizeLinearConfig = field(default_factory=QuantizeLinearConfig)
+    grouped_mm: QuantizeGroupedMMConfig = field(default_factory=QuantizeGroupedMMConfig)
 
     @property
     def enabled(self) -> bool:
         """Whether any conversion is configured."""
-        return self.linear.float8.enabled
+        return self.linear.float8.enabled or self.linear.mx.enabled or self.grouped_mm.mx.enabled
+
+    @property
+    def recipe(self) -> str:
+        """The conversions' names, for log lines: e.g. "float8 rowwise", "mxfp8_rceil linears + experts"."""
+        parts = []
+        if self.linear.float8.enabled:
+            parts.append(f"float8 {self.linear.float8.recipe}")
+        if self.linear.mx.enabled:
+            parts.append(f"{self.linear.mx.recipe_name} linears")
+        if self.grouped_mm.mx.enabled:
+            parts.append(f"{self.grouped_mm.mx.recipe_name} experts")
+        return " + ".join(parts)
 
 
 @dataclass(frozen=True)
 class ConversionReport:
     """What a conversion did: the converted linears' names and why each other linear was
-    skipped (``{name: reason}``)."""
+    skipped (``{name: reason}``); the grouped-experts modules converted and kept."""
 
     converted: tuple[str, ...]
     skipped: dict[str, str]
     high_precision_experts: int = 0
-    """Grouped-experts modules (the plan's ``expert_modules``), which stay in high precision."""
+    """Grouped-experts modules (the plan's ``expert_modules``) left in high precision."""
     emulated: bool = False
-    """Whether the float8 matmuls are emulated (``--quantize.linear.float8.emulate``)."""
+    """Whether the low-precision matmuls are emulated in high precision."""
+    converted_experts: tuple[str, ...] = ()
+    """Grouped-experts modules whose grouped GEMMs run in MXFP8."""
 
     def summary(self, recipe: str) -> str:
-        """One log line: how many linears run in float8, and the skipped ones by reason."""
+        """One log line: how many linears (and experts) run in low precision, and the skipped
+        ones by reason."""
         by_reason: dict[str, list[str]] = {}
         for name, reason in self.skipped.items():
             by_reason.setdefault(reason, []).append(name)
         kept = "; ".join(f"{reason}: {len(names)} ({_abbreviate(names)})" for reason, names in by_reason.items())
         total = len(self.converted) + len(self.skipped)
-        experts = (f"; {self.high_precision_experts} grouped-experts modules stay in high precision (no float8 "
-                   "grouped GEMM yet)" if self.high_precision_experts else "")
-        emulated = "; matmuls emulated in high precision (--quantize.linear.float8.emulate)" if self.emulated else ""
-        return (f"float8 {recipe}: converted {len(self.converted)} of {total} linears"
-                + (f"; kept in high precision, {kept}" if kept else "") + experts + emulated)
+        parts = [f"{len(self.converted)} of {total} linears"] if self.converted or self.skipped else []
+        if self.converted_experts:
+            parts.append(f"{len(self.converted_experts)} grouped-experts modules")
+        converted = "converted " + " and ".join(parts)
+        experts = (f"; {self.high_precision_experts} grouped-experts modules stay in high precision"
+                   if self.high_precision_experts else "")
+        emulated = "; matmuls emulated in high precision (tests only, not a speed-up)" if self.emulated else ""
+        return (f"{recipe}: {converted}" + (f"; kept in high precision, {kept}" if kept else "") + experts
+                + emulated)
 
 
 def _abbreviate(names: list[str], shown: int = 3) -> str:
@@ -136,14 +232,16 @@ def _abbreviate(names: list[str], shown: int = 3) -> str:
     return head + (f", +{len(names) - shown} more" if len(names) > shown else "")
 
 
-def _skip_reason(fqn: str, module: nn.Linear, plan_skipped: frozenset[str], filter_fqns: list[str]) -> str | None:
+def _skip_reason(fqn: str, module: nn.Linear, plan_skipped: frozenset[str], filter_fqns: list[str], *,
+                 filter_flag: str = "--quantize.linear.float8.filter_fqns",
+                 dim_multiple: int = _FLOAT8_DIM_MULTIPLE) -> str | None:
     """Why linear ``fqn`` stays in high precision, or None when it is converted."""
     if fqn in plan_skipped:
         return "output layer or TP-replicated linear: router, low-rank projection (model plan)"
     if any(pattern in fqn for pattern in filter_fqns):
-        return "--quantize.linear.float8.filter_fqns"
-    if module.in_features % _FLOAT8_DIM_MULTIPLE or module.out_features % _FLOAT8_DIM_MULTIPLE:
-        return f"dims not divisible by {_FLOAT8_DIM_MULTIPLE}"
+        return filter_flag
+    if module.in_features % dim_multiple or module.out_features % dim_multiple:
+        return f"dims not divisible by {dim_multiple}"
     return None
 
 
@@ -165,50 +263,137 @@ def import_torchao_float8():
     return float8
 
 
-def check_quantize_supported(config: QuantizeConfig, device: torch.device, *, uses_fully_shard: bool) -> None:
-    """Refuse, before any work, what this conversion cannot do here: a missing torchao, or
-    float8 all-gather without FSDP2."""
+def import_torchao_mx():
+    """torchao's MXFP8 training module (config and recipes), or an ImportError naming the extra."""
+    try:
+        import torchao.prototype.moe_training.config as mx
+        from torchao.quantization import quantize_
+    except ImportError as error:
+        raise ImportError(f"MXFP8 training (--quantize.linear.mx / --quantize.grouped_mm.mx) needs torchao: "
+                          f"{_INSTALL_HINT}") from error
+    return mx, quantize_
+
+
+def _mx_recipes(config: QuantizeConfig) -> list[tuple[str, str]]:
+    """(flag, recipe) of each MXFP8 conversion configured."""
+    recipes = []
+    if config.linear.mx.enabled:
+        recipes.append(("--quantize.linear.mx.recipe_name", config.linear.mx.recipe_name))
+    if config.grouped_mm.mx.enabled:
+        recipes.append(("--quantize.grouped_mm.mx.recipe_name", config.grouped_mm.mx.recipe_name))
+    return recipes
+
+
+def check_quantize_supported(config: QuantizeConfig, device: torch.device | None, *, uses_fully_shard: bool) -> None:
+    """Refuse, before any work, what this conversion cannot do here: a missing torchao, float8
+    all-gather without FSDP2, or low-precision kernels ``device`` lacks (None: the dry run,
+    which checks a layout for another machine, skips the device)."""
     if not config.enabled:
         return
-    import_torchao_float8()
+    if config.linear.float8.enabled:
+        import_torchao_float8()
+    if _mx_recipes(config):
+        import_torchao_mx()
     float8 = config.linear.float8
     if float8.enable_fsdp_float8_all_gather and not uses_fully_shard:
         raise ValueError("--quantize.linear.float8.enable_fsdp_float8_all_gather needs FSDP2 (a data-parallel "
                          "shard degree > 1); drop the flag or shard the model")
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
+    if device is None:
+        return
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if float8.enabled and capability is not None and capability < (8, 9):
         raise ValueError(f"--quantize.linear.float8.recipe needs float8 tensor cores (sm89+: H100, L4, "
-                         f"MI300), this GPU is sm{major}{minor}; leave the recipe unset")
+                         f"MI300), this GPU is sm{capability[0]}{capability[1]}; leave the recipe unset")
+    for flag, recipe in _mx_recipes(config):
+        if recipe != "mxfp8_emulated_rceil" and (capability is None or capability < _MX_CAPABILITY):
+            here = f"sm{capability[0]}{capability[1]}" if capability else device.type
+            raise ValueError(f"{flag} {recipe} needs torchao's MXFP8 kernels on an SM100 GPU (B200, GB200); this "
+                             f"device is {here}. Leave it unset, or use mxfp8_emulated_rceil to test the numerics "
+                             "(PyTorch ops, slower than high precision)")
 
 
 def apply_quantization(model: nn.Module, config: QuantizeConfig) -> ConversionReport | None:
-    """Convert ``model``'s linears in place as ``config`` says (before any parallelism; on the
-    meta device is fine). Returns what was converted, or None when quantization is off."""
-    float8 = config.linear.float8
-    if not float8.enabled:
+    """Convert ``model``'s linears (and experts) in place as ``config`` says (before any
+    parallelism; on the meta device is fine). Returns what was converted, or None when
+    quantization is off."""
+    if not config.enabled:
         return None
-    ao = import_torchao_float8()
-    converted, skipped = float8_linears(model, float8)
-    ao_config = ao.Float8LinearConfig.from_recipe_name(float8.recipe)
-    ao_config = dataclasses.replace(ao_config, enable_fsdp_float8_all_gather=float8.enable_fsdp_float8_all_gather,
-                                    emulate=float8.emulate)
-    to_convert = frozenset(converted)
-    ao.convert_to_float8_training(model, config=ao_config, module_filter_fn=lambda _m, fqn: fqn in to_convert)
-    experts_glob = getattr(sharding_plan(model), "expert_modules", None)
-    experts = len(match_modules(model, experts_glob)) if experts_glob else 0
-    return ConversionReport(converted=tuple(converted), skipped=skipped, high_precision_experts=experts,
-                            emulated=float8.emulate)
+    converted: list[str] = []
+    skipped: dict[str, str] = {}
+    float8, mx_linear = config.linear.float8, config.linear.mx
+    if float8.enabled:
+        ao = import_torchao_float8()
+        converted, skipped = float8_linears(model, float8)
+        ao_config = ao.Float8LinearConfig.from_recipe_name(float8.recipe)
+        ao_config = dataclasses.replace(ao_config, enable_fsdp_float8_all_gather=float8.enable_fsdp_float8_all_gather,
+                                        emulate=float8.emulate)
+        to_convert = frozenset(converted)
+        ao.convert_to_float8_training(model, config=ao_config, module_filter_fn=lambda _m, fqn: fqn in to_convert)
+    elif mx_linear.enabled:
+        converted, skipped = mx_linears(model, mx_linear)
+        _convert_mx(model, mx_linear.recipe_name, frozenset(converted))
+    experts = expert_modules(model)
+    converted_experts = [fqn for fqn in experts if any(p in fqn for p in config.grouped_mm.mx.fqns)]
+    if converted_experts:
+        _convert_mx(model, config.grouped_mm.mx.recipe_name, frozenset(converted_experts))
+    emulated = float8.emulate or any(recipe == "mxfp8_emulated_rceil" for _, recipe in _mx_recipes(config))
+    return ConversionReport(converted=tuple(converted), skipped=skipped,
+                            high_precision_experts=len(experts) - len(converted_experts), emulated=emulated,
+                            converted_experts=tuple(converted_experts))
+
+
+def _convert_mx(model: nn.Module, recipe: str, names: frozenset[str]) -> None:
+    """Give the modules ``names`` torchao's MXFP8 weight wrappers (their parameters keep their
+    names and high-precision values)."""
+    mx, quantize_ = import_torchao_mx()
+    ao_config = mx.MXFP8TrainingOpConfig.from_recipe(mx.MXFP8TrainingRecipe(recipe))
+    # Token groups of any size: the experts' grouped GEMM pads each to the 32-row scale block.
+    ao_config = dataclasses.replace(ao_config, pad_token_groups_for_grouped_mm=True)
+    quantize_(model, ao_config, filter_fn=lambda _module, fqn: fqn in names)
+    for fqn, module in model.named_modules():
+        if fqn in names and isinstance(module, nn.Linear):
+            module.register_forward_pre_hook(_input_in_weight_dtype)
+
+
+def _input_in_weight_dtype(module: nn.Linear, args: tuple) -> tuple | None:
+    """Under autocast (mixed precision without FSDP2), a bf16 input meets the float32 weight:
+    torchao 0.18's MXFP8 linear does not follow autocast and would multiply mismatched dtypes.
+    Both operands are quantized to MXFP8 anyway, so the input is widened (exactly) to the
+    weight's dtype instead; under FSDP2's policy the two already match and nothing changes."""
+    x = args[0]
+    if x.dtype != module.weight.dtype and torch.is_autocast_enabled(x.device.type):
+        return (x.to(module.weight.dtype), *args[1:])
+    return None
+
+
+def expert_modules(model: nn.Module) -> list[str]:
+    """Names of the model's grouped-experts modules (its plan's ``expert_modules``)."""
+    glob = getattr(sharding_plan(model), "expert_modules", None)
+    return [fqn for fqn, module in match_modules(model, glob) if module is not None] if glob else []
+
+
+def mx_linears(model: nn.Module, mx: MXLinearConfig) -> tuple[list[str], dict[str, str]]:
+    """The linears an MXFP8 conversion of ``model`` converts (names, in model order) and the
+    others with the reason each stays in high precision; no torchao needed."""
+    return _convertible_linears(model, mx.filter_fqns, "--quantize.linear.mx.filter_fqns", _MX_BLOCK)
 
 
 def float8_linears(model: nn.Module, float8: Float8LinearConfig) -> tuple[list[str], dict[str, str]]:
     """The linears a float8 conversion of ``model`` would convert (names, in model order) and
     the others with the reason each stays in high precision; works on the meta device and
     does not need torchao (the planner counts float8 FLOPs with it)."""
+    return _convertible_linears(model, float8.filter_fqns, "--quantize.linear.float8.filter_fqns",
+                                _FLOAT8_DIM_MULTIPLE)
+
+
+def _convertible_linears(model: nn.Module, filter_fqns: list[str], filter_flag: str,
+                         dim_multiple: int) -> tuple[list[str], dict[str, str]]:
     plan_skipped = _plan_skipped_linears(model, sharding_plan(model))  # once: each lookup walks the whole model
     converted, skipped = [], {}
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear):
-            reason = _skip_reason(fqn, module, plan_skipped, float8.filter_fqns)
+            reason = _skip_reason(fqn, module, plan_skipped, filter_fqns, filter_flag=filter_flag,
+                                  dim_multiple=dim_multiple)
             if reason is None:
                 converted.append(fqn)
             else:
