@@ -2,7 +2,8 @@
 # One prepared GPU check: the training benchmark (tools/bench/bench_train.py) for Llama 3.2 1B
 # in bf16 on one GPU — titan's trainer, the hand-written loop and transformers, eager and
 # compiled, float8 off and on (when torchao is installed) — printing the markdown table and
-# writing outputs/gpu_check/{loops,compile,float8}.json. Under 8 minutes on an H100/H200.
+# writing outputs/gpu_check/{loops,compile,float8}.json. Under 8 minutes on an H100/H200. With
+# 2+ SM90 GPUs and Triton it also runs the MoE debug model with float8 grouped experts.
 #
 #   ./tools/gpu_check.sh                      # defaults: 1B, seq 2048, batch 2, tensorwise float8
 #   SEQ_LEN=4096 BATCH=1 FLOAT8=rowwise ./tools/gpu_check.sh
@@ -44,4 +45,20 @@ bench --sides titan,hand,hf --json "$out/loops.json"
 bench --compile --sides titan,titan_compiled,hand_compiled --json "$out/compile.json"
 if [ ${#float8[@]} -gt 0 ]; then
     bench "${float8[@]}" --sides titan,titan_float8,hand_float8 --json "$out/float8.json"
+fi
+
+# MoE experts' grouped GEMMs in float8 (torchao's Triton kernels, SM90+): a short run of the
+# Qwen3-MoE debug model on 2 GPUs under FSDP2 (bf16 weights, so the experts take the grouped
+# path), against the same run in bf16. Skipped with fewer than 2 GPUs or without Triton.
+if [ ${#float8[@]} -gt 0 ] && "$python" -c "import triton, torch; assert torch.cuda.device_count() >= 2 and torch.cuda.get_device_capability() >= (9, 0)" 2>/dev/null; then
+    moe() {
+        timeout "${TIMEOUT_S:-160}" "$python" -m torch.distributed.run --nproc_per_node 2 --rdzv_backend c10d \
+            --rdzv_endpoint localhost:0 -m titan.recipes.cli train --config qwen3_moe_debug \
+            --training.mixed_precision_param bfloat16 --training.steps 20 --metrics.log_freq 20 \
+            --metrics.no_enable_progress_bar --parallelism.data_parallel_shard_degree 2 "$@"
+    }
+    moe --job.dump_folder "$out/moe_bf16" | grep -E "step 20/" || true
+    moe --quantize.grouped_mm.float8.fqns experts --job.dump_folder "$out/moe_float8" | grep -E "float8|step 20/" || true
+else
+    echo "gpu_check: float8 grouped experts skipped (needs torchao, Triton and 2 SM90+ GPUs)"
 fi

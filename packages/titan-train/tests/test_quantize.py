@@ -314,3 +314,24 @@ def test_bad_mx_flags_are_refused_by_name():
         MXGroupedMMConfig(fqns=["experts"], recipe_name="mxfp8")
     with pytest.raises(ValueError, match="both convert the linears; choose one"):
         QuantizeLinearConfig(mx=MXLinearConfig(recipe_name=EMULATED), float8=Float8LinearConfig(recipe="rowwise"))
+
+
+def test_float8_experts_are_converted_and_refused_where_the_kernel_cannot_run():
+    """torchao's float8 grouped GEMM runs on Triton on SM90+ GPUs: the conversion wraps the
+    named experts' weights (checked here on CPU, without running them), and a run on a device
+    without the kernel is refused before any work (the dry run checks no device)."""
+    from titan.train.quantize import Float8GroupedMMConfig
+
+    config = QuantizeConfig(grouped_mm=QuantizeGroupedMMConfig(float8=Float8GroupedMMConfig(fqns=["layers.0.experts"])))
+    model = _MoE()
+    report = apply_quantization(model, config)
+    assert report.converted_experts == ("layers.0.experts",) and report.high_precision_experts == 1
+    assert report.summary(config.recipe) == ("float8 rowwise experts: converted 1 grouped-experts modules; "
+                                             "1 grouped-experts modules stay in high precision")
+    wrapped = [name for name, p in model.named_parameters() if type(p.data).__name__ == "Float8TrainingWeightWrapperTensor"]
+    assert wrapped == ["layers.0.experts.w1", "layers.0.experts.w2", "layers.0.experts.w3"]
+    with pytest.raises(ValueError, match="needs torchao's float8 grouped GEMM .* SM90\\+ GPU.*this device is cpu"):
+        check_quantize_supported(config, torch.device("cpu"), uses_fully_shard=False)
+    check_quantize_supported(config, None, uses_fully_shard=False)
+    with pytest.raises(ValueError, match="both convert the experts' grouped GEMMs; choose one"):
+        QuantizeGroupedMMConfig(float8=Float8GroupedMMConfig(fqns=["experts"]), mx=MXGroupedMMConfig(fqns=["experts"]))

@@ -22,6 +22,9 @@ whose data is a torchao wrapper tensor that sends the linear's matmul (and the e
 grouped GEMM) to MXFP8 kernels with one e8m0 scale per 32 elements. Those kernels need an
 SM100 GPU (B200); elsewhere the MXFP8 recipes are refused, and the ``mxfp8_emulated_rceil``
 recipe runs the same quantization with PyTorch ops for tests (never a speed-up).
+``--quantize.grouped_mm.float8.fqns`` gives the experts torchao's float8 wrapper instead (float8
+grouped GEMMs with one scale per row), which runs on Triton kernels on SM90+ GPUs only and is
+refused elsewhere.
 
 torchao is an optional dependency (``pip install 'titan-train[float8]'``), imported only when
 a recipe is set.
@@ -162,10 +165,31 @@ class MXGroupedMMConfig:
 
 
 @dataclass(kw_only=True)
+class Float8GroupedMMConfig:
+    """Float8 (rowwise) grouped GEMMs for MoE experts (``--quantize.grouped_mm.float8.*``,
+    torchtitan's names). torchao 0.18 runs them with Triton kernels on SM90+ GPUs only."""
+
+    fqns: list[str] = field(default_factory=list)
+    """Grouped-experts modules to convert: those whose name contains any of these strings
+    (e.g. "experts"); empty: none."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any experts are converted."""
+        return bool(self.fqns)
+
+
+@dataclass(kw_only=True)
 class QuantizeGroupedMMConfig:
     """Low-precision grouped GEMMs of MoE experts (``--quantize.grouped_mm.*``)."""
 
+    float8: Float8GroupedMMConfig = field(default_factory=Float8GroupedMMConfig)
     mx: MXGroupedMMConfig = field(default_factory=MXGroupedMMConfig)
+
+    def __post_init__(self) -> None:
+        if self.float8.enabled and self.mx.enabled:
+            raise ValueError("--quantize.grouped_mm.float8.fqns and --quantize.grouped_mm.mx.fqns both convert the "
+                             "experts' grouped GEMMs; choose one")
 
 
 @dataclass(kw_only=True)
@@ -178,7 +202,8 @@ class QuantizeConfig:
     @property
     def enabled(self) -> bool:
         """Whether any conversion is configured."""
-        return self.linear.float8.enabled or self.linear.mx.enabled or self.grouped_mm.mx.enabled
+        return (self.linear.float8.enabled or self.linear.mx.enabled or self.grouped_mm.float8.enabled
+                or self.grouped_mm.mx.enabled)
 
     @property
     def recipe(self) -> str:
@@ -188,6 +213,8 @@ class QuantizeConfig:
             parts.append(f"float8 {self.linear.float8.recipe}")
         if self.linear.mx.enabled:
             parts.append(f"{self.linear.mx.recipe_name} linears")
+        if self.grouped_mm.float8.enabled:
+            parts.append("float8 rowwise experts")
         if self.grouped_mm.mx.enabled:
             parts.append(f"{self.grouped_mm.mx.recipe_name} experts")
         return " + ".join(parts)
@@ -269,8 +296,8 @@ def import_torchao_mx():
         import torchao.prototype.moe_training.config as mx
         from torchao.quantization import quantize_
     except ImportError as error:
-        raise ImportError(f"MXFP8 training (--quantize.linear.mx / --quantize.grouped_mm.mx) needs torchao: "
-                          f"{_INSTALL_HINT}") from error
+        raise ImportError(f"MXFP8 and grouped-GEMM training (--quantize.linear.mx, --quantize.grouped_mm.*) needs "
+                          f"torchao: {_INSTALL_HINT}") from error
     return mx, quantize_
 
 
@@ -292,7 +319,7 @@ def check_quantize_supported(config: QuantizeConfig, device: torch.device | None
         return
     if config.linear.float8.enabled:
         import_torchao_float8()
-    if _mx_recipes(config):
+    if _mx_recipes(config) or config.grouped_mm.float8.enabled:
         import_torchao_mx()
     float8 = config.linear.float8
     if float8.enable_fsdp_float8_all_gather and not uses_fully_shard:
@@ -304,12 +331,29 @@ def check_quantize_supported(config: QuantizeConfig, device: torch.device | None
     if float8.enabled and capability is not None and capability < (8, 9):
         raise ValueError(f"--quantize.linear.float8.recipe needs float8 tensor cores (sm89+: H100, L4, "
                          f"MI300), this GPU is sm{capability[0]}{capability[1]}; leave the recipe unset")
+    if config.grouped_mm.float8.enabled and not _float8_grouped_gemm_runs(capability):
+        here = f"sm{capability[0]}{capability[1]}" if capability else device.type
+        raise ValueError("--quantize.grouped_mm.float8.fqns needs torchao's float8 grouped GEMM (Triton kernels on "
+                         f"an SM90+ GPU: H100, H200, B200); this device is {here}{'' if _has_triton() else ' without Triton'}. "
+                         "Leave it unset; --quantize.grouped_mm.mx.recipe_name mxfp8_emulated_rceil tests grouped-GEMM "
+                         "quantization on any device")
     for flag, recipe in _mx_recipes(config):
         if recipe != "mxfp8_emulated_rceil" and (capability is None or capability < _MX_CAPABILITY):
             here = f"sm{capability[0]}{capability[1]}" if capability else device.type
             raise ValueError(f"{flag} {recipe} needs torchao's MXFP8 kernels on an SM100 GPU (B200, GB200); this "
                              f"device is {here}. Leave it unset, or use mxfp8_emulated_rceil to test the numerics "
                              "(PyTorch ops, slower than high precision)")
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def _float8_grouped_gemm_runs(capability: tuple[int, int] | None) -> bool:
+    """Whether torchao 0.18's float8 rowwise grouped GEMM can run: Triton, on an SM90+ GPU."""
+    return capability is not None and capability >= (9, 0) and _has_triton()
 
 
 def apply_quantization(model: nn.Module, config: QuantizeConfig) -> ConversionReport | None:
@@ -333,9 +377,12 @@ def apply_quantization(model: nn.Module, config: QuantizeConfig) -> ConversionRe
         converted, skipped = mx_linears(model, mx_linear)
         _convert_mx(model, mx_linear.recipe_name, frozenset(converted))
     experts = expert_modules(model)
-    converted_experts = [fqn for fqn in experts if any(p in fqn for p in config.grouped_mm.mx.fqns)]
-    if converted_experts:
-        _convert_mx(model, config.grouped_mm.mx.recipe_name, frozenset(converted_experts))
+    grouped = config.grouped_mm
+    converted_experts = [fqn for fqn in experts if any(p in fqn for p in grouped.mx.fqns + grouped.float8.fqns)]
+    if converted_experts and grouped.mx.enabled:
+        _convert_mx(model, grouped.mx.recipe_name, frozenset(converted_experts))
+    elif converted_experts:
+        _convert_float8_experts(model, frozenset(converted_experts))
     emulated = float8.emulate or any(recipe == "mxfp8_emulated_rceil" for _, recipe in _mx_recipes(config))
     return ConversionReport(converted=tuple(converted), skipped=skipped,
                             high_precision_experts=len(experts) - len(converted_experts), emulated=emulated,
@@ -353,6 +400,14 @@ def _convert_mx(model: nn.Module, recipe: str, names: frozenset[str]) -> None:
     for fqn, module in model.named_modules():
         if fqn in names and isinstance(module, nn.Linear):
             module.register_forward_pre_hook(_input_in_weight_dtype)
+
+
+def _convert_float8_experts(model: nn.Module, names: frozenset[str]) -> None:
+    """Give the grouped-experts modules ``names`` torchao's float8 weight wrappers: their
+    grouped GEMMs quantize both operands to float8 with one scale per row."""
+    mx, quantize_ = import_torchao_mx()
+    ao_config = mx.Float8TrainingOpConfig.from_recipe(mx.Float8TrainingRecipe.FP8_ROWWISE)
+    quantize_(model, ao_config, filter_fn=lambda _module, fqn: fqn in names)
 
 
 def _input_in_weight_dtype(module: nn.Linear, args: tuple) -> tuple | None:
