@@ -335,3 +335,12 @@ def test_float8_experts_are_converted_and_refused_where_the_kernel_cannot_run():
     check_quantize_supported(config, None, uses_fully_shard=False)
     with pytest.raises(ValueError, match="both convert the experts' grouped GEMMs; choose one"):
         QuantizeGroupedMMConfig(float8=Float8GroupedMMConfig(fqns=["experts"]), mx=MXGroupedMMConfig(fqns=["experts"]))
+
+
+def test_expert_names_that_match_nothing_are_refused():
+    """A grouped-GEMM flag whose names match no experts would convert nothing silently."""
+    with pytest.raises(ValueError, match=r"--quantize.grouped_mm.mx.fqns expert_ffn matches none of the model's "
+                                         r"grouped-experts modules \(layers.0.experts, layers.1.experts\)"):
+        apply_quantization(_MoE(), _mx_config(experts=["expert_ffn"]))
+    with pytest.raises(ValueError, match="it has none: not a MoE model"):
+        apply_quantization(_Model(), _mx_config(experts=["experts"]))

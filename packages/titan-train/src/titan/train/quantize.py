@@ -232,7 +232,7 @@ class ConversionReport:
     emulated: bool = False
     """Whether the low-precision matmuls are emulated in high precision."""
     converted_experts: tuple[str, ...] = ()
-    """Grouped-experts modules whose grouped GEMMs run in MXFP8."""
+    """Grouped-experts modules whose grouped GEMMs run in low precision (MXFP8 or float8)."""
 
     def summary(self, recipe: str) -> str:
         """One log line: how many linears (and experts) run in low precision, and the skipped
@@ -378,7 +378,12 @@ def apply_quantization(model: nn.Module, config: QuantizeConfig) -> ConversionRe
         _convert_mx(model, mx_linear.recipe_name, frozenset(converted))
     experts = expert_modules(model)
     grouped = config.grouped_mm
-    converted_experts = [fqn for fqn in experts if any(p in fqn for p in grouped.mx.fqns + grouped.float8.fqns)]
+    patterns = grouped.mx.fqns + grouped.float8.fqns
+    converted_experts = [fqn for fqn in experts if any(p in fqn for p in patterns)]
+    if patterns and not converted_experts:
+        flag = "--quantize.grouped_mm.mx.fqns" if grouped.mx.enabled else "--quantize.grouped_mm.float8.fqns"
+        raise ValueError(f"{flag} {' '.join(patterns)} matches none of the model's grouped-experts modules "
+                         f"({_abbreviate(experts) if experts else 'it has none: not a MoE model'})")
     if converted_experts and grouped.mx.enabled:
         _convert_mx(model, grouped.mx.recipe_name, frozenset(converted_experts))
     elif converted_experts:
