@@ -269,9 +269,15 @@ def test_dry_run_converts_float8_before_the_layout_like_titan_train():
     lines = []
     cfg = parse_train_args(["--config", "llama3_8b", "--parallelism.tensor_parallel_degree", "2",
                             "--quantize.linear.float8.recipe", "rowwise"])
-    run_dry_run(cfg, world_size=8, print_fn=lines.append)
+    (converted,) = run_dry_run(cfg, world_size=8, print_fn=lines.append)
     # 32 blocks x 7 linears converted; the output projection kept.
     assert "dry run: float8 rowwise: converted 224 of 225 linears" in lines[0]
+    # The conversion's casts are weight-sized transients: the per-token activations, measured
+    # at 64 tokens, are the unconverted block's (measured on the converted block, one block's
+    # backward read 64 GiB instead of 1.6 at FSDP 8, and the memory check refused the run).
+    (plain,) = run_dry_run(parse_train_args(["--config", "llama3_8b", "--parallelism.tensor_parallel_degree", "2"]),
+                           world_size=8, print_fn=lambda s: None)
+    assert converted.total_bytes == plain.total_bytes and converted.recompute_bytes == plain.recompute_bytes
     with pytest.raises(ValueError, match="needs FSDP2"):
         run_dry_run(parse_train_args(["--config", "llama3_8b", "--parallelism.tensor_parallel_degree", "8",
                                       "--quantize.linear.float8.recipe", "tensorwise",

@@ -88,8 +88,11 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
 
     conversions = []
 
+    def unconverted():
+        return spec.build(config.model.flavor, **config.model.overrides(), vocab_size=vocab, max_seq_len=training.seq_len)
+
     def model_fn():
-        model = spec.build(config.model.flavor, **config.model.overrides(), vocab_size=vocab, max_seq_len=training.seq_len)
+        model = unconverted()
         # Converted as `titan train` converts it, before any parallelism.
         conversions.append(apply_quantization(model, config.quantize))
         return model
@@ -120,6 +123,7 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
         activation_dtype=training.mixed_precision_param,
         loss_chunk_tokens=training.loss_chunk_tokens,
         print_fn=print_fn,
+        measure_fn=unconverted,  # per-token activations; a conversion's casts are weight-sized
     )
 
 

@@ -480,7 +480,8 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             activation_checkpoint, compile, local_batch_size: int, seq_len: int,
             global_batch_size: int = -1, optimizer_states: int = 2,
             activation_dtype: str = "float32", loss_chunk_tokens: int = 0,
-            print_fn: Callable[[str], None] | None = print) -> list[RankEstimate]:
+            print_fn: Callable[[str], None] | None = print,
+            measure_fn: Callable[[], nn.Module] | None = None) -> list[RankEstimate]:
     """Validate and parallelize a configuration for `world_size` ranks on this one CPU.
 
     `model_fn()` builds the model (it is called under the meta device). Prints, and returns,
@@ -489,7 +490,10 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     activations (in `activation_dtype`, the FSDP compute dtype) with the loss's peak
     (`loss_peak_bytes`, chunked by `loss_chunk_tokens`) and FSDP's unsharded copies
     (`fsdp_buffer_bytes`): the rules `titan plan` uses. Must run in a process without a
-    process group.
+    process group. `measure_fn` builds the model whose blocks' activations are measured
+    (`measure_block_units`; default `model_fn`): the unconverted model when `model_fn`
+    converts linears to float8 or MXFP8, whose casts are transients the size of the weights,
+    not of the tokens — measured at 64 tokens they would scale up to tens of GiB.
     """
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group")
@@ -500,7 +504,7 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
                            local_batch_size=local_batch_size)
     per_pp = world_size // dims.pp
     # What one block keeps, measured at the real shapes on fake tensors (None: the rules).
-    measured = measure_block_units(model_fn, seq_len=min(seq_len, 64), dtype=DTYPES[activation_dtype],
+    measured = measure_block_units(measure_fn or model_fn, seq_len=min(seq_len, 64), dtype=DTYPES[activation_dtype],
                                    selective=activation_checkpoint.mode == "selective" and activation_checkpoint.selective_op,
                                    compiled=bool(getattr(compile, "enable", False)))
     estimates = []
