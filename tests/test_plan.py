@@ -177,6 +177,10 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 ACTIVATION_LAYOUTS = {  # name: (TP degree, extra flags)
     "one_process": (1, []),
     "one_process_compiled": (1, ["--compile.enable"]),
+    # Compiled, the per-op policy's saved tensors are the compiled region's, which autograd's
+    # hooks see (eager, the checkpoint keeps them itself: the units test below covers it).
+    "one_process_compiled_selective": (1, ["--compile.enable", "--activation_checkpoint.mode", "selective",
+                                           "--activation_checkpoint.selective_op"]),
     "tp2_sp": (2, TP2),
     "tp2_no_sp": (2, [*TP2, "--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_loss_parallel"]),
 }
@@ -203,7 +207,8 @@ def test_block_activations_equal_what_autograd_saves_under_tp(tmp_path, name):
     launch(tp, [str(worker), str(tmp_path / "out"), *flags], tmp_path / "launch.log", timeout=300, torchrun=False)
     config = parse_train_args(flags)
     facts, _, _ = model_facts(config)
-    layout = _layout(tp=tp, local_batch_size=2, microbatch_size=2)
+    layout = _layout(tp=tp, local_batch_size=2, microbatch_size=2,
+                     ac="selective" if "--activation_checkpoint.selective_op" in layout_flags else "none")
     predicted = predict(facts, layout, workload_for(config, tp, 2 * 128, 0.0), HARDWARE["H100"]).memory["activations"]
     for rank in range(tp):  # every rank holds the same share
         saved = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())["block_saved_bytes"]

@@ -218,8 +218,11 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
           f"{gpus} x {hw.name} ({hw.devices_per_node} per node); batch {work.global_batch_size} x "
           f"{work.seq_len} tokens; compile {'on' if work.compile else 'off'}, float8 "
           f"{'on' if work.float8 else 'off'}; {len(preds)} valid layouts, {fitting} fit in memory")
-    print(f"a block keeps {facts.none_units:.1f} / {facts.selective_units:.1f} / 1 model-width activations per "
-          f"token (AC none / selective / full); its backward holds {facts.backward_units:.1f} more")
+    none, selective = facts.none_units, facts.selective_units
+    if work.compile:  # what the compiled block keeps, where it was measured
+        none, selective = facts.none_units_compiled or none, facts.selective_units_compiled or selective
+    print(f"a{' compiled' if work.compile else ''} block keeps {none:.1f} / {selective:.1f} / 1 model-width "
+          f"activations per token (AC none / selective / full); its backward holds {facts.backward_units:.1f} more")
     print(format_table(preds, hw, opts.top))
     verified = f"; the first {min(opts.verify, len(preds))} passed the dry run" if opts.verify else ""
     print(f"planned in {time.perf_counter() - start:.1f} s{verified}", file=sys.stderr)

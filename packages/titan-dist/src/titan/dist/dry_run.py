@@ -55,7 +55,9 @@ def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
     top, parameter gradients aside ("backward": the activation gradients in flight), and what
     it keeps without AC when `compiled` ("none_compiled": the forward outputs AOTAutograd's
     min-cut partitioner, which inductor uses, saves for the backward, plus the block input;
-    otherwise equal to "none").
+    otherwise equal to "none"), and with per-op selective AC when `compiled` and `selective`
+    ("selective_compiled", the same partition under the policy's tags; otherwise equal to
+    "selective").
 
     Measured by running the forward up to a block, and that block's backward, on fake tensors
     (no memory, no compute, the real shapes) under torch's `MemTracker`, in about a second:
@@ -76,9 +78,12 @@ def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
             units = {"none": kept, "backward": backward, "none_compiled": kept}
             if selective:
                 units["selective"], _ = _measure_block(model_fn, seq_len, index, per_op=True)
+                units["selective_compiled"] = units["selective"]
             if compiled:
                 try:
                     units["none_compiled"] = _measure_compiled_block(model_fn, seq_len, index)
+                    if selective:
+                        units["selective_compiled"] = _measure_compiled_block(model_fn, seq_len, index, per_op=True)
                 except Exception:  # noqa: BLE001 - a block AOTAutograd cannot trace: as eager
                     pass
             per_kind.append((units, count))
@@ -171,15 +176,28 @@ def _measure_block(model_fn: Callable[[], nn.Module], seq_len: int, index: int, 
         return marks[0] / unit, allocated / unit
 
 
-def _measure_compiled_block(model_fn: Callable[[], nn.Module], seq_len: int, index: int) -> float:
-    """Units block `index` keeps without AC when compiled: its forward traced by AOTAutograd
-    on fake tensors and split by the min-cut partitioner; the saved tensors are the forward
-    graph's outputs beyond the block's own, each storage once, the inputs' (parameters, the
-    block input) aside; the block input then counts as one unit, as in eager."""
+def _measure_compiled_block(model_fn: Callable[[], nn.Module], seq_len: int, index: int, *,
+                            per_op: bool = False) -> float:
+    """Units block `index` keeps when compiled, without AC or (`per_op`) with titan's per-op
+    selective AC: its forward traced by AOTAutograd on fake tensors and split by the min-cut
+    partitioner, which honours the policy's save / recompute tags; the saved tensors are the
+    forward graph's outputs beyond the block's own, each storage once, the inputs'
+    (parameters, the block input) aside; the block input then counts as one unit, as in
+    eager."""
     from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
     from torch.multiprocessing.reductions import StorageWeakRef
+
+    from titan.dist.activation_checkpoint import checkpoint_block
+
+    def partition(joint, inputs, **kwargs):
+        # Outside torch.compile no graph id is given to the policy's tagged nodes; one
+        # checkpointed region: give them all the same.
+        for node in joint.graph.nodes:
+            if "recompute" in node.meta and node.meta.get("ac_graph_id") is None:
+                node.meta["ac_graph_id"] = 1
+        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
 
     saved: list[int] = []
 
@@ -199,11 +217,12 @@ def _measure_compiled_block(model_fn: Callable[[], nn.Module], seq_len: int, ind
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model_fn()
         block = _nth_block(model, index)
+        if per_op:
+            checkpoint_block(block, per_op=True)
         names = [name for name, _ in block.named_parameters()]
         eager = block.forward
         traced = aot_function(lambda params, args, kwargs: functional_call(block, dict(zip(names, params)), args, kwargs),
-                              fw_compiler=count_saved, bw_compiler=make_boxed_func,
-                              partition_fn=min_cut_rematerialization_partition)
+                              fw_compiler=count_saved, bw_compiler=make_boxed_func, partition_fn=partition)
 
         def forward(*args, **kwargs):
             block.forward = eager  # functional_call runs the block's own forward
@@ -391,7 +410,7 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
     if measured:
         # Compiled blocks keep less without AC (the compile config asked for the measurement).
         none, backward = measured["none_compiled"], measured["backward"]
-        selective = measured.get("selective", selective)
+        selective = measured.get("selective_compiled", selective)
     # Sequence parallel shards the residual stream over tp; without it only matmul
     # intermediates are sharded: count half of it as sharded.
     tp_div = dims.tp if cfg.enable_sequence_parallel else max(1.0, dims.tp / 2)

@@ -227,6 +227,9 @@ class ModelFacts:
     none_units_compiled: float | None = None
     """What a compiled block keeps without AC (measured with AOTAutograd's partitioner; None:
     as `none_units`)."""
+    selective_units_compiled: float | None = None
+    """What a compiled block keeps under titan's per-op selective AC (measured the same way;
+    None: as `selective_units`)."""
     backward_units: float = ACT_UNITS_PER_TOKEN["none"]
     """Model-width units per token a block's backward allocates for the activations' gradients
     (measured, else bounded by what the block keeps without AC)."""
@@ -275,7 +278,8 @@ class ModelFacts:
                    float8_cast_width=sum(m.in_features + m.out_features for m in linears),
                    **(block_units and {"none_units": block_units["none"], "selective_units": block_units["selective"],
                                        "backward_units": block_units["backward"],
-                                       "none_units_compiled": block_units.get("none_compiled")}
+                                       "none_units_compiled": block_units.get("none_compiled"),
+                                       "selective_units_compiled": block_units.get("selective_compiled")}
                       or {"selective_units": sum(selective_op_units(b, int(dim)) for b in selective)
                           / max(len(selective), 1)}))
 
@@ -457,7 +461,9 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     held, micro = _inflight_tokens(layout, work, pp_rank)
     width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
     none = facts.none_units_compiled if work.compile and facts.none_units_compiled else facts.none_units
-    kept = {"none": none, "selective": facts.selective_units, "full": ACT_UNITS_PER_TOKEN["full"]}[layout.ac]
+    selective = (facts.selective_units_compiled if work.compile and facts.selective_units_compiled
+                 else facts.selective_units)
+    kept = {"none": none, "selective": selective, "full": ACT_UNITS_PER_TOKEN["full"]}[layout.ac]
     # Under TP the inputs of attention and feed-forward are gathered whole (SP) before the
     # sharded matmuls save them: those 2 units are not divided by TP. Without SP the two
     # RMSNorms run on the whole sequence too, and each keeps 3 units (with no AC).
