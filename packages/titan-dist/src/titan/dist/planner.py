@@ -121,7 +121,7 @@ class Hardware:
     """Time of a reduce-scatter relative to an all-gather moving the same bytes. 1 where the
     reduction is free beside the link (NCCL: the sums run on the GPU's SMs far faster than
     the link delivers bytes); gloo on CPU sums on the cores the training uses, and measured
-    1.4-1.6 for 2 ranks (`tools/plan_calibrate_cpu.py` measures it)."""
+    1.3-1.6 for 2 ranks (`tools/plan_calibrate_cpu.py` measures it)."""
     comm_overlap: float = 1.0
     """Fraction of a collective's time that can run while the device computes (FSDP's
     prefetched gathers and reduce-scatters, async TP). 1 on GPUs, whose copy engines and spare
