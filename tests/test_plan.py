@@ -474,6 +474,10 @@ def test_published_comparison_script_reproduces_its_figures():
     spec.loader.exec_module(tool)
     fitted = tool.compare(tool.PUBLISHED[0])
     assert abs(fitted["error"]) < 0.02 and fitted["rank"] == 1
+    # Compiled under torchtitan's per-op policy, measured as AOTAutograd partitions it (6.8
+    # units for an 8B block; counting eager's 7.75 read +5%).
+    compiled = tool.compare(tool.PUBLISHED[1])
+    assert abs(compiled["memory_error"]) < 0.02, compiled
     seventy = tool.compare(next(row for row in tool.PUBLISHED if row.recipe == "llama3_70b"))
     assert abs(seventy["error"]) < 0.20 and seventy["rank"] is not None
     two_d = tool.compare(next(row for row in tool.PUBLISHED if row.recipe == "llama3_405b" and row.layout.pp == 1))

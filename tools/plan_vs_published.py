@@ -19,6 +19,9 @@ import argparse
 import dataclasses
 import json
 
+import torch
+from titan.dist.dry_run import measure_compiled_block_units
+from titan.dist.fsdp import DTYPES
 from titan.dist.plan import blocks_of
 from titan.dist.planner import (
     Layout,
@@ -30,6 +33,8 @@ from titan.dist.planner import (
 )
 
 from titan.recipes.cli import parse_train_args
+from titan.recipes.dry_run import vocab_size_for
+from titan.recipes.families import model_spec
 from titan.recipes.plan import model_facts, passes_engine_checks
 
 
@@ -124,14 +129,50 @@ def torchtitan_selective_units(model) -> float:
     return 2 + kept / ffn.w2.out_features
 
 
+def torchtitan_policy_context():
+    """Selective-checkpoint contexts of torchtitan's per-op policy for a Llama block: save the
+    attention's output and every second matmul's (the first, third, ... of the block's
+    forward), recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    attention = {torch.ops.aten._scaled_dot_product_flash_attention.default,
+                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                 torch.ops.aten._scaled_dot_product_efficient_attention.default}
+    matmuls = [0]
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op == torch.ops.aten.mm.default:
+            if not ctx.is_recompute:
+                matmuls[0] += 1
+            return CheckpointPolicy.MUST_SAVE if matmuls[0] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in attention else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def torchtitan_compiled_selective_units(config) -> float:
+    """What a compiled block keeps under torchtitan's per-op policy, measured as titan's own
+    (AOTAutograd's min-cut partition under the policy's tags, fake tensors)."""
+    spec = model_spec(config.model.name)
+    vocab, _ = vocab_size_for(config)
+
+    def build():
+        return spec.build(config.model.flavor, vocab_size=vocab, max_seq_len=config.training.seq_len)
+
+    return measure_compiled_block_units(build, dtype=DTYPES[config.training.mixed_precision_param],
+                                        context_fn=torchtitan_policy_context)
+
+
 def compare(row: Published) -> dict:
     """The planner's prediction of `row`'s own layout and that layout's rank among all."""
     config = parse_train_args(["--config", row.recipe, "--training.seq_len", str(row.seq_len),
                                *(["--compile.enable"] if row.compile else [])])
     _, hw = parse_gpus(f"{row.gpus}xH100", BENCHMARK_H100)
     facts, n_experts, probe = model_facts(config)
-    # torchtitan's policy, not titan's: what a compiled block keeps under it is not measured.
-    facts = dataclasses.replace(facts, selective_units=torchtitan_selective_units(probe), selective_units_compiled=None)
+    # torchtitan's policy, not titan's, eager and compiled.
+    facts = dataclasses.replace(facts, selective_units=torchtitan_selective_units(probe),
+                                selective_units_compiled=torchtitan_compiled_selective_units(config) if row.compile
+                                else None)
     work = Workload(global_batch_size=row.global_batch, seq_len=row.seq_len, compile=row.compile, float8=row.float8,
                     async_tp=row.async_tp)
     own = predict(facts, row.layout, work, hw)

@@ -40,14 +40,17 @@ def _op_context():
     return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
-def checkpoint_block(block: nn.Module, *, per_op: bool = False) -> nn.Module:
-    """Make `block` recompute its activations in backward, in place.
+def checkpoint_block(block: nn.Module, *, per_op: bool = False, context_fn: Callable | None = None) -> nn.Module:
+    """Make `block` recompute its activations in backward, in place: all of them, or with
+    `per_op` what titan's per-op policy does not save (`context_fn`: another policy's
+    selective-checkpoint contexts instead).
 
     The block's `forward` is wrapped rather than the module itself, so parameter names
     (and therefore checkpoints and optimizer groups) are the same with and without AC.
     """
     inner: Callable = block.forward
-    kwargs = {"context_fn": _op_context} if per_op else {}
+    context_fn = context_fn or (_op_context if per_op else None)
+    kwargs = {"context_fn": context_fn} if context_fn else {}
 
     @functools.wraps(inner)
     def forward(*args, **kw):

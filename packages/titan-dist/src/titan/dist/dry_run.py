@@ -176,14 +176,27 @@ def _measure_block(model_fn: Callable[[], nn.Module], seq_len: int, index: int, 
         return marks[0] / unit, allocated / unit
 
 
+def measure_compiled_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
+                                 dtype: torch.dtype = torch.float32, context_fn: Callable | None = None) -> float:
+    """Model-width units per token the model's first block keeps when compiled, under the
+    selective-checkpoint contexts `context_fn` returns (another framework's per-op policy, say;
+    None: no AC), as `measure_block_units` measures titan's own."""
+    previous = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        return _measure_compiled_block(model_fn, seq_len, 0, context_fn=context_fn)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def _measure_compiled_block(model_fn: Callable[[], nn.Module], seq_len: int, index: int, *,
-                            per_op: bool = False) -> float:
+                            per_op: bool = False, context_fn: Callable | None = None) -> float:
     """Units block `index` keeps when compiled, without AC or (`per_op`) with titan's per-op
-    selective AC: its forward traced by AOTAutograd on fake tensors and split by the min-cut
-    partitioner, which honours the policy's save / recompute tags; the saved tensors are the
-    forward graph's outputs beyond the block's own, each storage once, the inputs'
-    (parameters, the block input) aside; the block input then counts as one unit, as in
-    eager."""
+    selective AC (`context_fn`: another policy's): its forward traced by AOTAutograd on fake
+    tensors and split by the min-cut partitioner, which honours the policy's save /
+    recompute tags; the saved tensors are the forward graph's outputs beyond the block's own,
+    each storage once, the inputs' (parameters, the block input) aside; the block input then
+    counts as one unit, as in eager."""
     from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
@@ -217,8 +230,8 @@ def _measure_compiled_block(model_fn: Callable[[], nn.Module], seq_len: int, ind
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model_fn()
         block = _nth_block(model, index)
-        if per_op:
-            checkpoint_block(block, per_op=True)
+        if per_op or context_fn:
+            checkpoint_block(block, per_op=per_op, context_fn=context_fn)
         names = [name for name, _ in block.named_parameters()]
         eager = block.forward
         traced = aot_function(lambda params, args, kwargs: functional_call(block, dict(zip(names, params)), args, kwargs),
