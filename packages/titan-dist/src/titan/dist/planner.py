@@ -132,6 +132,14 @@ class Hardware:
     efficiency: efficiency scales with M / (M + this), normalized to the fitted run's 16,384
     (small microbatches, deep CP and PP splits make small, slow GEMMs)."""
 
+    def __post_init__(self) -> None:
+        for name, low, high in (("comm_overlap", 0.0, 1.0), ("link_efficiency", 1e-9, 1.0)):
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"--hardware.{name} {getattr(self, name)} must be in [{low:g}, {high:g}]")
+        if self.reduce_scatter_cost <= 0:
+            raise ValueError(f"--hardware.reduce_scatter_cost {self.reduce_scatter_cost} must be > 0 (a reduce-scatter's "
+                             "time over an all-gather's of the same bytes)")
+
     @property
     def memory_bytes(self) -> float:
         """Device memory in bytes."""
