@@ -426,6 +426,9 @@ def test_titan_plan_prints_a_ranked_table_whose_rows_pass_the_dry_run(capsys):
     assert len(rows) == 5
     speeds = [float(r.split("|")[5].replace(",", "")) for r in rows]
     assert speeds == sorted(speeds, reverse=True)
+    # Rows closer than the model's error are called ties (here the first five are within 1%).
+    ties = next(line for line in out.splitlines() if "layouts predict within 5% of the first" in line)
+    assert int(ties.split()[0]) >= 5 and "not a finding" in ties
     flags = [line.split("titan train ", 1)[1].split() for line in out.splitlines() if ": titan train " in line]
     assert len(flags) == 5
     # The printed flags are `titan train` flags: they parse, and the layout they select passes.

@@ -180,10 +180,20 @@ def format_table(preds: list[Prediction], hw: Hardware, top: int) -> str:
         mem = f"{p.memory['total'] / 1024**3:.1f} / {hw.memory_gib:.0f} GiB" + ("" if p.fits else " (does not fit)")
         lines.append(f"| {i} | {lay.describe()} | {lay.ac} | {batch} | {p.tokens_per_s_per_device:,.0f} | "
                      f"{100 * p.mfu:.1f}% | {mem} | {p.dominant} |")
+    close = sum(p.fits and p.tokens_per_s_per_device >= (1 - NEAR_TIE) * preds[0].tokens_per_s_per_device
+                for p in preds)
+    if close > 1:
+        lines.append(f"\n{close} layouts predict within {100 * NEAR_TIE:.0f}% of the first: closer than the model's "
+                     "error against published runs (within 20% on 16 of 19), so their order is not a finding; "
+                     "--verify dry-runs the first ones, a short run on the cluster decides")
     lines.append("")
     for i, p in enumerate(preds[:top], 1):
         lines.append(f"{i}: titan train " + " ".join(p.layout.flags()))
     return "\n".join(lines)
+
+
+NEAR_TIE = 0.05
+"""Predictions this close to the first one are reported as ties: within the model's error."""
 
 
 def plan(argv: Sequence[str], parse_train_args) -> int:
