@@ -33,8 +33,7 @@ from titan.dist.planner import (
 )
 
 from titan.recipes.cli import parse_train_args
-from titan.recipes.dry_run import vocab_size_for
-from titan.recipes.families import model_spec
+from titan.recipes.dry_run import model_builder
 from titan.recipes.plan import model_facts, passes_engine_checks
 
 
@@ -153,12 +152,7 @@ def torchtitan_policy_context():
 def torchtitan_compiled_selective_units(config) -> float:
     """What a compiled block keeps under torchtitan's per-op policy, measured as titan's own
     (AOTAutograd's min-cut partition under the policy's tags, fake tensors)."""
-    spec = model_spec(config.model.name)
-    vocab, _ = vocab_size_for(config)
-
-    def build():
-        return spec.build(config.model.flavor, vocab_size=vocab, max_seq_len=config.training.seq_len)
-
+    build, _, _ = model_builder(config)
     return measure_compiled_block_units(build, dtype=DTYPES[config.training.mixed_precision_param],
                                         context_fn=torchtitan_policy_context)
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from titan.dist import ParallelDims, RankEstimate, check_compile_granularity, dry_run
 from titan.train.config import TrainerConfig
 from titan.train.quantize import apply_quantization, check_quantize_supported
+from torch import nn
 
 from titan.recipes.families import model_spec
 
@@ -78,18 +79,27 @@ def vocab_size_for(config: TrainerConfig) -> tuple[int, str]:
     return model.resolve_vocab_size(size), source if model.vocab_size is None else "--model.vocab_size"
 
 
-def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[RankEstimate]:
-    """Validate and parallelize ``config`` for ``world_size`` ranks on the meta device with a
-    fake process group; prints and returns one estimate per pipeline rank."""
+def model_builder(config: TrainerConfig) -> tuple[Callable[[], nn.Module], int, str]:
+    """(a function building the recipe's model as the trainer would, before any conversion or
+    parallelism; its vocabulary; where that came from, as `vocab_size_for`)."""
     spec = model_spec(config.model.name)
     spec.check_flavor(config.model.flavor)
     vocab, source = vocab_size_for(config)
+
+    def build() -> nn.Module:
+        return spec.build(config.model.flavor, **config.model.overrides(), vocab_size=vocab,
+                          max_seq_len=config.training.seq_len)
+
+    return build, vocab, source
+
+
+def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[RankEstimate]:
+    """Validate and parallelize ``config`` for ``world_size`` ranks on the meta device with a
+    fake process group; prints and returns one estimate per pipeline rank."""
+    unconverted, vocab, source = model_builder(config)
     training = config.training
 
     conversions = []
-
-    def unconverted():
-        return spec.build(config.model.flavor, **config.model.overrides(), vocab_size=vocab, max_seq_len=training.seq_len)
 
     def model_fn():
         model = unconverted()

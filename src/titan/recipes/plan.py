@@ -37,8 +37,7 @@ from titan.models.common.moe import moe_modules
 from titan.train.config import TrainerConfig
 from titan.train.quantize import float8_linears
 
-from titan.recipes.dry_run import run_dry_run, vocab_size_for
-from titan.recipes.families import model_spec
+from titan.recipes.dry_run import model_builder, run_dry_run
 
 USAGE = ("titan plan --gpus <N>x<" + "|".join(HARDWARE) + "> [--config RECIPE] [--nodes K] "
          "[--global_batch_tokens T] [--top 10] [--json] [--verify N] [--memory_headroom 0.1] "
@@ -98,13 +97,8 @@ def pinned_choices(argv: Sequence[str]) -> dict[str, object]:
 
 def model_facts(config: TrainerConfig):
     """(ModelFacts, routed experts per MoE layer or 0, the meta model) of the recipe's model."""
-    spec = model_spec(config.model.name)
-    spec.check_flavor(config.model.flavor)
-    vocab, _ = vocab_size_for(config)
+    build, _, _ = model_builder(config)
     seq = config.training.seq_len
-    def build():
-        return spec.build(config.model.flavor, **config.model.overrides(), vocab_size=vocab, max_seq_len=seq)
-
     with torch.device("meta"):
         model = build()
     moes = [m for _, m in moe_modules(model)]
