@@ -145,26 +145,6 @@ class QuantizeLinearConfig:
 
 
 @dataclass(kw_only=True)
-class MXGroupedMMConfig:
-    """MXFP8 grouped GEMMs for MoE experts (``--quantize.grouped_mm.mx.*``, torchtitan's names)."""
-
-    fqns: list[str] = field(default_factory=list)
-    """Grouped-experts modules to convert: those whose name contains any of these strings
-    (e.g. "experts"); empty: none."""
-    recipe_name: str = "mxfp8_rceil"
-    """One of the MXFP8 recipes (see ``--quantize.linear.mx.recipe_name``); "mxfp8_emulated_rceil"
-    runs on any device."""
-
-    def __post_init__(self) -> None:
-        _check_mx_recipe("--quantize.grouped_mm.mx.recipe_name", self.recipe_name)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether any experts are converted."""
-        return bool(self.fqns)
-
-
-@dataclass(kw_only=True)
 class Float8GroupedMMConfig:
     """Float8 (rowwise) grouped GEMMs for MoE experts (``--quantize.grouped_mm.float8.*``,
     torchtitan's names). torchao 0.18 runs them with Triton kernels on SM90+ GPUs only."""
@@ -177,6 +157,19 @@ class Float8GroupedMMConfig:
     def enabled(self) -> bool:
         """Whether any experts are converted."""
         return bool(self.fqns)
+
+
+@dataclass(kw_only=True)
+class MXGroupedMMConfig(Float8GroupedMMConfig):
+    """MXFP8 grouped GEMMs for MoE experts (``--quantize.grouped_mm.mx.*``, torchtitan's names):
+    the experts chosen as for float8, in one of the MXFP8 recipes."""
+
+    recipe_name: str = "mxfp8_rceil"
+    """One of the MXFP8 recipes (see ``--quantize.linear.mx.recipe_name``); "mxfp8_emulated_rceil"
+    runs on any device."""
+
+    def __post_init__(self) -> None:
+        _check_mx_recipe("--quantize.grouped_mm.mx.recipe_name", self.recipe_name)
 
 
 @dataclass(kw_only=True)
@@ -260,8 +253,7 @@ def _abbreviate(names: list[str], shown: int = 3) -> str:
 
 
 def _skip_reason(fqn: str, module: nn.Linear, plan_skipped: frozenset[str], filter_fqns: list[str], *,
-                 filter_flag: str = "--quantize.linear.float8.filter_fqns",
-                 dim_multiple: int = _FLOAT8_DIM_MULTIPLE) -> str | None:
+                 filter_flag: str, dim_multiple: int) -> str | None:
     """Why linear ``fqn`` stays in high precision, or None when it is converted."""
     if fqn in plan_skipped:
         return "output layer or TP-replicated linear: router, low-rank projection (model plan)"
@@ -328,18 +320,17 @@ def check_quantize_supported(config: QuantizeConfig, device: torch.device | None
     if device is None:
         return
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    here = f"sm{capability[0]}{capability[1]}" if capability else device.type
     if float8.enabled and capability is not None and capability < (8, 9):
         raise ValueError(f"--quantize.linear.float8.recipe needs float8 tensor cores (sm89+: H100, L4, "
-                         f"MI300), this GPU is sm{capability[0]}{capability[1]}; leave the recipe unset")
+                         f"MI300), this GPU is {here}; leave the recipe unset")
     if config.grouped_mm.float8.enabled and not _float8_grouped_gemm_runs(capability):
-        here = f"sm{capability[0]}{capability[1]}" if capability else device.type
         raise ValueError("--quantize.grouped_mm.float8.fqns needs torchao's float8 grouped GEMM (Triton kernels on "
                          f"an SM90+ GPU: H100, H200, B200); this device is {here}{'' if _has_triton() else ' without Triton'}. "
                          "Leave it unset; --quantize.grouped_mm.mx.recipe_name mxfp8_emulated_rceil tests grouped-GEMM "
                          "quantization on any device")
     for flag, recipe in _mx_recipes(config):
         if recipe != "mxfp8_emulated_rceil" and (capability is None or capability < _MX_CAPABILITY):
-            here = f"sm{capability[0]}{capability[1]}" if capability else device.type
             raise ValueError(f"{flag} {recipe} needs torchao's MXFP8 kernels on an SM100 GPU (B200, GB200); this "
                              f"device is {here}. Leave it unset, or use mxfp8_emulated_rceil to test the numerics "
                              "(PyTorch ops, slower than high precision)")
@@ -386,8 +377,10 @@ def apply_quantization(model: nn.Module, config: QuantizeConfig) -> ConversionRe
                          f"({_abbreviate(experts) if experts else 'it has none: not a MoE model'})")
     if converted_experts and grouped.mx.enabled:
         _convert_mx(model, grouped.mx.recipe_name, frozenset(converted_experts))
-    elif converted_experts:
-        _convert_float8_experts(model, frozenset(converted_experts))
+    elif converted_experts:  # float8 rowwise
+        mx, _ = import_torchao_mx()
+        _wrap_weights(model, mx.Float8TrainingOpConfig.from_recipe(mx.Float8TrainingRecipe.FP8_ROWWISE),
+                      frozenset(converted_experts))
     emulated = float8.emulate or any(recipe == "mxfp8_emulated_rceil" for _, recipe in _mx_recipes(config))
     return ConversionReport(converted=tuple(converted), skipped=skipped,
                             high_precision_experts=len(experts) - len(converted_experts), emulated=emulated,
@@ -395,23 +388,22 @@ def apply_quantization(model: nn.Module, config: QuantizeConfig) -> ConversionRe
 
 
 def _convert_mx(model: nn.Module, recipe: str, names: frozenset[str]) -> None:
-    """Give the modules ``names`` torchao's MXFP8 weight wrappers (their parameters keep their
-    names and high-precision values)."""
-    mx, quantize_ = import_torchao_mx()
+    """Give the modules ``names`` torchao's MXFP8 weight wrappers (``recipe``); a converted
+    linear also widens a bf16 input to its weight's dtype under autocast."""
+    mx, _ = import_torchao_mx()
     ao_config = mx.MXFP8TrainingOpConfig.from_recipe(mx.MXFP8TrainingRecipe(recipe))
     # Token groups of any size: the experts' grouped GEMM pads each to the 32-row scale block.
-    ao_config = dataclasses.replace(ao_config, pad_token_groups_for_grouped_mm=True)
-    quantize_(model, ao_config, filter_fn=lambda _module, fqn: fqn in names)
+    _wrap_weights(model, dataclasses.replace(ao_config, pad_token_groups_for_grouped_mm=True), names)
     for fqn, module in model.named_modules():
         if fqn in names and isinstance(module, nn.Linear):
             module.register_forward_pre_hook(_input_in_weight_dtype)
 
 
-def _convert_float8_experts(model: nn.Module, names: frozenset[str]) -> None:
-    """Give the grouped-experts modules ``names`` torchao's float8 weight wrappers: their
-    grouped GEMMs quantize both operands to float8 with one scale per row."""
-    mx, quantize_ = import_torchao_mx()
-    ao_config = mx.Float8TrainingOpConfig.from_recipe(mx.Float8TrainingRecipe.FP8_ROWWISE)
+def _wrap_weights(model: nn.Module, ao_config, names: frozenset[str]) -> None:
+    """Swap the data of the modules ``names``' parameters for ``ao_config``'s torchao training
+    wrapper (MXFP8 or float8): the parameters keep their names and high-precision values,
+    and their matmuls and grouped GEMMs run in low precision."""
+    _, quantize_ = import_torchao_mx()
     quantize_(model, ao_config, filter_fn=lambda _module, fqn: fqn in names)
 
 
