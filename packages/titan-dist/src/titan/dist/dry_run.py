@@ -11,8 +11,9 @@ parameter count is read off the DTensor shards, so experts are counted sharded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -65,35 +66,37 @@ def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
     the model's blocks of each kind. None when an op has no fake kernel (CPU's grouped matmul
     takes bf16 only, so an fp32 MoE model); callers then use `ACT_UNITS_PER_TOKEN` and
     `selective_op_units`."""
-    previous = torch.get_default_dtype()
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)  # an op without a fake kernel is expected: the rules apply
     try:
-        torch.set_default_dtype(dtype)
-        fake_log.setLevel(logging.CRITICAL)  # an op without a fake kernel is expected: the rules apply
-        kinds = _block_kinds(model_fn)
-        per_kind = []
-        for index, count in kinds:
-            kept, backward = _measure_block(model_fn, seq_len, index, per_op=False)
-            units = {"none": kept, "backward": backward, "none_compiled": kept}
-            if selective:
-                units["selective"], _ = _measure_block(model_fn, seq_len, index, per_op=True)
-                units["selective_compiled"] = units["selective"]
-            if compiled:
-                try:
-                    units["none_compiled"] = _measure_compiled_block(model_fn, seq_len, index)
-                    if selective:
-                        units["selective_compiled"] = _measure_compiled_block(model_fn, seq_len, index, per_op=True)
-                except Exception:  # noqa: BLE001 - a block AOTAutograd cannot trace: as eager
-                    pass
-            per_kind.append((units, count))
+        with _default_dtype(dtype):
+            per_kind = [(_units_of_block(model_fn, seq_len, index, selective=selective, compiled=compiled), count)
+                        for index, count in _block_kinds(model_fn)]
     except Exception:  # noqa: BLE001 - any op without a fake kernel: fall back to the rules
         return None
     finally:
-        torch.set_default_dtype(previous)
         fake_log.setLevel(level)
     total = sum(count for _, count in per_kind)
     return {key: sum(units[key] * count for units, count in per_kind) / total for key in per_kind[0][0]}
+
+
+def _units_of_block(model_fn: Callable[[], nn.Module], seq_len: int, index: int, *, selective: bool,
+                    compiled: bool) -> dict[str, float]:
+    """`measure_block_units`' figures for block `index` alone."""
+    kept, backward = _measure_block(model_fn, seq_len, index, per_op=False)
+    units = {"none": kept, "backward": backward, "none_compiled": kept}
+    if selective:
+        units["selective"], _ = _measure_block(model_fn, seq_len, index, per_op=True)
+        units["selective_compiled"] = units["selective"]
+    if compiled:
+        try:
+            units["none_compiled"] = _measure_compiled_block(model_fn, seq_len, index)
+            if selective:
+                units["selective_compiled"] = _measure_compiled_block(model_fn, seq_len, index, per_op=True)
+        except Exception:  # noqa: BLE001 - a block AOTAutograd cannot trace: as eager
+            pass
+    return units
 
 
 def _block_kinds(model_fn: Callable[[], nn.Module]) -> list[tuple[int, int]]:
@@ -181,10 +184,17 @@ def measure_compiled_block_units(model_fn: Callable[[], nn.Module], *, seq_len: 
     """Model-width units per token the model's first block keeps when compiled, under the
     selective-checkpoint contexts `context_fn` returns (another framework's per-op policy, say;
     None: no AC), as `measure_block_units` measures titan's own."""
-    previous = torch.get_default_dtype()
-    try:
-        torch.set_default_dtype(dtype)
+    with _default_dtype(dtype):
         return _measure_compiled_block(model_fn, seq_len, 0, context_fn=context_fn)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build (fake) models in `dtype`, as the compute dtype runs them; restored after."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
     finally:
         torch.set_default_dtype(previous)
 
