@@ -139,3 +139,25 @@ def test_the_trainer_measures_its_data_wait(tmp_path):
     records = trainer.train()
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["data_wait_s"] >= 0.2 and 0 < r["data_wait_pct"] <= 100 for r in records), records
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_unsynced_steps_make_no_synchronizing_cuda_call(tmp_path):
+    """On a GPU the steps that do not log issue no call torch knows to block the host (a
+    blocking host-to-device copy such as a host token count moved over, ``.item()``,
+    a stream synchronize); the batch itself travels from pinned memory."""
+    trainer = _trainer(tmp_path, "--training.steps", "4", "--metrics.log_freq", "4")
+    train_step = trainer.train_step
+
+    def strict(microbatches, *, sync):
+        if sync:
+            return train_step(microbatches, sync=sync)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return train_step(microbatches, sync=sync)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    trainer.train_step = strict
+    records = trainer.train()
+    assert [r["step"] for r in records] == [1, 4]

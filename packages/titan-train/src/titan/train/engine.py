@@ -58,6 +58,7 @@ from titan.dist import (
     validate_against_model,
 )
 from titan.dist.comm import TRACE_FOLDER, is_peer_lost
+from titan.train.device_copy import BatchCopier
 from titan.train.fault_tolerance import FaultToleranceConfig, ReplicaGroups
 from titan.train.loss import IGNORE_INDEX, NonFiniteLossError
 from titan.train.lr_scheduler import LRSchedulerConfig, build_lr_scheduler
@@ -193,6 +194,7 @@ class TrainingEngine:
         self.dist_env = init_distributed(timeout_s=self.comm.init_timeout_seconds)
         setup_logging(self.dist_env.rank)
         self.device = self.dist_env.device
+        self._copy_to_device = BatchCopier(self.device)
         set_determinism(seed, deterministic, self.device)
         self.parallel_dims = ParallelDims.from_config(parallelism, world_size=self.dist_env.world_size)
         self.quantize = quantize or QuantizeConfig()
@@ -543,18 +545,21 @@ class TrainingEngine:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
 
-    def _prepare(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The microbatch on this device and, under context parallel, cut to this rank's
-        share of the sequence (every [B, S] key alike, ``positions`` added).
+    def to_device(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The keys of a microbatch the engine uses, on this device, without making the host
+        wait for queued work (see :class:`~titan.train.device_copy.BatchCopier`); tensors
+        already there pass through, so a loop may move its microbatches first (to count their
+        tokens on the device) and hand them to :meth:`forward_backward` after.
 
         Without document masking the loader's per-document ``positions`` and ``document_ids``
         are dropped: RoPE then runs across the packed row, as attention does.
         """
-        batch = {
-            k: v.to(self.device, non_blocking=True)
-            for k, v in batch.items()
-            if self.document_mask or k not in MODEL_INPUT_KEYS
-        }
+        return self._copy_to_device({k: v for k, v in batch.items() if self.document_mask or k not in MODEL_INPUT_KEYS})
+
+    def _prepare(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The microbatch on this device (:meth:`to_device`) and, under context parallel, cut
+        to this rank's share of the sequence (every [B, S] key alike, ``positions`` added)."""
+        batch = self.to_device(batch)
         if self.parallel_dims.cp_enabled:
             batch = shard_batch_dict_for_context_parallel(self.parallel_dims.mesh("cp"), batch)
             if batch["positions"].dim() == 1:

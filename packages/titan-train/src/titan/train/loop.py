@@ -255,8 +255,10 @@ class TrainingLoop:
 
     def _train_step(self, microbatches: list[dict[str, torch.Tensor]], *, sync: bool) -> StepResult:
         self.engine.start_step()
+        # Counted on the device: a host count copied over would make the host wait for the
+        # queued steps (a copy from pageable memory), a sync on every step.
+        microbatches = [self.engine.to_device(mb) for mb in microbatches]
         local_tokens = torch.stack([count_valid_tokens(mb["labels"]) for mb in microbatches]).sum().float()
-        local_tokens = local_tokens.to(self.engine.device)
         global_tokens = self.engine.sum_over(local_tokens.clone(), "dp")
         rank_loss = torch.zeros((), device=self.engine.device)
         for mb in microbatches:

@@ -73,8 +73,9 @@ class Validator:
         engine.train(False)
         try:
             for batch in self._fixed_batches():
+                batch = engine.to_device(batch)
                 loss_sum += engine.forward_only(batch, self._loss)
-                tokens += count_valid_tokens(batch["labels"]).to(device)
+                tokens += count_valid_tokens(batch["labels"])
         finally:
             engine.train(True)
         if engine.parallel_dims.pp_enabled:
