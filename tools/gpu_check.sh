@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check: the training benchmark (tools/bench/bench_train.py) for Llama 3.2 1B
+# One prepared GPU check: the tests that need a GPU (when pytest is there), then the training benchmark (tools/bench/bench_train.py) for Llama 3.2 1B
 # in bf16 on one GPU — titan's trainer, the hand-written loop and transformers, eager and
 # compiled, float8 off and on (when torchao is installed) — printing the markdown table and
 # writing outputs/gpu_check/{loops,compile,float8}.json. Under 8 minutes on an H100/H200. With
@@ -31,6 +31,15 @@ if "$python" -c "import torchao.float8" 2>/dev/null; then
     float8=(--float8 "${FLOAT8:-tensorwise}")
 else
     echo "gpu_check: torchao not installed, float8 sides skipped (pip install 'titan-train[float8]')"
+fi
+
+# The tests that need a GPU: no host wait on steps that do not log (the batch from pinned
+# memory on a side stream).
+if "$python" -c "import pytest" 2>/dev/null; then
+    (cd "$here" && timeout "${TIMEOUT_S:-160}" "$python" -m pytest -q -p no:cacheprovider -k "cuda or CUDA or gpu" \
+        tests/test_host_sync.py packages/titan-train/tests/test_device_copy.py) || echo "gpu_check: GPU tests FAILED"
+else
+    echo "gpu_check: pytest not installed, GPU tests skipped"
 fi
 
 # Three runs, each holding at most three copies of the 1B model with AdamW states (~20 GB each):
