@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
@@ -57,6 +58,14 @@ def _without_partial(grad: torch.Tensor) -> torch.Tensor:
     return grad.redistribute(grad.device_mesh, placements)
 
 
+@functools.lru_cache(maxsize=16)
+def _weights_on(weights: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The per-gradient weights as a device tensor, built once per gradient layout: a tensor
+    made from a host list every step is a copy from pageable memory, which on CUDA waits for
+    every queued kernel (a host sync on every step)."""
+    return torch.tensor(weights, device=device, dtype=dtype)
+
+
 def total_norm(grads: list[torch.Tensor], mesh: DeviceMesh | None,
                norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all `grads` as if they were one unsharded vector, with one collective."""
@@ -73,7 +82,7 @@ def total_norm(grads: list[torch.Tensor], mesh: DeviceMesh | None,
     weights = [1.0 / _copies(g, mesh) for g in grads] if mesh is not None else None
     parts = torch.stack([t.norm(norm_type) ** norm_type for t in locals_]).to(device)
     if weights is not None:
-        parts = parts * torch.tensor(weights, device=device, dtype=parts.dtype)
+        parts = parts * _weights_on(tuple(weights), device, parts.dtype)
     value = parts.sum()
     if mesh is not None:
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=_world_group_of(mesh))

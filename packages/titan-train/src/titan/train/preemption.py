@@ -54,7 +54,9 @@ class PreemptionGuard:
         by the previous call: every rank gets the same answer at the same call)."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return self.signalled
-        flag = torch.tensor([1.0 if self.signalled else 0.0], device=self.device)
+        # Filled on the device: a tensor made from host data would be a copy from pageable
+        # memory, which on CUDA waits for the queued steps.
+        flag = torch.full((1,), 1.0 if self.signalled else 0.0, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         previous, self._in_flight = self._in_flight, self._copy_to_host(flag)
         if previous is None:
