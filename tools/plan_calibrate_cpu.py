@@ -48,6 +48,9 @@ LAYOUTS = {
     "tp 2": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"], 8),
     "pp 2": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
                  "--parallelism.pipeline_parallel_microbatch_size", "2"], 8),
+    "pp 2 interleaved": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
+                             "--parallelism.pipeline_parallel_microbatch_size", "2",
+                             "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 8),
     "cp 2": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"], 8),
 }
 
@@ -170,11 +173,13 @@ def layout_of(name: str) -> Layout:
     ranks, flags, local = LAYOUTS[name]
     degrees = dict(zip(flags[::2], flags[1::2], strict=True))
     pp = int(degrees.get("--parallelism.pipeline_parallel_degree", 1))
+    schedule = degrees.get("--parallelism.pipeline_parallel_schedule", "1F1B")
     return Layout(pp=pp, dp_replicate=1, dp_shard=int(degrees.get("--parallelism.data_parallel_shard_degree", ranks)),
                   cp=int(degrees.get("--parallelism.context_parallel_degree", 1)),
                   tp=int(degrees.get("--parallelism.tensor_parallel_degree", 1)), ep=1, ac="none",
                   local_batch_size=local, microbatch_size=int(degrees.get(
-                      "--parallelism.pipeline_parallel_microbatch_size", local)), schedule="1F1B")
+                      "--parallelism.pipeline_parallel_microbatch_size", local)), schedule=schedule,
+                  stages_per_rank=2 if schedule == "Interleaved1F1B" else 1)
 
 
 def main() -> None:

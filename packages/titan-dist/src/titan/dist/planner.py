@@ -40,8 +40,11 @@ step time (worst pipeline stage)
     around the embedding and one around the output projection; without loss parallel the
     logits gathered whole; not overlapped unless async TP); CP all-gathers of K/V (not overlapped); EP
     all-to-alls (dispatch + combine, forward + backward, not overlapped); HSDP's gradient
-    all-reduce across replicas (not overlapped); PP's bubble (pp - 1) / (v m + pp - 1) for m
-    microbatches and v stages per rank. Unoverlapped collectives also pay
+    all-reduce across replicas (not overlapped); PP's bubble: each rank runs its forwards and
+    backwards in the order `torch.distributed.pipelining` builds for the schedule, each waiting
+    for the neighbouring stage's result, with every stage's cost from its blocks (the engine's
+    split of the layers over pp x v stages) and the output projection on the last (`pipeline_
+    idle_fraction`); with equal stages that is (pp - 1) / (v m) of the busy time. Unoverlapped collectives also pay
     `collective_latency_us` per call. A group inside one node uses the intra-node link,
     otherwise the network; the mesh is laid out with tp innermost, then cp, dp_shard,
     dp_replicate, pp (`titan.dist.ParallelDims`).
@@ -54,6 +57,7 @@ comparison is a prediction (see the README's parallelism section).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -618,14 +622,106 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
         hop = tokens_rank * facts.dim * b / layout.tp / _bandwidth(hw, layout.world_size) + calls
         pp = 2 * layout.stages_per_rank * hop
     busy = compute + fsdp + tp + cp + ep + pp
-    bubble = 0.0
-    if layout.pp > 1:
-        m, v = layout.microbatches, layout.stages_per_rank
-        bubble = busy * (layout.pp - 1) / (v * m)
+    bubble = busy * _pipeline_idle(facts, layout) if layout.pp > 1 else 0.0
     out = {"compute": compute, "fsdp_exposed": fsdp, "hsdp_allreduce": replicate, "tp": tp, "cp": cp,
            "ep": ep, "pp_p2p": pp, "pp_bubble": bubble}
     out["step"] = sum(out.values())
     return out
+
+
+def _pipeline_idle(facts: ModelFacts, layout: Layout) -> float:
+    """Idle over busy time of the slowest pipeline rank for this model's stages: a block's
+    forward costs 1, the output projection its FLOPs' share of a block's; backward twice
+    the forward, plus the forward again for blocks under full AC."""
+    stages = layout.pp * layout.stages_per_rank
+    base, extra = divmod(facts.n_layers, stages)  # the engine's split (`titan.dist.pipeline`)
+    block_flops = (facts.flops_per_token - 6 * facts.vocab * facts.dim) / facts.n_layers
+    output = 6 * facts.vocab * facts.dim / block_flops
+    rerun = 1.0 if layout.ac == "full" else 0.0
+    forward = tuple(base + (s < extra) + (output / 3 if s == stages - 1 else 0.0) for s in range(stages))
+    backward = tuple((base + (s < extra)) * (2 + rerun) + (2 * output / 3 if s == stages - 1 else 0.0)
+                     for s in range(stages))
+    return pipeline_idle_fraction(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank,
+                                  _rounded(forward), _rounded(backward))
+
+
+def _rounded(costs: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(round(c, 3) for c in costs)  # a few distinct keys for the cache
+
+
+@functools.lru_cache(maxsize=4096)
+def pipeline_idle_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int,
+                           forward: tuple[float, ...], backward: tuple[float, ...]) -> float:
+    """Idle time over busy time of the busiest pipeline rank, when every rank runs its
+    actions in `schedule_order` and each waits for the result it needs from the neighbouring
+    stage (the forward of the stage before, the backward of the stage after; communication
+    counted elsewhere). ``forward[s]`` / ``backward[s]``: stage ``s``'s cost per microbatch."""
+    last = pp * stages_per_rank - 1
+    queues = [list(schedule_order(schedule, pp, microbatches, stages_per_rank, rank)) for rank in range(pp)]
+    done: dict[tuple[bool, int, int], float] = {}
+    clock = [0.0] * pp
+    while any(queues):
+        progressed = False
+        for rank, queue in enumerate(queues):
+            while queue:
+                is_forward, stage, micro = queue[0]
+                needs = ((True, stage - 1, micro) if stage else None) if is_forward else \
+                    ((False, stage + 1, micro) if stage < last else (True, stage, micro))
+                if needs is not None and needs not in done:
+                    break
+                start = max(clock[rank], done[needs] if needs else 0.0)
+                clock[rank] = start + (forward if is_forward else backward)[stage]
+                done[(is_forward, stage, micro)] = clock[rank]
+                queue.pop(0)
+                progressed = True
+        if not progressed:
+            raise ValueError(f"{schedule} with pp {pp}, {microbatches} microbatches deadlocks in this model")
+    busy = max(sum(forward[s] + backward[s] for s in range(rank, last + 1, pp)) * microbatches for rank in range(pp))
+    return max(clock) / busy - 1
+
+
+def schedule_order(schedule: str, pp: int, microbatches: int, stages_per_rank: int,
+                   rank: int) -> Iterator[tuple[bool, int, int]]:
+    """(is_forward, stage, microbatch) of pipeline rank `rank`'s computations, in the order
+    `torch.distributed.pipelining` runs them (checked against torch's own action lists in
+    tests/test_plan.py): GPipe every forward, then every backward; 1F1B ``pp - rank``
+    forwards, then a backward before each further forward; interleaved schedules (stages
+    ``rank, rank + pp, ...``) warm up with ``(v - 1)`` rounds of microbatches plus 2 per hop
+    from the last rank, then alternate forward and backward, each local stage taking a round
+    of microbatches in turn (backwards from the last local stage)."""
+    m, v = microbatches, stages_per_rank
+    if schedule == "GPipe":
+        yield from ((True, rank, i) for i in range(m))
+        yield from ((False, rank, i) for i in range(m))
+        return
+    if v == 1:
+        warmup = min(m, pp - rank)
+        yield from ((True, rank, i) for i in range(warmup - 1))
+        for i in range(m):
+            if i + warmup - 1 < m:
+                yield True, rank, i + warmup - 1
+            yield False, rank, i
+        return
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+    forwards = {s: 0 for s in range(v)}
+    backwards = {s: 0 for s in range(v)}
+
+    def forward(op: int) -> tuple[bool, int, int]:
+        local = (op // per_round) % v
+        forwards[local] += 1
+        return True, local * pp + rank, forwards[local] - 1
+
+    def backward(op: int) -> tuple[bool, int, int]:
+        local = v - 1 - ((op - warmup) // per_round) % v
+        backwards[local] += 1
+        return False, local * pp + rank, backwards[local] - 1
+
+    for op in range(m * v + warmup):
+        if op < m * v:
+            yield forward(op)
+        if op >= warmup:
+            yield backward(op)
 
 
 def divisors(n: int) -> list[int]:
