@@ -381,7 +381,8 @@ def _torch_order(schedule: str, pp: int, microbatches: int, stages: int) -> list
             for actions in get_schedule_ops(schedule, pp, microbatches, num_stages_per_rank=stages)]
 
 
-@pytest.mark.parametrize("schedule, stages", [("Interleaved1F1B", 2), ("Interleaved1F1B", 3), ("GPipe", 1)])
+@pytest.mark.parametrize("schedule, stages", [("Interleaved1F1B", 2), ("Interleaved1F1B", 3), ("GPipe", 1),
+                                             ("LoopedBFS", 2)])
 @pytest.mark.parametrize("pp, rounds", [(2, 1), (2, 2), (4, 1), (4, 3), (8, 2)])
 def test_the_planner_orders_a_schedule_as_torch_does(schedule, stages, pp, rounds):
     microbatches = pp * rounds
@@ -540,3 +541,20 @@ def test_layout_flags_on_the_command_line_pin_the_choices(capsys):
     assert layouts and all(lay["tp"] == 8 and lay["ac"] == "full" for lay in layouts)
     rc = main(["plan", "--config", "llama3_70b", "--gpus", "64xH100", "--parallelism.tensor_parallel_degree", "3"])
     assert rc == 2 and "'tp': 3" in capsys.readouterr().err
+
+
+def test_interleaved_activations_in_flight_count_each_stage_blocks():
+    """6 blocks over 4 stages (2, 2, 1, 1), pp 2, 4 microbatches: rank 0 runs F0:0 F0:1 F2:0
+    F2:1 (6 block-microbatches held), then F0:2 (8) B2:0 (7) F0:3 (9) B2:1 (8) ...: 9 at its
+    peak, where counting its 5 outstanding forwards as 1.5 blocks each gives 7.5. The same
+    walk over torch's own action list agrees."""
+    from titan.dist.planner import _peak_outstanding_blocks
+
+    assert _peak_outstanding_blocks("Interleaved1F1B", 2, 4, 2, 0, 6) == 9
+    sizes = (2, 2, 1, 1)
+    for rank, order in enumerate(_torch_order("Interleaved1F1B", 2, 4, 2)):
+        held = peak = 0
+        for is_forward, stage, _ in order:
+            held += sizes[stage] if is_forward else -sizes[stage]
+            peak = max(peak, held)
+        assert _peak_outstanding_blocks("Interleaved1F1B", 2, 4, 2, rank, 6) == peak, rank

@@ -65,7 +65,6 @@ import torch.nn as nn
 from titan.dist.dims import ParallelDims
 from titan.dist.dry_run import (
     ACT_UNITS_PER_TOKEN,
-    forwards_in_flight,
     fsdp_buffer_bytes,
     loss_peak_bytes,
     selective_op_units,
@@ -456,21 +455,40 @@ def predict(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware) -> 
                       fits=worst_mem["total"] <= hw.memory_bytes)
 
 
-def _inflight_tokens(layout: Layout, work: Workload, pp_rank: int = 0) -> tuple[float, float]:
-    """(tokens whose activations pipeline rank `pp_rank` keeps at its peak, counted as if every
-    one of its blocks held them; tokens of one microbatch), per CP shard."""
-    micro_tokens = layout.microbatch_size * work.seq_len / layout.cp if layout.pp > 1 else \
-        layout.local_batch_size * work.seq_len / layout.cp
+def _micro_tokens(layout: Layout, work: Workload) -> float:
+    """Tokens of one pipeline microbatch (the whole local batch without PP), per CP shard."""
+    samples = layout.microbatch_size if layout.pp > 1 else layout.local_batch_size
+    return samples * work.seq_len / layout.cp
+
+
+def _held_block_tokens(layout: Layout, work: Workload, n_layers: int, blocks: range, pp_rank: int) -> float:
+    """Blocks x tokens whose activations pipeline rank `pp_rank` keeps at its peak: without PP
+    each of its blocks holds the local batch; under PP the most its schedule order
+    (`schedule_order`) leaves outstanding, a stage's forward holding one microbatch in each of
+    that stage's blocks (the engine's split of the layers over the stages)."""
+    micro = _micro_tokens(layout, work)
     if layout.pp == 1:
-        return micro_tokens, micro_tokens
-    chunks = forwards_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank, pp_rank)
-    return micro_tokens * chunks / layout.stages_per_rank, micro_tokens
+        return len(blocks) * micro
+    return micro * _peak_outstanding_blocks(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank,
+                                            pp_rank, n_layers)
+
+
+@functools.lru_cache(maxsize=4096)
+def _peak_outstanding_blocks(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int,
+                             n_layers: int) -> int:
+    base, extra = divmod(n_layers, pp * stages_per_rank)
+    held = peak = 0
+    for is_forward, stage, _ in schedule_order(schedule, pp, microbatches, stages_per_rank, pp_rank):
+        blocks = base + (stage < extra)
+        held += blocks if is_forward else -blocks
+        peak = max(peak, held)
+    return peak
 
 
 def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *, first: bool, last: bool,
             pp_rank: int = 0) -> dict:
     params, block_unsharded = stage_params(facts, layout, blocks, first, last)
-    held, micro = _inflight_tokens(layout, work, pp_rank)
+    micro = _micro_tokens(layout, work)
     width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
     none = facts.none_units_compiled if work.compile and facts.none_units_compiled else facts.none_units
     selective = (facts.selective_units_compiled if work.compile and facts.selective_units_compiled
@@ -485,7 +503,7 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     if layout.cp > 1 and layout.ac != "full":
         # CP attention saves the K and V it gathered from the other CP ranks.
         per_block_token += facts.kv_fraction * (layout.cp - 1) * width / layout.tp
-    activations = len(blocks) * per_block_token * held
+    activations = per_block_token * _held_block_tokens(layout, work, facts.n_layers, blocks, pp_rank)
     recompute = (none - kept) * width / layout.tp * micro if blocks else 0.0
     # The backward of one block holds its activations' gradients (measured; at most as large
     # as what the block saved).
@@ -574,7 +592,7 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     block_tokens = tokens_rank / layout.tp * share * recompute  # tokens x the stage's share, reruns counted
     # The output projection runs on the last stage only, on top of its blocks, never rerun.
     output_flops = 6 * facts.vocab * facts.dim * tokens_rank / layout.tp if last else 0.0
-    _, micro_tokens = _inflight_tokens(layout, work)
+    micro_tokens = _micro_tokens(layout, work)
     rate = hw.peak_bf16_tflops * 1e12 * hw.matmul_efficiency * _size_factor(micro_tokens, hw)
     rate *= hw.compile_speedup if work.compile else 1.0
     compute = ((facts.flops_per_token - 6 * facts.vocab * facts.dim) * block_tokens + output_flops) / rate
@@ -680,19 +698,30 @@ def pipeline_idle_fraction(schedule: str, pp: int, microbatches: int, stages_per
     return max(clock) / busy - 1
 
 
+ORDERED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+"""Schedules whose action order the planner builds (the zero-bubble ones split the backward
+and the V-shaped ones place stages differently: not modeled)."""
+
+
 def schedule_order(schedule: str, pp: int, microbatches: int, stages_per_rank: int,
                    rank: int) -> Iterator[tuple[bool, int, int]]:
     """(is_forward, stage, microbatch) of pipeline rank `rank`'s computations, in the order
     `torch.distributed.pipelining` runs them (checked against torch's own action lists in
-    tests/test_plan.py): GPipe every forward, then every backward; 1F1B ``pp - rank``
+    tests/test_plan.py): GPipe every forward, then every backward (LoopedBFS the same, stage
+    by local stage, backwards from the last stage and microbatch); 1F1B ``pp - rank``
     forwards, then a backward before each further forward; interleaved schedules (stages
     ``rank, rank + pp, ...``) warm up with ``(v - 1)`` rounds of microbatches plus 2 per hop
     from the last rank, then alternate forward and backward, each local stage taking a round
     of microbatches in turn (backwards from the last local stage)."""
     m, v = microbatches, stages_per_rank
-    if schedule == "GPipe":
-        yield from ((True, rank, i) for i in range(m))
-        yield from ((False, rank, i) for i in range(m))
+    if schedule not in ORDERED_SCHEDULES:
+        raise ValueError(f"the planner times the schedules {', '.join(ORDERED_SCHEDULES)}, not {schedule}")
+    if schedule in ("GPipe", "LoopedBFS"):
+        for local in range(v):
+            yield from ((True, local * pp + rank, i) for i in range(m))
+        backwards = range(m) if schedule == "GPipe" else range(m - 1, -1, -1)
+        for local in reversed(range(v)):
+            yield from ((False, local * pp + rank, i) for i in backwards)
         return
     if v == 1:
         warmup = min(m, pp - rank)
