@@ -283,3 +283,18 @@ def test_dry_run_converts_float8_before_the_layout_like_titan_train():
                                       "--quantize.linear.float8.recipe", "tensorwise",
                                       "--quantize.linear.float8.enable_fsdp_float8_all_gather"]),
                     world_size=8, print_fn=lines.append)
+
+
+@pytest.mark.parametrize("schedule, held", [("1F1B", 6), ("Interleaved1F1B", 9)])
+def test_pipeline_activations_count_the_blocks_of_each_stage_in_flight(schedule, held):
+    """6 blocks, pp 2, 4 microbatches of 2 x 32 tokens, full AC (one dim-wide fp32 tensor per
+    block and token). 1F1B: rank 0 holds 2 forwards of its 3 blocks (6 block-microbatches).
+    Interleaved 1F1B splits the blocks 2, 2, 1, 1 over 4 stages; rank 0 (stages 0 and 2)
+    peaks at 9: F0:0 F0:1 F2:0 F2:1 F0:2 B2:0 F0:3 -> 2 + 2 + 1 + 1 + 2 - 1 + 2."""
+    cfg = parse_train_args([*TINY, "--model.n_layers", "6", "--training.local_batch_size", "8",
+                            "--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
+                            "--parallelism.pipeline_parallel_microbatch_size", "2",
+                            "--parallelism.pipeline_parallel_schedule", schedule, "--activation_checkpoint.mode", "full"])
+    estimates = run_dry_run(cfg, world_size=2, print_fn=lambda s: None)
+    first = next(e for e in estimates if e.pp_rank == 0)
+    assert first.activation_bytes == held * 64 * (2 * 32) * 4

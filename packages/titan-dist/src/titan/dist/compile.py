@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch.nn as nn
-
 from titan.dist.plan import blocks_of
 
 

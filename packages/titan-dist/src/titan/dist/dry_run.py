@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
-
 from titan.dist.dims import EXPERT_VIEWS, FLATTENED, ParallelDims
 from titan.dist.fsdp import DTYPES
 from titan.dist.plan import blocks_of, match_modules, sharding_plan
+from torch.distributed.tensor import DTensor
 
 _BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # Activation elements kept per token per block, in units of the model dim, when a model's
@@ -132,10 +131,9 @@ def _measure_block(model_fn: Callable[[], nn.Module], seq_len: int, index: int, 
                    per_op: bool) -> tuple[float, float]:
     """(units block `index` keeps after its forward, units its backward allocates beyond
     its parameters' gradients), with per-op selective AC when `per_op`."""
+    from titan.dist.activation_checkpoint import checkpoint_block
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
-
-    from titan.dist.activation_checkpoint import checkpoint_block
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model_fn()
@@ -208,11 +206,10 @@ def _measure_compiled_block(model_fn: Callable[[], nn.Module], seq_len: int, ind
     each storage once, the inputs' (parameters, the block input) aside; the block input then
     counts as one unit, as in eager."""
     from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
+    from titan.dist.activation_checkpoint import checkpoint_block
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
     from torch.multiprocessing.reductions import StorageWeakRef
-
-    from titan.dist.activation_checkpoint import checkpoint_block
 
     def partition(joint, inputs, **kwargs):
         # Outside torch.compile no graph id is given to the policy's tagged nodes; one
@@ -322,6 +319,79 @@ def forwards_in_flight(schedule: str, pp: int, microbatches: int, stages_per_ran
     rounds = max(1, m // pp)
     warmup = (v - 1) * (m // rounds) + 2 * (pp - 1 - pp_rank)
     return min(warmup + 1, m * v)
+
+
+ORDERED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+"""Schedules whose action order the planner builds (the zero-bubble ones split the backward
+and the V-shaped ones place stages differently: not modeled)."""
+
+
+def schedule_order(schedule: str, pp: int, microbatches: int, stages_per_rank: int,
+                   rank: int) -> Iterator[tuple[bool, int, int]]:
+    """(is_forward, stage, microbatch) of pipeline rank `rank`'s computations, in the order
+    `torch.distributed.pipelining` runs them (checked against torch's own action lists in
+    tests/test_plan.py): GPipe every forward, then every backward (LoopedBFS the same, stage
+    by local stage, backwards from the last stage and microbatch); 1F1B ``pp - rank``
+    forwards, then a backward before each further forward; interleaved schedules (stages
+    ``rank, rank + pp, ...``) warm up with ``(v - 1)`` rounds of microbatches plus 2 per hop
+    from the last rank, then alternate forward and backward, each local stage taking a round
+    of microbatches in turn (backwards from the last local stage)."""
+    m, v = microbatches, stages_per_rank
+    if schedule not in ORDERED_SCHEDULES:
+        raise ValueError(f"the planner times the schedules {', '.join(ORDERED_SCHEDULES)}, not {schedule}")
+    if schedule in ("GPipe", "LoopedBFS"):
+        for local in range(v):
+            yield from ((True, local * pp + rank, i) for i in range(m))
+        backwards = range(m) if schedule == "GPipe" else range(m - 1, -1, -1)
+        for local in reversed(range(v)):
+            yield from ((False, local * pp + rank, i) for i in backwards)
+        return
+    if v == 1:
+        warmup = min(m, pp - rank)
+        yield from ((True, rank, i) for i in range(warmup - 1))
+        for i in range(m):
+            if i + warmup - 1 < m:
+                yield True, rank, i + warmup - 1
+            yield False, rank, i
+        return
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+    forwards = {s: 0 for s in range(v)}
+    backwards = {s: 0 for s in range(v)}
+
+    def forward(op: int) -> tuple[bool, int, int]:
+        local = (op // per_round) % v
+        forwards[local] += 1
+        return True, local * pp + rank, forwards[local] - 1
+
+    def backward(op: int) -> tuple[bool, int, int]:
+        local = v - 1 - ((op - warmup) // per_round) % v
+        backwards[local] += 1
+        return False, local * pp + rank, backwards[local] - 1
+
+    for op in range(m * v + warmup):
+        if op < m * v:
+            yield forward(op)
+        if op >= warmup:
+            yield backward(op)
+
+
+def held_block_microbatches(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int,
+                            local_stage_blocks: Sequence[int]) -> int:
+    """Blocks x microbatches whose activations pipeline rank `pp_rank` holds at its peak, its
+    ``v``-th local stage having ``local_stage_blocks[v]`` blocks: the most its schedule order
+    (`schedule_order`) leaves outstanding, each forward holding one microbatch in each block
+    of its stage. Schedules without a known order: `forwards_in_flight` forwards of a mean
+    stage."""
+    if schedule not in ORDERED_SCHEDULES:
+        mean = sum(local_stage_blocks) / len(local_stage_blocks)
+        return round(forwards_in_flight(schedule, pp, microbatches, stages_per_rank, pp_rank) * mean)
+    held = peak = 0
+    for is_forward, stage, _ in schedule_order(schedule, pp, microbatches, stages_per_rank, pp_rank):
+        blocks = local_stage_blocks[stage // pp]
+        held += blocks if is_forward else -blocks
+        peak = max(peak, held)
+    return peak
 
 
 @dataclass
@@ -500,11 +570,13 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
                 model, dims, parallelism=parallelism, activation_checkpoint=activation_checkpoint,
                 compile=compile, loss_fn=lambda out, tgt: out.sum(),
                 local_batch_size=local_batch_size, device=torch.device("cpu"))
-            # The forwards this pipeline rank holds at its peak, as torch's schedule orders them.
+            # The activations this pipeline rank holds at its peak, as torch's schedule orders
+            # its stages' forwards and backwards, as tokens held by every one of its blocks.
             micro = parallelism.pipeline_parallel_microbatch_size
-            in_flight = forwards_in_flight(parallelism.pipeline_parallel_schedule, dims.pp,
-                                           local_batch_size // micro, len(parts), rank // (dims.world_size // dims.pp))
-            tokens = int(micro * in_flight / len(parts) * seq_len // dims.cp)
+            stage_blocks = [sum(1 for _ in blocks_of(part)) for part in parts]
+            held = held_block_microbatches(parallelism.pipeline_parallel_schedule, dims.pp, local_batch_size // micro,
+                                           len(parts), rank // (dims.world_size // dims.pp), stage_blocks)
+            tokens = int(micro * held / max(sum(stage_blocks), 1) * seq_len // dims.cp)
             logit_tokens = micro * seq_len // dims.cp
         else:
             parts = [parallelize(model, dims, root, parallelism=parallelism,

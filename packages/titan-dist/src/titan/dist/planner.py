@@ -66,7 +66,9 @@ from titan.dist.dims import ParallelDims
 from titan.dist.dry_run import (
     ACT_UNITS_PER_TOKEN,
     fsdp_buffer_bytes,
+    held_block_microbatches,
     loss_peak_bytes,
+    schedule_order,
     selective_op_units,
 )
 from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_plan
@@ -476,13 +478,9 @@ def _held_block_tokens(layout: Layout, work: Workload, n_layers: int, blocks: ra
 @functools.lru_cache(maxsize=4096)
 def _peak_outstanding_blocks(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int,
                              n_layers: int) -> int:
-    base, extra = divmod(n_layers, pp * stages_per_rank)
-    held = peak = 0
-    for is_forward, stage, _ in schedule_order(schedule, pp, microbatches, stages_per_rank, pp_rank):
-        blocks = base + (stage < extra)
-        held += blocks if is_forward else -blocks
-        peak = max(peak, held)
-    return peak
+    base, extra = divmod(n_layers, pp * stages_per_rank)  # the engine's split (`titan.dist.pipeline`)
+    local = [base + (v * pp + pp_rank < extra) for v in range(stages_per_rank)]
+    return held_block_microbatches(schedule, pp, microbatches, stages_per_rank, pp_rank, local)
 
 
 def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *, first: bool, last: bool,
@@ -696,61 +694,6 @@ def pipeline_idle_fraction(schedule: str, pp: int, microbatches: int, stages_per
             raise ValueError(f"{schedule} with pp {pp}, {microbatches} microbatches deadlocks in this model")
     busy = max(sum(forward[s] + backward[s] for s in range(rank, last + 1, pp)) * microbatches for rank in range(pp))
     return max(clock) / busy - 1
-
-
-ORDERED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
-"""Schedules whose action order the planner builds (the zero-bubble ones split the backward
-and the V-shaped ones place stages differently: not modeled)."""
-
-
-def schedule_order(schedule: str, pp: int, microbatches: int, stages_per_rank: int,
-                   rank: int) -> Iterator[tuple[bool, int, int]]:
-    """(is_forward, stage, microbatch) of pipeline rank `rank`'s computations, in the order
-    `torch.distributed.pipelining` runs them (checked against torch's own action lists in
-    tests/test_plan.py): GPipe every forward, then every backward (LoopedBFS the same, stage
-    by local stage, backwards from the last stage and microbatch); 1F1B ``pp - rank``
-    forwards, then a backward before each further forward; interleaved schedules (stages
-    ``rank, rank + pp, ...``) warm up with ``(v - 1)`` rounds of microbatches plus 2 per hop
-    from the last rank, then alternate forward and backward, each local stage taking a round
-    of microbatches in turn (backwards from the last local stage)."""
-    m, v = microbatches, stages_per_rank
-    if schedule not in ORDERED_SCHEDULES:
-        raise ValueError(f"the planner times the schedules {', '.join(ORDERED_SCHEDULES)}, not {schedule}")
-    if schedule in ("GPipe", "LoopedBFS"):
-        for local in range(v):
-            yield from ((True, local * pp + rank, i) for i in range(m))
-        backwards = range(m) if schedule == "GPipe" else range(m - 1, -1, -1)
-        for local in reversed(range(v)):
-            yield from ((False, local * pp + rank, i) for i in backwards)
-        return
-    if v == 1:
-        warmup = min(m, pp - rank)
-        yield from ((True, rank, i) for i in range(warmup - 1))
-        for i in range(m):
-            if i + warmup - 1 < m:
-                yield True, rank, i + warmup - 1
-            yield False, rank, i
-        return
-    per_round = m // max(1, m // pp)
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
-    forwards = {s: 0 for s in range(v)}
-    backwards = {s: 0 for s in range(v)}
-
-    def forward(op: int) -> tuple[bool, int, int]:
-        local = (op // per_round) % v
-        forwards[local] += 1
-        return True, local * pp + rank, forwards[local] - 1
-
-    def backward(op: int) -> tuple[bool, int, int]:
-        local = v - 1 - ((op - warmup) // per_round) % v
-        backwards[local] += 1
-        return False, local * pp + rank, backwards[local] - 1
-
-    for op in range(m * v + warmup):
-        if op < m * v:
-            yield forward(op)
-        if op >= warmup:
-            yield backward(op)
 
 
 def divisors(n: int) -> list[int]:

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from titan.dist import env as _env
 
 STORE_PREFIX = "titan/split"
