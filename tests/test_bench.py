@@ -69,5 +69,12 @@ def test_bench_train_runs_every_side_and_reports_ratios(tmp_path, capsys):
     assert ratios["titan/hand"]["value"] == pytest.approx(sides["titan"]["tokens_per_s"] / sides["hand"]["tokens_per_s"])
     assert ratios["titan/hand"]["target"] == 1.00 and ratios["titan/hand"]["met"] in (True, False)
     assert all(side["tokens_per_s"] > 0 and side["saved_activations_mib"] > 0 for side in sides.values())
+    # The eager sides' step peaks are counted (more than the activations they save: the
+    # gradients and temporaries live too); the memory ratio is theirs.
+    for name in ("titan", "hand", "hf"):
+        assert sides[name]["step_peak_mib"] > sides[name]["saved_activations_mib"], name
+    assert sides["titan_float8"]["step_peak_mib"] is None
+    assert results["step_peak_titan_over_hand"]["value"] == pytest.approx(
+        sides["titan"]["step_peak_mib"] / sides["hand"]["step_peak_mib"])
     out = capsys.readouterr().out
     assert "| titan/hf |" in out and "ratio titan_float8/titan tokens/s:" in out

@@ -139,6 +139,19 @@ def saved_activation_mib(model, step: Callable[[], None]) -> float:
     return sum(seen.values()) / 2**20
 
 
+def step_peak_mib(step: Callable[[], None], device: torch.device) -> float:
+    """MiB live at the peak of one step among the tensors the step itself allocates (the
+    gradients, activations and temporaries; not the weights and optimizer states that exist
+    before it), counted by torch's ``MemTracker`` as tensors are created and freed, on any
+    device. For eager steps: compiled code allocates outside the dispatcher it watches."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
+        step()
+    return tracker.get_tracker_snapshot("peak").get(device, {}).get("Total", 0) / 2**20
+
+
 def sync(device: torch.device) -> None:
     """Wait for queued kernels so the clock measures finished work."""
     if device.type == "cuda":

@@ -23,9 +23,9 @@ same kernel choice) and clips the gradient norm to 1.0:
 The sides run interleaved (the order alternates every round) after warm-up steps (compile
 happens in the first, whose time is reported: with a cold inductor cache that is the cold
 compile time, on a second run the warm one). The report: tokens/s per side (median and
-quartiles over rounds), MFU, memory (the activations autograd saves, any device; the
-allocator's peak on CUDA) and the ratios the project tracks, as a markdown table and, with
-``--json``, a file.
+quartiles over rounds), MFU, memory (the activations autograd saves, any device; the eager
+sides' step peak as torch's MemTracker counts it, any device; the allocator's peak on CUDA)
+and the ratios the project tracks, as a markdown table and, with ``--json``, a file.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_model import DEFAULT_ATOL, saved_activation_mib, sync  # this folder is on sys.path
+from bench_model import DEFAULT_ATOL, saved_activation_mib, step_peak_mib, sync  # this folder is on sys.path
 from benchstats import ratio_line
 from titan.train.optimizer import FUSED_BY_DEFAULT
 
@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="compute dtype (autocast over float32 weights, as titan's mixed precision)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--loss-chunk-tokens", type=int, default=0,
+                   help="titan's --training.loss_chunk_tokens (its sides only; 0: the loss in one piece)")
     p.add_argument("--compile", action="store_true", help="also time every side compiled")
     p.add_argument("--float8", choices=["tensorwise", "rowwise"], default=None,
                    help="also time titan and the hand loop with torchao float8 linears")
@@ -95,7 +97,8 @@ def titan_trainer(args: argparse.Namespace, folder: str, *extra: str):
         "--training.local_batch_size", str(args.batch_size), "--training.mixed_precision_param", args.dtype,
         "--training.max_norm", str(MAX_NORM), "--optimizer.lr", str(LR), "--optimizer.weight_decay",
         str(WEIGHT_DECAY), "--lr_scheduler.warmup_steps", "0", "--training.steps", "1000000",
-        "--debug.seed", str(args.seed), "--job.dump_folder", folder, *extra,
+        "--debug.seed", str(args.seed), "--training.loss_chunk_tokens", str(args.loss_chunk_tokens),
+        "--job.dump_folder", folder, *extra,
     ])
     if args.device != "cpu" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: no CUDA device here")
@@ -274,7 +277,12 @@ def quartiles(values: list[float]) -> tuple[float, float]:
     return q1, q3
 
 
-def report(args, rates, first, peaks, saved, flops_per_token: float, peak_flops: float | None, gap: float) -> dict:
+EAGER_SIDES = ("titan", "hand", "hf")
+"""The sides whose step peak ``MemTracker`` can count (compiled code allocates outside it)."""
+
+
+def report(args, rates, first, peaks, saved, flops_per_token: float, peak_flops: float | None, gap: float,
+           step_peaks: dict[str, float] | None = None) -> dict:
     """The results as one JSON-able dict."""
     sides = {}
     for name, r in rates.items():
@@ -282,7 +290,8 @@ def report(args, rates, first, peaks, saved, flops_per_token: float, peak_flops:
         sides[name] = {
             "tokens_per_s": median, "tokens_per_s_quartiles": quartiles(r),
             "mfu": median * flops_per_token / peak_flops if peak_flops else None,
-            "saved_activations_mib": saved[name], "cuda_peak_gib": peaks.get(name),
+            "saved_activations_mib": saved[name], "step_peak_mib": (step_peaks or {}).get(name),
+            "cuda_peak_gib": peaks.get(name),
             "first_step_s": first[name],
         }
     ratios = []
@@ -293,40 +302,48 @@ def report(args, rates, first, peaks, saved, flops_per_token: float, peak_flops:
             ratios.append({"ratio": f"{num}/{den}", "value": value, "per_round_quartiles": quartiles(per_round),
                            "target": target, "met": None if target is None else value >= target})
     memory = saved["titan"] / saved["hand"] if saved.get("hand") else None
+    step_peaks = step_peaks or {}
+    peak_ratio = step_peaks["titan"] / step_peaks["hand"] if step_peaks.get("titan") and step_peaks.get("hand") else None
     return {
-        "setup": {"flavor": args.flavor, "vocab_size": args.vocab_size, "seq_len": args.seq_len,
+        "setup": {"flavor": args.flavor, "vocab_size": args.vocab_size, "loss_chunk_tokens": args.loss_chunk_tokens,
+                  "seq_len": args.seq_len,
                   "batch_size": args.batch_size, "dtype": args.dtype, "device": args.device,
                   "threads": torch.get_num_threads(), "rounds": args.rounds, "iters": args.iters,
                   "torch": torch.__version__, "logit_gap": gap, "peak_flops": peak_flops},
         "sides": sides, "ratios": ratios,
         "memory_titan_over_hand": {"value": memory, "target_at_most": 1.05,
                                    "met": None if memory is None else memory <= 1.05},
+        "step_peak_titan_over_hand": {"value": peak_ratio, "target_at_most": 1.05,
+                                      "met": None if peak_ratio is None else peak_ratio <= 1.05},
     }
 
 
 def markdown(results: dict) -> str:
     """The results as markdown tables."""
     s = results["setup"]
-    lines = [f"{s['flavor']} vocab {s['vocab_size']} seq {s['seq_len']} batch {s['batch_size']} {s['dtype']} "
+    chunked = f", titan's loss in chunks of {s['loss_chunk_tokens']} tokens" if s.get("loss_chunk_tokens") else ""
+    lines = [f"{s['flavor']} vocab {s['vocab_size']} seq {s['seq_len']} batch {s['batch_size']} {s['dtype']}{chunked} "
              f"on {s['device']} ({s['threads']} threads), {s['rounds']} rounds x {s['iters']} steps, torch {s['torch']}",
-             "", "| side | tokens/s (median) | quartiles | MFU | saved activations MiB | CUDA peak GiB | first step s |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| side | tokens/s (median) | quartiles | MFU | saved activations MiB | step peak MiB | CUDA peak GiB "
+             "| first step s |", "|---|---|---|---|---|---|---|---|"]
     for name, side in results["sides"].items():
         q1, q3 = side["tokens_per_s_quartiles"]
         mfu = f"{100 * side['mfu']:.2f}%" if side["mfu"] is not None else "n/a"
         peak = f"{side['cuda_peak_gib']:.2f}" if side["cuda_peak_gib"] is not None else "n/a"
+        step_peak = f"{side['step_peak_mib']:.1f}" if side["step_peak_mib"] is not None else "n/a"
         lines.append(f"| {name} | {side['tokens_per_s']:,.0f} | {q1:,.0f}..{q3:,.0f} | {mfu} | "
-                     f"{side['saved_activations_mib']:.1f} | {peak} | {side['first_step_s']:.1f} |")
+                     f"{side['saved_activations_mib']:.1f} | {step_peak} | {peak} | {side['first_step_s']:.1f} |")
     lines += ["", "| ratio | value | per-round quartiles | target | met |", "|---|---|---|---|---|"]
     for r in results["ratios"]:
         q1, q3 = r["per_round_quartiles"]
         target = f">= {r['target']:.2f}" if r["target"] is not None else "-"
         met = {None: "-", True: "yes", False: "**no**"}[r["met"]]
         lines.append(f"| {r['ratio']} | {r['value']:.3f} | {q1:.3f}..{q3:.3f} | {target} | {met} |")
-    mem = results["memory_titan_over_hand"]
-    if mem["value"] is not None:
-        lines.append(f"| memory titan/hand (saved activations) | {mem['value']:.3f} | - | <= 1.05 | "
-                     f"{'yes' if mem['met'] else '**no**'} |")
+    for key, label in (("memory_titan_over_hand", "saved activations"), ("step_peak_titan_over_hand", "step peak")):
+        mem = results[key]
+        if mem["value"] is not None:
+            lines.append(f"| memory titan/hand ({label}) | {mem['value']:.3f} | - | <= 1.05 | "
+                         f"{'yes' if mem['met'] else '**no**'} |")
     return "\n".join(lines)
 
 
@@ -345,9 +362,13 @@ def main(argv: list[str] | None = None) -> dict:
             saved[name] = saved_activation_mib(modules[name], step)
             sync(torch.device(args.device))
             first[name] = time.perf_counter() - start
+        # After the first steps (the optimizer states exist), the eager sides' step peaks.
+        step_peaks = {name: step_peak_mib(step, torch.device(args.device))
+                      for name, step in steps.items() if name in EAGER_SIDES}
         rates, peaks = measure(steps, args)
         flops = trainer.engine.flops_per_token
-        results = report(args, rates, first, peaks, saved, flops, device_peak_flops(torch.device(args.device), getattr(torch, args.dtype)), gap)
+        results = report(args, rates, first, peaks, saved, flops,
+                         device_peak_flops(torch.device(args.device), getattr(torch, args.dtype)), gap, step_peaks)
     print(markdown(results))
     for num, den, _ in RATIOS:
         if num in rates and den in rates:
