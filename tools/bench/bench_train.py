@@ -43,7 +43,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_model import DEFAULT_ATOL, saved_activation_mib, step_peak_mib, sync  # this folder is on sys.path
+from bench_model import (  # this folder is on sys.path
+    DEFAULT_ATOL,
+    saved_activation_mib,
+    step_peak_mib,
+    sync,
+)
 from benchstats import ratio_line
 from titan.train.optimizer import FUSED_BY_DEFAULT
 
