@@ -149,7 +149,12 @@ def step_peak_mib(step: Callable[[], None], device: torch.device) -> float:
     tracker = MemTracker()
     with tracker:
         step()
-    return tracker.get_tracker_snapshot("peak").get(device, {}).get("Total", 0) / 2**20
+    # Keyed by the tensors' devices (``cuda:0``): match ``--device cuda`` by type and index.
+    peaks = [v["Total"] for k, v in tracker.get_tracker_snapshot("peak").items()
+             if k.type == device.type and (device.index is None or k.index == device.index)]
+    if not peaks:
+        raise RuntimeError(f"MemTracker saw no tensor of the step on {device}")
+    return max(peaks) / 2**20
 
 
 def sync(device: torch.device) -> None:

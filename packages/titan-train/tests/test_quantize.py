@@ -20,6 +20,7 @@ from titan.train.quantize import (
     check_quantize_supported,
     float8_linears,
     mx_linears,
+    warn_if_float8_uncompiled,
 )
 
 pytest.importorskip("torchao.float8")
@@ -344,3 +345,16 @@ def test_expert_names_that_match_nothing_are_refused():
         apply_quantization(_MoE(), _mx_config(experts=["expert_ffn"]))
     with pytest.raises(ValueError, match="it has none: not a MoE model"):
         apply_quantization(_Model(), _mx_config(experts=["experts"]))
+
+
+def test_float8_without_compile_on_a_gpu_is_warned_about(caplog):
+    """Valid, but slower than bf16 on a GPU (measured: tools/bench/RESULTS.md): said once, at
+    start-up; not on CPU (a reference kernel anyway), not when compiled, not without float8."""
+    float8 = QuantizeConfig(linear=QuantizeLinearConfig(float8=Float8LinearConfig(recipe="rowwise")))
+    gpu = torch.device("cuda", 0)  # a device object only: nothing runs on it
+    with caplog.at_level("WARNING", logger="titan"):
+        message = warn_if_float8_uncompiled(float8, gpu, compiled=False)
+    assert message and "--compile.enable" in message and message in caplog.text
+    assert warn_if_float8_uncompiled(float8, gpu, compiled=True) is None
+    assert warn_if_float8_uncompiled(float8, torch.device("cpu"), compiled=False) is None
+    assert warn_if_float8_uncompiled(QuantizeConfig(), gpu, compiled=False) is None

@@ -69,6 +69,7 @@ from titan.train.quantize import (
     apply_quantization,
     check_quantize_supported,
     precompute_float8_scales,
+    warn_if_float8_uncompiled,
 )
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -199,6 +200,7 @@ class TrainingEngine:
         self.parallel_dims = ParallelDims.from_config(parallelism, world_size=self.dist_env.world_size)
         self.quantize = quantize or QuantizeConfig()
         check_quantize_supported(self.quantize, self.device, uses_fully_shard=self.parallel_dims.uses_fully_shard)
+        warn_if_float8_uncompiled(self.quantize, self.device, compiled=compile.enable)
         check_compile_granularity(compile, self.parallel_dims)
         meta_model = self._build_meta_model(
             vocab_size, seq_len, dict(model_overrides or {}), global_batch_size, local_batch_size

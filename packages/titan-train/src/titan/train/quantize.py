@@ -33,6 +33,7 @@ a recipe is set.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -334,6 +335,21 @@ def check_quantize_supported(config: QuantizeConfig, device: torch.device | None
             raise ValueError(f"{flag} {recipe} needs torchao's MXFP8 kernels on an SM100 GPU (B200, GB200); this "
                              f"device is {here}. Leave it unset, or use mxfp8_emulated_rceil to test the numerics "
                              "(PyTorch ops, slower than high precision)")
+
+
+UNCOMPILED_FLOAT8_WARNING = (
+    "float8 linears without --compile.enable: torchao's casts and scales then run as separate "
+    "kernels, slower than bf16 (Llama 3.2 1B on an H200: 0.42x the bf16 step tensorwise, 0.34x "
+    "rowwise; compiled per block 1.02x and 0.85x the compiled bf16 step). Add --compile.enable")
+
+
+def warn_if_float8_uncompiled(config: QuantizeConfig, device: torch.device, *, compiled: bool) -> str | None:
+    """Warn (and return the warning) when float8 linears will run on a GPU without compile:
+    valid, but slower than not converting at all (measured in tools/bench/RESULTS.md)."""
+    if not config.linear.float8.enabled or compiled or device.type != "cuda":
+        return None
+    logging.getLogger("titan").warning(UNCOMPILED_FLOAT8_WARNING)
+    return UNCOMPILED_FLOAT8_WARNING
 
 
 def _has_triton() -> bool:
