@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--flavor", default="debugmodel", help="a titan.models.llama3 flavor")
     p.add_argument("--vocab-size", type=int, default=320, help="rows of the embedding (>= 259, the byte vocab)")
+    p.add_argument("--n-layers", type=int, default=None,
+                   help="blocks of the flavor to keep (e.g. 8B's widths with 4 blocks to fit a small device)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
@@ -106,6 +108,7 @@ def titan_trainer(args: argparse.Namespace, folder: str, *extra: str):
         "--training.max_norm", str(MAX_NORM), "--optimizer.lr", str(LR), "--optimizer.weight_decay",
         str(WEIGHT_DECAY), "--lr_scheduler.warmup_steps", "0", "--training.steps", "1000000",
         "--debug.seed", str(args.seed), "--training.loss_chunk_tokens", str(args.loss_chunk_tokens),
+        *(["--model.n_layers", str(args.n_layers)] if args.n_layers else []),
         "--job.dump_folder", folder, *extra,
     ])
     if args.device != "cpu" and not torch.cuda.is_available():
@@ -153,7 +156,8 @@ def reference_models(trainer, args, *, with_hf: bool) -> tuple[torch.nn.Module, 
     device = torch.device(args.device)
     state = {k: v.detach().clone() for k, v in trainer.model_parts[0].state_dict().items()}
     with torch.device("meta"):
-        hand = build_llama3(args.flavor, vocab_size=args.vocab_size, max_seq_len=args.seq_len)
+        layers = {"n_layers": args.n_layers} if args.n_layers else {}
+        hand = build_llama3(args.flavor, vocab_size=args.vocab_size, max_seq_len=args.seq_len, **layers)
     hand.to_empty(device=device)
     with torch.no_grad():
         hand.init_weights(buffer_device=device)
@@ -319,7 +323,8 @@ def report(args, rates, first, peaks, saved, flops_per_token: float, peak_flops:
     step_peaks = step_peaks or {}
     peak_ratio = step_peaks["titan"] / step_peaks["hand"] if step_peaks.get("titan") and step_peaks.get("hand") else None
     return {
-        "setup": {"flavor": args.flavor, "vocab_size": args.vocab_size, "loss_chunk_tokens": args.loss_chunk_tokens,
+        "setup": {"flavor": args.flavor, "n_layers": args.n_layers, "vocab_size": args.vocab_size,
+                  "loss_chunk_tokens": args.loss_chunk_tokens,
                   "seq_len": args.seq_len,
                   "batch_size": args.batch_size, "dtype": args.dtype, "device": args.device,
                   "threads": torch.get_num_threads(), "rounds": args.rounds, "iters": args.iters,
@@ -336,7 +341,8 @@ def markdown(results: dict) -> str:
     """The results as markdown tables."""
     s = results["setup"]
     chunked = f", titan's loss in chunks of {s['loss_chunk_tokens']} tokens" if s.get("loss_chunk_tokens") else ""
-    lines = [f"{s['flavor']} vocab {s['vocab_size']} seq {s['seq_len']} batch {s['batch_size']} {s['dtype']}{chunked} "
+    layers = f" ({s['n_layers']} blocks)" if s.get("n_layers") else ""
+    lines = [f"{s['flavor']}{layers} vocab {s['vocab_size']} seq {s['seq_len']} batch {s['batch_size']} {s['dtype']}{chunked} "
              f"on {s['device']} ({s['threads']} threads), {s['rounds']} rounds x {s['iters']} steps, torch {s['torch']}",
              "", "| side | tokens/s (median) | quartiles | MFU | saved activations MiB | step peak MiB | CUDA peak GiB "
              "| first step s |", "|---|---|---|---|---|---|---|---|"]
