@@ -16,34 +16,24 @@ Public API (everything else is internal):
 """
 
 from titan.dist.activation_checkpoint import apply_activation_checkpointing
-from titan.dist.comm import (
-    CollectiveTimeoutError,
-    HangWatchdog,
-    enable_flight_recorder,
-    set_collective_timeout,
-)
 from titan.dist.compile import apply_compile, check_compile_granularity
-from titan.dist.config import (
-    ActivationCheckpointConfig,
-    CommConfig,
-    CompileConfig,
-    ParallelismConfig,
-)
+from titan.dist.comm import CollectiveTimeoutError, HangWatchdog, enable_flight_recorder, set_collective_timeout
+from titan.dist.config import ActivationCheckpointConfig, CommConfig, CompileConfig, ParallelismConfig
+from titan.dist.dims import ParallelDims
+from titan.dist.env import DistEnv, destroy_distributed, init_distributed
+from titan.dist.split import Bridge, JobSplit, current_split, split_job
 from titan.dist.context_parallel import (
     apply_context_parallel,
     shard_batch_dict_for_context_parallel,
     shard_batch_for_context_parallel,
 )
-from titan.dist.dims import ParallelDims
 from titan.dist.dry_run import RankEstimate, dry_run, validate_against_model
-from titan.dist.env import DistEnv, destroy_distributed, init_distributed
 from titan.dist.expert_parallel import apply_expert_parallel
 from titan.dist.fsdp import apply_ddp, apply_fsdp, mixed_precision_policy
 from titan.dist.parallelize import parallelize
 from titan.dist.pipeline import build_pipeline
-from titan.dist.reduce import clip_grad_norm_, reduce_max, reduce_mean
-from titan.dist.split import Bridge, JobSplit, current_split, split_job
 from titan.dist.tensor_parallel import apply_tensor_parallel, loss_parallel_context
+from titan.dist.reduce import clip_grad_norm_, reduce_max, reduce_mean
 
 __all__ = [
     "ActivationCheckpointConfig",

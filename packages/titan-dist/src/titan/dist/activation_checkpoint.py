@@ -7,12 +7,13 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from titan.dist.plan import blocks_of
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
+
+from titan.dist.plan import blocks_of
 
 # Outputs worth keeping: matmuls are the expensive ops, attention is expensive and its
 # recompute would need the K/V exchange again, and re-running a collective costs bandwidth.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch.nn as nn
+
 from titan.dist.plan import blocks_of
 
 

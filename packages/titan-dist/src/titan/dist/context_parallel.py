@@ -23,8 +23,9 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
-from titan.dist.plan import match_modules, sharding_plan
 from torch.distributed.device_mesh import DeviceMesh
+
+from titan.dist.plan import match_modules, sharding_plan
 
 
 def chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
 from titan.dist.dims import EXPERT_VIEWS, FLATTENED, ParallelDims
 from titan.dist.fsdp import DTYPES
 from titan.dist.plan import blocks_of, match_modules, sharding_plan
-from torch.distributed.tensor import DTensor
 
 _BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 # Activation elements kept per token per block, in units of the model dim, when a model's
@@ -131,9 +132,10 @@ def _measure_block(model_fn: Callable[[], nn.Module], seq_len: int, index: int, 
                    per_op: bool) -> tuple[float, float]:
     """(units block `index` keeps after its forward, units its backward allocates beyond
     its parameters' gradients), with per-op selective AC when `per_op`."""
-    from titan.dist.activation_checkpoint import checkpoint_block
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
+
+    from titan.dist.activation_checkpoint import checkpoint_block
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model_fn()
@@ -206,10 +208,11 @@ def _measure_compiled_block(model_fn: Callable[[], nn.Module], seq_len: int, ind
     each storage once, the inputs' (parameters, the block input) aside; the block input then
     counts as one unit, as in eager."""
     from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
-    from titan.dist.activation_checkpoint import checkpoint_block
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
     from torch.multiprocessing.reductions import StorageWeakRef
+
+    from titan.dist.activation_checkpoint import checkpoint_block
 
     def partition(joint, inputs, **kwargs):
         # Outside torch.compile no graph id is given to the policy's tagged nodes; one

@@ -39,10 +39,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from titan.dist.plan import match_modules, sharding_plan
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from titan.dist.plan import match_modules, sharding_plan
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 

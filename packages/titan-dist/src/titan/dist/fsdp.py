@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from titan.dist.plan import match_modules, sharding_plan, tied_parameter_groups
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+
+from titan.dist.plan import match_modules, sharding_plan, tied_parameter_groups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The dtypes the `--training.mixed_precision_*` flags name."""

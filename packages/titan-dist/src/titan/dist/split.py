@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from titan.dist import env as _env
 
 STORE_PREFIX = "titan/split"

@@ -23,7 +23,6 @@ import contextlib
 
 import torch
 import torch.nn as nn
-from titan.dist.plan import match_modules, sharding_plan, tied_parameter_groups
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
@@ -34,6 +33,8 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+
+from titan.dist.plan import match_modules, sharding_plan, tied_parameter_groups
 
 STYLES = ("embedding", "colwise", "rowwise", "norm", "block_input", "output", "replicate", "head_norm",
           "replicated_block")
