@@ -74,13 +74,16 @@ def total_norm(grads: list[torch.Tensor], mesh: DeviceMesh | None,
     grads = [_without_partial(g) for g in grads]
     locals_ = [_local(g).float() for g in grads]
     device = locals_[0].device
+    # One multi-tensor kernel per device and dtype rather than two per gradient: on a GPU
+    # ~300 launches per step for a 1B model, 1% of its step.
+    norms = torch._foreach_norm(locals_, norm_type)
     if math.isinf(norm_type):
-        value = torch.stack([t.abs().max() for t in locals_]).max()
+        value = torch.stack(norms).max()
         if mesh is not None:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_world_group_of(mesh))
         return value
     weights = [1.0 / _copies(g, mesh) for g in grads] if mesh is not None else None
-    parts = torch.stack([t.norm(norm_type) ** norm_type for t in locals_]).to(device)
+    parts = torch.stack(torch._foreach_pow(norms, norm_type)).to(device)
     if weights is not None:
         parts = parts * _weights_on(tuple(weights), device, parts.dtype)
     value = parts.sum()
