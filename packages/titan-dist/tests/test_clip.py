@@ -33,3 +33,15 @@ def test_positive_max_norm_still_clips():
     after = torch.cat([p.grad.flatten() for p in params]).norm()
     torch.testing.assert_close(norm, before)
     assert before > 10 and after == pytest.approx(1.0, rel=1e-4)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_empty_local_shards_add_nothing_to_the_norm(norm_type):
+    """A rank's shard of a small parameter can be empty under FSDP's uneven split: it adds
+    nothing to the norm (whose infinity form has no value on an empty tensor by itself)."""
+    from titan.dist.reduce import total_norm
+
+    grads = [torch.empty(0), torch.tensor([3.0, -4.0]), torch.zeros(0, 5), torch.tensor([[1.0, -12.0]])]
+    whole = torch.cat([g.flatten() for g in grads])
+    assert float(total_norm(grads, None, norm_type)) == pytest.approx(float(whole.norm(norm_type)))
+    assert float(total_norm([torch.empty(0)], None, norm_type)) == 0.0

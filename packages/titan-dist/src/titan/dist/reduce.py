@@ -72,21 +72,26 @@ def total_norm(grads: list[torch.Tensor], mesh: DeviceMesh | None,
     if not grads:
         return torch.zeros(())
     grads = [_without_partial(g) for g in grads]
+    device = _local(grads[0]).device
+    # An empty local shard (FSDP's uneven split of a small parameter) adds nothing, and has no
+    # infinity norm; every rank still joins the collective below.
+    grads = [g for g in grads if _local(g).numel()]
     locals_ = [_local(g).float() for g in grads]
-    device = locals_[0].device
     # One multi-tensor kernel per device and dtype rather than two per gradient: on a GPU
     # ~300 launches per step for a 1B model, 1% of its step.
-    norms = torch._foreach_norm(locals_, norm_type)
+    norms = torch._foreach_norm(locals_, norm_type) if locals_ else []
     if math.isinf(norm_type):
-        value = torch.stack(norms).max()
+        value = torch.stack(norms).max() if norms else torch.zeros((), device=device)
         if mesh is not None:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_world_group_of(mesh))
         return value
-    weights = [1.0 / _copies(g, mesh) for g in grads] if mesh is not None else None
-    parts = torch.stack(torch._foreach_pow(norms, norm_type)).to(device)
-    if weights is not None:
-        parts = parts * _weights_on(tuple(weights), device, parts.dtype)
-    value = parts.sum()
+    if not norms:
+        value = torch.zeros((), device=device)
+    else:
+        parts = torch.stack(torch._foreach_pow(norms, norm_type)).to(device)
+        if mesh is not None:
+            parts = parts * _weights_on(tuple(1.0 / _copies(g, mesh) for g in grads), device, parts.dtype)
+        value = parts.sum()
     if mesh is not None:
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=_world_group_of(mesh))
     return value ** (1.0 / norm_type)
