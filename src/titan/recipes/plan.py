@@ -178,7 +178,7 @@ def format_table(preds: list[Prediction], hw: Hardware, top: int) -> str:
                 for p in preds)
     if close > 1:
         lines.append(f"\n{close} layouts predict within {100 * NEAR_TIE:.0f}% of the first: closer than the model's "
-                     "error against published runs (within 20% on 16 of 19), so their order is not a finding; "
+                     "error against published runs (within 20% on 15 of 19), so their order is not a finding; "
                      "--verify dry-runs the first ones, a short run on the cluster decides")
     lines.append("")
     for i, p in enumerate(preds[:top], 1):
