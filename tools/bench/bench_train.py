@@ -302,13 +302,14 @@ EAGER_SIDES = ("titan", "hand", "hf")
 def report(args, rates, first, peaks, saved, flops_per_token: float, peak_flops: float | None, gap: float,
            step_peaks: dict[str, float] | None = None) -> dict:
     """The results as one JSON-able dict."""
+    step_peaks = step_peaks or {}
     sides = {}
     for name, r in rates.items():
         median = statistics.median(r)
         sides[name] = {
             "tokens_per_s": median, "tokens_per_s_quartiles": quartiles(r),
             "mfu": median * flops_per_token / peak_flops if peak_flops else None,
-            "saved_activations_mib": saved[name], "step_peak_mib": (step_peaks or {}).get(name),
+            "saved_activations_mib": saved[name], "step_peak_mib": step_peaks.get(name),
             "cuda_peak_gib": peaks.get(name),
             "first_step_s": first[name],
         }
@@ -320,7 +321,6 @@ def report(args, rates, first, peaks, saved, flops_per_token: float, peak_flops:
             ratios.append({"ratio": f"{num}/{den}", "value": value, "per_round_quartiles": quartiles(per_round),
                            "target": target, "met": None if target is None else value >= target})
     memory = saved["titan"] / saved["hand"] if saved.get("hand") else None
-    step_peaks = step_peaks or {}
     peak_ratio = step_peaks["titan"] / step_peaks["hand"] if step_peaks.get("titan") and step_peaks.get("hand") else None
     return {
         "setup": {"flavor": args.flavor, "n_layers": args.n_layers, "vocab_size": args.vocab_size,

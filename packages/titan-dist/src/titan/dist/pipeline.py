@@ -32,6 +32,13 @@ SINGLE_STAGE = ("GPipe", "1F1B")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 
 
+def even_stage_sizes(n_blocks: int, num_stages: int) -> list[int]:
+    """Blocks of each stage when the layers are split evenly: the first ``n_blocks %
+    num_stages`` stages get one more (the planner times and sizes stages by the same rule)."""
+    base, extra = divmod(n_blocks, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
 def stage_layer_keys(layer_keys: list[str], num_stages: int, config) -> list[list[str]]:
     """Which blocks each stage holds: from explicit split points, or evenly (earlier
     stages get the remainder)."""
@@ -43,8 +50,7 @@ def stage_layer_keys(layer_keys: list[str], num_stages: int, config) -> list[lis
                              f"{num_stages - 1} distinct blocks in model order")
         bounds = [0, *starts, len(layer_keys)]
     else:
-        base, extra = divmod(len(layer_keys), num_stages)
-        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+        sizes = even_stage_sizes(len(layer_keys), num_stages)
         bounds = [sum(sizes[:s]) for s in range(num_stages + 1)]
     stages = [layer_keys[bounds[s]:bounds[s + 1]] for s in range(num_stages)]
     if any(not s for s in stages):

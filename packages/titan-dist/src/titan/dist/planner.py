@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -71,6 +72,7 @@ from titan.dist.dry_run import (
     schedule_order,
     selective_op_units,
 )
+from titan.dist.pipeline import even_stage_sizes
 from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_plan
 
 GiB = 1024**3
@@ -417,10 +419,8 @@ class Workload:
 
 def stage_blocks(n_layers: int, pp: int) -> list[range]:
     """Blocks of each pipeline rank (contiguous, the first ranks one longer when uneven)."""
-    base, extra = divmod(n_layers, pp)
     out, start = [], 0
-    for rank in range(pp):
-        size = base + (1 if rank < extra else 0)
+    for size in even_stage_sizes(n_layers, pp):
         out.append(range(start, start + size))
         start += size
     return out
@@ -478,8 +478,8 @@ def _held_block_tokens(layout: Layout, work: Workload, n_layers: int, blocks: ra
 @functools.lru_cache(maxsize=4096)
 def _peak_outstanding_blocks(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int,
                              n_layers: int) -> int:
-    base, extra = divmod(n_layers, pp * stages_per_rank)  # the engine's split (`titan.dist.pipeline`)
-    local = [base + (v * pp + pp_rank < extra) for v in range(stages_per_rank)]
+    sizes = even_stage_sizes(n_layers, pp * stages_per_rank)  # the engine's split
+    local = [sizes[v * pp + pp_rank] for v in range(stages_per_rank)]
     return held_block_microbatches(schedule, pp, microbatches, stages_per_rank, pp_rank, local)
 
 
@@ -649,14 +649,13 @@ def _pipeline_idle(facts: ModelFacts, layout: Layout) -> float:
     """Idle over busy time of the slowest pipeline rank for this model's stages: a block's
     forward costs 1, the output projection its FLOPs' share of a block's; backward twice
     the forward, plus the forward again for blocks under full AC."""
-    stages = layout.pp * layout.stages_per_rank
-    base, extra = divmod(facts.n_layers, stages)  # the engine's split (`titan.dist.pipeline`)
+    sizes = even_stage_sizes(facts.n_layers, layout.pp * layout.stages_per_rank)  # the engine's split
     block_flops = (facts.flops_per_token - 6 * facts.vocab * facts.dim) / facts.n_layers
     output = 6 * facts.vocab * facts.dim / block_flops
     rerun = 1.0 if layout.ac == "full" else 0.0
-    forward = tuple(base + (s < extra) + (output / 3 if s == stages - 1 else 0.0) for s in range(stages))
-    backward = tuple((base + (s < extra)) * (2 + rerun) + (2 * output / 3 if s == stages - 1 else 0.0)
-                     for s in range(stages))
+    last = len(sizes) - 1
+    forward = tuple(n + (output / 3 if s == last else 0.0) for s, n in enumerate(sizes))
+    backward = tuple(n * (2 + rerun) + (2 * output / 3 if s == last else 0.0) for s, n in enumerate(sizes))
     return pipeline_idle_fraction(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank,
                                   _rounded(forward), _rounded(backward))
 
@@ -673,7 +672,7 @@ def pipeline_idle_fraction(schedule: str, pp: int, microbatches: int, stages_per
     stage (the forward of the stage before, the backward of the stage after; communication
     counted elsewhere). ``forward[s]`` / ``backward[s]``: stage ``s``'s cost per microbatch."""
     last = pp * stages_per_rank - 1
-    queues = [list(schedule_order(schedule, pp, microbatches, stages_per_rank, rank)) for rank in range(pp)]
+    queues = [deque(schedule_order(schedule, pp, microbatches, stages_per_rank, rank)) for rank in range(pp)]
     done: dict[tuple[bool, int, int], float] = {}
     clock = [0.0] * pp
     while any(queues):
@@ -688,7 +687,7 @@ def pipeline_idle_fraction(schedule: str, pp: int, microbatches: int, stages_per
                 start = max(clock[rank], done[needs] if needs else 0.0)
                 clock[rank] = start + (forward if is_forward else backward)[stage]
                 done[(is_forward, stage, micro)] = clock[rank]
-                queue.pop(0)
+                queue.popleft()
                 progressed = True
         if not progressed:
             raise ValueError(f"{schedule} with pp {pp}, {microbatches} microbatches deadlocks in this model")
