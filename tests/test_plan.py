@@ -19,6 +19,7 @@ from titan.dist.planner import (
     parse_gpus,
     pipeline_idle_fraction,
     predict,
+    rank_layouts,
     schedule_order,
     stage_blocks,
     stage_params,
@@ -509,15 +510,7 @@ def test_published_comparison_script_reproduces_its_figures():
     """tools/plan_vs_published.py: the fitted row is reproduced and ranked first; the 70B
     row (a prediction: another model, 256 GPUs, TP, compile and float8) within 20%; the 2D
     405B run (no published memory) within 20% and its layout among the first three."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "plan_vs_published.py"
-    spec = importlib.util.spec_from_file_location("plan_vs_published", path)
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = tool  # its dataclasses look their module up
-    spec.loader.exec_module(tool)
+    tool = _published_tool()
     fitted = tool.compare(tool.PUBLISHED[0])
     assert abs(fitted["error"]) < 0.02 and fitted["rank"] == 1
     # Compiled under torchtitan's per-op policy, measured as AOTAutograd partitions it (6.8
@@ -530,6 +523,42 @@ def test_published_comparison_script_reproduces_its_figures():
     assert abs(two_d["error"]) < 0.20 and two_d["rank"] <= 3 and two_d["memory_error"] is None
     table = tool.markdown([fitted, seventy, two_d])
     assert "| 70B, 256 GPUs" in table and "| not published |" in table
+
+
+def _published_tool():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "plan_vs_published.py"
+    spec = importlib.util.spec_from_file_location("plan_vs_published", path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool  # its dataclasses look their module up
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_megatron_table_is_compared_with_one_fitted_constant():
+    """Megatron-LM's weak-scaling table (SC21): the GPT shapes do the paper's FLOPs per token
+    (its formula without the recomputed forward); the A100 kernel efficiency fitted on the first row reproduces it; the
+    PP 2 x TP 8 row is a prediction within 20%, its TP x PP the planner's first; throughput
+    converts from the paper's FLOP count (1T: 163 teraFLOP/s over 8.17e12 FLOPs per token = 19.96 tokens/s/GPU, by hand)."""
+    tool = _published_tool()
+    for run in (tool.MEGATRON[0], tool.MEGATRON[4], tool.MEGATRON[-1]):
+        facts, _, _ = tool._megatron_model(run)
+        n, h, s, v = run.layers, run.hidden, tool.MEGATRON_SEQ, tool.MEGATRON_VOCAB
+        paper = 72 * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
+        assert facts.flops_per_token == pytest.approx(paper, rel=0.005), run.name
+    trillion = tool.MEGATRON[-1]
+    assert trillion.tflops * 1e12 / tool.megatron_flops_per_token(trillion) == pytest.approx(19.96, abs=0.01)
+    efficiency = tool.fit_megatron_efficiency()
+    first = tool.compare_megatron(tool.MEGATRON[0], efficiency)
+    assert abs(first["error"]) < 0.01
+    pipelined = tool.compare_megatron(tool.MEGATRON[4], efficiency)
+    assert (pipelined["name"].startswith("39.1B") and abs(pipelined["error"]) < 0.20
+            and pipelined["rank"] == 1), pipelined
+    table = tool.markdown_megatron([first, pipelined], efficiency)
+    assert "| 39.1B, 512 GPUs, TP 8 x PP 2 x DP 32 | 138 (44%) |" in table
 
 
 def test_layout_flags_on_the_command_line_pin_the_choices(capsys):
@@ -558,3 +587,41 @@ def test_interleaved_activations_in_flight_count_each_stage_blocks():
             held += sizes[stage] if is_forward else -sizes[stage]
             peak = max(peak, held)
         assert _peak_outstanding_blocks("Interleaved1F1B", 2, 4, 2, rank, 6) == peak, rank
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "InterleavedZeroBubble", "1F1B", "GPipe"])
+def test_microbatch_counts_torch_refuses_are_named_before_it_runs(schedule):
+    """`microbatch_count_problem` refuses exactly the counts torch's schedule refuses (the
+    interleaved ones split the microbatches into m // pp equal rounds: 7 over pp 2 cannot)."""
+    from titan.dist.pipeline import microbatch_count_problem
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    stages = 2 if schedule.startswith("Interleaved") else 1
+    refused = []
+    for pp in (2, 3, 4):
+        for microbatches in range(pp, 4 * pp + 2):
+            try:
+                get_schedule_ops(schedule, pp, microbatches, num_stages_per_rank=stages)
+                torch_refuses = False
+            except ValueError:
+                torch_refuses = True
+            problem = microbatch_count_problem(schedule, pp, microbatches)
+            assert (problem is not None) == torch_refuses, (pp, microbatches, problem)
+            if problem:
+                refused.append((pp, microbatches))
+    assert bool(refused) == schedule.startswith("Interleaved")  # the check has cases to catch
+    if refused:
+        assert (2, 7) in refused
+
+
+def test_the_planner_never_enumerates_a_microbatch_count_torch_refuses():
+    """A layout the planner prints must run: 7 microbatches of Interleaved 1F1B over pp 2
+    (local batch 7) used to be ranked, and its bubble simulation raised."""
+    with torch.device("meta"):
+        model = build_llama3("debugmodel_tiny", vocab_size=320, max_seq_len=64, n_layers=8)
+    facts = ModelFacts.from_model(model, flops_per_token=model.flops_per_token(64))
+    work = Workload(global_batch_size=14, seq_len=64)
+    layouts = [lay for lay in enumerate_layouts(facts, 4, work) if lay.pp == 2]
+    assert any(lay.schedule == "1F1B" and lay.microbatches == 7 for lay in layouts)
+    assert not any(lay.schedule == "Interleaved1F1B" and lay.microbatches == 7 for lay in layouts)
+    rank_layouts(facts, layouts, work, HARDWARE["H100"])  # every bubble simulation runs

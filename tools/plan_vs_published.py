@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 
 import torch
 from titan.dist.dry_run import measure_compiled_block_units
 from titan.dist.fsdp import DTYPES
+from titan.dist.pipeline import microbatch_count_problem
 from titan.dist.plan import blocks_of
 from titan.dist.planner import (
     Layout,
+    Prediction,
     Workload,
     enumerate_layouts,
     parse_gpus,
@@ -204,13 +207,170 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MegatronRun:
+    """One row of Megatron-LM's weak-scaling table (Narayanan et al., "Efficient Large-Scale
+    Language Model Training on GPU Clusters Using Megatron-LM", SC21, Table 1): a GPT with
+    multi-head attention, vocabulary 51,200 and sequence 2,048, trained with full activation
+    recomputation in mixed precision on DGX A100 80GB nodes (Selene: NVSwitch inside a node,
+    8 x 200 Gb/s InfiniBand per node), data parallelism replicating the model (no sharding)."""
+
+    params_b: float
+    """Parameters (billions), as published."""
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    """Global batch (sequences)."""
+    tflops: float
+    """Achieved teraFLOP/s per GPU, counted with the paper's formula (recomputation included)."""
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def name(self) -> str:
+        return f"{self.params_b:g}B, {self.gpus} GPUs, TP {self.tp} x PP {self.pp} x DP {self.dp}"
+
+
+MEGATRON_SEQ, MEGATRON_VOCAB = 2048, 51200
+MEGATRON = [MegatronRun(params_b=p, heads=a, hidden=h, layers=n, tp=t, pp=pp, gpus=g, batch=b, tflops=f)
+            for p, a, h, n, t, pp, g, b, f in [
+                (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+                (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+                (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+                (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+                (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]]
+"""Every row of the table (A100 peak 312 teraFLOP/s: 44% of it for the smallest, 52% for the largest)."""
+
+SELENE_A100 = {"matmul_efficiency": 0.35}
+"""The A100 profile as wired on Selene (80 GB, NVSwitch, 25 GB/s of network per GPU: the
+profile's own figures); the kernel efficiency is replaced by the one fitted on the table's
+first row (`fit_megatron_efficiency`)."""
+
+
+def megatron_flops_per_token(run: MegatronRun) -> float:
+    """The paper's FLOP count per token: 96 l h^2 (1 + s / 6h + V / 16 l h), which counts each
+    block's forward twice (full recomputation) and the output projection once."""
+    h, n = run.hidden, run.layers
+    return 96 * n * h * h * (1 + MEGATRON_SEQ / (6 * h) + MEGATRON_VOCAB / (16 * n * h))
+
+
+def megatron_config(run: MegatronRun):
+    """A Llama-family model with the run's GPT shape: width, depth and heads as published, every
+    head its own K/V, SwiGLU at 8/3 of the width (the same FLOPs and parameters as GPT's 4x
+    GELU MLP), the vocabulary and sequence of the table."""
+    return parse_train_args(["--config", "llama3_debug", "--model.dim", str(run.hidden),
+                             "--model.n_layers", str(run.layers), "--model.n_heads", str(run.heads),
+                             "--model.n_kv_heads", str(run.heads), "--model.vocab_size", str(MEGATRON_VOCAB),
+                             "--training.seq_len", str(MEGATRON_SEQ), "--training.mixed_precision_param", "bfloat16"])
+
+
+def _megatron_own_layouts(run: MegatronRun) -> list[Layout]:
+    """The run's published degrees (DP replicating, full AC) with every choice the table leaves
+    open: the microbatch (and, without PP, gradient accumulation) and the pipeline schedule."""
+    local = run.batch // run.dp
+    if run.pp == 1:
+        return [Layout(pp=1, dp_replicate=run.dp, dp_shard=1, cp=1, tp=run.tp, ep=1, ac="full",
+                       local_batch_size=micro, microbatch_size=micro, schedule="1F1B")
+                for micro in (1, 2, 4, 8, 16, 32) if local % micro == 0]
+    return [Layout(pp=run.pp, dp_replicate=run.dp, dp_shard=1, cp=1, tp=run.tp, ep=1, ac="full",
+                   local_batch_size=local, microbatch_size=micro, schedule=schedule, stages_per_rank=stages)
+            for micro in (1, 2, 4) if local % micro == 0
+            for schedule, stages in (("1F1B", 1), ("Interleaved1F1B", 2))
+            if run.layers >= run.pp * stages and not microbatch_count_problem(schedule, run.pp, local // micro)]
+
+
+@functools.cache
+def _megatron_model(run: MegatronRun):
+    """(ModelFacts, the meta model, the Workload) of a run."""
+    facts, _, probe = model_facts(megatron_config(run))
+    # Megatron-LM in 2021: no sequence parallelism, the logits gathered whole for the loss.
+    work = Workload(global_batch_size=run.batch, seq_len=MEGATRON_SEQ, sequence_parallel=False, loss_parallel=False)
+    return facts, probe, work
+
+
+def _selene(run: MegatronRun, efficiency: float):
+    return parse_gpus(f"{run.gpus}xA100", {**SELENE_A100, "matmul_efficiency": efficiency})[1]
+
+
+def _best_own(run: MegatronRun, facts, probe, hw, work) -> Prediction:
+    """The fastest fitting prediction among the run's own layouts that titan accepts."""
+    valid = passes_engine_checks(probe, MEGATRON_SEQ, run.batch)
+    preds = [predict(facts, layout, work, hw) for layout in _megatron_own_layouts(run) if valid(layout)]
+    return max(preds, key=lambda p: (p.fits, p.tokens_per_s_per_device))
+
+
+def fit_megatron_efficiency(run: MegatronRun | None = None) -> float:
+    """The kernel efficiency at which the planner reproduces `run` (the table's first row:
+    one A100 node's worth of data parallelism, compute-bound), by bisection."""
+    run = run or MEGATRON[0]
+    measured = run.tflops * 1e12 / megatron_flops_per_token(run)
+    low, high = 0.05, 1.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        facts, probe, work = _megatron_model(run)
+        predicted = _best_own(run, facts, probe, _selene(run, mid), work).tokens_per_s_per_device
+        low, high = (mid, high) if predicted < measured else (low, mid)
+    return (low + high) / 2
+
+
+def compare_megatron(run: MegatronRun, efficiency: float) -> dict:
+    """The planner against one Megatron-LM row: its own degrees' prediction, and where the
+    planner ranks the best layout with the published TP and PP among every valid one."""
+    facts, probe, work = _megatron_model(run)
+    hw = _selene(run, efficiency)
+    measured = run.tflops * 1e12 / megatron_flops_per_token(run)
+    own = _best_own(run, facts, probe, hw, work)
+    layouts = enumerate_layouts(facts, run.gpus, work, max_cp=1)  # no CP at 2,048 tokens
+    ranked = rank_layouts(facts, layouts, work, hw, valid=passes_engine_checks(probe, MEGATRON_SEQ, run.batch))
+    same = [i for i, p in enumerate(ranked, 1) if (p.layout.tp, p.layout.pp) == (run.tp, run.pp)]
+    best = ranked[0]
+    lay = own.layout
+    choice = (f"micro {lay.microbatch_size}, {lay.schedule}" if lay.pp > 1
+              else f"micro {lay.microbatch_size} x {run.batch // run.dp // lay.microbatch_size} accumulated")
+    return {"name": run.name, "params_b": run.params_b, "titan_params_b": facts.num_params / 1e9,
+            "tflops": run.tflops, "published_mfu": run.tflops / hw.peak_bf16_tflops, "published": measured,
+            "predicted": own.tokens_per_s_per_device, "error": own.tokens_per_s_per_device / measured - 1,
+            "choice": choice, "fits": own.fits, "dominant": own.dominant, "rank": same[0] if same else None,
+            "of": len(ranked), "best": best.layout.describe() + f", AC {best.layout.ac}",
+            "best_tokens_per_s": best.tokens_per_s_per_device}
+
+
+def markdown_megatron(rows: list[dict], efficiency: float) -> str:
+    """The Megatron-LM comparison as a markdown table."""
+    out = [f"Kernel efficiency fitted on the first row: {efficiency:.3f} of the A100's peak.", "",
+           "| Megatron-LM run (A100 80GB) | teraFLOP/s/GPU (of peak) | tokens/s/GPU | predicted | error | "
+           "choices not published (the prediction's) | rank of its TP x PP | planner's first choice |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rank = f"{r['rank']} of {r['of']}" if r["rank"] else f"not enumerated ({r['of']} valid)"
+        out.append(f"| {r['name']} | {r['tflops']:g} ({100 * r['published_mfu']:.0f}%) | {r['published']:,.0f} | "
+                   f"{r['predicted']:,.0f} | {100 * r['error']:+.0f}% | {r['choice']} | {rank} | "
+                   f"{r['best']} ({r['best_tokens_per_s']:,.0f}) |")
+    return "\n".join(out)
+
+
 def main() -> None:
-    """Print the comparison (markdown, or JSON with --json)."""
+    """Print the comparisons (markdown, or JSON with --json)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--only", choices=("torchtitan", "megatron"), default=None, help="print one table")
     args = parser.parse_args()
-    rows = [compare(row) for row in PUBLISHED]
-    print(json.dumps(rows, indent=1) if args.json else markdown(rows))
+    rows = [compare(row) for row in PUBLISHED] if args.only != "megatron" else []
+    efficiency = fit_megatron_efficiency() if args.only != "torchtitan" else None
+    megatron = [compare_megatron(run, efficiency) for run in MEGATRON] if efficiency else []
+    if args.json:
+        print(json.dumps({"torchtitan": rows, "megatron": megatron, "megatron_efficiency": efficiency}, indent=1))
+        return
+    if rows:
+        print(markdown(rows))
+    if megatron:
+        print(("\n" if rows else "") + markdown_megatron(megatron, efficiency))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,20 @@ SCHEDULES = {
 }
 SINGLE_STAGE = ("GPipe", "1F1B")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+IN_ROUNDS = ("Interleaved1F1B", "InterleavedZeroBubble")
+"""Schedules that run the microbatches in rounds of about pp (torch refuses an uneven split)."""
+
+
+def microbatch_count_problem(schedule: str, pp: int, microbatches: int) -> str | None:
+    """Why torch's `schedule` cannot run `microbatches` over `pp` ranks, or None: the
+    interleaved schedules split the microbatches into max(1, m // pp) equal rounds."""
+    rounds = max(1, microbatches // pp)
+    if schedule in IN_ROUNDS and microbatches % rounds:
+        fits = [m for m in range(pp, 4 * pp + 1) if m % max(1, m // pp) == 0]
+        return (f"{schedule} runs the {microbatches} microbatches in {rounds} equal rounds (microbatches // "
+                f"pipeline_parallel_degree {pp}), which {microbatches} does not split into; use a local batch "
+                f"of {', '.join(map(str, fits[:6]))}, ... microbatches")
+    return None
 
 
 def even_stage_sizes(n_blocks: int, num_stages: int) -> list[int]:
@@ -233,4 +247,8 @@ def _microbatches(local_batch_size: int, config) -> int:
     if local_batch_size % mbs:
         raise ValueError(f"local_batch_size={local_batch_size} must be divisible by "
                          f"--parallelism.pipeline_parallel_microbatch_size={mbs}")
+    problem = microbatch_count_problem(config.pipeline_parallel_schedule, config.pipeline_parallel_degree,
+                                       local_batch_size // mbs)
+    if problem:
+        raise ValueError(problem)
     return local_batch_size // mbs

@@ -72,7 +72,7 @@ from titan.dist.dry_run import (
     schedule_order,
     selective_op_units,
 )
-from titan.dist.pipeline import even_stage_sizes
+from titan.dist.pipeline import even_stage_sizes, microbatch_count_problem
 from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_plan
 
 GiB = 1024**3
@@ -712,7 +712,8 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
     powers of two up to `max_tp` / `max_cp` (a TP group beyond one node is never faster),
     CP dividing the sequence into 2 cp chunks, PP at most one block per stage, the global
     batch split evenly over the data-parallel ranks, EP dividing dp_shard x cp and the
-    experts, pipeline microbatches of 1, 2 or 4 with at least pp of them. The model's own
+    experts, pipeline microbatches of 1, 2 or 4 with at least pp of them (and for the interleaved
+    schedules a count torch splits into equal rounds). The model's own
     constraints (heads, hidden sizes, ties) are checked by `ParallelDims.validate_model`
     through `valid`."""
     for pp in divisors(world_size):
@@ -748,7 +749,7 @@ def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_laye
             continue
         for schedule in schedules:
             stages = 2 if schedule == "Interleaved1F1B" else 1
-            if n_layers < pp * stages:
+            if n_layers < pp * stages or microbatch_count_problem(schedule, pp, local // micro):
                 continue
             yield Layout(**base, microbatch_size=micro, schedule=schedule, stages_per_rank=stages)
 
