@@ -57,7 +57,7 @@ def parse_plan_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]
     parser.add_argument("--verify", type=int, default=0, help="run the real dry run of the first N rows")
     parser.add_argument("--memory_headroom", type=float, default=0.10,
                         help="fraction added on top of the memory estimate (allocator, workspaces)")
-    hw_fields = [f for f in dataclasses.fields(Hardware) if f.type in ("float", "int")]
+    hw_fields = [f for f in dataclasses.fields(Hardware) if f.type in ("float", "int", "float | None")]
     for f in hw_fields:
         parser.add_argument(f"--hardware.{f.name}", dest=f"hw_{f.name}", type=float, default=None)
     opts, rest = parser.parse_known_args(list(argv))
@@ -178,7 +178,7 @@ def format_table(preds: list[Prediction], hw: Hardware, top: int) -> str:
                 for p in preds)
     if close > 1:
         lines.append(f"\n{close} layouts predict within {100 * NEAR_TIE:.0f}% of the first: closer than the model's "
-                     "error against published runs (within 20% on 15 of 19), so their order is not a finding; "
+                     "error against published runs (within 20% on 16 of 19), so their order is not a finding; "
                      "--verify dry-runs the first ones, a short run on the cluster decides")
     lines.append("")
     for i, p in enumerate(preds[:top], 1):

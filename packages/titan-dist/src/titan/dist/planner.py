@@ -29,7 +29,8 @@ memory per rank (worst pipeline stage)
 
 step time (worst pipeline stage)
     compute = training FLOPs of the rank's tokens (plus the recomputed forward under AC) over
-    the device's bf16 peak x `matmul_efficiency` (x `compile_speedup` when compiled); with
+    the device's bf16 peak x `matmul_efficiency` (x `compile_speedup` when compiled; less for
+    microbatches of few tokens, by the weights' roofline: `Hardware.half_efficiency_tokens`); with
     float8 the converted linears' FLOPs at the fp8 peak instead, plus `float8_cast_bytes`
     of memory traffic per cast element; communication volumes per step: FSDP all-gathers
     (forward and backward) and reduce-scatter, overlapped with compute (the `comm_overlap`
@@ -134,10 +135,11 @@ class Hardware:
     prefetched gathers and reduce-scatters, async TP). 1 on GPUs, whose copy engines and spare
     SMs move data beside the kernels; a CPU whose every core runs a rank's compute has no core
     left for gloo, and measured 0.1-0.4 (`tools/plan_calibrate_cpu.py` measures it)."""
-    half_efficiency_tokens: float = 1024
+    half_efficiency_tokens: float | None = None
     """Tokens per microbatch and rank at which kernels reach half their large-batch
     efficiency: efficiency scales with M / (M + this), normalized to the fitted run's 16,384
-    (small microbatches, deep CP and PP splits make small, slow GEMMs)."""
+    (small microbatches, deep CP and PP splits make small, slow GEMMs). None: the weights'
+    roofline, `weight_roofline_tokens` (H100: 103 tokens); the CPU calibration measures it."""
 
     def __post_init__(self) -> None:
         for name, low, high in (("comm_overlap", 0.0, 1.0), ("link_efficiency", 1e-9, 1.0)):
@@ -151,6 +153,20 @@ class Hardware:
     def memory_bytes(self) -> float:
         """Device memory in bytes."""
         return self.memory_gib * GiB
+
+    @property
+    def weight_roofline_tokens(self) -> float:
+        """Tokens M at which a matmul spends as long reading its bf16 weight matrix [K, N] from
+        memory (2 N K bytes) as multiplying it (2 M N K FLOPs at the peak times
+        `matmul_efficiency`): its time is 2 N K (M / rate + 1 / bandwidth), so its rate is
+        M / (M + rate / bandwidth) of the large-M one, whatever N and K are."""
+        rate = self.peak_bf16_tflops * 1e12 * self.matmul_efficiency
+        return rate / (self.memory_tbps * 1e12)
+
+    @property
+    def half_tokens(self) -> float:
+        """`half_efficiency_tokens` as given, or the weights' roofline."""
+        return self.weight_roofline_tokens if self.half_efficiency_tokens is None else self.half_efficiency_tokens
 
 
 HARDWARE: dict[str, Hardware] = {
@@ -537,7 +553,7 @@ _FITTED_MICRO_TOKENS = 16384
 def _size_factor(tokens: float, hw: Hardware) -> float:
     """Kernel efficiency at `tokens` per microbatch relative to the fitted run's."""
     def saturation(m: float) -> float:
-        return m / (m + hw.half_efficiency_tokens)
+        return m / (m + hw.half_tokens)
     return saturation(tokens) / saturation(_FITTED_MICRO_TOKENS)
 
 
