@@ -643,3 +643,13 @@ def test_small_microbatches_slow_the_matmuls_by_the_weights_roofline():
     assert _size_factor(2048, h100) > 0.95 and _size_factor(103.3, h100) < 0.51
     measured = dataclasses.replace(h100, half_efficiency_tokens=1024.0)  # what a calibration measured wins
     assert measured.half_tokens == 1024.0 and _size_factor(2048, measured) < 0.72
+
+
+def test_dry_run_names_a_microbatch_count_the_schedule_cannot_run(capsys):
+    """The engine refuses such a count before building stages, in one line naming counts that run."""
+    rc = main(["dry-run", "--config", "llama3_debug", "--world_size", "2", *TINY[:2],
+               "--parallelism.pipeline_parallel_degree", "2",
+               "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+               "--training.local_batch_size", "7", "--parallelism.pipeline_parallel_microbatch_size", "1"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "runs the 7 microbatches in 3 equal rounds" in err and "run 2, 3, 4, 6, 8" in err

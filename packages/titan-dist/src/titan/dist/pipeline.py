@@ -41,8 +41,9 @@ def microbatch_count_problem(schedule: str, pp: int, microbatches: int) -> str |
     if schedule in IN_ROUNDS and microbatches % rounds:
         fits = [m for m in range(pp, 4 * pp + 1) if m % max(1, m // pp) == 0]
         return (f"{schedule} runs the {microbatches} microbatches in {rounds} equal rounds (microbatches // "
-                f"pipeline_parallel_degree {pp}), which {microbatches} does not split into; use a local batch "
-                f"of {', '.join(map(str, fits[:6]))}, ... microbatches")
+                f"pipeline_parallel_degree {pp}), which {microbatches} does not split into; run "
+                f"{', '.join(map(str, fits[:6]))}, ... microbatches (--training.local_batch_size / "
+                f"--parallelism.pipeline_parallel_microbatch_size)")
     return None
 
 
