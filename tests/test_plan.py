@@ -653,3 +653,21 @@ def test_dry_run_names_a_microbatch_count_the_schedule_cannot_run(capsys):
                "--training.local_batch_size", "7", "--parallelism.pipeline_parallel_microbatch_size", "1"])
     err = capsys.readouterr().err
     assert rc != 0 and "runs the 7 microbatches in 3 equal rounds" in err and "run 2, 3, 4, 6, 8" in err
+
+
+def test_replicas_all_reduce_during_the_backward_except_the_last_block():
+    """titan's DDP (buckets) and FSDP2's HSDP (per block) all-reduce the gradients while the
+    backward runs: with compute to spare only the last block's share stays exposed; a system
+    that all-reduces after the backward (Megatron-LM in 2021) exposes all of it; under PP
+    the all-reduce follows the last microbatch, exposed either way."""
+    config = parse_train_args(["--config", "llama3_8b"])
+    facts, _, _ = model_facts(config)
+    hw = HARDWARE["H100"]
+    hsdp = _layout(dp_replicate=4, dp_shard=8, local_batch_size=2, microbatch_size=2, ac="full")
+    after, during = (Workload(global_batch_size=64, seq_len=8192, overlap_grad_allreduce=flag) for flag in (False, True))
+    exposed_after = predict(facts, hsdp, after, hw).times["hsdp_allreduce"]
+    exposed_during = predict(facts, hsdp, during, hw).times["hsdp_allreduce"]
+    assert exposed_after > 0 and exposed_during == pytest.approx(exposed_after / facts.n_layers)
+    piped = dataclasses.replace(hsdp, pp=2, microbatch_size=1)
+    assert (predict(facts, piped, during, hw).times["hsdp_allreduce"]
+            == predict(facts, piped, after, hw).times["hsdp_allreduce"] > 0)

@@ -192,12 +192,21 @@ def _same_layout(a: Layout, b: Layout) -> bool:
     return same and (a.pp == 1 or a.microbatch_size == b.microbatch_size)
 
 
+def _rank_cell(row: dict, tokens_per_s: float | None) -> str:
+    """'4 of 3597 (-1.4%)': the rank, and below the first choice how far its prediction falls
+    (within `titan plan`'s 5% tie band the order is not a finding)."""
+    if not row["rank"]:
+        return f"not enumerated ({row['of']} valid)"
+    gap = "" if row["rank"] == 1 else f" ({100 * (tokens_per_s / row['best_tokens_per_s'] - 1):+.1f}%)"
+    return f"{row['rank']} of {row['of']}{gap}"
+
+
 def markdown(rows: list[dict]) -> str:
     """The comparison as a markdown table."""
     out = ["| published run | measured tokens/s/GPU | predicted | error | measured memory | predicted | error | "
            "rank of its layout | planner's first choice |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        rank = f"{r['rank']} of {r['of']}" if r["rank"] else f"not enumerated ({r['of']} valid)"
+        rank = _rank_cell(r, r["predicted"])
         measured, error = ((f"{r['published_memory_gib']:.1f} GiB", f"{100 * r['memory_error']:+.0f}%")
                            if r["published_memory_gib"] else ("not published", "-"))
         out.append(f"| {r['name']} | {r['published']:,.0f} | {r['predicted']:,.0f} | {100 * r['error']:+.0f}% | "
@@ -289,8 +298,10 @@ def _megatron_own_layouts(run: MegatronRun) -> list[Layout]:
 def _megatron_model(run: MegatronRun):
     """(ModelFacts, the meta model, the Workload) of a run."""
     facts, _, probe = model_facts(megatron_config(run))
-    # Megatron-LM in 2021: no sequence parallelism, the logits gathered whole for the loss.
-    work = Workload(global_batch_size=run.batch, seq_len=MEGATRON_SEQ, sequence_parallel=False, loss_parallel=False)
+    # Megatron-LM in 2021: no sequence parallelism, the logits gathered whole for the loss, the
+    # gradients all-reduced after the backward.
+    work = Workload(global_batch_size=run.batch, seq_len=MEGATRON_SEQ, sequence_parallel=False, loss_parallel=False,
+                    overlap_grad_allreduce=False)
     return facts, probe, work
 
 
@@ -337,6 +348,7 @@ def compare_megatron(run: MegatronRun, efficiency: float) -> dict:
             "tflops": run.tflops, "published_mfu": run.tflops / hw.peak_bf16_tflops, "published": measured,
             "predicted": own.tokens_per_s_per_device, "error": own.tokens_per_s_per_device / measured - 1,
             "choice": choice, "fits": own.fits, "dominant": own.dominant, "rank": same[0] if same else None,
+            "rank_tokens_per_s": ranked[same[0] - 1].tokens_per_s_per_device if same else None,
             "of": len(ranked), "best": best.layout.describe() + f", AC {best.layout.ac}",
             "best_tokens_per_s": best.tokens_per_s_per_device}
 
@@ -348,7 +360,7 @@ def markdown_megatron(rows: list[dict], efficiency: float) -> str:
            "choices not published (the prediction's) | rank of its TP x PP | planner's first choice |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        rank = f"{r['rank']} of {r['of']}" if r["rank"] else f"not enumerated ({r['of']} valid)"
+        rank = _rank_cell(r, r["rank_tokens_per_s"])
         out.append(f"| {r['name']} | {r['tflops']:g} ({100 * r['published_mfu']:.0f}%) | {r['published']:,.0f} | "
                    f"{r['predicted']:,.0f} | {100 * r['error']:+.0f}% | {r['choice']} | {rank} | "
                    f"{r['best']} ({r['best_tokens_per_s']:,.0f}) |")

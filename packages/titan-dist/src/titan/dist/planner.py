@@ -40,8 +40,10 @@ step time (worst pipeline stage)
     reduce-scatters of the residual stream (4 per block forward, 4 backward, one pair more
     around the embedding and one around the output projection; without loss parallel the
     logits gathered whole; not overlapped unless async TP); CP all-gathers of K/V (not overlapped); EP
-    all-to-alls (dispatch + combine, forward + backward, not overlapped); HSDP's gradient
-    all-reduce across replicas (not overlapped); PP's bubble: each rank runs its forwards and
+    all-to-alls (dispatch + combine, forward + backward, not overlapped); HSDP's and DDP's
+    gradient all-reduce across replicas (overlapped with the backward like FSDP's
+    reduce-scatter, in the compute FSDP's traffic leaves; under PP after the last microbatch,
+    exposed); PP's bubble: each rank runs its forwards and
     backwards in the order `torch.distributed.pipelining` builds for the schedule, each waiting
     for the neighbouring stage's result, with every stage's cost from its blocks (the engine's
     split of the layers over pp x v stages) and the output projection on the last (`pipeline_
@@ -431,6 +433,12 @@ class Workload:
     loss_chunk_tokens: int = 0
     """`--training.loss_chunk_tokens`: positions whose fp32 loss intermediates exist at once
     (0: the whole microbatch)."""
+    overlap_grad_allreduce: bool = True
+    """The data-parallel replicas' gradient all-reduce runs during the backward, as titan's
+    DDP (bucketed) and FSDP2's HSDP (per block, after its reduce-scatter) run it: hidden
+    behind the backward like FSDP's reduce-scatter, except the last block's. False: after the
+    backward, all of it exposed (how Megatron-LM's data parallelism ran in 2021, for the
+    published comparison)."""
 
 
 def stage_blocks(n_layers: int, pp: int) -> list[range]:
@@ -628,10 +636,14 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
         fsdp = _exposed(gather + reduce, compute, hw) + (gather + reduce) / L
     else:
         fsdp = _exposed(gather, compute, hw) + gather / L + reduce
-    # HSDP: the gradient shards all-reduced across replicas (a ring reduce-scatter, then an
-    # all-gather, fp32).
+    # HSDP / DDP: the gradient shards all-reduced across replicas (a ring reduce-scatter, then
+    # an all-gather, fp32), during the backward in what compute FSDP's traffic left (under PP
+    # after the last microbatch, exposed).
     replicate = (1 + hw.reduce_scatter_cost) * _ring(stage_unsharded / max(fsdp_group, 1) * 4, layout.dp_replicate)
     replicate /= _bandwidth(hw, layout.world_size // layout.pp)
+    if layout.pp == 1 and work.overlap_grad_allreduce:
+        left = max(compute - hw.comm_overlap * (gather + reduce), 0.0)
+        replicate = _exposed(replicate, left, hw) + replicate / L
     # Unoverlapped collectives also pay a fixed cost per call, once per microbatch.
     calls = layout.microbatches * hw.collective_latency_us * 1e-6
     tp = 0.0
