@@ -671,3 +671,19 @@ def test_replicas_all_reduce_during_the_backward_except_the_last_block():
     piped = dataclasses.replace(hsdp, pp=2, microbatch_size=1)
     assert (predict(facts, piped, during, hw).times["hsdp_allreduce"]
             == predict(facts, piped, after, hw).times["hsdp_allreduce"] > 0)
+
+
+def test_full_ac_runs_the_forward_collectives_again():
+    """Full AC recomputes each block's forward with its TP collectives (2 all-gather +
+    reduce-scatter pairs) and CP's K/V gather; per-op AC saves their outputs (titan's policy
+    lists the c10d ops), so its blocks run 4 pairs and one gather."""
+    config = parse_train_args(["--config", "llama3_8b"])
+    facts, _, _ = model_facts(config)
+    hw, work, n = HARDWARE["H100"], Workload(global_batch_size=8, seq_len=8192), facts.n_layers
+    tp = {ac: predict(facts, _layout(tp=8, ac=ac, local_batch_size=8, microbatch_size=8), work, hw).times["tp"]
+          for ac in ("selective", "full")}
+    # (plus, on either, the vocab-parallel loss's few small all-reduces)
+    assert tp["full"] / tp["selective"] == pytest.approx((6 * n + 2) / (4 * n + 2), rel=1e-3)
+    cp = {ac: predict(facts, _layout(cp=8, ac=ac, local_batch_size=8, microbatch_size=8), work, hw).times["cp"]
+          for ac in ("selective", "full")}
+    assert cp["full"] > cp["selective"] > 0

@@ -586,13 +586,14 @@ def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware,
                 first: bool, last: bool, tokens_rank: float, calls: float) -> float:
     """TP + SP's collectives of a stage: the residual stream is all-gathered before and
     reduce-scattered after each block's attention and feed-forward (forward; the reverse in
-    backward): 4 all-gather + reduce-scatter pairs per block; one more pair on the first stage
-    (the vocab-sharded embedding's output reduce-scattered) and on the last (the final norm's
-    output gathered for the output projection). The last stage's loss: without loss parallel
+    backward): 4 all-gather + reduce-scatter pairs per block, 6 under full AC (the recomputed
+    forward runs its collectives again; per-op AC saves their outputs); one more pair on the
+    first stage (the vocab-sharded embedding's output reduce-scattered) and on the last (the
+    final norm's output gathered for the output projection). The last stage's loss: without loss parallel
     the logits are all-gathered whole on every TP rank; with it, a few all-reduces of
     per-token statistics (max, sum of exponentials, the label's logit; forward and backward)."""
     residual = _ring(tokens_rank * facts.dim * work.compute_dtype_bytes, layout.tp) / _bandwidth(hw, layout.tp)
-    pairs = 4 * n_blocks + first + last
+    pairs = (6 if layout.ac == "full" else 4) * n_blocks + first + last
     seconds = pairs * ((1 + hw.reduce_scatter_cost) * residual + 2 * calls)
     if last and not work.loss_parallel:
         logits = tokens_rank * facts.vocab * work.compute_dtype_bytes
@@ -652,10 +653,12 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
                          tokens_rank=tokens_rank, calls=calls)
         if work.async_tp:
             tp = _exposed(tp, compute, hw)
-    # CP: K and V gathered per block forward, their gradients reduce-scattered backward.
+    # CP: K and V gathered per block forward (again in the recomputed forward under full AC),
+    # their gradients reduce-scattered backward.
     kv = tokens_rank * layout.cp * facts.dim * facts.kv_fraction * b / layout.tp
     cp_pass = _ring(kv, layout.cp) / _bandwidth(hw, layout.cp * layout.tp)
-    cp = len(blocks) * ((1 + hw.reduce_scatter_cost) * cp_pass + 2 * calls) if layout.cp > 1 else 0.0
+    kv_gathers = 2 if layout.ac == "full" else 1
+    cp = len(blocks) * ((kv_gathers + hw.reduce_scatter_cost) * cp_pass + (kv_gathers + 1) * calls) if layout.cp > 1 else 0.0
     # EP: dispatch + combine all-to-alls, forward and backward, per MoE block.
     moe_blocks = sum(1 for i in blocks if facts.blocks[i].experts)
     routed = tokens_rank * facts.experts_per_token * facts.dim * b
