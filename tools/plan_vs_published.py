@@ -239,10 +239,12 @@ class MegatronRun:
 
     @property
     def dp(self) -> int:
+        """Data-parallel replicas."""
         return self.gpus // (self.tp * self.pp)
 
     @property
     def name(self) -> str:
+        """The row's label in the table."""
         return f"{self.params_b:g}B, {self.gpus} GPUs, TP {self.tp} x PP {self.pp} x DP {self.dp}"
 
 
@@ -255,12 +257,6 @@ MEGATRON = [MegatronRun(params_b=p, heads=a, hidden=h, layers=n, tp=t, pp=pp, gp
                 (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
                 (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]]
 """Every row of the table (A100 peak 312 teraFLOP/s: 44% of it for the smallest, 52% for the largest)."""
-
-SELENE_A100 = {"matmul_efficiency": 0.35}
-"""The A100 profile as wired on Selene (80 GB, NVSwitch, 25 GB/s of network per GPU: the
-profile's own figures); the kernel efficiency is replaced by the one fitted on the table's
-first row (`fit_megatron_efficiency`)."""
-
 
 def megatron_flops_per_token(run: MegatronRun) -> float:
     """The paper's FLOP count per token: 96 l h^2 (1 + s / 6h + V / 16 l h), which counts each
@@ -306,7 +302,9 @@ def _megatron_model(run: MegatronRun):
 
 
 def _selene(run: MegatronRun, efficiency: float):
-    return parse_gpus(f"{run.gpus}xA100", {**SELENE_A100, "matmul_efficiency": efficiency})[1]
+    """The A100 profile (80 GB, NVSwitch, 25 GB/s of network per GPU: Selene's wiring) with the
+    kernel efficiency fitted on the table's first row (`fit_megatron_efficiency`)."""
+    return parse_gpus(f"{run.gpus}xA100", {"matmul_efficiency": efficiency})[1]
 
 
 def _best_own(run: MegatronRun, facts, probe, hw, work) -> Prediction:
