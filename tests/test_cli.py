@@ -160,6 +160,20 @@ def test_an_unregistered_config_type_is_a_clear_error(monkeypatch, capsys):
 # ---------------------------------------------------------------- errors: one line, exit code 2
 
 
+@pytest.mark.parametrize("command", [["train"], ["dry-run", "--world_size", "2"]])
+def test_a_missing_optional_dependency_is_one_line_naming_the_extra(monkeypatch, capsys, tmp_path, command):
+    """float8 without torchao: the pip extra in one line, exit 2, before the memory check or any
+    build (it was a traceback after a 'no memory estimate' warning)."""
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # makes the import fail
+    rc = main([*command, "--config", "llama3_debug", "--model.flavor", "debugmodel_tiny",
+               "--quantize.linear.float8.recipe", "rowwise", "--training.steps", "1",
+               "--job.dump_folder", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0, err
+    assert err.endswith("--quantize.linear.float8.recipe needs torchao: pip install 'titan-train[float8]' "
+                        "(torchao>=0.18)"), err
+
+
 def _bad_tokenizer(tmp_path: Path) -> str:
     path = tmp_path / "tokenizer.json"
     path.write_text("this is not json")

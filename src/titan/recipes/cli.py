@@ -36,6 +36,7 @@ from titan.ckpt import CheckpointError
 from titan.dist import CollectiveTimeoutError
 from titan.train.config import RunConfig, TrainerConfig
 from titan.train.loss import NonFiniteLossError
+from titan.train.quantize import MissingExtraError, check_quantize_installed
 
 from titan.recipes.dry_run import (
     dry_run_main,
@@ -317,6 +318,8 @@ def preflight(config: Any) -> None:
 
         validate_data_config(config.dataset, config.tokenizer)
     check_tokenizer(config)
+    if getattr(config, "quantize", None) is not None:
+        check_quantize_installed(config.quantize)  # before the memory check builds the model
     if isinstance(config, RunConfig):  # every loop's config; a plugin's may be anything
         spec = model_spec(config.model.name)
         spec.check_flavor(config.model.flavor)
@@ -370,7 +373,7 @@ def _exit_code(err: BaseException) -> int | None:
     """The exit code for an error reported as one line, or None for a bug (traceback)."""
     if isinstance(err, (NonFiniteLossError, CheckpointError, CollectiveTimeoutError)):
         return EXIT_RUN_FAILED
-    if isinstance(err, (UsageError, ValueError, *PATH_ERRORS)):
+    if isinstance(err, (UsageError, ValueError, MissingExtraError, *PATH_ERRORS)):
         return EXIT_USAGE
     return None
 

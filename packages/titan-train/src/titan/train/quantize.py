@@ -274,24 +274,38 @@ def _plan_skipped_linears(model: nn.Module, plan) -> frozenset[str]:
                      for fqn, _ in match_modules(model, pattern))
 
 
+class MissingExtraError(ImportError):
+    """A flag needs an optional dependency that is not installed; the message names the pip
+    extra (the CLI prints it as one line, exit code 2)."""
+
+
 def import_torchao_float8():
-    """torchao's float8 module, or an ImportError naming the extra to install."""
+    """torchao's float8 module, or a MissingExtraError naming the extra to install."""
     try:
         import torchao.float8 as float8
     except ImportError as error:
-        raise ImportError(f"--quantize.linear.float8.recipe needs torchao: {_INSTALL_HINT}") from error
+        raise MissingExtraError(f"--quantize.linear.float8.recipe needs torchao: {_INSTALL_HINT}") from error
     return float8
 
 
 def import_torchao_mx():
-    """torchao's MXFP8 training module (config and recipes), or an ImportError naming the extra."""
+    """torchao's MXFP8 training module (config and recipes), or a MissingExtraError naming the extra."""
     try:
         import torchao.prototype.moe_training.config as mx
         from torchao.quantization import quantize_
     except ImportError as error:
-        raise ImportError(f"MXFP8 and grouped-GEMM training (--quantize.linear.mx, --quantize.grouped_mm.*) needs "
-                          f"torchao: {_INSTALL_HINT}") from error
+        raise MissingExtraError(f"MXFP8 and grouped-GEMM training (--quantize.linear.mx, --quantize.grouped_mm.*) "
+                                f"needs torchao: {_INSTALL_HINT}") from error
     return mx, quantize_
+
+
+def check_quantize_installed(config: QuantizeConfig) -> None:
+    """Import what the configured conversions need, or raise a MissingExtraError naming the
+    extra (before any work: the run would fail at the model's conversion)."""
+    if config.linear.float8.enabled:
+        import_torchao_float8()
+    if _mx_recipes(config) or config.grouped_mm.float8.enabled:
+        import_torchao_mx()
 
 
 def _mx_recipes(config: QuantizeConfig) -> list[tuple[str, str]]:
@@ -310,10 +324,7 @@ def check_quantize_supported(config: QuantizeConfig, device: torch.device | None
     which checks a layout for another machine, skips the device)."""
     if not config.enabled:
         return
-    if config.linear.float8.enabled:
-        import_torchao_float8()
-    if _mx_recipes(config) or config.grouped_mm.float8.enabled:
-        import_torchao_mx()
+    check_quantize_installed(config)
     float8 = config.linear.float8
     if float8.enable_fsdp_float8_all_gather and not uses_fully_shard:
         raise ValueError("--quantize.linear.float8.enable_fsdp_float8_all_gather needs FSDP2 (a data-parallel "
