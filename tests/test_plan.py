@@ -499,6 +499,7 @@ def test_titan_plan_json_and_hardware_overrides(capsys):
     (["--gpus", "8xB200", "--quantize.linear.mx.recipe_name", "mxfp8_rceil"], "titan plan does not model MXFP8"),
     (["--gpus", "8xH100", "--hardware.comm_overlap", "-1"], "--hardware.comm_overlap -1.0 must be in [0, 1]"),
     (["--gpus", "8xH100", "--hardware.reduce_scatter_cost", "0"], "--hardware.reduce_scatter_cost 0.0 must be > 0"),
+    (["--gpus", "8xH100", "--hardware.half_efficiency_tokens", "-1"], "--hardware.half_efficiency_tokens -1.0 must be >= 0"),
 ])
 def test_titan_plan_bad_input_is_one_line(argv, message, capsys):
     rc = main(["plan", "--config", "llama3_8b", *argv])

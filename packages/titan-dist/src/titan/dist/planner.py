@@ -147,6 +147,10 @@ class Hardware:
         for name, low, high in (("comm_overlap", 0.0, 1.0), ("link_efficiency", 1e-9, 1.0)):
             if not low <= getattr(self, name) <= high:
                 raise ValueError(f"--hardware.{name} {getattr(self, name)} must be in [{low:g}, {high:g}]")
+        if self.half_efficiency_tokens is not None and self.half_efficiency_tokens < 0:
+            raise ValueError(f"--hardware.half_efficiency_tokens {self.half_efficiency_tokens} must be >= 0 (tokens "
+                             "per microbatch at which matmuls run at half their large-batch rate; unset: the "
+                             "weights' roofline)")
         if self.reduce_scatter_cost <= 0:
             raise ValueError(f"--hardware.reduce_scatter_cost {self.reduce_scatter_cost} must be > 0 (a reduce-scatter's "
                              "time over an all-gather's of the same bytes)")
