@@ -563,6 +563,20 @@ def test_megatron_table_is_compared_with_one_fitted_constant():
     assert "| 145.6B, 1536 GPUs, TP 8 x PP 8 x DP 24 | 148 (47%) |" in table
 
 
+def test_a_pinned_schedule_is_planned_or_refused_by_name(capsys):
+    """`--parallelism.pipeline_parallel_schedule LoopedBFS` plans LoopedBFS layouts (with the
+    engine's two stages per rank), which the default set leaves out; ZBVZeroBubble, whose order
+    the planner cannot build, is named, not reported as 'no layout passes'."""
+    rc = main(["plan", "--config", "llama3_8b", "--gpus", "8xH100", "--json", "--verify", "1",
+               "--parallelism.pipeline_parallel_schedule", "LoopedBFS"])
+    assert rc == 0
+    layouts = [row["layout"] for row in json.loads(capsys.readouterr().out)["layouts"]]
+    assert layouts and all(lay["schedule"] == "LoopedBFS" and lay["stages_per_rank"] == 2 for lay in layouts)
+    rc = main(["plan", "--config", "llama3_8b", "--gpus", "8xH100", "--parallelism.pipeline_parallel_schedule",
+               "ZBVZeroBubble"])
+    assert rc == 2 and "not ZBVZeroBubble" in capsys.readouterr().err
+
+
 def test_layout_flags_on_the_command_line_pin_the_choices(capsys):
     """A `--parallelism.*` / `--activation_checkpoint.mode` flag is a constraint, never ignored."""
     rc = main(["plan", "--config", "llama3_70b", "--gpus", "64xH100", "--json",

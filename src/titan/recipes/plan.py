@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 
 import torch
-from titan.dist.dry_run import measure_block_units, validate_against_model
+from titan.dist.dry_run import ORDERED_SCHEDULES, measure_block_units, validate_against_model
 from titan.dist.fsdp import DTYPES
 from titan.dist.planner import (
     HARDWARE,
@@ -135,6 +135,19 @@ def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | No
                     loss_chunk_tokens=t.loss_chunk_tokens)
 
 
+def schedules_for(pinned: dict[str, object]) -> dict[str, tuple[str, ...]]:
+    """`enumerate_layouts`' schedules for a pinned `--parallelism.pipeline_parallel_schedule`
+    (the default set otherwise); one whose order the planner cannot build is refused by name."""
+    schedule = pinned.get("schedule")
+    if schedule is None:
+        return {}
+    if schedule not in ORDERED_SCHEDULES:
+        raise ValueError(f"titan plan times the pipeline schedules {', '.join(ORDERED_SCHEDULES)}, not {schedule} "
+                         "(its split backward or V-shaped stages are not modeled); plan with one of those, or "
+                         "check the layout with titan dry-run")
+    return {"schedules": (schedule,)}
+
+
 def passes_engine_checks(probe, seq_len: int, global_batch: int, pinned: dict[str, object] | None = None):
     """A filter: the layout has the `pinned` values and passes the checks `titan train` runs
     before building anything."""
@@ -202,8 +215,8 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
         hw = dataclasses.replace(hw, devices_per_node=gpus // opts.nodes)
     facts, n_experts, probe = model_facts(config)
     work = workload_for(config, gpus, opts.global_batch_tokens, opts.memory_headroom)
-    layouts = enumerate_layouts(facts, gpus, work, n_experts=n_experts)
     pinned = pinned_choices(rest)
+    layouts = enumerate_layouts(facts, gpus, work, n_experts=n_experts, **schedules_for(pinned))
     preds = rank_layouts(facts, layouts, work, hw,
                          valid=passes_engine_checks(probe, work.seq_len, work.global_batch_size, pinned))
     if not preds:

@@ -75,7 +75,7 @@ from titan.dist.dry_run import (
     schedule_order,
     selective_op_units,
 )
-from titan.dist.pipeline import even_stage_sizes, microbatch_count_problem
+from titan.dist.pipeline import SINGLE_STAGE, even_stage_sizes, microbatch_count_problem
 from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_plan
 
 GiB = 1024**3
@@ -783,7 +783,7 @@ def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_laye
         if local % micro or local // micro < pp:
             continue
         for schedule in schedules:
-            stages = 2 if schedule == "Interleaved1F1B" else 1
+            stages = 1 if schedule in SINGLE_STAGE else 2  # the engine's default stages per rank
             if n_layers < pp * stages or microbatch_count_problem(schedule, pp, local // micro):
                 continue
             yield Layout(**base, microbatch_size=micro, schedule=schedule, stages_per_rank=stages)
