@@ -577,6 +577,29 @@ def test_a_pinned_schedule_is_planned_or_refused_by_name(capsys):
     assert rc == 2 and "not ZBVZeroBubble" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value, field", [
+    ("--parallelism.context_parallel_degree", 16, "cp"),  # above the default bound of 8
+    ("--parallelism.data_parallel_replicate_degree", 64, "dp_replicate"),  # replicas inside a node
+    ("--parallelism.pipeline_parallel_microbatch_size", 8, "microbatch_size"),  # not 1, 2 or 4
+])
+def test_a_pinned_value_outside_the_pruned_range_is_planned(capsys, flag, value, field):
+    """The enumeration prunes for speed (TP and CP up to 8, microbatches of 1, 2 or 4 sequences,
+    replicas beside a node-wide shard group); a pinned flag widens it instead of being
+    reported as a layout no model accepts."""
+    extra = ["--parallelism.pipeline_parallel_degree", "2"] if field == "microbatch_size" else []
+    rc = main(["plan", "--config", "llama3_8b", "--gpus", "64xH100", "--json", "--global_batch_tokens", str(1024 * 8192),
+               flag, str(value), *extra])
+    assert rc == 0
+    layouts = [row["layout"] for row in json.loads(capsys.readouterr().out)["layouts"]]
+    assert layouts and all(lay[field] == value for lay in layouts)
+
+
+def test_a_pinned_layout_the_model_refuses_says_why(capsys):
+    rc = main(["plan", "--config", "llama3_8b", "--gpus", "64xH100", "--parallelism.tensor_parallel_degree", "16"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tensor_parallel_degree=16 must divide the model's n_kv_heads=8" in err and err.count("\n") == 1
+
+
 def test_layout_flags_on_the_command_line_pin_the_choices(capsys):
     """A `--parallelism.*` / `--activation_checkpoint.mode` flag is a constraint, never ignored."""
     rc = main(["plan", "--config", "llama3_70b", "--gpus", "64xH100", "--json",

@@ -135,17 +135,28 @@ def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | No
                     loss_chunk_tokens=t.loss_chunk_tokens)
 
 
-def schedules_for(pinned: dict[str, object]) -> dict[str, tuple[str, ...]]:
-    """`enumerate_layouts`' schedules for a pinned `--parallelism.pipeline_parallel_schedule`
-    (the default set otherwise); one whose order the planner cannot build is refused by name."""
+def enumeration_for(pinned: dict[str, object]) -> dict[str, object]:
+    """`enumerate_layouts`' bounds widened to what the user pinned (a TP or CP degree above 8,
+    a pipeline microbatch size other than 1, 2, 4, replicas inside a node, a schedule outside
+    the default set), so a pinned layout is ranked instead of reported as invalid; a schedule
+    whose order the planner cannot build is refused by name."""
+    bounds: dict[str, object] = {}
     schedule = pinned.get("schedule")
-    if schedule is None:
-        return {}
-    if schedule not in ORDERED_SCHEDULES:
-        raise ValueError(f"titan plan times the pipeline schedules {', '.join(ORDERED_SCHEDULES)}, not {schedule} "
-                         "(its split backward or V-shaped stages are not modeled); plan with one of those, or "
-                         "check the layout with titan dry-run")
-    return {"schedules": (schedule,)}
+    if schedule is not None:
+        if schedule not in ORDERED_SCHEDULES:
+            raise ValueError(f"titan plan times the pipeline schedules {', '.join(ORDERED_SCHEDULES)}, not {schedule} "
+                             "(its split backward or V-shaped stages are not modeled); plan with one of those, or "
+                             "check the layout with titan dry-run")
+        bounds["schedules"] = (schedule,)
+    if "tp" in pinned:
+        bounds["max_tp"] = max(8, pinned["tp"])
+    if "cp" in pinned:
+        bounds["max_cp"] = max(8, pinned["cp"])
+    if "microbatch_size" in pinned:
+        bounds["microbatch_sizes"] = (pinned["microbatch_size"],)
+    if "dp_replicate" in pinned:
+        bounds["replicas_across_nodes_only"] = False
+    return bounds
 
 
 def passes_engine_checks(probe, seq_len: int, global_batch: int, pinned: dict[str, object] | None = None):
@@ -161,6 +172,21 @@ def passes_engine_checks(probe, seq_len: int, global_batch: int, pinned: dict[st
             return False
         return True
     return check
+
+
+def _first_refusal(layouts: list[Layout], probe, work: Workload, pinned: dict[str, object]) -> str:
+    """Why the engine refuses the first enumerated layout with the pinned values (', e.g. ...'),
+    or '' when none has them."""
+    for layout in layouts:
+        if all(getattr(layout, field) == value for field, value in pinned.items()):
+            try:
+                validate_against_model(layout_dims(layout), probe, seq_len=work.seq_len,
+                                       global_batch_size=work.global_batch_size,
+                                       local_batch_size=layout.local_batch_size)
+            except ValueError as err:
+                reason = " ".join(str(err).split())  # one line
+                return f" (e.g. {layout.describe()}: {reason})"
+    return ""
 
 
 def config_for(config: TrainerConfig, layout: Layout) -> TrainerConfig:
@@ -216,13 +242,14 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
     facts, n_experts, probe = model_facts(config)
     work = workload_for(config, gpus, opts.global_batch_tokens, opts.memory_headroom)
     pinned = pinned_choices(rest)
-    layouts = enumerate_layouts(facts, gpus, work, n_experts=n_experts, **schedules_for(pinned))
+    layouts = list(enumerate_layouts(facts, gpus, work, n_experts=n_experts, **enumeration_for(pinned)))
     preds = rank_layouts(facts, layouts, work, hw,
                          valid=passes_engine_checks(probe, work.seq_len, work.global_batch_size, pinned))
     if not preds:
         fixed = f" with {pinned}" if pinned else ""
         raise ValueError(f"no layout of {gpus} ranks{fixed} passes the model's checks for a global batch of "
-                         f"{work.global_batch_size} x {work.seq_len} tokens; change --global_batch_tokens"
+                         f"{work.global_batch_size} x {work.seq_len} tokens{_first_refusal(layouts, probe, work, pinned)}; "
+                         "change --global_batch_tokens"
                          + (" or the pinned --parallelism / --activation_checkpoint flags" if pinned else ""))
     for p in preds[: opts.verify]:
         run_dry_run(config_for(config, p.layout), world_size=gpus, print_fn=lambda s: None)

@@ -742,13 +742,16 @@ def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
 def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_experts: int = 0,
                       ac_modes: Iterable[str] = ("none", "selective", "full"),
                       schedules: Iterable[str] = ("1F1B", "Interleaved1F1B", "GPipe"),
-                      max_tp: int = 8, max_cp: int = 8) -> Iterator[Layout]:
+                      max_tp: int = 8, max_cp: int = 8, microbatch_sizes: Iterable[int] = (1, 2, 4),
+                      replicas_across_nodes_only: bool = True) -> Iterator[Layout]:
     """Every layout of `world_size` ranks whose degrees divide what they split: TP and CP
     powers of two up to `max_tp` / `max_cp` (a TP group beyond one node is never faster),
     CP dividing the sequence into 2 cp chunks, PP at most one block per stage, the global
     batch split evenly over the data-parallel ranks, EP dividing dp_shard x cp and the
-    experts, pipeline microbatches of 1, 2 or 4 with at least pp of them (and for the interleaved
-    schedules a count torch splits into equal rounds). The model's own
+    experts, pipeline microbatches of `microbatch_sizes` sequences with at least pp of them (and
+    for the interleaved schedules a count torch splits into equal rounds), data-parallel
+    replicas only beside a shard group of a node's ranks (`replicas_across_nodes_only`). The
+    bounds are pruning for speed: a flag the user pins widens them. The model's own
     constraints (heads, hidden sizes, ties) are checked by `ParallelDims.validate_model`
     through `valid`."""
     for pp in divisors(world_size):
@@ -764,22 +767,23 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
                 local = work.global_batch_size // dp
                 for dp_replicate in divisors(dp):
                     dp_shard = dp // dp_replicate
-                    if dp_replicate > 1 and dp_shard * cp * tp < min(8, world_size // pp):
+                    if replicas_across_nodes_only and dp_replicate > 1 and dp_shard * cp * tp < min(8, world_size // pp):
                         continue  # replicas across nodes only: shard within a node at least
                     eps = [1] if not n_experts else [e for e in divisors(dp_shard * cp) if n_experts % e == 0]
                     for ep in eps:
                         for ac in ac_modes:
                             yield from _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local,
-                                                          facts.n_layers, schedules)
+                                                          facts.n_layers, schedules, microbatch_sizes)
 
 
-def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_layers, schedules) -> Iterator[Layout]:
+def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_layers, schedules,
+                       microbatch_sizes) -> Iterator[Layout]:
     base = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, ac=ac,
                 local_batch_size=local)
     if pp == 1:
         yield Layout(**base, microbatch_size=local, schedule="1F1B")
         return
-    for micro in (1, 2, 4):
+    for micro in microbatch_sizes:
         if local % micro or local // micro < pp:
             continue
         for schedule in schedules:
