@@ -258,8 +258,9 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
                           "workload": dataclasses.asdict(work), "layouts": [p.as_dict() for p in preds]}))
         return 0
     fitting = sum(p.fits for p in preds)
-    print(f"titan plan: {config.model.name} {config.model.flavor} ({facts.num_params / 1e9:.1f}B params) on "
-          f"{gpus} x {hw.name} ({hw.devices_per_node} per node); batch {work.global_batch_size} x "
+    size = f"{facts.num_params / 1e9:.1f}B" if facts.num_params >= 1e9 else f"{facts.num_params / 1e6:.1f}M"
+    print(f"titan plan: {config.model.name} {config.model.flavor} ({size} params) on "
+          f"{gpus} x {hw.name} ({min(hw.devices_per_node, gpus)} per node); batch {work.global_batch_size} x "
           f"{work.seq_len} tokens; compile {'on' if work.compile else 'off'}, float8 "
           f"{'on' if work.float8 else 'off'}; {len(preds)} valid layouts, {fitting} fit in memory")
     none, selective = facts.none_units, facts.selective_units

@@ -378,6 +378,8 @@ class Layout:
 
     def describe(self) -> str:
         """A short human-readable name, e.g. `pp 8 x dp 8 (shard 8) x tp 8, ep 1`."""
+        if self.world_size == 1:
+            return "1 device"
         parts = [f"pp {self.pp}"] if self.pp > 1 else []
         dp = f"dp {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"fsdp {self.dp_shard}"
         parts.append(dp)
@@ -551,7 +553,8 @@ def _float8_change(facts: ModelFacts, hw: Hardware, tokens: float, rate: float) 
     """Seconds float8 adds (negative: saves) to the compute of `tokens`: the converted
     linears' FLOPs at the fp8 instead of the bf16 peak, plus the casts' memory traffic."""
     if hw.peak_fp8_tflops <= 0:
-        raise ValueError(f"float8 needs fp8 tensor cores; {hw.name} has none (peak_fp8_tflops is 0)")
+        raise ValueError(f"--quantize.linear.float8.recipe needs fp8 tensor cores; {hw.name} has none "
+                         "(--hardware.peak_fp8_tflops is 0): plan without float8")
     linear_flops = 6 * facts.float8_params * tokens
     saved = linear_flops / rate * (1 - hw.peak_bf16_tflops / hw.peak_fp8_tflops)
     casts = facts.float8_cast_width * tokens * hw.float8_cast_bytes / (hw.memory_tbps * 1e12)
