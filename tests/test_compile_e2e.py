@@ -81,6 +81,23 @@ def test_whole_model_compile_matches_eager_and_compiles_the_root(tmp_path, eager
     assert compiled == pytest.approx(eager, rel=1e-4)
 
 
+@pytest.mark.slow
+@INDUCTOR
+def test_loss_only_compile_matches_eager_and_leaves_the_model_eager(tmp_path, eager):
+    """`--compile.components loss`: the loss's graph only (the blocks stay eager), same losses."""
+    compiled, counts = _run(tmp_path / "loss", "--compile.enable", "--compile.components", "loss")
+    eager, _ = eager
+    assert counts["dynamo"].get("unique_graphs", 0) >= 1, counts
+    assert compiled == pytest.approx(eager, rel=1e-4)
+    from titan.dist import CompileConfig, apply_compile
+    from titan.models.llama3 import build_llama3
+
+    model = build_llama3("debugmodel_tiny", vocab_size=64, max_seq_len=8)
+    apply_compile(model, None, CompileConfig(enable=True, components=["loss"]))
+    assert model._compiled_call_impl is None
+    assert all(block._compiled_call_impl is None for block in model.layers.values())
+
+
 def test_whole_model_compile_wraps_the_model_not_its_blocks():
     from titan.dist import CompileConfig, apply_compile
     from titan.models.llama3 import build_llama3

@@ -15,7 +15,8 @@ same kernel choice) and clips the gradient norm to 1.0:
   llama3_debug_synthetic`` with the same shape flags;
 - ``hand``: a minimal hand-written loop over the same ``titan.models`` module;
 - ``hf``: ``transformers.LlamaForCausalLM`` holding the same weights, in the same plain loop;
-- with ``--compile`` each again compiled: titan per block (``--compile.enable``) and whole
+- with ``--compile`` each again compiled: titan per block (``--compile.enable``: the blocks
+  and the loss; ``titan_compiled_eager_loss``: the blocks only) and whole
   (``--compile.granularity model``), the other two with ``torch.compile`` on the whole model,
   as a user would;
 - with ``--float8 RECIPE`` titan and the hand loop again with torchao float8 linears, and
@@ -60,6 +61,7 @@ RATIOS = [
     ("titan", "hand", 1.00), ("titan", "hf", 1.10), ("titan_compiled", "titan", 1.25),
     ("titan_compiled_model", "titan", 1.25), ("titan_compiled_model", "hand_compiled", 1.00),
     ("hand_compiled", "hand", None), ("hf_compiled", "hf", None),
+    ("titan_compiled", "titan_compiled_eager_loss", None),
     ("titan_float8", "titan", None), ("hand_float8", "hand", None),
     ("titan_float8_compiled", "titan_compiled", None), ("titan_float8_compiled", "titan", None),
 ]
@@ -196,7 +198,8 @@ def wanted_sides(args) -> list[str]:
     """The sides to build: ``--sides``, else every side the flags enable."""
     enabled = ["titan", "hand", "hf"]
     if args.compile:
-        enabled += ["titan_compiled", "titan_compiled_model", "hand_compiled", "hf_compiled"]
+        enabled += ["titan_compiled", "titan_compiled_eager_loss", "titan_compiled_model", "hand_compiled",
+                    "hf_compiled"]
     if args.float8:
         enabled += ["titan_float8", "hand_float8"]
     if args.float8 and args.compile:
@@ -231,6 +234,11 @@ def build_sides(args, folder: str) -> tuple[dict[str, Callable[[], None]], dict[
     if "titan_compiled" in wanted:
         compiled = titan_trainer(args, f"{folder}/titan_compiled", "--compile.enable")
         steps["titan_compiled"], modules["titan_compiled"] = titan_step(compiled, batch), compiled.model_parts[0]
+    if "titan_compiled_eager_loss" in wanted:  # the blocks only: what the loss's compile adds
+        blocks = titan_trainer(args, f"{folder}/titan_compiled_eager_loss", "--compile.enable",
+                               "--compile.components", "model")
+        steps["titan_compiled_eager_loss"], modules["titan_compiled_eager_loss"] = (titan_step(blocks, batch),
+                                                                                    blocks.model_parts[0])
     if "titan_compiled_model" in wanted:
         whole = titan_trainer(args, f"{folder}/titan_compiled_model", "--compile.enable", "--compile.granularity", "model")
         steps["titan_compiled_model"], modules["titan_compiled_model"] = titan_step(whole, batch), whole.model_parts[0]

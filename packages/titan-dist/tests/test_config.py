@@ -91,3 +91,16 @@ def test_validate_model(dims, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         d.validate_model(**{**args, **kwargs})
     d.validate_model(**args)  # the same sizes without the bad value pass
+
+
+def test_compile_components_name_what_is_compiled():
+    """`--compile.components` (torchtitan's flag): model and loss by default, either alone; an
+    unknown, repeated or empty list is refused by flag name."""
+    both = CompileConfig(enable=True)
+    assert both.compiles_model and both.compiles_loss
+    loss_only = CompileConfig(enable=True, components=["loss"])
+    assert loss_only.compiles_loss and not loss_only.compiles_model
+    assert not CompileConfig(components=["model"]).compiles_model  # nothing without enable
+    for bad in (["optimizer"], ["loss", "loss"], []):
+        with pytest.raises(ValueError, match="--compile.components"):
+            CompileConfig(enable=True, components=bad)

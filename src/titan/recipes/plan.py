@@ -107,7 +107,7 @@ def model_facts(config: TrainerConfig):
                                   experts_per_token=moes[0].top_k if moes else 0, float8_linears=converted,
                                   block_units=measure_block_units(build, seq_len=min(seq, 64),
                                                                   dtype=DTYPES[config.training.mixed_precision_param],
-                                                                  compiled=config.compile.enable))
+                                                                  compiled=config.compile.compiles_model))
     return facts, (moes[0].n_experts if moes else 0), model
 
 
@@ -128,7 +128,7 @@ def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | No
         sequences = t.local_batch_size * gpus
     return Workload(global_batch_size=sequences, seq_len=t.seq_len,
                     compute_dtype_bytes=DTYPES[t.mixed_precision_param].itemsize,
-                    compile=config.compile.enable, float8=config.quantize.linear.float8.recipe is not None,
+                    compile=config.compile.compiles_model, float8=config.quantize.linear.float8.recipe is not None,
                     sequence_parallel=config.parallelism.enable_sequence_parallel,
                     loss_parallel=config.parallelism.enable_loss_parallel,
                     async_tp=config.parallelism.enable_async_tensor_parallel, memory_headroom=headroom,

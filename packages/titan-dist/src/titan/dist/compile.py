@@ -18,7 +18,7 @@ def apply_compile(model: nn.Module, mesh, config) -> nn.Module:
     With ``granularity="model"`` the model is one graph instead (callers refuse it under FSDP
     and pipeline parallel, see `check_compile_granularity`).
     """
-    if not config.enable:
+    if not config.compiles_model:
         return model
     if config.granularity == "model":
         model.compile(backend=config.backend, fullgraph=config.fullgraph)
@@ -31,7 +31,7 @@ def apply_compile(model: nn.Module, mesh, config) -> nn.Module:
 def check_compile_granularity(config, parallel_dims) -> None:
     """Refuse whole-model compile where the model's graph would be cut by FSDP2's per-block
     hooks or split into pipeline stages (raises ValueError naming the flags)."""
-    if not (config.enable and config.granularity == "model"):
+    if not (config.compiles_model and config.granularity == "model"):
         return
     if parallel_dims.uses_fully_shard or parallel_dims.pp_enabled:
         raise ValueError("--compile.granularity model compiles one graph of the whole model, which FSDP2's per-block "

@@ -623,7 +623,7 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     # What one block keeps, measured at the real shapes on fake tensors (None: the rules).
     measured = measure_block_units(measure_fn or model_fn, seq_len=min(seq_len, 64), dtype=DTYPES[activation_dtype],
                                    selective=activation_checkpoint.mode == "selective" and activation_checkpoint.selective_op,
-                                   compiled=bool(getattr(compile, "enable", False)))
+                                   compiled=bool(getattr(compile, "compiles_model", False)))
     estimates = []
     for pp_rank in range(dims.pp):
         params, acts, recompute, loss, fsdp = _estimate_rank(

@@ -200,7 +200,7 @@ class TrainingEngine:
         self.parallel_dims = ParallelDims.from_config(parallelism, world_size=self.dist_env.world_size)
         self.quantize = quantize or QuantizeConfig()
         check_quantize_supported(self.quantize, self.device, uses_fully_shard=self.parallel_dims.uses_fully_shard)
-        warn_if_float8_uncompiled(self.quantize, self.device, compiled=compile.enable)
+        warn_if_float8_uncompiled(self.quantize, self.device, compiled=compile.compiles_model)
         check_compile_granularity(compile, self.parallel_dims)
         meta_model = self._build_meta_model(
             vocab_size, seq_len, dict(model_overrides or {}), global_batch_size, local_batch_size

@@ -22,7 +22,6 @@ A loop adds only its data and what one of its steps is (:meth:`TrainingLoop.run_
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -37,7 +36,7 @@ from titan.dist import HangWatchdog, reduce_max
 from titan.train.config import TrainingConfig
 from titan.train.device_peak import device_peak_flops
 from titan.train.engine import TrainingEngine
-from titan.train.loss import NonFiniteLossError, count_valid_tokens, next_token_loss
+from titan.train.loss import NonFiniteLossError, count_valid_tokens, supervised_loss
 from titan.train.metrics import MetricsLogger
 from titan.train.model_spec import ModelSpec
 from titan.train.preemption import PreemptionGuard, save_for_preemption
@@ -115,7 +114,8 @@ class TrainingLoop:
         self._watchdog = HangWatchdog(self.engine.comm.init_timeout_seconds)
         self.is_rank0 = self.engine.dist_env.rank == 0
         self.grad_accum_steps = grad_accum_steps(config.training, self.parallel_dims.dp_world_size)
-        self._supervised_loss = functools.partial(next_token_loss, chunk_tokens=config.training.loss_chunk_tokens)
+        self._supervised_loss = supervised_loss(chunk_tokens=config.training.loss_chunk_tokens,
+                                                compiled=config.compile.compiles_loss)
         self.metrics = MetricsLogger(
             config.metrics,
             dump_folder=Path(config.job.dump_folder),

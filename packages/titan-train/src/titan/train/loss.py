@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 """Label value for positions that carry no target (padding)."""
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, *, chunk_tokens: int = 0) -> torch.Tensor:
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, *, chunk_tokens: int = 0,
+                      compiled: bool = False) -> torch.Tensor:
     """Sum of per-token cross-entropy over valid labels, computed in float32.
 
     Summing (rather than averaging) per microbatch lets the caller divide by the token count
@@ -26,25 +29,43 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, *, chunk_token
     microbatch. Vocab-sharded logits (loss parallel) are chunked the same way, each chunk a
     vocab-parallel cross-entropy. The value equals the unchunked one up to float32 summation
     order.
+
+    ``compiled`` (``--compile.components loss``) runs each piece under torch.compile: the
+    float32 cast, log-softmax and gather fused, the softmax recomputed in backward instead of
+    kept. Vocab-sharded logits stay eager (loss parallel's cross-entropy is DTensor dispatch).
     """
     flat_logits, flat_labels = logits.flatten(0, 1), labels.flatten()
+    summed = _compiled_summed_cross_entropy() if compiled and not isinstance(logits, DTensor) else _summed_cross_entropy
     if chunk_tokens <= 0 or flat_labels.numel() <= chunk_tokens:
-        return _summed_cross_entropy(flat_logits, flat_labels)
+        return summed(flat_logits, flat_labels)
     chunks = zip(flat_logits.split(chunk_tokens), flat_labels.split(chunk_tokens), strict=True)
-    return sum(checkpoint(_summed_cross_entropy, chunk, chunk_labels, use_reentrant=False)
-               for chunk, chunk_labels in chunks)
+    return sum(checkpoint(summed, chunk, chunk_labels, use_reentrant=False) for chunk, chunk_labels in chunks)
 
 
-def next_token_loss(logits: torch.Tensor, batch: Mapping[str, torch.Tensor], *, chunk_tokens: int = 0) -> torch.Tensor:
+def next_token_loss(logits: torch.Tensor, batch: Mapping[str, torch.Tensor], *, chunk_tokens: int = 0,
+                    compiled: bool = False) -> torch.Tensor:
     """The ``LossFn`` of pretraining, SFT, validation and RL's SFT warm-up: summed
-    cross-entropy over the valid ``labels`` of the microbatch (``chunk_tokens``: see
-    :func:`cross_entropy_sum`)."""
-    return cross_entropy_sum(logits, batch["labels"], chunk_tokens=chunk_tokens)
+    cross-entropy over the valid ``labels`` of the microbatch (``chunk_tokens``, ``compiled``:
+    see :func:`cross_entropy_sum`)."""
+    return cross_entropy_sum(logits, batch["labels"], chunk_tokens=chunk_tokens, compiled=compiled)
+
+
+def supervised_loss(*, chunk_tokens: int = 0, compiled: bool = False):
+    """``next_token_loss`` with the run's options bound (``--training.loss_chunk_tokens``,
+    ``--compile.components loss``): the loss function the loops and validation call."""
+    return functools.partial(next_token_loss, chunk_tokens=chunk_tokens, compiled=compiled)
 
 
 def _summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Float32 cross-entropy of ``[tokens, vocab]`` logits, summed over valid labels."""
     return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@functools.cache
+def _compiled_summed_cross_entropy():
+    """`_summed_cross_entropy` under torch.compile, made once per process (its graphs are
+    cached per shape and dtype like any compiled function's)."""
+    return torch.compile(_summed_cross_entropy)
 
 
 def count_valid_tokens(labels: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ class Trainer(TrainingLoop):
             local_batch_size=config.training.local_batch_size,
             seq_len=config.training.seq_len,
             loss_chunk_tokens=config.training.loss_chunk_tokens,
+            compile_loss=config.compile.compiles_loss,
             seed=config.debug.seed + 1,  # another order than training's, even on the same corpus
         )
         self._unsynced_tokens = torch.zeros((), device=self.engine.device)

@@ -8,14 +8,13 @@ position of its stream: the numbers of different steps are comparable.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 from titan.train.data import DatasetConfig, build_dataloader
 from titan.train.engine import TrainingEngine
-from titan.train.loss import count_valid_tokens, next_token_loss
+from titan.train.loss import count_valid_tokens, supervised_loss
 
 
 @dataclass(kw_only=True)
@@ -44,9 +43,9 @@ class Validator:
     equal on every rank; collective)."""
 
     def __init__(self, config: ValidationConfig, *, engine: TrainingEngine, tokenizer, local_batch_size: int,
-                 seq_len: int, seed: int, loss_chunk_tokens: int = 0) -> None:
+                 seq_len: int, seed: int, loss_chunk_tokens: int = 0, compile_loss: bool = False) -> None:
         self.config, self.engine = config, engine
-        self._loss = functools.partial(next_token_loss, chunk_tokens=loss_chunk_tokens)
+        self._loss = supervised_loss(chunk_tokens=loss_chunk_tokens, compiled=compile_loss)
         dims = engine.parallel_dims
         self._loader_args = dict(dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
                                  local_batch_size=local_batch_size, seq_len=seq_len, seed=seed)
