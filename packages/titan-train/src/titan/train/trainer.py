@@ -90,8 +90,10 @@ class Trainer(TrainingLoop):
             started = time.perf_counter()
             result = self.train_step(microbatches, sync=sync)
             if self.config.compile.enable and self.step == self._run_start[1] + 1:
+                compiled = self.config.compile
                 logger.info("first step: %.1f s, compiling included (%s)", time.perf_counter() - started,
-                            f"--compile.granularity {self.config.compile.granularity}")
+                            " and ".join((f"the model, --compile.granularity {compiled.granularity}"
+                                          if component == "model" else "the loss") for component in compiled.components))
             profiler.step()
             self._unsynced_tokens += result.tokens
             if sync:
