@@ -37,9 +37,10 @@ step time (worst pipeline stage)
     part of them) except the first block's gather (under PP one gather per step, and the
     reduce-scatter after the last microbatch exposed); a reduce-scatter takes
     `reduce_scatter_cost` times an all-gather of the same bytes; TP/SP all-gathers and
-    reduce-scatters of the residual stream (4 per block forward, 4 backward, one pair more
-    around the embedding and one around the output projection; without loss parallel the
-    logits gathered whole; not overlapped unless async TP); CP all-gathers of K/V (not overlapped); EP
+    reduce-scatters of the residual stream (4 per block forward, 4 backward, 4 more in the
+    recomputed forward under full AC, one pair more around the embedding and one around the
+    output projection; without loss parallel the logits gathered whole; not overlapped unless
+    async TP); CP all-gathers of K/V (again in the recomputed forward; not overlapped); EP
     all-to-alls (dispatch + combine, forward + backward, not overlapped); HSDP's and DDP's
     gradient all-reduce across replicas (overlapped with the backward like FSDP's
     reduce-scatter, in the compute FSDP's traffic leaves; under PP after the last microbatch,
