@@ -552,6 +552,14 @@ def test_megatron_table_is_compared_with_one_fitted_constant():
         n, h, s, v = run.layers, run.hidden, tool.MEGATRON_SEQ, tool.MEGATRON_VOCAB
         paper = 72 * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
         assert facts.flops_per_token == pytest.approx(paper, rel=0.005), run.name
+    for run in tool.MEGATRON:
+        # The transcription is consistent: per-GPU rate x GPUs = the published aggregate (to the
+        # table's rounding), and the published size follows from the paper's parameter count,
+        # 12 l h^2 (1 + 13 / 12h + (V + s) / 12 l h).
+        assert run.tflops * run.gpus / 1000 == pytest.approx(run.aggregate_pflops, rel=0.01), run.name
+        n, h, s, v = run.layers, run.hidden, tool.MEGATRON_SEQ, tool.MEGATRON_VOCAB
+        params = 12 * n * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * n * h))
+        assert params / 1e9 == pytest.approx(run.params_b, rel=0.03), run.name
     trillion = tool.MEGATRON[-1]
     assert trillion.tflops * 1e12 / tool.megatron_flops_per_token(trillion) == pytest.approx(19.96, abs=0.01)
     efficiency = tool.fit_megatron_efficiency()
