@@ -74,21 +74,18 @@ def test_inductor_compile_matches_eager(tmp_path, eager):
 
 @pytest.mark.slow
 @INDUCTOR
-def test_whole_model_compile_matches_eager_and_compiles_the_root(tmp_path, eager):
-    compiled, counts = _run(tmp_path / "model", "--compile.enable", "--compile.granularity", "model")
+@pytest.mark.parametrize("name, flags", [
+    ("model", ["--compile.granularity", "model"]),  # the whole model as one graph (and the loss)
+    ("loss", ["--compile.components", "loss"]),  # the loss's graph only, the blocks eager
+])
+def test_compile_variant_matches_eager_and_captures_a_graph(tmp_path, eager, name, flags):
+    compiled, counts = _run(tmp_path / name, "--compile.enable", *flags)
     eager, _ = eager
     assert counts["dynamo"].get("unique_graphs", 0) >= 1, counts
     assert compiled == pytest.approx(eager, rel=1e-4)
 
 
-@pytest.mark.slow
-@INDUCTOR
-def test_loss_only_compile_matches_eager_and_leaves_the_model_eager(tmp_path, eager):
-    """`--compile.components loss`: the loss's graph only (the blocks stay eager), same losses."""
-    compiled, counts = _run(tmp_path / "loss", "--compile.enable", "--compile.components", "loss")
-    eager, _ = eager
-    assert counts["dynamo"].get("unique_graphs", 0) >= 1, counts
-    assert compiled == pytest.approx(eager, rel=1e-4)
+def test_loss_only_compile_leaves_the_model_eager():
     from titan.dist import CompileConfig, apply_compile
     from titan.models.llama3 import build_llama3
 

@@ -214,6 +214,18 @@ def wanted_sides(args) -> list[str]:
     return chosen
 
 
+def titan_variant_flags(args) -> dict[str, tuple[str, ...]]:
+    """The `titan train` flags of each titan side beyond the eager one."""
+    float8 = ("--quantize.linear.float8.recipe", str(args.float8))
+    return {
+        "titan_compiled": ("--compile.enable",),  # the blocks and the loss
+        "titan_compiled_eager_loss": ("--compile.enable", "--compile.components", "model"),  # the blocks only
+        "titan_compiled_model": ("--compile.enable", "--compile.granularity", "model"),
+        "titan_float8": float8,
+        "titan_float8_compiled": (*float8, "--compile.enable"),
+    }
+
+
 def build_sides(args, folder: str) -> tuple[dict[str, Callable[[], None]], dict[str, torch.nn.Module], float, object]:
     """Every wanted side's step and module; the logit gap; the eager trainer (for FLOPs)."""
     wanted = wanted_sides(args)
@@ -231,24 +243,10 @@ def build_sides(args, folder: str) -> tuple[dict[str, Callable[[], None]], dict[
     gap = check_same_function(compared, batch["input_ids"])
     steps = {"titan": titan_step(trainer, batch)}
     modules = {"titan": trainer.model_parts[0]}
-    if "titan_compiled" in wanted:
-        compiled = titan_trainer(args, f"{folder}/titan_compiled", "--compile.enable")
-        steps["titan_compiled"], modules["titan_compiled"] = titan_step(compiled, batch), compiled.model_parts[0]
-    if "titan_compiled_eager_loss" in wanted:  # the blocks only: what the loss's compile adds
-        blocks = titan_trainer(args, f"{folder}/titan_compiled_eager_loss", "--compile.enable",
-                               "--compile.components", "model")
-        steps["titan_compiled_eager_loss"], modules["titan_compiled_eager_loss"] = (titan_step(blocks, batch),
-                                                                                    blocks.model_parts[0])
-    if "titan_compiled_model" in wanted:
-        whole = titan_trainer(args, f"{folder}/titan_compiled_model", "--compile.enable", "--compile.granularity", "model")
-        steps["titan_compiled_model"], modules["titan_compiled_model"] = titan_step(whole, batch), whole.model_parts[0]
-    if "titan_float8" in wanted:
-        float8 = titan_trainer(args, f"{folder}/titan_float8", "--quantize.linear.float8.recipe", args.float8)
-        steps["titan_float8"], modules["titan_float8"] = titan_step(float8, batch), float8.model_parts[0]
-    if "titan_float8_compiled" in wanted:
-        fused = titan_trainer(args, f"{folder}/titan_float8_compiled", "--quantize.linear.float8.recipe", args.float8,
-                              "--compile.enable")
-        steps["titan_float8_compiled"], modules["titan_float8_compiled"] = titan_step(fused, batch), fused.model_parts[0]
+    for name, flags in titan_variant_flags(args).items():
+        if name in wanted:
+            variant = titan_trainer(args, f"{folder}/{name}", *flags)
+            steps[name], modules[name] = titan_step(variant, batch), variant.model_parts[0]
     for name, module, fwd in (("hand", hand, titan_forward), ("hf", hf, hf_forward)):
         if name in wanted:
             steps[name], modules[name] = plain_step(module, fwd, batch, args), module

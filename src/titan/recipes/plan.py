@@ -159,18 +159,26 @@ def enumeration_for(pinned: dict[str, object]) -> dict[str, object]:
     return bounds
 
 
+def _has_pinned(layout: Layout, pinned: dict[str, object] | None) -> bool:
+    return not pinned or all(getattr(layout, field) == value for field, value in pinned.items())
+
+
+def engine_refusal(layout: Layout, probe, seq_len: int, global_batch: int) -> str | None:
+    """Why the checks `titan train` runs before building anything refuse `layout` (one
+    line), or None when it passes them."""
+    try:
+        validate_against_model(layout_dims(layout), probe, seq_len=seq_len, global_batch_size=global_batch,
+                               local_batch_size=layout.local_batch_size)
+    except ValueError as err:
+        return " ".join(str(err).split())
+    return None
+
+
 def passes_engine_checks(probe, seq_len: int, global_batch: int, pinned: dict[str, object] | None = None):
     """A filter: the layout has the `pinned` values and passes the checks `titan train` runs
     before building anything."""
     def check(layout: Layout) -> bool:
-        if pinned and any(getattr(layout, field) != value for field, value in pinned.items()):
-            return False
-        try:
-            validate_against_model(layout_dims(layout), probe, seq_len=seq_len, global_batch_size=global_batch,
-                                   local_batch_size=layout.local_batch_size)
-        except ValueError:
-            return False
-        return True
+        return _has_pinned(layout, pinned) and engine_refusal(layout, probe, seq_len, global_batch) is None
     return check
 
 
@@ -178,13 +186,9 @@ def _first_refusal(layouts: list[Layout], probe, work: Workload, pinned: dict[st
     """Why the engine refuses the first enumerated layout with the pinned values (', e.g. ...'),
     or '' when none has them."""
     for layout in layouts:
-        if all(getattr(layout, field) == value for field, value in pinned.items()):
-            try:
-                validate_against_model(layout_dims(layout), probe, seq_len=work.seq_len,
-                                       global_batch_size=work.global_batch_size,
-                                       local_batch_size=layout.local_batch_size)
-            except ValueError as err:
-                reason = " ".join(str(err).split())  # one line
+        if _has_pinned(layout, pinned):
+            reason = engine_refusal(layout, probe, work.seq_len, work.global_batch_size)
+            if reason:
                 return f" (e.g. {layout.describe()}: {reason})"
     return ""
 

@@ -34,12 +34,17 @@ IN_ROUNDS = ("Interleaved1F1B", "InterleavedZeroBubble")
 """Schedules that run the microbatches in rounds of about pp (torch refuses an uneven split)."""
 
 
+def _splits_into_rounds(microbatches: int, pp: int) -> bool:
+    """Whether max(1, m // pp) equal rounds hold the m microbatches (torch's interleaved rule)."""
+    return microbatches % max(1, microbatches // pp) == 0
+
+
 def microbatch_count_problem(schedule: str, pp: int, microbatches: int) -> str | None:
     """Why torch's `schedule` cannot run `microbatches` over `pp` ranks, or None: the
     interleaved schedules split the microbatches into max(1, m // pp) equal rounds."""
-    rounds = max(1, microbatches // pp)
-    if schedule in IN_ROUNDS and microbatches % rounds:
-        fits = [m for m in range(pp, 4 * pp + 1) if m % max(1, m // pp) == 0]
+    if schedule in IN_ROUNDS and not _splits_into_rounds(microbatches, pp):
+        rounds = max(1, microbatches // pp)
+        fits = [m for m in range(pp, 4 * pp + 1) if _splits_into_rounds(m, pp)]
         return (f"{schedule} runs the {microbatches} microbatches in {rounds} equal rounds (microbatches // "
                 f"pipeline_parallel_degree {pp}), which {microbatches} does not split into; run "
                 f"{', '.join(map(str, fits[:6]))}, ... microbatches (--training.local_batch_size / "
