@@ -78,3 +78,11 @@ def test_bench_train_runs_every_side_and_reports_ratios(tmp_path, capsys):
         sides["titan"]["step_peak_mib"] / sides["hand"]["step_peak_mib"])
     out = capsys.readouterr().out
     assert "| titan/hf |" in out and "ratio titan_float8/titan tokens/s:" in out
+
+
+def test_bench_cp_attention_prints_a_ratio_per_cp_degree(capsys):
+    results = load("bench_cp_attention").main("--seq-len 64 --cp 2 4 --heads 4 --kv-heads 2 --head-dim 8 --rounds 2".split())
+    out = capsys.readouterr().out
+    for cp in (2, 4):
+        assert f"ratio whole rows/titan (cp {cp}) seconds" in out, out
+        assert {name: len(s) for name, s in results[cp].items()} == {"titan": 2, "whole rows": 2}

@@ -5,15 +5,19 @@ r and 2*cp-1-r. Under a causal mask early tokens attend to little and late token
 so pairing an early chunk with a late one gives every rank the same attention work.
 
 Attention exchange (all-gather): each rank all-gathers K and V of the whole sequence (the
-autograd version, whose backward reduce-scatters the K/V gradients back to their owners),
-restores the global token order, and attends its local queries to every key with the causal
-mask built from absolute positions. The result is exactly single-device attention. It uses
-only all-gather / reduce-scatter, so it runs on gloo (CPU) and NCCL (CUDA) alike.
+autograd version, whose backward reduce-scatters the K/V gradients back to their owners) and
+restores the global token order. Each of its two query chunks then attends only to the keys it
+can see -- the prefix of the sequence up to the chunk's end -- under a causal mask aligned to
+the lower right (`torch.nn.attention.bias.causal_lower_right`): the fused kernels (flash,
+memory-efficient) take that mask without materializing it and skip the blocks above the
+diagonal, so a rank computes the causal half of its attention, never an [S / cp, S] mask. The
+result is exactly single-device attention. It uses only all-gather / reduce-scatter, so it
+runs on gloo (CPU) and NCCL (CUDA) alike.
 
 Packed documents (`--training.document_mask`): the model hands its inner attention the local
 shard's `document_ids`; this attention all-gathers them too (integers, no gradient) and masks
-each local query to keys that are causally visible AND of its own document, so document
-masking composes with CP exactly. RoPE positions are data then (restarting per document):
+each local query to keys that are causally visible AND of its own document (a boolean mask per
+chunk, over the chunk's visible keys only), so document masking composes with CP exactly. RoPE positions are data then (restarting per document):
 `shard_batch_dict_for_context_parallel` shards them with the rest of the batch.
 """
 
@@ -24,6 +28,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 
 from titan.dist.plan import match_modules, sharding_plan
 
@@ -128,18 +134,47 @@ class ContextParallelAttention(nn.Module):
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Local queries over the gathered keys: causal by sequence index and, given
         `document_ids`, within each query's document."""
-        size, rank = self.cp_mesh.size(), self.cp_mesh.get_local_rank()
-        k_full, v_full = self._gather(k), self._gather(v)
-        seq_len = k_full.shape[2]
-        q_pos = shard_positions(seq_len, rank, size, q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        mask = q_pos[:, None] >= k_pos[None, :]
-        if document_ids is not None:
-            k_ids = self._gather_document_ids(document_ids)
-            same_doc = document_ids[:, :, None] == k_ids[:, None, :]
-            mask = (mask[None] & same_doc).unsqueeze(1)  # [B, 1, S_local, S]
-        return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+        k_ids = self._gather_document_ids(document_ids) if document_ids is not None else None
+        return attend_local_chunks(q, self._gather(k), self._gather(v), self.cp_mesh.get_local_rank(),
+                                   self.cp_mesh.size(), document_ids=document_ids, key_document_ids=k_ids)
+
+
+def visible_keys(chunk_index: int, chunk_len: int) -> int:
+    """Keys a query chunk attends to under the causal mask: the sequence up to its chunk's end."""
+    return (chunk_index + 1) * chunk_len
+
+
+def _lower_right_causal(queries: int, keys: int) -> CausalBias:
+    """The causal mask of `queries` rows that end where the `keys` end, as the tensor subclass
+    the fused SDPA kernels read without materializing it. Built outside any dispatch mode
+    (selective AC's policy, memory and FLOP counters): the subclass cannot be created inside one."""
+    with _disable_current_modes():
+        return causal_lower_right(queries, keys)
+
+
+def attend_local_chunks(q: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor, cp_rank: int, cp_size: int,
+                        *, document_ids: torch.Tensor | None = None,
+                        key_document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of this CP rank's queries `q` [B, H, S / cp, Dh] (its head and tail
+    chunks, in that order) over the whole sequence's `k_full` / `v_full` [B, H_kv, S, Dh] in
+    global order; with `document_ids` [B, S / cp] and `key_document_ids` [B, S], only within
+    each query's document. Each chunk attends to its visible prefix alone, so the work is the
+    causal half and equal on every rank: (2 cp + 1) / 2 chunks of keys per chunk of queries."""
+    chunk_len = q.shape[2] // 2
+    outs = []
+    for half, chunk_index in enumerate(chunk_ids(cp_rank, cp_size)):
+        rows = slice(half * chunk_len, (half + 1) * chunk_len)
+        visible = visible_keys(chunk_index, chunk_len)
+        keys, values = k_full[:, :, :visible], v_full[:, :, :visible]
+        if document_ids is None:
+            mask = _lower_right_causal(chunk_len, visible)
+        else:
+            causal = torch.ones(chunk_len, visible, dtype=torch.bool, device=q.device).tril(visible - chunk_len)
+            same_doc = document_ids[:, rows, None] == key_document_ids[:, None, :visible]
+            mask = (causal[None] & same_doc).unsqueeze(1)  # [B, 1, chunk, visible]
+        outs.append(F.scaled_dot_product_attention(q[:, :, rows], keys, values, attn_mask=mask,
+                                                   enable_gqa=keys.shape[1] != q.shape[1]))
+    return torch.cat(outs, dim=2)
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, config) -> nn.Module:

@@ -1,0 +1,96 @@
+"""CP attention on one process: each rank's chunks over the gathered keys equal the matching
+rows of single-device causal attention (outputs and gradients), with and without document
+masks and under GQA, and a rank computes only the keys its chunks can see."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from titan.dist.context_parallel import attend_local_chunks, shard_sequence, visible_keys
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode
+
+B, H, H_KV, S, DH = 2, 4, 2, 32, 8
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, DH, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, H_KV, S, DH, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, H_KV, S, DH, generator=g, dtype=torch.float64, requires_grad=True)
+    return q, k, v
+
+
+def _documents() -> torch.Tensor:
+    """Two rows of packed documents with boundaries inside and across the CP chunks."""
+    return torch.tensor([[0] * 5 + [1] * 14 + [2] * 13, [0] * 20 + [1] * 12])
+
+
+def _reference(q, k, v, document_ids=None):
+    """Single-device causal attention (and within documents), the mask written out whole."""
+    mask = torch.ones(S, S, dtype=torch.bool).tril()
+    if document_ids is not None:
+        mask = (mask[None] & (document_ids[:, :, None] == document_ids[:, None, :])).unsqueeze(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_every_rank_equals_its_rows_of_single_device_attention(cp_size, documents):
+    q, k, v = _inputs()
+    document_ids = _documents() if documents else None
+    expected = _reference(q, k, v, document_ids)
+    grad_out = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for rank in range(cp_size):
+        local_q = shard_sequence(q, rank, cp_size, seq_dim=2)
+        local_ids = shard_sequence(document_ids, rank, cp_size) if documents else None
+        out = attend_local_chunks(local_q, k, v, rank, cp_size, document_ids=local_ids, key_document_ids=document_ids)
+        local_expected = shard_sequence(expected, rank, cp_size, seq_dim=2)
+        torch.testing.assert_close(out, local_expected, rtol=1e-12, atol=1e-12)
+        # The sum over ranks of each rank's gradient is the single-device gradient (for K/V
+        # what the all-gather's backward reduce-scatters).
+        rank_grads = torch.autograd.grad(out, (q, k, v), shard_sequence(grad_out, rank, cp_size, seq_dim=2))
+        grads = [a + b for a, b in zip(grads, rank_grads, strict=True)]
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class SDPACalls(TorchFunctionMode):
+    """Records the query and key lengths of every `scaled_dot_product_attention` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            self.shapes.append((args[0].shape[2], args[1].shape[2]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_a_rank_attends_only_to_the_keys_its_chunks_see(cp_size):
+    """Each chunk of queries meets only its visible prefix of keys: (2 cp + 1) chunks of keys
+    per rank in all, the same on every rank, not the 4 cp a mask over all the keys costs."""
+    q, k, v = _inputs()
+    chunk = S // (2 * cp_size)
+    for rank in range(cp_size):
+        local_q = shard_sequence(q, rank, cp_size, seq_dim=2).detach()
+        with SDPACalls() as calls:
+            attend_local_chunks(local_q, k.detach(), v.detach(), rank, cp_size)
+        head, tail = rank, 2 * cp_size - 1 - rank
+        assert calls.shapes == [(chunk, (head + 1) * chunk), (chunk, (tail + 1) * chunk)]
+        assert visible_keys(head, chunk) + visible_keys(tail, chunk) == (2 * cp_size + 1) * chunk
+
+
+def test_the_lower_right_mask_is_built_inside_a_dispatch_mode():
+    """Selective AC's policy and the memory tracker run the forward under a dispatch mode, where
+    the mask's tensor subclass cannot be created directly."""
+    q, k, v = _inputs()
+    local_q = shard_sequence(q, 1, 2, seq_dim=2)
+    with FlopCounterMode(display=False):
+        out = attend_local_chunks(local_q, k, v, 1, 2)
+    torch.testing.assert_close(out, shard_sequence(_reference(q, k, v), 1, 2, seq_dim=2), rtol=1e-12, atol=1e-12)
