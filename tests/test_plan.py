@@ -82,6 +82,18 @@ def test_model_facts_classify_every_parameter():
     assert facts.kv_fraction == pytest.approx(2 * a.n_kv_heads / a.n_heads)
 
 
+
+@pytest.mark.parametrize(("recipe", "kv_width"), [
+    ("llama3_8b", 2 * 8 * 128),  # 8 K/V heads of 128 on a width of 4,096
+    ("qwen3_moe_30b_a3b", 2 * 4 * 128),  # 4 K/V heads of 128 on a width of 2,048 (32 heads x 128 = 4,096)
+    ("deepseek_v3_671b", 128 * (128 + 64) + 128 * 128),  # MLA: 128 heads, keys nope 128 + rope 64, values 128
+])
+def test_kv_fraction_is_the_width_context_parallel_gathers(recipe, kv_width):
+    """From each model's published shape, not from n_kv_heads / n_heads (which assumes heads of
+    dim / n_heads: 2x too small for Qwen3-30B-A3B, 2.9x for DeepSeek-V3's MLA)."""
+    facts, _, _ = model_facts(parse_train_args(["--config", recipe]))
+    assert facts.kv_fraction * facts.dim == pytest.approx(kv_width)
+
 def test_memory_components_equal_hand_computed_bytes():
     """FSDP 2 x TP 2, selective AC, the llama3 debugmodel_tiny, batch 2 x 32."""
     config = parse_train_args(["--config", "llama3_debug", "--model.flavor", "debugmodel_tiny", *TINY])

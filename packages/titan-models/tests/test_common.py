@@ -147,3 +147,30 @@ def test_glob_star_is_one_name_part():
 def test_sharding_plan_rejects_unknown_style():
     with pytest.raises(ValueError, match="unknown tensor-parallel styles"):
         ShardingPlan(tensor_parallel={"x": "diagonal"}, fsdp_units=())
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "deepseek_v3"])
+def test_kv_width_is_what_the_inner_attention_receives(family):
+    """`kv_width` (what context parallelism gathers, which the layout planner counts) equals
+    the K and V elements per token a forward hands every inner attention, for every family
+    (Qwen3's heads are wider than dim / n_heads; MLA's per-head keys and values exceed dim)."""
+    import importlib
+
+    build = getattr(importlib.import_module(f"titan.models.{family}"), f"build_{family}")
+    model = build("debugmodel")
+    model.init_weights(seed=0)
+    seen = {}
+
+    def record(name):
+        def hook(module, args):
+            q, k, v = args[:3]
+            seen[name] = k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]
+        return hook
+
+    widths = {}
+    for name, layer in model.layers.items():
+        layer.attention.inner_attention.register_forward_pre_hook(record(name))
+        widths[name] = layer.attention.kv_width
+    with torch.no_grad():
+        model(torch.randint(0, 100, (1, 16)))
+    assert seen == widths and len(seen) == len(model.layers)

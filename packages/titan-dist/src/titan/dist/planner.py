@@ -229,6 +229,20 @@ class BlockParams:
         return self.tp_sharded + self.tp_replicated + self.experts
 
 
+def _kv_width(model: nn.Module, plan, dim: int) -> int:
+    """Elements per token of K and V the first attention module hands its inner attention
+    (its `kv_width`; else a Llama-style 2 x n_kv_heads / n_heads of the width `dim`, or 2 x `dim`)."""
+    found = match_modules(model, plan.attention_modules)
+    if found:
+        parent = model.get_submodule(found[0][0].rpartition(".")[0])
+        if isinstance(getattr(parent, "kv_width", None), int):
+            return parent.kv_width
+    divisible = plan.tensor_parallel_divisible or {}
+    if {"n_kv_heads", "n_heads"} <= divisible.keys():
+        return 2 * divisible["n_kv_heads"] * dim // divisible["n_heads"]
+    return 2 * dim
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelFacts:
     """What the planner needs of a model, read once from its meta instance (`from_model`)."""
@@ -248,7 +262,8 @@ class ModelFacts:
     flops_per_token: float
     """Training FLOPs per token (forward + backward), as the trainer's MFU counts them."""
     kv_fraction: float = 1.0
-    """K+V width per token over `dim` (2 x n_kv_heads / n_heads for GQA; CP gathers them)."""
+    """K+V width per token over `dim`: what CP gathers (2 x n_kv_heads x head_dim / dim for GQA;
+    MLA's per-head keys and values, several times `dim`)."""
     experts_per_token: int = 0
     """Routed experts each token visits (top-k; 0: dense)."""
     float8_params: int = 0
@@ -307,8 +322,7 @@ class ModelFacts:
                          for _, m in match_modules(model, g) if hasattr(m, "weight")]
         vocab, dim = output_weight[0].weight.shape if output_weight else (0, 0)
         norm = sum(last) - (0 if tied else vocab * dim)
-        divisible = plan.tensor_parallel_divisible or {}
-        kv = 2 * divisible["n_kv_heads"] / divisible["n_heads"] if {"n_kv_heads", "n_heads"} <= divisible.keys() else 2.0
+        kv = _kv_width(model, plan, int(dim)) / dim if dim else 2.0
         linears = [model.get_submodule(name) for name in float8_linears]
         return cls(blocks=tuple(blocks), embedding=first, output=0 if tied else vocab * dim, final_norm=norm,
                    dim=int(dim), vocab=int(vocab), flops_per_token=flops_per_token, kv_fraction=kv,

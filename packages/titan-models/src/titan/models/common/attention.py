@@ -139,6 +139,12 @@ class GroupedQueryAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.inner_attention = ScaledDotProductAttention()
 
+    @property
+    def kv_width(self) -> int:
+        """Elements per token of the keys and values handed to `inner_attention` (what
+        context parallelism all-gathers): 2 x n_kv_heads x head_dim, this rank's share under TP."""
+        return self.wk.out_features + self.wv.out_features
+
     def forward(
         self,
         x: torch.Tensor,

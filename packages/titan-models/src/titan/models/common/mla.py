@@ -75,6 +75,14 @@ class MultiHeadLatentAttention(nn.Module):
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
         self.inner_attention = ScaledDotProductAttention()
 
+    @property
+    def kv_width(self) -> int:
+        """Elements per token of the keys and values handed to `inner_attention` (what
+        context parallelism all-gathers): per head nope + rope for a key (the shared rope part
+        broadcast to every head) and v_head_dim for a value; this rank's heads under TP."""
+        heads = self.wkv_b.out_features // (self.qk_nope_head_dim + self.v_head_dim)
+        return heads * (self.qk_head_dim + self.v_head_dim)
+
     def forward(
         self,
         x: torch.Tensor,
