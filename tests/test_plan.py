@@ -94,6 +94,22 @@ def test_kv_fraction_is_the_width_context_parallel_gathers(recipe, kv_width):
     facts, _, _ = model_facts(parse_train_args(["--config", recipe]))
     assert facts.kv_fraction * facts.dim == pytest.approx(kv_width)
 
+
+def test_dominant_is_the_collective_that_outlasts_the_compute_it_hides_behind():
+    """FSDP's traffic overlaps compute up to the compute's time: at 1.5x the compute its exposed
+    part is about half the compute, yet it sets the step; the table must say fsdp, not compute."""
+    config = parse_train_args(["--config", "llama3_debug", "--model.flavor", "debugmodel_tiny", *TINY])
+    facts, _, _ = model_facts(config)
+    work = Workload(global_batch_size=8, seq_len=32)
+    layout = _layout(dp_shard=8, ac="none")
+    base = predict(facts, layout, work, HARDWARE["H100"])
+    fsdp, compute = base.loads["fsdp_exposed"], base.times["compute"]
+    slow = dataclasses.replace(HARDWARE["H100"], intra_node_gbps=HARDWARE["H100"].intra_node_gbps * fsdp / (1.5 * compute))
+    p = predict(facts, layout, work, slow)
+    assert p.loads["fsdp_exposed"] == pytest.approx(1.5 * p.times["compute"])
+    assert p.times["fsdp_exposed"] < p.times["compute"]  # the exposed part alone would say compute
+    assert p.dominant == "fsdp"
+
 def test_memory_components_equal_hand_computed_bytes():
     """FSDP 2 x TP 2, selective AC, the llama3 debugmodel_tiny, batch 2 x 32."""
     config = parse_train_args(["--config", "llama3_debug", "--model.flavor", "debugmodel_tiny", *TINY])

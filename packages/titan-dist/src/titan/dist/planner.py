@@ -416,19 +416,24 @@ class Prediction:
     tokens_per_s_per_device: float
     mfu: float
     fits: bool
+    loads: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds per step by component before overlap (a collective's whole time; the rest as
+    in `times`). Empty: as `times`."""
 
     @property
     def dominant(self) -> str:
-        """The largest time component."""
-        parts = {k: v for k, v in self.times.items() if k != "step"}
-        return max(parts, key=parts.get)
+        """The component that bounds the step (a key of `loads`, "fsdp" for FSDP's traffic): the
+        largest whole time, so a collective hidden behind compute only up to the compute's time
+        reads as dominant once it outlasts it."""
+        parts = {k: v for k, v in (self.loads or self.times).items() if k != "step"}
+        return max(parts, key=parts.get).removesuffix("_exposed")
 
     def as_dict(self) -> dict:
         """JSON-ready view (flags included)."""
         return {"layout": dataclasses.asdict(self.layout), "describe": self.layout.describe(),
                 "flags": self.layout.flags(), "memory_bytes": self.memory, "time_s": self.times,
-                "tokens_per_s_per_device": self.tokens_per_s_per_device, "mfu": self.mfu,
-                "fits": self.fits, "dominant": self.dominant}
+                "load_s": self.loads, "tokens_per_s_per_device": self.tokens_per_s_per_device,
+                "mfu": self.mfu, "fits": self.fits, "dominant": self.dominant}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -487,19 +492,19 @@ def stage_params(facts: ModelFacts, layout: Layout, blocks: range, first: bool, 
 def predict(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware) -> Prediction:
     """Memory and step time of `layout` (see the module docstring for the rules)."""
     stages = stage_blocks(facts.n_layers, layout.pp)
-    worst_mem, worst_time = None, None
+    worst_mem, worst_time, worst_loads = None, None, {}
     for rank, blocks in enumerate(stages):
         mem = _memory(facts, layout, work, blocks, first=rank == 0, last=rank == len(stages) - 1, pp_rank=rank)
-        times = _times(facts, layout, work, hw, blocks, first=rank == 0, last=rank == len(stages) - 1)
+        times, loads = _times(facts, layout, work, hw, blocks, first=rank == 0, last=rank == len(stages) - 1)
         if worst_mem is None or mem["total"] > worst_mem["total"]:
             worst_mem = mem
         if worst_time is None or times["step"] > worst_time["step"]:
-            worst_time = times
+            worst_time, worst_loads = times, loads
     tokens = work.global_batch_size * work.seq_len
     tps = tokens / worst_time["step"] / layout.world_size
     mfu = facts.flops_per_token * tps / (hw.peak_bf16_tflops * 1e12)
     return Prediction(layout=layout, memory=worst_mem, times=worst_time, tokens_per_s_per_device=tps, mfu=mfu,
-                      fits=worst_mem["total"] <= hw.memory_bytes)
+                      fits=worst_mem["total"] <= hw.memory_bytes, loads=worst_loads)
 
 
 def _micro_tokens(layout: Layout, work: Workload) -> float:
@@ -626,7 +631,9 @@ def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware,
 
 
 def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, blocks: range, *,
-           first: bool, last: bool) -> dict:
+           first: bool, last: bool) -> tuple[dict, dict]:
+    """Seconds per step of one pipeline stage by component: the exposed parts (summed into
+    "step") and each component's whole time before overlap (`Prediction.loads`)."""
     L = max(len(blocks), 1)
     share = len(blocks) / facts.n_layers
     dp = layout.dp_replicate * layout.dp_shard
@@ -659,11 +666,13 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
         fsdp = _exposed(gather + reduce, compute, hw) + (gather + reduce) / L
     else:
         fsdp = _exposed(gather, compute, hw) + gather / L + reduce
+    loads = {"fsdp_exposed": gather + reduce}
     # HSDP / DDP: the gradient shards all-reduced across replicas (a ring reduce-scatter, then
     # an all-gather, fp32), during the backward in what compute FSDP's traffic left (under PP
     # after the last microbatch, exposed).
     replicate = (1 + hw.reduce_scatter_cost) * _ring(stage_unsharded / max(fsdp_group, 1) * 4, layout.dp_replicate)
     replicate /= _bandwidth(hw, layout.world_size // layout.pp)
+    loads["hsdp_allreduce"] = replicate
     if layout.pp == 1 and work.overlap_grad_allreduce:
         left = max(compute - hw.comm_overlap * (gather + reduce), 0.0)
         replicate = _exposed(replicate, left, hw) + replicate / L
@@ -673,6 +682,7 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     if layout.tp > 1:
         tp = _tp_seconds(facts, layout, work, hw, len(blocks), first=first, last=last,
                          tokens_rank=tokens_rank, calls=calls)
+        loads["tp"] = tp
         if work.async_tp:
             tp = _exposed(tp, compute, hw)
     # CP: K and V gathered per block forward (again in the recomputed forward under full AC),
@@ -695,7 +705,7 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     out = {"compute": compute, "fsdp_exposed": fsdp, "hsdp_allreduce": replicate, "tp": tp, "cp": cp,
            "ep": ep, "pp_p2p": pp, "pp_bubble": bubble}
     out["step"] = sum(out.values())
-    return out
+    return out, {**out, **loads}
 
 
 def _pipeline_idle(facts: ModelFacts, layout: Layout) -> float:
