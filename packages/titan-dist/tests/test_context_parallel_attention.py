@@ -14,11 +14,14 @@ from torch.utils.flop_counter import FlopCounterMode
 B, H, H_KV, S, DH = 2, 4, 2, 32, 8
 
 
-def _inputs(seed: int = 0):
+def _inputs(seed: int = 0, *, mla: bool = False):
+    """Query, key and value heads of GQA (2 query heads per K/V head), or MLA's shapes (a K/V
+    head per query head, values narrower than keys)."""
     g = torch.Generator().manual_seed(seed)
+    kv_heads, v_dim = (H, DH // 2) if mla else (H_KV, DH)
     q = torch.randn(B, H, S, DH, generator=g, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(B, H_KV, S, DH, generator=g, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(B, H_KV, S, DH, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, kv_heads, S, DH, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, kv_heads, S, v_dim, generator=g, dtype=torch.float64, requires_grad=True)
     return q, k, v
 
 
@@ -32,13 +35,14 @@ def _reference(q, k, v, document_ids=None):
     mask = torch.ones(S, S, dtype=torch.bool).tril()
     if document_ids is not None:
         mask = (mask[None] & (document_ids[:, :, None] == document_ids[:, None, :])).unsqueeze(1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
-def test_every_rank_equals_its_rows_of_single_device_attention(cp_size, documents):
-    q, k, v = _inputs()
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+def test_every_rank_equals_its_rows_of_single_device_attention(cp_size, documents, mla):
+    q, k, v = _inputs(mla=mla)
     document_ids = _documents() if documents else None
     expected = _reference(q, k, v, document_ids)
     grad_out = torch.randn_like(expected)
