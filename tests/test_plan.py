@@ -28,15 +28,16 @@ from titan.models.llama3 import build_llama3
 
 from titan.recipes.cli import main, parse_train_args
 from titan.recipes.dry_run import run_dry_run
-from titan.recipes.plan import config_for, model_facts, passes_engine_checks, workload_for
+from titan.recipes.plan import NEAR_TIE, config_for, model_facts, passes_engine_checks, workload_for
 
 TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2"]
 
 
 def _layout(**kw) -> Layout:
-    base = dict(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1, ac="none", local_batch_size=2,
-                microbatch_size=2, schedule="1F1B")
-    return Layout(**{**base, **kw})
+    base = dict(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1, ep=1, ac="none", local_batch_size=2, schedule="1F1B")
+    merged = {**base, **kw}
+    merged.setdefault("microbatch_size", merged["local_batch_size"])  # the whole local batch at once
+    return Layout(**merged)
 
 
 @pytest.mark.parametrize("recipe, layout", [
@@ -537,12 +538,15 @@ def test_titan_plan_bad_input_is_one_line(argv, message, capsys):
 
 
 def test_published_comparison_script_reproduces_its_figures():
-    """tools/plan_vs_published.py: the fitted row is reproduced and ranked first; the 70B
-    row (a prediction: another model, 256 GPUs, TP, compile and float8) within 20%; the 2D
-    405B run (no published memory) within 20% and its layout among the first three."""
+    """tools/plan_vs_published.py: the fitted row is reproduced and its layout predicts within
+    `titan plan`'s tie band of the first choice (the same FSDP 8 without AC, accumulating two
+    microbatches of one sequence, 1.7% ahead); the 70B row (a prediction: another model, 256
+    GPUs, TP, compile and float8) within 20%; the 2D 405B run (no published memory) within 20%
+    and its layout among the first three."""
     tool = _published_tool()
     fitted = tool.compare(tool.PUBLISHED[0])
-    assert abs(fitted["error"]) < 0.02 and fitted["rank"] == 1
+    assert abs(fitted["error"]) < 0.02 and fitted["rank"] <= 5
+    assert fitted["predicted"] >= (1 - NEAR_TIE) * fitted["best_tokens_per_s"]
     # Compiled under torchtitan's per-op policy, measured as AOTAutograd partitions it (6.8
     # units for an 8B block; counting eager's 7.75 read +5%).
     compiled = tool.compare(tool.PUBLISHED[1])
@@ -762,3 +766,50 @@ def test_full_ac_runs_the_forward_collectives_again():
     cp = {ac: predict(facts, _layout(cp=8, ac=ac, local_batch_size=8, microbatch_size=8), work, hw).times["cp"]
           for ac in ("selective", "full")}
     assert cp["full"] > cp["selective"] > 0
+
+
+def test_gradient_accumulation_is_enumerated_and_timed_as_the_engine_runs_it():
+    """Without PP the local batch may run as microbatches of 1, 2 or 4 sequences accumulated
+    (`--training.global_batch_size` over `--training.local_batch_size`, the issue's "local
+    microbatch size"): activations and logits of one microbatch, the same compute, and FSDP's
+    gathers and reduce-scatter once per microbatch (FSDP2 reshards after every forward and
+    reduces after every backward); the replicas' all-reduce per microbatch too, or once per
+    step for a system that defers it."""
+    config = parse_train_args(["--config", "llama3_8b"])
+    facts, _, _ = model_facts(config)
+    hw = HARDWARE["H100"]
+    work = Workload(global_batch_size=64, seq_len=8192)
+    whole = _layout(dp_replicate=2, dp_shard=8, local_batch_size=4, ac="selective")
+    accumulated = dataclasses.replace(whole, microbatch_size=1)
+    assert (whole.accumulation_steps, accumulated.accumulation_steps) == (1, 4)
+    a, b = predict(facts, whole, work, hw), predict(facts, accumulated, work, hw)
+    assert b.times["compute"] == pytest.approx(a.times["compute"], rel=0.01)  # only the roofline moves it
+    assert b.loads["fsdp_exposed"] == pytest.approx(4 * a.loads["fsdp_exposed"])
+    assert b.loads["hsdp_allreduce"] == pytest.approx(4 * a.loads["hsdp_allreduce"])
+    deferred = Workload(global_batch_size=64, seq_len=8192, grad_sync_per_microbatch=False)
+    assert predict(facts, accumulated, deferred, hw).loads["hsdp_allreduce"] == pytest.approx(a.loads["hsdp_allreduce"])
+    assert b.memory["activations"] == pytest.approx(a.memory["activations"] / 4)
+    # Enumerated: every divisor of the local batch among the microbatch sizes, and the flags
+    # select it in titan train (local = the microbatch, global = local x dp x accumulation).
+    sizes = {lay.microbatch_size for lay in enumerate_layouts(facts, 16, work, ac_modes=("selective",))
+             if (lay.pp, lay.dp_replicate, lay.dp_shard, lay.tp, lay.cp) == (1, 2, 8, 1, 1)}
+    assert sizes == {1, 2, 4}
+    flags = accumulated.flags()
+    assert flags[flags.index("--training.local_batch_size") + 1] == "1"
+    assert flags[flags.index("--training.global_batch_size") + 1] == "64"
+    with pytest.raises(ValueError, match="must divide local_batch_size"):
+        dataclasses.replace(whole, microbatch_size=3)
+
+
+def test_an_accumulating_layout_runs_as_planned_in_the_dry_run_and_the_loop():
+    """config_for (what the printed flags select) gives the engine the microbatch as its local
+    batch and the step's global batch: the dry run accepts it, the loop accumulates as planned."""
+    from titan.train.loop import grad_accum_steps
+
+    config = parse_train_args(["--config", "llama3_debug", "--model.flavor", "debugmodel_tiny", *TINY])
+    layout = _layout(dp_shard=2, tp=2, local_batch_size=4, microbatch_size=1)
+    planned = config_for(config, layout)
+    assert (planned.training.local_batch_size, planned.training.global_batch_size) == (1, 8)
+    assert grad_accum_steps(planned.training, dp_world_size=2) == layout.accumulation_steps == 4
+    run_dry_run(planned, world_size=4, print_fn=lambda s: None)
+    assert parse_train_args(["--config", "llama3_debug", *layout.flags()]).training.global_batch_size == 8

@@ -188,8 +188,7 @@ def compare(row: Published) -> dict:
 
 def _same_layout(a: Layout, b: Layout) -> bool:
     keys = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "ac", "local_batch_size", "schedule")
-    same = all(getattr(a, k) == getattr(b, k) for k in keys)
-    return same and (a.pp == 1 or a.microbatch_size == b.microbatch_size)
+    return all(getattr(a, k) == getattr(b, k) for k in (*keys, "microbatch_size"))
 
 
 def _rank_cell(row: dict, tokens_per_s: float | None) -> str:
@@ -287,7 +286,7 @@ def _megatron_own_layouts(run: MegatronRun) -> list[Layout]:
     local = run.batch // run.dp
     if run.pp == 1:
         return [Layout(pp=1, dp_replicate=run.dp, dp_shard=1, cp=1, tp=run.tp, ep=1, ac="full",
-                       local_batch_size=micro, microbatch_size=micro, schedule="1F1B")
+                       local_batch_size=local, microbatch_size=micro, schedule="1F1B")
                 for micro in (1, 2, 4, 8, 16, 32) if local % micro == 0]
     return [Layout(pp=run.pp, dp_replicate=run.dp, dp_shard=1, cp=1, tp=run.tp, ep=1, ac="full",
                    local_batch_size=local, microbatch_size=micro, schedule=schedule, stages_per_rank=stages)
@@ -301,9 +300,9 @@ def _megatron_model(run: MegatronRun):
     """(ModelFacts, the meta model, the Workload) of a run."""
     facts, _, probe = model_facts(megatron_config(run))
     # Megatron-LM in 2021: no sequence parallelism, the logits gathered whole for the loss, the
-    # gradients all-reduced after the backward.
+    # gradients all-reduced once per step, after the last accumulated microbatch's backward.
     work = Workload(global_batch_size=run.batch, seq_len=MEGATRON_SEQ, sequence_parallel=False, loss_parallel=False,
-                    overlap_grad_allreduce=False)
+                    overlap_grad_allreduce=False, grad_sync_per_microbatch=False)
     return facts, probe, work
 
 

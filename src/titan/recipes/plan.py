@@ -168,7 +168,7 @@ def engine_refusal(layout: Layout, probe, seq_len: int, global_batch: int) -> st
     line), or None when it passes them."""
     try:
         validate_against_model(layout_dims(layout), probe, seq_len=seq_len, global_batch_size=global_batch,
-                               local_batch_size=layout.local_batch_size)
+                               local_batch_size=layout.engine_local_batch_size)
     except ValueError as err:
         return " ".join(str(err).split())
     return None
@@ -203,7 +203,9 @@ def config_for(config: TrainerConfig, layout: Layout) -> TrainerConfig:
         pipeline_parallel_microbatch_size=layout.microbatch_size, pipeline_parallel_layers_per_stage=None,
         pipeline_parallel_split_points=None)
     ac = dataclasses.replace(config.activation_checkpoint, mode=layout.ac, selective_op=layout.ac == "selective")
-    training = dataclasses.replace(config.training, local_batch_size=layout.local_batch_size, global_batch_size=-1)
+    global_batch = layout.local_batch_size * layout.dp_replicate * layout.dp_shard if layout.accumulation_steps > 1 else -1
+    training = dataclasses.replace(config.training, local_batch_size=layout.engine_local_batch_size,
+                                   global_batch_size=global_batch)
     return dataclasses.replace(config, parallelism=p, activation_checkpoint=ac, training=training)
 
 
@@ -213,7 +215,9 @@ def format_table(preds: list[Prediction], hw: Hardware, top: int) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for i, p in enumerate(preds[:top], 1):
         lay = p.layout
-        batch = f"{lay.local_batch_size}" + (f" ({lay.microbatch_size}, {lay.schedule})" if lay.pp > 1 else "")
+        batch = f"{lay.local_batch_size}" + (f" ({lay.microbatch_size}, {lay.schedule})" if lay.pp > 1 else
+                                             f" ({lay.microbatch_size} x {lay.accumulation_steps} accumulated)"
+                                             if lay.accumulation_steps > 1 else "")
         mem = f"{p.memory['total'] / 1024**3:.1f} / {hw.memory_gib:.0f} GiB" + ("" if p.fits else " (does not fit)")
         lines.append(f"| {i} | {lay.describe()} | {lay.ac} | {batch} | {p.tokens_per_s_per_device:,.0f} | "
                      f"{100 * p.mfu:.1f}% | {mem} | {p.dominant} |")

@@ -27,7 +27,8 @@ memory per rank (worst pipeline stage)
     K/V gathered from the other ranks); then `memory_headroom` (allocator fragmentation,
     workspaces) on top.
 
-step time (worst pipeline stage)
+step time (worst pipeline stage; without PP, a local batch accumulated over microbatches runs
+FSDP's gathers and reduce-scatter, and the replicas' all-reduce, once per microbatch)
     compute = training FLOPs of the rank's tokens (plus the recomputed forward under AC) over
     the device's bf16 peak x `matmul_efficiency` (x `compile_speedup` when compiled; less for
     microbatches of few tokens, by the weights' roofline: `Hardware.half_efficiency_tokens`); with
@@ -348,7 +349,9 @@ class ModelFacts:
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """One candidate: the mesh degrees, EP, AC, and the batch split."""
+    """One candidate: the mesh degrees, EP, AC, and the batch split: `local_batch_size`
+    sequences per data-parallel rank and step, run `microbatch_size` at a time (pipeline
+    microbatches under PP; without PP, gradient accumulation when it is smaller)."""
 
     pp: int
     dp_replicate: int
@@ -362,6 +365,11 @@ class Layout:
     schedule: str
     stages_per_rank: int = 1
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.microbatch_size <= self.local_batch_size or self.local_batch_size % self.microbatch_size:
+            raise ValueError(f"microbatch_size {self.microbatch_size} must divide local_batch_size "
+                             f"{self.local_batch_size}")
+
     @property
     def world_size(self) -> int:
         """Ranks the layout uses."""
@@ -369,8 +377,20 @@ class Layout:
 
     @property
     def microbatches(self) -> int:
-        """Pipeline microbatches per step (1 without PP)."""
-        return self.local_batch_size // self.microbatch_size if self.pp > 1 else 1
+        """Microbatches per step: the pipeline's under PP, else the gradient-accumulation steps."""
+        return self.local_batch_size // self.microbatch_size
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Forward + backward passes per optimizer step without PP (1 under PP: the pipeline
+        runs the microbatches in one schedule step)."""
+        return self.microbatches if self.pp == 1 else 1
+
+    @property
+    def engine_local_batch_size(self) -> int:
+        """`--training.local_batch_size`: the sequences of one forward without PP, the
+        pipeline's whole step under PP."""
+        return self.microbatch_size if self.pp == 1 else self.local_batch_size
 
     def flags(self) -> list[str]:
         """The `titan train` flags that select this layout."""
@@ -382,8 +402,10 @@ class Layout:
             "--parallelism.pipeline_parallel_degree", str(self.pp),
             "--parallelism.expert_parallel_degree", str(self.ep),
             "--activation_checkpoint.mode", self.ac,
-            "--training.local_batch_size", str(self.local_batch_size),
+            "--training.local_batch_size", str(self.engine_local_batch_size),
         ]
+        if self.accumulation_steps > 1:
+            out += ["--training.global_batch_size", str(self.local_batch_size * self.dp_replicate * self.dp_shard)]
         if self.ac == "selective":
             out.append("--activation_checkpoint.selective_op")  # keep matmul outputs, rerun the rest
         if self.pp > 1:
@@ -465,6 +487,10 @@ class Workload:
     behind the backward like FSDP's reduce-scatter, except the last block's. False: after the
     backward, all of it exposed (how Megatron-LM's data parallelism ran in 2021, for the
     published comparison)."""
+    grad_sync_per_microbatch: bool = True
+    """Under gradient accumulation the replicas all-reduce after every microbatch's backward,
+    as titan's DDP and HSDP run it. False: once per step, after the last microbatch (Megatron-LM's
+    data parallelism, for the published comparison)."""
 
 
 def stage_blocks(n_layers: int, pp: int) -> list[range]:
@@ -508,8 +534,8 @@ def predict(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware) -> 
 
 
 def _micro_tokens(layout: Layout, work: Workload) -> float:
-    """Tokens of one pipeline microbatch (the whole local batch without PP), per CP shard."""
-    samples = layout.microbatch_size if layout.pp > 1 else layout.local_batch_size
+    """Tokens of one microbatch (pipeline or gradient-accumulation), per CP shard."""
+    samples = layout.microbatch_size
     return samples * work.seq_len / layout.cp
 
 
@@ -659,9 +685,11 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     _, block_unsharded = stage_params(facts, layout, blocks, first, last)
     stage_unsharded = block_unsharded * len(blocks)
     fsdp_link = _bandwidth(hw, layout.tp * layout.cp * layout.dp_shard)
-    gathers = 2 if layout.pp == 1 else 1
+    # Gradient accumulation runs the whole exchange once per microbatch (FSDP2 reshards after
+    # each forward and reduce-scatters after each backward, as the engine runs it).
+    gathers = 2 * layout.accumulation_steps if layout.pp == 1 else 1
     gather = _ring(stage_unsharded * gathers * b, fsdp_group) / fsdp_link
-    reduce = _ring(stage_unsharded * 4, fsdp_group) / fsdp_link * hw.reduce_scatter_cost
+    reduce = _ring(stage_unsharded * 4, fsdp_group) / fsdp_link * hw.reduce_scatter_cost * layout.accumulation_steps
     if layout.pp == 1:
         fsdp = _exposed(gather + reduce, compute, hw) + (gather + reduce) / L
     else:
@@ -671,6 +699,7 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     # an all-gather, fp32), during the backward in what compute FSDP's traffic left (under PP
     # after the last microbatch, exposed).
     replicate = (1 + hw.reduce_scatter_cost) * _ring(stage_unsharded / max(fsdp_group, 1) * 4, layout.dp_replicate)
+    replicate *= layout.accumulation_steps if work.grad_sync_per_microbatch else 1
     replicate /= _bandwidth(hw, layout.world_size // layout.pp)
     loads["hsdp_allreduce"] = replicate
     if layout.pp == 1 and work.overlap_grad_allreduce:
@@ -777,7 +806,8 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
     CP dividing the sequence into 2 cp chunks, PP at most one block per stage, the global
     batch split evenly over the data-parallel ranks, EP dividing dp_shard x cp and the
     experts, pipeline microbatches of `microbatch_sizes` sequences with at least pp of them (and
-    for the interleaved schedules a count torch splits into equal rounds), data-parallel
+    for the interleaved schedules a count torch splits into equal rounds; without PP the whole
+    local batch at once or accumulated in microbatches of those sizes), data-parallel
     replicas only beside a shard group of a node's ranks (`replicas_across_nodes_only`). The
     bounds are pruning for speed: a flag the user pins widens them. The model's own
     constraints (heads, hidden sizes, ties) are checked by `ParallelDims.validate_model`
@@ -808,8 +838,9 @@ def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_laye
                        microbatch_sizes) -> Iterator[Layout]:
     base = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, ac=ac,
                 local_batch_size=local)
-    if pp == 1:
-        yield Layout(**base, microbatch_size=local, schedule="1F1B")
+    if pp == 1:  # the whole local batch at once, or accumulated over microbatches of `microbatch_sizes`
+        for micro in sorted({local, *(m for m in microbatch_sizes if m < local and local % m == 0)}, reverse=True):
+            yield Layout(**base, microbatch_size=micro, schedule="1F1B")
         return
     for micro in microbatch_sizes:
         if local % micro or local // micro < pp:
