@@ -89,6 +89,10 @@ LAYOUTS: dict[str, tuple[int, list[str], bool]] = {
     "fsdp2_reshard_never": _layout(2, *_dp(shard=2), "--parallelism.fsdp_reshard_after_forward", "never", dp=2),
     "hsdp2x2": _layout(4, *_dp(shard=2, replicate=2), dp=4, quick=True),
     "ddp2": _layout(2, *_dp(replicate=2), dp=2, quick=True),
+    # Accumulation under replicas: the all-reduce waits for the last microbatch (HSDP still
+    # reduce-scatters every one), then reduces the sum once.
+    "ddp2_grad_accum2": _layout(2, *_dp(replicate=2), dp=2, accum=2),
+    "hsdp2x2_grad_accum2": _layout(4, *_dp(shard=2, replicate=2), dp=4, accum=2),
     "tp2": _layout(2, *_dp(), *TP2, *NO_SP, quick=True),
     "tp2_sp": _layout(2, *_dp(), *TP2, quick=True),  # SP and loss parallel are on by default
     # Cross-entropy 48 positions at a time (256 per microbatch, so the last chunk is short):

@@ -773,8 +773,8 @@ def test_gradient_accumulation_is_enumerated_and_timed_as_the_engine_runs_it():
     (`--training.global_batch_size` over `--training.local_batch_size`, the issue's "local
     microbatch size"): activations and logits of one microbatch, the same compute, and FSDP's
     gathers and reduce-scatter once per microbatch (FSDP2 reshards after every forward and
-    reduces after every backward); the replicas' all-reduce per microbatch too, or once per
-    step for a system that defers it."""
+    reduces after every backward); the replicas' all-reduce once per step (the engine defers
+    it to the last microbatch: `titan.dist.replicas_sync_later`)."""
     config = parse_train_args(["--config", "llama3_8b"])
     facts, _, _ = model_facts(config)
     hw = HARDWARE["H100"]
@@ -785,9 +785,7 @@ def test_gradient_accumulation_is_enumerated_and_timed_as_the_engine_runs_it():
     a, b = predict(facts, whole, work, hw), predict(facts, accumulated, work, hw)
     assert b.times["compute"] == pytest.approx(a.times["compute"], rel=0.01)  # only the roofline moves it
     assert b.loads["fsdp_exposed"] == pytest.approx(4 * a.loads["fsdp_exposed"])
-    assert b.loads["hsdp_allreduce"] == pytest.approx(4 * a.loads["hsdp_allreduce"])
-    deferred = Workload(global_batch_size=64, seq_len=8192, grad_sync_per_microbatch=False)
-    assert predict(facts, accumulated, deferred, hw).loads["hsdp_allreduce"] == pytest.approx(a.loads["hsdp_allreduce"])
+    assert b.loads["hsdp_allreduce"] == pytest.approx(a.loads["hsdp_allreduce"]) and a.loads["hsdp_allreduce"] > 0
     assert b.memory["activations"] == pytest.approx(a.memory["activations"] / 4)
     # Enumerated: every divisor of the local batch among the microbatch sizes, and the flags
     # select it in titan train (local = the microbatch, global = local x dp x accumulation).

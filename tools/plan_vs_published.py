@@ -302,7 +302,7 @@ def _megatron_model(run: MegatronRun):
     # Megatron-LM in 2021: no sequence parallelism, the logits gathered whole for the loss, the
     # gradients all-reduced once per step, after the last accumulated microbatch's backward.
     work = Workload(global_batch_size=run.batch, seq_len=MEGATRON_SEQ, sequence_parallel=False, loss_parallel=False,
-                    overlap_grad_allreduce=False, grad_sync_per_microbatch=False)
+                    overlap_grad_allreduce=False)
     return facts, probe, work
 
 

@@ -125,3 +125,26 @@ def test_only_a_backends_collective_timeout_is_one():
     for message in ("HTTP read timeout fetching shard 3", "Socket Timeout", "timed out after 30s reading the corpus"):
         assert CollectiveTimeoutError.from_error(RuntimeError(message), rank=0, timeout_flag="--comm.x 5",
                                                  trace_folder=None) is None
+
+
+@pytest.mark.slow
+def test_replicas_all_reduce_once_after_the_last_microbatch():
+    """Inside `replicas_sync_later` a backward leaves each replica's gradients its own (DDP's
+    differ across ranks, whose data differ; HSDP's stay inside FSDP: no all-reduce ran); the
+    next backward outside
+    all-reduces the accumulated sum once: the replicas' mean of their two-microbatch sums,
+    for DDP and for HSDP."""
+    import titan_dist_testlib as lib
+    import titan_dist_workers as workers
+
+    results = lib.run_ranks(2, workers.replicas_sync_later_case)
+    ddp_first = [r["ddp_first"] for r in results]
+    assert all(not torch.allclose(a, b) for a, b in zip(*ddp_first, strict=True))
+    # FSDP2 holds HSDP's reduce-scattered shards until the all-reduce, which has not run.
+    assert all(g is None for r in results for g in r["hsdp_first"])
+    for name in ("ddp", "hsdp"):
+        mean_of_sums = [(a + b) / 2 for a, b in zip(results[0][f"{name}_own_sum"], results[1][f"{name}_own_sum"],
+                                                    strict=True)]
+        for r in results:
+            for got, want in zip(r[f"{name}_last"], mean_of_sums, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

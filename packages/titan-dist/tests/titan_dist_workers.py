@@ -157,3 +157,40 @@ def train_cases(rank: int, world_size: int, cases: list) -> list:
 def mesh_and_clipping(rank: int, world_size: int) -> tuple[dict, dict]:
     """Both checks above in one pair of processes (spawning ranks is the slow part)."""
     return mesh_and_reductions(rank, world_size), clip_on_dp_mesh(rank, world_size)
+
+
+def replicas_sync_later_case(rank: int, world_size: int) -> dict:
+    """Two microbatches of different data per rank under DDP and under HSDP (2 replicas of
+    one shard): each rank's gradients after the first backward (inside `replicas_sync_later`)
+    and after the second (outside), and what the two microbatches' gradients sum to."""
+    from titan.dist import apply_ddp, replicas_sync_later
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for name in ("ddp", "hsdp"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        reference = [p.detach().clone() for p in model.parameters()]
+        if name == "ddp":
+            apply_ddp(model, init_device_mesh("cpu", (world_size,)), None)
+        else:  # 2 replicas of a 1-rank shard group: HSDP's all-reduce, no reduce-scatter traffic
+            fully_shard(model, mesh=init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard")))
+        g = torch.Generator().manual_seed(100 + rank)
+        batches = [torch.randn(3, 4, generator=g) for _ in range(2)]
+        with replicas_sync_later([model]):
+            model(batches[0]).square().sum().backward()
+        # HSDP keeps the reduce-scattered sum inside FSDP until its all-reduce: no .grad yet.
+        out[f"{name}_first"] = [None if p.grad is None else _whole(p.grad) for p in model.parameters()]
+        model(batches[1]).square().sum().backward()
+        out[f"{name}_last"] = [_whole(p.grad) for p in model.parameters()]
+        # This rank's own gradient sum, by hand on an unwrapped copy.
+        plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        with torch.no_grad():
+            for p, r in zip(plain.parameters(), reference, strict=True):
+                p.copy_(r)
+        for batch in batches:
+            plain(batch).square().sum().backward()
+        out[f"{name}_own_sum"] = [p.grad.clone() for p in plain.parameters()]
+        dist.barrier()
+    return out

@@ -29,7 +29,7 @@ from titan.dist.context_parallel import (
 )
 from titan.dist.dry_run import RankEstimate, dry_run, validate_against_model
 from titan.dist.expert_parallel import apply_expert_parallel
-from titan.dist.fsdp import apply_ddp, apply_fsdp, mixed_precision_policy
+from titan.dist.fsdp import apply_ddp, apply_fsdp, mixed_precision_policy, replicas_sync_later
 from titan.dist.parallelize import parallelize
 from titan.dist.pipeline import build_pipeline
 from titan.dist.tensor_parallel import apply_tensor_parallel, loss_parallel_context
@@ -51,6 +51,7 @@ __all__ = [
     "apply_ddp",
     "apply_expert_parallel",
     "apply_fsdp",
+    "replicas_sync_later",
     "apply_tensor_parallel",
     "build_pipeline",
     "dry_run",

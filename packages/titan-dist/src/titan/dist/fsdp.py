@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from titan.dist.plan import match_modules, sharding_plan, tied_parameter_groups
@@ -120,3 +123,34 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, config) -> nn.Module:
 
     replicate(model, device_mesh=mesh, bucket_cap_mb=100)
     return model
+
+
+@contextlib.contextmanager
+def replicas_sync_later(model_parts: Iterable[nn.Module]) -> Iterator[None]:
+    """Inside: the backward leaves the data-parallel replicas' gradient all-reduce to a later
+    backward, for every microbatch of a gradient-accumulation step but the last. HSDP still
+    reduce-scatters each microbatch inside its shard group and accumulates the shards (FSDP2's
+    `set_requires_all_reduce`); DDP accumulates its local gradients (`set_requires_gradient_sync`).
+    The last microbatch's backward, outside, all-reduces the sum once: the same gradients, the
+    replicas' traffic once per step instead of once per microbatch. Plain FSDP and modules
+    without data parallelism are left alone (FSDP must reduce-scatter every microbatch, or hold
+    whole unsharded gradients)."""
+    toggles = [_replica_sync_toggle(part) for part in model_parts]
+    toggles = [toggle for toggle in toggles if toggle is not None]
+    for toggle in toggles:
+        toggle(False)
+    try:
+        yield
+    finally:
+        for toggle in toggles:
+            toggle(True)
+
+
+def _replica_sync_toggle(module: nn.Module) -> Callable[[bool], None] | None:
+    """The switch of `module`'s replicas' all-reduce: FSDP2's (a no-op without replicas, HSDP's
+    otherwise), DDP's (`replicate` gives the module `set_requires_gradient_sync`), or None."""
+    if isinstance(module, FSDPModule):
+        return lambda on: module.set_requires_all_reduce(on, recurse=True)
+    if callable(getattr(module, "set_requires_gradient_sync", None)):
+        return module.set_requires_gradient_sync
+    return None

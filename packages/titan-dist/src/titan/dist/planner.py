@@ -28,7 +28,7 @@ memory per rank (worst pipeline stage)
     workspaces) on top.
 
 step time (worst pipeline stage; without PP, a local batch accumulated over microbatches runs
-FSDP's gathers and reduce-scatter, and the replicas' all-reduce, once per microbatch)
+FSDP's gathers and reduce-scatter once per microbatch, the replicas' all-reduce once per step)
     compute = training FLOPs of the rank's tokens (plus the recomputed forward under AC) over
     the device's bf16 peak x `matmul_efficiency` (x `compile_speedup` when compiled; less for
     microbatches of few tokens, by the weights' roofline: `Hardware.half_efficiency_tokens`); with
@@ -487,10 +487,6 @@ class Workload:
     behind the backward like FSDP's reduce-scatter, except the last block's. False: after the
     backward, all of it exposed (how Megatron-LM's data parallelism ran in 2021, for the
     published comparison)."""
-    grad_sync_per_microbatch: bool = True
-    """Under gradient accumulation the replicas all-reduce after every microbatch's backward,
-    as titan's DDP and HSDP run it. False: once per step, after the last microbatch (Megatron-LM's
-    data parallelism, for the published comparison)."""
 
 
 def stage_blocks(n_layers: int, pp: int) -> list[range]:
@@ -699,7 +695,6 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     # an all-gather, fp32), during the backward in what compute FSDP's traffic left (under PP
     # after the last microbatch, exposed).
     replicate = (1 + hw.reduce_scatter_cost) * _ring(stage_unsharded / max(fsdp_group, 1) * 4, layout.dp_replicate)
-    replicate *= layout.accumulation_steps if work.grad_sync_per_microbatch else 1
     replicate /= _bandwidth(hw, layout.world_size // layout.pp)
     loads["hsdp_allreduce"] = replicate
     if layout.pp == 1 and work.overlap_grad_allreduce:

@@ -445,7 +445,8 @@ class RLTrainer(TrainingLoop):
                                             measure_mismatch=epoch == 0 and (trainer_old is not None or m == 0))
                     # The router's aux loss is a mean over completion tokens for every loss type.
                     rank_loss += engine.forward_backward(batch, loss_fn, global_token_count=normalizer,
-                                                         aux_token_count=completion_tokens)
+                                                         aux_token_count=completion_tokens,
+                                                         last_microbatch=j == len(batches) - 1)
                 norms.append(engine.optimizer_step())
                 self.metrics.record_tokens(sum(b["input_ids"].numel() for b in batches)
                                            // engine.parallel_dims.non_data_parallel_size)

@@ -53,6 +53,7 @@ from titan.dist import (
     loss_parallel_context,
     mixed_precision_policy,
     parallelize,
+    replicas_sync_later,
     set_collective_timeout,
     shard_batch_dict_for_context_parallel,
     validate_against_model,
@@ -394,6 +395,7 @@ class TrainingEngine:
         *,
         global_token_count: torch.Tensor | float,
         aux_token_count: torch.Tensor | float | None = None,
+        last_microbatch: bool = True,
     ) -> torch.Tensor:
         """Forward and backward of one microbatch; gradients accumulate until
         :meth:`optimizer_step`.
@@ -407,12 +409,21 @@ class TrainingEngine:
         loss (an MoE router's balancing loss) is averaged over whatever the main loss is
         divided by (an RL loss may divide by completions); None: ``global_token_count`` (the
         loss is a token mean).
+        ``last_microbatch``: False while more microbatches of this optimizer step follow: the
+        data-parallel replicas (HSDP, DDP) leave their gradient all-reduce to the last one,
+        which all-reduces the sum once (FSDP still reduce-scatters every microbatch).
         Returns this rank's detached share of the normalized loss (zero on pipeline stages
         without the loss); summing it over the data-parallel ranks gives the global loss.
         """
         batch = self._prepare(batch)
         scale = self.data_parallel_grad_scale / global_token_count
         aux_scale = self.data_parallel_grad_scale / (global_token_count if aux_token_count is None else aux_token_count)
+        with contextlib.nullcontext() if last_microbatch else replicas_sync_later(self.model_parts):
+            loss = self._forward_backward(batch, loss_fn, scale, aux_scale)
+        return loss / self.data_parallel_grad_scale
+
+    def _forward_backward(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, scale, aux_scale) -> torch.Tensor:
+        """The microbatch's scaled loss, backward run (this rank's detached share, scaled)."""
         if self.parallel_dims.pp_enabled:
             with self._autocast():
                 loss = self._pipeline_run(batch, loss_fn, scale, backward=True, aux_scale=aux_scale)
@@ -424,7 +435,7 @@ class TrainingEngine:
                 del logits  # free the largest activation before backward
                 loss.backward()
             loss = local_value(loss.detach())
-        return loss / self.data_parallel_grad_scale
+        return loss
 
     @torch.no_grad()
     def forward_only(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn) -> torch.Tensor:

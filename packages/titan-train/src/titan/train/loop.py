@@ -261,8 +261,9 @@ class TrainingLoop:
         local_tokens = torch.stack([count_valid_tokens(mb["labels"]) for mb in microbatches]).sum().float()
         global_tokens = self.engine.sum_over(local_tokens.clone(), "dp")
         rank_loss = torch.zeros((), device=self.engine.device)
-        for mb in microbatches:
-            rank_loss += self.engine.forward_backward(mb, self._supervised_loss, global_token_count=global_tokens)
+        for i, mb in enumerate(microbatches):
+            rank_loss += self.engine.forward_backward(mb, self._supervised_loss, global_token_count=global_tokens,
+                                                      last_microbatch=i == len(microbatches) - 1)
         if sync:  # otherwise a non-finite loss shows in the global grad norm, checked on device
             self._check_finite(float(rank_loss))
         lr = self.engine.lr_schedulers.last_lr()
