@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One prepared GPU check: the tests that need a GPU (when pytest is there), then the training
+# One prepared GPU check: the tests that need a GPU (when pytest is there), one CP rank's attention
+# against the whole-row mask, then the training
 # benchmark (tools/bench/bench_train.py) for Llama 3.2 1B in bf16 on one GPU — titan's trainer,
 # the hand-written loop and transformers, eager and compiled, float8 compiled off and on (when
 # torchao is installed) — printing the markdown table and
@@ -38,7 +39,8 @@ fi
 # memory on a side stream).
 if "$python" -c "import pytest" 2>/dev/null; then
     (cd "$here" && timeout "${TIMEOUT_S:-160}" "$python" -m pytest -q -p no:cacheprovider -k "cuda or CUDA or gpu" \
-        tests/test_host_sync.py packages/titan-train/tests/test_device_copy.py) || echo "gpu_check: GPU tests FAILED"
+        tests/test_host_sync.py packages/titan-train/tests/test_device_copy.py \
+        packages/titan-dist/tests/test_context_parallel_attention.py) || echo "gpu_check: GPU tests FAILED"
 else
     echo "gpu_check: pytest not installed, GPU tests skipped"
 fi
@@ -51,6 +53,11 @@ bench() {
         --seq-len "${SEQ_LEN:-2048}" --batch-size "${BATCH:-2}" \
         --rounds "${ROUNDS:-5}" --iters "${ITERS:-3}" --warmup 2 "$@"
 }
+# One context-parallel rank's attention: titan's chunks over their visible keys (the fused
+# kernels' lower-right causal mask) against the whole-row boolean mask, time and peak memory.
+(cd "$here/tools/bench" && timeout "${TIMEOUT_S:-160}" "$python" bench_cp_attention.py --device cuda \
+    --dtype bfloat16 --seq-len 65536 --cp 2 4 8 --heads 32 --kv-heads 8 --head-dim 128 --rounds 4) \
+    || echo "gpu_check: CP attention bench FAILED"
 bench --sides titan,hand,hf --json "$out/loops.json"
 bench --compile --sides titan,titan_compiled,hand_compiled --json "$out/compile.json"
 if [ ${#float8[@]} -gt 0 ]; then

@@ -52,6 +52,13 @@ LAYOUTS = {
                              "--parallelism.pipeline_parallel_microbatch_size", "2",
                              "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 8),
     "cp 2": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"], 8),
+    # Gradient accumulation: 2 microbatches of 2 per step and rank (FSDP's traffic twice; the
+    # replicas' all-reduce once, after the last).
+    "fsdp 2, 2 x 2 accumulated": (2, ["--parallelism.data_parallel_shard_degree", "2",
+                                      "--training.global_batch_size", "8"], 2),
+    "ddp 2, 2 x 2 accumulated": (2, ["--parallelism.data_parallel_shard_degree", "1",
+                                     "--parallelism.data_parallel_replicate_degree", "2",
+                                     "--training.global_batch_size", "8"], 2),
 }
 
 
@@ -174,11 +181,15 @@ def layout_of(name: str) -> Layout:
     degrees = dict(zip(flags[::2], flags[1::2], strict=True))
     pp = int(degrees.get("--parallelism.pipeline_parallel_degree", 1))
     schedule = degrees.get("--parallelism.pipeline_parallel_schedule", "1F1B")
-    return Layout(pp=pp, dp_replicate=1, dp_shard=int(degrees.get("--parallelism.data_parallel_shard_degree", ranks)),
+    replicate = int(degrees.get("--parallelism.data_parallel_replicate_degree", 1))
+    shard = int(degrees.get("--parallelism.data_parallel_shard_degree", ranks))
+    # With --training.global_batch_size the local batch is one accumulated microbatch.
+    per_step = int(degrees.get("--training.global_batch_size", local * replicate * shard)) // (replicate * shard)
+    micro = local if pp == 1 else int(degrees.get("--parallelism.pipeline_parallel_microbatch_size", local))
+    return Layout(pp=pp, dp_replicate=replicate, dp_shard=shard,
                   cp=int(degrees.get("--parallelism.context_parallel_degree", 1)),
                   tp=int(degrees.get("--parallelism.tensor_parallel_degree", 1)), ep=1, ac="none",
-                  local_batch_size=local, microbatch_size=int(degrees.get(
-                      "--parallelism.pipeline_parallel_microbatch_size", local)), schedule=schedule,
+                  local_batch_size=per_step, microbatch_size=micro, schedule=schedule,
                   stages_per_rank=2 if schedule == "Interleaved1F1B" else 1)
 
 

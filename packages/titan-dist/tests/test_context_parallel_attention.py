@@ -98,3 +98,33 @@ def test_the_lower_right_mask_is_built_inside_a_dispatch_mode():
     with FlopCounterMode(display=False):
         out = attend_local_chunks(local_q, k, v, 1, 2)
     torch.testing.assert_close(out, shard_sequence(_reference(q, k, v), 1, 2, seq_dim=2), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the fused kernels' lower-right mask)")
+def test_cuda_chunks_match_the_mask_and_never_build_it():
+    """On CUDA in bf16 the fused kernels take the lower-right mask: the output matches the
+    whole-row boolean mask's, and the forward + backward peak stays below the [S / cp, S]
+    mask the old form built (as a bf16 bias, what the memory-efficient kernel reads)."""
+    seq, cp_size, heads, kv_heads, dh = 8192, 4, 8, 2, 64
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q_all = torch.randn(1, heads, seq, dh, generator=g).cuda().bfloat16()
+    k = torch.randn(1, kv_heads, seq, dh, generator=g).cuda().bfloat16().requires_grad_()
+    v = torch.randn(1, kv_heads, seq, dh, generator=g).cuda().bfloat16().requires_grad_()
+    rank = 1
+    q = shard_sequence(q_all, rank, cp_size, seq_dim=2).requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = attend_local_chunks(q, k, v, rank, cp_size)
+    out.float().sum().backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    mask_bytes = (seq // cp_size) * seq * 2
+    assert peak < mask_bytes, (peak, mask_bytes)
+    from titan.dist.context_parallel import shard_positions
+
+    positions = shard_positions(seq, rank, cp_size, q.device)
+    mask = positions[:, None] >= torch.arange(seq, device=q.device)[None, :]
+    with torch.no_grad():
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out.detach().float(), expected.float(), atol=2e-2, rtol=2e-2)
