@@ -519,6 +519,10 @@ def test_titan_plan_json_and_hardware_overrides(capsys):
     assert top["fits"] and top["memory_bytes"]["total"] <= 96 * 1024**3
     assert any(lay["layout"]["ep"] > 1 for lay in doc["layouts"])
     assert {"compute", "fsdp_exposed", "ep", "step"} <= top["time_s"].keys()
+    assert top["load_s"].keys() >= top["time_s"].keys() - {"step"}
+    assert top["dominant"] in {key.removesuffix("_exposed") for key in top["load_s"]}
+    assert all(lay["accumulation_steps"] == lay["layout"]["local_batch_size"] // lay["layout"]["microbatch_size"]
+               or lay["layout"]["pp"] > 1 for lay in doc["layouts"])
 
 
 @pytest.mark.parametrize("argv, message", [

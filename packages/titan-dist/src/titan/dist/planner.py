@@ -453,6 +453,7 @@ class Prediction:
     def as_dict(self) -> dict:
         """JSON-ready view (flags included)."""
         return {"layout": dataclasses.asdict(self.layout), "describe": self.layout.describe(),
+                "accumulation_steps": self.layout.accumulation_steps,
                 "flags": self.layout.flags(), "memory_bytes": self.memory, "time_s": self.times,
                 "load_s": self.loads, "tokens_per_s_per_device": self.tokens_per_s_per_device,
                 "mfu": self.mfu, "fits": self.fits, "dominant": self.dominant}
