@@ -530,6 +530,7 @@ def test_titan_plan_json_and_hardware_overrides(capsys):
     (["--gpus", "many"], "expected <count>x<type>"),
     (["--gpus", "8xH100", "--nodes", "3"], "--nodes 3 must divide --gpus 8"),
     (["--gpus", "8xH100", "--global_batch_tokens", "1000"], "not a multiple of --training.seq_len"),
+    (["--gpus", "8xH100", "--global_batch_tokens", "0"], "less than one sequence"),
     (["--gpus", "8xB200", "--quantize.linear.mx.recipe_name", "mxfp8_rceil"], "titan plan does not model MXFP8"),
     (["--gpus", "8xH100", "--hardware.comm_overlap", "-1"], "--hardware.comm_overlap -1.0 must be in [0, 1]"),
     (["--gpus", "8xH100", "--hardware.reduce_scatter_cost", "0"], "--hardware.reduce_scatter_cost 0.0 must be > 0"),

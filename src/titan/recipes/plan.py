@@ -118,6 +118,9 @@ def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | No
         raise ValueError("titan plan does not model MXFP8 (--quantize.linear.mx / --quantize.grouped_mm.mx) yet: "
                          "plan without it (float8 is modeled), or check a layout with titan dry-run")
     if global_batch_tokens is not None:
+        if global_batch_tokens < t.seq_len:
+            raise ValueError(f"--global_batch_tokens {global_batch_tokens} is less than one sequence "
+                             f"(--training.seq_len {t.seq_len})")
         if global_batch_tokens % t.seq_len:
             raise ValueError(f"--global_batch_tokens {global_batch_tokens} is not a multiple of "
                              f"--training.seq_len {t.seq_len}")
