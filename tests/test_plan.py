@@ -529,7 +529,7 @@ def test_titan_plan_json_and_hardware_overrides(capsys):
     (["--gpus", "256xV100"], "unknown device 'V100'"),
     (["--gpus", "many"], "expected <count>x<type>"),
     (["--gpus", "8xH100", "--nodes", "3"], "--nodes 3 must divide --gpus 8"),
-    (["--gpus", "8xH100", "--global_batch_tokens", "1000"], "not a multiple of --training.seq_len"),
+    (["--gpus", "8xH100", "--global_batch_tokens", "10000"], "not a multiple of --training.seq_len"),
     (["--gpus", "8xH100", "--global_batch_tokens", "0"], "less than one sequence"),
     (["--gpus", "8xB200", "--quantize.linear.mx.recipe_name", "mxfp8_rceil"], "titan plan does not model MXFP8"),
     (["--gpus", "8xH100", "--hardware.comm_overlap", "-1"], "--hardware.comm_overlap -1.0 must be in [0, 1]"),
