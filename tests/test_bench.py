@@ -86,3 +86,10 @@ def test_bench_cp_attention_prints_a_ratio_per_cp_degree(capsys):
     for cp in (2, 4):
         assert f"ratio whole rows/titan (cp {cp}) seconds" in out, out
         assert {name: len(s) for name, s in results[cp].items()} == {"titan": 2, "whole rows": 2}
+
+
+def test_bench_accumulation_checks_both_sides_and_prints_a_ratio(capsys):
+    seconds = load("bench_accumulation").main("--flavor debugmodel_tiny --seq-len 16 --rounds 2".split())
+    out = capsys.readouterr().out
+    assert "ratio every microbatch/deferred seconds" in out, out
+    assert {name: len(s) for name, s in seconds.items()} == {"deferred": 2, "every microbatch": 2}
