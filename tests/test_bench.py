@@ -88,8 +88,12 @@ def test_bench_cp_attention_prints_a_ratio_per_cp_degree(capsys):
         assert {name: len(s) for name, s in results[cp].items()} == {"titan": 2, "whole rows": 2}
 
 
-def test_bench_accumulation_checks_both_sides_and_prints_a_ratio(capsys):
-    seconds = load("bench_accumulation").main("--flavor debugmodel_tiny --seq-len 16 --rounds 2".split())
+def test_bench_accumulation_checks_both_sides_and_prints_a_ratio(capsys, monkeypatch):
+    import sys
+
+    module = load("bench_accumulation")
+    monkeypatch.setitem(sys.modules, "bench_accumulation", module)  # the spawned ranks unpickle its worker
+    seconds = module.main("--flavor debugmodel_tiny --seq-len 16 --rounds 2".split())
     out = capsys.readouterr().out
     assert "ratio every microbatch/deferred seconds" in out, out
     assert {name: len(s) for name, s in seconds.items()} == {"deferred": 2, "every microbatch": 2}
