@@ -791,6 +791,13 @@ def test_gradient_accumulation_is_enumerated_and_timed_as_the_engine_runs_it():
     assert b.times["compute"] == pytest.approx(a.times["compute"], rel=0.01)  # only the roofline moves it
     assert b.loads["fsdp_exposed"] == pytest.approx(4 * a.loads["fsdp_exposed"])
     assert b.loads["hsdp_allreduce"] == pytest.approx(a.loads["hsdp_allreduce"]) and a.loads["hsdp_allreduce"] > 0
+    # ... but only the last microbatch's backward can hide it: on a network slow enough that the
+    # all-reduce takes half the step's compute, the whole batch hides it, 4 microbatches do not.
+    allreduce, compute = a.loads["hsdp_allreduce"], a.times["compute"]
+    slow = dataclasses.replace(hw, inter_node_gbps=hw.inter_node_gbps * allreduce / (0.5 * compute))
+    hidden, exposed = (predict(facts, lay, work, slow).times["hsdp_allreduce"] for lay in (whole, accumulated))
+    assert hidden == pytest.approx(0.5 * compute / facts.n_layers, rel=0.01)  # the last block's share
+    assert exposed > 0.2 * compute
     assert b.memory["activations"] == pytest.approx(a.memory["activations"] / 4)
     # Enumerated: every divisor of the local batch among the microbatch sizes, and the flags
     # select it in titan train (local = the microbatch, global = local x dp x accumulation).

@@ -206,9 +206,8 @@ def config_for(config: TrainerConfig, layout: Layout) -> TrainerConfig:
         pipeline_parallel_microbatch_size=layout.microbatch_size, pipeline_parallel_layers_per_stage=None,
         pipeline_parallel_split_points=None)
     ac = dataclasses.replace(config.activation_checkpoint, mode=layout.ac, selective_op=layout.ac == "selective")
-    global_batch = layout.local_batch_size * layout.dp_replicate * layout.dp_shard if layout.accumulation_steps > 1 else -1
     training = dataclasses.replace(config.training, local_batch_size=layout.engine_local_batch_size,
-                                   global_batch_size=global_batch)
+                                   global_batch_size=layout.global_batch_size if layout.accumulation_steps > 1 else -1)
     return dataclasses.replace(config, parallelism=p, activation_checkpoint=ac, training=training)
 
 

@@ -135,8 +135,7 @@ def replicas_sync_later(model_parts: Iterable[nn.Module]) -> Iterator[None]:
     replicas' traffic once per step instead of once per microbatch. Plain FSDP and modules
     without data parallelism are left alone (FSDP must reduce-scatter every microbatch, or hold
     whole unsharded gradients)."""
-    toggles = [_replica_sync_toggle(part) for part in model_parts]
-    toggles = [toggle for toggle in toggles if toggle is not None]
+    toggles = [toggle for part in model_parts if (toggle := _replica_sync_toggle(part)) is not None]
     for toggle in toggles:
         toggle(False)
     try:

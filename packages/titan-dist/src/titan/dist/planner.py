@@ -387,6 +387,11 @@ class Layout:
         return self.microbatches if self.pp == 1 else 1
 
     @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step over all data-parallel ranks."""
+        return self.local_batch_size * self.dp_replicate * self.dp_shard
+
+    @property
     def engine_local_batch_size(self) -> int:
         """`--training.local_batch_size`: the sequences of one forward without PP, the
         pipeline's whole step under PP."""
@@ -405,7 +410,7 @@ class Layout:
             "--training.local_batch_size", str(self.engine_local_batch_size),
         ]
         if self.accumulation_steps > 1:
-            out += ["--training.global_batch_size", str(self.local_batch_size * self.dp_replicate * self.dp_shard)]
+            out += ["--training.global_batch_size", str(self.global_batch_size)]
         if self.ac == "selective":
             out.append("--activation_checkpoint.selective_op")  # keep matmul outputs, rerun the rest
         if self.pp > 1:
@@ -694,12 +699,13 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     loads = {"fsdp_exposed": gather + reduce}
     # HSDP / DDP: the gradient shards all-reduced across replicas (a ring reduce-scatter, then
     # an all-gather, fp32), during the backward in what compute FSDP's traffic left (under PP
-    # after the last microbatch, exposed).
+    # after the last microbatch, exposed). Under gradient accumulation it runs once, in the last
+    # microbatch's backward, so only that microbatch's share of the step can hide it.
     replicate = (1 + hw.reduce_scatter_cost) * _ring(stage_unsharded / max(fsdp_group, 1) * 4, layout.dp_replicate)
     replicate /= _bandwidth(hw, layout.world_size // layout.pp)
     loads["hsdp_allreduce"] = replicate
     if layout.pp == 1 and work.overlap_grad_allreduce:
-        left = max(compute - hw.comm_overlap * (gather + reduce), 0.0)
+        left = max(compute - hw.comm_overlap * (gather + reduce), 0.0) / layout.accumulation_steps
         replicate = _exposed(replicate, left, hw) + replicate / L
     # Unoverlapped collectives also pay a fixed cost per call, once per microbatch.
     calls = layout.microbatches * hw.collective_latency_us * 1e-6
