@@ -124,10 +124,10 @@ def test_sigterm_saves_and_the_same_command_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_profiler_flags_write_traces_from_titan_train(tmp_path):
-    """`--profiler.enable_profiling` through the real loop: a Chrome trace of the window that
+    """`--profiling.enable_profiling` through the real loop: a Chrome trace of the window that
     ends on step 4, readable JSON with trace events."""
-    run(tmp_path, "--training.steps", "4", "--profiler.enable_profiling", "--profiler.profile_freq", "4",
-        "--profiler.profiler_warmup", "1", "--profiler.profiler_active", "1")
+    run(tmp_path, "--training.steps", "4", "--profiling.enable_profiling", "--profiling.profile_freq", "4",
+        "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1")
     traces = sorted(tmp_path.rglob("*trace*.json"))
     assert traces, sorted(p.name for p in tmp_path.rglob("*"))
     events = json.loads(traces[0].read_text())["traceEvents"]

@@ -380,11 +380,11 @@ def test_sigterm_during_titan_rl_saves_and_the_same_command_resumes(tmp_path):
 
 
 def test_profiler_flags_write_traces_from_titan_rl(tmp_path):
-    """`--profiler.enable_profiling` was accepted by `titan rl` and ignored: the window that
+    """`--profiling.enable_profiling` was accepted by `titan rl` and ignored: the window that
     ends on step 2 (the last warm-up step: a trace of an RL step, generation included, takes
     ~25 s more to write on CPU) now writes a Chrome trace with the step's operators in it."""
-    run_rl(tmp_path, *SHORT, "--training.steps", "3", "--profiler.enable_profiling", "--profiler.profile_freq", "2",
-           "--profiler.profiler_warmup", "0", "--profiler.profiler_active", "1")
+    run_rl(tmp_path, *SHORT, "--training.steps", "3", "--profiling.enable_profiling", "--profiling.profile_freq", "2",
+           "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1")
     traces = sorted(tmp_path.rglob("*trace*.json"))
     assert traces, sorted(p.name for p in tmp_path.rglob("*"))
     events = json.loads(traces[0].read_text())["traceEvents"]

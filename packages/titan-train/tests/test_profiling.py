@@ -1,4 +1,4 @@
-"""``--profiler.*``: the window schedule, Chrome traces a tiny training loop writes, memory
+"""``--profiling.*``: the window schedule, Chrome traces a tiny training loop writes, memory
 reports on CPU, CUDA snapshots where a GPU exists."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ def test_windows_end_on_multiples_of_profile_freq():
 
 
 @pytest.mark.parametrize("kw,flag", [
-    ({"profile_freq": 0}, "--profiler.profile_freq"),
-    ({"profiler_active": 0}, "--profiler.profiler_active"),
-    ({"profile_freq": 3, "profiler_active": 4}, "--profiler.profiler_active"),
-    ({"save_traces_folder": ""}, "--profiler.save_traces_folder"),
+    ({"profile_freq": 0}, "--profiling.profile_freq"),
+    ({"profiler_active": 0}, "--profiling.profiler_active"),
+    ({"profile_freq": 3, "profiler_active": 4}, "--profiling.profiler_active"),
+    ({"save_traces_folder": ""}, "--profiling.save_traces_folder"),
 ])
 def test_bad_values_name_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):

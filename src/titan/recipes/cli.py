@@ -48,6 +48,7 @@ from titan.recipes.families import model_spec
 from titan.recipes.memory_check import check_memory, warn_beyond_context
 from titan.recipes.recipes import RECIPES, recipe
 from titan.recipes.runners import DEFAULT_RECIPES, runner_for
+from titan.recipes.torchtitan_compat import CONFIG_FILE_FLAG, CompatError, titan_argv
 
 USAGE = """usage: titan train [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
        titan sft [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
@@ -242,18 +243,23 @@ def parse_train_args(argv: Sequence[str], *, command: str = "train") -> Any:
     """Resolve ``--config`` to a recipe, then apply the remaining flags with tyro.
 
     The flags are those of the recipe's own config type (``type(default)``), so a recipe that
-    returns another config tree (SFT, RL) gets its own sections. Raises :class:`UsageError`.
+    returns another config tree (SFT, RL) gets its own sections; ``--job.config_file FILE.toml``
+    sets flags from a torchtitan-style TOML file before the command line's, and torchtitan's
+    spellings of titan's flags are accepted (`titan.recipes.torchtitan_compat`). Raises
+    :class:`UsageError`.
     """
     prog = f"titan {command}"
     default_name = DEFAULT_RECIPES.get(command, DEFAULT_RECIPES["train"])
     name, rest = split_recipe_flag(argv, default=default_name)
     try:
         default = recipe(name)
-    except ValueError as err:
+        rest = titan_argv(rest)
+    except (ValueError, CompatError) as err:
         raise UsageError(str(err)) from None
     description = (
         f"Run recipe {name!r} (--config RECIPE picks another); every flag below overrides it.\n"
-        f"{TRACEBACK_FLAG} shows the full traceback of an error.\n\n"
+        f"{CONFIG_FILE_FLAG} FILE.toml sets flags from a torchtitan-style TOML file first; torchtitan's\n"
+        f"spellings of these flags are accepted too. {TRACEBACK_FLAG} shows the full traceback of an error.\n\n"
         f"Recipes:\n{recipes_description(command)}"
     )
     with _one_line_parse_errors(default, prog, rest):

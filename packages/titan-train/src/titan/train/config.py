@@ -182,7 +182,7 @@ class RunConfig:
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
-    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    profiling: ProfilerConfig = field(default_factory=ProfilerConfig)
 
 
 @dataclass(kw_only=True)

@@ -384,8 +384,8 @@ class TrainingLoop:
         save_for_preemption(self.engine.checkpointer, self.step)
 
     def _profiler(self) -> StepProfiler:
-        """Traces (and memory reports) every ``--profiler.profile_freq`` steps when enabled."""
-        return StepProfiler(self.config.profiler, dump_folder=self.config.job.dump_folder,
+        """Traces (and memory reports) every ``--profiling.profile_freq`` steps when enabled."""
+        return StepProfiler(self.config.profiling, dump_folder=self.config.job.dump_folder,
                             rank=self.engine.dist_env.rank, device=self.engine.device, start_step=self.step)
 
     def log_summary(self, records: list[dict[str, Any]], preempted: bool) -> None:

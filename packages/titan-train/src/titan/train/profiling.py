@@ -1,4 +1,4 @@
-"""Profiling a run (``--profiler.*``): ``torch.profiler`` traces every ``profile_freq`` steps,
+"""Profiling a run (``--profiling.*``): ``torch.profiler`` traces every ``profile_freq`` steps,
 memory snapshots on CUDA and a memory report on CPU.
 
 A loop builds one :class:`StepProfiler` before its first step, calls :meth:`StepProfiler.step`
@@ -11,7 +11,7 @@ steps the profiler records a short window (``profiler_warmup`` steps warming up,
 - ``.../rank<R>_memory.txt``: the ops that allocated the most memory in that window (self
   device memory on accelerators, self CPU memory on CPU) and the process's resident memory.
 
-With ``--profiler.enable_memory_snapshot``, at the same steps,
+With ``--profiling.enable_memory_snapshot``, at the same steps,
 ``<dump_folder>/<save_memory_snapshot_folder>/iteration_<N>/rank<R>_memory_snapshot.pickle``
 holds the CUDA caching allocator's history (drag it onto https://pytorch.org/memory_viz); on a
 CPU run, where no allocator history exists, ``rank<R>_memory.txt`` there reports the resident
@@ -38,7 +38,7 @@ MEMORY_HISTORY_ENTRIES = 100_000
 
 @dataclass(kw_only=True)
 class ProfilerConfig:
-    """``torch.profiler`` traces and memory snapshots (``--profiler.*``)."""
+    """``torch.profiler`` traces and memory snapshots (``--profiling.*``)."""
 
     enable_profiling: bool = False
     """Record a torch.profiler trace every profile_freq steps."""
@@ -58,20 +58,20 @@ class ProfilerConfig:
 
     def __post_init__(self) -> None:
         if self.profile_freq < 1:
-            raise ValueError(f"--profiler.profile_freq must be >= 1, got {self.profile_freq}")
+            raise ValueError(f"--profiling.profile_freq must be >= 1, got {self.profile_freq}")
         if self.profiler_active < 1:
-            raise ValueError(f"--profiler.profiler_active must be >= 1, got {self.profiler_active}")
+            raise ValueError(f"--profiling.profiler_active must be >= 1, got {self.profiler_active}")
         if self.profiler_warmup < 0:
-            raise ValueError(f"--profiler.profiler_warmup must be >= 0, got {self.profiler_warmup}")
+            raise ValueError(f"--profiling.profiler_warmup must be >= 0, got {self.profiler_warmup}")
         if self.profiler_active > self.profile_freq:
             raise ValueError(
-                f"--profiler.profiler_active ({self.profiler_active}) must not exceed "
-                f"--profiler.profile_freq ({self.profile_freq}); raise --profiler.profile_freq or "
+                f"--profiling.profiler_active ({self.profiler_active}) must not exceed "
+                f"--profiling.profile_freq ({self.profile_freq}); raise --profiling.profile_freq or "
                 "record fewer steps"
             )
         for flag in ("save_traces_folder", "save_memory_snapshot_folder"):
             if not getattr(self, flag):
-                raise ValueError(f"--profiler.{flag} must not be empty")
+                raise ValueError(f"--profiling.{flag} must not be empty")
 
 
 def window_action(step: int, cfg: ProfilerConfig) -> ProfilerAction:
@@ -158,7 +158,7 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
             self._cuda_history = True
         elif self.device.type != "cpu":
-            logger.warning("--profiler.enable_memory_snapshot: no allocator history on %s; "
+            logger.warning("--profiling.enable_memory_snapshot: no allocator history on %s; "
                            "writing resident-memory reports instead", self.device.type)
 
     def _save_trace(self, prof: torch.profiler.profile) -> None:

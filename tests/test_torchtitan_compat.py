@@ -1,0 +1,206 @@
+"""torchtitan's flag spellings and TOML job files (`titan.recipes.torchtitan_compat`): each
+spelling lands on the titan field torchtitan means, conflicts and titan-less features are
+refused with the reason, and a torchtitan-style TOML trains through `titan train`."""
+
+import json
+
+import pytest
+from forked_cli import run_titan
+
+from titan.recipes.cli import UsageError, parse_train_args
+from titan.recipes.torchtitan_compat import translate
+
+# A job file in torchtitan's layout (the sections and keys of its Llama 3 TOMLs), made small:
+# the spellings torchtitan uses where titan's differ are the point.
+TORCHTITAN_TOML = """\
+[job]
+dump_folder = "{dump}"
+description = "Llama 3 debug training, torchtitan's job file"
+print_args = false
+
+[profiling]
+enable_profiling = false
+save_traces_folder = "profile_trace"
+profile_freq = 100
+
+[metrics]
+log_freq = 1
+disable_color_printing = false
+enable_tensorboard = false
+
+[model]
+name = "llama3"
+flavor = "debugmodel_tiny"
+
+[optimizer]
+name = "AdamW"
+lr = 8e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 2
+decay_ratio = 0.8
+decay_type = "linear"
+lr_min = 0.1
+
+[training]
+local_batch_size = 2
+seq_len = 32
+max_norm = 1.0
+steps = 10
+compile = false
+seed = 3
+deterministic = true
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+disable_loss_parallel = true
+enable_compiled_autograd = false
+
+[checkpoint]
+enable_checkpoint = false
+folder = "checkpoint"
+interval = 500
+last_save_model_only = true
+export_dtype = "float32"
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "op"
+
+[float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output"]
+"""
+
+
+def toml_file(tmp_path, text=TORCHTITAN_TOML, name="llama3_debug.toml"):
+    path = tmp_path / name
+    path.write_text(text.format(dump=tmp_path / "out"))
+    return path
+
+
+def parsed(*flags):
+    return parse_train_args(["--config", "llama3_debug", *flags])
+
+
+@pytest.mark.parametrize("flags, field, expected", [
+    (["--training.seed", "7"], "debug.seed", 7),
+    (["--training.seed=7"], "debug.seed", 7),
+    (["--training.deterministic"], "debug.deterministic", True),
+    (["--training.enable_cpu_offload"], "parallelism.fsdp_cpu_offload", True),
+    (["--training.compile"], "compile.enable", True),
+    (["--checkpoint.enable_checkpoint"], "checkpoint.enable", True),
+    (["--checkpoint.enable_checkpoint", "--checkpoint.no_enable_checkpoint"], "checkpoint.enable", False),
+    (["--job.print_args"], "job.print_config", True),
+    (["--lr_scheduler.lr_min", "0.1"], "lr_scheduler.min_lr_factor", 0.1),
+    (["--validation.enabled"], "validation.enable", True),
+    (["--profiling.profile_freq", "5"], "profiling.profile_freq", 5),
+    (["--profiler.profile_freq", "5"], "profiling.profile_freq", 5),  # titan's earlier section name
+    (["--parallelism.disable_loss_parallel"], "parallelism.enable_loss_parallel", False),
+    (["--parallelism.no_disable_loss_parallel"], "parallelism.enable_loss_parallel", True),
+    (["--activation_checkpoint.selective_ac_option", "op"], "activation_checkpoint.selective_op", True),
+    (["--activation_checkpoint.selective_ac_option", "2"], "activation_checkpoint.selective_layer_every", 2),
+    (["--model.converters", "float8"], "quantize.linear.float8.recipe", "tensorwise"),
+    (["--model.converters", "float8", "--float8.recipe_name", "rowwise"], "quantize.linear.float8.recipe", "rowwise"),
+    (["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise"],
+     "quantize.linear.float8.recipe", "rowwise"),
+    (["--model.converters", "float8", "--float8.filter_fqns", "attention.wq,output"],
+     "quantize.linear.float8.filter_fqns", ["attention.wq", "output"]),
+    (["--float8.filter_fqns", "output"], "quantize.linear.float8.recipe", None),  # no converter: no float8
+    (["--training.dataset", "c4"], "dataset.name", "allenai/c4"),
+    (["--training.dataset", "c4"], "dataset.subset", "en"),
+    (["--training.dataset", "c4", "--training.dataset_path", "/data/c4"], "dataset.name", "/data/c4"),
+    (["--validation.dataset", "c4_validation"], "validation.dataset.split", "validation"),
+    (["--model.hf_assets_path", "assets/hf/Llama-3.1-8B"], "tokenizer.path", "assets/hf/Llama-3.1-8B"),
+    (["--model.tokenizer_path", "tok/tokenizer.json"], "tokenizer.kind", "hf"),
+    (["--parallelism.no_enable_compiled_autograd"], "parallelism.enable_compiled_autograd", None),
+])
+def test_a_torchtitan_spelling_sets_the_field_it_means(flags, field, expected):
+    config = parsed(*flags)
+    if field == "parallelism.enable_compiled_autograd":  # accepted (asks for nothing), not a titan field
+        assert translate(flags) == []
+        return
+    value = config
+    for part in field.split("."):
+        value = getattr(value, part)
+    assert value == expected
+
+
+def test_an_every_nth_block_option_is_not_per_op():
+    config = parsed("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "3")
+    assert (config.activation_checkpoint.selective_layer_every, config.activation_checkpoint.selective_op) == (3, False)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--float8.recipe_name", "rowwise"], "only with --model.converters float8"),
+    (["--model.converters", "mx"], "--quantize.linear.mx.recipe_name"),
+    (["--activation_checkpoint.selective_ac_option", "every"], "'op' or a positive integer"),
+    (["--activation_checkpoint.selective_ac_option", "0"], "'op' or a positive integer"),
+    (["--parallelism.enable_compiled_autograd"], "no titan equivalent: titan does not run compiled autograd"),
+    (["--optimizer.early_step_in_backward"], "no titan equivalent"),
+    (["--experimental.custom_import", "my.models"], "no titan equivalent"),
+    (["--training.dataset", "c4_test"], "--training.dataset_path"),
+    (["--parallelism.disable_loss_parallel", "maybe"], "takes true or false"),
+])
+def test_what_titan_cannot_honour_is_refused_with_the_reason(flags, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        parsed(*flags)
+
+
+def test_a_torchtitan_job_file_sets_every_field_and_the_command_line_overrides_it(tmp_path):
+    config = parsed("--job.config_file", str(toml_file(tmp_path)), "--training.steps", "4", "--debug.seed", "9")
+    assert config.job.dump_folder == str(tmp_path / "out")
+    assert (config.model.name, config.model.flavor) == ("llama3", "debugmodel_tiny")
+    assert (config.optimizer.lr, config.optimizer.eps) == (8e-4, 1e-8)
+    assert (config.lr_scheduler.warmup_steps, config.lr_scheduler.decay_ratio, config.lr_scheduler.min_lr_factor) == (2, 0.8, 0.1)
+    assert (config.training.local_batch_size, config.training.seq_len, config.training.max_norm) == (2, 32, 1.0)
+    assert config.training.steps == 4  # the command line wins over the file's 10
+    assert config.debug.seed == 9 and config.debug.deterministic  # [training] seed / deterministic
+    assert config.parallelism.data_parallel_shard_degree == -1
+    assert not config.parallelism.enable_loss_parallel  # disable_loss_parallel = true
+    assert not config.checkpoint.enable and config.checkpoint.interval == 500
+    assert (config.activation_checkpoint.mode, config.activation_checkpoint.selective_op) == ("selective", True)
+    assert config.quantize.linear.float8.recipe is None  # [float8] without the converter: off, as in torchtitan
+    assert (config.profiling.profile_freq, config.profiling.save_traces_folder) == (100, "profile_trace")
+    assert not config.compile.enable
+
+
+def test_the_converter_in_the_file_and_the_recipe_on_the_command_line_combine(tmp_path):
+    text = TORCHTITAN_TOML.replace('flavor = "debugmodel_tiny"', 'flavor = "debugmodel_tiny"\nconverters = ["float8"]')
+    config = parsed("--job.config_file", str(toml_file(tmp_path, text)), "--float8.recipe_name", "rowwise")
+    assert config.quantize.linear.float8.recipe == "rowwise"
+    assert config.quantize.linear.float8.filter_fqns == ["output"]
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "no such file"),
+    ("[training\nsteps = 3\n", "is not valid TOML"),
+    ("steps = 3\n", "outside any \\[section\\]"),
+    ("[training]\nsteps = 3\ngc_freq = 50\n", "unrecognized flag --training.gc_freq"),
+    ("[training]\nstart = 1979-05-27\n", "take booleans, numbers"),
+    ("[job]\nconfig_file = \"other.toml\"\n", "one TOML file per run"),
+])
+def test_a_bad_job_file_is_one_line_naming_the_problem(tmp_path, text, message):
+    path = tmp_path / "job.toml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(UsageError, match=message):
+        parsed("--job.config_file", str(path))
+
+
+def test_titan_train_runs_a_torchtitan_job_file(tmp_path):
+    """The whole command: the file's model, schedule and seed train (its `steps` overridden)."""
+    path = toml_file(tmp_path)
+    result = run_titan(["train", "--config", "llama3_debug", "--job.config_file", path, "--training.steps", "3",
+                        "--metrics.no_enable_progress_bar"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model"]["flavor"] == "debugmodel_tiny" and config["debug"]["seed"] == 3
+    assert config["lr_scheduler"]["min_lr_factor"] == 0.1
