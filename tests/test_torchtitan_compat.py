@@ -17,6 +17,7 @@ TORCHTITAN_TOML = """\
 dump_folder = "{dump}"
 description = "Llama 3 debug training, torchtitan's job file"
 print_args = false
+use_for_integration_test = true
 
 [profiling]
 enable_profiling = false
@@ -31,6 +32,7 @@ enable_tensorboard = false
 [model]
 name = "llama3"
 flavor = "debugmodel_tiny"
+hf_assets_path = "{assets}"
 
 [optimizer]
 name = "AdamW"
@@ -70,17 +72,42 @@ export_dtype = "float32"
 mode = "selective"
 selective_ac_option = "op"
 
+[compile]
+enable = false
+components = ["model", "loss"]
+
 [float8]
 enable_fsdp_float8_all_gather = false
 precompute_float8_dynamic_scale_for_fsdp = false
-filter_fqns = ["output"]
+filter_fqns = "output"
+
+[validation]
+enabled = false
+dataset = "c4_validation"
+freq = 5
+steps = 10
 """
 
 
 def toml_file(tmp_path, text=TORCHTITAN_TOML, name="llama3_debug.toml"):
     path = tmp_path / name
-    path.write_text(text.format(dump=tmp_path / "out"))
+    path.write_text(text.format(dump=tmp_path / "out", assets=tmp_path / "assets"))
     return path
+
+
+def write_tokenizer(folder):
+    """A real tokenizer.json in `folder` (torchtitan's hf_assets_path layout): a byte-level BPE
+    trained here on a few sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 8, trainer=trainer)
+    folder.mkdir(parents=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
 
 
 def parsed(*flags):
@@ -90,6 +117,8 @@ def parsed(*flags):
 @pytest.mark.parametrize("flags, field, expected", [
     (["--training.seed", "7"], "debug.seed", 7),
     (["--training.seed=7"], "debug.seed", 7),
+    (["--training.batch_size", "3"], "training.local_batch_size", 3),
+    (["--checkpoint.model_weights_only"], "checkpoint.last_save_model_only", True),
     (["--training.deterministic"], "debug.deterministic", True),
     (["--training.enable_cpu_offload"], "parallelism.fsdp_cpu_offload", True),
     (["--training.compile"], "compile.enable", True),
@@ -166,7 +195,11 @@ def test_a_torchtitan_job_file_sets_every_field_and_the_command_line_overrides_i
     assert (config.activation_checkpoint.mode, config.activation_checkpoint.selective_op) == ("selective", True)
     assert config.quantize.linear.float8.recipe is None  # [float8] without the converter: off, as in torchtitan
     assert (config.profiling.profile_freq, config.profiling.save_traces_folder) == (100, "profile_trace")
-    assert not config.compile.enable
+    assert not config.compile.enable and config.compile.components == ["model", "loss"]
+    assert (config.tokenizer.kind, config.tokenizer.path) == ("hf", str(tmp_path / "assets"))
+    assert config.quantize.linear.float8.filter_fqns == ["output"]
+    assert not config.validation.enable and config.validation.dataset.name == "allenai/c4"
+    assert (config.validation.dataset.split, config.validation.freq) == ("validation", 5)
 
 
 def test_the_converter_in_the_file_and_the_recipe_on_the_command_line_combine(tmp_path):
@@ -195,6 +228,7 @@ def test_a_bad_job_file_is_one_line_naming_the_problem(tmp_path, text, message):
 def test_titan_train_runs_a_torchtitan_job_file(tmp_path):
     """The whole command: the file's model, schedule and seed train (its `steps` overridden)."""
     path = toml_file(tmp_path)
+    write_tokenizer(tmp_path / "assets")
     result = run_titan(["train", "--config", "llama3_debug", "--job.config_file", path, "--training.steps", "3",
                         "--metrics.no_enable_progress_bar"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -204,3 +238,4 @@ def test_titan_train_runs_a_torchtitan_job_file(tmp_path):
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["model"]["flavor"] == "debugmodel_tiny" and config["debug"]["seed"] == 3
     assert config["lr_scheduler"]["min_lr_factor"] == 0.1
+    assert config["tokenizer"]["path"] == str(tmp_path / "assets")

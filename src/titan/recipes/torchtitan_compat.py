@@ -41,11 +41,13 @@ CONFIG_FILE_FLAG = "--job.config_file"
 
 RENAMED: dict[str, str] = {
     # torchtitan's (or earlier titan's) flag -> titan's flag, the value unchanged.
+    "--training.batch_size": "--training.local_batch_size",  # torchtitan before local/global batches
     "--training.seed": "--debug.seed",
     "--training.deterministic": "--debug.deterministic",
     "--training.enable_cpu_offload": "--parallelism.fsdp_cpu_offload",
     "--training.compile": "--compile.enable",
     "--checkpoint.enable_checkpoint": "--checkpoint.enable",
+    "--checkpoint.model_weights_only": "--checkpoint.last_save_model_only",
     "--job.print_args": "--job.print_config",
     "--lr_scheduler.lr_min": "--lr_scheduler.min_lr_factor",
     "--validation.enabled": "--validation.enable",
@@ -73,7 +75,7 @@ FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")
 
 NOTHING_ASKED: dict[str, tuple[tuple[Any, ...], str]] = {
     # torchtitan flag -> (the values that ask for nothing, why titan has no such feature)
-    "--job.use_for_integration_test": ((False,), "titan has no integration-test registry"),
+    "--job.use_for_integration_test": ((False, True), ""),  # torchtitan's own test registry; no effect on a run
     "--metrics.disable_color_printing": ((False, True), ""),  # titan's logs are plain text either way
     "--model.print_after_conversion": ((False,), "titan logs the converted linears' count, not the model"),
     "--parallelism.enable_compiled_autograd": ((False,), "titan does not run compiled autograd"),
