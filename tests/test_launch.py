@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_TRAIN = ROOT / "tools" / "run_train.sh"
 SBATCH = ROOT / "tools" / "slurm" / "titan.sbatch"
 LAUNCH_VARS = ("NGPU", "NPROC", "NNODES", "NODE_RANK", "RDZV_ENDPOINT", "RDZV_ID", "LOG_RANK",
-               "COMM_MODE", "WORLD_SIZE", "PYTHON")
+               "COMM_MODE", "WORLD_SIZE", "PYTHON", "CONFIG_FILE")
 
 
 def _fake_bin(tmp_path: Path) -> Path:
@@ -69,6 +69,15 @@ def test_multi_node_flags(tmp_path):
     # c10d assigns node ranks; torchrun ignores --node_rank outside static rendezvous.
     assert not any(a.startswith("--node_rank") for a in args)
     assert args[-2:] == ["--training.steps", "5"]
+
+
+def test_config_file_passes_a_torchtitan_job_file_before_the_flags(tmp_path):
+    """CONFIG_FILE=... ./run_train.sh, as torchtitan users launch: the file first, so the
+    command line's flags override it."""
+    env = _env(_fake_bin(tmp_path), CONFIG_FILE="train_configs/llama3_8b.toml")
+    args = _launch_args([str(RUN_TRAIN), "--training.steps", "5"], env)
+    assert args[-7:] == ["-m", "titan.recipes.cli", "train", "--job.config_file", "train_configs/llama3_8b.toml",
+                         "--training.steps", "5"]
 
 
 def test_multi_node_without_endpoint_is_refused(tmp_path):

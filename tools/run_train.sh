@@ -17,6 +17,8 @@
 #   RDZV_ID          rendezvous id shared by all nodes of one job (default titan)
 #   LOG_RANK         ranks whose output is shown, comma separated (default 0)
 #   MAX_RESTARTS     the default of --max-restarts (default 0: a failed rank ends the job)
+#   CONFIG_FILE      a torchtitan-style TOML job file, passed as --job.config_file (as torchtitan's
+#                    run_train.sh does); flags on the command line override it
 #   PYTHON           interpreter (default .venv/bin/python when present, else python3)
 #   COMM_MODE        fake_backend: dry run instead of training. No torchrun: one process
 #                    validates the config for NGPU x NNODES ranks on this CPU (fake process
@@ -52,6 +54,9 @@ while [[ $# -gt 0 ]]; do
     *) args+=("$1"); shift ;;
   esac
 done
+if [[ -n "${CONFIG_FILE:-}" ]]; then
+  args=(--job.config_file "$CONFIG_FILE" ${args[@]+"${args[@]}"})
+fi
 if ! [[ "$max_restarts" =~ ^[0-9]+$ ]]; then
   echo "run_train.sh: --max-restarts must be a non-negative integer, got '$max_restarts'" >&2
   exit 2
