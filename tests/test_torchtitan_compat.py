@@ -209,6 +209,13 @@ def test_the_converter_in_the_file_and_the_recipe_on_the_command_line_combine(tm
     assert config.quantize.linear.float8.filter_fqns == ["output"]
 
 
+def test_the_newer_quantize_section_names_the_recipe_the_converter_uses(tmp_path):
+    text = TORCHTITAN_TOML.replace('flavor = "debugmodel_tiny"', 'flavor = "debugmodel_tiny"\nconverters = ["quantize.linear.float8"]')
+    text += '\n[quantize.linear.float8]\nrecipe_name = "rowwise"\n'
+    assert parsed("--job.config_file", str(toml_file(tmp_path, text))).quantize.linear.float8.recipe == "rowwise"
+    assert parsed("--model.converters", "float8", "--quantize.linear.float8.recipe", "rowwise").quantize.linear.float8.recipe == "rowwise"
+
+
 @pytest.mark.parametrize("text, message", [
     (None, "no such file"),
     ("[training\nsteps = 3\n", "is not valid TOML"),

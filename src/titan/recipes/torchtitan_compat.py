@@ -72,6 +72,7 @@ FLOAT8_FIELDS = {  # torchtitan's [float8] field -> titan's --quantize.linear.fl
     "emulate": "emulate",
 }
 FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")
+TITAN_FLOAT8_RECIPE = "--quantize.linear.float8.recipe"
 
 NOTHING_ASKED: dict[str, tuple[tuple[Any, ...], str]] = {
     # torchtitan flag -> (the values that ask for nothing, why titan has no such feature)
@@ -189,8 +190,9 @@ def _nothing_asked(flag: str, values: list[str]) -> None:
         raise CompatError(f"{base} = {given!r} (torchtitan) has no titan equivalent: {why}; remove it")
 
 
-def _float8_flags(float8: dict[str, list[str]], converters: list[str] | None) -> list[str]:
-    """torchtitan's [float8] section: read when the float8 converter is on, as torchtitan does."""
+def _float8_flags(float8: dict[str, list[str]], converters: list[str] | None, *, default_recipe: bool) -> list[str]:
+    """torchtitan's [float8] section: read when the float8 converter is on, as torchtitan does;
+    the converter alone means tensorwise (torchtitan's default) unless ``default_recipe`` is off."""
     wants = converters is not None and any(c in FLOAT8_CONVERTERS for c in converters)
     if not wants:
         if "recipe_name" in float8 and _list_values(float8["recipe_name"]):
@@ -198,7 +200,7 @@ def _float8_flags(float8: dict[str, list[str]], converters: list[str] | None) ->
                               "rule); add the converter, or use titan's --quantize.linear.float8.recipe")
         float8 = {k: v for k, v in float8.items() if k == "filter_fqns"}  # harmless without a recipe
     out = []
-    if wants and "recipe_name" not in float8:
+    if wants and default_recipe and "recipe_name" not in float8:
         out += ["--quantize.linear.float8.recipe", "tensorwise"]  # torchtitan's default recipe
     for name, values in float8.items():
         target = f"--quantize.linear.float8.{FLOAT8_FIELDS[name]}"
@@ -229,13 +231,16 @@ class _Groups:
     datasets: dict[str, dict[str, str]] = field(default_factory=dict)
     float8: dict[str, list[str]] = field(default_factory=dict)
     converters: list[str] | None = None
+    titan_recipe: bool = False
+    """Whether titan's own --quantize.linear.float8.recipe was given (then the converter adds
+    no default recipe)."""
 
     def flags(self) -> list[str]:
         out: list[str] = []
         for section, given in self.datasets.items():
             out += _dataset_flags(section, given.get("name"), given.get("path"))
         if self.float8 or self.converters is not None:
-            out += _float8_flags(self.float8, self.converters)
+            out += _float8_flags(self.float8, self.converters, default_recipe=not self.titan_recipe)
         return out
 
 
@@ -248,7 +253,9 @@ def _translate_into(argv: Sequence[str], groups: _Groups) -> list[str]:
             if flag.startswith(old):
                 flag, base = new + flag[len(old):], new + base[len(old):]
         if flag in RENAMED or base in RENAMED:
-            out += [_switch(RENAMED[base], on) if base != flag else RENAMED[flag], *values]
+            flag = _switch(RENAMED[base], on) if base != flag else RENAMED[flag]
+            out += [flag, *values]
+            groups.titan_recipe |= flag == TITAN_FLOAT8_RECIPE
         elif base in INVERTED:
             out.append(_switch(INVERTED[base], not (on and _as_bool(base, values))))
         elif flag == "--activation_checkpoint.selective_ac_option":
@@ -266,6 +273,7 @@ def _translate_into(argv: Sequence[str], groups: _Groups) -> list[str]:
             _nothing_asked(flag, values)
         else:
             out += ([flag] if flag else []) + values
+            groups.titan_recipe |= flag == TITAN_FLOAT8_RECIPE
     return out
 
 
