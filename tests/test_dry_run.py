@@ -219,6 +219,19 @@ def _saved_activation_bytes(model) -> int:
     return sum(saved.values())
 
 
+@pytest.mark.parametrize("components, dtype, bytes_per_logit", [
+    (["model", "loss"], "float32", 8), (["model"], "float32", 12), (["model", "loss"], "bfloat16", 4),
+], ids=["compiled_loss", "compiled_model_only", "compiled_loss_bf16"])
+def test_dry_run_counts_the_compiled_loss_as_the_logits_and_their_gradient(components, dtype, bytes_per_logit):
+    """With the loss compiled the peak is the saved logits and their gradient in the compute
+    dtype (tests/test_plan.py measures it), not the eager loss's 3 fp32 copies: the memory
+    check must not refuse a compiled run that fits."""
+    cfg = parse_train_args([*TINY, "--compile.enable", "--compile.components", *components,
+                            "--training.mixed_precision_param", dtype])
+    (est,) = run_dry_run(cfg, world_size=1, print_fn=lambda s: None)
+    assert est.loss_bytes == 2 * 32 * TINY_VOCAB * bytes_per_logit
+
+
 @pytest.mark.parametrize("ac_flags", [
     ["--activation_checkpoint.mode", "none"],
     ["--activation_checkpoint.mode", "full"],

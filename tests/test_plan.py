@@ -275,6 +275,36 @@ def test_loss_peak_equals_what_mem_tracker_measures(tmp_path, tp, chunk):
         assert (abs(error) <= 0.01) if not chunk else (0 <= error <= 0.08), (rank, measured, predicted)
 
 
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="measures the resident set as Linux reports it")
+@pytest.mark.parametrize("chunk", [0, 512], ids=["whole", "chunked"])
+def test_compiled_loss_peak_equals_the_measured_resident_set(tmp_path, chunk):
+    """The compiled loss (``--compile.components loss``) keeps the bf16 logits and their
+    gradient, 4 bytes per logit element whether chunked or not, where the eager loss peaks at
+    12: measured as one process's peak resident set over titan's compiled loss
+    (tests/loss_memory_worker.py ... compiled), against `predict`'s ``logits`` with and without
+    ``Workload.compile_loss``."""
+    import dataclasses
+
+    from launching import launch
+
+    tokens, vocab = 4096, 8192
+    worker = Path(__file__).with_name("loss_memory_worker.py")
+    launch(1, [str(worker), str(tmp_path / "out"), str(tokens), str(vocab), str(chunk), "compiled"],
+           tmp_path / "launch.log", timeout=300, torchrun=False)
+    measured = json.loads((tmp_path / "out" / "rank0.json").read_text())["peak_bytes"]
+    facts, _, _ = model_facts(parse_train_args(["--config", "llama3_debug", "--model.flavor", "debugmodel_tiny", *TINY]))
+    facts = dataclasses.replace(facts, vocab=vocab)
+    layout = _layout(local_batch_size=1, microbatch_size=1)
+
+    def predicted(compile_loss: bool) -> float:
+        work = Workload(global_batch_size=1, seq_len=tokens, loss_chunk_tokens=chunk, compile_loss=compile_loss)
+        return predict(facts, layout, work, HARDWARE["H100"]).memory["logits"]
+
+    # The resident set counts whole pages and the allocator's small blocks: within 2%.
+    assert abs(predicted(True) / measured - 1) <= 0.02, (measured, predicted(True))
+    assert predicted(False) > 1.3 * measured  # the eager rule over-counts it: 12 (chunked: 5.5) bytes per element
+
+
 def _units_each_block_keeps(model, mode: str, tokens: torch.Tensor, dim: int) -> float:
     """Mean model-width units per token (in the model's dtype) that each block's forward leaves alive, with the
     blocks checkpointed as `mode` says, as torch's `MemTracker` counts live tensors."""

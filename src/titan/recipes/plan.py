@@ -131,7 +131,8 @@ def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | No
         sequences = t.local_batch_size * gpus
     return Workload(global_batch_size=sequences, seq_len=t.seq_len,
                     compute_dtype_bytes=DTYPES[t.mixed_precision_param].itemsize,
-                    compile=config.compile.compiles_model, float8=config.quantize.linear.float8.recipe is not None,
+                    compile=config.compile.compiles_model, compile_loss=config.compile.compiles_loss,
+                    float8=config.quantize.linear.float8.recipe is not None,
                     sequence_parallel=config.parallelism.enable_sequence_parallel,
                     loss_parallel=config.parallelism.enable_loss_parallel,
                     async_tp=config.parallelism.enable_async_tensor_parallel, memory_headroom=headroom,

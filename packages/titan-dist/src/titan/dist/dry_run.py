@@ -269,16 +269,23 @@ and 16.0 bytes per logit element (tests/test_plan.py)."""
 
 
 def loss_peak_bytes(tokens: float, vocab: int, *, tp: int, loss_parallel: bool, chunk_tokens: int,
-                    compute_dtype_bytes: int) -> float:
+                    compute_dtype_bytes: int, compiled: bool = False) -> float:
     """Bytes of the loss over `tokens` positions at its peak, in its backward (titan frees the
     compute-dtype logits before it): the saved fp32 log-softmax and the gradients with
     respect to it and to the fp32 logits, one fp32 copy more under loss parallel (its
     vocab-parallel log-softmax, each TP rank holding vocab / tp; without loss parallel every
     TP rank holds the whole vocabulary). Chunked (`chunk_tokens` < `tokens`), those exist for
     one chunk, while the chunks' checkpoints keep the whole microbatch's compute-dtype logits
-    and their gradient is assembled whole."""
+    and their gradient is assembled whole.
+
+    ``compiled`` (``--compile.components loss``; titan compiles the loss unless it is
+    vocab-parallel): the compiled backward recomputes the softmax from the logits it saved, so
+    the peak is those compute-dtype logits and their gradient, chunked or not (measured: 3.98
+    bytes per element in bf16, 7.96 in fp32, tests/test_plan.py)."""
     parallel = tp > 1 and loss_parallel
     width = vocab / tp if parallel else vocab
+    if compiled and not parallel:
+        return tokens * width * 2 * compute_dtype_bytes
     copies = _LOSS_PARALLEL_FP32_COPIES if parallel else _LOSS_FP32_COPIES
     if not chunk_tokens or chunk_tokens >= tokens:
         return tokens * width * copies * 4
@@ -495,7 +502,7 @@ def kept_units(ac, n_layers: int, selective_units: float,
 def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
                       dim: int, vocab: int, tokens: int, logit_tokens: int,
                       activation_dtype: str, loss_chunk_tokens: int,
-                      measured: dict[str, float] | None) -> tuple[int, int, int]:
+                      measured: dict[str, float] | None, compiled_loss: bool = False) -> tuple[int, int, int]:
     """(bytes of the blocks' activations kept for backward, of one block's recomputation, of
     the loss's peak)."""
     act_bytes = _BYTES[activation_dtype]
@@ -515,7 +522,8 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
     # The loss lives for one microbatch only: the last stage runs its backward right after
     # its forward, so it is not multiplied by the microbatches in flight.
     logits = loss_peak_bytes(logit_tokens, vocab, tp=dims.tp, loss_parallel=cfg.enable_loss_parallel,
-                             chunk_tokens=loss_chunk_tokens, compute_dtype_bytes=act_bytes) \
+                             chunk_tokens=loss_chunk_tokens, compute_dtype_bytes=act_bytes,
+                             compiled=compiled_loss) \
         if any(_output_modules(p) for p in parts) else 0
     # A checkpointed block's backward first recomputes everything its forward saved, and every
     # block's backward holds its activations' gradients, for one microbatch (logit_tokens: a
@@ -587,7 +595,8 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
             tokens = logit_tokens = local_batch_size * seq_len // dims.cp
         params = sum(_local_numel(p) for p in parts)
         acts = _activation_bytes(parts, dims, parallelism, activation_checkpoint, dim, vocab,
-                                 tokens, logit_tokens, activation_dtype, loss_chunk_tokens, measured)
+                                 tokens, logit_tokens, activation_dtype, loss_chunk_tokens, measured,
+                                 compiled_loss=bool(getattr(compile, "compiles_loss", False)))
         return params, *acts, _fsdp_bytes(parts, dims, activation_dtype)
     finally:
         dist.destroy_process_group()

@@ -21,7 +21,9 @@ memory per rank (worst pipeline stage)
     loss's peak in its backward: 3 fp32 copies of one microbatch's logits (4 under loss
     parallel, vocab-sharded over TP; whole on every TP rank without it), per chunk when the
     loss is chunked, plus then the whole microbatch's compute-dtype logits the chunks save
-    and their gradient (measured with `MemTracker`, tests/test_plan.py); the recomputation
+    and their gradient (measured with `MemTracker`, tests/test_plan.py); a compiled loss
+    keeps the compute-dtype logits and their gradient instead, chunked or not (the backward
+    recomputes the softmax; measured as the resident set on CPU); the recomputation
     transient of one checkpointed block and the activation gradients of the block being
     differentiated (measured with its kept units, `measure_block_units`; under CP, plus the
     K/V gathered from the other ranks); then `memory_headroom` (allocator fragmentation,
@@ -474,6 +476,10 @@ class Workload:
     compute_dtype_bytes: int = 2
     """Bytes of an activation / FSDP-gathered parameter (bf16: 2)."""
     compile: bool = False
+    compile_loss: bool = False
+    """The loss is compiled too (`--compile.components loss`): its backward recomputes the
+    softmax from the saved logits (`loss_peak_bytes`). torchtitan's published runs compiled
+    the blocks only."""
     float8: bool = False
     sequence_parallel: bool = True
     loss_parallel: bool = True
@@ -585,7 +591,8 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *,
     # as what the block saved).
     backward = facts.backward_units * width / layout.tp * micro if blocks else 0.0
     logits = loss_peak_bytes(micro, facts.vocab, tp=layout.tp, loss_parallel=work.loss_parallel,
-                             chunk_tokens=work.loss_chunk_tokens, compute_dtype_bytes=work.compute_dtype_bytes) \
+                             chunk_tokens=work.loss_chunk_tokens, compute_dtype_bytes=work.compute_dtype_bytes,
+                             compiled=work.compile_loss) \
         if last else 0.0
     fsdp_buffers = fsdp_buffer_bytes(block_unsharded, len(blocks), sharded=layout.dp_shard * layout.cp > 1,
                                      pipelined=layout.pp > 1, compute_dtype_bytes=work.compute_dtype_bytes)
