@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from titan.dist.dry_run import schedule_order
 from titan.dist.planner import (
     HARDWARE,
     Layout,
@@ -20,8 +21,7 @@ from titan.dist.planner import (
     pipeline_idle_fraction,
     predict,
     rank_layouts,
-    schedule_order,
-    stage_blocks,
+    rank_stages,
     stage_params,
 )
 from titan.models.llama3 import build_llama3
@@ -47,23 +47,22 @@ def _layout(**kw) -> Layout:
     ("llama3_debug", _layout(dp_shard=2, cp=2)),
     ("llama3_debug", _layout(dp_replicate=2, dp_shard=2, pp=2, microbatch_size=1, schedule="Interleaved1F1B",
                              stages_per_rank=2)),
+    ("llama3_debug", _layout(dp_shard=2, pp=2, local_batch_size=4, microbatch_size=1, schedule="ZBVZeroBubble",
+                             stages_per_rank=2)),
     ("qwen3_moe_debug", _layout(dp_shard=4, ep=2)),
     ("qwen3_moe_debug", _layout(dp_shard=2, tp=2, ep=2)),
     ("deepseek_v3_debug", _layout(dp_shard=2, tp=2, ep=2)),
     ("deepseek_v3_debug", _layout(dp_shard=4, ep=4, pp=2, local_batch_size=4, microbatch_size=2)),
-], ids=["fsdp4", "fsdp2_tp2", "fsdp2_pp2", "fsdp2_cp2", "hsdp_pp2_interleaved", "qwen3_moe_ep2",
+], ids=["fsdp4", "fsdp2_tp2", "fsdp2_pp2", "fsdp2_cp2", "hsdp_pp2_interleaved", "fsdp2_pp2_zbv", "qwen3_moe_ep2",
         "qwen3_moe_tp2_ep2", "deepseek_v3_tp2_ep2", "deepseek_v3_pp2_ep4"])
 def test_per_rank_parameters_equal_the_dry_run(recipe, layout):
     """The planner's analytic shard sizes against the dry run's real parallelization (FSDP
-    rounds uneven dim-0 shards up, hence 1%)."""
+    rounds uneven dim-0 shards up, hence 1%), each pipeline rank with the stages the engine
+    gives it (looped: r, r + pp; V-shaped: the first and the last on rank 0)."""
     config = parse_train_args(["--config", recipe, *TINY])
     facts, _, _ = model_facts(config)
     estimates = run_dry_run(config_for(config, layout), world_size=layout.world_size, print_fn=lambda s: None)
-    stages = stage_blocks(facts.n_layers, layout.pp)
-    for est, blocks in zip(estimates, stages, strict=True):
-        first, last = est.pp_rank == 0, est.pp_rank == layout.pp - 1
-        if layout.stages_per_rank > 1:
-            continue  # looped stages: the dry run's rank holds two non-adjacent stages
+    for est, (blocks, first, last) in zip(estimates, rank_stages(facts.n_layers, layout), strict=True):
         planned, _ = stage_params(facts, layout, blocks, first, last)
         assert planned == pytest.approx(est.params, rel=0.01), (est.pp_rank, planned, est.params)
 
@@ -451,6 +450,47 @@ def test_the_planner_orders_a_schedule_as_torch_does(schedule, stages, pp, round
     assert ours == _torch_order(schedule, pp, microbatches, stages)
 
 
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+@pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8), (4, 16)])
+def test_a_split_backward_runs_every_part_once_on_the_rank_holding_its_stage(schedule, pp, microbatches):
+    """The zero-bubble schedules' order (torch's own lists, DualPipeV's overlapped pairs
+    unpacked): every stage's forward and backward (whole, or input then weight gradients) of
+    every microbatch, once, on the rank the engine gives that stage (`stage_ids_of_rank`)."""
+    from titan.dist.dry_run import pipeline_actions
+    from titan.dist.pipeline import stage_ids_of_rank
+
+    seen: dict[tuple[int, int], list[str]] = {}
+    for rank, actions in enumerate(pipeline_actions(schedule, pp, microbatches, 2)):
+        for kind, stage, micro in actions:
+            assert stage in stage_ids_of_rank(rank, pp, 2 * pp, schedule), (rank, kind, stage)
+            seen.setdefault((stage, micro), []).append(kind)
+    assert len(seen) == 2 * pp * microbatches
+    assert all(sorted(kinds) in (["B", "F"], ["F", "I", "W"]) for kinds in seen.values()), seen
+    assert any(sorted(kinds) == ["F", "I", "W"] for kinds in seen.values())  # the backward is split
+
+
+@pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8), (8, 16), (8, 32)])
+def test_weight_gradients_fill_the_bubble_of_the_interleaved_schedule(pp, microbatches):
+    """Equal stages (forward 1, backward 2, of which weight gradients 1): the zero-bubble
+    schedules idle a third of Interleaved 1F1B's (pp - 1) / (v m) in torch's orders; with weight
+    gradients free (W = 0) the gain goes, since only W's moving fills the bubble."""
+    n = 2 * pp
+    interleaved = pipeline_idle_fraction("Interleaved1F1B", pp, microbatches, 2, (1.0,) * n, (2.0,) * n)
+    assert interleaved == pytest.approx((pp - 1) / (2 * microbatches))
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble"):
+        split = pipeline_idle_fraction(schedule, pp, microbatches, 2, (1.0,) * n, (2.0,) * n, (1.0,) * n)
+        assert split == pytest.approx(interleaved / 3, rel=0.02), schedule
+        no_weights = pipeline_idle_fraction(schedule, pp, microbatches, 2, (1.0,) * n, (2.0,) * n, (0.0,) * n)
+        assert no_weights > split
+
+
+def test_v_shaped_schedules_put_the_first_and_last_stage_on_rank_0():
+    layout = _layout(pp=2, local_batch_size=4, microbatch_size=1, schedule="ZBVZeroBubble", stages_per_rank=2)
+    assert rank_stages(8, layout) == [([0, 1, 6, 7], True, True), ([2, 3, 4, 5], False, False)]
+    looped = dataclasses.replace(layout, schedule="InterleavedZeroBubble")
+    assert rank_stages(8, looped) == [([0, 1, 4, 5], True, False), ([2, 3, 6, 7], False, True)]
+
+
 def test_1f1b_order_warms_up_with_one_forward_per_later_rank():
     """1F1B by its definition (torch's schedule visualizer lists the later ranks of 1F1B with
     microbatch indices one too high, up to ``m``, so it is not the reference here)."""
@@ -639,18 +679,16 @@ def test_megatron_table_is_compared_with_one_fitted_constant():
     assert "| 145.6B, 1536 GPUs, TP 8 x PP 8 x DP 24 | 148 (47%) |" in table
 
 
-def test_a_pinned_schedule_is_planned_or_refused_by_name(capsys):
-    """`--parallelism.pipeline_parallel_schedule LoopedBFS` plans LoopedBFS layouts (with the
-    engine's two stages per rank), which the default set leaves out; ZBVZeroBubble, whose order
-    the planner cannot build, is named, not reported as 'no layout passes'."""
+@pytest.mark.parametrize("schedule", ["LoopedBFS", "DualPipeV"])
+def test_a_pinned_schedule_outside_the_default_set_is_planned(capsys, schedule):
+    """`--parallelism.pipeline_parallel_schedule LoopedBFS` (or DualPipeV) plans that schedule's
+    layouts (with the engine's two stages per rank), which the default set leaves out, and the
+    first passes the engine's checks (`--verify`)."""
     rc = main(["plan", "--config", "llama3_8b", "--gpus", "8xH100", "--json", "--verify", "1",
-               "--parallelism.pipeline_parallel_schedule", "LoopedBFS"])
+               "--parallelism.pipeline_parallel_schedule", schedule])
     assert rc == 0
     layouts = [row["layout"] for row in json.loads(capsys.readouterr().out)["layouts"]]
-    assert layouts and all(lay["schedule"] == "LoopedBFS" and lay["stages_per_rank"] == 2 for lay in layouts)
-    rc = main(["plan", "--config", "llama3_8b", "--gpus", "8xH100", "--parallelism.pipeline_parallel_schedule",
-               "ZBVZeroBubble"])
-    assert rc == 2 and "not ZBVZeroBubble" in capsys.readouterr().err
+    assert layouts and all(lay["schedule"] == schedule and lay["stages_per_rank"] == 2 for lay in layouts)
 
 
 @pytest.mark.parametrize("flag, value, field", [

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from titan.dist.pipeline import SINGLE_STAGE
 from titan.dist.planner import Hardware, Layout, predict
 
 from titan.recipes.cli import parse_train_args
@@ -51,6 +52,15 @@ LAYOUTS = {
     "pp 2 interleaved": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
                              "--parallelism.pipeline_parallel_microbatch_size", "2",
                              "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], 8),
+    # Zero-bubble schedules: each backward split into input and weight gradients (the V-shaped
+    # one holds the first and the last stage on rank 0).
+    "pp 2 interleaved zero bubble": (2, ["--parallelism.data_parallel_shard_degree", "1",
+                                         "--parallelism.pipeline_parallel_degree", "2",
+                                         "--parallelism.pipeline_parallel_microbatch_size", "2",
+                                         "--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble"], 8),
+    "pp 2 ZBV zero bubble": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree",
+                                 "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
+                                 "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], 8),
     "cp 2": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"], 8),
     # Gradient accumulation: 2 microbatches of 2 per step and rank (FSDP's traffic twice; the
     # replicas' all-reduce once, after the last).
@@ -190,7 +200,7 @@ def layout_of(name: str) -> Layout:
                   cp=int(degrees.get("--parallelism.context_parallel_degree", 1)),
                   tp=int(degrees.get("--parallelism.tensor_parallel_degree", 1)), ep=1, ac="none",
                   local_batch_size=per_step, microbatch_size=micro, schedule=schedule,
-                  stages_per_rank=2 if schedule == "Interleaved1F1B" else 1)
+                  stages_per_rank=1 if schedule in SINGLE_STAGE else 2)
 
 
 def main() -> None:
@@ -198,15 +208,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--layouts", default="",
+                        help="comma-separated subset of the layouts to run (the one-process run, which fits the "
+                             "kernel efficiency, always runs)")
     args = parser.parse_args()
+    names = ["one process", *(n.strip() for n in args.layouts.split(",") if n.strip() and n.strip() != "one process")]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        parser.error(f"unknown layouts {unknown}; choose from {list(LAYOUTS)}")
+    layouts = names if args.layouts else list(LAYOUTS)
     peak, half, base = gemm_tflops(), half_efficiency_tokens(), process_gib()
     link, latency, reduce_cost, overlap = gloo_link()
     config = parse_train_args(MODEL)
     facts, _, _ = model_facts(config)
     with tempfile.TemporaryDirectory() as tmp:
-        measured = {name: train(name, Path(tmp) / name.replace(" ", "_"), args.steps) for name in LAYOUTS}
+        measured = {name: train(name, Path(tmp) / name.replace(" ", "_"), args.steps) for name in layouts}
         live = {name: train(name, Path(tmp) / (name.replace(" ", "_") + "_live"), args.steps, RETURN_FREED_MEMORY)
-                for name in LAYOUTS}
+                for name in layouts}
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     hw = Hardware(name="this CPU (1 thread per rank)", peak_bf16_tflops=peak, peak_fp8_tflops=0, memory_gib=ram_gib,
                   memory_tbps=0.0,  # only float8's casts use it, and float8 is off here
@@ -220,7 +238,7 @@ def main() -> None:
     efficiency = hw.matmul_efficiency * first.times["step"] / measured["one process"]["step_s"]
     hw = dataclasses.replace(hw, matmul_efficiency=efficiency)
     rows = []
-    for name in LAYOUTS:
+    for name in layouts:
         p = predict(facts, layout_of(name), work, hw)
         memory = p.memory["total"] / 2**30 + base
         rows.append({"layout": name, "memory_gib": live[name]["memory_gib"], "predicted_memory_gib": memory,

@@ -182,7 +182,8 @@ def compare(row: Published) -> dict:
             "memory_gib": own.memory["total"] / 1024**3, "published_memory_gib": row.memory_gib,
             "memory_error": own.memory["total"] / 1024**3 / row.memory_gib - 1 if row.memory_gib else None,
             "fits": own.fits, "rank": same[0] if same else None,
-            "of": len(ranked), "best": best.layout.describe() + f", AC {best.layout.ac}",
+            "of": len(ranked), "best": best.layout.describe() + f", AC {best.layout.ac}"
+            + (f", {best.layout.schedule}" if best.layout.pp > 1 else ""),
             "best_tokens_per_s": best.tokens_per_s_per_device, "dominant": own.dominant, "note": row.note}
 
 
@@ -340,7 +341,8 @@ def compare_megatron(run: MegatronRun, efficiency: float) -> dict:
     hw = _selene(run, efficiency)
     measured = run.tflops * 1e12 / megatron_flops_per_token(run)
     own = _best_own(run, facts, probe, hw, work)
-    layouts = enumerate_layouts(facts, run.gpus, work, max_cp=1)  # no CP at 2,048 tokens
+    # No CP at 2,048 tokens; the schedules Megatron-LM ran in 2021 (no zero-bubble ones).
+    layouts = enumerate_layouts(facts, run.gpus, work, max_cp=1, schedules=("1F1B", "Interleaved1F1B", "GPipe"))
     ranked = rank_layouts(facts, layouts, work, hw, valid=passes_engine_checks(probe, MEGATRON_SEQ, run.batch))
     same = [i for i, p in enumerate(ranked, 1) if (p.layout.tp, p.layout.pp) == (run.tp, run.pp)]
     best = ranked[0]
@@ -352,7 +354,8 @@ def compare_megatron(run: MegatronRun, efficiency: float) -> dict:
             "predicted": own.tokens_per_s_per_device, "error": own.tokens_per_s_per_device / measured - 1,
             "choice": choice, "fits": own.fits, "dominant": own.dominant, "rank": same[0] if same else None,
             "rank_tokens_per_s": ranked[same[0] - 1].tokens_per_s_per_device if same else None,
-            "of": len(ranked), "best": best.layout.describe() + f", AC {best.layout.ac}",
+            "of": len(ranked), "best": best.layout.describe() + f", AC {best.layout.ac}"
+            + (f", {best.layout.schedule}" if best.layout.pp > 1 else ""),
             "best_tokens_per_s": best.tokens_per_s_per_device}
 
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 
 import torch
-from titan.dist.dry_run import ORDERED_SCHEDULES, measure_block_units, validate_against_model
+from titan.dist.dry_run import TIMED_SCHEDULES, measure_block_units, validate_against_model
 from titan.dist.fsdp import DTYPES
 from titan.dist.planner import (
     HARDWARE,
@@ -108,7 +108,17 @@ def model_facts(config: TrainerConfig):
                                   block_units=measure_block_units(build, seq_len=min(seq, 64),
                                                                   dtype=DTYPES[config.training.mixed_precision_param],
                                                                   compiled=config.compile.compiles_model))
+    facts = dataclasses.replace(facts, matmul_flops_per_token=_matmul_flops_per_token(model, seq))
     return facts, (moes[0].n_experts if moes else 0), model
+
+
+def _matmul_flops_per_token(model, seq: int) -> float | None:
+    """The part of the model's FLOPs per token that does not grow with the sequence: its
+    matmuls against weights (attention's grows linearly with it), or None when the count is
+    not of that form."""
+    short, long = model.flops_per_token(seq), model.flops_per_token(2 * seq)
+    matmuls = 2 * short - long
+    return matmuls if 0 < matmuls <= short else None
 
 
 def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | None, headroom: float) -> Workload:
@@ -147,10 +157,9 @@ def enumeration_for(pinned: dict[str, object]) -> dict[str, object]:
     bounds: dict[str, object] = {}
     schedule = pinned.get("schedule")
     if schedule is not None:
-        if schedule not in ORDERED_SCHEDULES:
-            raise ValueError(f"titan plan times the pipeline schedules {', '.join(ORDERED_SCHEDULES)}, not {schedule} "
-                             "(its split backward or V-shaped stages are not modeled); plan with one of those, or "
-                             "check the layout with titan dry-run")
+        if schedule not in TIMED_SCHEDULES:
+            raise ValueError(f"titan plan times the pipeline schedules {', '.join(TIMED_SCHEDULES)}, not {schedule}; "
+                             "plan with one of those, or check the layout with titan dry-run")
         bounds["schedules"] = (schedule,)
     if "tp" in pinned:
         bounds["max_tp"] = max(8, pinned["tp"])

@@ -122,9 +122,9 @@ def _split(argv: Sequence[str]) -> list[tuple[str, list[str]]]:
 
 def _bool_form(flag: str) -> tuple[str, bool]:
     """``--a.no_b`` -> (``--a.b``, False); ``--a.b`` -> (``--a.b``, True)."""
-    section, dot, field = flag.rpartition(".")
-    if field.startswith("no_"):
-        return f"{section}{dot}{field[3:]}", False
+    section, dot, name = flag.rpartition(".")
+    if name.startswith("no_"):
+        return f"{section}{dot}{name[3:]}", False
     return flag, True
 
 
@@ -141,8 +141,8 @@ def _as_bool(flag: str, values: list[str]) -> bool:
 
 
 def _switch(flag: str, on: bool) -> str:
-    section, dot, field = flag.rpartition(".")
-    return flag if on else f"{section}{dot}no_{field}"
+    section, dot, name = flag.rpartition(".")
+    return flag if on else f"{section}{dot}no_{name}"
 
 
 def _list_values(values: list[str]) -> list[str]:

@@ -12,6 +12,7 @@ parameter count is read off the DTensor shards, so experts are counted sharded.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from titan.dist.dims import EXPERT_VIEWS, FLATTENED, ParallelDims
 from titan.dist.fsdp import DTYPES
+from titan.dist.pipeline import stage_ids_of_rank
 from titan.dist.plan import blocks_of, match_modules, sharding_plan
 
 _BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
@@ -332,8 +334,45 @@ def forwards_in_flight(schedule: str, pp: int, microbatches: int, stages_per_ran
 
 
 ORDERED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
-"""Schedules whose action order the planner builds (the zero-bubble ones split the backward
-and the V-shaped ones place stages differently: not modeled)."""
+"""Schedules whose action order the planner builds itself (`schedule_order`)."""
+
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""Schedules that split a backward into its input-gradient (I) and weight-gradient (W) parts
+to fill the pipeline's bubbles (the last two placing rank r's stages at r and 2 pp - 1 - r):
+their order comes from torch's own schedule builder (`pipeline_actions`)."""
+
+TIMED_SCHEDULES = ORDERED_SCHEDULES + ZERO_BUBBLE_SCHEDULES
+"""Every schedule `titan plan` times and the dry run sizes by its order."""
+
+Action = tuple[str, int, int]
+"""(kind, stage, microbatch): kind "F" (forward), "B" (whole backward), "I" (its input
+gradients) or "W" (its weight gradients, after the I of the same stage and microbatch)."""
+
+
+@functools.lru_cache(maxsize=256)
+def pipeline_actions(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> tuple[tuple[Action, ...], ...]:
+    """Each pipeline rank's computations in the order `torch.distributed.pipelining` runs
+    them: `schedule_order` for the schedules the planner orders itself, torch's own builder
+    (the private ``get_schedule_ops`` of its schedule visualizer, which lists the actions its
+    runtime executes) for the zero-bubble ones; DualPipeV's overlapped forward-and-backward
+    pairs count as the forward, then the backward."""
+    if schedule in ORDERED_SCHEDULES:
+        return tuple(tuple(("F" if forward else "B", stage, micro) for forward, stage, micro
+                           in schedule_order(schedule, pp, microbatches, stages_per_rank, rank)) for rank in range(pp))
+    if schedule not in ZERO_BUBBLE_SCHEDULES:
+        raise ValueError(f"the planner times the schedules {', '.join(TIMED_SCHEDULES)}, not {schedule}")
+    try:
+        from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+        from torch.distributed.pipelining.schedules import _ComputationType as Op
+    except ImportError as err:  # a torch without the builder: these schedules cannot be timed
+        raise ValueError(f"timing {schedule} needs torch's schedule builder, which this torch lacks ({err})") from None
+    kinds = {Op.FORWARD: "F", Op.FULL_BACKWARD: "B", Op.BACKWARD_INPUT: "I", Op.BACKWARD_WEIGHT: "W"}
+    ranks = []
+    for actions in get_schedule_ops(schedule, pp, microbatches, num_stages_per_rank=stages_per_rank):
+        ranks.append(tuple((kinds[sub.computation_type], sub.stage_index, sub.microbatch_index)
+                           for action in actions if action is not None
+                           for sub in (action.sub_actions or (action,))))
+    return tuple(ranks)
 
 
 def schedule_order(schedule: str, pp: int, microbatches: int, stages_per_rank: int,
@@ -389,17 +428,19 @@ def schedule_order(schedule: str, pp: int, microbatches: int, stages_per_rank: i
 def held_block_microbatches(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int,
                             local_stage_blocks: Sequence[int]) -> int:
     """Blocks x microbatches whose activations pipeline rank `pp_rank` holds at its peak, its
-    ``v``-th local stage having ``local_stage_blocks[v]`` blocks: the most its schedule order
-    (`schedule_order`) leaves outstanding, each forward holding one microbatch in each block
-    of its stage. Schedules without a known order: `forwards_in_flight` forwards of a mean
-    stage."""
-    if schedule not in ORDERED_SCHEDULES:
-        mean = sum(local_stage_blocks) / len(local_stage_blocks)
-        return round(forwards_in_flight(schedule, pp, microbatches, stages_per_rank, pp_rank) * mean)
+    ``v``-th local stage (`stage_ids_of_rank` order) having ``local_stage_blocks[v]`` blocks:
+    the most its schedule order (`pipeline_actions`) leaves outstanding, each forward holding
+    one microbatch in each block of its stage until its backward, or under a split backward
+    until its weight gradients (the inputs of the linears wait for them; an upper bound, since
+    the input-gradient half frees the rest)."""
+    stages = stage_ids_of_rank(pp_rank, pp, pp * stages_per_rank, schedule)
+    local = {stage: local_stage_blocks[v] for v, stage in enumerate(stages)}
     held = peak = 0
-    for is_forward, stage, _ in schedule_order(schedule, pp, microbatches, stages_per_rank, pp_rank):
-        blocks = local_stage_blocks[stage // pp]
-        held += blocks if is_forward else -blocks
+    for kind, stage, _ in pipeline_actions(schedule, pp, microbatches, stages_per_rank)[pp_rank]:
+        if kind == "F":
+            held += local[stage]
+        elif kind in ("B", "W"):
+            held -= local[stage]
         peak = max(peak, held)
     return peak
 

@@ -66,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -76,10 +76,10 @@ from titan.dist.dry_run import (
     fsdp_buffer_bytes,
     held_block_microbatches,
     loss_peak_bytes,
-    schedule_order,
+    pipeline_actions,
     selective_op_units,
 )
-from titan.dist.pipeline import SINGLE_STAGE, even_stage_sizes, microbatch_count_problem
+from titan.dist.pipeline import SINGLE_STAGE, even_stage_sizes, microbatch_count_problem, stage_ids_of_rank
 from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_plan
 
 GiB = 1024**3
@@ -269,6 +269,9 @@ class ModelFacts:
     MLA's per-head keys and values, several times `dim`)."""
     experts_per_token: int = 0
     """Routed experts each token visits (top-k; 0: dense)."""
+    matmul_flops_per_token: float | None = None
+    """Of `flops_per_token`, the matmuls against weights (6 x the active parameters, the output
+    projection's included); the rest is attention's scores and weighted sums. None: all."""
     float8_params: int = 0
     """Parameters of the block linears a float8 conversion converts (their matmuls, 6 FLOPs
     per parameter and token, run in float8; the output layer, attention and experts do not)."""
@@ -289,6 +292,16 @@ class ModelFacts:
     backward_units: float = ACT_UNITS_PER_TOKEN["none"]
     """Model-width units per token a block's backward allocates for the activations' gradients
     (measured, else bounded by what the block keeps without AC)."""
+
+    @property
+    def weight_grad_share(self) -> float:
+        """A block's weight gradients in units of its forward: the forward FLOPs of its matmuls
+        against weights (each weight gradient is one more such matmul) over all of its forward
+        FLOPs."""
+        output = 6 * self.vocab * self.dim
+        if self.matmul_flops_per_token is None or self.flops_per_token <= output:
+            return 1.0
+        return (self.matmul_flops_per_token - output) / (self.flops_per_token - output)
 
     @classmethod
     def from_model(cls, model: nn.Module, *, flops_per_token: float, experts_per_token: int = 0,
@@ -501,16 +514,7 @@ class Workload:
     published comparison)."""
 
 
-def stage_blocks(n_layers: int, pp: int) -> list[range]:
-    """Blocks of each pipeline rank (contiguous, the first ranks one longer when uneven)."""
-    out, start = [], 0
-    for size in even_stage_sizes(n_layers, pp):
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
-def stage_params(facts: ModelFacts, layout: Layout, blocks: range, first: bool, last: bool) -> tuple[float, float]:
+def stage_params(facts: ModelFacts, layout: Layout, blocks: Sequence[int], first: bool, last: bool) -> tuple[float, float]:
     """(parameters this rank holds, the mean parameters of one of its blocks as a rank
     computes it: FSDP-gathered, TP- and EP-local)."""
     fsdp = layout.dp_shard * layout.cp
@@ -523,13 +527,29 @@ def stage_params(facts: ModelFacts, layout: Layout, blocks: range, first: bool, 
     return held, (dense + experts / layout.ep) / max(len(blocks), 1)
 
 
+def rank_stages(n_layers: int, layout: Layout) -> list[tuple[list[int], bool, bool]]:
+    """Each pipeline rank's blocks, and whether it holds the first stage (the embedding) and
+    the last (the output projection): the engine's even split of the layers over pp x v
+    stages, rank r running stages r, r + pp, ... (V-shaped schedules: r and 2 pp - 1 - r)."""
+    if layout.pp == 1:
+        return [(list(range(n_layers)), True, True)]
+    total = layout.pp * layout.stages_per_rank
+    sizes = even_stage_sizes(n_layers, total)
+    starts = [sum(sizes[:s]) for s in range(total)]
+    out = []
+    for rank in range(layout.pp):
+        stages = stage_ids_of_rank(rank, layout.pp, total, layout.schedule)
+        blocks = [b for s in stages for b in range(starts[s], starts[s] + sizes[s])]
+        out.append((blocks, 0 in stages, total - 1 in stages))
+    return out
+
+
 def predict(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware) -> Prediction:
     """Memory and step time of `layout` (see the module docstring for the rules)."""
-    stages = stage_blocks(facts.n_layers, layout.pp)
     worst_mem, worst_time, worst_loads = None, None, {}
-    for rank, blocks in enumerate(stages):
-        mem = _memory(facts, layout, work, blocks, first=rank == 0, last=rank == len(stages) - 1, pp_rank=rank)
-        times, loads = _times(facts, layout, work, hw, blocks, first=rank == 0, last=rank == len(stages) - 1)
+    for rank, (blocks, first, last) in enumerate(rank_stages(facts.n_layers, layout)):
+        mem = _memory(facts, layout, work, blocks, first=first, last=last, pp_rank=rank)
+        times, loads = _times(facts, layout, work, hw, blocks, first=first, last=last)
         if worst_mem is None or mem["total"] > worst_mem["total"]:
             worst_mem = mem
         if worst_time is None or times["step"] > worst_time["step"]:
@@ -547,7 +567,7 @@ def _micro_tokens(layout: Layout, work: Workload) -> float:
     return samples * work.seq_len / layout.cp
 
 
-def _held_block_tokens(layout: Layout, work: Workload, n_layers: int, blocks: range, pp_rank: int) -> float:
+def _held_block_tokens(layout: Layout, work: Workload, n_layers: int, blocks: Sequence[int], pp_rank: int) -> float:
     """Blocks x tokens whose activations pipeline rank `pp_rank` keeps at its peak: without PP
     each of its blocks holds the local batch; under PP the most its schedule order
     (`schedule_order`) leaves outstanding, a stage's forward holding one microbatch in each of
@@ -563,11 +583,11 @@ def _held_block_tokens(layout: Layout, work: Workload, n_layers: int, blocks: ra
 def _peak_outstanding_blocks(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int,
                              n_layers: int) -> int:
     sizes = even_stage_sizes(n_layers, pp * stages_per_rank)  # the engine's split
-    local = [sizes[v * pp + pp_rank] for v in range(stages_per_rank)]
+    local = [sizes[s] for s in stage_ids_of_rank(pp_rank, pp, pp * stages_per_rank, schedule)]
     return held_block_microbatches(schedule, pp, microbatches, stages_per_rank, pp_rank, local)
 
 
-def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: range, *, first: bool, last: bool,
+def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[int], *, first: bool, last: bool,
             pp_rank: int = 0) -> dict:
     params, block_unsharded = stage_params(facts, layout, blocks, first, last)
     micro = _micro_tokens(layout, work)
@@ -665,7 +685,7 @@ def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware,
     return seconds
 
 
-def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, blocks: range, *,
+def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, blocks: Sequence[int], *,
            first: bool, last: bool) -> tuple[dict, dict]:
     """Seconds per step of one pipeline stage by component: the exposed parts (summed into
     "step") and each component's whole time before overlap (`Prediction.loads`)."""
@@ -749,7 +769,10 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
 def _pipeline_idle(facts: ModelFacts, layout: Layout) -> float:
     """Idle over busy time of the slowest pipeline rank for this model's stages: a block's
     forward costs 1, the output projection its FLOPs' share of a block's; backward twice
-    the forward, plus the forward again for blocks under full AC."""
+    the forward, plus the forward again for blocks under full AC; of that backward, the weight
+    gradients (a zero-bubble schedule's W) cost the forward of the block's matmuls against
+    weights (`ModelFacts.weight_grad_share`; attention's scores have no weights), the rest
+    (with any recomputation) is the input gradients (I)."""
     sizes = even_stage_sizes(facts.n_layers, layout.pp * layout.stages_per_rank)  # the engine's split
     block_flops = (facts.flops_per_token - 6 * facts.vocab * facts.dim) / facts.n_layers
     output = 6 * facts.vocab * facts.dim / block_flops
@@ -757,8 +780,9 @@ def _pipeline_idle(facts: ModelFacts, layout: Layout) -> float:
     last = len(sizes) - 1
     forward = tuple(n + (output / 3 if s == last else 0.0) for s, n in enumerate(sizes))
     backward = tuple(n * (2 + rerun) + (2 * output / 3 if s == last else 0.0) for s, n in enumerate(sizes))
+    weight = tuple(n * facts.weight_grad_share + (output / 3 if s == last else 0.0) for s, n in enumerate(sizes))
     return pipeline_idle_fraction(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank,
-                                  _rounded(forward), _rounded(backward))
+                                  _rounded(forward), _rounded(backward), _rounded(weight))
 
 
 def _rounded(costs: tuple[float, ...]) -> tuple[float, ...]:
@@ -767,32 +791,43 @@ def _rounded(costs: tuple[float, ...]) -> tuple[float, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def pipeline_idle_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int,
-                           forward: tuple[float, ...], backward: tuple[float, ...]) -> float:
+                           forward: tuple[float, ...], backward: tuple[float, ...],
+                           weight: tuple[float, ...] = ()) -> float:
     """Idle time over busy time of the busiest pipeline rank, when every rank runs its
-    actions in `schedule_order` and each waits for the result it needs from the neighbouring
-    stage (the forward of the stage before, the backward of the stage after; communication
-    counted elsewhere). ``forward[s]`` / ``backward[s]``: stage ``s``'s cost per microbatch."""
+    actions in the order torch runs `schedule` (`pipeline_actions`) and each waits for the
+    result it needs from the neighbouring stage (the forward of the stage before, the input
+    gradients of the stage after; communication counted elsewhere). ``forward[s]`` /
+    ``backward[s]``: stage ``s``'s cost per microbatch; under a split backward its weight
+    gradients (W) cost ``weight[s]`` (default: half the backward) after its input gradients
+    (I), which cost the rest."""
     last = pp * stages_per_rank - 1
-    queues = [deque(schedule_order(schedule, pp, microbatches, stages_per_rank, rank)) for rank in range(pp)]
-    done: dict[tuple[bool, int, int], float] = {}
+    weight = weight or tuple(b / 2 for b in backward)
+    cost = {"F": forward, "B": backward, "W": weight, "I": tuple(b - w for b, w in zip(backward, weight))}
+    actions = pipeline_actions(schedule, pp, microbatches, stages_per_rank)
+    queues = [deque(rank_actions) for rank_actions in actions]
+    done: dict[tuple[str, int, int], float] = {}  # ("F" | "G" (input gradients ready) | "W", stage, micro)
     clock = [0.0] * pp
     while any(queues):
         progressed = False
         for rank, queue in enumerate(queues):
             while queue:
-                is_forward, stage, micro = queue[0]
-                needs = ((True, stage - 1, micro) if stage else None) if is_forward else \
-                    ((False, stage + 1, micro) if stage < last else (True, stage, micro))
+                kind, stage, micro = queue[0]
+                if kind == "F":
+                    needs = ("F", stage - 1, micro) if stage else None
+                elif kind == "W":
+                    needs = ("G", stage, micro)
+                else:
+                    needs = ("G", stage + 1, micro) if stage < last else ("F", stage, micro)
                 if needs is not None and needs not in done:
                     break
                 start = max(clock[rank], done[needs] if needs else 0.0)
-                clock[rank] = start + (forward if is_forward else backward)[stage]
-                done[(is_forward, stage, micro)] = clock[rank]
+                clock[rank] = start + cost[kind][stage]
+                done[("G" if kind in "BI" else kind, stage, micro)] = clock[rank]
                 queue.popleft()
                 progressed = True
         if not progressed:
             raise ValueError(f"{schedule} with pp {pp}, {microbatches} microbatches deadlocks in this model")
-    busy = max(sum(forward[s] + backward[s] for s in range(rank, last + 1, pp)) * microbatches for rank in range(pp))
+    busy = max(sum(cost[kind][stage] for kind, stage, _ in rank_actions) for rank_actions in actions)
     return max(clock) / busy - 1
 
 
@@ -807,7 +842,8 @@ def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
 
 def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_experts: int = 0,
                       ac_modes: Iterable[str] = ("none", "selective", "full"),
-                      schedules: Iterable[str] = ("1F1B", "Interleaved1F1B", "GPipe"),
+                      schedules: Iterable[str] = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble",
+                                                  "ZBVZeroBubble"),
                       max_tp: int = 8, max_cp: int = 8, microbatch_sizes: Iterable[int] = (1, 2, 4),
                       replicas_across_nodes_only: bool = True) -> Iterator[Layout]:
     """Every layout of `world_size` ranks whose degrees divide what they split: TP and CP
@@ -876,4 +912,4 @@ def layout_dims(layout: Layout) -> ParallelDims:
 
 __all__ = ["HARDWARE", "BlockParams", "Hardware", "Layout", "ModelFacts", "Prediction", "Workload",
            "divisors", "enumerate_layouts", "layout_dims", "parse_gpus", "predict", "rank_layouts",
-           "stage_blocks", "stage_params"]
+           "rank_stages", "stage_params"]
