@@ -469,6 +469,44 @@ def test_a_split_backward_runs_every_part_once_on_the_rank_holding_its_stage(sch
     assert any(sorted(kinds) == ["F", "I", "W"] for kinds in seen.values())  # the backward is split
 
 
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_the_zero_bubble_order_is_the_one_torchs_schedule_runs(schedule):
+    """The planner builds torch's schedule without its communication plan (which it does not
+    read, and which costs seconds at large pp): the compute order equals the full schedule's."""
+    from titan.dist.dry_run import pipeline_actions
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from torch.distributed.pipelining.schedules import _ComputationType as Op
+
+    kinds = {Op.FORWARD: "F", Op.FULL_BACKWARD: "B", Op.BACKWARD_INPUT: "I", Op.BACKWARD_WEIGHT: "W"}
+    for pp, microbatches in [(2, 4), (4, 8), (4, 12)]:
+        full = [tuple((kinds[sub.computation_type], sub.stage_index, sub.microbatch_index)
+                      for action in actions if action is not None for sub in (action.sub_actions or (action,)))
+                for actions in get_schedule_ops(schedule, pp, microbatches, num_stages_per_rank=2)]
+        assert list(pipeline_actions(schedule, pp, microbatches, 2)) == full
+
+
+@pytest.mark.parametrize("schedule, stages", [("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2),
+                                             ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)])
+def test_many_microbatches_idle_as_the_full_simulation(schedule, stages):
+    """Above 8 x pp microbatches the idle time is extrapolated from the simulations at 4 and
+    8 x pp (it grows at most linearly with the microbatches): equal to simulating every
+    microbatch, for uneven stages (a heavier first and last stage) and a recomputed forward."""
+    from titan.dist.planner import _idle_and_busy
+
+    for pp in (2, 3, 4, 8):
+        n = pp * stages
+        uneven = tuple(1.0 + (0.3 if s == n - 1 else 0.0) + (0.5 if s < 2 else 0.0) for s in range(n))
+        # 70B's split over 4 stages: 20 blocks each, the output projection 1.06 blocks, weight
+        # gradients 0.86 of a block's forward (ZBV's idle time shrinks to nothing here).
+        blocks = tuple(20.0 + (1.06 / 3 if s == n - 1 else 0.0) for s in range(n))
+        for forward, backward, weight in [(uneven, tuple(3 * f for f in uneven), tuple(0.7 * f for f in uneven)),
+                                          (blocks, tuple(2 * f for f in blocks), tuple(0.86 * 20 for _ in blocks))]:
+            for microbatches in (13 * pp, 16 * pp, 24 * pp):
+                idle, busy = _idle_and_busy(schedule, pp, microbatches, stages, forward, backward, weight)
+                extrapolated = pipeline_idle_fraction(schedule, pp, microbatches, stages, forward, backward, weight)
+                assert extrapolated == pytest.approx(idle / busy, rel=1e-9, abs=1e-12), (pp, microbatches)
+
+
 @pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8), (8, 16), (8, 32)])
 def test_weight_gradients_fill_the_bubble_of_the_interleaved_schedule(pp, microbatches):
     """Equal stages (forward 1, backward 2, of which weight gradients 1): the zero-bubble
@@ -891,3 +929,21 @@ def test_an_accumulating_layout_runs_as_planned_in_the_dry_run_and_the_loop():
     assert grad_accum_steps(planned.training, dp_world_size=2) == layout.accumulation_steps == 4
     run_dry_run(planned, world_size=4, print_fn=lambda s: None)
     assert parse_train_args(["--config", "llama3_debug", *layout.flags()]).training.global_batch_size == 8
+
+
+@pytest.mark.parametrize("schedule, stages", [("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2),
+                                             ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)])
+def test_many_microbatches_hold_what_the_whole_order_holds(schedule, stages):
+    """Above 8 x pp microbatches the peak of held activations is extrapolated from the orders
+    at 4 and 8 x pp: equal to walking every microbatch's actions, on every rank, for uneven
+    stages."""
+    from titan.dist.dry_run import _held_peak, held_block_microbatches
+    from titan.dist.pipeline import even_stage_sizes, stage_ids_of_rank
+
+    for pp in (2, 3, 4):
+        sizes = even_stage_sizes(5 * pp * stages + 3, pp * stages)
+        for rank in range(pp):
+            local = [sizes[s] for s in stage_ids_of_rank(rank, pp, pp * stages, schedule)]
+            for microbatches in (13 * pp, 16 * pp, 24 * pp):
+                walked = _held_peak(schedule, pp, microbatches, stages, rank, tuple(local))
+                assert held_block_microbatches(schedule, pp, microbatches, stages, rank, local) == walked

@@ -773,20 +773,32 @@ def _pipeline_idle(facts: ModelFacts, layout: Layout) -> float:
     gradients (a zero-bubble schedule's W) cost the forward of the block's matmuls against
     weights (`ModelFacts.weight_grad_share`; attention's scores have no weights), the rest
     (with any recomputation) is the input gradients (I)."""
-    sizes = even_stage_sizes(facts.n_layers, layout.pp * layout.stages_per_rank)  # the engine's split
     block_flops = (facts.flops_per_token - 6 * facts.vocab * facts.dim) / facts.n_layers
     output = 6 * facts.vocab * facts.dim / block_flops
-    rerun = 1.0 if layout.ac == "full" else 0.0
+    return _stages_idle(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank, facts.n_layers,
+                        output, layout.ac == "full", facts.weight_grad_share)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stages_idle(schedule: str, pp: int, microbatches: int, stages_per_rank: int, n_layers: int, output: float,
+                 rerun: bool, weight_share: float) -> float:
+    """`_pipeline_idle` for one split of `n_layers` (cached: many layouts share it)."""
+    sizes = even_stage_sizes(n_layers, pp * stages_per_rank)  # the engine's split
     last = len(sizes) - 1
     forward = tuple(n + (output / 3 if s == last else 0.0) for s, n in enumerate(sizes))
     backward = tuple(n * (2 + rerun) + (2 * output / 3 if s == last else 0.0) for s, n in enumerate(sizes))
-    weight = tuple(n * facts.weight_grad_share + (output / 3 if s == last else 0.0) for s, n in enumerate(sizes))
-    return pipeline_idle_fraction(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank,
+    weight = tuple(n * weight_share + (output / 3 if s == last else 0.0) for s, n in enumerate(sizes))
+    return pipeline_idle_fraction(schedule, pp, microbatches, stages_per_rank,
                                   _rounded(forward), _rounded(backward), _rounded(weight))
 
 
 def _rounded(costs: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(round(c, 3) for c in costs)  # a few distinct keys for the cache
+
+
+_SIMULATED_ROUNDS = (4, 8, 12)
+"""Beyond ``12 x pp`` microbatches (a multiple of pp), the idle time may be extrapolated from
+simulations at these multiples of pp (see `pipeline_idle_fraction`)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -799,7 +811,30 @@ def pipeline_idle_fraction(schedule: str, pp: int, microbatches: int, stages_per
     gradients of the stage after; communication counted elsewhere). ``forward[s]`` /
     ``backward[s]``: stage ``s``'s cost per microbatch; under a split backward its weight
     gradients (W) cost ``weight[s]`` (default: half the backward) after its input gradients
-    (I), which cost the rest."""
+    (I), which cost the rest.
+
+    In the steady state the idle time is constant in the microbatches (1F1B, GPipe,
+    Interleaved 1F1B) or grows by a fixed amount per microbatch (LoopedBFS and
+    InterleavedZeroBubble, whose orders let the first ranks run ahead); the V-shaped schedules'
+    shrinks until their weight gradients fill it. So for a multiple of pp above 12 x pp, when
+    the simulations at 4, 8 and 12 x pp lie on one line that does not fall, the idle time is
+    read off that line (tested equal to the full simulation): a schedule of thousands of
+    microbatches then costs what one of 12 x pp does; otherwise every microbatch is simulated."""
+    points = [rounds * pp for rounds in _SIMULATED_ROUNDS]
+    if microbatches > points[-1] and microbatches % pp == 0:
+        (i1, _), (i2, _), (i3, busy3) = (_idle_and_busy(schedule, pp, m, stages_per_rank, forward, backward, weight)
+                                         for m in points)
+        step = (i2 - i1) / (points[1] - points[0])
+        if step >= 0 and abs(i3 - i2 - step * (points[2] - points[1])) <= 1e-9 * max(1.0, busy3):
+            idle = i3 + step * (microbatches - points[2])
+            return idle / (busy3 * microbatches / points[2])
+    idle, busy = _idle_and_busy(schedule, pp, microbatches, stages_per_rank, forward, backward, weight)
+    return idle / busy
+
+
+def _idle_and_busy(schedule: str, pp: int, microbatches: int, stages_per_rank: int, forward: tuple[float, ...],
+                   backward: tuple[float, ...], weight: tuple[float, ...]) -> tuple[float, float]:
+    """(idle time, busy time) of the busiest pipeline rank (`pipeline_idle_fraction`)."""
     last = pp * stages_per_rank - 1
     weight = weight or tuple(b / 2 for b in backward)
     cost = {"F": forward, "B": backward, "W": weight, "I": tuple(b - w for b, w in zip(backward, weight))}
@@ -828,7 +863,7 @@ def pipeline_idle_fraction(schedule: str, pp: int, microbatches: int, stages_per
         if not progressed:
             raise ValueError(f"{schedule} with pp {pp}, {microbatches} microbatches deadlocks in this model")
     busy = max(sum(cost[kind][stage] for kind, stage, _ in rank_actions) for rank_actions in actions)
-    return max(clock) / busy - 1
+    return max(clock) - busy, busy
 
 
 def divisors(n: int) -> list[int]:
