@@ -947,3 +947,18 @@ def test_many_microbatches_hold_what_the_whole_order_holds(schedule, stages):
             for microbatches in (13 * pp, 16 * pp, 24 * pp):
                 walked = _held_peak(schedule, pp, microbatches, stages, rank, tuple(local))
                 assert held_block_microbatches(schedule, pp, microbatches, stages, rank, local) == walked
+
+
+def test_a_torch_without_the_schedule_builder_plans_without_zero_bubble(monkeypatch):
+    """The zero-bubble orders come from a private module of torch's pipelining; where it is
+    missing the enumeration leaves those schedules out instead of failing every PP layout."""
+    from titan.dist import planner
+
+    config = parse_train_args(["--config", "llama3_debug", *TINY])
+    facts, _, _ = model_facts(config)
+    work = Workload(global_batch_size=16, seq_len=32)
+    schedules = {lay.schedule for lay in enumerate_layouts(facts, 4, work) if lay.pp > 1}
+    assert {"ZBVZeroBubble", "InterleavedZeroBubble"} <= schedules
+    monkeypatch.setattr(planner, "zero_bubble_timeable", lambda: False)
+    schedules = {lay.schedule for lay in enumerate_layouts(facts, 4, work) if lay.pp > 1}
+    assert schedules and not schedules & {"ZBVZeroBubble", "InterleavedZeroBubble"}

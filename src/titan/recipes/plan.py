@@ -19,7 +19,13 @@ import time
 from collections.abc import Sequence
 
 import torch
-from titan.dist.dry_run import TIMED_SCHEDULES, measure_block_units, validate_against_model
+from titan.dist.dry_run import (
+    TIMED_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    measure_block_units,
+    validate_against_model,
+    zero_bubble_timeable,
+)
 from titan.dist.fsdp import DTYPES
 from titan.dist.planner import (
     HARDWARE,
@@ -160,6 +166,9 @@ def enumeration_for(pinned: dict[str, object]) -> dict[str, object]:
         if schedule not in TIMED_SCHEDULES:
             raise ValueError(f"titan plan times the pipeline schedules {', '.join(TIMED_SCHEDULES)}, not {schedule}; "
                              "plan with one of those, or check the layout with titan dry-run")
+        if schedule in ZERO_BUBBLE_SCHEDULES and not zero_bubble_timeable():
+            raise ValueError(f"titan plan reads {schedule}'s order from torch's schedule builder "
+                             "(torch.distributed.pipelining._schedule_visualizer), which this torch lacks")
         bounds["schedules"] = (schedule,)
     if "tp" in pinned:
         bounds["max_tp"] = max(8, pinned["tp"])

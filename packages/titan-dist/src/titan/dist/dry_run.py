@@ -376,8 +376,20 @@ def pipeline_actions(schedule: str, pp: int, microbatches: int, stages_per_rank:
     for actions in get_schedule_ops(order_only, pp, microbatches, num_stages_per_rank=stages_per_rank):
         ranks.append(tuple((kinds[sub.computation_type], sub.stage_index, sub.microbatch_index)
                            for action in actions if action is not None
-                           for sub in (action.sub_actions or (action,))))
+                           for sub in (getattr(action, "sub_actions", None) or (action,))))
     return tuple(ranks)
+
+
+@functools.cache
+def zero_bubble_timeable() -> bool:
+    """Whether this torch's schedule builder lists the zero-bubble schedules' actions (a
+    private module of `torch.distributed.pipelining`; without it the planner leaves those
+    schedules out)."""
+    try:
+        pipeline_actions("ZBVZeroBubble", 2, 4, 2)
+    except (ValueError, ImportError, AttributeError, KeyError, TypeError):
+        return False
+    return True
 
 
 def schedule_order(schedule: str, pp: int, microbatches: int, stages_per_rank: int,

@@ -73,11 +73,13 @@ import torch.nn as nn
 from titan.dist.dims import ParallelDims
 from titan.dist.dry_run import (
     ACT_UNITS_PER_TOKEN,
+    ZERO_BUBBLE_SCHEDULES,
     fsdp_buffer_bytes,
     held_block_microbatches,
     loss_peak_bytes,
     pipeline_actions,
     selective_op_units,
+    zero_bubble_timeable,
 )
 from titan.dist.pipeline import SINGLE_STAGE, even_stage_sizes, microbatch_count_problem, stage_ids_of_rank
 from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_plan
@@ -926,6 +928,8 @@ def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_laye
         if local % micro or local // micro < pp:
             continue
         for schedule in schedules:
+            if schedule in ZERO_BUBBLE_SCHEDULES and not zero_bubble_timeable():
+                continue  # this torch cannot list their order
             stages = 1 if schedule in SINGLE_STAGE else 2  # the engine's default stages per rank
             if n_layers < pp * stages or microbatch_count_problem(schedule, pp, local // micro):
                 continue
