@@ -48,7 +48,7 @@ from titan.recipes.families import model_spec
 from titan.recipes.memory_check import check_memory, warn_beyond_context
 from titan.recipes.recipes import RECIPES, recipe
 from titan.recipes.runners import DEFAULT_RECIPES, runner_for
-from titan.recipes.torchtitan_compat import CONFIG_FILE_FLAG, CompatError, titan_argv
+from titan.recipes.torchtitan_compat import CONFIG_FILE_FLAG, titan_argv
 
 USAGE = """usage: titan train [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
        titan sft [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
@@ -254,7 +254,7 @@ def parse_train_args(argv: Sequence[str], *, command: str = "train") -> Any:
     try:
         default = recipe(name)
         rest = titan_argv(rest)
-    except (ValueError, CompatError) as err:
+    except ValueError as err:  # CompatError is one
         raise UsageError(str(err)) from None
     description = (
         f"Run recipe {name!r} (--config RECIPE picks another); every flag below overrides it.\n"

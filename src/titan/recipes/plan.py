@@ -113,8 +113,8 @@ def model_facts(config: TrainerConfig):
                                   experts_per_token=moes[0].top_k if moes else 0, float8_linears=converted,
                                   block_units=measure_block_units(build, seq_len=min(seq, 64),
                                                                   dtype=DTYPES[config.training.mixed_precision_param],
-                                                                  compiled=config.compile.compiles_model))
-    facts = dataclasses.replace(facts, matmul_flops_per_token=_matmul_flops_per_token(model, seq))
+                                                                  compiled=config.compile.compiles_model),
+                                  matmul_flops_per_token=_matmul_flops_per_token(model, seq))
     return facts, (moes[0].n_experts if moes else 0), model
 
 

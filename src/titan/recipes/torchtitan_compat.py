@@ -252,8 +252,8 @@ def _translate_into(argv: Sequence[str], groups: _Groups) -> list[str]:
         for old, new in RENAMED_SECTIONS.items():
             if flag.startswith(old):
                 flag, base = new + flag[len(old):], new + base[len(old):]
-        if flag in RENAMED or base in RENAMED:
-            flag = _switch(RENAMED[base], on) if base != flag else RENAMED[flag]
+        if base in RENAMED:
+            flag = _switch(RENAMED[base], on)
             out += [flag, *values]
             groups.titan_recipe |= flag == TITAN_FLOAT8_RECIPE
         elif base in INVERTED:

@@ -316,21 +316,10 @@ def fsdp_buffer_bytes(block_unsharded: float, n_blocks: int, *, sharded: bool, p
 
 
 def forwards_in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int) -> int:
-    """Forwards (microbatch x local stage) pipeline rank `pp_rank` has run and not yet
-    differentiated at its peak, as `torch.distributed.pipelining` orders them: GPipe and
-    LoopedBFS run every forward first; 1F1B runs `pp - rank` forwards before its first backward;
-    interleaved schedules warm up with (v - 1) rounds of microbatches plus 2 per hop from the
-    last rank, then one more forward before each backward (checked against torch's own action
-    lists for GPipe, 1F1B, Interleaved 1F1B and LoopedBFS; the others are taken to warm up like
-    Interleaved 1F1B)."""
-    m, v = microbatches, stages_per_rank
-    if schedule in ("GPipe", "LoopedBFS"):
-        return m * v
-    if v == 1:
-        return min(m, pp - pp_rank)
-    rounds = max(1, m // pp)
-    warmup = (v - 1) * (m // rounds) + 2 * (pp - 1 - pp_rank)
-    return min(warmup + 1, m * v)
+    """Forwards (microbatch x local stage) pipeline rank `pp_rank` holds at its peak, as
+    `torch.distributed.pipelining` orders them: `held_block_microbatches` with one block per
+    stage (under a split backward, until the weight gradients)."""
+    return held_block_microbatches(schedule, pp, microbatches, stages_per_rank, pp_rank, [1] * stages_per_rank)
 
 
 ORDERED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")

@@ -307,7 +307,8 @@ class ModelFacts:
 
     @classmethod
     def from_model(cls, model: nn.Module, *, flops_per_token: float, experts_per_token: int = 0,
-                   float8_linears: Iterable[str] = (), block_units: dict[str, float] | None = None) -> ModelFacts:
+                   float8_linears: Iterable[str] = (), block_units: dict[str, float] | None = None,
+                   matmul_flops_per_token: float | None = None) -> ModelFacts:
         """Classify every parameter of a (meta) model by its module's style in the model's
         sharding plan; `block_units` ("none", "selective"): what a block keeps, measured
         (`titan.dist.dry_run.measure_block_units`), instead of the rules."""
@@ -343,7 +344,8 @@ class ModelFacts:
         kv = _kv_width(model, plan, int(dim)) / dim if dim else 2.0
         linears = [model.get_submodule(name) for name in float8_linears]
         return cls(blocks=tuple(blocks), embedding=first, output=0 if tied else vocab * dim, final_norm=norm,
-                   dim=int(dim), vocab=int(vocab), flops_per_token=flops_per_token, kv_fraction=kv,
+                   dim=int(dim), vocab=int(vocab), flops_per_token=flops_per_token,
+                   matmul_flops_per_token=matmul_flops_per_token, kv_fraction=kv,
                    experts_per_token=experts_per_token, float8_params=sum(m.weight.numel() for m in linears),
                    float8_cast_width=sum(m.in_features + m.out_features for m in linears),
                    **(block_units and {"none_units": block_units["none"], "selective_units": block_units["selective"],
@@ -572,7 +574,7 @@ def _micro_tokens(layout: Layout, work: Workload) -> float:
 def _held_block_tokens(layout: Layout, work: Workload, n_layers: int, blocks: Sequence[int], pp_rank: int) -> float:
     """Blocks x tokens whose activations pipeline rank `pp_rank` keeps at its peak: without PP
     each of its blocks holds the local batch; under PP the most its schedule order
-    (`schedule_order`) leaves outstanding, a stage's forward holding one microbatch in each of
+    (`pipeline_actions`) leaves outstanding, a stage's forward holding one microbatch in each of
     that stage's blocks (the engine's split of the layers over the stages)."""
     micro = _micro_tokens(layout, work)
     if layout.pp == 1:
