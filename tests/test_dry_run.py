@@ -200,6 +200,50 @@ def test_dry_run_fsdp3_components_match_hand_computed_bytes():
                                + est.fsdp_buffer_bytes)
 
 
+def test_weight_sized_parts_are_split_from_the_per_token_units():
+    """Hand computation: a block keeping 100 bytes per token and 5,000 bytes whatever the
+    tokens reads 25.625 units of 10 bytes at 32 tokens and 17.8125 at 64."""
+    from titan.dist.dry_run import split_fixed_bytes
+
+    split = split_fixed_bytes({"none": 25.625}, {"none": 17.8125}, 32, 10)
+    assert split == {"none": 10.0, "none_fixed_bytes": 5000.0}
+
+
+def test_float8_blocks_are_measured_converted_with_the_weight_casts_apart():
+    """A float8 block's casts of its weights are sized by the weights: measured at two
+    lengths they are split out of the per-token units. What the block keeps has no
+    weight-sized part; eager it keeps what the unconverted block keeps (torchao saves the
+    linears' high-precision inputs), compiled 30% less (the inputs in float8); its backward
+    casts the weights and their gradients (about 2.25 bytes per converted weight)."""
+    pytest.importorskip("torchao.float8")
+    from titan.train.quantize import (
+        Float8LinearConfig,
+        QuantizeConfig,
+        QuantizeLinearConfig,
+        apply_quantization,
+    )
+
+    def plain():
+        return build_llama3("debugmodel_tiny", vocab_size=TINY_VOCAB, max_seq_len=32)
+
+    def converted():
+        model = plain()
+        apply_quantization(model, QuantizeConfig(linear=QuantizeLinearConfig(float8=Float8LinearConfig(
+            recipe="tensorwise"))))
+        return model
+
+    base = measure_block_units(plain, seq_len=32, compiled=True)
+    f8 = measure_block_units(converted, seq_len=32, compiled=True, converted=True)
+    assert f8["none"] == base["none"] and f8["selective"] == base["selective"]
+    assert f8["none_compiled"] < 0.75 * base["none_compiled"]
+    linear_weights = 2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 192
+    for key in ("none", "selective", "none_compiled", "selective_compiled"):
+        assert abs(f8[f"{key}_fixed_bytes"]) < 0.01 * linear_weights, key  # a few scalar scales at most
+    assert 2 * linear_weights < f8["backward_fixed_bytes"] < 3 * linear_weights
+    # Unconverted the units are the same at any length: measured once, nothing split.
+    assert "backward_fixed_bytes" not in base
+
+
 def _saved_activation_bytes(model) -> int:
     """Bytes autograd keeps for backward in one forward + cross-entropy of a [2, 32] batch,
     parameters and buffers excluded, each storage counted once."""
@@ -285,12 +329,23 @@ def test_dry_run_converts_float8_before_the_layout_like_titan_train():
     (converted,) = run_dry_run(cfg, world_size=8, print_fn=lines.append)
     # 32 blocks x 7 linears converted; the output projection kept.
     assert "dry run: float8 rowwise: converted 224 of 225 linears" in lines[0]
-    # The conversion's casts are weight-sized transients: the per-token activations, measured
-    # at 64 tokens, are the unconverted block's (measured on the converted block, one block's
-    # backward read 64 GiB instead of 1.6 at FSDP 8, and the memory check refused the run).
+    # The conversion's casts are weight-sized: measured apart from the per-token activations
+    # (read per token at 64 tokens, one block's backward came to 64 GiB instead of 1.6 at FSDP
+    # 8, and the memory check refused the run). Eager, a float8 block keeps what a bf16 one
+    # keeps; one block's backward adds its TP shard of the weights' casts (~2.25 bytes each).
     (plain,) = run_dry_run(parse_train_args(["--config", "llama3_8b", "--parallelism.tensor_parallel_degree", "2"]),
                            world_size=8, print_fn=lambda s: None)
-    assert converted.total_bytes == plain.total_bytes and converted.recompute_bytes == plain.recompute_bytes
+    assert converted.activation_bytes == plain.activation_bytes
+    block_linears = 4096 * (2 * 4096 + 2 * 1024 + 3 * 14336) / 2  # a block's linear weights per TP rank
+    assert 0 < converted.recompute_bytes - plain.recompute_bytes < 2.25 * block_linears
+    # Compiled without AC, a float8 block keeps its linears' inputs in float8: less than a
+    # bf16 one (under titan's per-op AC both keep the linears' outputs).
+    compiled = ["--config", "llama3_8b", "--parallelism.tensor_parallel_degree", "2", "--compile.enable",
+                "--activation_checkpoint.mode", "none"]
+    (compiled_plain,) = run_dry_run(parse_train_args(compiled), world_size=8, print_fn=lambda s: None)
+    (compiled_f8,) = run_dry_run(parse_train_args([*compiled, "--quantize.linear.float8.recipe", "rowwise"]),
+                                 world_size=8, print_fn=lambda s: None)
+    assert compiled_f8.activation_bytes < 0.8 * compiled_plain.activation_bytes
     with pytest.raises(ValueError, match="needs FSDP2"):
         run_dry_run(parse_train_args(["--config", "llama3_8b", "--parallelism.tensor_parallel_degree", "8",
                                       "--quantize.linear.float8.recipe", "tensorwise",

@@ -41,7 +41,7 @@ from titan.dist.planner import (
 )
 from titan.models.common.moe import moe_modules
 from titan.train.config import TrainerConfig
-from titan.train.quantize import float8_linears
+from titan.train.quantize import apply_quantization, float8_available, float8_linears
 
 from titan.recipes.dry_run import model_builder, run_dry_run
 
@@ -109,13 +109,31 @@ def model_facts(config: TrainerConfig):
         model = build()
     moes = [m for _, m in moe_modules(model)]
     converted, _ = float8_linears(model, config.quantize.linear.float8)
+    measured, is_converted = _measured_model(config, build)
     facts = ModelFacts.from_model(model, flops_per_token=model.flops_per_token(seq),
                                   experts_per_token=moes[0].top_k if moes else 0, float8_linears=converted,
-                                  block_units=measure_block_units(build, seq_len=min(seq, 64),
+                                  block_units=measure_block_units(measured, seq_len=min(seq, 64),
                                                                   dtype=DTYPES[config.training.mixed_precision_param],
-                                                                  compiled=config.compile.compiles_model),
+                                                                  compiled=config.compile.compiles_model,
+                                                                  converted=is_converted),
                                   matmul_flops_per_token=_matmul_flops_per_token(model, seq))
     return facts, (moes[0].n_experts if moes else 0), model
+
+
+def _measured_model(config: TrainerConfig, build):
+    """(the builder whose blocks' activations are measured, whether it converts linears): the
+    recipe's model converted to float8 as `titan train` converts it, when it asks for float8
+    and torchao is installed (compiled, a float8 block keeps its linears' inputs in float8);
+    otherwise unconverted, and a float8 block counts what a bf16 one keeps."""
+    if not config.quantize.linear.float8.enabled or not float8_available():
+        return build, False
+
+    def converted():
+        model = build()
+        apply_quantization(model, config.quantize)
+        return model
+
+    return converted, True
 
 
 def _matmul_flops_per_token(model, seq: int) -> float | None:
@@ -295,8 +313,13 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
     none, selective = facts.none_units, facts.selective_units
     if work.compile:  # what the compiled block keeps, where it was measured
         none, selective = facts.none_units_compiled or none, facts.selective_units_compiled or selective
-    print(f"a{' compiled' if work.compile else ''} block keeps {none:.1f} / {selective:.1f} / 1 model-width "
-          f"activations per token (AC none / selective / full); its backward holds {facts.backward_units:.1f} more")
+    print(f"a{' compiled' if work.compile else ''}{' float8' if work.float8 else ''} block keeps {none:.1f} / "
+          f"{selective:.1f} / 1 model-width activations per token (AC none / selective / full); its backward "
+          f"holds {facts.backward_units:.1f} more" + (f" and {facts.backward_fixed_bytes / 2**20:,.0f} MiB of weight "
+                                                      "casts" if facts.backward_fixed_bytes else ""))
+    if work.float8 and not float8_available():
+        print("note: torchao is not installed, so the float8 blocks' activations were not measured: counted as "
+              "bf16's (an upper bound when compiled); pip install 'titan-train[float8]'", file=sys.stderr)
     print(format_table(preds, hw, opts.top))
     verified = f"; the first {min(opts.verify, len(preds))} passed the dry run" if opts.verify else ""
     print(f"planned in {time.perf_counter() - start:.1f} s{verified}", file=sys.stderr)

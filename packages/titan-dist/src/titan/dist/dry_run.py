@@ -51,7 +51,7 @@ def selective_op_units(block: nn.Module, dim: int) -> float:
 
 def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
                         dtype: torch.dtype = torch.float32, selective: bool = True,
-                        compiled: bool = False) -> dict[str, float] | None:
+                        compiled: bool = False, converted: bool = False) -> dict[str, float] | None:
     """Model-width units per token of the model's blocks, in `dtype` (fp32 intermediates such
     as RoPE's and RMSNorm's count twice a bf16 unit): what a block keeps for backward with no
     AC ("none") and, if `selective`, with per-op selective AC ("selective"), what its backward allocates on
@@ -67,13 +67,24 @@ def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
     the first block and, in an MoE model, the first block with routed experts, averaged over
     the model's blocks of each kind. None when an op has no fake kernel (CPU's grouped matmul
     takes bf16 only, so an fp32 MoE model); callers then use `ACT_UNITS_PER_TOKEN` and
-    `selective_op_units`."""
+    `selective_op_units`.
+
+    `converted`: `model_fn` converts the linears (torchao float8), whose casts of the weights
+    are sized by the weights, not by the tokens: measured at 64 tokens they would read as
+    hundreds of units. The block is then measured at half `seq_len` and all of it, and each figure
+    split into its part per token (the units returned) and its part per block
+    ("<key>_fixed_bytes"). Measured for float8, tensorwise and rowwise: what a block keeps has
+    no fixed part (eager float8 saves the linears' high-precision inputs, as bf16 does;
+    compiled, the float8 casts of the inputs and not of the weights, as inductor treats
+    parameters as free to save); its backward casts the weights and their gradients
+    ("backward_fixed_bytes", a transient of one block)."""
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)  # an op without a fake kernel is expected: the rules apply
     try:
         with _default_dtype(dtype):
-            per_kind = [(_units_of_block(model_fn, seq_len, index, selective=selective, compiled=compiled), count)
+            per_kind = [(_units_of_block(model_fn, seq_len, index, selective=selective, compiled=compiled,
+                                         converted=converted), count)
                         for index, count in _block_kinds(model_fn)]
     except Exception:  # noqa: BLE001 - any op without a fake kernel: fall back to the rules
         return None
@@ -84,8 +95,13 @@ def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
 
 
 def _units_of_block(model_fn: Callable[[], nn.Module], seq_len: int, index: int, *, selective: bool,
-                    compiled: bool) -> dict[str, float]:
+                    compiled: bool, converted: bool = False) -> dict[str, float]:
     """`measure_block_units`' figures for block `index` alone."""
+    if converted:
+        # Half the tokens and all of them: the model's positions may end at `seq_len`.
+        short = _units_of_block(model_fn, seq_len // 2, index, selective=selective, compiled=compiled)
+        long = _units_of_block(model_fn, seq_len // 2 * 2, index, selective=selective, compiled=compiled)
+        return split_fixed_bytes(short, long, seq_len // 2, _unit_bytes(model_fn))
     kept, backward = _measure_block(model_fn, seq_len, index, per_op=False)
     units = {"none": kept, "backward": backward, "none_compiled": kept}
     if selective:
@@ -99,6 +115,25 @@ def _units_of_block(model_fn: Callable[[], nn.Module], seq_len: int, index: int,
         except Exception:  # noqa: BLE001 - a block AOTAutograd cannot trace: as eager
             pass
     return units
+
+
+def split_fixed_bytes(short: dict[str, float], long: dict[str, float], seq_len: int,
+                      unit_bytes: int) -> dict[str, float]:
+    """Units per token measured at `seq_len` (`short`) and twice it (`long`) -> each key's
+    part per token and, as "<key>_fixed_bytes", its part per block: bytes = a x tokens + F
+    makes the units a / u + F / (u x tokens), with u = `unit_bytes` per token."""
+    split = {}
+    for key, at_short in short.items():
+        split[key] = 2 * long[key] - at_short
+        split[f"{key}_fixed_bytes"] = 2 * seq_len * (at_short - long[key]) * unit_bytes
+    return split
+
+
+def _unit_bytes(model_fn: Callable[[], nn.Module]) -> int:
+    """Bytes of one model-width activation per token in the default (compute) dtype."""
+    with torch.device("meta"):
+        dim, _ = _model_shape(model_fn())
+    return dim * torch.get_default_dtype().itemsize
 
 
 def _block_kinds(model_fn: Callable[[], nn.Module]) -> list[tuple[int, int]]:
@@ -222,6 +257,10 @@ def _measure_compiled_block(model_fn: Callable[[], nn.Module], seq_len: int, ind
         for node in joint.graph.nodes:
             if "recompute" in node.meta and node.meta.get("ac_graph_id") is None:
                 node.meta["ac_graph_id"] = 1
+        # As torch.compile lifts them: the parameters live for the whole step, and the
+        # partitioner saves them for free rather than what is computed from them (a float8
+        # linear otherwise keeps its weight's cast, per block and microbatch).
+        kwargs["static_lifetime_input_indices"] = list(range(len(names)))
         return min_cut_rematerialization_partition(joint, inputs, **kwargs)
 
     saved: list[int] = []
@@ -575,10 +614,13 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
     layers = len(blocks)
     selective = sum(selective_op_units(b, dim) for b in blocks) / max(layers, 1)
     none = backward = ACT_UNITS_PER_TOKEN["none"]
+    backward_fixed = 0.0
     if measured:
         # Compiled blocks keep less without AC (the compile config asked for the measurement).
         none, backward = measured["none_compiled"], measured["backward"]
         selective = measured.get("selective_compiled", selective)
+        # A converted block's backward also casts its (TP-sharded) weights: bytes per block.
+        backward_fixed = measured.get("backward_fixed_bytes", 0.0) / dims.tp
     # Sequence parallel shards the residual stream over tp; without it only matmul
     # intermediates are sharded: count half of it as sharded.
     tp_div = dims.tp if cfg.enable_sequence_parallel else max(1.0, dims.tp / 2)
@@ -593,7 +635,7 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
     # A checkpointed block's backward first recomputes everything its forward saved, and every
     # block's backward holds its activations' gradients, for one microbatch (logit_tokens: a
     # microbatch's tokens, also under pipeline parallel).
-    recompute = (rebuilt + backward) * per_dim * logit_tokens / tokens
+    recompute = (rebuilt + backward) * per_dim * logit_tokens / tokens + backward_fixed
     return int(kept * per_dim), int(recompute), int(logits)
 
 
@@ -672,7 +714,8 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             global_batch_size: int = -1, optimizer_states: int = 2,
             activation_dtype: str = "float32", loss_chunk_tokens: int = 0,
             print_fn: Callable[[str], None] | None = print,
-            measure_fn: Callable[[], nn.Module] | None = None) -> list[RankEstimate]:
+            measure_fn: Callable[[], nn.Module] | None = None,
+            measure_converted: bool = False) -> list[RankEstimate]:
     """Validate and parallelize a configuration for `world_size` ranks on this one CPU.
 
     `model_fn()` builds the model (it is called under the meta device). Prints, and returns,
@@ -682,9 +725,10 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     (`loss_peak_bytes`, chunked by `loss_chunk_tokens`) and FSDP's unsharded copies
     (`fsdp_buffer_bytes`): the rules `titan plan` uses. Must run in a process without a
     process group. `measure_fn` builds the model whose blocks' activations are measured
-    (`measure_block_units`; default `model_fn`): the unconverted model when `model_fn`
-    converts linears to float8 or MXFP8, whose casts are transients the size of the weights,
-    not of the tokens — measured at 64 tokens they would scale up to tens of GiB.
+    (`measure_block_units`; default `model_fn`), `measure_converted` when it converts its
+    linears (float8: their weight-sized casts are measured apart from the per-token
+    activations). A conversion the fake tensors cannot trace (MXFP8) is measured on the
+    unconverted model.
     """
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group")
@@ -697,7 +741,8 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     # What one block keeps, measured at the real shapes on fake tensors (None: the rules).
     measured = measure_block_units(measure_fn or model_fn, seq_len=min(seq_len, 64), dtype=DTYPES[activation_dtype],
                                    selective=activation_checkpoint.mode == "selective" and activation_checkpoint.selective_op,
-                                   compiled=bool(getattr(compile, "compiles_model", False)))
+                                   compiled=bool(getattr(compile, "compiles_model", False)),
+                                   converted=measure_converted)
     estimates = []
     for pp_rank in range(dims.pp):
         params, acts, recompute, loss, fsdp = _estimate_rank(

@@ -294,6 +294,9 @@ class ModelFacts:
     backward_units: float = ACT_UNITS_PER_TOKEN["none"]
     """Model-width units per token a block's backward allocates for the activations' gradients
     (measured, else bounded by what the block keeps without AC)."""
+    backward_fixed_bytes: float = 0.0
+    """Bytes a block's backward allocates whatever the tokens, before TP: a float8 block's
+    casts of its weights and their gradients (measured with the conversion, else 0)."""
 
     @property
     def weight_grad_share(self) -> float:
@@ -350,6 +353,7 @@ class ModelFacts:
                    float8_cast_width=sum(m.in_features + m.out_features for m in linears),
                    **(block_units and {"none_units": block_units["none"], "selective_units": block_units["selective"],
                                        "backward_units": block_units["backward"],
+                                       "backward_fixed_bytes": block_units.get("backward_fixed_bytes", 0.0),
                                        "none_units_compiled": block_units.get("none_compiled"),
                                        "selective_units_compiled": block_units.get("selective_compiled")}
                       or {"selective_units": sum(selective_op_units(b, int(dim)) for b in selective)
@@ -613,7 +617,7 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[
     recompute = (none - kept) * width / layout.tp * micro if blocks else 0.0
     # The backward of one block holds its activations' gradients (measured; at most as large
     # as what the block saved).
-    backward = facts.backward_units * width / layout.tp * micro if blocks else 0.0
+    backward = (facts.backward_units * width * micro + facts.backward_fixed_bytes) / layout.tp if blocks else 0.0
     logits = loss_peak_bytes(micro, facts.vocab, tp=layout.tp, loss_parallel=work.loss_parallel,
                              chunk_tokens=work.loss_chunk_tokens, compute_dtype_bytes=work.compute_dtype_bytes,
                              compiled=work.compile_loss) \

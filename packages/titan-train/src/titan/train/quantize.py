@@ -279,6 +279,15 @@ class MissingExtraError(ImportError):
     extra (the CLI prints it as one line, exit code 2)."""
 
 
+def float8_available() -> bool:
+    """Whether torchao's float8 training can be imported (the `titan-train[float8]` extra)."""
+    try:
+        import_torchao_float8()
+    except MissingExtraError:
+        return False
+    return True
+
+
 def import_torchao_float8():
     """torchao's float8 module, or a MissingExtraError naming the extra to install."""
     try:
