@@ -214,11 +214,10 @@ ACTIVATION_LAYOUTS = {  # name: (TP degree, extra flags)
     "one_process_compiled_selective": (1, ["--compile.enable", "--activation_checkpoint.mode", "selective",
                                            "--activation_checkpoint.selective_op"]),
     # float8 (torchao) compiled keeps the linears' inputs in float8, the weights' casts not at
-    # all (inductor saves the parameters instead): measured on the converted block.
+    # all (inductor saves the parameters instead): measured on the converted block (rowwise
+    # measured alike once, 3% above; left out here for the suite's time).
     "one_process_compiled_float8": (1, ["--model.flavor", "debugmodel_tiny", "--compile.enable",
                                         "--quantize.linear.float8.recipe", "tensorwise"]),
-    "one_process_compiled_float8_rowwise": (1, ["--model.flavor", "debugmodel_tiny", "--compile.enable",
-                                                "--quantize.linear.float8.recipe", "rowwise"]),
     "tp2_sp": (2, TP2),
     "tp2_no_sp": (2, [*TP2, "--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_loss_parallel"]),
 }
