@@ -586,27 +586,77 @@ def _model_shape(model: nn.Module) -> tuple[int, int]:
     return int(dim), int(vocab)
 
 
-def kept_units(ac, n_layers: int, selective_units: float,
-               none_units: float = ACT_UNITS_PER_TOKEN["none"]) -> tuple[float, float]:
-    """(activation units kept per token over `n_layers` blocks, units one checkpointed block
-    rebuilds in its backward) under the activation-checkpointing config `ac`: a block keeps
-    `none_units` without AC; "selective" with `selective_op` keeps `selective_units` in every
-    block; otherwise it checkpoints whole blocks 0, k, 2k, ... (k = `selective_layer_every`),
-    which keep their input only."""
+GATHERED_INPUT_UNITS = 2.0
+"""Of a block's units, those TP cannot shard: attention's and the feed-forward's inputs, which
+sequence parallel gathers whole before the sharded matmuls save them."""
+REPLICATED_UNITS_WITHOUT_SP = 6.0
+"""The units TP without sequence parallel leaves whole (no AC): each of a block's two RMSNorms
+keeps its input, its normalized input and its output (the sharded matmuls' input). Measured
+with autograd's saved tensors: 21.3 of 33.1 MB per rank under TP 2 (tests/test_plan.py)."""
+
+
+def rank_block_units(units: float, mode: str, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = True,
+                     kv_fraction: float = 0.0) -> float:
+    """Model-width units per token of its sequence shard that one block keeps on one rank, of
+    the `units` it keeps whole under `mode` ("none"; "selective", per op; "full": its input).
+    TP shards all but what its matmuls gather whole (`GATHERED_INPUT_UNITS`, or
+    `REPLICATED_UNITS_WITHOUT_SP` without SP and AC); a fully checkpointed block keeps its
+    input, the residual stream, which only SP shards. Under CP a block also keeps the K and V
+    it gathered from the other CP ranks (`kv_fraction` of the width per rank, TP-sharded)."""
+    if mode == "full":
+        return units / tp if sequence_parallel else units
+    whole = 0.0
+    if tp > 1:
+        whole = GATHERED_INPUT_UNITS if sequence_parallel or mode != "none" else REPLICATED_UNITS_WITHOUT_SP
+    kept = (units - whole) / tp + whole
+    if cp > 1:
+        kept += kv_fraction * (cp - 1) / tp
+    return kept
+
+
+def kv_width(model: nn.Module, plan, dim: int) -> int:
+    """Elements per token of K and V the first attention module hands its inner attention
+    (its `kv_width`; else a Llama-style 2 x n_kv_heads / n_heads of the width `dim`, or 2 x `dim`)."""
+    attention = getattr(plan, "attention_modules", None)  # a plan may name neither (no CP, no TP check)
+    found = match_modules(model, attention) if attention else []
+    if found:
+        parent = model.get_submodule(found[0][0].rpartition(".")[0])
+        if isinstance(getattr(parent, "kv_width", None), int):
+            return parent.kv_width
+    divisible = getattr(plan, "tensor_parallel_divisible", None) or {}
+    if {"n_kv_heads", "n_heads"} <= divisible.keys():
+        return 2 * divisible["n_kv_heads"] * dim // divisible["n_heads"]
+    return 2 * dim
+
+
+def kept_units(ac, n_layers: int, selective_units: float, none_units: float = ACT_UNITS_PER_TOKEN["none"], *,
+               tp: int = 1, cp: int = 1, sequence_parallel: bool = True,
+               kv_fraction: float = 0.0) -> tuple[float, float]:
+    """(activation units kept per token over `n_layers` blocks on one rank, units one
+    checkpointed block rebuilds in its backward on one TP rank) under the
+    activation-checkpointing config `ac`: a block keeps `none_units` without AC; "selective"
+    with `selective_op` keeps `selective_units` in every block; otherwise it checkpoints whole
+    blocks 0, k, 2k, ... (k = `selective_layer_every`), which keep their input only. Sharded
+    over TP and CP as `rank_block_units` says."""
+    def on_rank(units: float, mode: str) -> float:
+        return rank_block_units(units, mode, tp=tp, cp=cp, sequence_parallel=sequence_parallel,
+                                kv_fraction=kv_fraction)
+
     none, full = none_units, ACT_UNITS_PER_TOKEN["full"]
     if ac.mode == "none" or not n_layers:
-        return none * n_layers, 0.0
+        return on_rank(none, "none") * n_layers, 0.0
     if ac.mode == "selective" and ac.selective_op:
-        return selective_units * n_layers, none - selective_units
+        return on_rank(selective_units, "selective") * n_layers, (none - selective_units) / tp
     every = 1 if ac.mode == "full" else ac.selective_layer_every
     checkpointed = -(-n_layers // every)
-    return checkpointed * full + (n_layers - checkpointed) * none, none - full
+    return checkpointed * on_rank(full, "full") + (n_layers - checkpointed) * on_rank(none, "none"), (none - full) / tp
 
 
 def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
-                      dim: int, vocab: int, tokens: int, logit_tokens: int,
+                      dim: int, vocab: int, tokens: float, logit_tokens: int,
                       activation_dtype: str, loss_chunk_tokens: int,
-                      measured: dict[str, float] | None, compiled_loss: bool = False) -> tuple[int, int, int]:
+                      measured: dict[str, float] | None, compiled_loss: bool = False,
+                      kv_fraction: float = 0.0) -> tuple[int, int, int]:
     """(bytes of the blocks' activations kept for backward, of one block's recomputation, of
     the loss's peak)."""
     act_bytes = _BYTES[activation_dtype]
@@ -621,11 +671,9 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
         selective = measured.get("selective_compiled", selective)
         # A converted block's backward also casts its (TP-sharded) weights: bytes per block.
         backward_fixed = measured.get("backward_fixed_bytes", 0.0) / dims.tp
-    # Sequence parallel shards the residual stream over tp; without it only matmul
-    # intermediates are sharded: count half of it as sharded.
-    tp_div = dims.tp if cfg.enable_sequence_parallel else max(1.0, dims.tp / 2)
-    per_dim = dim * tokens * act_bytes / tp_div  # one model-dim-wide tensor of the microbatch
-    kept, rebuilt = kept_units(ac, layers, selective, none)
+    per_dim = dim * tokens * act_bytes  # one model-dim-wide tensor of the rank's tokens
+    kept, rebuilt = kept_units(ac, layers, selective, none, tp=dims.tp, cp=dims.cp,
+                               sequence_parallel=cfg.enable_sequence_parallel, kv_fraction=kv_fraction)
     # The loss lives for one microbatch only: the last stage runs its backward right after
     # its forward, so it is not multiplied by the microbatches in flight.
     logits = loss_peak_bytes(logit_tokens, vocab, tp=dims.tp, loss_parallel=cfg.enable_loss_parallel,
@@ -635,7 +683,7 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
     # A checkpointed block's backward first recomputes everything its forward saved, and every
     # block's backward holds its activations' gradients, for one microbatch (logit_tokens: a
     # microbatch's tokens, also under pipeline parallel).
-    recompute = (rebuilt + backward) * per_dim * logit_tokens / tokens + backward_fixed
+    recompute = (rebuilt + backward / dims.tp) * per_dim * logit_tokens / tokens + backward_fixed
     return int(kept * per_dim), int(recompute), int(logits)
 
 
@@ -683,6 +731,7 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
         with torch.device("meta"):
             model = model_fn()
         dim, vocab = _model_shape(model)
+        kv_fraction = kv_width(model, sharding_plan(model), dim) / dim
         if dims.pp_enabled:
             _, parts, _, _ = build_pipeline(
                 model, dims, parallelism=parallelism, activation_checkpoint=activation_checkpoint,
@@ -694,7 +743,7 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
             stage_blocks = [sum(1 for _ in blocks_of(part)) for part in parts]
             held = held_block_microbatches(parallelism.pipeline_parallel_schedule, dims.pp, local_batch_size // micro,
                                            len(parts), rank // (dims.world_size // dims.pp), stage_blocks)
-            tokens = int(micro * held / max(sum(stage_blocks), 1) * seq_len // dims.cp)
+            tokens = micro * held / max(sum(stage_blocks), 1) * seq_len / dims.cp  # not rounded: x blocks below
             logit_tokens = micro * seq_len // dims.cp
         else:
             parts = [parallelize(model, dims, root, parallelism=parallelism,
@@ -703,7 +752,7 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
         params = sum(_local_numel(p) for p in parts)
         acts = _activation_bytes(parts, dims, parallelism, activation_checkpoint, dim, vocab,
                                  tokens, logit_tokens, activation_dtype, loss_chunk_tokens, measured,
-                                 compiled_loss=bool(getattr(compile, "compiles_loss", False)))
+                                 compiled_loss=bool(getattr(compile, "compiles_loss", False)), kv_fraction=kv_fraction)
         return params, *acts, _fsdp_bytes(parts, dims, activation_dtype)
     finally:
         dist.destroy_process_group()

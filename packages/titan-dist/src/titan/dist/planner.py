@@ -76,8 +76,10 @@ from titan.dist.dry_run import (
     ZERO_BUBBLE_SCHEDULES,
     fsdp_buffer_bytes,
     held_block_microbatches,
+    kv_width,
     loss_peak_bytes,
     pipeline_actions,
+    rank_block_units,
     selective_op_units,
     zero_bubble_timeable,
 )
@@ -87,12 +89,6 @@ from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_pla
 GiB = 1024**3
 FITTED_FLOAT8_CAST_BYTES = 18.8
 """`Hardware.float8_cast_bytes` as fitted (see there)."""
-_GATHERED_INPUTS = 2
-"""Of those, the units TP cannot shard: attention's and the feed-forward's gathered inputs."""
-_REPLICATED_WITHOUT_SP = 6
-"""The units TP without sequence parallel leaves whole (no AC): each of a block's two RMSNorms
-keeps its input, its normalized input and its output (the sharded matmuls' input). Measured
-with autograd's saved tensors: 21.3 of 33.1 MB per rank under TP 2 (tests/test_plan.py)."""
 _STATE_BYTES = 16
 """fp32 parameter, gradient and AdamW's two moments, per parameter of the rank's shard."""
 
@@ -234,20 +230,6 @@ class BlockParams:
         return self.tp_sharded + self.tp_replicated + self.experts
 
 
-def _kv_width(model: nn.Module, plan, dim: int) -> int:
-    """Elements per token of K and V the first attention module hands its inner attention
-    (its `kv_width`; else a Llama-style 2 x n_kv_heads / n_heads of the width `dim`, or 2 x `dim`)."""
-    found = match_modules(model, plan.attention_modules)
-    if found:
-        parent = model.get_submodule(found[0][0].rpartition(".")[0])
-        if isinstance(getattr(parent, "kv_width", None), int):
-            return parent.kv_width
-    divisible = plan.tensor_parallel_divisible or {}
-    if {"n_kv_heads", "n_heads"} <= divisible.keys():
-        return 2 * divisible["n_kv_heads"] * dim // divisible["n_heads"]
-    return 2 * dim
-
-
 @dataclass(frozen=True, kw_only=True)
 class ModelFacts:
     """What the planner needs of a model, read once from its meta instance (`from_model`)."""
@@ -344,7 +326,7 @@ class ModelFacts:
                          for _, m in match_modules(model, g) if hasattr(m, "weight")]
         vocab, dim = output_weight[0].weight.shape if output_weight else (0, 0)
         norm = sum(last) - (0 if tied else vocab * dim)
-        kv = _kv_width(model, plan, int(dim)) / dim if dim else 2.0
+        kv = kv_width(model, plan, int(dim)) / dim if dim else 2.0
         linears = [model.get_submodule(name) for name in float8_linears]
         return cls(blocks=tuple(blocks), embedding=first, output=0 if tied else vocab * dim, final_norm=norm,
                    dim=int(dim), vocab=int(vocab), flops_per_token=flops_per_token,
@@ -604,15 +586,10 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[
     selective = (facts.selective_units_compiled if work.compile and facts.selective_units_compiled
                  else facts.selective_units)
     kept = {"none": none, "selective": selective, "full": ACT_UNITS_PER_TOKEN["full"]}[layout.ac]
-    # Under TP the inputs of attention and feed-forward are gathered whole (SP) before the
-    # sharded matmuls save them: those 2 units are not divided by TP. Without SP the two
-    # RMSNorms run on the whole sequence too, and each keeps 3 units (with no AC).
-    unsharded = _GATHERED_INPUTS if work.sequence_parallel or layout.ac != "none" else _REPLICATED_WITHOUT_SP
-    gathered = unsharded if layout.tp > 1 and layout.ac != "full" else 0
-    per_block_token = ((kept - gathered) / layout.tp + gathered) * width
-    if layout.cp > 1 and layout.ac != "full":
-        # CP attention saves the K and V it gathered from the other CP ranks.
-        per_block_token += facts.kv_fraction * (layout.cp - 1) * width / layout.tp
+    # TP shards what a block keeps but the inputs its matmuls gather whole; CP adds the K and
+    # V gathered from the other CP ranks (the dry run's rule).
+    per_block_token = rank_block_units(kept, layout.ac, tp=layout.tp, cp=layout.cp,
+                                       sequence_parallel=work.sequence_parallel, kv_fraction=facts.kv_fraction) * width
     activations = per_block_token * _held_block_tokens(layout, work, facts.n_layers, blocks, pp_rank)
     recompute = (none - kept) * width / layout.tp * micro if blocks else 0.0
     # The backward of one block holds its activations' gradients (measured; at most as large
