@@ -79,21 +79,27 @@ NO_SP = ["--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_l
     (_layout(dp_shard=2, pp=2, local_batch_size=4, microbatch_size=1, schedule="ZBVZeroBubble", stages_per_rank=2),
      []),
     (_layout(tp=2, pp=2, ac="full", local_batch_size=4, microbatch_size=1), []),
-], ids=["tp2_sp", "tp2_no_sp", "tp2_no_sp_full_ac", "tp2_cp2_selective", "cp2", "pp2_zbv", "tp2_pp2_full_ac"])
-def test_activation_memory_equals_the_dry_run(layout, flags):
-    """`titan plan` and `titan dry-run` (and so the pre-run memory check) count a layout's
-    activations by one rule (`rank_block_units`): the dry run divided everything a block keeps
-    by TP (by half of it without SP) and left out CP's gathered K/V, 20% under the planner's
-    rule, which a real step checks (`test_block_activations_equal_what_autograd_saves_under_tp`)."""
+    (_layout(dp_shard=4, ac="selective", local_batch_size=4, microbatch_size=2), []),
+], ids=["tp2_sp", "tp2_no_sp", "tp2_no_sp_full_ac", "tp2_cp2_selective", "cp2", "pp2_zbv", "tp2_pp2_full_ac",
+        "fsdp4_accumulated"])
+def test_memory_equals_the_dry_run(layout, flags):
+    """`titan plan` and `titan dry-run` (and so the pre-run memory check) give a layout the
+    same memory, its activations by one rule (`rank_block_units`): the dry run divided
+    everything a block keeps by TP (by half of it without SP) and left out CP's gathered K/V,
+    20% under the planner's rule, which a real step checks
+    (`test_block_activations_equal_what_autograd_saves_under_tp`)."""
     config = parse_train_args(["--config", "llama3_debug", *TINY, *flags])
     facts, _, _ = model_facts(config)
     dp = layout.dp_replicate * layout.dp_shard
     work = workload_for(config, layout.world_size, layout.local_batch_size * dp * 32, 0.0)
-    planned = predict(facts, layout, work, HARDWARE["H100"]).memory["activations"]
+    planned = predict(facts, layout, work, HARDWARE["H100"]).memory
     estimates = run_dry_run(config_for(config, layout), world_size=layout.world_size, print_fn=lambda s: None)
     # The planner reports the rank with the most memory in all; under PP that is the last.
     peak = max(estimates, key=lambda e: e.total_bytes)
-    assert peak.activation_bytes == pytest.approx(planned, rel=1e-6, abs=64)
+    assert peak.activation_bytes == pytest.approx(planned["activations"], rel=1e-6, abs=64)
+    # The dry run's "one block's backward" is the planner's recompute + backward.
+    assert peak.recompute_bytes == pytest.approx(planned["recompute"] + planned["backward"], rel=1e-6, abs=64)
+    assert peak.total_bytes == pytest.approx(planned["total"], rel=1e-6, abs=256)
 
 
 def test_model_facts_classify_every_parameter():
