@@ -80,8 +80,11 @@ NO_SP = ["--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_l
      []),
     (_layout(tp=2, pp=2, ac="full", local_batch_size=4, microbatch_size=1), []),
     (_layout(dp_shard=4, ac="selective", local_batch_size=4, microbatch_size=2), []),
+    (_layout(dp_shard=4), ["--parallelism.fsdp_reshard_after_forward", "never"]),
+    (_layout(dp_shard=2, pp=2, local_batch_size=4, microbatch_size=1),
+     ["--parallelism.fsdp_reshard_after_forward", "always", "--training.mixed_precision_reduce", "bfloat16"]),
 ], ids=["tp2_sp", "tp2_no_sp", "tp2_no_sp_full_ac", "tp2_cp2_selective", "cp2", "pp2_zbv", "tp2_pp2_full_ac",
-        "fsdp4_accumulated"])
+        "fsdp4_accumulated", "fsdp4_kept_gathered", "pp2_resharded_bf16_reduce"])
 def test_memory_equals_the_dry_run(layout, flags):
     """`titan plan` and `titan dry-run` (and so the pre-run memory check) give a layout the
     same memory, its activations by one rule (`rank_block_units`): the dry run divided
@@ -100,6 +103,42 @@ def test_memory_equals_the_dry_run(layout, flags):
     # The dry run's "one block's backward" is the planner's recompute + backward.
     assert peak.recompute_bytes == pytest.approx(planned["recompute"] + planned["backward"], rel=1e-6, abs=64)
     assert peak.total_bytes == pytest.approx(planned["total"], rel=1e-6, abs=256)
+
+
+def test_fsdp_policy_flags_change_the_planned_memory_and_traffic():
+    """`--parallelism.fsdp_reshard_after_forward never` keeps every block's gathered parameters
+    (6 blocks instead of 2) and gathers once per microbatch instead of twice; a bf16
+    `--training.mixed_precision_reduce` halves the gradient buffer and the reduce-scatter."""
+    config = parse_train_args(["--config", "llama3_debug", *TINY])
+    facts, _, _ = model_facts(config)
+    layout = _layout(dp_shard=4)
+    plain = workload_for(config, 4, 2 * 4 * 32, 0.0)
+
+    def planned(**changes):
+        return predict(facts, layout, dataclasses.replace(plain, **changes), HARDWARE["H100"])
+
+    base, kept, bf16 = planned(), planned(reshard_after_forward="never"), planned(reduce_dtype_bytes=2)
+    block = facts.blocks[0].tp_sharded + facts.blocks[0].tp_replicated
+    c = plain.compute_dtype_bytes
+    assert base.memory["fsdp_buffers"] == pytest.approx(block * (2 * c + 4))
+    assert kept.memory["fsdp_buffers"] == pytest.approx(block * (facts.n_layers * c + 4))
+    assert bf16.memory["fsdp_buffers"] == pytest.approx(block * (2 * c + 2))
+    gather_and_reduce = base.loads["fsdp_exposed"]
+    assert kept.loads["fsdp_exposed"] < gather_and_reduce and bf16.loads["fsdp_exposed"] < gather_and_reduce
+
+
+def test_the_dry_run_counts_offloaded_states_on_the_host():
+    """`--parallelism.fsdp_cpu_offload` is for accelerators: the dry run (and the pre-run memory
+    check on a GPU) stood in for the GPU run on the CPU and refused the flag as "this run is on
+    CPU"; now the sharded states are reported on the host and left out of the device total."""
+    flags = ["--config", "llama3_debug", *TINY]
+    (plain,) = run_dry_run(parse_train_args(flags), world_size=4, print_fn=lambda s: None)
+    lines = []
+    (offloaded,) = run_dry_run(parse_train_args([*flags, "--parallelism.fsdp_cpu_offload"]), world_size=4,
+                               print_fn=lines.append)
+    assert offloaded.offloaded and offloaded.state_bytes == plain.state_bytes > 0
+    assert offloaded.total_bytes == plain.total_bytes - plain.state_bytes
+    assert "on the host: params" in lines[-1]
 
 
 def test_model_facts_classify_every_parameter():

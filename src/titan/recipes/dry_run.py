@@ -132,6 +132,7 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
         global_batch_size=training.global_batch_size,
         activation_dtype=training.mixed_precision_param,
         loss_chunk_tokens=training.loss_chunk_tokens,
+        reduce_dtype=training.mixed_precision_reduce,
         print_fn=print_fn,
         # float8 blocks keep less compiled (the inputs' casts): measured converted. MXFP8
         # blocks are measured unconverted (their saving is not modeled).

@@ -170,7 +170,9 @@ def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | No
                     sequence_parallel=config.parallelism.enable_sequence_parallel,
                     loss_parallel=config.parallelism.enable_loss_parallel,
                     async_tp=config.parallelism.enable_async_tensor_parallel, memory_headroom=headroom,
-                    loss_chunk_tokens=t.loss_chunk_tokens)
+                    loss_chunk_tokens=t.loss_chunk_tokens,
+                    reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
+                    reduce_dtype_bytes=DTYPES[t.mixed_precision_reduce].itemsize)
 
 
 def enumeration_for(pinned: dict[str, object]) -> dict[str, object]:

@@ -12,6 +12,7 @@ parameter count is read off the DTensor shards, so experts are counted sharded.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -23,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from titan.dist.dims import EXPERT_VIEWS, FLATTENED, ParallelDims
-from titan.dist.fsdp import DTYPES
+from titan.dist.fsdp import DTYPES, reshard_after_forward
 from titan.dist.pipeline import stage_ids_of_rank
 from titan.dist.plan import blocks_of, match_modules, sharding_plan
 
@@ -334,24 +335,24 @@ def loss_peak_bytes(tokens: float, vocab: int, *, tp: int, loss_parallel: bool, 
 
 
 def fsdp_buffer_bytes(block_unsharded: float, n_blocks: int, *, sharded: bool, pipelined: bool,
-                      compute_dtype_bytes: int) -> float:
+                      compute_dtype_bytes: int, reduce_dtype_bytes: int = 4,
+                      keeps_gathered: bool | None = None) -> float:
     """Bytes of FSDP's unsharded copies on one rank at its peak, for blocks of
     `block_unsharded` parameters each (TP-local, gathered over FSDP).
 
-    Without PP: the block computed and the one prefetched, gathered in the compute dtype, and
-    one block's fp32 gradients before their reduce-scatter. Under PP the engine keeps the
-    gathered parameters for the whole step (`reshard_after_forward` is off, or every
-    microbatch would gather them again), and the pipeline schedule turns gradient sync off
-    until the last microbatch, so FSDP accumulates the stage's unsharded gradients in the fp32
-    reduce dtype: the whole stage in the compute dtype plus 4 bytes per parameter, and one
-    block's reduce-scatter buffer.
+    Parameters, gathered in the compute dtype: the block computed and the one prefetched, or
+    with `keeps_gathered` (`reshard_after_forward` off; None: the engine's default, off exactly
+    under PP, where every microbatch would gather them again) every block, as the backward
+    starts. Gradients, in `reduce_dtype_bytes` (`--training.mixed_precision_reduce`): one
+    block's before its reduce-scatter; under PP the schedule turns gradient sync off until
+    the last microbatch, so FSDP accumulates the stage's unsharded gradients too.
     """
     if not sharded:
         return 0.0
-    reduce_buffer = block_unsharded * 4
-    if not pipelined:
-        return block_unsharded * 2 * compute_dtype_bytes + reduce_buffer
-    return block_unsharded * n_blocks * (compute_dtype_bytes + 4) + reduce_buffer
+    keeps = pipelined if keeps_gathered is None else keeps_gathered
+    params = block_unsharded * (n_blocks if keeps else 2) * compute_dtype_bytes
+    grads = block_unsharded * (n_blocks + 1 if pipelined else 1) * reduce_dtype_bytes
+    return params + grads
 
 
 def forwards_in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int) -> int:
@@ -529,18 +530,28 @@ class RankEstimate:
     fsdp_buffer_bytes: int = 0
     """FSDP's unsharded copies (`fsdp_buffer_bytes`): the gathered block and its prefetch, or
     under PP the whole stage and its fp32 gradients."""
+    offloaded: bool = False
+    """The sharded params, grads and optimizer states live in host memory
+    (`--parallelism.fsdp_cpu_offload`): reported, but not in the device's `total_bytes`."""
+
+    @property
+    def state_bytes(self) -> int:
+        """The sharded params, gradients and optimizer states."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
     def total_bytes(self) -> int:
-        """Params + grads + optimizer states + activations (+ one block's recomputation, the
-        loss's peak, FSDP's unsharded copies)."""
-        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+        """The device's peak: params + grads + optimizer states (unless offloaded to the host)
+        + activations (+ one block's recomputation, the loss's peak, FSDP's unsharded copies)."""
+        return ((0 if self.offloaded else self.state_bytes) + self.activation_bytes
                 + self.recompute_bytes + self.loss_bytes + self.fsdp_buffer_bytes)
 
     def components(self) -> str:
         """The estimate's parts, e.g. ``params 18.64 MiB, grads ..., activations 1.61 GiB``."""
-        parts = [f"params {format_bytes(self.param_bytes)}", f"grads {format_bytes(self.grad_bytes)}",
-                 f"optimizer {format_bytes(self.optimizer_bytes)}", f"activations {format_bytes(self.activation_bytes)}"]
+        states = (f"params {format_bytes(self.param_bytes)}, grads {format_bytes(self.grad_bytes)}, "
+                  f"optimizer {format_bytes(self.optimizer_bytes)}")
+        parts = [f"on the host: {states}" if self.offloaded else states,
+                 f"activations {format_bytes(self.activation_bytes)}"]
         if self.recompute_bytes:
             parts.append(f"one block's backward {format_bytes(self.recompute_bytes)}")
         if self.loss_bytes:
@@ -707,19 +718,23 @@ def _fsdp_gathered_numel(module: nn.Module) -> int:
     return total
 
 
-def _fsdp_bytes(parts: list[nn.Module], dims: ParallelDims, activation_dtype: str) -> int:
+def _fsdp_bytes(parts: list[nn.Module], dims: ParallelDims, activation_dtype: str, parallelism,
+                reduce_dtype: str) -> int:
     """FSDP's unsharded copies on this rank (`fsdp_buffer_bytes`) for its blocks."""
     blocks = [block for p in parts for _, block in blocks_of(p)]
     if not blocks or not dims.uses_fully_shard:
         return 0
     per_block = sum(_fsdp_gathered_numel(b) for b in blocks) / len(blocks)
+    keeps = not reshard_after_forward(parallelism, pp_enabled=dims.pp_enabled)
     return int(fsdp_buffer_bytes(per_block, len(blocks), sharded=dims.dp_shard * dims.cp > 1,
-                                 pipelined=dims.pp_enabled, compute_dtype_bytes=_BYTES[activation_dtype]))
+                                 pipelined=dims.pp_enabled, compute_dtype_bytes=_BYTES[activation_dtype],
+                                 reduce_dtype_bytes=_BYTES[reduce_dtype], keeps_gathered=keeps))
 
 
 def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, activation_checkpoint,
                    compile, local_batch_size: int, seq_len: int, optimizer_states: int,
-                   activation_dtype: str, loss_chunk_tokens: int = 0, measured: dict[str, float] | None = None):
+                   activation_dtype: str, loss_chunk_tokens: int = 0, measured: dict[str, float] | None = None,
+                   reduce_dtype: str = "float32"):
     from titan.dist.parallelize import parallelize
     from titan.dist.pipeline import build_pipeline
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -753,7 +768,7 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
         acts = _activation_bytes(parts, dims, parallelism, activation_checkpoint, dim, vocab,
                                  tokens, logit_tokens, activation_dtype, loss_chunk_tokens, measured,
                                  compiled_loss=bool(getattr(compile, "compiles_loss", False)), kv_fraction=kv_fraction)
-        return params, *acts, _fsdp_bytes(parts, dims, activation_dtype)
+        return params, *acts, _fsdp_bytes(parts, dims, activation_dtype, parallelism, reduce_dtype)
     finally:
         dist.destroy_process_group()
 
@@ -761,7 +776,7 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
 def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             activation_checkpoint, compile, local_batch_size: int, seq_len: int,
             global_batch_size: int = -1, optimizer_states: int = 2,
-            activation_dtype: str = "float32", loss_chunk_tokens: int = 0,
+            activation_dtype: str = "float32", loss_chunk_tokens: int = 0, reduce_dtype: str = "float32",
             print_fn: Callable[[str], None] | None = print,
             measure_fn: Callable[[], nn.Module] | None = None,
             measure_converted: bool = False) -> list[RankEstimate]:
@@ -772,7 +787,10 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     fp32 params, fp32 grads, `optimizer_states` fp32 states per param (AdamW: 2) and
     activations (in `activation_dtype`, the FSDP compute dtype) with the loss's peak
     (`loss_peak_bytes`, chunked by `loss_chunk_tokens`) and FSDP's unsharded copies
-    (`fsdp_buffer_bytes`): the rules `titan plan` uses. Must run in a process without a
+    (`fsdp_buffer_bytes`, gradients in `reduce_dtype`, parameters kept gathered as
+    `parallelism.fsdp_reshard_after_forward` says): the rules `titan plan` uses. With
+    `parallelism.fsdp_cpu_offload` the sharded states are reported on the host and left out
+    of each rank's device total. Must run in a process without a
     process group. `measure_fn` builds the model whose blocks' activations are measured
     (`measure_block_units`; default `model_fn`), `measure_converted` when it converts its
     linears (float8: their weight-sized casts are measured apart from the per-token
@@ -781,6 +799,11 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     """
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group")
+    offloaded = bool(getattr(parallelism, "fsdp_cpu_offload", False))
+    if offloaded:
+        # The estimate stands for an accelerator's run: parallelized here on the CPU without the
+        # offload (FSDP2 offloads only from an accelerator), the states then counted on the host.
+        parallelism = dataclasses.replace(parallelism, fsdp_cpu_offload=False)
     dims = ParallelDims.from_config(parallelism, world_size)
     with torch.device("meta"):
         probe = model_fn()
@@ -799,12 +822,12 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             activation_checkpoint=activation_checkpoint, compile=compile,
             local_batch_size=local_batch_size, seq_len=seq_len,
             optimizer_states=optimizer_states, activation_dtype=activation_dtype,
-            loss_chunk_tokens=loss_chunk_tokens, measured=measured)
+            loss_chunk_tokens=loss_chunk_tokens, measured=measured, reduce_dtype=reduce_dtype)
         est = RankEstimate(ranks=f"{pp_rank * per_pp}-{(pp_rank + 1) * per_pp - 1}",
                            pp_rank=pp_rank, params=params, param_bytes=4 * params,
                            grad_bytes=4 * params, optimizer_bytes=4 * optimizer_states * params,
                            activation_bytes=acts, recompute_bytes=recompute, loss_bytes=loss,
-                           fsdp_buffer_bytes=fsdp)
+                           fsdp_buffer_bytes=fsdp, offloaded=offloaded and dims.uses_fully_shard)
         estimates.append(est)
         if print_fn is not None:
             print_fn(est.line())

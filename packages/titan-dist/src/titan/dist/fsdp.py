@@ -25,9 +25,14 @@ def mixed_precision_policy(param_dtype: str = "float32", reduce_dtype: str = "fl
 
 
 def reshard_after_forward(config, *, pp_enabled: bool) -> bool:
-    """"default" frees gathered params after forward except under pipeline parallel, where
-    every microbatch's forward would gather them again."""
-    policy = config.fsdp_reshard_after_forward
+    """Whether FSDP frees a block's gathered params after its forward under
+    `config.fsdp_reshard_after_forward` (`reshards_after_forward`)."""
+    return reshards_after_forward(config.fsdp_reshard_after_forward, pp_enabled=pp_enabled)
+
+
+def reshards_after_forward(policy: str, *, pp_enabled: bool) -> bool:
+    """"always" / "never" as named; "default" frees gathered params after forward except under
+    pipeline parallel, where every microbatch's forward would gather them again."""
     return {"always": True, "never": False}.get(policy, not pp_enabled)
 
 

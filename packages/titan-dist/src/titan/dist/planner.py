@@ -71,6 +71,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 from titan.dist.dims import ParallelDims
+from titan.dist.fsdp import reshards_after_forward
 from titan.dist.dry_run import (
     ACT_UNITS_PER_TOKEN,
     ZERO_BUBBLE_SCHEDULES,
@@ -502,6 +503,18 @@ class Workload:
     behind the backward like FSDP's reduce-scatter, except the last block's. False: after the
     backward, all of it exposed (how Megatron-LM's data parallelism ran in 2021, for the
     published comparison)."""
+    reshard_after_forward: str = "default"
+    """`--parallelism.fsdp_reshard_after_forward`: "never" keeps each block's gathered
+    parameters from its forward to its backward (all of them at once, one gather per
+    microbatch), "always" frees them after the forward even under PP (two gathers per
+    microbatch and stage), "default" keeps them exactly under PP."""
+    reduce_dtype_bytes: int = 4
+    """`--training.mixed_precision_reduce`: bytes per gradient element FSDP reduce-scatters
+    (and the replicas all-reduce)."""
+
+    def keeps_gathered(self, pipelined: bool) -> bool:
+        """Whether FSDP keeps the gathered parameters past each forward under this policy."""
+        return not reshards_after_forward(self.reshard_after_forward, pp_enabled=pipelined)
 
 
 def stage_params(facts: ModelFacts, layout: Layout, blocks: Sequence[int], first: bool, last: bool) -> tuple[float, float]:
@@ -600,7 +613,9 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[
                              compiled=work.compile_loss) \
         if last else 0.0
     fsdp_buffers = fsdp_buffer_bytes(block_unsharded, len(blocks), sharded=layout.dp_shard * layout.cp > 1,
-                                     pipelined=layout.pp > 1, compute_dtype_bytes=work.compute_dtype_bytes)
+                                     pipelined=layout.pp > 1, compute_dtype_bytes=work.compute_dtype_bytes,
+                                     reduce_dtype_bytes=work.reduce_dtype_bytes,
+                                     keeps_gathered=work.keeps_gathered(layout.pp > 1))
     out = {"params_grads_optimizer": params * _STATE_BYTES, "fsdp_buffers": fsdp_buffers,
            "activations": activations, "recompute": recompute, "backward": backward, "logits": logits}
     subtotal = sum(out.values())
@@ -700,10 +715,14 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     stage_unsharded = block_unsharded * len(blocks)
     fsdp_link = _bandwidth(hw, layout.tp * layout.cp * layout.dp_shard)
     # Gradient accumulation runs the whole exchange once per microbatch (FSDP2 reshards after
-    # each forward and reduce-scatters after each backward, as the engine runs it).
-    gathers = 2 * layout.accumulation_steps if layout.pp == 1 else 1
+    # each forward and reduce-scatters after each backward, as the engine runs it); kept
+    # gathered, a microbatch's backward reuses its forward's gather (under PP: the step's).
+    per_microbatch = 1 if work.keeps_gathered(layout.pp > 1) else 2
+    gathers = per_microbatch * (layout.accumulation_steps if layout.pp == 1 else
+                                1 if per_microbatch == 1 else layout.microbatches)
     gather = _ring(stage_unsharded * gathers * b, fsdp_group) / fsdp_link
-    reduce = _ring(stage_unsharded * 4, fsdp_group) / fsdp_link * hw.reduce_scatter_cost * layout.accumulation_steps
+    reduce = (_ring(stage_unsharded * work.reduce_dtype_bytes, fsdp_group) / fsdp_link * hw.reduce_scatter_cost
+              * layout.accumulation_steps)
     if layout.pp == 1:
         fsdp = _exposed(gather + reduce, compute, hw) + (gather + reduce) / L
     else:
@@ -713,7 +732,8 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     # an all-gather, fp32), during the backward in what compute FSDP's traffic left (under PP
     # after the last microbatch, exposed). Under gradient accumulation it runs once, in the last
     # microbatch's backward, so only that microbatch's share of the step can hide it.
-    replicate = (1 + hw.reduce_scatter_cost) * _ring(stage_unsharded / max(fsdp_group, 1) * 4, layout.dp_replicate)
+    replicate = (1 + hw.reduce_scatter_cost) * _ring(stage_unsharded / max(fsdp_group, 1) * work.reduce_dtype_bytes,
+                                                     layout.dp_replicate)
     replicate /= _bandwidth(hw, layout.world_size // layout.pp)
     loads["hsdp_allreduce"] = replicate
     if layout.pp == 1 and work.overlap_grad_allreduce:
