@@ -83,8 +83,10 @@ NO_SP = ["--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_l
     (_layout(dp_shard=4), ["--parallelism.fsdp_reshard_after_forward", "never"]),
     (_layout(dp_shard=2, pp=2, local_batch_size=4, microbatch_size=1),
      ["--parallelism.fsdp_reshard_after_forward", "always", "--training.mixed_precision_reduce", "bfloat16"]),
+    (_layout(dp_shard=4), ["--quantize.linear.float8.recipe", "tensorwise",
+                           "--quantize.linear.float8.enable_fsdp_float8_all_gather"]),
 ], ids=["tp2_sp", "tp2_no_sp", "tp2_no_sp_full_ac", "tp2_cp2_selective", "cp2", "pp2_zbv", "tp2_pp2_full_ac",
-        "fsdp4_accumulated", "fsdp4_kept_gathered", "pp2_resharded_bf16_reduce"])
+        "fsdp4_accumulated", "fsdp4_kept_gathered", "pp2_resharded_bf16_reduce", "fsdp4_float8_all_gather"])
 def test_memory_equals_the_dry_run(layout, flags):
     """`titan plan` and `titan dry-run` (and so the pre-run memory check) give a layout the
     same memory, its activations by one rule (`rank_block_units`): the dry run divided
@@ -108,7 +110,8 @@ def test_memory_equals_the_dry_run(layout, flags):
 def test_fsdp_policy_flags_change_the_planned_memory_and_traffic():
     """`--parallelism.fsdp_reshard_after_forward never` keeps every block's gathered parameters
     (6 blocks instead of 2) and gathers once per microbatch instead of twice; a bf16
-    `--training.mixed_precision_reduce` halves the gradient buffer and the reduce-scatter."""
+    `--training.mixed_precision_reduce` halves the gradient buffer and the reduce-scatter;
+    float8's FSDP all-gather gathers the converted weights in 1 byte."""
     config = parse_train_args(["--config", "llama3_debug", *TINY])
     facts, _, _ = model_facts(config)
     layout = _layout(dp_shard=4)
@@ -118,13 +121,18 @@ def test_fsdp_policy_flags_change_the_planned_memory_and_traffic():
         return predict(facts, layout, dataclasses.replace(plain, **changes), HARDWARE["H100"])
 
     base, kept, bf16 = planned(), planned(reshard_after_forward="never"), planned(reduce_dtype_bytes=2)
+    f8_gather = planned(float8=True, float8_all_gather=True)
     block = facts.blocks[0].tp_sharded + facts.blocks[0].tp_replicated
     c = plain.compute_dtype_bytes
     assert base.memory["fsdp_buffers"] == pytest.approx(block * (2 * c + 4))
     assert kept.memory["fsdp_buffers"] == pytest.approx(block * (facts.n_layers * c + 4))
     assert bf16.memory["fsdp_buffers"] == pytest.approx(block * (2 * c + 2))
+    # float8 all-gather: the converted linears' weights (all but the norms here) in 1 byte.
+    linears = facts.blocks[0].tp_sharded
+    assert f8_gather.memory["fsdp_buffers"] == pytest.approx(2 * (linears + (block - linears) * c) + 4 * block)
     gather_and_reduce = base.loads["fsdp_exposed"]
-    assert kept.loads["fsdp_exposed"] < gather_and_reduce and bf16.loads["fsdp_exposed"] < gather_and_reduce
+    for variant in (kept, bf16, f8_gather):
+        assert variant.loads["fsdp_exposed"] < gather_and_reduce
 
 
 def test_the_dry_run_counts_offloaded_states_on_the_host():
@@ -719,6 +727,13 @@ def test_titan_plan_json_and_hardware_overrides(capsys):
     (["--gpus", "8xH100", "--global_batch_tokens", "10000"], "not a multiple of --training.seq_len"),
     (["--gpus", "8xH100", "--global_batch_tokens", "0"], "less than one sequence"),
     (["--gpus", "8xB200", "--quantize.linear.mx.recipe_name", "mxfp8_rceil"], "titan plan does not model MXFP8"),
+    # Flags that change memory or time in ways the planner does not model are refused by name
+    # (the ranking ignored them before).
+    (["--gpus", "8xH100", "--parallelism.fsdp_cpu_offload"], "does not model --parallelism.fsdp_cpu_offload"),
+    (["--gpus", "16xH100", "--parallelism.pipeline_parallel_degree", "2",
+      "--parallelism.pipeline_parallel_layers_per_stage", "4"], "does not model a pipeline split of its own"),
+    (["--gpus", "8xH100", "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_layer_every",
+      "2"], "does not model layer-wise selective AC"),
     (["--gpus", "8xH100", "--hardware.comm_overlap", "-1"], "--hardware.comm_overlap -1.0 must be in [0, 1]"),
     (["--gpus", "8xH100", "--hardware.reduce_scatter_cost", "0"], "--hardware.reduce_scatter_cost 0.0 must be > 0"),
     (["--gpus", "8xH100", "--hardware.half_efficiency_tokens", "-1"], "--hardware.half_efficiency_tokens -1.0 must be >= 0"),

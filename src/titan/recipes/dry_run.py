@@ -15,8 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from titan.dist import ParallelDims, RankEstimate, check_compile_granularity, dry_run
+from titan.dist.fsdp import DTYPES
+from titan.dist.plan import blocks_of
 from titan.train.config import TrainerConfig
-from titan.train.quantize import apply_quantization, check_quantize_supported
+from titan.train.quantize import apply_quantization, check_quantize_supported, float8_linears
 from torch import nn
 
 from titan.recipes.families import model_spec
@@ -93,6 +95,22 @@ def model_builder(config: TrainerConfig) -> tuple[Callable[[], nn.Module], int, 
     return build, vocab, source
 
 
+def gathered_param_bytes(config: TrainerConfig, build) -> float | None:
+    """Bytes per block parameter FSDP gathers when the float8 weights are gathered in float8
+    (`--quantize.linear.float8.enable_fsdp_float8_all_gather`: 1 byte each, the rest in the
+    compute dtype); None otherwise (the compute dtype's)."""
+    float8 = config.quantize.linear.float8
+    if not (float8.enabled and float8.enable_fsdp_float8_all_gather):
+        return None
+    with torch.device("meta"):
+        model = build()
+    converted, _ = float8_linears(model, float8)
+    in_blocks = sum(p.numel() for _, block in blocks_of(model) for p in block.parameters())
+    share = sum(model.get_submodule(name).weight.numel() for name in converted) / in_blocks
+    compute = DTYPES[config.training.mixed_precision_param].itemsize
+    return compute - share * (compute - 1)
+
+
 def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[RankEstimate]:
     """Validate and parallelize ``config`` for ``world_size`` ranks on the meta device with a
     fake process group; prints and returns one estimate per pipeline rank."""
@@ -133,6 +151,7 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
         activation_dtype=training.mixed_precision_param,
         loss_chunk_tokens=training.loss_chunk_tokens,
         reduce_dtype=training.mixed_precision_reduce,
+        gathered_param_bytes=gathered_param_bytes(config, unconverted),
         print_fn=print_fn,
         # float8 blocks keep less compiled (the inputs' casts): measured converted. MXFP8
         # blocks are measured unconverted (their saving is not modeled).

@@ -145,12 +145,34 @@ def _matmul_flops_per_token(model, seq: int) -> float | None:
     return matmuls if 0 < matmuls <= short else None
 
 
+def unmodeled_flags(config: TrainerConfig) -> list[str]:
+    """The flags set in `config` that change a layout's memory or time in ways the planner does
+    not model, each with what it would leave out (a ranking that ignored them would be wrong
+    without saying so)."""
+    p, q, ac = config.parallelism, config.quantize, config.activation_checkpoint
+    found = []
+    if q.linear.mx.enabled or q.grouped_mm.mx.enabled:
+        found.append("MXFP8 (--quantize.linear.mx / --quantize.grouped_mm.mx) yet (float8 is modeled)")
+    if q.grouped_mm.float8.enabled:
+        found.append("float8 grouped experts (--quantize.grouped_mm.float8.fqns) yet (float8 linears are modeled)")
+    if p.fsdp_cpu_offload:
+        found.append("--parallelism.fsdp_cpu_offload (the states' host transfers and the optimizer step on the CPU)")
+    if p.pipeline_parallel_layers_per_stage is not None or p.pipeline_parallel_split_points:
+        found.append("a pipeline split of its own (--parallelism.pipeline_parallel_layers_per_stage / split_points): "
+                     "it ranks the engine's even split over pp x stages-per-rank stages")
+    if ac.selective_layer_every != 1:
+        found.append("layer-wise selective AC (--activation_checkpoint.selective_layer_every): it ranks AC none, "
+                     "per-op selective and full")
+    return found
+
+
 def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | None, headroom: float) -> Workload:
     """The step the planner times: batch, sequence and the recipe's compile / float8 / SP."""
     t = config.training
-    if config.quantize.linear.mx.enabled or config.quantize.grouped_mm.mx.enabled:
-        raise ValueError("titan plan does not model MXFP8 (--quantize.linear.mx / --quantize.grouped_mm.mx) yet: "
-                         "plan without it (float8 is modeled), or check a layout with titan dry-run")
+    unmodeled = unmodeled_flags(config)
+    if unmodeled:
+        raise ValueError(f"titan plan does not model {unmodeled[0]}: plan without it, or check a layout with it "
+                         "using titan dry-run")
     if global_batch_tokens is not None:
         if global_batch_tokens < t.seq_len:
             raise ValueError(f"--global_batch_tokens {global_batch_tokens} is less than one sequence "
@@ -172,7 +194,8 @@ def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | No
                     async_tp=config.parallelism.enable_async_tensor_parallel, memory_headroom=headroom,
                     loss_chunk_tokens=t.loss_chunk_tokens,
                     reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
-                    reduce_dtype_bytes=DTYPES[t.mixed_precision_reduce].itemsize)
+                    reduce_dtype_bytes=DTYPES[t.mixed_precision_reduce].itemsize,
+                    float8_all_gather=config.quantize.linear.float8.enable_fsdp_float8_all_gather)
 
 
 def enumeration_for(pinned: dict[str, object]) -> dict[str, object]:

@@ -335,12 +335,13 @@ def loss_peak_bytes(tokens: float, vocab: int, *, tp: int, loss_parallel: bool, 
 
 
 def fsdp_buffer_bytes(block_unsharded: float, n_blocks: int, *, sharded: bool, pipelined: bool,
-                      compute_dtype_bytes: int, reduce_dtype_bytes: int = 4,
+                      compute_dtype_bytes: float, reduce_dtype_bytes: int = 4,
                       keeps_gathered: bool | None = None) -> float:
     """Bytes of FSDP's unsharded copies on one rank at its peak, for blocks of
     `block_unsharded` parameters each (TP-local, gathered over FSDP).
 
-    Parameters, gathered in the compute dtype: the block computed and the one prefetched, or
+    Parameters, gathered in the compute dtype (`compute_dtype_bytes` per parameter: less where
+    float8 weights are gathered in float8): the block computed and the one prefetched, or
     with `keeps_gathered` (`reshard_after_forward` off; None: the engine's default, off exactly
     under PP, where every microbatch would gather them again) every block, as the backward
     starts. Gradients, in `reduce_dtype_bytes` (`--training.mixed_precision_reduce`): one
@@ -719,7 +720,7 @@ def _fsdp_gathered_numel(module: nn.Module) -> int:
 
 
 def _fsdp_bytes(parts: list[nn.Module], dims: ParallelDims, activation_dtype: str, parallelism,
-                reduce_dtype: str) -> int:
+                reduce_dtype: str, gathered_param_bytes: float | None = None) -> int:
     """FSDP's unsharded copies on this rank (`fsdp_buffer_bytes`) for its blocks."""
     blocks = [block for p in parts for _, block in blocks_of(p)]
     if not blocks or not dims.uses_fully_shard:
@@ -727,14 +728,15 @@ def _fsdp_bytes(parts: list[nn.Module], dims: ParallelDims, activation_dtype: st
     per_block = sum(_fsdp_gathered_numel(b) for b in blocks) / len(blocks)
     keeps = not reshard_after_forward(parallelism, pp_enabled=dims.pp_enabled)
     return int(fsdp_buffer_bytes(per_block, len(blocks), sharded=dims.dp_shard * dims.cp > 1,
-                                 pipelined=dims.pp_enabled, compute_dtype_bytes=_BYTES[activation_dtype],
+                                 pipelined=dims.pp_enabled,
+                                 compute_dtype_bytes=gathered_param_bytes or _BYTES[activation_dtype],
                                  reduce_dtype_bytes=_BYTES[reduce_dtype], keeps_gathered=keeps))
 
 
 def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, activation_checkpoint,
                    compile, local_batch_size: int, seq_len: int, optimizer_states: int,
                    activation_dtype: str, loss_chunk_tokens: int = 0, measured: dict[str, float] | None = None,
-                   reduce_dtype: str = "float32"):
+                   reduce_dtype: str = "float32", gathered_param_bytes: float | None = None):
     from titan.dist.parallelize import parallelize
     from titan.dist.pipeline import build_pipeline
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -768,7 +770,7 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
         acts = _activation_bytes(parts, dims, parallelism, activation_checkpoint, dim, vocab,
                                  tokens, logit_tokens, activation_dtype, loss_chunk_tokens, measured,
                                  compiled_loss=bool(getattr(compile, "compiles_loss", False)), kv_fraction=kv_fraction)
-        return params, *acts, _fsdp_bytes(parts, dims, activation_dtype, parallelism, reduce_dtype)
+        return params, *acts, _fsdp_bytes(parts, dims, activation_dtype, parallelism, reduce_dtype, gathered_param_bytes)
     finally:
         dist.destroy_process_group()
 
@@ -777,6 +779,7 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             activation_checkpoint, compile, local_batch_size: int, seq_len: int,
             global_batch_size: int = -1, optimizer_states: int = 2,
             activation_dtype: str = "float32", loss_chunk_tokens: int = 0, reduce_dtype: str = "float32",
+            gathered_param_bytes: float | None = None,
             print_fn: Callable[[str], None] | None = print,
             measure_fn: Callable[[], nn.Module] | None = None,
             measure_converted: bool = False) -> list[RankEstimate]:
@@ -788,7 +791,8 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     activations (in `activation_dtype`, the FSDP compute dtype) with the loss's peak
     (`loss_peak_bytes`, chunked by `loss_chunk_tokens`) and FSDP's unsharded copies
     (`fsdp_buffer_bytes`, gradients in `reduce_dtype`, parameters kept gathered as
-    `parallelism.fsdp_reshard_after_forward` says): the rules `titan plan` uses. With
+    `parallelism.fsdp_reshard_after_forward` says, `gathered_param_bytes` per parameter when
+    not the compute dtype's): the rules `titan plan` uses. With
     `parallelism.fsdp_cpu_offload` the sharded states are reported on the host and left out
     of each rank's device total. Must run in a process without a
     process group. `measure_fn` builds the model whose blocks' activations are measured
@@ -822,7 +826,8 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             activation_checkpoint=activation_checkpoint, compile=compile,
             local_batch_size=local_batch_size, seq_len=seq_len,
             optimizer_states=optimizer_states, activation_dtype=activation_dtype,
-            loss_chunk_tokens=loss_chunk_tokens, measured=measured, reduce_dtype=reduce_dtype)
+            loss_chunk_tokens=loss_chunk_tokens, measured=measured, reduce_dtype=reduce_dtype,
+            gathered_param_bytes=gathered_param_bytes)
         est = RankEstimate(ranks=f"{pp_rank * per_pp}-{(pp_rank + 1) * per_pp - 1}",
                            pp_rank=pp_rank, params=params, param_bytes=4 * params,
                            grad_bytes=4 * params, optimizer_bytes=4 * optimizer_states * params,

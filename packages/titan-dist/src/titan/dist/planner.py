@@ -352,6 +352,12 @@ class ModelFacts:
         """Every parameter (a tied matrix once)."""
         return sum(b.total for b in self.blocks) + self.embedding + self.output + self.final_norm
 
+    @property
+    def float8_block_share(self) -> float:
+        """The share of the blocks' parameters a float8 conversion converts."""
+        total = sum(b.total for b in self.blocks)
+        return self.float8_params / total if total else 0.0
+
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
@@ -511,6 +517,15 @@ class Workload:
     reduce_dtype_bytes: int = 4
     """`--training.mixed_precision_reduce`: bytes per gradient element FSDP reduce-scatters
     (and the replicas all-reduce)."""
+    float8_all_gather: bool = False
+    """`--quantize.linear.float8.enable_fsdp_float8_all_gather`: FSDP gathers the converted
+    linears' weights in float8 (1 byte each), and keeps them gathered so."""
+
+    def gathered_bytes(self, facts: ModelFacts) -> float:
+        """Bytes per parameter of a block FSDP gathers: the compute dtype's, 1 for the weights
+        gathered in float8."""
+        share = facts.float8_block_share if self.float8 and self.float8_all_gather else 0.0
+        return self.compute_dtype_bytes - share * (self.compute_dtype_bytes - 1)
 
     def keeps_gathered(self, pipelined: bool) -> bool:
         """Whether FSDP keeps the gathered parameters past each forward under this policy."""
@@ -613,7 +628,7 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[
                              compiled=work.compile_loss) \
         if last else 0.0
     fsdp_buffers = fsdp_buffer_bytes(block_unsharded, len(blocks), sharded=layout.dp_shard * layout.cp > 1,
-                                     pipelined=layout.pp > 1, compute_dtype_bytes=work.compute_dtype_bytes,
+                                     pipelined=layout.pp > 1, compute_dtype_bytes=work.gathered_bytes(facts),
                                      reduce_dtype_bytes=work.reduce_dtype_bytes,
                                      keeps_gathered=work.keeps_gathered(layout.pp > 1))
     out = {"params_grads_optimizer": params * _STATE_BYTES, "fsdp_buffers": fsdp_buffers,
@@ -720,7 +735,7 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     per_microbatch = 1 if work.keeps_gathered(layout.pp > 1) else 2
     gathers = per_microbatch * (layout.accumulation_steps if layout.pp == 1 else
                                 1 if per_microbatch == 1 else layout.microbatches)
-    gather = _ring(stage_unsharded * gathers * b, fsdp_group) / fsdp_link
+    gather = _ring(stage_unsharded * gathers * work.gathered_bytes(facts), fsdp_group) / fsdp_link
     reduce = (_ring(stage_unsharded * work.reduce_dtype_bytes, fsdp_group) / fsdp_link * hw.reduce_scatter_cost
               * layout.accumulation_steps)
     if layout.pp == 1:
