@@ -720,6 +720,24 @@ def test_titan_plan_json_and_hardware_overrides(capsys):
                or lay["layout"]["pp"] > 1 for lay in doc["layouts"])
 
 
+def test_each_printed_command_trains_the_planned_layout_with_the_recipe_flags(capsys):
+    """Each row's `titan train` command is complete: the recipe flags given to `titan plan`
+    (here --config, --compile.enable, a seq_len and a pinned TP degree) and the layout's, so
+    that it parses to exactly the configuration the row was planned and dry-run with
+    (`config_for`); before, it printed the layout's flags alone (no --config, no compile)."""
+    recipe = ["--config", "llama3_debug", "--training.seq_len", "64", "--compile.enable",
+              "--parallelism.tensor_parallel_degree", "2"]
+    rc = main(["plan", *recipe, "--gpus", "8xH100", "--global_batch_tokens", str(16 * 64), "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    config = parse_train_args(recipe)
+    for row in doc["layouts"][:8]:
+        planned = config_for(config, Layout(**row["layout"]))
+        printed = parse_train_args(row["train_argv"])
+        for section in ("parallelism", "training", "activation_checkpoint", "compile", "quantize"):
+            assert getattr(printed, section) == getattr(planned, section), (row["layout"], section)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--gpus", "256xV100"], "unknown device 'V100'"),
     (["--gpus", "many"], "expected <count>x<type>"),

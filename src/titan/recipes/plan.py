@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -260,21 +261,44 @@ def _first_refusal(layouts: list[Layout], probe, work: Workload, pinned: dict[st
 
 def config_for(config: TrainerConfig, layout: Layout) -> TrainerConfig:
     """``config`` with the layout's degrees, AC and batch (what its flags select)."""
+    # The schedule and its microbatch only under PP, as the layout's flags set them.
+    pipeline = (dict(pipeline_parallel_schedule=layout.schedule, pipeline_parallel_microbatch_size=layout.microbatch_size)
+                if layout.pp > 1 else {})
     p = dataclasses.replace(
         config.parallelism, data_parallel_replicate_degree=layout.dp_replicate,
         data_parallel_shard_degree=layout.dp_shard, tensor_parallel_degree=layout.tp,
         context_parallel_degree=layout.cp, pipeline_parallel_degree=layout.pp,
-        expert_parallel_degree=layout.ep, pipeline_parallel_schedule=layout.schedule,
-        pipeline_parallel_microbatch_size=layout.microbatch_size, pipeline_parallel_layers_per_stage=None,
-        pipeline_parallel_split_points=None)
+        expert_parallel_degree=layout.ep, **pipeline)
     ac = dataclasses.replace(config.activation_checkpoint, mode=layout.ac, selective_op=layout.ac == "selective")
     training = dataclasses.replace(config.training, local_batch_size=layout.engine_local_batch_size,
-                                   global_batch_size=layout.global_batch_size if layout.accumulation_steps > 1 else -1)
+                                   global_batch_size=layout.global_batch_size)
     return dataclasses.replace(config, parallelism=p, activation_checkpoint=ac, training=training)
 
 
-def format_table(preds: list[Prediction], hw: Hardware, top: int) -> str:
-    """The ranked markdown table and each row's flags."""
+# Recipe flags the printed command leaves to the layout: flag -> whether it takes a value.
+_LAYOUT_FLAGS = {**dict.fromkeys(PINNABLE, True), "--training.local_batch_size": True,
+                 "--training.global_batch_size": True, "--activation_checkpoint.selective_op": False,
+                 "--activation_checkpoint.no_selective_op": False}
+
+
+def train_argv(recipe_argv: Sequence[str], layout: Layout) -> list[str]:
+    """The `titan train` arguments of a planned row: the recipe flags given to `titan plan`
+    (`--config`, `--compile.enable`, `--training.seq_len`, ...), less those the layout sets,
+    then the layout's own (`Layout.flags`)."""
+    kept, args = [], list(recipe_argv)
+    i = 0
+    while i < len(args):
+        flag, eq, _ = args[i].partition("=")
+        if flag in _LAYOUT_FLAGS:
+            i += 1 if eq or not _LAYOUT_FLAGS[flag] else 2
+            continue
+        kept.append(args[i])
+        i += 1
+    return [*kept, *layout.flags()]
+
+
+def format_table(preds: list[Prediction], hw: Hardware, top: int, recipe_argv: Sequence[str] = ()) -> str:
+    """The ranked markdown table and each row's `titan train` command (`train_argv`)."""
     lines = ["| # | layout | AC | batch (micro, schedule) | tokens/s/GPU | MFU | memory/rank | dominant |",
              "|---|---|---|---|---|---|---|---|"]
     for i, p in enumerate(preds[:top], 1):
@@ -293,7 +317,7 @@ def format_table(preds: list[Prediction], hw: Hardware, top: int) -> str:
                      "--verify dry-runs the first ones, a short run on the cluster decides")
     lines.append("")
     for i, p in enumerate(preds[:top], 1):
-        lines.append(f"{i}: titan train " + " ".join(p.layout.flags()))
+        lines.append(f"{i}: titan train " + shlex.join(train_argv(recipe_argv, p.layout)))
     return "\n".join(lines)
 
 
@@ -326,8 +350,8 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
     for p in preds[: opts.verify]:
         run_dry_run(config_for(config, p.layout), world_size=gpus, print_fn=lambda s: None)
     if opts.json:
-        print(json.dumps({"hardware": dataclasses.asdict(hw), "gpus": gpus,
-                          "workload": dataclasses.asdict(work), "layouts": [p.as_dict() for p in preds]}))
+        print(json.dumps({"hardware": dataclasses.asdict(hw), "gpus": gpus, "workload": dataclasses.asdict(work),
+                          "layouts": [{**p.as_dict(), "train_argv": train_argv(rest, p.layout)} for p in preds]}))
         return 0
     fitting = sum(p.fits for p in preds)
     size = f"{facts.num_params / 1e9:.1f}B" if facts.num_params >= 1e9 else f"{facts.num_params / 1e6:.1f}M"
@@ -345,7 +369,7 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
     if work.float8 and not float8_available():
         print("note: torchao is not installed, so the float8 blocks' activations were not measured: counted as "
               "bf16's (an upper bound when compiled); pip install 'titan-train[float8]'", file=sys.stderr)
-    print(format_table(preds, hw, opts.top))
+    print(format_table(preds, hw, opts.top, rest))
     verified = f"; the first {min(opts.verify, len(preds))} passed the dry run" if opts.verify else ""
     print(f"planned in {time.perf_counter() - start:.1f} s{verified}", file=sys.stderr)
     return 0

@@ -420,9 +420,9 @@ class Layout:
             "--parallelism.expert_parallel_degree", str(self.ep),
             "--activation_checkpoint.mode", self.ac,
             "--training.local_batch_size", str(self.engine_local_batch_size),
+            # Always: a recipe's own global batch would otherwise set the accumulation.
+            "--training.global_batch_size", str(self.global_batch_size),
         ]
-        if self.accumulation_steps > 1:
-            out += ["--training.global_batch_size", str(self.global_batch_size)]
         if self.ac == "selective":
             out.append("--activation_checkpoint.selective_op")  # keep matmul outputs, rerun the rest
         if self.pp > 1:
