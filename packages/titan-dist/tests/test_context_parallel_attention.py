@@ -128,3 +128,99 @@ def test_cuda_chunks_match_the_mask_and_never_build_it():
     with torch.no_grad():
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(out.detach().float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size, enable_gqa):
+    """FlashAttention varlen's contract written out: segment i's queries over its keys, causal
+    from the lower right (a query sees every key up to its own position counted from the end)."""
+    assert window_size == (-1, 0)
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        assert 0 < qe - qs <= max_q and qe - qs <= ke - ks <= max_k  # no empty segment, keys end with queries
+        mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool).tril(diagonal=(ke - ks) - (qe - qs))
+        out = F.scaled_dot_product_attention(q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1),
+                                             v[ks:ke].transpose(0, 1), attn_mask=mask, enable_gqa=enable_gqa)
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+@pytest.mark.parametrize("documents", [
+    [[0] * 5 + [1] * 14 + [2] * 13, [0] * 20 + [1] * 12],
+    [[0] * 8 + [1] * 8 + [2] * 16, [0] * 32],
+    [list(range(32)), [5] * 3 + [6] * 29],
+], ids=["inside_chunks", "at_chunk_bounds", "short_documents"])
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+def test_varlen_chunks_equal_single_device_document_attention(cp_size, documents, mla):
+    """CP's varlen path (CUDA in half precision: no mask built, each document's run of queries
+    its own sequence over its document's keys) against single-device attention with the whole
+    document mask, outputs and gradients, every rank and chunk, through a reference kernel
+    with FlashAttention varlen's contract. Documents start inside chunks, exactly at their
+    bounds, span several, or are one token long."""
+    from titan.dist.context_parallel import chunk_ids, varlen_chunk_attention
+
+    q, k, v = _inputs(seed=3, mla=mla)
+    docs = torch.tensor(documents)
+    expected = _reference(q, k, v, docs)
+    grads = torch.autograd.grad(expected.sum(), (q, k, v))
+    chunk = S // (2 * cp_size)
+    for rank in range(cp_size):
+        for index in chunk_ids(rank, cp_size):
+            rows = slice(index * chunk, (index + 1) * chunk)
+            out = varlen_chunk_attention(q[:, :, rows], k, v, index * chunk, docs[:, rows], docs,
+                                         kernel=_reference_varlen)
+            torch.testing.assert_close(out, expected[:, :, rows], rtol=1e-12, atol=1e-12)
+    # Gradients: the chunks of every rank together cover every query once.
+    outs = [varlen_chunk_attention(q[:, :, i * chunk:(i + 1) * chunk], k, v, i * chunk,
+                                   docs[:, i * chunk:(i + 1) * chunk], docs, kernel=_reference_varlen)
+            for i in range(2 * cp_size)]
+    for got, want in zip(torch.autograd.grad(torch.cat(outs, dim=2).sum(), (q, k, v)), grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_attend_local_chunks_takes_the_varlen_path_where_the_kernel_runs(monkeypatch):
+    """The dispatch: where `uses_varlen_chunks` (CUDA, half precision, the kernel shipped) the
+    document chunks go through the varlen kernel, never through a boolean mask."""
+    import titan.dist.context_parallel as cp_module
+
+    q, k, v = _inputs(seed=4)
+    docs = torch.tensor([[0] * 5 + [1] * 14 + [2] * 13, [0] * 20 + [1] * 12])
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(args[3])
+        return _reference_varlen(*args, **kwargs)
+
+    monkeypatch.setattr(cp_module, "uses_varlen_chunks", lambda q: True)
+    monkeypatch.setattr(cp_module, "_varlen_kernel", lambda: kernel)
+    local_q = shard_sequence(q, 1, 2, seq_dim=2)
+    out = attend_local_chunks(local_q, k, v, 1, 2, document_ids=shard_sequence(docs, 1, 2, seq_dim=1),
+                              key_document_ids=docs)
+    assert len(calls) == 2  # both chunks
+    torch.testing.assert_close(out, shard_sequence(_reference(q, k, v, docs), 1, 2, seq_dim=2), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlashAttention varlen)")
+def test_cuda_varlen_chunks_match_the_document_mask():
+    """The real kernel keeps the contract the reference above writes out (queries shorter
+    than their keys aligned to the lower right): every chunk of a 4-rank CP split in bf16
+    against SDPA with the whole document mask."""
+    from titan.dist.context_parallel import _varlen_kernel, chunk_ids, varlen_chunk_attention
+
+    if _varlen_kernel() is None:
+        pytest.skip("this torch has no varlen_attn with window_size / enable_gqa")
+    seq, cp_size, heads, kv_heads, dh = 2048, 4, 8, 2, 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, seq, dh, generator=g).cuda().bfloat16() for n in (heads, kv_heads, kv_heads))
+    lengths = [[700, 100, 1, 1247], [2048]]
+    docs = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths]).cuda()
+    mask = (torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril()[None]
+            & (docs[:, :, None] == docs[:, None, :])).unsqueeze(1)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    chunk = seq // (2 * cp_size)
+    for rank in range(cp_size):
+        for index in chunk_ids(rank, cp_size):
+            rows = slice(index * chunk, (index + 1) * chunk)
+            out = varlen_chunk_attention(q[:, :, rows], k, v, index * chunk, docs[:, rows], docs)
+            torch.testing.assert_close(out.float(), expected[:, :, rows].float(), atol=2e-2, rtol=2e-2)

@@ -15,13 +15,18 @@ result is exactly single-device attention. It uses only all-gather / reduce-scat
 runs on gloo (CPU) and NCCL (CUDA) alike.
 
 Packed documents (`--training.document_mask`): the model hands its inner attention the local
-shard's `document_ids`; this attention all-gathers them too (integers, no gradient) and masks
-each local query to keys that are causally visible AND of its own document (a boolean mask per
-chunk, over the chunk's visible keys only), so document masking composes with CP exactly. RoPE positions are data then (restarting per document):
+shard's `document_ids`; this attention all-gathers them too (integers, no gradient) and lets
+each local query read the keys that are causally visible AND of its own document, so document
+masking composes with CP exactly: on CUDA in half precision through the FlashAttention varlen
+kernel (each document's run of queries a sequence over its document's keys, no mask built:
+`varlen_chunk_attention`), elsewhere with a boolean mask per chunk over its visible keys. RoPE positions are data then (restarting per document):
 `shard_batch_dict_for_context_parallel` shards them with the rest of the batch.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -152,6 +157,72 @@ def _lower_right_causal(queries: int, keys: int) -> CausalBias:
         return causal_lower_right(queries, keys)
 
 
+@functools.cache
+def _varlen_kernel():
+    """torch's FlashAttention varlen entry point with causal GQA (`window_size`, `enable_gqa`),
+    or None on builds without it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if {"window_size", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys() else None
+
+
+def _runs_start(ids: torch.Tensor) -> torch.Tensor:
+    """[B, L] bool: where a run of one id starts in each row."""
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return starts
+
+
+def varlen_chunk_attention(q: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor, chunk_start: int,
+                           document_ids: torch.Tensor, key_document_ids: torch.Tensor,
+                           kernel=None) -> torch.Tensor:
+    """Document-causal attention of one query chunk `q` [B, H, C, Dh] (global positions
+    `chunk_start` to `chunk_start + C`, documents `document_ids` [B, C]) over the whole
+    sequence's `k_full` / `v_full` [B, H_kv, S, Dh] (documents `key_document_ids` [B, S])
+    through a varlen kernel: no mask is built. Each run of one document among the queries is
+    a sequence of its own, over its document's keys up to its last query, causal from the
+    lower right (as the kernel aligns queries shorter than their keys). Only the keys from
+    the start of each row's first document to the chunk's end are copied (at most S per row).
+
+    `kernel` defaults to torch's `varlen_attn` (tests pass a reference implementation)."""
+    kernel = kernel or _varlen_kernel()
+    bsz, heads, chunk, head_dim = q.shape
+    end = chunk_start + chunk
+    device = q.device
+    # Where each row's first query document starts among the keys (it may start earlier).
+    key_ids = key_document_ids[:, :end]
+    index = torch.arange(end, device=device)
+    first = torch.where(_runs_start(key_ids)[:, :chunk_start + 1], index[:chunk_start + 1], 0).amax(dim=1)
+    key_lengths = end - first  # [B]: keys each row's segments read, one contiguous range per row
+    # Query segments (flattened over rows) and, from their bounds, the keys' segments: a row's
+    # first segment reads from its document's start, the others from their own first query.
+    q_starts = _runs_start(document_ids).flatten().nonzero().flatten()
+    rows, offsets = q_starts // chunk, q_starts % chunk
+    row_base = torch.cat([key_lengths.new_zeros(1), key_lengths.cumsum(0)])  # keys before each row
+    k_starts = row_base[rows] + torch.where(offsets == 0, 0, chunk_start + offsets - first[rows])
+    cu_q = torch.cat([q_starts, q_starts.new_tensor([bsz * chunk])]).to(torch.int32)
+    cu_k = torch.cat([k_starts, row_base[-1:]]).to(torch.int32)
+    # The keys those segments read, packed row after row: [sum(key_lengths), H_kv, Dh].
+    rows_of_keys = torch.repeat_interleave(torch.arange(bsz, device=device), key_lengths)
+    positions = torch.arange(int(row_base[-1]), device=device) - row_base[rows_of_keys] + first[rows_of_keys]
+
+    def packed(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2)[rows_of_keys, positions]
+
+    flat_q = q.transpose(1, 2).reshape(bsz * chunk, heads, head_dim)
+    out = kernel(flat_q, packed(k_full), packed(v_full), cu_q, cu_k, chunk, end, window_size=(-1, 0),
+                 enable_gqa=k_full.shape[1] != heads)
+    return out.reshape(bsz, chunk, heads, out.shape[-1]).transpose(1, 2)
+
+
+def uses_varlen_chunks(q: torch.Tensor) -> bool:
+    """Whether packed documents run through the varlen kernel under CP: CUDA, half precision
+    and a torch that ships it; elsewhere each chunk builds its boolean mask."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _varlen_kernel() is not None
+
+
 def attend_local_chunks(q: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor, cp_rank: int, cp_size: int,
                         *, document_ids: torch.Tensor | None = None,
                         key_document_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,6 +237,10 @@ def attend_local_chunks(q: torch.Tensor, k_full: torch.Tensor, v_full: torch.Ten
         rows = slice(half * chunk_len, (half + 1) * chunk_len)
         visible = visible_keys(chunk_index, chunk_len)
         keys, values = k_full[:, :, :visible], v_full[:, :, :visible]
+        if document_ids is not None and uses_varlen_chunks(q):
+            outs.append(varlen_chunk_attention(q[:, :, rows], k_full, v_full, visible - chunk_len,
+                                               document_ids[:, rows], key_document_ids))
+            continue
         if document_ids is None:
             mask = _lower_right_causal(chunk_len, visible)
         else:
