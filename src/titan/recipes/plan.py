@@ -366,6 +366,9 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
           f"{selective:.1f} / 1 model-width activations per token (AC none / selective / full); its backward "
           f"holds {facts.backward_units:.1f} more" + (f" and {facts.backward_fixed_bytes / 2**20:,.0f} MiB of weight "
                                                       "casts" if facts.backward_fixed_bytes else ""))
+    if config.training.document_mask:
+        print("note: attention is counted causal over whole rows; with --training.document_mask each packed "
+              "document attends only to itself, so its share of the time is an upper bound", file=sys.stderr)
     if work.float8 and not float8_available():
         print("note: torchao is not installed, so the float8 blocks' activations were not measured: counted as "
               "bf16's (an upper bound when compiled); pip install 'titan-train[float8]'", file=sys.stderr)
