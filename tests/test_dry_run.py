@@ -340,11 +340,11 @@ def test_dry_run_converts_float8_before_the_layout_like_titan_train():
     assert 0 < converted.recompute_bytes - plain.recompute_bytes < 2.25 * block_linears
     # Compiled without AC, a float8 block keeps its linears' inputs in float8: less than a
     # bf16 one (under titan's per-op AC both keep the linears' outputs).
-    compiled = ["--config", "llama3_8b", "--parallelism.tensor_parallel_degree", "2", "--compile.enable",
-                "--activation_checkpoint.mode", "none"]
-    (compiled_plain,) = run_dry_run(parse_train_args(compiled), world_size=8, print_fn=lambda s: None)
+    compiled = [*TINY, "--parallelism.tensor_parallel_degree", "2", "--compile.enable",
+                "--activation_checkpoint.mode", "none", "--training.mixed_precision_param", "bfloat16"]
+    (compiled_plain,) = run_dry_run(parse_train_args(compiled), world_size=2, print_fn=lambda s: None)
     (compiled_f8,) = run_dry_run(parse_train_args([*compiled, "--quantize.linear.float8.recipe", "rowwise"]),
-                                 world_size=8, print_fn=lambda s: None)
+                                 world_size=2, print_fn=lambda s: None)
     assert compiled_f8.activation_bytes < 0.8 * compiled_plain.activation_bytes
     with pytest.raises(ValueError, match="needs FSDP2"):
         run_dry_run(parse_train_args(["--config", "llama3_8b", "--parallelism.tensor_parallel_degree", "8",

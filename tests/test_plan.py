@@ -298,7 +298,8 @@ ACTIVATION_LAYOUTS = {  # name: (TP degree, extra flags)
     # float8 (torchao) compiled keeps the linears' inputs in float8, the weights' casts not at
     # all (inductor saves the parameters instead): measured on the converted block (rowwise
     # measured alike once, 3% above; left out here for the suite's time).
-    "one_process_compiled_float8": (1, ["--model.flavor", "debugmodel_tiny", "--compile.enable",
+    "one_process_compiled_float8": (1, ["--model.flavor", "debugmodel_tiny", "--model.n_layers", "2",
+                                        "--compile.enable", "--compile.components", "model",
                                         "--quantize.linear.float8.recipe", "tensorwise"]),
     "tp2_sp": (2, TP2),
     "tp2_no_sp": (2, [*TP2, "--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_loss_parallel"]),
