@@ -147,6 +147,10 @@ def test_the_dry_run_counts_offloaded_states_on_the_host():
     assert offloaded.offloaded and offloaded.state_bytes == plain.state_bytes > 0
     assert offloaded.total_bytes == plain.total_bytes - plain.state_bytes
     assert "on the host: params" in lines[-1]
+    # Without FSDP the flag would keep every state on the device: refused, by the dry run
+    # (the memory check) as by the real parallelization.
+    with pytest.raises(ValueError, match="this layout has no FSDP"):
+        run_dry_run(parse_train_args([*flags, "--parallelism.fsdp_cpu_offload"]), world_size=1, print_fn=lambda s: None)
 
 
 def test_model_facts_classify_every_parameter():

@@ -804,11 +804,14 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group")
     offloaded = bool(getattr(parallelism, "fsdp_cpu_offload", False))
+    dims = ParallelDims.from_config(parallelism, world_size)
     if offloaded:
+        from titan.dist.parallelize import check_cpu_offload_has_fsdp
+
+        check_cpu_offload_has_fsdp(parallelism, dims)
         # The estimate stands for an accelerator's run: parallelized here on the CPU without the
         # offload (FSDP2 offloads only from an accelerator), the states then counted on the host.
         parallelism = dataclasses.replace(parallelism, fsdp_cpu_offload=False)
-    dims = ParallelDims.from_config(parallelism, world_size)
     with torch.device("meta"):
         probe = model_fn()
     validate_against_model(dims, probe, seq_len=seq_len, global_batch_size=global_batch_size,
@@ -832,7 +835,7 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
                            pp_rank=pp_rank, params=params, param_bytes=4 * params,
                            grad_bytes=4 * params, optimizer_bytes=4 * optimizer_states * params,
                            activation_bytes=acts, recompute_bytes=recompute, loss_bytes=loss,
-                           fsdp_buffer_bytes=fsdp, offloaded=offloaded and dims.uses_fully_shard)
+                           fsdp_buffer_bytes=fsdp, offloaded=offloaded)
         estimates.append(est)
         if print_fn is not None:
             print_fn(est.line())

@@ -38,6 +38,7 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh 
     Returns the same module object, transformed in place.
     """
     dims = parallel_dims
+    check_cpu_offload_has_fsdp(parallelism, dims)
     if dims.cp_enabled:
         from titan.dist.context_parallel import apply_context_parallel
         apply_context_parallel(model, dims.mesh("cp"), parallelism)
@@ -51,6 +52,17 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh 
     apply_compile(model, None, compile)
     _apply_data_parallel(model, dims, parallelism, mp_policy)
     return model
+
+
+def check_cpu_offload_has_fsdp(parallelism, dims: ParallelDims) -> None:
+    """`--parallelism.fsdp_cpu_offload` is FSDP2's: a layout without FSDP (one data-parallel
+    rank, or DDP) would silently keep every state on the device."""
+    if getattr(parallelism, "fsdp_cpu_offload", False) and not dims.uses_fully_shard:
+        raise ValueError(
+            "--parallelism.fsdp_cpu_offload offloads FSDP2's sharded params, grads and optimizer states, "
+            f"and this layout has no FSDP (data_parallel_shard_degree={dims.dp_shard}, "
+            f"data_parallel_replicate_degree={dims.dp_replicate}, tensor_parallel_degree={dims.tp}): shard the parameters "
+            "(--parallelism.data_parallel_shard_degree > 1) or drop the flag")
 
 
 def _apply_data_parallel(model: nn.Module, dims: ParallelDims, parallelism,
