@@ -349,3 +349,32 @@ def test_tyro_boxes_are_condensed_when_no_structured_event_is_available():
            "│ For full helptext, see titan train --help │\n"
            "╰─────────────────────────────╯\n")
     assert cli._condense(box) == "Error parsing training: --training.steps must be >= 1"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--compile.granularity", "model"], "--compile.granularity has no effect without --compile.enable"),
+    (["--compile.components", "loss"], "--compile.components has no effect without --compile.enable"),
+    (["--activation_checkpoint.selective_layer_every", "2"],
+     "--activation_checkpoint.selective_layer_every has no effect without --activation_checkpoint.mode selective"),
+    (["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+     "--parallelism.pipeline_parallel_schedule has no effect without --parallelism.pipeline_parallel_degree > 1"),
+    (["--parallelism.enable_async_tensor_parallel"],
+     "--parallelism.enable_async_tensor_parallel has no effect without --parallelism.tensor_parallel_degree > 1"),
+    (["--checkpoint.interval", "5"], "--checkpoint.interval has no effect without --checkpoint.enable"),
+])
+def test_a_flag_the_run_would_ignore_is_refused(flags, message):
+    """A flag that changes nothing unless another setting is on stops the run with what it
+    needs, instead of being silently ignored (the run used to train without it)."""
+    with pytest.raises(UsageError, match=message.replace(">", ".").replace("+", ".")):
+        parse_train_args(["--config", "llama3_debug", *flags])
+
+
+def test_dependent_flags_pass_with_what_they_need_and_plan_may_pin_layout_flags():
+    config = parse_train_args(["--config", "llama3_debug", "--compile.enable", "--compile.granularity", "model",
+                               "--checkpoint.enable", "--checkpoint.interval", "5",
+                               "--parallelism.pipeline_parallel_degree", "2",
+                               "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"])
+    assert config.compile.granularity == "model" and config.checkpoint.interval == 5
+    # titan plan ranks the layouts a pinned schedule allows: its layout flags are exempt.
+    parse_train_args(["--config", "llama3_debug", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+                     exempt_flags=("--parallelism.pipeline_parallel_schedule",))

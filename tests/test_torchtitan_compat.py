@@ -131,8 +131,10 @@ def parsed(*flags):
     (["--profiler.profile_freq", "5"], "profiling.profile_freq", 5),  # titan's earlier section name
     (["--parallelism.disable_loss_parallel"], "parallelism.enable_loss_parallel", False),
     (["--parallelism.no_disable_loss_parallel"], "parallelism.enable_loss_parallel", True),
-    (["--activation_checkpoint.selective_ac_option", "op"], "activation_checkpoint.selective_op", True),
-    (["--activation_checkpoint.selective_ac_option", "2"], "activation_checkpoint.selective_layer_every", 2),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+     "activation_checkpoint.selective_op", True),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+     "activation_checkpoint.selective_layer_every", 2),
     (["--model.converters", "float8"], "quantize.linear.float8.recipe", "tensorwise"),
     (["--model.converters", "float8", "--float8.recipe_name", "rowwise"], "quantize.linear.float8.recipe", "rowwise"),
     (["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise"],

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import functools
 import io
 import logging
 import os
@@ -48,7 +49,12 @@ from titan.recipes.families import model_spec
 from titan.recipes.memory_check import check_memory, warn_beyond_context
 from titan.recipes.recipes import RECIPES, recipe
 from titan.recipes.runners import DEFAULT_RECIPES, runner_for
-from titan.recipes.torchtitan_compat import CONFIG_FILE_FLAG, titan_argv
+from titan.recipes.torchtitan_compat import (
+    CONFIG_FILE_FLAG,
+    split_config_file,
+    titan_argv,
+    translate,
+)
 
 USAGE = """usage: titan train [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
        titan sft [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
@@ -239,7 +245,52 @@ def _one_line_parse_errors(default: Any, prog: str, argv: list[str]) -> Iterator
     sys.stderr.write(captured.getvalue())  # warnings printed while parsing stay visible
 
 
-def parse_train_args(argv: Sequence[str], *, command: str = "train") -> Any:
+# Flags that change nothing unless another setting is on: (the flags, whether that setting is
+# on in the parsed config, the setting to name). A flag the run would silently ignore is refused.
+DEPENDENT_FLAGS = (
+    (("--compile.granularity", "--compile.components", "--compile.backend", "--compile.fullgraph",
+      "--compile.no_fullgraph"), lambda c: c.compile.enable, "--compile.enable"),
+    (("--activation_checkpoint.selective_layer_every", "--activation_checkpoint.selective_op",
+      "--activation_checkpoint.no_selective_op"),
+     lambda c: c.activation_checkpoint.mode == "selective", "--activation_checkpoint.mode selective"),
+    (("--parallelism.pipeline_parallel_schedule", "--parallelism.pipeline_parallel_microbatch_size",
+      "--parallelism.pipeline_parallel_layers_per_stage", "--parallelism.pipeline_parallel_split_points"),
+     lambda c: c.parallelism.pipeline_parallel_degree > 1, "--parallelism.pipeline_parallel_degree > 1"),
+    (("--parallelism.enable_async_tensor_parallel",), lambda c: c.parallelism.tensor_parallel_degree > 1,
+     "--parallelism.tensor_parallel_degree > 1"),
+    (("--checkpoint.interval", "--checkpoint.keep_latest_k", "--checkpoint.async_mode", "--checkpoint.load_step"),
+     lambda c: c.checkpoint.enable, "--checkpoint.enable"),
+)
+
+
+def ineffective_flags(cli_argv: Sequence[str], config: Any, *, exempt: Sequence[str] = ()) -> list[str]:
+    """The flags on the command line (`cli_argv`, titan's spellings) that `config` would
+    ignore, each with the setting it needs. A torchtitan TOML file's are not checked: its
+    sections spell out defaults (a checkpoint interval with checkpointing off)."""
+    given = {arg.partition("=")[0] for arg in cli_argv if arg.startswith("--")} - set(exempt)
+    found = []
+    for flags, takes_effect, needs in DEPENDENT_FLAGS:
+        section = flags[0][2:].split(".")[0]
+        if not hasattr(config, section):  # a command whose config has no such section
+            continue
+        for flag in flags:
+            if flag in given and not takes_effect(config):
+                found.append(f"{flag} has no effect without {needs}")
+    return found
+
+
+def _command_line_flags(argv: Sequence[str]) -> list[str]:
+    """The command line's own flags in titan's spelling, without a TOML file's. A torchtitan
+    flag that needs the file to translate (a float8 recipe whose converter the file names)
+    stays as typed."""
+    cli = split_config_file(argv)[1]
+    try:
+        return translate(cli)
+    except ValueError:  # CompatError
+        return list(cli)
+
+
+def parse_train_args(argv: Sequence[str], *, command: str = "train", exempt_flags: Sequence[str] = ()) -> Any:
     """Resolve ``--config`` to a recipe, then apply the remaining flags with tyro.
 
     The flags are those of the recipe's own config type (``type(default)``), so a recipe that
@@ -251,6 +302,7 @@ def parse_train_args(argv: Sequence[str], *, command: str = "train") -> Any:
     prog = f"titan {command}"
     default_name = DEFAULT_RECIPES.get(command, DEFAULT_RECIPES["train"])
     name, rest = split_recipe_flag(argv, default=default_name)
+    argv_rest = rest
     try:
         default = recipe(name)
         rest = titan_argv(rest)
@@ -263,7 +315,7 @@ def parse_train_args(argv: Sequence[str], *, command: str = "train") -> Any:
         f"Recipes:\n{recipes_description(command)}"
     )
     with _one_line_parse_errors(default, prog, rest):
-        return tyro.cli(
+        config = tyro.cli(
             type(default),
             default=default,
             args=rest,
@@ -271,6 +323,10 @@ def parse_train_args(argv: Sequence[str], *, command: str = "train") -> Any:
             description=description,
             use_underscores=True,  # --training.local_batch_size, as torchtitan users type it
         )
+    ignored = ineffective_flags(_command_line_flags(argv_rest), config, exempt=exempt_flags)
+    if ignored:
+        raise UsageError(f"{ignored[0]}: set it or drop the flag")
+    return config
 
 
 def check_dump_folder(config: Any) -> None:
@@ -455,9 +511,11 @@ def _dispatch(command: str, rest: list[str]) -> int:
         config = parse_train_args(rest)
         return dry_run_main(config, world_size or world_size_from_env())
     if command == "plan":
-        from titan.recipes.plan import plan
+        # The layout flags a user pins are the planner's to combine (a schedule without PP picks
+        # the pipelined rows), not the run's: not checked here.
+        from titan.recipes.plan import PINNABLE, plan
 
-        return plan(rest, parse_train_args)
+        return plan(rest, functools.partial(parse_train_args, exempt_flags=tuple(PINNABLE)))
     if command == "recipes":
         print(recipes_description())
         return 0
