@@ -511,11 +511,12 @@ def _dispatch(command: str, rest: list[str]) -> int:
         config = parse_train_args(rest)
         return dry_run_main(config, world_size or world_size_from_env())
     if command == "plan":
-        # The layout flags a user pins are the planner's to combine (a schedule without PP picks
-        # the pipelined rows), not the run's: not checked here.
-        from titan.recipes.plan import PINNABLE, plan
+        # The layout and AC flags are the planner's to combine (a schedule without PP picks the
+        # pipelined rows; it refuses what it does not rank itself), not the run's.
+        from titan.recipes.plan import LAYOUT_FLAGS, plan
 
-        return plan(rest, functools.partial(parse_train_args, exempt_flags=tuple(PINNABLE)))
+        exempt = (*LAYOUT_FLAGS, "--activation_checkpoint.selective_layer_every")
+        return plan(rest, functools.partial(parse_train_args, exempt_flags=exempt))
     if command == "recipes":
         print(recipes_description())
         return 0

@@ -276,7 +276,7 @@ def config_for(config: TrainerConfig, layout: Layout) -> TrainerConfig:
 
 
 # Recipe flags the printed command leaves to the layout: flag -> whether it takes a value.
-_LAYOUT_FLAGS = {**dict.fromkeys(PINNABLE, True), "--training.local_batch_size": True,
+LAYOUT_FLAGS = {**dict.fromkeys(PINNABLE, True), "--training.local_batch_size": True,
                  "--training.global_batch_size": True, "--activation_checkpoint.selective_op": False,
                  "--activation_checkpoint.no_selective_op": False}
 
@@ -289,8 +289,8 @@ def train_argv(recipe_argv: Sequence[str], layout: Layout) -> list[str]:
     i = 0
     while i < len(args):
         flag, eq, _ = args[i].partition("=")
-        if flag in _LAYOUT_FLAGS:
-            i += 1 if eq or not _LAYOUT_FLAGS[flag] else 2
+        if flag in LAYOUT_FLAGS:
+            i += 1 if eq or not LAYOUT_FLAGS[flag] else 2
             continue
         kept.append(args[i])
         i += 1
