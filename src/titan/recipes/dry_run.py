@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from titan.dist import ParallelDims, RankEstimate, check_compile_granularity, dry_run
+from titan.dist.dry_run import gathered_bytes_per_param
 from titan.dist.fsdp import DTYPES
 from titan.dist.plan import blocks_of
 from titan.train.config import TrainerConfig
@@ -107,8 +108,21 @@ def gathered_param_bytes(config: TrainerConfig, build) -> float | None:
     converted, _ = float8_linears(model, float8)
     in_blocks = sum(p.numel() for _, block in blocks_of(model) for p in block.parameters())
     share = sum(model.get_submodule(name).weight.numel() for name in converted) / in_blocks
-    compute = DTYPES[config.training.mixed_precision_param].itemsize
-    return compute - share * (compute - 1)
+    return gathered_bytes_per_param(DTYPES[config.training.mixed_precision_param].itemsize, share)
+
+
+def converting(config: TrainerConfig, build: Callable[[], nn.Module],
+               reports: list | None = None) -> Callable[[], nn.Module]:
+    """`build`, then the recipe's quantization applied as `titan train` applies it, before any
+    parallelism (each conversion's report appended to `reports`)."""
+    def model_fn() -> nn.Module:
+        model = build()
+        report = apply_quantization(model, config.quantize)
+        if reports is not None:
+            reports.append(report)
+        return model
+
+    return model_fn
 
 
 def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[RankEstimate]:
@@ -118,12 +132,7 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
     training = config.training
 
     conversions = []
-
-    def model_fn():
-        model = unconverted()
-        # Converted as `titan train` converts it, before any parallelism.
-        conversions.append(apply_quantization(model, config.quantize))
-        return model
+    model_fn = converting(config, unconverted, conversions)
 
     d = ParallelDims.from_config(config.parallelism, world_size)  # resolves dp_shard -1; raises early
     check_quantize_supported(config.quantize, None, uses_fully_shard=d.uses_fully_shard)

@@ -42,9 +42,9 @@ from titan.dist.planner import (
 )
 from titan.models.common.moe import moe_modules
 from titan.train.config import TrainerConfig
-from titan.train.quantize import apply_quantization, float8_available, float8_linears
+from titan.train.quantize import float8_available, float8_linears
 
-from titan.recipes.dry_run import model_builder, run_dry_run
+from titan.recipes.dry_run import converting, model_builder, run_dry_run
 
 USAGE = ("titan plan --gpus <N>x<" + "|".join(HARDWARE) + "> [--config RECIPE] [--nodes K] "
          "[--global_batch_tokens T] [--top 10] [--json] [--verify N] [--memory_headroom 0.1] "
@@ -128,13 +128,7 @@ def _measured_model(config: TrainerConfig, build):
     otherwise unconverted, and a float8 block counts what a bf16 one keeps."""
     if not config.quantize.linear.float8.enabled or not float8_available():
         return build, False
-
-    def converted():
-        model = build()
-        apply_quantization(model, config.quantize)
-        return model
-
-    return converted, True
+    return converting(config, build), True
 
 
 def _matmul_flops_per_token(model, seq: int) -> float | None:

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from titan.dist.dims import EXPERT_VIEWS, FLATTENED, ParallelDims
-from titan.dist.fsdp import DTYPES, reshard_after_forward
+from titan.dist.fsdp import DTYPES, check_cpu_offload_has_fsdp, reshard_after_forward
 from titan.dist.pipeline import stage_ids_of_rank
 from titan.dist.plan import blocks_of, match_modules, sharding_plan
 
@@ -335,25 +335,30 @@ def loss_peak_bytes(tokens: float, vocab: int, *, tp: int, loss_parallel: bool, 
 
 
 def fsdp_buffer_bytes(block_unsharded: float, n_blocks: int, *, sharded: bool, pipelined: bool,
-                      compute_dtype_bytes: float, reduce_dtype_bytes: int = 4,
-                      keeps_gathered: bool | None = None) -> float:
+                      keeps_gathered: bool, compute_dtype_bytes: float, reduce_dtype_bytes: int = 4) -> float:
     """Bytes of FSDP's unsharded copies on one rank at its peak, for blocks of
     `block_unsharded` parameters each (TP-local, gathered over FSDP).
 
     Parameters, gathered in the compute dtype (`compute_dtype_bytes` per parameter: less where
-    float8 weights are gathered in float8): the block computed and the one prefetched, or
-    with `keeps_gathered` (`reshard_after_forward` off; None: the engine's default, off exactly
-    under PP, where every microbatch would gather them again) every block, as the backward
-    starts. Gradients, in `reduce_dtype_bytes` (`--training.mixed_precision_reduce`): one
+    float8 weights are gathered in float8, `gathered_bytes_per_param`): the block computed and
+    the one prefetched, or with `keeps_gathered` (`reshard_after_forward` off, as the engine's
+    default is under PP, where every microbatch would gather them again) every block, as the
+    backward starts. Gradients, in `reduce_dtype_bytes` (`--training.mixed_precision_reduce`): one
     block's before its reduce-scatter; under PP the schedule turns gradient sync off until
     the last microbatch, so FSDP accumulates the stage's unsharded gradients too.
     """
     if not sharded:
         return 0.0
-    keeps = pipelined if keeps_gathered is None else keeps_gathered
-    params = block_unsharded * (n_blocks if keeps else 2) * compute_dtype_bytes
+    params = block_unsharded * (n_blocks if keeps_gathered else 2) * compute_dtype_bytes
     grads = block_unsharded * (n_blocks + 1 if pipelined else 1) * reduce_dtype_bytes
     return params + grads
+
+
+def gathered_bytes_per_param(compute_dtype_bytes: float, float8_share: float) -> float:
+    """Bytes per block parameter FSDP gathers: the compute dtype's, and 1 for the
+    `float8_share` of them that float8's FSDP all-gather
+    (`--quantize.linear.float8.enable_fsdp_float8_all_gather`) gathers in float8."""
+    return compute_dtype_bytes - float8_share * (compute_dtype_bytes - 1)
 
 
 def forwards_in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int) -> int:
@@ -728,9 +733,9 @@ def _fsdp_bytes(parts: list[nn.Module], dims: ParallelDims, activation_dtype: st
     per_block = sum(_fsdp_gathered_numel(b) for b in blocks) / len(blocks)
     keeps = not reshard_after_forward(parallelism, pp_enabled=dims.pp_enabled)
     return int(fsdp_buffer_bytes(per_block, len(blocks), sharded=dims.dp_shard * dims.cp > 1,
-                                 pipelined=dims.pp_enabled,
+                                 pipelined=dims.pp_enabled, keeps_gathered=keeps,
                                  compute_dtype_bytes=gathered_param_bytes or _BYTES[activation_dtype],
-                                 reduce_dtype_bytes=_BYTES[reduce_dtype], keeps_gathered=keeps))
+                                 reduce_dtype_bytes=_BYTES[reduce_dtype]))
 
 
 def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, activation_checkpoint,
@@ -806,8 +811,6 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     offloaded = bool(getattr(parallelism, "fsdp_cpu_offload", False))
     dims = ParallelDims.from_config(parallelism, world_size)
     if offloaded:
-        from titan.dist.parallelize import check_cpu_offload_has_fsdp
-
         check_cpu_offload_has_fsdp(parallelism, dims)
         # The estimate stands for an accelerator's run: parallelized here on the CPU without the
         # offload (FSDP2 offloads only from an accelerator), the states then counted on the host.

@@ -112,6 +112,17 @@ def _wrap_expert_units(model: nn.Module, kwargs: dict, reshard: bool) -> None:
         fully_shard(experts, reshard_after_forward=reshard, shard_placement_fn=placement, **kwargs)
 
 
+def check_cpu_offload_has_fsdp(parallelism, dims) -> None:
+    """`--parallelism.fsdp_cpu_offload` is FSDP2's: a layout without FSDP (one data-parallel
+    rank, or DDP) would silently keep every state on the device."""
+    if getattr(parallelism, "fsdp_cpu_offload", False) and not dims.uses_fully_shard:
+        raise ValueError(
+            "--parallelism.fsdp_cpu_offload offloads FSDP2's sharded params, grads and optimizer states, "
+            f"and this layout has no FSDP (data_parallel_shard_degree={dims.dp_shard}, "
+            f"data_parallel_replicate_degree={dims.dp_replicate}, tensor_parallel_degree={dims.tp}): shard the parameters "
+            "(--parallelism.data_parallel_shard_degree > 1) or drop the flag")
+
+
 def _check_cpu_offload(config, mesh: DeviceMesh) -> None:
     """CPU offload moves sharded state from an accelerator to pinned host memory; on a CPU
     mesh the state is already there and FSDP2's pinning needs an accelerator."""

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from titan.dist.activation_checkpoint import apply_activation_checkpointing
 from titan.dist.compile import apply_compile
 from titan.dist.dims import ParallelDims
+from titan.dist.fsdp import check_cpu_offload_has_fsdp
 
 
 def parallelize(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh | None, *,
@@ -52,17 +53,6 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh 
     apply_compile(model, None, compile)
     _apply_data_parallel(model, dims, parallelism, mp_policy)
     return model
-
-
-def check_cpu_offload_has_fsdp(parallelism, dims: ParallelDims) -> None:
-    """`--parallelism.fsdp_cpu_offload` is FSDP2's: a layout without FSDP (one data-parallel
-    rank, or DDP) would silently keep every state on the device."""
-    if getattr(parallelism, "fsdp_cpu_offload", False) and not dims.uses_fully_shard:
-        raise ValueError(
-            "--parallelism.fsdp_cpu_offload offloads FSDP2's sharded params, grads and optimizer states, "
-            f"and this layout has no FSDP (data_parallel_shard_degree={dims.dp_shard}, "
-            f"data_parallel_replicate_degree={dims.dp_replicate}, tensor_parallel_degree={dims.tp}): shard the parameters "
-            "(--parallelism.data_parallel_shard_degree > 1) or drop the flag")
 
 
 def _apply_data_parallel(model: nn.Module, dims: ParallelDims, parallelism,

@@ -76,6 +76,7 @@ from titan.dist.dry_run import (
     ACT_UNITS_PER_TOKEN,
     ZERO_BUBBLE_SCHEDULES,
     fsdp_buffer_bytes,
+    gathered_bytes_per_param,
     held_block_microbatches,
     kv_width,
     loss_peak_bytes,
@@ -525,7 +526,7 @@ class Workload:
         """Bytes per parameter of a block FSDP gathers: the compute dtype's, 1 for the weights
         gathered in float8."""
         share = facts.float8_block_share if self.float8 and self.float8_all_gather else 0.0
-        return self.compute_dtype_bytes - share * (self.compute_dtype_bytes - 1)
+        return gathered_bytes_per_param(self.compute_dtype_bytes, share)
 
     def keeps_gathered(self, pipelined: bool) -> bool:
         """Whether FSDP keeps the gathered parameters past each forward under this policy."""
@@ -628,9 +629,9 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[
                              compiled=work.compile_loss) \
         if last else 0.0
     fsdp_buffers = fsdp_buffer_bytes(block_unsharded, len(blocks), sharded=layout.dp_shard * layout.cp > 1,
-                                     pipelined=layout.pp > 1, compute_dtype_bytes=work.gathered_bytes(facts),
-                                     reduce_dtype_bytes=work.reduce_dtype_bytes,
-                                     keeps_gathered=work.keeps_gathered(layout.pp > 1))
+                                     pipelined=layout.pp > 1, keeps_gathered=work.keeps_gathered(layout.pp > 1),
+                                     compute_dtype_bytes=work.gathered_bytes(facts),
+                                     reduce_dtype_bytes=work.reduce_dtype_bytes)
     out = {"params_grads_optimizer": params * _STATE_BYTES, "fsdp_buffers": fsdp_buffers,
            "activations": activations, "recompute": recompute, "backward": backward, "logits": logits}
     subtotal = sum(out.values())
@@ -732,9 +733,11 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     # Gradient accumulation runs the whole exchange once per microbatch (FSDP2 reshards after
     # each forward and reduce-scatters after each backward, as the engine runs it); kept
     # gathered, a microbatch's backward reuses its forward's gather (under PP: the step's).
-    per_microbatch = 1 if work.keeps_gathered(layout.pp > 1) else 2
-    gathers = per_microbatch * (layout.accumulation_steps if layout.pp == 1 else
-                                1 if per_microbatch == 1 else layout.microbatches)
+    microbatches = layout.accumulation_steps if layout.pp == 1 else layout.microbatches
+    if work.keeps_gathered(layout.pp > 1):
+        gathers = microbatches if layout.pp == 1 else 1
+    else:
+        gathers = 2 * microbatches
     gather = _ring(stage_unsharded * gathers * work.gathered_bytes(facts), fsdp_group) / fsdp_link
     reduce = (_ring(stage_unsharded * work.reduce_dtype_bytes, fsdp_group) / fsdp_link * hw.reduce_scatter_cost
               * layout.accumulation_steps)
