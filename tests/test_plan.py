@@ -80,9 +80,9 @@ NO_SP = ["--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_l
      []),
     (_layout(tp=2, pp=2, ac="full", local_batch_size=4, microbatch_size=1), []),
     (_layout(dp_shard=4, ac="selective", local_batch_size=4, microbatch_size=2), []),
-    (_layout(dp_shard=4), ["--parallelism.fsdp_reshard_after_forward", "never"]),
-    (_layout(dp_shard=2, pp=2, local_batch_size=4, microbatch_size=1),
-     ["--parallelism.fsdp_reshard_after_forward", "always", "--training.mixed_precision_reduce", "bfloat16"]),
+    (_layout(dp_shard=4, reshard_after_forward="never"), []),
+    (_layout(dp_shard=2, pp=2, local_batch_size=4, microbatch_size=1, reshard_after_forward="always"),
+     ["--training.mixed_precision_reduce", "bfloat16"]),
     (_layout(dp_shard=4), ["--quantize.linear.float8.recipe", "tensorwise",
                            "--quantize.linear.float8.enable_fsdp_float8_all_gather"]),
 ], ids=["tp2_sp", "tp2_no_sp", "tp2_no_sp_full_ac", "tp2_cp2_selective", "cp2", "pp2_zbv", "tp2_pp2_full_ac",
@@ -117,10 +117,11 @@ def test_fsdp_policy_flags_change_the_planned_memory_and_traffic():
     layout = _layout(dp_shard=4)
     plain = workload_for(config, 4, 2 * 4 * 32, 0.0)
 
-    def planned(**changes):
-        return predict(facts, layout, dataclasses.replace(plain, **changes), HARDWARE["H100"])
+    def planned(on=layout, **changes):
+        return predict(facts, on, dataclasses.replace(plain, **changes), HARDWARE["H100"])
 
-    base, kept, bf16 = planned(), planned(reshard_after_forward="never"), planned(reduce_dtype_bytes=2)
+    base, bf16 = planned(), planned(reduce_dtype_bytes=2)
+    kept = planned(dataclasses.replace(layout, reshard_after_forward="never"))
     f8_gather = planned(float8=True, float8_all_gather=True)
     block = facts.blocks[0].tp_sharded + facts.blocks[0].tp_replicated
     c = plain.compute_dtype_bytes
@@ -1079,3 +1080,50 @@ def test_a_torch_without_the_schedule_builder_plans_without_zero_bubble(monkeypa
     monkeypatch.setattr(planner, "zero_bubble_timeable", lambda: False)
     schedules = {lay.schedule for lay in enumerate_layouts(facts, 4, work) if lay.pp > 1}
     assert schedules and not schedules & {"ZBVZeroBubble", "InterleavedZeroBubble"}
+
+
+def test_fsdp_reshard_policy_is_a_ranked_choice(capsys):
+    """FSDP's reshard policy (`--parallelism.fsdp_reshard_after_forward`) is enumerated where it
+    changes something: where FSDP shards, "never" beside the default without PP (the backward
+    reuses the forward's gather, every block held at once) and "always" beside it under PP
+    (each forward frees the stage). Pinned on the command line, it is the only one ranked."""
+    config = parse_train_args(["--config", "llama3_debug", *TINY])
+    facts, _, _ = model_facts(config)
+    work = workload_for(config, 8, 8 * 32, 0.0)
+    seen: dict[tuple[bool, bool], set[str]] = {}
+    for layout in enumerate_layouts(facts, 8, work):
+        seen.setdefault((layout.pp > 1, layout.fsdp_sharded), set()).add(layout.reshard_after_forward)
+    assert seen == {(False, True): {"default", "never"}, (True, True): {"default", "always"},
+                    (False, False): {"default"}, (True, False): {"default"}}
+    pinned = {lay.reshard_after_forward for lay in enumerate_layouts(facts, 8, work, reshard_policies=("always",))}
+    assert pinned == {"always"}
+    # The choice trades memory for traffic, as the policy does.
+    layout = _layout(dp_shard=8, local_batch_size=1)
+    default, kept = (predict(facts, lay, work, HARDWARE["H100"])
+                     for lay in (layout, dataclasses.replace(layout, reshard_after_forward="never")))
+    assert kept.memory["fsdp_buffers"] > default.memory["fsdp_buffers"]
+    assert kept.loads["fsdp_exposed"] < default.loads["fsdp_exposed"]
+    # A non-default policy is ranked only where it fits and its twin does not, or is 1% faster.
+    every = list(enumerate_layouts(facts, 8, work))
+    ranked = rank_layouts(facts, every, work, HARDWARE["H100"])
+    twins = {p.layout: p for p in ranked if p.layout.reshard_after_forward == "default"}
+    others = [p for p in ranked if p.layout.reshard_after_forward != "default"]
+    assert len(twins) == sum(lay.reshard_after_forward == "default" for lay in every)
+    assert len(ranked) < len(every) and others
+    for p in others:
+        twin = twins[dataclasses.replace(p.layout, reshard_after_forward="default")]
+        assert (p.fits and not twin.fits) or p.tokens_per_s_per_device >= 1.01 * twin.tokens_per_s_per_device
+    # Llama 3 70B on 256 H100s: the published mesh (FSDP 32 x TP 8) ranks first once its
+    # gathered blocks are kept for the backward; the row's command says so.
+    rc = main(["plan", "--config", "llama3_70b", "--gpus", "256xH100", "--top", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "| 1 | fsdp 32 x tp 8, reshard never |" in out
+    command = next(line for line in out.splitlines() if line.startswith("1: titan train "))
+    assert parse_train_args(command.split()[3:]).parallelism.fsdp_reshard_after_forward == "never"
+    rc = main(["plan", "--config", "llama3_70b", "--gpus", "256xH100", "--json",
+               "--parallelism.fsdp_reshard_after_forward", "always"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert rows and all(row["layout"]["reshard_after_forward"] == "always" for row in rows)
+    assert all(row["train_argv"].count("--parallelism.fsdp_reshard_after_forward") == 1 for row in rows[:5])

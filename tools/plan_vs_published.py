@@ -188,7 +188,8 @@ def compare(row: Published) -> dict:
 
 
 def _same_layout(a: Layout, b: Layout) -> bool:
-    keys = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "ac", "local_batch_size", "schedule")
+    keys = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "ac", "local_batch_size", "schedule",
+            "reshard_after_forward")
     return all(getattr(a, k) == getattr(b, k) for k in (*keys, "microbatch_size"))
 
 

@@ -84,6 +84,7 @@ PINNABLE = {
     "--parallelism.pipeline_parallel_schedule": ("schedule", str),
     "--parallelism.pipeline_parallel_microbatch_size": ("microbatch_size", int),
     "--activation_checkpoint.mode": ("ac", str),
+    "--parallelism.fsdp_reshard_after_forward": ("reshard_after_forward", str),
 }
 
 
@@ -188,7 +189,6 @@ def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | No
                     loss_parallel=config.parallelism.enable_loss_parallel,
                     async_tp=config.parallelism.enable_async_tensor_parallel, memory_headroom=headroom,
                     loss_chunk_tokens=t.loss_chunk_tokens,
-                    reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
                     reduce_dtype_bytes=DTYPES[t.mixed_precision_reduce].itemsize,
                     float8_all_gather=config.quantize.linear.float8.enable_fsdp_float8_all_gather)
 
@@ -216,6 +216,8 @@ def enumeration_for(pinned: dict[str, object]) -> dict[str, object]:
         bounds["microbatch_sizes"] = (pinned["microbatch_size"],)
     if "dp_replicate" in pinned:
         bounds["replicas_across_nodes_only"] = False
+    if "reshard_after_forward" in pinned:
+        bounds["reshard_policies"] = (pinned["reshard_after_forward"],)
     return bounds
 
 
@@ -254,7 +256,8 @@ def _first_refusal(layouts: list[Layout], probe, work: Workload, pinned: dict[st
 
 
 def config_for(config: TrainerConfig, layout: Layout) -> TrainerConfig:
-    """``config`` with the layout's degrees, AC and batch (what its flags select)."""
+    """``config`` with the layout's degrees, FSDP reshard policy, AC and batch (what its flags
+    select)."""
     # The schedule and its microbatch only under PP, as the layout's flags set them.
     pipeline = (dict(pipeline_parallel_schedule=layout.schedule, pipeline_parallel_microbatch_size=layout.microbatch_size)
                 if layout.pp > 1 else {})
@@ -262,7 +265,7 @@ def config_for(config: TrainerConfig, layout: Layout) -> TrainerConfig:
         config.parallelism, data_parallel_replicate_degree=layout.dp_replicate,
         data_parallel_shard_degree=layout.dp_shard, tensor_parallel_degree=layout.tp,
         context_parallel_degree=layout.cp, pipeline_parallel_degree=layout.pp,
-        expert_parallel_degree=layout.ep, **pipeline)
+        expert_parallel_degree=layout.ep, fsdp_reshard_after_forward=layout.reshard_after_forward, **pipeline)
     ac = dataclasses.replace(config.activation_checkpoint, mode=layout.ac, selective_op=layout.ac == "selective")
     training = dataclasses.replace(config.training, local_batch_size=layout.engine_local_batch_size,
                                    global_batch_size=layout.global_batch_size)

@@ -4,7 +4,8 @@ with a predicted memory per rank and step time.
 The model is described by `ModelFacts` (read once from the meta model and its sharding plan:
 which parameters tensor parallelism shards, which it replicates, which are routed experts),
 the cluster by a `Hardware` profile. For each `Layout` (pp x dp_replicate x dp_shard x cp x
-tp, EP, activation checkpointing, batch and pipeline microbatching) the planner predicts:
+tp, EP, activation checkpointing, batch and pipeline microbatching, FSDP's reshard policy) the
+planner predicts:
 
 memory per rank (worst pipeline stage)
     fp32 parameters, gradients and AdamW's two states of the rank's shard (16 bytes per
@@ -12,7 +13,8 @@ memory per rank (worst pipeline stage)
     the block being computed and the one prefetched, and the fp32 reduce-scatter buffer of
     one block (under PP: the whole stage gathered for the step and its unsharded gradients
     accumulated in fp32 until the last microbatch, as the engine and torch's schedules run
-    it); activations per block by AC mode (the dry run's per-token coefficients;
+    it; every block gathered under `reshard_after_forward` "never", two blocks under "always"
+    even with PP); activations per block by AC mode (the dry run's per-token coefficients;
     "selective" is per-op selective AC, which the printed flags select: the block's input,
     attention output and every linear's output), divided by TP except
     the inputs the sharded matmuls gather (2 units with sequence parallel; without it also the
@@ -71,6 +73,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 from titan.dist.dims import ParallelDims
+from titan.dist.config import RESHARD_POLICIES
 from titan.dist.fsdp import reshards_after_forward
 from titan.dist.dry_run import (
     ACT_UNITS_PER_TOKEN,
@@ -377,11 +380,29 @@ class Layout:
     microbatch_size: int
     schedule: str
     stages_per_rank: int = 1
+    reshard_after_forward: str = "default"
+    """`--parallelism.fsdp_reshard_after_forward`: "never" keeps each block's gathered
+    parameters from its forward to its backward (all of them at once, one gather per
+    microbatch), "always" frees them after the forward even under PP (two gathers per
+    microbatch and stage), "default" keeps them exactly under PP."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.microbatch_size <= self.local_batch_size or self.local_batch_size % self.microbatch_size:
             raise ValueError(f"microbatch_size {self.microbatch_size} must divide local_batch_size "
                              f"{self.local_batch_size}")
+        if self.reshard_after_forward not in RESHARD_POLICIES:
+            raise ValueError(f"reshard_after_forward {self.reshard_after_forward!r} must be one of "
+                             f"{', '.join(RESHARD_POLICIES)}")
+
+    @property
+    def fsdp_sharded(self) -> bool:
+        """Whether FSDP shards the blocks' parameters (over dp_shard x cp)."""
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def keeps_gathered(self) -> bool:
+        """Whether FSDP keeps each block's gathered parameters past its forward."""
+        return not reshards_after_forward(self.reshard_after_forward, pp_enabled=self.pp > 1)
 
     @property
     def world_size(self) -> int:
@@ -429,6 +450,8 @@ class Layout:
         if self.pp > 1:
             out += ["--parallelism.pipeline_parallel_schedule", self.schedule,
                     "--parallelism.pipeline_parallel_microbatch_size", str(self.microbatch_size)]
+        if self.reshard_after_forward != "default":
+            out += ["--parallelism.fsdp_reshard_after_forward", self.reshard_after_forward]
         return out
 
     def describe(self) -> str:
@@ -441,7 +464,10 @@ class Layout:
         parts += [f"cp {self.cp}"] if self.cp > 1 else []
         parts += [f"tp {self.tp}"] if self.tp > 1 else []
         parts += [f"ep {self.ep}"] if self.ep > 1 else []
-        return " x ".join(parts)
+        described = " x ".join(parts)
+        if self.reshard_after_forward != "default":
+            described += f", reshard {self.reshard_after_forward}"
+        return described
 
 
 @dataclass(kw_only=True)
@@ -510,11 +536,6 @@ class Workload:
     behind the backward like FSDP's reduce-scatter, except the last block's. False: after the
     backward, all of it exposed (how Megatron-LM's data parallelism ran in 2021, for the
     published comparison)."""
-    reshard_after_forward: str = "default"
-    """`--parallelism.fsdp_reshard_after_forward`: "never" keeps each block's gathered
-    parameters from its forward to its backward (all of them at once, one gather per
-    microbatch), "always" frees them after the forward even under PP (two gathers per
-    microbatch and stage), "default" keeps them exactly under PP."""
     reduce_dtype_bytes: int = 4
     """`--training.mixed_precision_reduce`: bytes per gradient element FSDP reduce-scatters
     (and the replicas all-reduce)."""
@@ -527,10 +548,6 @@ class Workload:
         gathered in float8."""
         share = facts.float8_block_share if self.float8 and self.float8_all_gather else 0.0
         return gathered_bytes_per_param(self.compute_dtype_bytes, share)
-
-    def keeps_gathered(self, pipelined: bool) -> bool:
-        """Whether FSDP keeps the gathered parameters past each forward under this policy."""
-        return not reshards_after_forward(self.reshard_after_forward, pp_enabled=pipelined)
 
 
 def stage_params(facts: ModelFacts, layout: Layout, blocks: Sequence[int], first: bool, last: bool) -> tuple[float, float]:
@@ -628,8 +645,8 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[
                              chunk_tokens=work.loss_chunk_tokens, compute_dtype_bytes=work.compute_dtype_bytes,
                              compiled=work.compile_loss) \
         if last else 0.0
-    fsdp_buffers = fsdp_buffer_bytes(block_unsharded, len(blocks), sharded=layout.dp_shard * layout.cp > 1,
-                                     pipelined=layout.pp > 1, keeps_gathered=work.keeps_gathered(layout.pp > 1),
+    fsdp_buffers = fsdp_buffer_bytes(block_unsharded, len(blocks), sharded=layout.fsdp_sharded,
+                                     pipelined=layout.pp > 1, keeps_gathered=layout.keeps_gathered,
                                      compute_dtype_bytes=work.gathered_bytes(facts),
                                      reduce_dtype_bytes=work.reduce_dtype_bytes)
     out = {"params_grads_optimizer": params * _STATE_BYTES, "fsdp_buffers": fsdp_buffers,
@@ -734,7 +751,7 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     # each forward and reduce-scatters after each backward, as the engine runs it); kept
     # gathered, a microbatch's backward reuses its forward's gather (under PP: the step's).
     microbatches = layout.accumulation_steps if layout.pp == 1 else layout.microbatches
-    if work.keeps_gathered(layout.pp > 1):
+    if layout.keeps_gathered:
         gathers = microbatches if layout.pp == 1 else 1
     else:
         gathers = 2 * microbatches
@@ -903,7 +920,8 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
                       schedules: Iterable[str] = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble",
                                                   "ZBVZeroBubble"),
                       max_tp: int = 8, max_cp: int = 8, microbatch_sizes: Iterable[int] = (1, 2, 4),
-                      replicas_across_nodes_only: bool = True) -> Iterator[Layout]:
+                      replicas_across_nodes_only: bool = True,
+                      reshard_policies: Sequence[str] | None = None) -> Iterator[Layout]:
     """Every layout of `world_size` ranks whose degrees divide what they split: TP and CP
     powers of two up to `max_tp` / `max_cp` (a TP group beyond one node is never faster),
     CP dividing the sequence into 2 cp chunks, PP at most one block per stage, the global
@@ -911,8 +929,8 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
     experts, pipeline microbatches of `microbatch_sizes` sequences with at least pp of them (and
     for the interleaved schedules a count torch splits into equal rounds; without PP the whole
     local batch at once or accumulated in microbatches of those sizes), data-parallel
-    replicas only beside a shard group of a node's ranks (`replicas_across_nodes_only`). The
-    bounds are pruning for speed: a flag the user pins widens them. The model's own
+    replicas only beside a shard group of a node's ranks (`replicas_across_nodes_only`), and
+    FSDP's `reshard_policies` (default: `reshard_choices`). The bounds are pruning for speed: a flag the user pins widens them. The model's own
     constraints (heads, hidden sizes, ties) are checked by `ParallelDims.validate_model`
     through `valid`."""
     for pp in divisors(world_size):
@@ -931,16 +949,31 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
                     if replicas_across_nodes_only and dp_replicate > 1 and dp_shard * cp * tp < min(8, world_size // pp):
                         continue  # replicas across nodes only: shard within a node at least
                     eps = [1] if not n_experts else [e for e in divisors(dp_shard * cp) if n_experts % e == 0]
+                    policies = reshard_choices(pp, dp_shard * cp > 1, reshard_policies)
                     for ep in eps:
                         for ac in ac_modes:
-                            yield from _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local,
-                                                          facts.n_layers, schedules, microbatch_sizes)
+                            for policy in policies:
+                                yield from _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local,
+                                                              facts.n_layers, schedules, microbatch_sizes, policy)
+
+
+def reshard_choices(pp: int, sharded: bool, pinned: Sequence[str] | None = None) -> tuple[str, ...]:
+    """FSDP reshard policies worth ranking for a mesh: `pinned` when given; else "default"
+    and, where FSDP shards, the policy that differs from it there: "never" without PP (the
+    backward reuses the forward's gather: one gather per microbatch instead of two, every
+    block's parameters held at once), "always" under PP (the stage's parameters freed after
+    each forward: less memory, two gathers per microbatch instead of one per step)."""
+    if pinned is not None:
+        return tuple(pinned)
+    if not sharded:
+        return ("default",)
+    return ("default", "always" if pp > 1 else "never")
 
 
 def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_layers, schedules,
-                       microbatch_sizes) -> Iterator[Layout]:
+                       microbatch_sizes, reshard) -> Iterator[Layout]:
     base = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, ac=ac,
-                local_batch_size=local)
+                local_batch_size=local, reshard_after_forward=reshard)
     if pp == 1:  # the whole local batch at once, or accumulated over microbatches of `microbatch_sizes`
         for micro in sorted({local, *(m for m in microbatch_sizes if m < local and local % m == 0)}, reverse=True):
             yield Layout(**base, microbatch_size=micro, schedule="1F1B")
@@ -959,9 +992,31 @@ def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_laye
 
 def rank_layouts(facts: ModelFacts, layouts: Iterable[Layout], work: Workload, hw: Hardware,
                  valid: Callable[[Layout], bool] = lambda layout: True) -> list[Prediction]:
-    """Predictions of the valid layouts, fitting ones first, fastest first."""
+    """Predictions of the valid layouts, fitting ones first, fastest first; a non-default
+    FSDP reshard policy only where it earns its place (`RESHARD_MIN_GAIN`)."""
     preds = [predict(facts, lay, work, hw) for lay in layouts if valid(lay)]
+    defaults = {p.layout: p for p in preds if p.layout.reshard_after_forward == "default"}
+    preds = [p for p in preds if _earns_its_place(p, defaults.get(dataclasses.replace(p.layout,
+                                                                                    reshard_after_forward="default")))]
     return sorted(preds, key=lambda p: (not p.fits, -p.tokens_per_s_per_device, p.memory["total"]))
+
+
+RESHARD_MIN_GAIN = 0.01
+"""How much faster than the same layout under the default policy a non-default FSDP reshard
+policy must be predicted to be ranked: "never" always costs memory (every block gathered at
+once), and a gain below 1% is no reason to pay it; nor is a row that differs from its twin
+only there worth a place in the table."""
+
+
+def _earns_its_place(pred: Prediction, twin: Prediction | None) -> bool:
+    """Whether `pred` (any policy) is worth ranking beside `twin`, the same layout under the
+    default policy (None: not enumerated, e.g. the policy was pinned): it fits where the twin
+    does not, or is `RESHARD_MIN_GAIN` faster."""
+    if pred.layout.reshard_after_forward == "default" or twin is None:
+        return True
+    if pred.fits != twin.fits:
+        return pred.fits
+    return pred.tokens_per_s_per_device >= (1 + RESHARD_MIN_GAIN) * twin.tokens_per_s_per_device
 
 
 def layout_dims(layout: Layout) -> ParallelDims:
@@ -972,4 +1027,4 @@ def layout_dims(layout: Layout) -> ParallelDims:
 
 __all__ = ["HARDWARE", "BlockParams", "Hardware", "Layout", "ModelFacts", "Prediction", "Workload",
            "divisors", "enumerate_layouts", "layout_dims", "parse_gpus", "predict", "rank_layouts",
-           "rank_stages", "stage_params"]
+           "rank_stages", "reshard_choices", "stage_params"]
