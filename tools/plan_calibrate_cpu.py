@@ -1,7 +1,7 @@
 """Calibrate `titan plan` on this CPU: its predicted peak memory and step time against real
 `titan train` runs of the same model in several layouts (gloo, one thread per rank).
 
-    python tools/plan_calibrate_cpu.py [--steps 6] [--json]
+    python tools/plan_calibrate_cpu.py [--steps 6] [--json] [--layouts 'fsdp 2' 'tp 2' ...]
 
 The hardware profile is measured here first: the fp32 GEMM rate of one thread (the "peak")
 and how it falls for few tokens,
@@ -69,6 +69,12 @@ LAYOUTS = {
     "ddp 2, 2 x 2 accumulated": (2, ["--parallelism.data_parallel_shard_degree", "1",
                                      "--parallelism.data_parallel_replicate_degree", "2",
                                      "--training.global_batch_size", "8"], 2),
+    # FSDP's reshard policy, which `titan plan` ranks: "never" keeps every block gathered from
+    # its forward to its backward (one all-gather per microbatch instead of two); "always"
+    # under PP frees the stage after each microbatch's forward (two per microbatch, not one).
+    "fsdp 2, 2 x 2 accumulated, reshard never": (2, ["--parallelism.data_parallel_shard_degree", "2",
+                                                     "--training.global_batch_size", "8",
+                                                     "--parallelism.fsdp_reshard_after_forward", "never"], 2),
 }
 
 
@@ -200,7 +206,8 @@ def layout_of(name: str) -> Layout:
                   cp=int(degrees.get("--parallelism.context_parallel_degree", 1)),
                   tp=int(degrees.get("--parallelism.tensor_parallel_degree", 1)), ep=1, ac="none",
                   local_batch_size=per_step, microbatch_size=micro, schedule=schedule,
-                  stages_per_rank=1 if schedule in SINGLE_STAGE else 2)
+                  stages_per_rank=1 if schedule in SINGLE_STAGE else 2,
+                  reshard_after_forward=degrees.get("--parallelism.fsdp_reshard_after_forward", "default"))
 
 
 def main() -> None:
@@ -208,11 +215,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--layouts", default="",
-                        help="comma-separated subset of the layouts to run (the one-process run, which fits the "
-                             "kernel efficiency, always runs)")
+    parser.add_argument("--layouts", nargs="+", default=[], metavar="NAME",
+                        help="the layouts to run, each one argument (their names hold commas), e.g. --layouts "
+                             "'fsdp 2' 'tp 2'; the one-process run, which fits the kernel efficiency, always runs")
     args = parser.parse_args()
-    names = ["one process", *(n.strip() for n in args.layouts.split(",") if n.strip() and n.strip() != "one process")]
+    names = ["one process", *(n.strip() for n in args.layouts if n.strip() != "one process")]
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         parser.error(f"unknown layouts {unknown}; choose from {list(LAYOUTS)}")
