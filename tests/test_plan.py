@@ -1127,3 +1127,30 @@ def test_fsdp_reshard_policy_is_a_ranked_choice(capsys):
     rows = json.loads(capsys.readouterr().out)["layouts"]
     assert rows and all(row["layout"]["reshard_after_forward"] == "always" for row in rows)
     assert all(row["train_argv"].count("--parallelism.fsdp_reshard_after_forward") == 1 for row in rows[:5])
+
+
+def test_the_cpu_calibration_predicts_the_layouts_it_trains():
+    """tools/plan_calibrate_cpu.py: each layout it runs with `titan train` is the one it asks the
+    planner about (degrees, schedule, microbatches, reshard policy), so a calibration row
+    compares a prediction with the run it describes."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "plan_calibrate_cpu.py"
+    spec = importlib.util.spec_from_file_location("plan_calibrate_cpu", path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool
+    spec.loader.exec_module(tool)
+    for name, (ranks, flags, local) in tool.LAYOUTS.items():
+        config = parse_train_args([*tool.MODEL, *flags, "--training.local_batch_size", str(local)])
+        layout = tool.layout_of(name)
+        assert layout.world_size == ranks, name
+        planned = config_for(config, layout)
+        p, q = config.parallelism, planned.parallelism
+        for field in ("data_parallel_replicate_degree", "tensor_parallel_degree", "context_parallel_degree",
+                      "pipeline_parallel_degree", "fsdp_reshard_after_forward"):
+            assert getattr(p, field) == getattr(q, field), (name, field)
+        if layout.pp > 1:
+            assert (p.pipeline_parallel_schedule, p.pipeline_parallel_microbatch_size) == \
+                (q.pipeline_parallel_schedule, q.pipeline_parallel_microbatch_size), name
+        assert config.training.local_batch_size == planned.training.local_batch_size, name
