@@ -110,15 +110,31 @@ def test_whole_model_compile_wraps_the_model_not_its_blocks():
 
 
 def test_whole_model_compile_is_refused_with_fsdp_or_pipeline():
-    from titan.dist import CompileConfig, ParallelDims, ParallelismConfig, check_compile_granularity
+    from titan.dist import CompileConfig, ParallelDims, ParallelismConfig, check_compile_options
 
     whole = CompileConfig(enable=True, granularity="model")
     fsdp = ParallelDims.from_config(ParallelismConfig(), world_size=2)
     pipeline = ParallelDims.from_config(ParallelismConfig(pipeline_parallel_degree=2), world_size=2)
     for dims in (fsdp, pipeline):
         with pytest.raises(ValueError, match="--compile.granularity model"):
-            check_compile_granularity(whole, dims)
-    check_compile_granularity(CompileConfig(enable=True), fsdp)  # per block: fine
-    check_compile_granularity(whole, ParallelDims.from_config(ParallelismConfig(), world_size=1))
+            check_compile_options(whole, dims)
+    check_compile_options(CompileConfig(enable=True), fsdp)  # per block: fine
+    check_compile_options(whole, ParallelDims.from_config(ParallelismConfig(), world_size=1))
     with pytest.raises(ValueError, match="granularity='layer' is unknown"):
         CompileConfig(granularity="layer")
+
+
+def test_async_tp_without_inductor_compiling_the_model_is_refused():
+    """Async TP fuses TP's collectives into inductor's compiled graphs of the model: without
+    them the flag would change nothing, so it is refused (as torchtitan does)."""
+    from titan.dist import CompileConfig, ParallelDims, ParallelismConfig, check_compile_options
+
+    tp = ParallelDims.from_config(ParallelismConfig(tensor_parallel_degree=2), world_size=2)
+    for compile in (CompileConfig(), CompileConfig(enable=True, components=["loss"]),
+                    CompileConfig(enable=True, backend="aot_eager")):
+        with pytest.raises(ValueError, match="enable_async_tensor_parallel .* needs --compile.enable"):
+            check_compile_options(compile, tp, async_tp=True)
+    check_compile_options(CompileConfig(enable=True), tp, async_tp=True)
+    check_compile_options(CompileConfig(), tp, async_tp=False)
+    # Without TP there is nothing to overlap, and nothing to refuse.
+    check_compile_options(CompileConfig(), ParallelDims.from_config(ParallelismConfig(), world_size=2), async_tp=True)

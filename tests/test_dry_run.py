@@ -366,3 +366,15 @@ def test_pipeline_activations_count_the_blocks_of_each_stage_in_flight(schedule,
     estimates = run_dry_run(cfg, world_size=2, print_fn=lambda s: None)
     first = next(e for e in estimates if e.pp_rank == 0)
     assert first.activation_bytes == held * 64 * (2 * 32) * 4
+
+
+def test_async_tp_without_compile_is_refused_before_anything_is_built(capsys):
+    """`--parallelism.enable_async_tensor_parallel` works inside inductor's compiled graphs;
+    without `--compile.enable` it would change nothing, so the dry run (and `titan train`,
+    through the same check) refuses it in one line instead of running without it."""
+    flags = ["--config", "llama3_debug", "--training.seq_len", "32", "--parallelism.tensor_parallel_degree", "2",
+             "--parallelism.enable_async_tensor_parallel"]
+    rc = main(["dry-run", "--world_size", "4", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and "needs --compile.enable" in err and err.count("\n") == 1
+    assert main(["dry-run", "--world_size", "4", *flags, "--compile.enable"]) == 0

@@ -763,6 +763,9 @@ def test_each_printed_command_trains_the_planned_layout_with_the_recipe_flags(ca
     (["--gpus", "8xH100", "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_layer_every",
       "2"], "does not model layer-wise selective AC"),
     (["--gpus", "8xH100", "--hardware.comm_overlap", "-1"], "--hardware.comm_overlap -1.0 must be in [0, 1]"),
+    # The recipe's options are checked against each layout as `titan train` checks them.
+    (["--gpus", "8xH100", "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel"],
+     "enable_async_tensor_parallel overlaps TP's collectives with the matmuls inside inductor's compiled graphs"),
     (["--gpus", "8xH100", "--hardware.reduce_scatter_cost", "0"], "--hardware.reduce_scatter_cost 0.0 must be > 0"),
     (["--gpus", "8xH100", "--hardware.half_efficiency_tokens", "-1"], "--hardware.half_efficiency_tokens -1.0 must be >= 0"),
 ])
@@ -1153,3 +1156,23 @@ def test_the_cpu_calibration_predicts_the_layouts_it_trains():
             assert (p.pipeline_parallel_schedule, p.pipeline_parallel_microbatch_size) == \
                 (q.pipeline_parallel_schedule, q.pipeline_parallel_microbatch_size), name
         assert config.training.local_batch_size == planned.training.local_batch_size, name
+
+
+@pytest.mark.parametrize("flags, allowed", [
+    (["--compile.enable", "--compile.granularity", "model"], lambda lay: lay.dp_shard * lay.cp == 1 and lay.pp == 1),
+    (["--quantize.linear.float8.recipe", "tensorwise", "--quantize.linear.float8.enable_fsdp_float8_all_gather"],
+     lambda lay: lay.dp_shard * lay.cp > 1),
+], ids=["whole_model_compile", "float8_all_gather"])
+def test_layouts_the_recipe_options_rule_out_are_not_ranked(flags, allowed, capsys):
+    """A recipe option that `titan train` refuses on some layouts (whole-model compile with FSDP
+    or PP; float8's FSDP all-gather without FSDP) leaves those layouts out of the ranking: they
+    were ranked, and their printed commands failed."""
+    if "--quantize.linear.float8.recipe" in flags:
+        pytest.importorskip("torchao")
+    rc = main(["plan", "--config", "llama3_8b", "--gpus", "8xH100", "--json", *flags])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    layouts = [Layout(**row["layout"]) for row in rows]
+    assert layouts and all(allowed(lay) for lay in layouts)
+    config = parse_train_args(rows[0]["train_argv"])
+    run_dry_run(config, world_size=8, print_fn=lambda s: None)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
-from titan.dist import ParallelDims, RankEstimate, check_compile_granularity, dry_run
+from titan.dist import ParallelDims, RankEstimate, check_compile_options, dry_run
 from titan.dist.dry_run import gathered_bytes_per_param
 from titan.dist.fsdp import DTYPES
 from titan.dist.plan import blocks_of
@@ -136,7 +136,7 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
 
     d = ParallelDims.from_config(config.parallelism, world_size)  # resolves dp_shard -1; raises early
     check_quantize_supported(config.quantize, None, uses_fully_shard=d.uses_fully_shard)
-    check_compile_granularity(config.compile, d)
+    check_compile_options(config.compile, d, async_tp=config.parallelism.enable_async_tensor_parallel)
     with torch.device("meta"):
         params = model_fn().num_params()  # the count `titan train` logs for the same flags
     if conversions[0] is not None:

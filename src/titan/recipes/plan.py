@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+from titan.dist.compile import check_compile_options
 from titan.dist.dry_run import (
     TIMED_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
@@ -42,7 +43,7 @@ from titan.dist.planner import (
 )
 from titan.models.common.moe import moe_modules
 from titan.train.config import TrainerConfig
-from titan.train.quantize import float8_available, float8_linears
+from titan.train.quantize import check_quantize_layout, float8_available, float8_linears
 
 from titan.recipes.dry_run import converting, model_builder, run_dry_run
 
@@ -225,31 +226,46 @@ def _has_pinned(layout: Layout, pinned: dict[str, object] | None) -> bool:
     return not pinned or all(getattr(layout, field) == value for field, value in pinned.items())
 
 
-def engine_refusal(layout: Layout, probe, seq_len: int, global_batch: int) -> str | None:
+def check_layout_options(config: TrainerConfig, dims) -> None:
+    """The checks of the recipe's options against a layout that `titan train` and the dry run
+    make before building anything (ValueError): whole-model compile or async TP where the
+    layout cannot run them, float8's FSDP all-gather without FSDP."""
+    check_quantize_layout(config.quantize, uses_fully_shard=dims.uses_fully_shard)
+    check_compile_options(config.compile, dims, async_tp=config.parallelism.enable_async_tensor_parallel)
+
+
+def engine_refusal(layout: Layout, probe, seq_len: int, global_batch: int,
+                   config: TrainerConfig | None = None) -> str | None:
     """Why the checks `titan train` runs before building anything refuse `layout` (one
-    line), or None when it passes them."""
+    line), or None when it passes them: the model's (`validate_against_model`) and, given the
+    recipe's `config`, its options' (`check_layout_options`)."""
+    dims = layout_dims(layout)
     try:
-        validate_against_model(layout_dims(layout), probe, seq_len=seq_len, global_batch_size=global_batch,
+        validate_against_model(dims, probe, seq_len=seq_len, global_batch_size=global_batch,
                                local_batch_size=layout.engine_local_batch_size)
+        if config is not None:
+            check_layout_options(config, dims)
     except ValueError as err:
         return " ".join(str(err).split())
     return None
 
 
-def passes_engine_checks(probe, seq_len: int, global_batch: int, pinned: dict[str, object] | None = None):
+def passes_engine_checks(probe, seq_len: int, global_batch: int, pinned: dict[str, object] | None = None,
+                         config: TrainerConfig | None = None):
     """A filter: the layout has the `pinned` values and passes the checks `titan train` runs
-    before building anything."""
+    before building anything (`engine_refusal`)."""
     def check(layout: Layout) -> bool:
-        return _has_pinned(layout, pinned) and engine_refusal(layout, probe, seq_len, global_batch) is None
+        return _has_pinned(layout, pinned) and engine_refusal(layout, probe, seq_len, global_batch, config) is None
     return check
 
 
-def _first_refusal(layouts: list[Layout], probe, work: Workload, pinned: dict[str, object]) -> str:
+def _first_refusal(layouts: list[Layout], probe, work: Workload, pinned: dict[str, object],
+                   config: TrainerConfig | None = None) -> str:
     """Why the engine refuses the first enumerated layout with the pinned values (', e.g. ...'),
     or '' when none has them."""
     for layout in layouts:
         if _has_pinned(layout, pinned):
-            reason = engine_refusal(layout, probe, work.seq_len, work.global_batch_size)
+            reason = engine_refusal(layout, probe, work.seq_len, work.global_batch_size, config)
             if reason:
                 return f" (e.g. {layout.describe()}: {reason})"
     return ""
@@ -337,11 +353,11 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
     pinned = pinned_choices(rest)
     layouts = list(enumerate_layouts(facts, gpus, work, n_experts=n_experts, **enumeration_for(pinned)))
     preds = rank_layouts(facts, layouts, work, hw,
-                         valid=passes_engine_checks(probe, work.seq_len, work.global_batch_size, pinned))
+                         valid=passes_engine_checks(probe, work.seq_len, work.global_batch_size, pinned, config))
     if not preds:
         fixed = f" with {pinned}" if pinned else ""
         raise ValueError(f"no layout of {gpus} ranks{fixed} passes the model's checks for a global batch of "
-                         f"{work.global_batch_size} x {work.seq_len} tokens{_first_refusal(layouts, probe, work, pinned)}; "
+                         f"{work.global_batch_size} x {work.seq_len} tokens{_first_refusal(layouts, probe, work, pinned, config)}; "
                          "change --global_batch_tokens"
                          + (" or the pinned --parallelism / --activation_checkpoint flags" if pinned else ""))
     for p in preds[: opts.verify]:

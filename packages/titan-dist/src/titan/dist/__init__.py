@@ -16,7 +16,7 @@ Public API (everything else is internal):
 """
 
 from titan.dist.activation_checkpoint import apply_activation_checkpointing
-from titan.dist.compile import apply_compile, check_compile_granularity
+from titan.dist.compile import apply_compile, check_compile_options
 from titan.dist.comm import CollectiveTimeoutError, HangWatchdog, enable_flight_recorder, set_collective_timeout
 from titan.dist.config import ActivationCheckpointConfig, CommConfig, CompileConfig, ParallelismConfig
 from titan.dist.dims import ParallelDims
@@ -62,7 +62,7 @@ __all__ = [
     "shard_batch_for_context_parallel",
     "apply_activation_checkpointing",
     "apply_compile",
-    "check_compile_granularity",
+    "check_compile_options",
     "clip_grad_norm_",
     "destroy_distributed",
     "Bridge",

@@ -16,7 +16,7 @@ def apply_compile(model: nn.Module, mesh, config) -> nn.Module:
     `mesh` is unused but kept for the `apply_*` signature.
 
     With ``granularity="model"`` the model is one graph instead (callers refuse it under FSDP
-    and pipeline parallel, see `check_compile_granularity`).
+    and pipeline parallel, see `check_compile_options`).
     """
     if not config.compiles_model:
         return model
@@ -28,9 +28,17 @@ def apply_compile(model: nn.Module, mesh, config) -> nn.Module:
     return model
 
 
-def check_compile_granularity(config, parallel_dims) -> None:
-    """Refuse whole-model compile where the model's graph would be cut by FSDP2's per-block
-    hooks or split into pipeline stages (raises ValueError naming the flags)."""
+def check_compile_options(config, parallel_dims, *, async_tp: bool = False) -> None:
+    """Refuse, before anything is built, what compile cannot do on this layout (ValueError
+    naming the flags): whole-model compile where FSDP2's per-block hooks or pipeline stages
+    would cut the model's graph apart; async TP (`async_tp`,
+    `--parallelism.enable_async_tensor_parallel`) under TP without inductor compiling the
+    model, whose graphs are where it fuses TP's collectives with the matmuls (the flag would
+    change nothing)."""
+    if async_tp and parallel_dims.tp_enabled and not (config.compiles_model and config.backend == "inductor"):
+        raise ValueError("--parallelism.enable_async_tensor_parallel overlaps TP's collectives with the matmuls "
+                         "inside inductor's compiled graphs; it needs --compile.enable (the model compiled, "
+                         "--compile.backend inductor), or drop the flag")
     if not (config.compiles_model and config.granularity == "model"):
         return
     if parallel_dims.uses_fully_shard or parallel_dims.pp_enabled:

@@ -815,6 +815,11 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
         # The estimate stands for an accelerator's run: parallelized here on the CPU without the
         # offload (FSDP2 offloads only from an accelerator), the states then counted on the host.
         parallelism = dataclasses.replace(parallelism, fsdp_cpu_offload=False)
+    if getattr(parallelism, "enable_async_tensor_parallel", False):
+        # Async TP changes no placement and no memory, only how inductor schedules TP's
+        # collectives on CUDA (whose compile requirement `check_compile_options` checks): the
+        # layout is parallelized here, on the CPU, without it.
+        parallelism = dataclasses.replace(parallelism, enable_async_tensor_parallel=False)
     with torch.device("meta"):
         probe = model_fn()
     validate_against_model(dims, probe, seq_len=seq_len, global_batch_size=global_batch_size,

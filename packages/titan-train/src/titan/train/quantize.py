@@ -334,12 +334,10 @@ def check_quantize_supported(config: QuantizeConfig, device: torch.device | None
     if not config.enabled:
         return
     check_quantize_installed(config)
-    float8 = config.linear.float8
-    if float8.enable_fsdp_float8_all_gather and not uses_fully_shard:
-        raise ValueError("--quantize.linear.float8.enable_fsdp_float8_all_gather needs FSDP2 (a data-parallel "
-                         "shard degree > 1); drop the flag or shard the model")
+    check_quantize_layout(config, uses_fully_shard=uses_fully_shard)
     if device is None:
         return
+    float8 = config.linear.float8
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     here = f"sm{capability[0]}{capability[1]}" if capability else device.type
     if float8.enabled and capability is not None and capability < (8, 9):
@@ -355,6 +353,14 @@ def check_quantize_supported(config: QuantizeConfig, device: torch.device | None
             raise ValueError(f"{flag} {recipe} needs torchao's MXFP8 kernels on an SM100 GPU (B200, GB200); this "
                              f"device is {here}. Leave it unset, or use mxfp8_emulated_rceil to test the numerics "
                              "(PyTorch ops, slower than high precision)")
+
+
+def check_quantize_layout(config: QuantizeConfig, *, uses_fully_shard: bool) -> None:
+    """Refuse what the conversion cannot do on a layout, wherever it runs: float8's FSDP
+    all-gather without FSDP2 sharding the parameters."""
+    if config.linear.float8.enable_fsdp_float8_all_gather and not uses_fully_shard:
+        raise ValueError("--quantize.linear.float8.enable_fsdp_float8_all_gather needs FSDP2 (a data-parallel "
+                         "shard degree > 1); drop the flag or shard the model")
 
 
 UNCOMPILED_FLOAT8_WARNING = (
