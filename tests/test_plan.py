@@ -1176,3 +1176,15 @@ def test_layouts_the_recipe_options_rule_out_are_not_ranked(flags, allowed, caps
     assert layouts and all(allowed(lay) for lay in layouts)
     config = parse_train_args(rows[0]["train_argv"])
     run_dry_run(config, world_size=8, print_fn=lambda s: None)
+
+
+def test_replicas_inside_a_node_are_planned_when_nothing_else_runs(capsys):
+    """The planner prunes data-parallel replicas inside a node (sharding there is never slower);
+    where the recipe leaves nothing else (whole-model compile, which FSDP cannot run, of a model
+    TP cannot split 8 ways), it ranks them instead of reporting that no layout runs."""
+    rc = main(["plan", "--config", "llama3_debug", "--training.seq_len", "64", "--global_batch_tokens", str(16 * 64),
+               "--gpus", "8xH100", "--json", "--compile.enable", "--compile.granularity", "model", "--verify", "1"])
+    assert rc == 0
+    layouts = [Layout(**row["layout"]) for row in json.loads(capsys.readouterr().out)["layouts"]]
+    assert layouts and all(lay.dp_shard * lay.cp == 1 and lay.pp == 1 for lay in layouts)
+    assert any(lay.dp_replicate == 8 for lay in layouts)

@@ -351,14 +351,21 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
     facts, n_experts, probe = model_facts(config)
     work = workload_for(config, gpus, opts.global_batch_tokens, opts.memory_headroom)
     pinned = pinned_choices(rest)
-    layouts = list(enumerate_layouts(facts, gpus, work, n_experts=n_experts, **enumeration_for(pinned)))
-    preds = rank_layouts(facts, layouts, work, hw,
-                         valid=passes_engine_checks(probe, work.seq_len, work.global_batch_size, pinned, config))
+    bounds = enumeration_for(pinned)
+    valid = passes_engine_checks(probe, work.seq_len, work.global_batch_size, pinned, config)
+    layouts = list(enumerate_layouts(facts, gpus, work, n_experts=n_experts, **bounds))
+    preds = rank_layouts(facts, layouts, work, hw, valid=valid)
+    if not preds and bounds.get("replicas_across_nodes_only", True):
+        # The pruning left nothing (e.g. whole-model compile, which FSDP cannot run, on one
+        # node): data-parallel replicas inside a node too.
+        layouts = list(enumerate_layouts(facts, gpus, work, n_experts=n_experts,
+                                         **{**bounds, "replicas_across_nodes_only": False}))
+        preds = rank_layouts(facts, layouts, work, hw, valid=valid)
     if not preds:
         fixed = f" with {pinned}" if pinned else ""
         raise ValueError(f"no layout of {gpus} ranks{fixed} passes the model's checks for a global batch of "
                          f"{work.global_batch_size} x {work.seq_len} tokens{_first_refusal(layouts, probe, work, pinned, config)}; "
-                         "change --global_batch_tokens"
+                         "change --global_batch_tokens or the recipe's flags"
                          + (" or the pinned --parallelism / --activation_checkpoint flags" if pinned else ""))
     for p in preds[: opts.verify]:
         run_dry_run(config_for(config, p.layout), world_size=gpus, print_fn=lambda s: None)
