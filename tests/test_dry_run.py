@@ -378,3 +378,29 @@ def test_async_tp_without_compile_is_refused_before_anything_is_built(capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "needs --compile.enable" in err and err.count("\n") == 1
     assert main(["dry-run", "--world_size", "4", *flags, "--compile.enable"]) == 0
+
+
+def test_layer_wise_per_op_ac_counts_the_blocks_the_engine_checkpoints():
+    """`--activation_checkpoint.selective_op` with `selective_layer_every 2` checkpoints (per op)
+    blocks 0, 2, 4 and leaves the others whole: the dry run (and the pre-run memory check)
+    counted the per-op units in every block, as with every 1."""
+    from titan.dist.dry_run import checkpointed_blocks, kept_units
+    from titan.dist.plan import blocks_of
+
+    ac = ActivationCheckpointConfig(mode="selective", selective_op=True, selective_layer_every=2)
+    model = build_llama3("debugmodel", vocab_size=64, max_seq_len=32)
+    apply_activation_checkpointing(model, None, ac)
+    wrapped = sum(hasattr(block.forward, "__wrapped__") for _, block in blocks_of(model))
+    assert wrapped == checkpointed_blocks(ac, [len(model.layers)]) == 3
+    assert kept_units(ac, [6], 12.0, 21.0)[0] == 3 * 12.0 + 3 * 21.0
+    assert checkpointed_blocks(ac, [3, 3]) == 4  # each pipeline stage numbers its blocks from 0
+
+    def activations(*flags):
+        config = parse_train_args(["--config", "llama3_debug", "--training.seq_len", "32", *flags])
+        return run_dry_run(config, world_size=1, print_fn=lambda s: None)[0].activation_bytes
+
+    per_op = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_op"]
+    none, every_block = activations(), activations(*per_op)
+    every_second = activations(*per_op, "--activation_checkpoint.selective_layer_every", "2")
+    assert every_block < every_second < none
+    assert every_second == pytest.approx((none + every_block) / 2, rel=1e-6)

@@ -646,27 +646,36 @@ def kv_width(model: nn.Module, plan, dim: int) -> int:
     return 2 * dim
 
 
-def kept_units(ac, n_layers: int, selective_units: float, none_units: float = ACT_UNITS_PER_TOKEN["none"], *,
-               tp: int = 1, cp: int = 1, sequence_parallel: bool = True,
-               kv_fraction: float = 0.0) -> tuple[float, float]:
-    """(activation units kept per token over `n_layers` blocks on one rank, units one
-    checkpointed block rebuilds in its backward on one TP rank) under the
-    activation-checkpointing config `ac`: a block keeps `none_units` without AC; "selective"
-    with `selective_op` keeps `selective_units` in every block; otherwise it checkpoints whole
-    blocks 0, k, 2k, ... (k = `selective_layer_every`), which keep their input only. Sharded
+def checkpointed_blocks(ac, stage_blocks: Sequence[int]) -> int:
+    """Blocks the engine checkpoints on a rank whose stages hold `stage_blocks` blocks each:
+    every block under "full"; under "selective" blocks 0, k, 2k, ... of each stage (k =
+    `selective_layer_every`; the engine numbers each stage's blocks from 0); none without AC."""
+    if ac.mode == "none":
+        return 0
+    every = 1 if ac.mode == "full" else ac.selective_layer_every
+    return sum(-(-n // every) for n in stage_blocks)
+
+
+def kept_units(ac, stage_blocks: Sequence[int], selective_units: float,
+               none_units: float = ACT_UNITS_PER_TOKEN["none"], *, tp: int = 1, cp: int = 1,
+               sequence_parallel: bool = True, kv_fraction: float = 0.0) -> tuple[float, float]:
+    """(activation units kept per token over the blocks of one rank, whose stages hold
+    `stage_blocks` blocks each; units one checkpointed block rebuilds in its backward on one TP
+    rank) under the activation-checkpointing config `ac`: a block keeps `none_units` without
+    AC; a checkpointed one (`checkpointed_blocks`: every block under "full", every k-th under
+    "selective") keeps `selective_units` with `selective_op`, its input only without. Sharded
     over TP and CP as `rank_block_units` says."""
     def on_rank(units: float, mode: str) -> float:
         return rank_block_units(units, mode, tp=tp, cp=cp, sequence_parallel=sequence_parallel,
                                 kv_fraction=kv_fraction)
 
-    none, full = none_units, ACT_UNITS_PER_TOKEN["full"]
-    if ac.mode == "none" or not n_layers:
+    n_layers, none = sum(stage_blocks), none_units
+    checkpointed = checkpointed_blocks(ac, stage_blocks)
+    if not checkpointed:
         return on_rank(none, "none") * n_layers, 0.0
-    if ac.mode == "selective" and ac.selective_op:
-        return on_rank(selective_units, "selective") * n_layers, (none - selective_units) / tp
-    every = 1 if ac.mode == "full" else ac.selective_layer_every
-    checkpointed = -(-n_layers // every)
-    return checkpointed * on_rank(full, "full") + (n_layers - checkpointed) * on_rank(none, "none"), (none - full) / tp
+    per_op = ac.mode == "selective" and ac.selective_op
+    mode, units = ("selective", selective_units) if per_op else ("full", ACT_UNITS_PER_TOKEN["full"])
+    return checkpointed * on_rank(units, mode) + (n_layers - checkpointed) * on_rank(none, "none"), (none - units) / tp
 
 
 def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
@@ -689,7 +698,7 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
         # A converted block's backward also casts its (TP-sharded) weights: bytes per block.
         backward_fixed = measured.get("backward_fixed_bytes", 0.0) / dims.tp
     per_dim = dim * tokens * act_bytes  # one model-dim-wide tensor of the rank's tokens
-    kept, rebuilt = kept_units(ac, layers, selective, none, tp=dims.tp, cp=dims.cp,
+    kept, rebuilt = kept_units(ac, [len(list(blocks_of(p))) for p in parts], selective, none, tp=dims.tp, cp=dims.cp,
                                sequence_parallel=cfg.enable_sequence_parallel, kv_fraction=kv_fraction)
     # The loss lives for one microbatch only: the last stage runs its backward right after
     # its forward, so it is not multiplied by the microbatches in flight.
