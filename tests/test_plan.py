@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from titan.dist.config import ActivationCheckpointConfig
 from titan.dist.dry_run import schedule_order
 from titan.dist.planner import (
     HARDWARE,
@@ -28,7 +29,14 @@ from titan.models.llama3 import build_llama3
 
 from titan.recipes.cli import main, parse_train_args
 from titan.recipes.dry_run import run_dry_run
-from titan.recipes.plan import NEAR_TIE, config_for, model_facts, passes_engine_checks, workload_for
+from titan.recipes.plan import (
+    NEAR_TIE,
+    ac_choice,
+    config_for,
+    model_facts,
+    passes_engine_checks,
+    workload_for,
+)
 
 TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2"]
 
@@ -85,8 +93,12 @@ NO_SP = ["--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_l
      ["--training.mixed_precision_reduce", "bfloat16"]),
     (_layout(dp_shard=4), ["--quantize.linear.float8.recipe", "tensorwise",
                            "--quantize.linear.float8.enable_fsdp_float8_all_gather"]),
+    (_layout(dp_shard=2, tp=2, ac="full", ac_every=2), []),
+    (_layout(dp_shard=2, pp=2, ac="selective", ac_every=2, local_batch_size=4, microbatch_size=1,
+             schedule="Interleaved1F1B", stages_per_rank=2), []),
 ], ids=["tp2_sp", "tp2_no_sp", "tp2_no_sp_full_ac", "tp2_cp2_selective", "cp2", "pp2_zbv", "tp2_pp2_full_ac",
-        "fsdp4_accumulated", "fsdp4_kept_gathered", "pp2_resharded_bf16_reduce", "fsdp4_float8_all_gather"])
+        "fsdp4_accumulated", "fsdp4_kept_gathered", "pp2_resharded_bf16_reduce", "fsdp4_float8_all_gather",
+        "tp2_full_every_2", "pp2_interleaved_per_op_every_2"])
 def test_memory_equals_the_dry_run(layout, flags):
     """`titan plan` and `titan dry-run` (and so the pre-run memory check) give a layout the
     same memory, its activations by one rule (`rank_block_units`): the dry run divided
@@ -760,8 +772,6 @@ def test_each_printed_command_trains_the_planned_layout_with_the_recipe_flags(ca
     (["--gpus", "8xH100", "--parallelism.fsdp_cpu_offload"], "does not model --parallelism.fsdp_cpu_offload"),
     (["--gpus", "16xH100", "--parallelism.pipeline_parallel_degree", "2",
       "--parallelism.pipeline_parallel_layers_per_stage", "4"], "does not model a pipeline split of its own"),
-    (["--gpus", "8xH100", "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_layer_every",
-      "2"], "does not model layer-wise selective AC"),
     (["--gpus", "8xH100", "--hardware.comm_overlap", "-1"], "--hardware.comm_overlap -1.0 must be in [0, 1]"),
     # The recipe's options are checked against each layout as `titan train` checks them.
     (["--gpus", "8xH100", "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel"],
@@ -1188,3 +1198,36 @@ def test_replicas_inside_a_node_are_planned_when_nothing_else_runs(capsys):
     layouts = [Layout(**row["layout"]) for row in json.loads(capsys.readouterr().out)["layouts"]]
     assert layouts and all(lay.dp_shard * lay.cp == 1 and lay.pp == 1 for lay in layouts)
     assert any(lay.dp_replicate == 8 for lay in layouts)
+
+
+def test_layer_wise_ac_is_ranked_between_none_and_every_block(capsys):
+    """Layer-wise AC (`--activation_checkpoint.selective_layer_every k`): whole blocks 0, k,
+    2k, ... checkpointed ("full every k") is a ranked choice, planned as the engine runs it:
+    on 6 blocks every 2 reruns 3 forwards, so its compute, its TP collectives and its
+    activations lie halfway between AC none and full; given on the command line it pins the
+    choice (it was refused as unmodeled)."""
+    config = parse_train_args(["--config", "llama3_debug", *TINY])
+    facts, _, _ = model_facts(config)
+    work = workload_for(config, 4, 4 * 2 * 32, 0.0)
+    hw = HARDWARE["H100"]
+    none, full, every2 = (predict(facts, _layout(dp_shard=2, tp=2, ac=ac, ac_every=k), work, hw)
+                          for ac, k in (("none", 1), ("full", 1), ("full", 2)))
+    for key in ("compute", "tp"):
+        assert every2.loads[key] == pytest.approx((none.loads[key] + full.loads[key]) / 2, rel=1e-9), key
+    assert every2.memory["activations"] == pytest.approx(
+        (none.memory["activations"] + full.memory["activations"]) / 2, rel=1e-9)
+    layout = _layout(dp_shard=2, ac="full", ac_every=2)
+    assert layout.ac_config == ActivationCheckpointConfig(mode="selective", selective_op=False, selective_layer_every=2)
+    assert ac_choice(config_for(config, layout).activation_checkpoint) == ("full", 2)
+    # Enumerated by default (whole blocks every second one) ...
+    assert {(lay.ac, lay.ac_every) for lay in enumerate_layouts(facts, 4, work)} == {
+        ("none", 1), ("selective", 1), ("full", 1), ("full", 2)}
+    # ... and pinned by the AC flags, as the run would read them.
+    rc = main(["plan", "--config", "llama3_debug", *TINY, "--gpus", "4xH100", "--json",
+               "--activation_checkpoint.mode", "selective", "--activation_checkpoint.no_selective_op",
+               "--activation_checkpoint.selective_layer_every", "2"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert rows and all((row["layout"]["ac"], row["layout"]["ac_every"]) == ("full", 2) for row in rows)
+    printed = parse_train_args(rows[0]["train_argv"]).activation_checkpoint
+    assert (printed.mode, printed.selective_op, printed.selective_layer_every) == ("selective", False, 2)

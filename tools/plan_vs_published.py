@@ -182,7 +182,7 @@ def compare(row: Published) -> dict:
             "memory_gib": own.memory["total"] / 1024**3, "published_memory_gib": row.memory_gib,
             "memory_error": own.memory["total"] / 1024**3 / row.memory_gib - 1 if row.memory_gib else None,
             "fits": own.fits, "rank": same[0] if same else None,
-            "of": len(ranked), "best": best.layout.describe() + f", AC {best.layout.ac}"
+            "of": len(ranked), "best": best.layout.describe() + f", AC {best.layout.ac_label}"
             + (f", {best.layout.schedule}" if best.layout.pp > 1 else ""),
             "best_tokens_per_s": best.tokens_per_s_per_device, "dominant": own.dominant, "note": row.note}
 
@@ -355,7 +355,7 @@ def compare_megatron(run: MegatronRun, efficiency: float) -> dict:
             "predicted": own.tokens_per_s_per_device, "error": own.tokens_per_s_per_device / measured - 1,
             "choice": choice, "fits": own.fits, "dominant": own.dominant, "rank": same[0] if same else None,
             "rank_tokens_per_s": ranked[same[0] - 1].tokens_per_s_per_device if same else None,
-            "of": len(ranked), "best": best.layout.describe() + f", AC {best.layout.ac}"
+            "of": len(ranked), "best": best.layout.describe() + f", AC {best.layout.ac_label}"
             + (f", {best.layout.schedule}" if best.layout.pp > 1 else ""),
             "best_tokens_per_s": best.tokens_per_s_per_device}
 

@@ -515,7 +515,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
         # pipelined rows; it refuses what it does not rank itself), not the run's.
         from titan.recipes.plan import LAYOUT_FLAGS, plan
 
-        exempt = (*LAYOUT_FLAGS, "--activation_checkpoint.selective_layer_every")
+        exempt = LAYOUT_FLAGS
         return plan(rest, functools.partial(parse_train_args, exempt_flags=exempt))
     if command == "recipes":
         print(recipes_description())

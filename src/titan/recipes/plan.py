@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 from titan.dist.compile import check_compile_options
+from titan.dist.config import ActivationCheckpointConfig
 from titan.dist.dry_run import (
     TIMED_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
@@ -84,15 +85,27 @@ PINNABLE = {
     "--parallelism.expert_parallel_degree": ("ep", int),
     "--parallelism.pipeline_parallel_schedule": ("schedule", str),
     "--parallelism.pipeline_parallel_microbatch_size": ("microbatch_size", int),
-    "--activation_checkpoint.mode": ("ac", str),
     "--parallelism.fsdp_reshard_after_forward": ("reshard_after_forward", str),
 }
+AC_FLAGS = {"--activation_checkpoint.mode": True, "--activation_checkpoint.selective_layer_every": True,
+            "--activation_checkpoint.selective_op": False, "--activation_checkpoint.no_selective_op": False}
+"""The AC flags (-> whether each takes a value): given on the command line, together they pin
+the layout's `ac` and `ac_every` (`ac_choice`)."""
 
 
-def pinned_choices(argv: Sequence[str]) -> dict[str, object]:
+def ac_choice(ac: ActivationCheckpointConfig) -> tuple[str, int]:
+    """The planner's (`Layout.ac`, `Layout.ac_every`) of an AC config, as the engine runs it:
+    "selective" without `selective_op` checkpoints whole blocks, every k-th ("full" every k)."""
+    if ac.mode == "selective":
+        return ("selective" if ac.selective_op else "full"), ac.selective_layer_every
+    return ac.mode, 1
+
+
+def pinned_choices(argv: Sequence[str], config: TrainerConfig | None = None) -> dict[str, object]:
     """Layout fields the command line fixes (`--parallelism.tensor_parallel_degree 8`, ...):
     the planner ranks only layouts with those values instead of ignoring the flags.
-    `data_parallel_shard_degree -1` (fill the rest) pins nothing."""
+    `data_parallel_shard_degree -1` (fill the rest) pins nothing. Any AC flag pins the AC
+    that `config` (the recipe with those flags) runs."""
     args, pinned = list(argv), {}
     for i, arg in enumerate(args):
         flag, eq, value = arg.partition("=")
@@ -101,6 +114,8 @@ def pinned_choices(argv: Sequence[str]) -> dict[str, object]:
             value = parse(value if eq else args[i + 1])
             if not (field == "dp_shard" and value == -1):
                 pinned[field] = value
+    if config is not None and any(arg.partition("=")[0] in AC_FLAGS for arg in args):
+        pinned["ac"], pinned["ac_every"] = ac_choice(config.activation_checkpoint)
     return pinned
 
 
@@ -146,7 +161,7 @@ def unmodeled_flags(config: TrainerConfig) -> list[str]:
     """The flags set in `config` that change a layout's memory or time in ways the planner does
     not model, each with what it would leave out (a ranking that ignored them would be wrong
     without saying so)."""
-    p, q, ac = config.parallelism, config.quantize, config.activation_checkpoint
+    p, q = config.parallelism, config.quantize
     found = []
     if q.linear.mx.enabled or q.grouped_mm.mx.enabled:
         found.append("MXFP8 (--quantize.linear.mx / --quantize.grouped_mm.mx) yet (float8 is modeled)")
@@ -157,9 +172,6 @@ def unmodeled_flags(config: TrainerConfig) -> list[str]:
     if p.pipeline_parallel_layers_per_stage is not None or p.pipeline_parallel_split_points:
         found.append("a pipeline split of its own (--parallelism.pipeline_parallel_layers_per_stage / split_points): "
                      "it ranks the engine's even split over pp x stages-per-rank stages")
-    if ac.selective_layer_every != 1:
-        found.append("layer-wise selective AC (--activation_checkpoint.selective_layer_every): it ranks AC none, "
-                     "per-op selective and full")
     return found
 
 
@@ -219,6 +231,9 @@ def enumeration_for(pinned: dict[str, object]) -> dict[str, object]:
         bounds["replicas_across_nodes_only"] = False
     if "reshard_after_forward" in pinned:
         bounds["reshard_policies"] = (pinned["reshard_after_forward"],)
+    if "ac" in pinned:
+        bounds["ac_modes"] = (pinned["ac"],)
+        bounds["ac_every"] = {pinned["ac"]: (pinned.get("ac_every", 1),)}
     return bounds
 
 
@@ -282,16 +297,17 @@ def config_for(config: TrainerConfig, layout: Layout) -> TrainerConfig:
         data_parallel_shard_degree=layout.dp_shard, tensor_parallel_degree=layout.tp,
         context_parallel_degree=layout.cp, pipeline_parallel_degree=layout.pp,
         expert_parallel_degree=layout.ep, fsdp_reshard_after_forward=layout.reshard_after_forward, **pipeline)
-    ac = dataclasses.replace(config.activation_checkpoint, mode=layout.ac, selective_op=layout.ac == "selective")
+    chosen = layout.ac_config
+    ac = dataclasses.replace(config.activation_checkpoint, mode=chosen.mode, selective_op=chosen.selective_op,
+                             selective_layer_every=chosen.selective_layer_every)
     training = dataclasses.replace(config.training, local_batch_size=layout.engine_local_batch_size,
                                    global_batch_size=layout.global_batch_size)
     return dataclasses.replace(config, parallelism=p, activation_checkpoint=ac, training=training)
 
 
 # Recipe flags the printed command leaves to the layout: flag -> whether it takes a value.
-LAYOUT_FLAGS = {**dict.fromkeys(PINNABLE, True), "--training.local_batch_size": True,
-                 "--training.global_batch_size": True, "--activation_checkpoint.selective_op": False,
-                 "--activation_checkpoint.no_selective_op": False}
+LAYOUT_FLAGS = {**dict.fromkeys(PINNABLE, True), **AC_FLAGS, "--training.local_batch_size": True,
+                 "--training.global_batch_size": True}
 
 
 def train_argv(recipe_argv: Sequence[str], layout: Layout) -> list[str]:
@@ -320,7 +336,7 @@ def format_table(preds: list[Prediction], hw: Hardware, top: int, recipe_argv: S
                                              f" ({lay.microbatch_size} x {lay.accumulation_steps} accumulated)"
                                              if lay.accumulation_steps > 1 else "")
         mem = f"{p.memory['total'] / 1024**3:.1f} / {hw.memory_gib:.0f} GiB" + ("" if p.fits else " (does not fit)")
-        lines.append(f"| {i} | {lay.describe()} | {lay.ac} | {batch} | {p.tokens_per_s_per_device:,.0f} | "
+        lines.append(f"| {i} | {lay.describe()} | {lay.ac_label} | {batch} | {p.tokens_per_s_per_device:,.0f} | "
                      f"{100 * p.mfu:.1f}% | {mem} | {p.dominant} |")
     close = sum(p.fits and p.tokens_per_s_per_device >= (1 - NEAR_TIE) * preds[0].tokens_per_s_per_device
                 for p in preds)
@@ -350,7 +366,7 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
         hw = dataclasses.replace(hw, devices_per_node=gpus // opts.nodes)
     facts, n_experts, probe = model_facts(config)
     work = workload_for(config, gpus, opts.global_batch_tokens, opts.memory_headroom)
-    pinned = pinned_choices(rest)
+    pinned = pinned_choices(rest, config)
     bounds = enumeration_for(pinned)
     valid = passes_engine_checks(probe, work.seq_len, work.global_batch_size, pinned, config)
     layouts = list(enumerate_layouts(facts, gpus, work, n_experts=n_experts, **bounds))

@@ -68,19 +68,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch.nn as nn
 from titan.dist.dims import ParallelDims
-from titan.dist.config import RESHARD_POLICIES
+from titan.dist.config import AC_MODES, RESHARD_POLICIES, ActivationCheckpointConfig
 from titan.dist.fsdp import reshards_after_forward
 from titan.dist.dry_run import (
     ACT_UNITS_PER_TOKEN,
     ZERO_BUBBLE_SCHEDULES,
+    checkpointed_blocks,
     fsdp_buffer_bytes,
     gathered_bytes_per_param,
     held_block_microbatches,
+    kept_units,
     kv_width,
     loss_peak_bytes,
     pipeline_actions,
@@ -385,6 +387,10 @@ class Layout:
     parameters from its forward to its backward (all of them at once, one gather per
     microbatch), "always" frees them after the forward even under PP (two gathers per
     microbatch and stage), "default" keeps them exactly under PP."""
+    ac_every: int = 1
+    """Layer-wise AC (`--activation_checkpoint.selective_layer_every`): `ac` applies to blocks
+    0, k, 2k, ... of each stage (k = this), the others keep everything; "full" every k
+    checkpoints those blocks whole, "selective" every k per op."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.microbatch_size <= self.local_batch_size or self.local_batch_size % self.microbatch_size:
@@ -393,6 +399,23 @@ class Layout:
         if self.reshard_after_forward not in RESHARD_POLICIES:
             raise ValueError(f"reshard_after_forward {self.reshard_after_forward!r} must be one of "
                              f"{', '.join(RESHARD_POLICIES)}")
+        if self.ac not in AC_MODES or self.ac_every < 1 or (self.ac == "none" and self.ac_every != 1):
+            raise ValueError(f"ac {self.ac!r} every {self.ac_every}: ac is one of {', '.join(AC_MODES)}, "
+                             "and every >= 1 (1 without AC)")
+
+    @property
+    def ac_config(self) -> ActivationCheckpointConfig:
+        """The engine's `ActivationCheckpointConfig` of `ac` and `ac_every`: "selective" is per
+        op; "full" every k > 1 is the engine's layer-wise mode (whole blocks)."""
+        if self.ac == "none" or (self.ac == "full" and self.ac_every == 1):
+            return ActivationCheckpointConfig(mode=self.ac)
+        return ActivationCheckpointConfig(mode="selective", selective_op=self.ac == "selective",
+                                          selective_layer_every=self.ac_every)
+
+    @property
+    def ac_label(self) -> str:
+        """`ac`, with the layer interval when it is not every block (e.g. "full every 2")."""
+        return self.ac if self.ac_every == 1 else f"{self.ac} every {self.ac_every}"
 
     @property
     def fsdp_sharded(self) -> bool:
@@ -440,13 +463,15 @@ class Layout:
             "--parallelism.context_parallel_degree", str(self.cp),
             "--parallelism.pipeline_parallel_degree", str(self.pp),
             "--parallelism.expert_parallel_degree", str(self.ep),
-            "--activation_checkpoint.mode", self.ac,
+            "--activation_checkpoint.mode", self.ac_config.mode,
             "--training.local_batch_size", str(self.engine_local_batch_size),
             # Always: a recipe's own global batch would otherwise set the accumulation.
             "--training.global_batch_size", str(self.global_batch_size),
         ]
-        if self.ac == "selective":
+        if self.ac_config.selective_op:
             out.append("--activation_checkpoint.selective_op")  # keep matmul outputs, rerun the rest
+        if self.ac_every > 1:
+            out += ["--activation_checkpoint.selective_layer_every", str(self.ac_every)]
         if self.pp > 1:
             out += ["--parallelism.pipeline_parallel_schedule", self.schedule,
                     "--parallelism.pipeline_parallel_microbatch_size", str(self.microbatch_size)]
@@ -580,12 +605,23 @@ def rank_stages(n_layers: int, layout: Layout) -> list[tuple[list[int], bool, bo
     return out
 
 
+def rank_stage_sizes(n_layers: int, layout: Layout, pp_rank: int) -> list[int]:
+    """Blocks of each stage pipeline rank `pp_rank` runs (the engine's split, as `rank_stages`)."""
+    if layout.pp == 1:
+        return [n_layers]
+    total = layout.pp * layout.stages_per_rank
+    sizes = even_stage_sizes(n_layers, total)
+    return [sizes[s] for s in stage_ids_of_rank(pp_rank, layout.pp, total, layout.schedule)]
+
+
 def predict(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware) -> Prediction:
     """Memory and step time of `layout` (see the module docstring for the rules)."""
     worst_mem, worst_time, worst_loads = None, None, {}
     for rank, (blocks, first, last) in enumerate(rank_stages(facts.n_layers, layout)):
-        mem = _memory(facts, layout, work, blocks, first=first, last=last, pp_rank=rank)
-        times, loads = _times(facts, layout, work, hw, blocks, first=first, last=last)
+        stages = rank_stage_sizes(facts.n_layers, layout, rank)
+        mem = _memory(facts, layout, work, blocks, first=first, last=last, pp_rank=rank, stages=stages)
+        times, loads = _times(facts, layout, work, hw, blocks, first=first, last=last,
+                              checkpointed=checkpointed_blocks(layout.ac_config, stages))
         if worst_mem is None or mem["total"] > worst_mem["total"]:
             worst_mem = mem
         if worst_time is None or times["step"] > worst_time["step"]:
@@ -624,20 +660,22 @@ def _peak_outstanding_blocks(schedule: str, pp: int, microbatches: int, stages_p
 
 
 def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[int], *, first: bool, last: bool,
-            pp_rank: int = 0) -> dict:
+            pp_rank: int = 0, stages: Sequence[int] | None = None) -> dict:
     params, block_unsharded = stage_params(facts, layout, blocks, first, last)
     micro = _micro_tokens(layout, work)
     width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
     none = facts.none_units_compiled if work.compile and facts.none_units_compiled else facts.none_units
     selective = (facts.selective_units_compiled if work.compile and facts.selective_units_compiled
                  else facts.selective_units)
-    kept = {"none": none, "selective": selective, "full": ACT_UNITS_PER_TOKEN["full"]}[layout.ac]
     # TP shards what a block keeps but the inputs its matmuls gather whole; CP adds the K and
-    # V gathered from the other CP ranks (the dry run's rule).
-    per_block_token = rank_block_units(kept, layout.ac, tp=layout.tp, cp=layout.cp,
-                                       sequence_parallel=work.sequence_parallel, kv_fraction=facts.kv_fraction) * width
+    # V gathered from the other CP ranks; under layer-wise AC the blocks AC skips keep
+    # everything (the dry run's rule, `kept_units`): per block, the rank's mean.
+    stages = stages if stages is not None else [len(blocks)]
+    kept, rebuilt = kept_units(layout.ac_config, stages, selective, none, tp=layout.tp, cp=layout.cp,
+                               sequence_parallel=work.sequence_parallel, kv_fraction=facts.kv_fraction)
+    per_block_token = kept / max(sum(stages), 1) * width
     activations = per_block_token * _held_block_tokens(layout, work, facts.n_layers, blocks, pp_rank)
-    recompute = (none - kept) * width / layout.tp * micro if blocks else 0.0
+    recompute = rebuilt * width * micro if blocks else 0.0
     # The backward of one block holds its activations' gradients (measured; at most as large
     # as what the block saved).
     backward = (facts.backward_units * width * micro + facts.backward_fixed_bytes) / layout.tp if blocks else 0.0
@@ -669,6 +707,11 @@ def _float8_change(facts: ModelFacts, hw: Hardware, tokens: float, rate: float) 
     return casts - saved
 
 
+DEFAULT_AC_EVERY = {"full": (1, 2)}
+"""Layer intervals `enumerate_layouts` ranks per AC mode: whole blocks every block and every
+second one (torchtitan's layer-wise selective AC); every block for the others."""
+
+
 _FITTED_MICRO_TOKENS = 16384
 """Tokens per microbatch of the run `matmul_efficiency` is fitted on (local batch 2 x 8192)."""
 
@@ -698,17 +741,18 @@ def _exposed(comm: float, compute: float, hw: Hardware) -> float:
 
 
 def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, n_blocks: int, *,
-                first: bool, last: bool, tokens_rank: float, calls: float) -> float:
+                first: bool, last: bool, tokens_rank: float, calls: float, rerun_blocks: int = 0) -> float:
     """TP + SP's collectives of a stage: the residual stream is all-gathered before and
     reduce-scattered after each block's attention and feed-forward (forward; the reverse in
-    backward): 4 all-gather + reduce-scatter pairs per block, 6 under full AC (the recomputed
-    forward runs its collectives again; per-op AC saves their outputs); one more pair on the
+    backward): 4 all-gather + reduce-scatter pairs per block, 6 in the `rerun_blocks` AC
+    checkpoints whole (the recomputed forward runs its collectives again; per-op AC saves
+    their outputs); one more pair on the
     first stage (the vocab-sharded embedding's output reduce-scattered) and on the last (the
     final norm's output gathered for the output projection). The last stage's loss: without loss parallel
     the logits are all-gathered whole on every TP rank; with it, a few all-reduces of
     per-token statistics (max, sum of exponentials, the label's logit; forward and backward)."""
     residual = _ring(tokens_rank * facts.dim * work.compute_dtype_bytes, layout.tp) / _bandwidth(hw, layout.tp)
-    pairs = (6 if layout.ac == "full" else 4) * n_blocks + first + last
+    pairs = 4 * n_blocks + 2 * rerun_blocks + first + last
     seconds = pairs * ((1 + hw.reduce_scatter_cost) * residual + 2 * calls)
     if last and not work.loss_parallel:
         logits = tokens_rank * facts.vocab * work.compute_dtype_bytes
@@ -719,16 +763,21 @@ def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware,
 
 
 def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, blocks: Sequence[int], *,
-           first: bool, last: bool) -> tuple[dict, dict]:
+           first: bool, last: bool, checkpointed: int | None = None) -> tuple[dict, dict]:
     """Seconds per step of one pipeline stage by component: the exposed parts (summed into
-    "step") and each component's whole time before overlap (`Prediction.loads`)."""
+    "step") and each component's whole time before overlap (`Prediction.loads`);
+    `checkpointed`: of `blocks`, those AC applies to (default: all of them under AC)."""
     L = max(len(blocks), 1)
     share = len(blocks) / facts.n_layers
     dp = layout.dp_replicate * layout.dp_shard
     tokens_rank = work.global_batch_size * work.seq_len / dp / layout.cp  # this rank's TP group's tokens
-    # Full AC reruns each block's forward (2 of its 6 FLOPs per parameter); selective (per op)
-    # reruns only the cheap ops between the matmuls, a few percent.
-    recompute = {"none": 1.0, "selective": 1.03, "full": 1.0 + 1 / 3}[layout.ac]
+    if checkpointed is None:
+        checkpointed = 0 if layout.ac == "none" else len(blocks)
+    rerun_blocks = checkpointed if layout.ac == "full" else 0  # recomputed whole, collectives included
+    # Full AC reruns each checkpointed block's forward (2 of its 6 FLOPs per parameter);
+    # selective (per op) reruns only the cheap ops between the matmuls, a few percent.
+    rerun = {"none": 0.0, "selective": 0.03, "full": 1 / 3}[layout.ac]
+    recompute = 1.0 + rerun * checkpointed / L
     block_tokens = tokens_rank / layout.tp * share * recompute  # tokens x the stage's share, reruns counted
     # The output projection runs on the last stage only, on top of its blocks, never rerun.
     output_flops = 6 * facts.vocab * facts.dim * tokens_rank / layout.tp if last else 0.0
@@ -779,7 +828,7 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     tp = 0.0
     if layout.tp > 1:
         tp = _tp_seconds(facts, layout, work, hw, len(blocks), first=first, last=last,
-                         tokens_rank=tokens_rank, calls=calls)
+                         tokens_rank=tokens_rank, calls=calls, rerun_blocks=rerun_blocks)
         loads["tp"] = tp
         if work.async_tp:
             tp = _exposed(tp, compute, hw)
@@ -787,8 +836,9 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     # their gradients reduce-scattered backward.
     kv = tokens_rank * layout.cp * facts.dim * facts.kv_fraction * b / layout.tp
     cp_pass = _ring(kv, layout.cp) / _bandwidth(hw, layout.cp * layout.tp)
-    kv_gathers = 2 if layout.ac == "full" else 1
-    cp = len(blocks) * ((kv_gathers + hw.reduce_scatter_cost) * cp_pass + (kv_gathers + 1) * calls) if layout.cp > 1 else 0.0
+    gathers = len(blocks) + rerun_blocks
+    cp = ((gathers + len(blocks) * hw.reduce_scatter_cost) * cp_pass + (gathers + len(blocks)) * calls
+          if layout.cp > 1 else 0.0)
     # EP: dispatch + combine all-to-alls, forward and backward, per MoE block.
     moe_blocks = sum(1 for i in blocks if facts.blocks[i].experts)
     routed = tokens_rank * facts.experts_per_token * facts.dim * b
@@ -809,24 +859,27 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
 def _pipeline_idle(facts: ModelFacts, layout: Layout) -> float:
     """Idle over busy time of the slowest pipeline rank for this model's stages: a block's
     forward costs 1, the output projection its FLOPs' share of a block's; backward twice
-    the forward, plus the forward again for blocks under full AC; of that backward, the weight
+    the forward, plus the forward again for blocks AC checkpoints whole; of that backward, the weight
     gradients (a zero-bubble schedule's W) cost the forward of the block's matmuls against
     weights (`ModelFacts.weight_grad_share`; attention's scores have no weights), the rest
     (with any recomputation) is the input gradients (I)."""
     block_flops = (facts.flops_per_token - 6 * facts.vocab * facts.dim) / facts.n_layers
     output = 6 * facts.vocab * facts.dim / block_flops
+    rerun_every = layout.ac_every if layout.ac == "full" else 0
     return _stages_idle(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank, facts.n_layers,
-                        output, layout.ac == "full", facts.weight_grad_share)
+                        output, rerun_every, facts.weight_grad_share)
 
 
 @functools.lru_cache(maxsize=4096)
 def _stages_idle(schedule: str, pp: int, microbatches: int, stages_per_rank: int, n_layers: int, output: float,
-                 rerun: bool, weight_share: float) -> float:
-    """`_pipeline_idle` for one split of `n_layers` (cached: many layouts share it)."""
+                 rerun_every: int, weight_share: float) -> float:
+    """`_pipeline_idle` for one split of `n_layers` (cached: many layouts share it); each
+    stage reruns the forward of its blocks 0, k, 2k, ... (k = `rerun_every`; 0: none)."""
     sizes = even_stage_sizes(n_layers, pp * stages_per_rank)  # the engine's split
     last = len(sizes) - 1
+    reruns = [-(-n // rerun_every) if rerun_every else 0 for n in sizes]
     forward = tuple(n + (output / 3 if s == last else 0.0) for s, n in enumerate(sizes))
-    backward = tuple(n * (2 + rerun) + (2 * output / 3 if s == last else 0.0) for s, n in enumerate(sizes))
+    backward = tuple(2 * n + reruns[s] + (2 * output / 3 if s == last else 0.0) for s, n in enumerate(sizes))
     weight = tuple(n * weight_share + (output / 3 if s == last else 0.0) for s, n in enumerate(sizes))
     return pipeline_idle_fraction(schedule, pp, microbatches, stages_per_rank,
                                   _rounded(forward), _rounded(backward), _rounded(weight))
@@ -921,7 +974,8 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
                                                   "ZBVZeroBubble"),
                       max_tp: int = 8, max_cp: int = 8, microbatch_sizes: Iterable[int] = (1, 2, 4),
                       replicas_across_nodes_only: bool = True,
-                      reshard_policies: Sequence[str] | None = None) -> Iterator[Layout]:
+                      reshard_policies: Sequence[str] | None = None,
+                      ac_every: Mapping[str, Sequence[int]] = DEFAULT_AC_EVERY) -> Iterator[Layout]:
     """Every layout of `world_size` ranks whose degrees divide what they split: TP and CP
     powers of two up to `max_tp` / `max_cp` (a TP group beyond one node is never faster),
     CP dividing the sequence into 2 cp chunks, PP at most one block per stage, the global
@@ -929,8 +983,10 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
     experts, pipeline microbatches of `microbatch_sizes` sequences with at least pp of them (and
     for the interleaved schedules a count torch splits into equal rounds; without PP the whole
     local batch at once or accumulated in microbatches of those sizes), data-parallel
-    replicas only beside a shard group of a node's ranks (`replicas_across_nodes_only`), and
-    FSDP's `reshard_policies` (default: `reshard_choices`). The bounds are pruning for speed: a flag the user pins widens them. The model's own
+    replicas only beside a shard group of a node's ranks (`replicas_across_nodes_only`),
+    FSDP's `reshard_policies` (default: `reshard_choices`), and for each AC mode the layer
+    intervals `ac_every` lists (default: whole blocks every block or every second one; 1 for
+    modes it leaves out). The bounds are pruning for speed: a flag the user pins widens them. The model's own
     constraints (heads, hidden sizes, ties) are checked by `ParallelDims.validate_model`
     through `valid`."""
     for pp in divisors(world_size):
@@ -952,9 +1008,11 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
                     policies = reshard_choices(pp, dp_shard * cp > 1, reshard_policies)
                     for ep in eps:
                         for ac in ac_modes:
-                            for policy in policies:
-                                yield from _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local,
-                                                              facts.n_layers, schedules, microbatch_sizes, policy)
+                            for every in ac_every.get(ac, (1,)):
+                                for policy in policies:
+                                    yield from _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local,
+                                                                  facts.n_layers, schedules, microbatch_sizes, policy,
+                                                                  every)
 
 
 def reshard_choices(pp: int, sharded: bool, pinned: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -971,9 +1029,9 @@ def reshard_choices(pp: int, sharded: bool, pinned: Sequence[str] | None = None)
 
 
 def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_layers, schedules,
-                       microbatch_sizes, reshard) -> Iterator[Layout]:
+                       microbatch_sizes, reshard, every=1) -> Iterator[Layout]:
     base = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, ac=ac,
-                local_batch_size=local, reshard_after_forward=reshard)
+                local_batch_size=local, reshard_after_forward=reshard, ac_every=every)
     if pp == 1:  # the whole local batch at once, or accumulated over microbatches of `microbatch_sizes`
         for micro in sorted({local, *(m for m in microbatch_sizes if m < local and local % m == 0)}, reverse=True):
             yield Layout(**base, microbatch_size=micro, schedule="1F1B")
@@ -987,6 +1045,8 @@ def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_laye
             stages = 1 if schedule in SINGLE_STAGE else 2  # the engine's default stages per rank
             if n_layers < pp * stages or microbatch_count_problem(schedule, pp, local // micro):
                 continue
+            if every > 1 and max(even_stage_sizes(n_layers, pp * stages)) < 2:
+                continue  # stages of one block: every k-th block is every block
             yield Layout(**base, microbatch_size=micro, schedule=schedule, stages_per_rank=stages)
 
 
