@@ -358,6 +358,11 @@ class ModelFacts:
         """Every parameter (a tied matrix once)."""
         return sum(b.total for b in self.blocks) + self.embedding + self.output + self.final_norm
 
+    @functools.cached_property
+    def uniform_blocks(self) -> bool:
+        """Whether every block has the same parameters (a dense model)."""
+        return len(set(self.blocks)) <= 1
+
     @property
     def float8_block_share(self) -> float:
         """The share of the blocks' parameters a float8 conversion converts."""
@@ -403,7 +408,7 @@ class Layout:
             raise ValueError(f"ac {self.ac!r} every {self.ac_every}: ac is one of {', '.join(AC_MODES)}, "
                              "and every >= 1 (1 without AC)")
 
-    @property
+    @functools.cached_property
     def ac_config(self) -> ActivationCheckpointConfig:
         """The engine's `ActivationCheckpointConfig` of `ac` and `ac_every`: "selective" is per
         op; "full" every k > 1 is the engine's layer-wise mode (whole blocks)."""
@@ -579,8 +584,13 @@ def stage_params(facts: ModelFacts, layout: Layout, blocks: Sequence[int], first
     """(parameters this rank holds, the mean parameters of one of its blocks as a rank
     computes it: FSDP-gathered, TP- and EP-local)."""
     fsdp = layout.dp_shard * layout.cp
-    dense = sum(facts.blocks[i].tp_sharded / layout.tp + facts.blocks[i].tp_replicated for i in blocks)
-    experts = sum(facts.blocks[i].experts for i in blocks)
+    if facts.uniform_blocks and blocks:  # a dense model: as many times one block (fast: every rank of every layout)
+        block = facts.blocks[0]
+        dense = len(blocks) * (block.tp_sharded / layout.tp + block.tp_replicated)
+        experts = len(blocks) * block.experts
+    else:
+        dense = sum(facts.blocks[i].tp_sharded / layout.tp + facts.blocks[i].tp_replicated for i in blocks)
+        experts = sum(facts.blocks[i].experts for i in blocks)
     outer = (facts.embedding if first else 0) / layout.tp + ((facts.output / layout.tp + facts.final_norm) if last else 0)
     # Dense parameters: TP-sharded, then FSDP over dp_shard x cp. Experts: split over EP, and
     # each EP rank's experts FSDP-sharded over the remaining dp_shard x cp / ep ranks.
@@ -595,7 +605,7 @@ def rank_stages(n_layers: int, layout: Layout) -> list[tuple[list[int], bool, bo
     if layout.pp == 1:
         return [(list(range(n_layers)), True, True)]
     total = layout.pp * layout.stages_per_rank
-    sizes = even_stage_sizes(n_layers, total)
+    sizes = _stage_sizes(n_layers, total)
     starts = [sum(sizes[:s]) for s in range(total)]
     out = []
     for rank in range(layout.pp):
@@ -610,18 +620,31 @@ def rank_stage_sizes(n_layers: int, layout: Layout, pp_rank: int) -> list[int]:
     if layout.pp == 1:
         return [n_layers]
     total = layout.pp * layout.stages_per_rank
-    sizes = even_stage_sizes(n_layers, total)
+    sizes = _stage_sizes(n_layers, total)
     return [sizes[s] for s in stage_ids_of_rank(pp_rank, layout.pp, total, layout.schedule)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_sizes(n_layers: int, num_stages: int) -> tuple[int, ...]:
+    """`even_stage_sizes` (the engine's split), cached: every pipeline rank of every layout
+    asks for it."""
+    return tuple(even_stage_sizes(n_layers, num_stages))
 
 
 def predict(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware) -> Prediction:
     """Memory and step time of `layout` (see the module docstring for the rules)."""
     worst_mem, worst_time, worst_loads = None, None, {}
+    timed: dict[tuple, tuple[dict, dict]] = {}
     for rank, (blocks, first, last) in enumerate(rank_stages(facts.n_layers, layout)):
         stages = rank_stage_sizes(facts.n_layers, layout, rank)
         mem = _memory(facts, layout, work, blocks, first=first, last=last, pp_rank=rank, stages=stages)
-        times, loads = _times(facts, layout, work, hw, blocks, first=first, last=last,
-                              checkpointed=checkpointed_blocks(layout.ac_config, stages))
+        checkpointed = checkpointed_blocks(layout.ac_config, stages)
+        # A stage's time depends on its blocks, not on which rank runs them: pipeline ranks
+        # with as many blocks of a dense model are timed once.
+        key = (len(blocks) if facts.uniform_blocks else tuple(blocks), first, last, checkpointed)
+        if key not in timed:
+            timed[key] = _times(facts, layout, work, hw, blocks, first=first, last=last, checkpointed=checkpointed)
+        times, loads = timed[key]
         if worst_mem is None or mem["total"] > worst_mem["total"]:
             worst_mem = mem
         if worst_time is None or times["step"] > worst_time["step"]:
