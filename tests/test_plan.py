@@ -94,11 +94,14 @@ NO_SP = ["--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_l
     (_layout(dp_shard=4), ["--quantize.linear.float8.recipe", "tensorwise",
                            "--quantize.linear.float8.enable_fsdp_float8_all_gather"]),
     (_layout(dp_shard=2, tp=2, ac="full", ac_every=2), []),
+
     (_layout(dp_shard=2, pp=2, ac="selective", ac_every=2, local_batch_size=4, microbatch_size=1,
              schedule="Interleaved1F1B", stages_per_rank=2), []),
+    (_layout(dp_shard=2, pp=2, local_batch_size=4, microbatch_size=1, schedule="Interleaved1F1B", stages_per_rank=3),
+     ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_layers_per_stage", "1"]),
 ], ids=["tp2_sp", "tp2_no_sp", "tp2_no_sp_full_ac", "tp2_cp2_selective", "cp2", "pp2_zbv", "tp2_pp2_full_ac",
         "fsdp4_accumulated", "fsdp4_kept_gathered", "pp2_resharded_bf16_reduce", "fsdp4_float8_all_gather",
-        "tp2_full_every_2", "pp2_interleaved_per_op_every_2"])
+        "tp2_full_every_2", "pp2_interleaved_per_op_every_2", "pp2_stages_of_one_block"])
 def test_memory_equals_the_dry_run(layout, flags):
     """`titan plan` and `titan dry-run` (and so the pre-run memory check) give a layout the
     same memory, its activations by one rule (`rank_block_units`): the dry run divided
@@ -771,7 +774,9 @@ def test_each_printed_command_trains_the_planned_layout_with_the_recipe_flags(ca
     # (the ranking ignored them before).
     (["--gpus", "8xH100", "--parallelism.fsdp_cpu_offload"], "does not model --parallelism.fsdp_cpu_offload"),
     (["--gpus", "16xH100", "--parallelism.pipeline_parallel_degree", "2",
-      "--parallelism.pipeline_parallel_layers_per_stage", "4"], "does not model a pipeline split of its own"),
+      "--parallelism.pipeline_parallel_split_points", "layers.16"], "does not model a pipeline split at named blocks"),
+    (["--gpus", "16xH100", "--parallelism.pipeline_parallel_layers_per_stage", "5"],
+     "--parallelism.pipeline_parallel_layers_per_stage=5 must divide the model's 32 layers"),
     (["--gpus", "8xH100", "--hardware.comm_overlap", "-1"], "--hardware.comm_overlap -1.0 must be in [0, 1]"),
     # The recipe's options are checked against each layout as `titan train` checks them.
     (["--gpus", "8xH100", "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel"],
@@ -1231,3 +1236,19 @@ def test_layer_wise_ac_is_ranked_between_none_and_every_block(capsys):
     assert rows and all((row["layout"]["ac"], row["layout"]["ac_every"]) == ("full", 2) for row in rows)
     printed = parse_train_args(rows[0]["train_argv"]).activation_checkpoint
     assert (printed.mode, printed.selective_op, printed.selective_layer_every) == ("selective", False, 2)
+
+
+def test_a_pipeline_stage_size_is_planned_as_the_engine_splits(capsys):
+    """`--parallelism.pipeline_parallel_layers_per_stage N` (refused as unmodeled before): every
+    ranked layout pipelines, in n_layers / N stages, so each rank runs n_layers / (N x pp) of
+    them (70B's 80 layers in stages of 5: 4 per rank at PP 4, 2 at PP 8), under the schedules
+    that can run that many; the printed command keeps the flag and passes the dry run."""
+    rc = main(["plan", "--config", "llama3_70b", "--gpus", "256xH100", "--json", "--verify", "1",
+               "--parallelism.pipeline_parallel_layers_per_stage", "5"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    layouts = [Layout(**row["layout"]) for row in rows]
+    assert layouts and all(lay.pp > 1 and lay.pp * lay.stages_per_rank * 5 == 80 for lay in layouts)
+    assert {lay.schedule for lay in layouts if lay.stages_per_rank == 1} <= {"1F1B", "GPipe"}
+    assert {lay.stages_per_rank for lay in layouts} >= {1, 2, 4}
+    assert "--parallelism.pipeline_parallel_layers_per_stage" in rows[0]["train_argv"]

@@ -110,15 +110,24 @@ def num_stages_for(n_layers: int, pp: int, config) -> int:
 
 
 def _check_stage_count(total: int, pp: int, schedule: str) -> None:
+    problem = stage_count_problem(total, pp, schedule)
+    if problem:
+        raise ValueError(problem)
+
+
+def stage_count_problem(total: int, pp: int, schedule: str) -> str | None:
+    """Why `schedule` cannot run `total` pipeline stages over `pp` ranks (the engine's check,
+    one line), or None."""
     per_rank, rest = divmod(total, pp)
     if rest or per_rank < 1:
-        raise ValueError(f"{total} pipeline stages do not divide evenly over "
-                         f"pipeline_parallel_degree={pp}; adjust the layers per stage")
+        return (f"{total} pipeline stages do not divide evenly over "
+                f"pipeline_parallel_degree={pp}; adjust the layers per stage")
     if schedule in SINGLE_STAGE and per_rank != 1:
-        raise ValueError(f"schedule {schedule} runs one stage per rank, but {total} stages over "
-                         f"{pp} ranks gives {per_rank}; use Interleaved1F1B or change the split")
+        return (f"schedule {schedule} runs one stage per rank, but {total} stages over "
+                f"{pp} ranks gives {per_rank}; use Interleaved1F1B or change the split")
     if schedule in V_SHAPED and per_rank != 2:
-        raise ValueError(f"schedule {schedule} needs exactly 2 stages per rank, got {per_rank}")
+        return f"schedule {schedule} needs exactly 2 stages per rank, got {per_rank}"
+    return None
 
 
 def stage_ids_of_rank(pp_rank: int, pp: int, num_stages: int, schedule: str) -> list[int]:

@@ -90,7 +90,13 @@ from titan.dist.dry_run import (
     selective_op_units,
     zero_bubble_timeable,
 )
-from titan.dist.pipeline import SINGLE_STAGE, even_stage_sizes, microbatch_count_problem, stage_ids_of_rank
+from titan.dist.pipeline import (
+    SINGLE_STAGE,
+    even_stage_sizes,
+    microbatch_count_problem,
+    stage_count_problem,
+    stage_ids_of_rank,
+)
 from titan.dist.plan import blocks_of, glob_matches, match_modules, sharding_plan
 
 GiB = 1024**3
@@ -998,7 +1004,8 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
                       max_tp: int = 8, max_cp: int = 8, microbatch_sizes: Iterable[int] = (1, 2, 4),
                       replicas_across_nodes_only: bool = True,
                       reshard_policies: Sequence[str] | None = None,
-                      ac_every: Mapping[str, Sequence[int]] = DEFAULT_AC_EVERY) -> Iterator[Layout]:
+                      ac_every: Mapping[str, Sequence[int]] = DEFAULT_AC_EVERY,
+                      layers_per_stage: int | None = None) -> Iterator[Layout]:
     """Every layout of `world_size` ranks whose degrees divide what they split: TP and CP
     powers of two up to `max_tp` / `max_cp` (a TP group beyond one node is never faster),
     CP dividing the sequence into 2 cp chunks, PP at most one block per stage, the global
@@ -1009,11 +1016,13 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
     replicas only beside a shard group of a node's ranks (`replicas_across_nodes_only`),
     FSDP's `reshard_policies` (default: `reshard_choices`), and for each AC mode the layer
     intervals `ac_every` lists (default: whole blocks every block or every second one; 1 for
-    modes it leaves out). The bounds are pruning for speed: a flag the user pins widens them. The model's own
+    modes it leaves out). With `layers_per_stage` (`--parallelism.pipeline_parallel_layers_per_stage`)
+    every layout pipelines, in stages of that many blocks (n_layers / (pp x it) per rank, as
+    the engine's split and schedules allow). The bounds are pruning for speed: a flag the user pins widens them. The model's own
     constraints (heads, hidden sizes, ties) are checked by `ParallelDims.validate_model`
     through `valid`."""
     for pp in divisors(world_size):
-        if pp > facts.n_layers:
+        if pp > facts.n_layers or (layers_per_stage and pp == 1):
             continue
         for tp in _powers_of_two_dividing(world_size // pp, max_tp):
             for cp in _powers_of_two_dividing(world_size // (pp * tp), max_cp):
@@ -1035,7 +1044,7 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
                                 for policy in policies:
                                     yield from _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local,
                                                                   facts.n_layers, schedules, microbatch_sizes, policy,
-                                                                  every)
+                                                                  every, layers_per_stage)
 
 
 def reshard_choices(pp: int, sharded: bool, pinned: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -1052,7 +1061,7 @@ def reshard_choices(pp: int, sharded: bool, pinned: Sequence[str] | None = None)
 
 
 def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_layers, schedules,
-                       microbatch_sizes, reshard, every=1) -> Iterator[Layout]:
+                       microbatch_sizes, reshard, every=1, layers_per_stage=None) -> Iterator[Layout]:
     base = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, ac=ac,
                 local_batch_size=local, reshard_after_forward=reshard, ac_every=every)
     if pp == 1:  # the whole local batch at once, or accumulated over microbatches of `microbatch_sizes`
@@ -1066,6 +1075,13 @@ def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_laye
             if schedule in ZERO_BUBBLE_SCHEDULES and not zero_bubble_timeable():
                 continue  # this torch cannot list their order
             stages = 1 if schedule in SINGLE_STAGE else 2  # the engine's default stages per rank
+            if layers_per_stage:  # the user's stage size: the stages per rank follow
+                total = n_layers // layers_per_stage
+                if n_layers % layers_per_stage or stage_count_problem(total, pp, schedule):
+                    continue
+                stages = total // pp
+                if schedule not in SINGLE_STAGE and stages < 2:
+                    continue  # a multi-stage schedule (torch's order needs two stages per rank at least)
             if n_layers < pp * stages or microbatch_count_problem(schedule, pp, local // micro):
                 continue
             if every > 1 and max(even_stage_sizes(n_layers, pp * stages)) < 2:
