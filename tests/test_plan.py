@@ -99,9 +99,11 @@ NO_SP = ["--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_l
              schedule="Interleaved1F1B", stages_per_rank=2), []),
     (_layout(dp_shard=2, pp=2, local_batch_size=4, microbatch_size=1, schedule="Interleaved1F1B", stages_per_rank=3),
      ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_layers_per_stage", "1"]),
+    (_layout(dp_shard=2, pp=2, local_batch_size=4, microbatch_size=1, stage_sizes=(4, 2)),
+     ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.4"]),
 ], ids=["tp2_sp", "tp2_no_sp", "tp2_no_sp_full_ac", "tp2_cp2_selective", "cp2", "pp2_zbv", "tp2_pp2_full_ac",
         "fsdp4_accumulated", "fsdp4_kept_gathered", "pp2_resharded_bf16_reduce", "fsdp4_float8_all_gather",
-        "tp2_full_every_2", "pp2_interleaved_per_op_every_2", "pp2_stages_of_one_block"])
+        "tp2_full_every_2", "pp2_interleaved_per_op_every_2", "pp2_stages_of_one_block", "pp2_split_at_layer_4"])
 def test_memory_equals_the_dry_run(layout, flags):
     """`titan plan` and `titan dry-run` (and so the pre-run memory check) give a layout the
     same memory, its activations by one rule (`rank_block_units`): the dry run divided
@@ -773,8 +775,8 @@ def test_each_printed_command_trains_the_planned_layout_with_the_recipe_flags(ca
     # Flags that change memory or time in ways the planner does not model are refused by name
     # (the ranking ignored them before).
     (["--gpus", "8xH100", "--parallelism.fsdp_cpu_offload"], "does not model --parallelism.fsdp_cpu_offload"),
-    (["--gpus", "16xH100", "--parallelism.pipeline_parallel_degree", "2",
-      "--parallelism.pipeline_parallel_split_points", "layers.16"], "does not model a pipeline split at named blocks"),
+    (["--gpus", "16xH100", "--parallelism.pipeline_parallel_split_points", "layers.99"],
+     "pipeline split point 'layers.99' is not a block of the model"),
     (["--gpus", "16xH100", "--parallelism.pipeline_parallel_layers_per_stage", "5"],
      "--parallelism.pipeline_parallel_layers_per_stage=5 must divide the model's 32 layers"),
     (["--gpus", "8xH100", "--hardware.comm_overlap", "-1"], "--hardware.comm_overlap -1.0 must be in [0, 1]"),
@@ -1242,7 +1244,8 @@ def test_a_pipeline_stage_size_is_planned_as_the_engine_splits(capsys):
     """`--parallelism.pipeline_parallel_layers_per_stage N` (refused as unmodeled before): every
     ranked layout pipelines, in n_layers / N stages, so each rank runs n_layers / (N x pp) of
     them (70B's 80 layers in stages of 5: 4 per rank at PP 4, 2 at PP 8), under the schedules
-    that can run that many; the printed command keeps the flag and passes the dry run."""
+    that can run that many; the printed command keeps the flag and passes the dry run.
+    (Split points: `test_pipeline_split_points_are_planned_as_the_engine_splits`.)"""
     rc = main(["plan", "--config", "llama3_70b", "--gpus", "256xH100", "--json", "--verify", "1",
                "--parallelism.pipeline_parallel_layers_per_stage", "5"])
     assert rc == 0
@@ -1252,3 +1255,18 @@ def test_a_pipeline_stage_size_is_planned_as_the_engine_splits(capsys):
     assert {lay.schedule for lay in layouts if lay.stages_per_rank == 1} <= {"1F1B", "GPipe"}
     assert {lay.stages_per_rank for lay in layouts} >= {1, 2, 4}
     assert "--parallelism.pipeline_parallel_layers_per_stage" in rows[0]["train_argv"]
+
+
+def test_pipeline_split_points_are_planned_as_the_engine_splits(capsys):
+    """`--parallelism.pipeline_parallel_split_points` (refused as unmodeled before): Llama 3 8B's
+    32 layers split before layers 10, 18 and 26 are stages of 10, 8, 8 and 6 blocks, which
+    every ranked layout runs (PP 2 with two stages per rank, PP 4 with one); the first rows'
+    commands keep the split and pass the dry run."""
+    rc = main(["plan", "--config", "llama3_8b", "--gpus", "16xH100", "--json", "--verify", "2",
+               "--parallelism.pipeline_parallel_split_points", "layers.10", "layers.18", "layers.26"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    layouts = [Layout(**{**row["layout"], "stage_sizes": tuple(row["layout"]["stage_sizes"])}) for row in rows]
+    assert layouts and all(lay.stage_sizes == (10, 8, 8, 6) for lay in layouts)
+    assert {(lay.pp, lay.stages_per_rank) for lay in layouts} == {(2, 2), (4, 1)}
+    assert "--parallelism.pipeline_parallel_split_points" in rows[0]["train_argv"]

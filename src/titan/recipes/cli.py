@@ -515,8 +515,9 @@ def _dispatch(command: str, rest: list[str]) -> int:
         # pipelined rows; it refuses what it does not rank itself), not the run's.
         from titan.recipes.plan import LAYOUT_FLAGS, plan
 
-        # A pipeline stage size pins pipelined layouts (the planner picks their degree).
-        exempt = (*LAYOUT_FLAGS, "--parallelism.pipeline_parallel_layers_per_stage")
+        # A pipeline split of the run's own pins pipelined layouts (the planner picks their degree).
+        exempt = (*LAYOUT_FLAGS, "--parallelism.pipeline_parallel_layers_per_stage",
+                  "--parallelism.pipeline_parallel_split_points")
         return plan(rest, functools.partial(parse_train_args, exempt_flags=exempt))
     if command == "recipes":
         print(recipes_description())

@@ -30,6 +30,7 @@ from titan.dist.dry_run import (
     zero_bubble_timeable,
 )
 from titan.dist.fsdp import DTYPES
+from titan.dist.pipeline import configured_stage_sizes
 from titan.dist.planner import (
     HARDWARE,
     Hardware,
@@ -169,9 +170,6 @@ def unmodeled_flags(config: TrainerConfig) -> list[str]:
         found.append("float8 grouped experts (--quantize.grouped_mm.float8.fqns) yet (float8 linears are modeled)")
     if p.fsdp_cpu_offload:
         found.append("--parallelism.fsdp_cpu_offload (the states' host transfers and the optimizer step on the CPU)")
-    if p.pipeline_parallel_split_points:
-        found.append("a pipeline split at named blocks (--parallelism.pipeline_parallel_split_points): it ranks even "
-                     "splits (the engine's, or --parallelism.pipeline_parallel_layers_per_stage)")
     return found
 
 
@@ -368,12 +366,9 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
     work = workload_for(config, gpus, opts.global_batch_tokens, opts.memory_headroom)
     pinned = pinned_choices(rest, config)
     bounds = enumeration_for(pinned)
-    layers_per_stage = config.parallelism.pipeline_parallel_layers_per_stage
-    if layers_per_stage:
-        if facts.n_layers % layers_per_stage:
-            raise ValueError(f"--parallelism.pipeline_parallel_layers_per_stage={layers_per_stage} must divide the "
-                             f"model's {facts.n_layers} layers")
-        bounds["layers_per_stage"] = layers_per_stage  # every layout pipelines, in stages of that size
+    stage_sizes = configured_stage_sizes(probe, config.parallelism)
+    if stage_sizes:  # the run's own split (split points or a stage size): every layout pipelines it
+        bounds["stage_sizes"] = stage_sizes
     valid = passes_engine_checks(probe, work.seq_len, work.global_batch_size, pinned, config)
     layouts = list(enumerate_layouts(facts, gpus, work, n_experts=n_experts, **bounds))
     preds = rank_layouts(facts, layouts, work, hw, valid=valid)

@@ -84,6 +84,25 @@ def stage_layer_keys(layer_keys: list[str], num_stages: int, config) -> list[lis
     return stages
 
 
+def configured_stage_sizes(model: nn.Module, config) -> list[int] | None:
+    """Blocks of each stage where `config` (`ParallelismConfig`) splits `model`'s layers itself:
+    at `pipeline_parallel_split_points`, or in stages of `pipeline_parallel_layers_per_stage`
+    (raises ValueError as the engine does for a split it cannot make); None for the engine's
+    even split, whose stage count follows the schedule and the degree."""
+    if not (config.pipeline_parallel_split_points or config.pipeline_parallel_layers_per_stage):
+        return None
+    keys = list(getattr(model, layer_container_name(model)).keys())
+    if config.pipeline_parallel_split_points:
+        total = len(config.pipeline_parallel_split_points) + 1
+    else:
+        lps = config.pipeline_parallel_layers_per_stage
+        if len(keys) % lps:
+            raise ValueError(f"--parallelism.pipeline_parallel_layers_per_stage={lps} must "
+                             f"divide the model's {len(keys)} layers")
+        total = len(keys) // lps
+    return [len(stage) for stage in stage_layer_keys(keys, total, config)]
+
+
 def _split_index(point: str, layer_keys: list[str]) -> int:
     key = point.rsplit(".", 1)[-1]
     if key not in layer_keys:

@@ -398,6 +398,10 @@ class Layout:
     parameters from its forward to its backward (all of them at once, one gather per
     microbatch), "always" frees them after the forward even under PP (two gathers per
     microbatch and stage), "default" keeps them exactly under PP."""
+    stage_sizes: tuple[int, ...] | None = None
+    """Blocks of each pipeline stage, in order (pp x `stages_per_rank` of them), where the run
+    splits the layers itself (`--parallelism.pipeline_parallel_split_points` /
+    `layers_per_stage`); None: the engine's even split."""
     ac_every: int = 1
     """Layer-wise AC (`--activation_checkpoint.selective_layer_every`): `ac` applies to blocks
     0, k, 2k, ... of each stage (k = this), the others keep everything; "full" every k
@@ -410,6 +414,9 @@ class Layout:
         if self.reshard_after_forward not in RESHARD_POLICIES:
             raise ValueError(f"reshard_after_forward {self.reshard_after_forward!r} must be one of "
                              f"{', '.join(RESHARD_POLICIES)}")
+        if self.stage_sizes is not None and len(self.stage_sizes) != self.pp * self.stages_per_rank:
+            raise ValueError(f"stage_sizes {self.stage_sizes} must list pp x stages_per_rank = "
+                             f"{self.pp * self.stages_per_rank} stages")
         if self.ac not in AC_MODES or self.ac_every < 1 or (self.ac == "none" and self.ac_every != 1):
             raise ValueError(f"ac {self.ac!r} every {self.ac_every}: ac is one of {', '.join(AC_MODES)}, "
                              "and every >= 1 (1 without AC)")
@@ -606,12 +613,13 @@ def stage_params(facts: ModelFacts, layout: Layout, blocks: Sequence[int], first
 
 def rank_stages(n_layers: int, layout: Layout) -> list[tuple[list[int], bool, bool]]:
     """Each pipeline rank's blocks, and whether it holds the first stage (the embedding) and
-    the last (the output projection): the engine's even split of the layers over pp x v
-    stages, rank r running stages r, r + pp, ... (V-shaped schedules: r and 2 pp - 1 - r)."""
+    the last (the output projection): the layers split over pp x v stages
+    (`layout_stage_sizes`), rank r running stages r, r + pp, ... (V-shaped schedules: r and
+    2 pp - 1 - r)."""
     if layout.pp == 1:
         return [(list(range(n_layers)), True, True)]
     total = layout.pp * layout.stages_per_rank
-    sizes = _stage_sizes(n_layers, total)
+    sizes = layout_stage_sizes(layout, n_layers)
     starts = [sum(sizes[:s]) for s in range(total)]
     out = []
     for rank in range(layout.pp):
@@ -626,8 +634,13 @@ def rank_stage_sizes(n_layers: int, layout: Layout, pp_rank: int) -> list[int]:
     if layout.pp == 1:
         return [n_layers]
     total = layout.pp * layout.stages_per_rank
-    sizes = _stage_sizes(n_layers, total)
+    sizes = layout_stage_sizes(layout, n_layers)
     return [sizes[s] for s in stage_ids_of_rank(pp_rank, layout.pp, total, layout.schedule)]
+
+
+def layout_stage_sizes(layout: Layout, n_layers: int) -> tuple[int, ...]:
+    """Blocks of each pipeline stage: the layout's own split, else the engine's even one."""
+    return layout.stage_sizes or _stage_sizes(n_layers, layout.pp * layout.stages_per_rank)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -677,13 +690,16 @@ def _held_block_tokens(layout: Layout, work: Workload, n_layers: int, blocks: Se
     if layout.pp == 1:
         return len(blocks) * micro
     return micro * _peak_outstanding_blocks(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank,
-                                            pp_rank, n_layers)
+                                            pp_rank, layout_stage_sizes(layout, n_layers))
 
 
 @functools.lru_cache(maxsize=4096)
 def _peak_outstanding_blocks(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int,
-                             n_layers: int) -> int:
-    sizes = even_stage_sizes(n_layers, pp * stages_per_rank)  # the engine's split
+                             sizes: int | tuple[int, ...]) -> int:
+    """Block-microbatches pipeline rank `pp_rank` holds at its peak; `sizes`: each stage's
+    blocks (an int: that many layers split evenly, the engine's split)."""
+    if isinstance(sizes, int):
+        sizes = _stage_sizes(sizes, pp * stages_per_rank)
     local = [sizes[s] for s in stage_ids_of_rank(pp_rank, pp, pp * stages_per_rank, schedule)]
     return held_block_microbatches(schedule, pp, microbatches, stages_per_rank, pp_rank, local)
 
@@ -895,16 +911,15 @@ def _pipeline_idle(facts: ModelFacts, layout: Layout) -> float:
     block_flops = (facts.flops_per_token - 6 * facts.vocab * facts.dim) / facts.n_layers
     output = 6 * facts.vocab * facts.dim / block_flops
     rerun_every = layout.ac_every if layout.ac == "full" else 0
-    return _stages_idle(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank, facts.n_layers,
-                        output, rerun_every, facts.weight_grad_share)
+    return _stages_idle(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank,
+                        layout_stage_sizes(layout, facts.n_layers), output, rerun_every, facts.weight_grad_share)
 
 
 @functools.lru_cache(maxsize=4096)
-def _stages_idle(schedule: str, pp: int, microbatches: int, stages_per_rank: int, n_layers: int, output: float,
-                 rerun_every: int, weight_share: float) -> float:
-    """`_pipeline_idle` for one split of `n_layers` (cached: many layouts share it); each
+def _stages_idle(schedule: str, pp: int, microbatches: int, stages_per_rank: int, sizes: tuple[int, ...],
+                 output: float, rerun_every: int, weight_share: float) -> float:
+    """`_pipeline_idle` for stages of `sizes` blocks (cached: many layouts share it); each
     stage reruns the forward of its blocks 0, k, 2k, ... (k = `rerun_every`; 0: none)."""
-    sizes = even_stage_sizes(n_layers, pp * stages_per_rank)  # the engine's split
     last = len(sizes) - 1
     reruns = [-(-n // rerun_every) if rerun_every else 0 for n in sizes]
     forward = tuple(n + (output / 3 if s == last else 0.0) for s, n in enumerate(sizes))
@@ -1005,7 +1020,7 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
                       replicas_across_nodes_only: bool = True,
                       reshard_policies: Sequence[str] | None = None,
                       ac_every: Mapping[str, Sequence[int]] = DEFAULT_AC_EVERY,
-                      layers_per_stage: int | None = None) -> Iterator[Layout]:
+                      stage_sizes: Sequence[int] | None = None) -> Iterator[Layout]:
     """Every layout of `world_size` ranks whose degrees divide what they split: TP and CP
     powers of two up to `max_tp` / `max_cp` (a TP group beyond one node is never faster),
     CP dividing the sequence into 2 cp chunks, PP at most one block per stage, the global
@@ -1016,13 +1031,14 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
     replicas only beside a shard group of a node's ranks (`replicas_across_nodes_only`),
     FSDP's `reshard_policies` (default: `reshard_choices`), and for each AC mode the layer
     intervals `ac_every` lists (default: whole blocks every block or every second one; 1 for
-    modes it leaves out). With `layers_per_stage` (`--parallelism.pipeline_parallel_layers_per_stage`)
-    every layout pipelines, in stages of that many blocks (n_layers / (pp x it) per rank, as
-    the engine's split and schedules allow). The bounds are pruning for speed: a flag the user pins widens them. The model's own
+    modes it leaves out). With `stage_sizes` (the run's own split: blocks per stage, from
+    `--parallelism.pipeline_parallel_split_points` or `layers_per_stage`) every layout
+    pipelines those stages, len(stage_sizes) / pp per rank, as the schedules allow. The
+    bounds are pruning for speed: a flag the user pins widens them. The model's own
     constraints (heads, hidden sizes, ties) are checked by `ParallelDims.validate_model`
     through `valid`."""
     for pp in divisors(world_size):
-        if pp > facts.n_layers or (layers_per_stage and pp == 1):
+        if pp > facts.n_layers or (stage_sizes and pp == 1):
             continue
         for tp in _powers_of_two_dividing(world_size // pp, max_tp):
             for cp in _powers_of_two_dividing(world_size // (pp * tp), max_cp):
@@ -1044,7 +1060,7 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
                                 for policy in policies:
                                     yield from _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local,
                                                                   facts.n_layers, schedules, microbatch_sizes, policy,
-                                                                  every, layers_per_stage)
+                                                                  every, stage_sizes)
 
 
 def reshard_choices(pp: int, sharded: bool, pinned: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -1061,7 +1077,7 @@ def reshard_choices(pp: int, sharded: bool, pinned: Sequence[str] | None = None)
 
 
 def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_layers, schedules,
-                       microbatch_sizes, reshard, every=1, layers_per_stage=None) -> Iterator[Layout]:
+                       microbatch_sizes, reshard, every=1, stage_sizes=None) -> Iterator[Layout]:
     base = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, ac=ac,
                 local_batch_size=local, reshard_after_forward=reshard, ac_every=every)
     if pp == 1:  # the whole local batch at once, or accumulated over microbatches of `microbatch_sizes`
@@ -1075,18 +1091,19 @@ def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_laye
             if schedule in ZERO_BUBBLE_SCHEDULES and not zero_bubble_timeable():
                 continue  # this torch cannot list their order
             stages = 1 if schedule in SINGLE_STAGE else 2  # the engine's default stages per rank
-            if layers_per_stage:  # the user's stage size: the stages per rank follow
-                total = n_layers // layers_per_stage
-                if n_layers % layers_per_stage or stage_count_problem(total, pp, schedule):
+            if stage_sizes:  # the run's own split: the stages per rank follow
+                if stage_count_problem(len(stage_sizes), pp, schedule):
                     continue
-                stages = total // pp
+                stages = len(stage_sizes) // pp
                 if schedule not in SINGLE_STAGE and stages < 2:
                     continue  # a multi-stage schedule (torch's order needs two stages per rank at least)
             if n_layers < pp * stages or microbatch_count_problem(schedule, pp, local // micro):
                 continue
-            if every > 1 and max(even_stage_sizes(n_layers, pp * stages)) < 2:
+            sizes = tuple(stage_sizes) if stage_sizes else _stage_sizes(n_layers, pp * stages)
+            if every > 1 and max(sizes) < 2:
                 continue  # stages of one block: every k-th block is every block
-            yield Layout(**base, microbatch_size=micro, schedule=schedule, stages_per_rank=stages)
+            yield Layout(**base, microbatch_size=micro, schedule=schedule, stages_per_rank=stages,
+                         stage_sizes=tuple(stage_sizes) if stage_sizes else None)
 
 
 def rank_layouts(facts: ModelFacts, layouts: Iterable[Layout], work: Workload, hw: Hardware,
