@@ -777,6 +777,9 @@ def test_each_printed_command_trains_the_planned_layout_with_the_recipe_flags(ca
     (["--gpus", "8xH100", "--parallelism.fsdp_cpu_offload"], "does not model --parallelism.fsdp_cpu_offload"),
     (["--gpus", "16xH100", "--parallelism.pipeline_parallel_split_points", "layers.99"],
      "pipeline split point 'layers.99' is not a block of the model"),
+    (["--gpus", "8xH100", "--parallelism.pipeline_parallel_split_points", "layers.10", "layers.20"],
+     "the run's 3 pipeline stages (--parallelism.pipeline_parallel_split_points / layers_per_stage) divide over no "
+     "pipeline degree > 1 of 8 ranks"),
     (["--gpus", "16xH100", "--parallelism.pipeline_parallel_layers_per_stage", "5"],
      "--parallelism.pipeline_parallel_layers_per_stage=5 must divide the model's 32 layers"),
     (["--gpus", "8xH100", "--hardware.comm_overlap", "-1"], "--hardware.comm_overlap -1.0 must be in [0, 1]"),
@@ -1270,3 +1273,20 @@ def test_pipeline_split_points_are_planned_as_the_engine_splits(capsys):
     assert layouts and all(lay.stage_sizes == (10, 8, 8, 6) for lay in layouts)
     assert {(lay.pp, lay.stages_per_rank) for lay in layouts} == {(2, 2), (4, 1)}
     assert "--parallelism.pipeline_parallel_split_points" in rows[0]["train_argv"]
+
+
+def test_async_tp_is_planned_for_the_tp_rows_and_left_out_of_the_others(capsys):
+    """`--compile.enable --parallelism.enable_async_tensor_parallel`: TP is the planner's choice,
+    so the flag is not refused on a recipe without TP (as `titan train` refuses it there); the
+    rows with TP keep it in their command, the others leave it out (their command would be
+    refused), and every printed command parses."""
+    rc = main(["plan", "--config", "llama3_debug", *TINY, "--gpus", "8xH100", "--json", "--compile.enable",
+               "--parallelism.enable_async_tensor_parallel"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    with_tp = [row for row in rows if row["layout"]["tp"] > 1]
+    assert with_tp and len(with_tp) < len(rows)
+    for row in rows:
+        assert ("--parallelism.enable_async_tensor_parallel" in row["train_argv"]) == (row["layout"]["tp"] > 1)
+    for row in (with_tp[0], next(row for row in rows if row["layout"]["tp"] == 1)):
+        parse_train_args(row["train_argv"])

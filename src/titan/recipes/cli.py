@@ -513,11 +513,11 @@ def _dispatch(command: str, rest: list[str]) -> int:
     if command == "plan":
         # The layout and AC flags are the planner's to combine (a schedule without PP picks the
         # pipelined rows; it refuses what it does not rank itself), not the run's.
-        from titan.recipes.plan import LAYOUT_FLAGS, plan
+        from titan.recipes.plan import LAYOUT_FLAGS, TP_ONLY_FLAGS, plan
 
         # A pipeline split of the run's own pins pipelined layouts (the planner picks their degree).
         exempt = (*LAYOUT_FLAGS, "--parallelism.pipeline_parallel_layers_per_stage",
-                  "--parallelism.pipeline_parallel_split_points")
+                  "--parallelism.pipeline_parallel_split_points", *TP_ONLY_FLAGS)
         return plan(rest, functools.partial(parse_train_args, exempt_flags=exempt))
     if command == "recipes":
         print(recipes_description())

@@ -308,10 +308,15 @@ LAYOUT_FLAGS = {**dict.fromkeys(PINNABLE, True), **AC_FLAGS, "--training.local_b
                  "--training.global_batch_size": True}
 
 
+TP_ONLY_FLAGS = ("--parallelism.enable_async_tensor_parallel",)
+"""Recipe switches that act under TP only: a row without TP leaves them out of its command
+(which `titan train` would refuse as having no effect)."""
+
+
 def train_argv(recipe_argv: Sequence[str], layout: Layout) -> list[str]:
     """The `titan train` arguments of a planned row: the recipe flags given to `titan plan`
-    (`--config`, `--compile.enable`, `--training.seq_len`, ...), less those the layout sets,
-    then the layout's own (`Layout.flags`)."""
+    (`--config`, `--compile.enable`, `--training.seq_len`, ...), less those the layout sets
+    (and, without TP, `TP_ONLY_FLAGS`), then the layout's own (`Layout.flags`)."""
     kept, args = [], list(recipe_argv)
     i = 0
     while i < len(args):
@@ -319,7 +324,8 @@ def train_argv(recipe_argv: Sequence[str], layout: Layout) -> list[str]:
         if flag in LAYOUT_FLAGS:
             i += 1 if eq or not LAYOUT_FLAGS[flag] else 2
             continue
-        kept.append(args[i])
+        if not (flag in TP_ONLY_FLAGS and layout.tp == 1):
+            kept.append(args[i])
         i += 1
     return [*kept, *layout.flags()]
 
@@ -369,6 +375,10 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
     stage_sizes = configured_stage_sizes(probe, config.parallelism)
     if stage_sizes:  # the run's own split (split points or a stage size): every layout pipelines it
         bounds["stage_sizes"] = stage_sizes
+        if not any(len(stage_sizes) % pp == 0 for pp in range(2, min(gpus, len(stage_sizes)) + 1) if gpus % pp == 0):
+            raise ValueError(f"the run's {len(stage_sizes)} pipeline stages (--parallelism.pipeline_parallel_split_points "
+                             f"/ layers_per_stage) divide over no pipeline degree > 1 of {gpus} ranks; split the "
+                             "layers into a number of stages that does")
     valid = passes_engine_checks(probe, work.seq_len, work.global_batch_size, pinned, config)
     layouts = list(enumerate_layouts(facts, gpus, work, n_experts=n_experts, **bounds))
     preds = rank_layouts(facts, layouts, work, hw, valid=valid)
