@@ -915,14 +915,14 @@ def test_interleaved_activations_in_flight_count_each_stage_blocks():
     walk over torch's own action list agrees."""
     from titan.dist.planner import _peak_outstanding_blocks
 
-    assert _peak_outstanding_blocks("Interleaved1F1B", 2, 4, 2, 0, 6) == 9
+    assert _peak_outstanding_blocks("Interleaved1F1B", 2, 4, 2, 0, (2, 2, 1, 1)) == 9
     sizes = (2, 2, 1, 1)
     for rank, order in enumerate(_torch_order("Interleaved1F1B", 2, 4, 2)):
         held = peak = 0
         for is_forward, stage, _ in order:
             held += sizes[stage] if is_forward else -sizes[stage]
             peak = max(peak, held)
-        assert _peak_outstanding_blocks("Interleaved1F1B", 2, 4, 2, rank, 6) == peak, rank
+        assert _peak_outstanding_blocks("Interleaved1F1B", 2, 4, 2, rank, (2, 2, 1, 1)) == peak, rank
 
 
 @pytest.mark.parametrize("schedule", ["Interleaved1F1B", "InterleavedZeroBubble", "1F1B", "GPipe"])

@@ -597,13 +597,8 @@ def stage_params(facts: ModelFacts, layout: Layout, blocks: Sequence[int], first
     """(parameters this rank holds, the mean parameters of one of its blocks as a rank
     computes it: FSDP-gathered, TP- and EP-local)."""
     fsdp = layout.dp_shard * layout.cp
-    if facts.uniform_blocks and blocks:  # a dense model: as many times one block (fast: every rank of every layout)
-        block = facts.blocks[0]
-        dense = len(blocks) * (block.tp_sharded / layout.tp + block.tp_replicated)
-        experts = len(blocks) * block.experts
-    else:
-        dense = sum(facts.blocks[i].tp_sharded / layout.tp + facts.blocks[i].tp_replicated for i in blocks)
-        experts = sum(facts.blocks[i].experts for i in blocks)
+    dense = sum(facts.blocks[i].tp_sharded / layout.tp + facts.blocks[i].tp_replicated for i in blocks)
+    experts = sum(facts.blocks[i].experts for i in blocks)
     outer = (facts.embedding if first else 0) / layout.tp + ((facts.output / layout.tp + facts.final_norm) if last else 0)
     # Dense parameters: TP-sharded, then FSDP over dp_shard x cp. Experts: split over EP, and
     # each EP rank's experts FSDP-sharded over the remaining dp_shard x cp / ep ranks.
@@ -695,17 +690,17 @@ def _held_block_tokens(layout: Layout, work: Workload, n_layers: int, blocks: Se
 
 @functools.lru_cache(maxsize=4096)
 def _peak_outstanding_blocks(schedule: str, pp: int, microbatches: int, stages_per_rank: int, pp_rank: int,
-                             sizes: int | tuple[int, ...]) -> int:
+                             sizes: tuple[int, ...]) -> int:
     """Block-microbatches pipeline rank `pp_rank` holds at its peak; `sizes`: each stage's
-    blocks (an int: that many layers split evenly, the engine's split)."""
-    if isinstance(sizes, int):
-        sizes = _stage_sizes(sizes, pp * stages_per_rank)
+    blocks (`layout_stage_sizes`)."""
     local = [sizes[s] for s in stage_ids_of_rank(pp_rank, pp, pp * stages_per_rank, schedule)]
     return held_block_microbatches(schedule, pp, microbatches, stages_per_rank, pp_rank, local)
 
 
 def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[int], *, first: bool, last: bool,
-            pp_rank: int = 0, stages: Sequence[int] | None = None) -> dict:
+            pp_rank: int, stages: Sequence[int]) -> dict:
+    """Bytes per rank by component (module docstring) of pipeline rank `pp_rank`, whose stages
+    hold `stages` blocks each."""
     params, block_unsharded = stage_params(facts, layout, blocks, first, last)
     micro = _micro_tokens(layout, work)
     width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
@@ -715,7 +710,6 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[
     # TP shards what a block keeps but the inputs its matmuls gather whole; CP adds the K and
     # V gathered from the other CP ranks; under layer-wise AC the blocks AC skips keep
     # everything (the dry run's rule, `kept_units`): per block, the rank's mean.
-    stages = stages if stages is not None else [len(blocks)]
     kept, rebuilt = kept_units(layout.ac_config, stages, selective, none, tp=layout.tp, cp=layout.cp,
                                sequence_parallel=work.sequence_parallel, kv_fraction=facts.kv_fraction)
     per_block_token = kept / max(sum(stages), 1) * width
@@ -808,16 +802,14 @@ def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware,
 
 
 def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, blocks: Sequence[int], *,
-           first: bool, last: bool, checkpointed: int | None = None) -> tuple[dict, dict]:
+           first: bool, last: bool, checkpointed: int) -> tuple[dict, dict]:
     """Seconds per step of one pipeline stage by component: the exposed parts (summed into
     "step") and each component's whole time before overlap (`Prediction.loads`);
-    `checkpointed`: of `blocks`, those AC applies to (default: all of them under AC)."""
+    `checkpointed`: of `blocks`, those AC applies to (`checkpointed_blocks`)."""
     L = max(len(blocks), 1)
     share = len(blocks) / facts.n_layers
     dp = layout.dp_replicate * layout.dp_shard
     tokens_rank = work.global_batch_size * work.seq_len / dp / layout.cp  # this rank's TP group's tokens
-    if checkpointed is None:
-        checkpointed = 0 if layout.ac == "none" else len(blocks)
     rerun_blocks = checkpointed if layout.ac == "full" else 0  # recomputed whole, collectives included
     # Full AC reruns each checkpointed block's forward (2 of its 6 FLOPs per parameter);
     # selective (per op) reruns only the cheap ops between the matmuls, a few percent.
