@@ -94,6 +94,17 @@ def _extend_shared_build_timeouts(items) -> None:
             item.add_marker(pytest.mark.timeout(SHARED_BUILD_TIMEOUT_S))
 
 
+def _slow_first(items) -> None:
+    """Move the tests marked ``slow`` ahead of the others, each kind in collection order.
+
+    pytest-xdist hands out the shared-launch groups first (largest first), then single tests
+    in collection order as workers free up; the slow end-to-end tests sit in the last folders
+    collected, so a worker could start a 30 s test while the other had only seconds of work
+    left. Scheduling the longest work first leaves the many sub-second tests to even out the
+    end. The order is a function of the collection alone, so every worker agrees on it."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Keep ``--dist loadgroup`` working: pytest-xdist (3.8) names a test's group by appending
@@ -102,10 +113,12 @@ def pytest_collection_modifyitems(config, items):
     waited on a file lock for a launch another worker was running. Appends the suffix where
     xdist's own attempt did not stick; a no-op where it did, or without loadgroup.
 
-    Also gives the tests that may build a shared input their longer time limit."""
+    Also gives the tests that may build a shared input their longer time limit, and runs the
+    slow tests first (`_slow_first`)."""
     _extend_shared_build_timeouts(items)
     if not getattr(config.option, "loadgroup", False):
         return
+    _slow_first(items)
     for item in items:
         groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
                          for m in item.iter_markers("xdist_group")})

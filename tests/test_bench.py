@@ -37,6 +37,7 @@ def test_bench_model_prints_ratio(capsys):
     assert set(rates) == {"titan", "hf"} and all(len(r) == 2 for r in rates.values())
 
 
+@pytest.mark.slow
 def test_bench_data_prints_ratios(capsys):
     pytest.importorskip("datasets")
     load("bench_data").main(

@@ -209,6 +209,7 @@ def test_weight_sized_parts_are_split_from_the_per_token_units():
     assert split == {"none": 10.0, "none_fixed_bytes": 5000.0}
 
 
+@pytest.mark.slow
 def test_float8_blocks_are_measured_converted_with_the_weight_casts_apart():
     """A float8 block's casts of its weights are sized by the weights: measured at two
     lengths they are split out of the per-token units. What the block keeps has no
@@ -321,6 +322,7 @@ def test_dry_run_builds_the_model_titan_train_builds(capsys, tmp_path, monkeypat
         trainer.close()
 
 
+@pytest.mark.slow
 def test_dry_run_converts_float8_before_the_layout_like_titan_train():
     pytest.importorskip("torchao.float8")
     lines = []

@@ -384,6 +384,7 @@ def test_loss_peak_equals_what_mem_tracker_measures(tmp_path, tp, chunk):
         assert (abs(error) <= 0.01) if not chunk else (0 <= error <= 0.08), (rank, measured, predicted)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="measures the resident set as Linux reports it")
 @pytest.mark.parametrize("chunk", [0, 512], ids=["whole", "chunked"])
 def test_compiled_loss_peak_equals_the_measured_resident_set(tmp_path, chunk):
@@ -707,6 +708,7 @@ def test_every_enumerated_layout_the_engine_accepts_passes_the_dry_run():
         run_dry_run(config_for(config, layout), world_size=8, print_fn=lambda s: None)
 
 
+@pytest.mark.slow
 def test_titan_plan_prints_a_ranked_table_whose_rows_pass_the_dry_run(capsys):
     rc = main(["plan", "--config", "llama3_70b", "--gpus", "256xH100", "--top", "5", "--verify", "3"])
     out = capsys.readouterr().out
@@ -795,6 +797,7 @@ def test_titan_plan_bad_input_is_one_line(argv, message, capsys):
     assert rc == 2 and message in err
 
 
+@pytest.mark.slow
 def test_published_comparison_script_reproduces_its_figures():
     """tools/plan_vs_published.py: the fitted row is reproduced and its layout predicts within
     `titan plan`'s tie band of the first choice (the same FSDP 8 without AC, accumulating two
@@ -830,6 +833,7 @@ def _published_tool():
     return tool
 
 
+@pytest.mark.slow
 def test_megatron_table_is_compared_with_one_fitted_constant():
     """Megatron-LM's weak-scaling table (SC21): the GPT shapes do the paper's FLOPs per token
     (its formula without the recomputed forward); the A100 kernel efficiency fitted on the first row reproduces it; the
@@ -1243,6 +1247,7 @@ def test_layer_wise_ac_is_ranked_between_none_and_every_block(capsys):
     assert (printed.mode, printed.selective_op, printed.selective_layer_every) == ("selective", False, 2)
 
 
+@pytest.mark.slow
 def test_a_pipeline_stage_size_is_planned_as_the_engine_splits(capsys):
     """`--parallelism.pipeline_parallel_layers_per_stage N` (refused as unmodeled before): every
     ranked layout pipelines, in n_layers / N stages, so each rank runs n_layers / (N x pp) of
