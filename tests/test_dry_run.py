@@ -406,3 +406,27 @@ def test_layer_wise_per_op_ac_counts_the_blocks_the_engine_checkpoints():
     every_second = activations(*per_op, "--activation_checkpoint.selective_layer_every", "2")
     assert every_block < every_second < none
     assert every_second == pytest.approx((none + every_block) / 2, rel=1e-6)
+
+
+def test_block_units_of_one_model_key_are_measured_once_per_process():
+    """`measure_block_units(model_key=...)`: the same model and arguments are traced once
+    (the plan, the dry run and the memory check of one process ask alike); another key, or
+    other arguments, measure again, and a caller cannot change what the next one reads."""
+    builds = []
+
+    def build():
+        builds.append(1)
+        return build_llama3("debugmodel_tiny", vocab_size=TINY_VOCAB, max_seq_len=32)
+
+    key = ("test_block_units_memo", id(builds))
+    first = measure_block_units(build, seq_len=32, model_key=key)
+    traced = len(builds)
+    assert traced >= 1
+    first["none"] = -1.0  # the caller's copy
+    again = measure_block_units(build, seq_len=32, model_key=key)
+    assert len(builds) == traced and again["none"] == pytest.approx(21.1, abs=0.1)
+    assert again == measure_block_units(build, seq_len=32)  # unkeyed: measured, and equal
+    assert len(builds) == 2 * traced
+    measure_block_units(build, seq_len=16, model_key=key)  # other arguments
+    measure_block_units(build, seq_len=32, model_key=(*key, "other"))
+    assert len(builds) == 4 * traced

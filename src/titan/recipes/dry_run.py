@@ -96,6 +96,15 @@ def model_builder(config: TrainerConfig) -> tuple[Callable[[], nn.Module], int, 
     return build, vocab, source
 
 
+def model_key(config: TrainerConfig, vocab: int) -> tuple:
+    """What identifies the model `model_builder` and `converting` build for `config` (family,
+    flavor, overrides, vocabulary, context, and the quantization flags when float8 converts
+    it): the key of `measure_block_units`' per-process memo."""
+    m = config.model
+    float8 = repr(config.quantize) if config.quantize.linear.float8.enabled else None
+    return (m.name, m.flavor, tuple(sorted(m.overrides().items())), vocab, config.training.seq_len, float8)
+
+
 def gathered_param_bytes(config: TrainerConfig, build) -> float | None:
     """Bytes per block parameter FSDP gathers when the float8 weights are gathered in float8
     (`--quantize.linear.float8.enable_fsdp_float8_all_gather`: 1 byte each, the rest in the
@@ -166,6 +175,7 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
         # blocks are measured unconverted (their saving is not modeled).
         measure_fn=model_fn if config.quantize.linear.float8.enabled else unconverted,
         measure_converted=config.quantize.linear.float8.enabled,
+        model_key=model_key(config, vocab),
     )
 
 

@@ -47,7 +47,7 @@ from titan.models.common.moe import moe_modules
 from titan.train.config import TrainerConfig
 from titan.train.quantize import check_quantize_layout, float8_available, float8_linears
 
-from titan.recipes.dry_run import converting, model_builder, run_dry_run
+from titan.recipes.dry_run import converting, model_builder, model_key, run_dry_run
 
 USAGE = ("titan plan --gpus <N>x<" + "|".join(HARDWARE) + "> [--config RECIPE] [--nodes K] "
          "[--global_batch_tokens T] [--top 10] [--json] [--verify N] [--memory_headroom 0.1] "
@@ -122,7 +122,7 @@ def pinned_choices(argv: Sequence[str], config: TrainerConfig | None = None) -> 
 
 def model_facts(config: TrainerConfig):
     """(ModelFacts, routed experts per MoE layer or 0, the meta model) of the recipe's model."""
-    build, _, _ = model_builder(config)
+    build, vocab, _ = model_builder(config)
     seq = config.training.seq_len
     with torch.device("meta"):
         model = build()
@@ -134,7 +134,8 @@ def model_facts(config: TrainerConfig):
                                   block_units=measure_block_units(measured, seq_len=min(seq, 64),
                                                                   dtype=DTYPES[config.training.mixed_precision_param],
                                                                   compiled=config.compile.compiles_model,
-                                                                  converted=is_converted),
+                                                                  converted=is_converted,
+                                                                  model_key=model_key(config, vocab)),
                                   matmul_flops_per_token=_matmul_flops_per_token(model, seq))
     return facts, (moes[0].n_experts if moes else 0), model
 

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +52,8 @@ def selective_op_units(block: nn.Module, dim: int) -> float:
 
 def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
                         dtype: torch.dtype = torch.float32, selective: bool = True,
-                        compiled: bool = False, converted: bool = False) -> dict[str, float] | None:
+                        compiled: bool = False, converted: bool = False,
+                        model_key: Hashable | None = None) -> dict[str, float] | None:
     """Model-width units per token of the model's blocks, in `dtype` (fp32 intermediates such
     as RoPE's and RMSNorm's count twice a bf16 unit): what a block keeps for backward with no
     AC ("none") and, if `selective`, with per-op selective AC ("selective"), what its backward allocates on
@@ -78,7 +79,30 @@ def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
     no fixed part (eager float8 saves the linears' high-precision inputs, as bf16 does;
     compiled, the float8 casts of the inputs and not of the weights, as inductor treats
     parameters as free to save); its backward casts the weights and their gradients
-    ("backward_fixed_bytes", a transient of one block)."""
+    ("backward_fixed_bytes", a transient of one block).
+
+    `model_key`: a value that identifies what `model_fn` builds (the recipe's model and
+    conversion flags); the figures of one key and these arguments are then measured once per
+    process (`titan plan`, the dry run and the pre-run memory check of one process ask for the
+    same model's; each measurement traces the model, ~1 s)."""
+    if model_key is None:
+        return _measure_block_units(model_fn, seq_len=seq_len, dtype=dtype, selective=selective, compiled=compiled,
+                                    converted=converted)
+    key = (model_key, seq_len, dtype, selective, compiled, converted)
+    if key not in _MEASURED_UNITS:
+        _MEASURED_UNITS[key] = _measure_block_units(model_fn, seq_len=seq_len, dtype=dtype, selective=selective,
+                                                    compiled=compiled, converted=converted)
+    measured = _MEASURED_UNITS[key]
+    return None if measured is None else dict(measured)
+
+
+_MEASURED_UNITS: dict[tuple, dict[str, float] | None] = {}
+"""`measure_block_units`' figures by model key and arguments."""
+
+
+def _measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int, dtype: torch.dtype, selective: bool,
+                         compiled: bool, converted: bool) -> dict[str, float] | None:
+    """`measure_block_units`, measured."""
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)  # an op without a fake kernel is expected: the rules apply
@@ -796,7 +820,7 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             gathered_param_bytes: float | None = None,
             print_fn: Callable[[str], None] | None = print,
             measure_fn: Callable[[], nn.Module] | None = None,
-            measure_converted: bool = False) -> list[RankEstimate]:
+            measure_converted: bool = False, model_key: Hashable | None = None) -> list[RankEstimate]:
     """Validate and parallelize a configuration for `world_size` ranks on this one CPU.
 
     `model_fn()` builds the model (it is called under the meta device). Prints, and returns,
@@ -812,7 +836,7 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     process group. `measure_fn` builds the model whose blocks' activations are measured
     (`measure_block_units`; default `model_fn`), `measure_converted` when it converts its
     linears (float8: their weight-sized casts are measured apart from the per-token
-    activations). A conversion the fake tensors cannot trace (MXFP8) is measured on the
+    activations), `model_key` what identifies that model (`measure_block_units`). A conversion the fake tensors cannot trace (MXFP8) is measured on the
     unconverted model.
     """
     if dist.is_initialized():
@@ -838,7 +862,7 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     measured = measure_block_units(measure_fn or model_fn, seq_len=min(seq_len, 64), dtype=DTYPES[activation_dtype],
                                    selective=activation_checkpoint.mode == "selective" and activation_checkpoint.selective_op,
                                    compiled=bool(getattr(compile, "compiles_model", False)),
-                                   converted=measure_converted)
+                                   converted=measure_converted, model_key=model_key)
     estimates = []
     for pp_rank in range(dims.pp):
         params, acts, recompute, loss, fsdp = _estimate_rank(
