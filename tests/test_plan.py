@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -910,6 +911,23 @@ def test_layout_flags_on_the_command_line_pin_the_choices(capsys):
     assert layouts and all(lay["tp"] == 8 and lay["ac"] == "full" for lay in layouts)
     rc = main(["plan", "--config", "llama3_70b", "--gpus", "64xH100", "--parallelism.tensor_parallel_degree", "3"])
     assert rc == 2 and "'tp': 3" in capsys.readouterr().err
+
+
+def test_torchtitan_ac_spelling_pins_the_ac_and_leaves_the_printed_commands(capsys):
+    """`--activation_checkpoint.selective_ac_option` (torchtitan's) pins the AC the run would
+    do, like titan's own fields, and each row's command sets the layout's AC flags instead of
+    repeating it beside them."""
+    for option, ac, every in (("op", "selective", 1), ("2", "full", 2)):
+        argv = ["plan", "--config", "llama3_8b", "--gpus", "8xH100", "--top", "3",
+                "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", option]
+        assert main([*argv, "--json"]) == 0
+        layouts = [row["layout"] for row in json.loads(capsys.readouterr().out)["layouts"]]
+        assert layouts and all((lay["ac"], lay["ac_every"]) == (ac, every) for lay in layouts), option
+        assert main(argv) == 0
+        commands = [line for line in capsys.readouterr().out.splitlines() if "titan train" in line]
+        assert len(commands) == 3 and not any("selective_ac_option" in line for line in commands), commands
+        assert all(parse_train_args(shlex.split(line.partition("titan train ")[2])).activation_checkpoint
+                   == parse_train_args(argv[1:3] + argv[-4:]).activation_checkpoint for line in commands)
 
 
 def test_interleaved_activations_in_flight_count_each_stage_blocks():

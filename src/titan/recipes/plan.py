@@ -89,7 +89,8 @@ PINNABLE = {
     "--parallelism.fsdp_reshard_after_forward": ("reshard_after_forward", str),
 }
 AC_FLAGS = {"--activation_checkpoint.mode": True, "--activation_checkpoint.selective_layer_every": True,
-            "--activation_checkpoint.selective_op": False, "--activation_checkpoint.no_selective_op": False}
+            "--activation_checkpoint.selective_op": False, "--activation_checkpoint.no_selective_op": False,
+            "--activation_checkpoint.selective_ac_option": True}
 """The AC flags (-> whether each takes a value): given on the command line, together they pin
 the layout's `ac` and `ac_every` (`ac_choice`)."""
 

@@ -486,10 +486,12 @@ class Layout:
             # Always: a recipe's own global batch would otherwise set the accumulation.
             "--training.global_batch_size", str(self.global_batch_size),
         ]
-        if self.ac_config.selective_op:
-            out.append("--activation_checkpoint.selective_op")  # keep matmul outputs, rerun the rest
-        if self.ac_every > 1:
-            out += ["--activation_checkpoint.selective_layer_every", str(self.ac_every)]
+        if self.ac_config.mode == "selective":
+            # Both set either way: a recipe's own selective_op or layer interval would otherwise
+            # change what the row runs (Llama 3 8B's recipe turns per-op AC on).
+            op = self.ac_config.selective_op  # keep matmul outputs, rerun the rest
+            out += ["--activation_checkpoint.selective_op" if op else "--activation_checkpoint.no_selective_op",
+                    "--activation_checkpoint.selective_layer_every", str(self.ac_every)]
         if self.pp > 1:
             out += ["--parallelism.pipeline_parallel_schedule", self.schedule,
                     "--parallelism.pipeline_parallel_microbatch_size", str(self.microbatch_size)]
