@@ -750,22 +750,39 @@ def test_titan_plan_json_and_hardware_overrides(capsys):
                or lay["layout"]["pp"] > 1 for lay in doc["layouts"])
 
 
-def test_each_printed_command_trains_the_planned_layout_with_the_recipe_flags(capsys):
+@pytest.mark.parametrize("recipe, gpus, plan_flags", [
+    (["--config", "llama3_debug", "--training.seq_len", "64", "--compile.enable",
+      "--parallelism.tensor_parallel_degree", "2"], "8xH100", ["--global_batch_tokens", str(16 * 64)]),
+    # A recipe with AC settings of its own (per-op AC on): every kind of row the plan prints.
+    (["--config", "llama3_8b"], "16xH100", ["--top", "100000"]),
+], ids=["debug_compiled_tp2", "llama3_8b_own_ac"])
+def test_each_printed_command_trains_the_planned_layout_with_the_recipe_flags(capsys, recipe, gpus, plan_flags):
     """Each row's `titan train` command is complete: the recipe flags given to `titan plan`
-    (here --config, --compile.enable, a seq_len and a pinned TP degree) and the layout's, so
-    that it parses to exactly the configuration the row was planned and dry-run with
-    (`config_for`); before, it printed the layout's flags alone (no --config, no compile)."""
-    recipe = ["--config", "llama3_debug", "--training.seq_len", "64", "--compile.enable",
-              "--parallelism.tensor_parallel_degree", "2"]
-    rc = main(["plan", *recipe, "--gpus", "8xH100", "--global_batch_tokens", str(16 * 64), "--json"])
+    (--config, --compile.enable, a seq_len, a pinned TP degree) and the layout's, so that it
+    parses to exactly the configuration the row was planned and dry-run with (`config_for`),
+    and runs the row's AC (`ac_choice`); before, it printed the layout's flags alone (no
+    --config, no compile), and on Llama 3 8B (whose recipe turns per-op AC on) its rows with
+    whole blocks every second one ran per-op AC in them."""
+    rc = main(["plan", *recipe, "--gpus", gpus, *plan_flags, "--json"])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     config = parse_train_args(recipe)
-    for row in doc["layouts"][:8]:
-        planned = config_for(config, Layout(**row["layout"]))
+    kinds = {}  # one row of each kind: AC, its interval, pipelined, reshard policy
+    for row in doc["layouts"]:
+        lay = row["layout"]
+        kinds.setdefault((lay["ac"], lay["ac_every"], lay["pp"] > 1, lay["reshard_after_forward"]), row)
+    rows = doc["layouts"][:8] + list(kinds.values())
+    assert len({(r["layout"]["ac"], r["layout"]["ac_every"]) for r in rows}) >= 3
+    for row in rows:
+        layout = Layout(**row["layout"])
+        planned = config_for(config, layout)
         printed = parse_train_args(row["train_argv"])
-        for section in ("parallelism", "training", "activation_checkpoint", "compile", "quantize"):
+        for section in ("parallelism", "training", "compile", "quantize"):
             assert getattr(printed, section) == getattr(planned, section), (row["layout"], section)
+        # The AC the run does (a recipe's per-op setting left under mode "none" or "full" is
+        # inert, and the command line may not repeat it: titan refuses a flag without effect).
+        assert ac_choice(printed.activation_checkpoint) == ac_choice(planned.activation_checkpoint) == (
+            layout.ac, layout.ac_every), row["layout"]
 
 
 @pytest.mark.parametrize("argv, message", [
