@@ -408,6 +408,35 @@ def test_layer_wise_per_op_ac_counts_the_blocks_the_engine_checkpoints():
     assert every_second == pytest.approx((none + every_block) / 2, rel=1e-6)
 
 
+@pytest.mark.parametrize("flags, wrapped", [
+    # torchtitan's meaning of mode selective alone (its selective_ac_option default "2").
+    (["--activation_checkpoint.mode", "selective"], [0, 2, 4]),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_op"], [0, 1, 2, 3, 4, 5]),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_layer_every", "1"],
+     [0, 1, 2, 3, 4, 5]),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_layer_every", "3"], [0, 3]),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"], [0, 2, 4]),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+     [0, 1, 2, 3, 4, 5]),
+    (["--activation_checkpoint.mode", "full"], [0, 1, 2, 3, 4, 5]),
+], ids=["selective", "selective_op", "every_1", "every_3", "torchtitan_2", "torchtitan_op", "full"])
+def test_the_blocks_each_ac_setting_checkpoints(flags, wrapped):
+    """The blocks the engine wraps for each way of asking, torchtitan's spellings included,
+    and the count the dry run, the memory check and the planner use for them."""
+    from titan.dist.dry_run import checkpointed_blocks
+    from titan.dist.plan import blocks_of
+
+    from titan.recipes.plan import ac_choice
+
+    ac = parse_train_args(["--config", "llama3_debug", *flags]).activation_checkpoint
+    model = build_llama3("debugmodel", vocab_size=64, max_seq_len=32)
+    apply_activation_checkpointing(model, None, ac)
+    blocks = [i for i, (_, block) in enumerate(blocks_of(model)) if hasattr(block.forward, "__wrapped__")]
+    assert blocks == wrapped
+    assert checkpointed_blocks(ac, [len(model.layers)]) == len(wrapped)
+    assert ac_choice(ac)[1] == ac.checkpoint_every() == wrapped[1] - wrapped[0]
+
+
 def test_block_units_of_one_model_key_are_measured_once_per_process():
     """`measure_block_units(model_key=...)`: the same model and arguments are traced once
     (the plan, the dry run and the memory check of one process ask alike); another key, or

@@ -99,7 +99,7 @@ def ac_choice(ac: ActivationCheckpointConfig) -> tuple[str, int]:
     """The planner's (`Layout.ac`, `Layout.ac_every`) of an AC config, as the engine runs it:
     "selective" without `selective_op` checkpoints whole blocks, every k-th ("full" every k)."""
     if ac.mode == "selective":
-        return ("selective" if ac.selective_op else "full"), ac.selective_layer_every
+        return ("selective" if ac.selective_op else "full"), ac.checkpoint_every()
     return ac.mode, 1
 
 

@@ -74,7 +74,7 @@ def llama3_8b() -> TrainerConfig:
     cfg = on_gpu_cluster(cfg, dataset="allenai/c4", tokenizer_path="./assets/llama3/tokenizer.json")
     cfg.training.local_batch_size = 1
     # Per-op selective AC (matmul outputs kept, the cheap ops rerun), as torchtitan's 8B recipe;
-    # "selective" alone checkpoints every whole block, which is full AC.
+    # "selective" alone would checkpoint every second block whole (torchtitan's default).
     cfg.activation_checkpoint.mode = "selective"
     cfg.activation_checkpoint.selective_op = True
     cfg.job.dump_folder = "./outputs/llama3_8b"

@@ -65,12 +65,12 @@ def apply_activation_checkpointing(model: nn.Module, mesh, config) -> nn.Module:
     """Apply `ActivationCheckpointConfig` to every block of the model's layer container.
 
     "full" checkpoints every block; "selective" checkpoints blocks 0, k, 2k, ... with
-    k = `selective_layer_every`, either whole (recompute all) or per op (`selective_op`).
+    k = `config.checkpoint_every()`, either whole (recompute all) or per op (`selective_op`).
     `mesh` is unused (AC is local) but kept for the `apply_*` signature.
     """
     if config.mode == "none":
         return model
-    every = 1 if config.mode == "full" else config.selective_layer_every
+    every = config.checkpoint_every()
     per_op = config.mode == "selective" and config.selective_op
     for index, (_, block) in enumerate(blocks_of(model)):
         if index % every == 0:

@@ -116,8 +116,10 @@ class ActivationCheckpointConfig:
 
     mode: str = "none"
     """"none"; "full" (recompute every block); "selective" (see the two fields below)."""
-    selective_layer_every: int = 1
-    """selective: checkpoint blocks 0, k, 2k, ... (k = this); 1 = every block."""
+    selective_layer_every: int | None = None
+    """selective: checkpoint blocks 0, k, 2k, ... (k = this; 1 = every block). Unset: every
+    second block whole, torchtitan's default for mode selective, or every block with
+    `selective_op` (`checkpoint_every`)."""
     selective_op: bool = False
     """selective: inside a checkpointed block keep matmul (and collective) outputs and
     recompute only the cheap ops in between, instead of recomputing the whole block."""
@@ -126,9 +128,21 @@ class ActivationCheckpointConfig:
         _require(self.mode in AC_MODES,
                  f"--activation_checkpoint.mode={self.mode!r} is unknown; choose one of "
                  f"{', '.join(AC_MODES)}")
-        _require(self.selective_layer_every >= 1,
+        _require(self.selective_layer_every is None or self.selective_layer_every >= 1,
                  f"--activation_checkpoint.selective_layer_every must be >= 1, got "
                  f"{self.selective_layer_every}")
+
+    def checkpoint_every(self) -> int:
+        """k of the blocks 0, k, 2k, ... the engine checkpoints: 1 under "full"; under
+        "selective" `selective_layer_every`, else 1 per op and 2 whole (torchtitan's
+        `selective_ac_option` default); 0 without AC."""
+        if self.mode == "none":
+            return 0
+        if self.mode == "full":
+            return 1
+        if self.selective_layer_every is not None:
+            return self.selective_layer_every
+        return 1 if self.selective_op else 2
 
 
 @dataclass(kw_only=True)

@@ -673,10 +673,10 @@ def kv_width(model: nn.Module, plan, dim: int) -> int:
 def checkpointed_blocks(ac, stage_blocks: Sequence[int]) -> int:
     """Blocks the engine checkpoints on a rank whose stages hold `stage_blocks` blocks each:
     every block under "full"; under "selective" blocks 0, k, 2k, ... of each stage (k =
-    `selective_layer_every`; the engine numbers each stage's blocks from 0); none without AC."""
+    `ac.checkpoint_every()`; the engine numbers each stage's blocks from 0); none without AC."""
     if ac.mode == "none":
         return 0
-    every = 1 if ac.mode == "full" else ac.selective_layer_every
+    every = ac.checkpoint_every()
     return sum(-(-n // every) for n in stage_blocks)
 
 
