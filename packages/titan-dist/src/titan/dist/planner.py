@@ -651,9 +651,17 @@ def predict(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware) -> 
     """Memory and step time of `layout` (see the module docstring for the rules)."""
     worst_mem, worst_time, worst_loads = None, None, {}
     timed: dict[tuple, tuple[dict, dict]] = {}
+    sized: dict[tuple, dict] = {}
     for rank, (blocks, first, last) in enumerate(rank_stages(facts.n_layers, layout)):
         stages = rank_stage_sizes(facts.n_layers, layout, rank)
-        mem = _memory(facts, layout, work, blocks, first=first, last=last, pp_rank=rank, stages=stages)
+        held = _held_block_tokens(layout, work, facts.n_layers, blocks, rank)
+        # Pipeline ranks whose stages, ends and peak activations match hold the same bytes:
+        # sized once (a layout of PP 32 asks 32 times).
+        shape = (len(blocks) if facts.uniform_blocks else tuple(blocks), first, last, tuple(stages), held)
+        if shape not in sized:
+            sized[shape] = _memory(facts, layout, work, blocks, first=first, last=last, held_tokens=held,
+                                   stages=stages)
+        mem = sized[shape]
         checkpointed = checkpointed_blocks(layout.ac_config, stages)
         # A stage's time depends on its blocks, not on which rank runs them: pipeline ranks
         # with as many blocks of a dense model are timed once.
@@ -700,9 +708,10 @@ def _peak_outstanding_blocks(schedule: str, pp: int, microbatches: int, stages_p
 
 
 def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[int], *, first: bool, last: bool,
-            pp_rank: int, stages: Sequence[int]) -> dict:
-    """Bytes per rank by component (module docstring) of pipeline rank `pp_rank`, whose stages
-    hold `stages` blocks each."""
+            held_tokens: float, stages: Sequence[int]) -> dict:
+    """Bytes per rank by component (module docstring) of a pipeline rank whose stages hold
+    `stages` blocks each and whose activations peak at `held_tokens` block-tokens
+    (`_held_block_tokens`)."""
     params, block_unsharded = stage_params(facts, layout, blocks, first, last)
     micro = _micro_tokens(layout, work)
     width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
@@ -715,7 +724,7 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[
     kept, rebuilt = kept_units(layout.ac_config, stages, selective, none, tp=layout.tp, cp=layout.cp,
                                sequence_parallel=work.sequence_parallel, kv_fraction=facts.kv_fraction)
     per_block_token = kept / max(sum(stages), 1) * width
-    activations = per_block_token * _held_block_tokens(layout, work, facts.n_layers, blocks, pp_rank)
+    activations = per_block_token * held_tokens
     recompute = rebuilt * width * micro if blocks else 0.0
     # The backward of one block holds its activations' gradients (measured; at most as large
     # as what the block saved).
