@@ -85,13 +85,13 @@ def measure_block_units(model_fn: Callable[[], nn.Module], *, seq_len: int = 64,
     conversion flags); the figures of one key and these arguments are then measured once per
     process (`titan plan`, the dry run and the pre-run memory check of one process ask for the
     same model's; each measurement traces the model, ~1 s)."""
+    measure = functools.partial(_measure_block_units, model_fn, seq_len=seq_len, dtype=dtype, selective=selective,
+                                compiled=compiled, converted=converted)
     if model_key is None:
-        return _measure_block_units(model_fn, seq_len=seq_len, dtype=dtype, selective=selective, compiled=compiled,
-                                    converted=converted)
+        return measure()
     key = (model_key, seq_len, dtype, selective, compiled, converted)
     if key not in _MEASURED_UNITS:
-        _MEASURED_UNITS[key] = _measure_block_units(model_fn, seq_len=seq_len, dtype=dtype, selective=selective,
-                                                    compiled=compiled, converted=converted)
+        _MEASURED_UNITS[key] = measure()
     measured = _MEASURED_UNITS[key]
     return None if measured is None else dict(measured)
 
@@ -836,8 +836,8 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     process group. `measure_fn` builds the model whose blocks' activations are measured
     (`measure_block_units`; default `model_fn`), `measure_converted` when it converts its
     linears (float8: their weight-sized casts are measured apart from the per-token
-    activations), `model_key` what identifies that model (`measure_block_units`). A conversion the fake tensors cannot trace (MXFP8) is measured on the
-    unconverted model.
+    activations), `model_key` what identifies that model (`measure_block_units`). A
+    conversion the fake tensors cannot trace (MXFP8) is measured on the unconverted model.
     """
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group")
