@@ -11,12 +11,14 @@ exactly as ``titan train`` parses it (recipe, then flags). Forward hooks
 record, for the first call of each watched module: the output's type, dtype and DTensor
 placements, the dtype of its weight during the call, and for blocks whether their parameters
 are still gathered once forward returns. After the step the worker adds the static facts: the
-mesh, the placements of the master parameters, the pipeline schedule and stages, and the
-torch.compile state of every block. ``tests/test_techniques_ran.py`` asserts on the result.
+mesh, the placements of the master parameters, the pipeline schedule and stages, the
+torch.compile state of every block and, under tensor parallel, the collectives of the step by
+dtype. ``tests/test_techniques_ran.py`` asserts on the result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Modules whose outputs say which technique ran: norms (sequence parallel), the output
 # projection (loss parallel, mixed precision), a block and two of its linears (FSDP reshard
@@ -159,6 +162,24 @@ def mesh_facts(trainer) -> dict[str, Any] | None:
     return out
 
 
+class CollectiveDtypes(TorchDispatchMode):
+    """Counts the functional collectives of the step by op and the dtype they move (a float8
+    tensor's payload: its float8 bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if name.startswith("_c10d_functional::") and args and isinstance(args[0], torch.Tensor):
+            # A float8 tensor subclass (torchao's) sends the bytes it wraps.
+            payload = getattr(args[0], "_data", args[0])
+            key = f"{name.split('::')[1].split('.')[0]}:{str(payload.dtype).removeprefix('torch.')}"
+            self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
 def observe(out_dir: Path, flags: list[str]) -> None:
     """Parse the flags like `titan train`, run one watched step, write the observations."""
     from titan.train.trainer import Trainer
@@ -176,7 +197,9 @@ def observe(out_dir: Path, flags: list[str]) -> None:
             for name, module in part.named_modules():
                 if WATCHED.match(name):
                     watch(i, name, module, seen, compiled=config.compile.enable)
-        records = trainer.train()
+        collectives = CollectiveDtypes()
+        with collectives if "--parallelism.tensor_parallel_degree" in flags else contextlib.nullcontext():
+            records = trainer.train()
         dims = trainer.parallel_dims
         facts = {
             "rank": torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
@@ -188,6 +211,7 @@ def observe(out_dir: Path, flags: list[str]) -> None:
             "pipeline": pipeline_facts(trainer),
             "compile": compile_facts(trainer),
             "losses": [r["loss"] for r in records],
+            "collectives": collectives.counts,
         }
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"rank{facts['rank']}.json").write_text(json.dumps(facts, indent=1))

@@ -34,6 +34,8 @@ LAYOUT_STEPS = ["--training.steps", "5"]
 # process.
 LAYOUTS = {
     "tp2": (["--parallelism.tensor_parallel_degree", "2"], "rowwise"),
+    # tensorwise under TP + SP gathers the block inputs in float8 (torchao's float8 styles).
+    "tp2_tensorwise": (["--parallelism.tensor_parallel_degree", "2"], "tensorwise"),
     "fsdp2_float8_all_gather": (["--training.local_batch_size", "2",
                                  "--quantize.linear.float8.enable_fsdp_float8_all_gather",
                                  "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"], "tensorwise"),
@@ -104,11 +106,17 @@ def test_float8_under_tensor_parallel_and_fsdp_matches_one_process(train_group, 
     single, _ = _one_process(train_group)(f"{LAYOUTS[layout][1]}_emulated")
     parallel, log = _two_ranks(train_group)(layout)
     assert CONVERTED in log and "matmuls emulated" in log
+    if layout == "tp2_tensorwise":  # what crosses the wire: tests/test_techniques_ran.py
+        assert ("float8 tensor parallel: 28 linears with torchao's float8 styles, "
+                "8 block inputs all-gathered in float8") in log
+    else:
+        assert "float8 tensor parallel" not in log
     # The two layouts differ only in the order partial sums are reduced (TP's row-parallel
     # outputs, FSDP's gradient reduce-scatter). A last-bit difference can move an element
     # across an e4m3 rounding boundary (a 2^-4 relative step on that element), which the loss
     # averages over thousands of elements: measured 3e-4 (TP) and 1e-3 (FSDP) over 40 steps of
-    # the kernel, 1.4e-6 and 4e-5 over these 5 emulated ones; a layout that dropped the
+    # the kernel, 1.4e-6 and 4e-5 over these 5 emulated ones (tensorwise TP, whose scales
+    # reduce the amax over the ranks: 1.8e-6); a layout that dropped the
     # conversion or mis-scaled a shard moves the loss by far more.
     assert _max_relative_gap(parallel, single) < 0.01
 

@@ -35,6 +35,8 @@ FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
 TP2 = [*NO_DP, "--parallelism.tensor_parallel_degree", "2"]
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
 LINEARS = ("attention.wq", "feed_forward.w2")
+# float8 with torch's reference GEMM emulated (the casts and collectives are the real ones).
+FLOAT8 = ["--quantize.linear.float8.emulate", "--quantize.linear.float8.recipe"]
 NORMS = ("attention_norm", "ffn_norm")
 
 
@@ -52,6 +54,8 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "fsdp_bf16_reshard_always": (2, [*FSDP2, *BF16, "--parallelism.fsdp_reshard_after_forward", "always"]),
     "fsdp_reshard_never": (2, [*FSDP2, "--parallelism.fsdp_reshard_after_forward", "never"]),
     "tp_sp": (2, TP2),
+    "tp_sp_float8": (2, [*TP2, *FLOAT8, "tensorwise"]),
+    "tp_sp_float8_rowwise": (2, [*TP2, *FLOAT8, "rowwise"]),
     "tp_no_sp": (2, [*TP2, "--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_loss_parallel"]),
     **{f"pp_{schedule}": (2, [*NO_DP, "--parallelism.pipeline_parallel_degree", "2",
                               "--parallelism.pipeline_parallel_schedule", schedule,
@@ -183,6 +187,31 @@ def test_tp_without_sequence_parallel(observed):
         for name, out in outputs(rank, (*NORMS, ":norm", ":output")).items():
             assert out["type"] != "DTensor" and out["placements"] is None, (
                 f"rank {rank['rank']} {name}: {out}")
+
+
+@pytest.mark.slow
+@reads("tp_sp_float8")
+def test_tp_gathers_float8_inputs_and_gradients_in_float8(observed):
+    """float8 tensorwise under TP 2 + SP: each block's two sequence-parallel input gathers
+    (attention, feed-forward) move float8 bytes (uint8 on gloo), and so do the backward's
+    gathers of the row-parallel outputs' gradients; the output projection (high precision)
+    and the row-wise recipe (control: per-row scales, gathered in high precision) do not."""
+    blocks_per_rank = 4  # debugmodel_tiny
+    float8, rowwise, plain = (observed(name) for name in ("tp_sp_float8", "tp_sp_float8_rowwise", "tp_sp"))
+    for rank, rowwise_rank, plain_rank in zip(float8, rowwise, plain, strict=True):
+        counts = rank["collectives"]
+        # Forward: the attention and feed-forward inputs of every block (e4m3); backward: the
+        # gradients of wo's and w2's outputs (e5m2).
+        assert counts.get("all_gather_into_tensor:float8_e4m3fn") == 2 * blocks_per_rank, counts
+        assert counts.get("all_gather_into_tensor:float8_e5m2") == 2 * blocks_per_rank, counts
+        # Those are the high-precision run's gathers, moved to float8; the rest (the output
+        # projection's input, forward and backward) stay.
+        plain_gathers = plain_rank["collectives"]["all_gather_into_tensor:float32"]
+        assert counts["all_gather_into_tensor:float32"] == plain_gathers - 4 * blocks_per_rank == 2, (
+            counts, plain_rank["collectives"])
+        # Reduce-scatters (partial sums) stay in high precision.
+        assert counts["reduce_scatter_tensor:float32"] == plain_rank["collectives"]["reduce_scatter_tensor:float32"]
+        assert rowwise_rank["collectives"] == plain_rank["collectives"]
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ from titan.dist.expert_parallel import apply_expert_parallel
 from titan.dist.fsdp import apply_ddp, apply_fsdp, mixed_precision_policy, replicas_sync_later
 from titan.dist.parallelize import parallelize
 from titan.dist.pipeline import build_pipeline
-from titan.dist.tensor_parallel import apply_tensor_parallel, loss_parallel_context
+from titan.dist.tensor_parallel import TensorParallelOverrides, apply_tensor_parallel, loss_parallel_context
 from titan.dist.reduce import clip_grad_norm_, reduce_max, reduce_mean
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "ParallelDims",
     "ParallelismConfig",
     "RankEstimate",
+    "TensorParallelOverrides",
     "apply_context_parallel",
     "apply_ddp",
     "apply_expert_parallel",

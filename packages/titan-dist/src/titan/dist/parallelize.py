@@ -29,14 +29,16 @@ from titan.dist.fsdp import check_cpu_offload_has_fsdp
 
 def parallelize(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh | None, *,
                 parallelism, activation_checkpoint, compile,
-                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy | None = None,
+                tensor_parallel_overrides=None) -> nn.Module:
     """Apply every configured technique to `model` (or to one pipeline stage of it).
 
     `mesh` is the root mesh from `parallel_dims.build_mesh` (None at world size 1); the
     axis views are taken from `parallel_dims.mesh(name)`. The model's `sharding_plan()` says
     which submodules get which tensor-parallel style, which are FSDP units and where the
     attention kernels are. `mp_policy` is FSDP2's mixed precision (default: none, fp32).
-    Returns the same module object, transformed in place.
+    `tensor_parallel_overrides` (a `TensorParallelOverrides`) replaces the TP style of some
+    modules. Returns the same module object, transformed in place.
     """
     dims = parallel_dims
     check_cpu_offload_has_fsdp(parallelism, dims)
@@ -45,7 +47,7 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh 
         apply_context_parallel(model, dims.mesh("cp"), parallelism)
     if dims.tp_enabled:
         from titan.dist.tensor_parallel import apply_tensor_parallel
-        apply_tensor_parallel(model, dims.mesh("tp"), parallelism)
+        apply_tensor_parallel(model, dims.mesh("tp"), parallelism, tensor_parallel_overrides)
     if dims.ep_enabled:
         from titan.dist.expert_parallel import apply_expert_parallel
         apply_expert_parallel(model, dims.mesh("ep"), parallelism)

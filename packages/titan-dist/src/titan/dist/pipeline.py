@@ -213,7 +213,8 @@ def split_stage(model: nn.Module, keep: list[str], *, first: bool, last: bool) -
 
 def build_pipeline(model: nn.Module, parallel_dims: ParallelDims, *, parallelism,
                    activation_checkpoint, compile, loss_fn: Callable, local_batch_size: int,
-                   device: torch.device, mp_policy=None, scale_grads: bool = True):
+                   device: torch.device, mp_policy=None, scale_grads: bool = True,
+                   tensor_parallel_overrides=None):
     """Split `model` into this rank's stages, parallelize each, and build the schedule.
 
     Returns (schedule, model_parts, has_first_stage, has_last_stage). Drive it with
@@ -222,7 +223,8 @@ def build_pipeline(model: nn.Module, parallel_dims: ParallelDims, *, parallelism
     pipeline_parallel_microbatch_size; `loss_fn(output, target)` runs per microbatch on the
     last stage; with `scale_grads` the schedule divides gradients by the number of
     microbatches (right for a per-microbatch mean loss; pass False when the loss is already
-    normalized over the whole batch). `mp_policy` is passed on to FSDP2.
+    normalized over the whole batch). `mp_policy` is passed on to FSDP2 and
+    `tensor_parallel_overrides` to tensor parallel.
     """
     from titan.dist.parallelize import parallelize
 
@@ -241,7 +243,7 @@ def build_pipeline(model: nn.Module, parallel_dims: ParallelDims, *, parallelism
         part = split_stage(model, layers[sid], first=sid == 0, last=sid == total - 1)
         parallelize(part, dims, dims.mesh("root"), parallelism=cfg,
                     activation_checkpoint=activation_checkpoint, compile=compile,
-                    mp_policy=mp_policy)
+                    mp_policy=mp_policy, tensor_parallel_overrides=tensor_parallel_overrides)
         parts.append(part)
         stages.append(pipelining.PipelineStage(part, sid, total, device, group=pp_mesh.get_group(),
                                     get_mesh=_mesh_lookup(dims)))

@@ -11,6 +11,10 @@ Plan styles (docs/contracts.md) and what they become:
 - "block_input": first positional input gathered from sequence shards to replicated (SP only)
 - "output":      final projection; vocab-sharded logits kept as a DTensor for loss parallel
 
+A caller may replace the styles of some modules (`TensorParallelOverrides`): titan.train
+gives torchao's float8 linears float8 styles, whose sequence-parallel gathers move float8
+bytes.
+
 Tied parameters (the plan's `tied_parameters`): torch distributes each module's parameters on
 its own, so a shared Parameter comes out as two DTensors. When every name got the same layout
 (a tied embedding/output: both styles shard the [vocab, dim] matrix on dim 0) the first one is
@@ -131,12 +135,33 @@ def _replicate_block(module: nn.Module, mesh: DeviceMesh) -> None:
     module.register_forward_hook(scatter)
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, config) -> nn.Module:
+class TensorParallelOverrides:
+    """Module-specific replacements for the plan's styles; this base class replaces nothing.
+
+    A subclass (e.g. titan.train's float8 tensor parallel) returns its own ParallelStyle for
+    the modules it knows and None for the rest, which get the plan's style.
+    """
+
+    def style(self, style_name: str, module: nn.Module, *, sp: bool) -> ParallelStyle | None:
+        """The ParallelStyle for `module` under plan style `style_name`, or None for the
+        default one."""
+        return None
+
+    def gather_block_input(self, module: nn.Module, mesh: DeviceMesh) -> bool:
+        """Install this module's own SP -> TP gather of its first input (sequence parallel
+        only); False leaves the default high-precision gather to be installed."""
+        return False
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, config,
+                          overrides: TensorParallelOverrides | None = None) -> nn.Module:
     """Shard the model's linears over the 1-D "tp" `mesh` as its `sharding_plan()` says.
 
     `config` is the ParallelismConfig: `enable_sequence_parallel`, `enable_loss_parallel`
-    and `enable_async_tensor_parallel` are read from it.
+    and `enable_async_tensor_parallel` are read from it. `overrides` may replace the style
+    of some modules (see `TensorParallelOverrides`).
     """
+    overrides = overrides or TensorParallelOverrides()
     plan = sharding_plan(model)
     if plan is None:
         raise ValueError(f"{type(model).__name__} has no sharding_plan(); tensor parallel needs "
@@ -148,11 +173,11 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, config) -> nn.Modu
         for fqn, module in match_modules(model, pattern):
             if module is None:
                 continue  # pipeline parallel removed it from this stage
-            if style_name == "block_input" and sp:
+            if style_name == "block_input" and sp and not overrides.gather_block_input(module, mesh):
                 _gather_first_input(module, mesh)
             if style_name == "replicated_block" and sp:
                 _replicate_block(module, mesh)
-            style = _style(style_name, sp=sp, lp=lp)
+            style = overrides.style(style_name, module, sp=sp) or _style(style_name, sp=sp, lp=lp)
             if style is not None:
                 torch_plan[fqn] = style
     parallelize_module(model, mesh, torch_plan)

@@ -61,6 +61,7 @@ from titan.dist import (
 from titan.dist.comm import TRACE_FOLDER, is_peer_lost
 from titan.train.device_copy import BatchCopier
 from titan.train.fault_tolerance import FaultToleranceConfig, ReplicaGroups
+from titan.train.float8_tensor_parallel import float8_tensor_parallel
 from titan.train.loss import IGNORE_INDEX, NonFiniteLossError
 from titan.train.lr_scheduler import LRSchedulerConfig, build_lr_scheduler
 from titan.train.model_spec import HasAuxLoss, ModelSpec, UpdatesAfterOptimizerStep
@@ -325,7 +326,9 @@ class TrainingEngine:
         self.quantization = apply_quantization(model, self.quantize)
         if self.quantization is not None:
             logger.info(self.quantization.summary(self.quantize.recipe))
-        common = dict(parallelism=self.parallelism, activation_checkpoint=activation_checkpoint, compile=compile)
+        float8_tp = float8_tensor_parallel(self.quantize, tp_enabled=self.parallel_dims.tp_enabled)
+        common = dict(parallelism=self.parallelism, activation_checkpoint=activation_checkpoint, compile=compile,
+                      tensor_parallel_overrides=float8_tp)
         if self.parallel_dims.pp_enabled:
             self.pp_schedule, parts, self.pp_has_first, self.pp_has_last = build_pipeline(
                 model,
@@ -340,6 +343,8 @@ class TrainingEngine:
             self._mark_pipeline_metadata_inference(self.pp_schedule)
         else:
             parts = [parallelize(model, self.parallel_dims, self.mesh, **common, mp_policy=mp_policy)]
+        if float8_tp is not None:
+            logger.info(float8_tp.summary())
         for part in parts:
             part.to_empty(device=self.device)
             # Values depend on the seed and each parameter's name only: every layout starts

@@ -1,0 +1,72 @@
+"""Which modules float8 tensor parallel takes over: torchao's float8 styles for tensorwise
+float8 linears, float8 input gathers for blocks made only of them, nothing otherwise. What
+crosses the wire in a real TP 2 run is checked in tests/test_techniques_ran.py, the loss
+against one process in tests/test_float8_e2e.py."""
+
+import pytest
+import torch.nn as nn
+from titan.train.float8_tensor_parallel import float8_tensor_parallel, tensorwise_float8
+from titan.train.quantize import (
+    Float8LinearConfig,
+    QuantizeConfig,
+    QuantizeLinearConfig,
+    apply_quantization,
+)
+
+pytest.importorskip("torchao.float8")
+from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel  # noqa: E402
+
+
+def _config(**float8) -> QuantizeConfig:
+    return QuantizeConfig(linear=QuantizeLinearConfig(float8=Float8LinearConfig(**float8)))
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq = nn.Linear(64, 64, bias=False)
+        self.wo = nn.Linear(64, 64, bias=False)
+
+
+class _Model(nn.Module):
+    """Two attention blocks; block 1's `wq` can be filtered out of the conversion."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({"0": _Attention(), "1": _Attention()})
+
+
+def _converted(recipe: str, filter_fqns: tuple[str, ...] = ()) -> _Model:
+    model = _Model()
+    apply_quantization(model, _config(recipe=recipe, filter_fqns=list(filter_fqns)))
+    return model
+
+
+@pytest.mark.parametrize("recipe, tp, expected", [("tensorwise", True, True), ("tensorwise", False, False),
+                                                  ("rowwise", True, False), (None, True, False)])
+def test_only_tensorwise_float8_under_tensor_parallel_takes_float8_styles(recipe, tp, expected):
+    overrides = float8_tensor_parallel(_config(recipe=recipe), tp_enabled=tp)
+    assert (overrides is not None) is expected
+
+
+def test_tensorwise_linears_get_torchao_styles_and_the_rest_keep_the_plans():
+    model = _converted("tensorwise", filter_fqns=("layers.1.wq",))
+    overrides = float8_tensor_parallel(_config(recipe="tensorwise"), tp_enabled=True)
+    block0, block1 = model.layers["0"], model.layers["1"]
+    assert isinstance(overrides.style("colwise", block0.wq, sp=True), Float8ColwiseParallel)
+    rowwise = overrides.style("rowwise", block0.wo, sp=True)
+    assert isinstance(rowwise, Float8RowwiseParallel) and not rowwise.use_local_output
+    assert overrides.style("colwise", block1.wq, sp=True) is None  # filtered: high precision
+    assert overrides.style("norm", block0.wq, sp=True) is None  # not a linear's style
+    # A block gathers its input in float8 only when every linear in it takes float8 inputs.
+    assert overrides.gather_block_input(block0, mesh=None)
+    assert not overrides.gather_block_input(block1, mesh=None)
+    assert len(block0._forward_pre_hooks) == 1 and not block1._forward_pre_hooks
+    assert overrides.summary() == ("float8 tensor parallel: 2 linears with torchao's float8 styles, "
+                                   "1 block inputs all-gathered in float8")
+
+
+def test_rowwise_scaled_linears_are_not_tensorwise():
+    assert tensorwise_float8(_converted("tensorwise").layers["0"].wq)
+    assert not tensorwise_float8(_converted("rowwise").layers["0"].wq)
+    assert not tensorwise_float8(nn.Linear(64, 64))
