@@ -281,6 +281,61 @@ def test_float8_runs_the_converted_linears_at_the_fp8_peak_and_pays_for_the_cast
     assert fp8 == pytest.approx(plain - linear_time * (1 - 989 / 1979) + casts)
 
 
+@pytest.mark.parametrize("recipe", ["llama3_debug", "qwen3_moe_debug", "deepseek_v3_debug"])
+def test_float8_tp_gathers_are_the_ones_the_engine_moves_in_float8(recipe):
+    """The planner's count of float8 TP gathers per block equals what the engine's float8
+    tensor parallel does with the converted model: Llama blocks gather both inputs and both
+    row-parallel gradients in float8; MLA's attention (a replicated low-rank linear) and MoE
+    blocks (computed whole) keep their inputs' gathers in high precision."""
+    pytest.importorskip("torchao.float8")
+    from titan.dist.plan import match_modules, sharding_plan
+    from titan.train.float8_tensor_parallel import float8_tensor_parallel
+    from titan.train.quantize import apply_quantization
+
+    config = parse_train_args(["--config", recipe, "--quantize.linear.float8.recipe", "tensorwise", *TINY])
+    facts, _, model = model_facts(config)
+    apply_quantization(model, config.quantize)
+    overrides = float8_tensor_parallel(config.quantize, tp_enabled=True)
+    inputs = grads = 0
+    for pattern, style in sharding_plan(model).tensor_parallel.items():
+        for _, module in match_modules(model, pattern):
+            if style == "block_input":
+                inputs += overrides.gather_block_input(module, mesh=None)
+            elif style == "rowwise":
+                grads += overrides.style(style, module, sp=True) is not None
+    assert (facts.float8_tp_input_gathers, facts.float8_tp_grad_gathers) == (
+        inputs / facts.n_layers, grads / facts.n_layers)
+    assert inputs > 0 and grads > 0
+
+
+def test_float8_tp_gathers_move_one_byte_an_element():
+    """The TP term by hand: under float8 TP each of a Llama block's 4 gathers (2 inputs, 2
+    gradients; 2 more inputs in a full-AC rerun) moves 1 byte an element instead of bf16's 2;
+    the reduce-scatters and the edge pairs keep theirs. The row-wise recipe (no float8 TP) and
+    TP without SP change nothing."""
+    from titan.dist.planner import _bandwidth, _ring
+
+    facts, _, _ = model_facts(parse_train_args(["--config", "llama3_8b", "--training.seq_len", "8192"]))
+    hw = HARDWARE["H100"]
+    for ac, reruns in (("none", 0), ("full", facts.n_layers)):
+        layout = _layout(dp_shard=2, tp=8, ac=ac, local_batch_size=1)
+        work = Workload(global_batch_size=2, seq_len=8192, float8=True)
+        tp = {f8tp: predict(facts, layout, dataclasses.replace(work, float8_tensor_parallel=f8tp), hw).loads["tp"]
+              for f8tp in (False, True)}
+        residual = _ring(8192 * facts.dim * 2, 8) / _bandwidth(hw, 8)
+        assert (facts.float8_tp_input_gathers, facts.float8_tp_grad_gathers) == (2, 2)
+        float8_gathers = 4 * facts.n_layers + 2 * reruns
+        assert tp[True] == pytest.approx(tp[False] - float8_gathers * residual / 2)
+        no_sp = dataclasses.replace(work, sequence_parallel=False)
+        assert (predict(facts, layout, dataclasses.replace(no_sp, float8_tensor_parallel=True), hw).loads["tp"]
+                == predict(facts, layout, no_sp, hw).loads["tp"])
+    rowwise = workload_for(parse_train_args(["--config", "llama3_8b", "--quantize.linear.float8.recipe", "rowwise"]),
+                           8, None, 0.1)
+    tensorwise = workload_for(parse_train_args(["--config", "llama3_8b", "--quantize.linear.float8.recipe",
+                                                "tensorwise"]), 8, None, 0.1)
+    assert not rowwise.float8_tensor_parallel and tensorwise.float8_tensor_parallel
+
+
 def test_float8_on_a_device_without_fp8_is_refused(capsys):
     rc = main(["plan", "--config", "llama3_8b", "--gpus", "8xA100", "--quantize.linear.float8.recipe", "tensorwise"])
     err = capsys.readouterr().err

@@ -170,8 +170,9 @@ def compare(row: Published) -> dict:
     facts = dataclasses.replace(facts, selective_units=torchtitan_selective_units(probe),
                                 selective_units_compiled=torchtitan_compiled_selective_units(config) if row.compile
                                 else None)
+    # torchtitan's float8 rows ran the tensorwise recipe, whose TP gathers move float8.
     work = Workload(global_batch_size=row.global_batch, seq_len=row.seq_len, compile=row.compile, float8=row.float8,
-                    async_tp=row.async_tp)
+                    float8_tensor_parallel=row.float8, async_tp=row.async_tp)
     own = predict(facts, row.layout, work, hw)
     ranked = rank_layouts(facts, enumerate_layouts(facts, row.gpus, work, n_experts=n_experts), work, hw,
                           valid=passes_engine_checks(probe, work.seq_len, work.global_batch_size))

@@ -203,7 +203,8 @@ def workload_for(config: TrainerConfig, gpus: int, global_batch_tokens: int | No
                     async_tp=config.parallelism.enable_async_tensor_parallel, memory_headroom=headroom,
                     loss_chunk_tokens=t.loss_chunk_tokens,
                     reduce_dtype_bytes=DTYPES[t.mixed_precision_reduce].itemsize,
-                    float8_all_gather=config.quantize.linear.float8.enable_fsdp_float8_all_gather)
+                    float8_all_gather=config.quantize.linear.float8.enable_fsdp_float8_all_gather,
+                    float8_tensor_parallel=config.quantize.linear.float8.recipe == "tensorwise")
 
 
 def enumeration_for(pinned: dict[str, object]) -> dict[str, object]:

@@ -274,6 +274,13 @@ class ModelFacts:
     per parameter and token, run in float8; the output layer, attention and experts do not)."""
     float8_cast_width: int = 0
     """Elements per token float8 casts: in + out features summed over those linears."""
+    float8_tp_input_gathers: float = 0.0
+    """Of a block's two sequence-parallel input gathers (attention, feed-forward), those float8
+    tensor parallel moves in float8: the inputs whose every linear is converted (mean over
+    the blocks; titan.train's float8 TP, tensorwise)."""
+    float8_tp_grad_gathers: float = 0.0
+    """Of a block's two backward gathers of its row-parallel outputs' gradients, those of
+    converted linears (in float8 under float8 tensor parallel; mean over the blocks)."""
     selective_units: float = 12.0
     """Model-width units per token a block keeps under per-op selective AC, averaged over the
     blocks (`titan.dist.dry_run.selective_op_units`, or measured)."""
@@ -340,12 +347,15 @@ class ModelFacts:
         vocab, dim = output_weight[0].weight.shape if output_weight else (0, 0)
         norm = sum(last) - (0 if tied else vocab * dim)
         kv = kv_width(model, plan, int(dim)) / dim if dim else 2.0
+        float8_linears = list(float8_linears)
         linears = [model.get_submodule(name) for name in float8_linears]
+        input_gathers, grad_gathers = _float8_tp_gathers(model, plan, frozenset(float8_linears))
         return cls(blocks=tuple(blocks), embedding=first, output=0 if tied else vocab * dim, final_norm=norm,
                    dim=int(dim), vocab=int(vocab), flops_per_token=flops_per_token,
                    matmul_flops_per_token=matmul_flops_per_token, kv_fraction=kv,
                    experts_per_token=experts_per_token, float8_params=sum(m.weight.numel() for m in linears),
                    float8_cast_width=sum(m.in_features + m.out_features for m in linears),
+                   float8_tp_input_gathers=input_gathers, float8_tp_grad_gathers=grad_gathers,
                    **(block_units and {"none_units": block_units["none"], "selective_units": block_units["selective"],
                                        "backward_units": block_units["backward"],
                                        "backward_fixed_bytes": block_units.get("backward_fixed_bytes", 0.0),
@@ -587,12 +597,35 @@ class Workload:
     float8_all_gather: bool = False
     """`--quantize.linear.float8.enable_fsdp_float8_all_gather`: FSDP gathers the converted
     linears' weights in float8 (1 byte each), and keeps them gathered so."""
+    float8_tensor_parallel: bool = False
+    """float8 moves TP's sequence-parallel gathers in float8 (the tensorwise recipe:
+    titan.train's float8 tensor parallel, torchao's float8 TP styles)."""
 
     def gathered_bytes(self, facts: ModelFacts) -> float:
         """Bytes per parameter of a block FSDP gathers: the compute dtype's, 1 for the weights
         gathered in float8."""
         share = facts.float8_block_share if self.float8 and self.float8_all_gather else 0.0
         return gathered_bytes_per_param(self.compute_dtype_bytes, share)
+
+
+def _float8_tp_gathers(model: nn.Module, plan, converted: frozenset[str]) -> tuple[float, float]:
+    """(input gathers, gradient gathers) per block that float8 tensor parallel moves in float8,
+    the mean over the blocks: a "block_input" module whose every linear is in `converted`,
+    and each converted "rowwise" linear."""
+    styles = list(plan.tensor_parallel.items())
+    inputs = grads = 0
+    blocks = list(blocks_of(model))
+    for key, block in blocks:
+        prefix = f"{plan.layer_container}.{key}"
+        for name, module in block.named_modules():
+            fqn = f"{prefix}.{name}" if name else prefix
+            style = next((s for g, s in styles if glob_matches(g, fqn)), None)
+            if style == "block_input":
+                linears = [f"{fqn}.{n}" for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+                inputs += bool(linears) and all(linear in converted for linear in linears)
+            elif style == "rowwise" and fqn in converted:
+                grads += 1
+    return inputs / max(len(blocks), 1), grads / max(len(blocks), 1)
 
 
 def stage_params(facts: ModelFacts, layout: Layout, blocks: Sequence[int], first: bool, last: bool) -> tuple[float, float]:
@@ -800,10 +833,18 @@ def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware,
     first stage (the vocab-sharded embedding's output reduce-scattered) and on the last (the
     final norm's output gathered for the output projection). The last stage's loss: without loss parallel
     the logits are all-gathered whole on every TP rank; with it, a few all-reduces of
-    per-token statistics (max, sum of exponentials, the label's logit; forward and backward)."""
+    per-token statistics (max, sum of exponentials, the label's logit; forward and backward).
+    Under float8 tensor parallel the blocks' gathers of float8 inputs and gradients move one
+    byte an element (`ModelFacts.float8_tp_input_gathers`, `float8_tp_grad_gathers`)."""
     residual = _ring(tokens_rank * facts.dim * work.compute_dtype_bytes, layout.tp) / _bandwidth(hw, layout.tp)
     pairs = 4 * n_blocks + 2 * rerun_blocks + first + last
     seconds = pairs * ((1 + hw.reduce_scatter_cost) * residual + 2 * calls)
+    if work.float8 and work.float8_tensor_parallel and work.sequence_parallel:
+        # float8 TP gathers the converted blocks' inputs (again in a rerun) and their row-
+        # parallel gradients in float8: 1 byte an element; the reduce-scatters stay.
+        float8_gathers = (n_blocks * (facts.float8_tp_input_gathers + facts.float8_tp_grad_gathers)
+                          + rerun_blocks * facts.float8_tp_input_gathers)
+        seconds -= float8_gathers * residual * (1 - 1 / work.compute_dtype_bytes)
     if last and not work.loss_parallel:
         logits = tokens_rank * facts.vocab * work.compute_dtype_bytes
         seconds += _ring(logits, layout.tp) / _bandwidth(hw, layout.tp) + calls
