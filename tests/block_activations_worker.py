@@ -22,6 +22,7 @@ import torch
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
     local = getattr(tensor, "_local_tensor", tensor)  # a DTensor saves its shard
     local = getattr(local, "elem", local)  # an AsyncCollectiveTensor wraps a collective's result
+    local = getattr(local, "_data", local)  # torchao's float8 tensor wraps its float8 bytes
     try:
         storage = local.untyped_storage()
         return storage.data_ptr(), storage.nbytes()

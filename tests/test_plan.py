@@ -95,6 +95,7 @@ NO_SP = ["--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_l
     (_layout(dp_shard=4), ["--quantize.linear.float8.recipe", "tensorwise",
                            "--quantize.linear.float8.enable_fsdp_float8_all_gather"]),
     (_layout(dp_shard=2, tp=2, ac="full", ac_every=2), []),
+    (_layout(dp_shard=2, tp=2), ["--quantize.linear.float8.recipe", "tensorwise"]),
 
     (_layout(dp_shard=2, pp=2, ac="selective", ac_every=2, local_batch_size=4, microbatch_size=1,
              schedule="Interleaved1F1B", stages_per_rank=2), []),
@@ -104,7 +105,7 @@ NO_SP = ["--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_l
      ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.4"]),
 ], ids=["tp2_sp", "tp2_no_sp", "tp2_no_sp_full_ac", "tp2_cp2_selective", "cp2", "pp2_zbv", "tp2_pp2_full_ac",
         "fsdp4_accumulated", "fsdp4_kept_gathered", "pp2_resharded_bf16_reduce", "fsdp4_float8_all_gather",
-        "tp2_full_every_2", "pp2_interleaved_per_op_every_2", "pp2_stages_of_one_block", "pp2_split_at_layer_4"])
+        "tp2_full_every_2", "tp2_float8_tp", "pp2_interleaved_per_op_every_2", "pp2_stages_of_one_block", "pp2_split_at_layer_4"])
 def test_memory_equals_the_dry_run(layout, flags):
     """`titan plan` and `titan dry-run` (and so the pre-run memory check) give a layout the
     same memory, its activations by one rule (`rank_block_units`): the dry run divided
@@ -380,6 +381,9 @@ ACTIVATION_LAYOUTS = {  # name: (TP degree, extra flags)
                                         "--compile.enable", "--compile.components", "model",
                                         "--quantize.linear.float8.recipe", "tensorwise"]),
     "tp2_sp": (2, TP2),
+    # float8 tensor parallel keeps the converted linears' inputs in float8 (the gathered ones
+    # whole): measured with its casts (emulated GEMMs: the saved tensors are the same).
+    "tp2_sp_float8": (2, [*TP2, "--quantize.linear.float8.recipe", "tensorwise", "--quantize.linear.float8.emulate"]),
     "tp2_no_sp": (2, [*TP2, "--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_loss_parallel"]),
 }
 

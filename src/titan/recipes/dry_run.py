@@ -15,11 +15,18 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from titan.dist import ParallelDims, RankEstimate, check_compile_options, dry_run
-from titan.dist.dry_run import gathered_bytes_per_param
+from titan.dist.dry_run import float8_gathered_units, gathered_bytes_per_param
 from titan.dist.fsdp import DTYPES
-from titan.dist.plan import blocks_of
+from titan.dist.plan import blocks_of, sharding_plan
+from titan.dist.planner import float8_tp_gathers
 from titan.train.config import TrainerConfig
-from titan.train.quantize import apply_quantization, check_quantize_supported, float8_linears
+from titan.train.float8_tensor_parallel import add_float8_tp_casts
+from titan.train.quantize import (
+    apply_quantization,
+    check_quantize_supported,
+    float8_available,
+    float8_linears,
+)
 from torch import nn
 
 from titan.recipes.families import model_spec
@@ -134,6 +141,36 @@ def converting(config: TrainerConfig, build: Callable[[], nn.Module],
     return model_fn
 
 
+def float8_tp_applies(config: TrainerConfig) -> bool:
+    """Whether `titan train` would run the recipe's TP under float8 tensor parallel (tensorwise
+    float8 with SP; torchao installed to measure it)."""
+    return (config.quantize.linear.float8.recipe == "tensorwise" and config.parallelism.enable_sequence_parallel
+            and float8_available())
+
+
+def float8_tp_casting(config: TrainerConfig, build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """`converting(config, build)`, then the casts float8 tensor parallel makes, made in one
+    process (`add_float8_tp_casts`): the model whose blocks keep what a float8 TP rank's keep."""
+    convert = converting(config, build)
+
+    def model_fn() -> nn.Module:
+        model = convert()
+        add_float8_tp_casts(model)
+        return model
+
+    return model_fn
+
+
+def float8_tp_input_units(config: TrainerConfig, build: Callable[[], nn.Module]) -> float:
+    """What a block's two SP-gathered inputs weigh under float8 tensor parallel, in units of the
+    compute dtype (`float8_gathered_units` of the blocks' float8 gathers)."""
+    with torch.device("meta"):
+        model = build()
+    converted, _ = float8_linears(model, config.quantize.linear.float8)
+    inputs, _ = float8_tp_gathers(model, sharding_plan(model), frozenset(converted))
+    return float8_gathered_units(inputs, DTYPES[config.training.mixed_precision_param].itemsize)
+
+
 def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[RankEstimate]:
     """Validate and parallelize ``config`` for ``world_size`` ranks on the meta device with a
     fake process group; prints and returns one estimate per pipeline rank."""
@@ -171,12 +208,22 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
         reduce_dtype=training.mixed_precision_reduce,
         gathered_param_bytes=gathered_param_bytes(config, unconverted),
         print_fn=print_fn,
-        # float8 blocks keep less compiled (the inputs' casts): measured converted. MXFP8
-        # blocks are measured unconverted (their saving is not modeled).
-        measure_fn=model_fn if config.quantize.linear.float8.enabled else unconverted,
-        measure_converted=config.quantize.linear.float8.enabled,
-        model_key=model_key(config, vocab),
+        **_measured_blocks(config, d, unconverted, model_fn, vocab),
     )
+
+
+def _measured_blocks(config: TrainerConfig, dims: ParallelDims, unconverted, converted, vocab: int) -> dict:
+    """`dry_run`'s arguments for measuring what a block keeps: float8 blocks measured
+    converted (compiled, they keep less: the inputs' casts), and under float8 tensor parallel
+    with its casts and float8 gathered inputs. MXFP8 blocks are measured unconverted (their
+    saving is not modeled)."""
+    float8 = config.quantize.linear.float8.enabled
+    args = dict(measure_fn=converted if float8 else unconverted, measure_converted=float8,
+                model_key=model_key(config, vocab))
+    if dims.tp > 1 and float8_tp_applies(config):
+        args.update(measure_fn=float8_tp_casting(config, unconverted), model_key=(args["model_key"], "float8_tp"),
+                    gathered_input_units=float8_tp_input_units(config, unconverted))
+    return args
 
 
 def dry_run_main(config: TrainerConfig, world_size: int) -> int:

@@ -47,7 +47,14 @@ from titan.models.common.moe import moe_modules
 from titan.train.config import TrainerConfig
 from titan.train.quantize import check_quantize_layout, float8_available, float8_linears
 
-from titan.recipes.dry_run import converting, model_builder, model_key, run_dry_run
+from titan.recipes.dry_run import (
+    converting,
+    float8_tp_applies,
+    float8_tp_casting,
+    model_builder,
+    model_key,
+    run_dry_run,
+)
 
 USAGE = ("titan plan --gpus <N>x<" + "|".join(HARDWARE) + "> [--config RECIPE] [--nodes K] "
          "[--global_batch_tokens T] [--top 10] [--json] [--verify N] [--memory_headroom 0.1] "
@@ -137,8 +144,20 @@ def model_facts(config: TrainerConfig):
                                                                   compiled=config.compile.compiles_model,
                                                                   converted=is_converted,
                                                                   model_key=model_key(config, vocab)),
-                                  matmul_flops_per_token=_matmul_flops_per_token(model, seq))
+                                  matmul_flops_per_token=_matmul_flops_per_token(model, seq),
+                                  float8_tp_block_units=_float8_tp_block_units(config, build, vocab))
     return facts, (moes[0].n_experts if moes else 0), model
+
+
+def _float8_tp_block_units(config: TrainerConfig, build, vocab: int) -> dict[str, float] | None:
+    """What a block keeps under float8 tensor parallel's casts (its TP layouts), or None when
+    the recipe does not run it."""
+    if not float8_tp_applies(config):
+        return None
+    return measure_block_units(float8_tp_casting(config, build), seq_len=min(config.training.seq_len, 64),
+                               dtype=DTYPES[config.training.mixed_precision_param],
+                               compiled=config.compile.compiles_model, converted=True,
+                               model_key=(model_key(config, vocab), "float8_tp"))
 
 
 def _measured_model(config: TrainerConfig, build):

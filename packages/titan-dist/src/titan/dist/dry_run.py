@@ -636,19 +636,29 @@ keeps its input, its normalized input and its output (the sharded matmuls' input
 with autograd's saved tensors: 21.3 of 33.1 MB per rank under TP 2 (tests/test_plan.py)."""
 
 
+def float8_gathered_units(float8_input_gathers: float, compute_dtype_bytes: int) -> float:
+    """The units of a block's two gathered inputs when float8 tensor parallel gathers
+    `float8_input_gathers` of them (per block) in float8: one byte an element instead of the
+    compute dtype's."""
+    return GATHERED_INPUT_UNITS - float8_input_gathers * (1 - 1 / compute_dtype_bytes)
+
+
 def rank_block_units(units: float, mode: str, *, tp: int = 1, cp: int = 1, sequence_parallel: bool = True,
-                     kv_fraction: float = 0.0) -> float:
+                     kv_fraction: float = 0.0, gathered_units: float = GATHERED_INPUT_UNITS) -> float:
     """Model-width units per token of its sequence shard that one block keeps on one rank, of
     the `units` it keeps whole under `mode` ("none"; "selective", per op; "full": its input).
     TP shards all but what its matmuls gather whole (`GATHERED_INPUT_UNITS`, or
     `REPLICATED_UNITS_WITHOUT_SP` without SP and AC); a fully checkpointed block keeps its
     input, the residual stream, which only SP shards. Under CP a block also keeps the K and V
-    it gathered from the other CP ranks (`kv_fraction` of the width per rank, TP-sharded)."""
+    it gathered from the other CP ranks (`kv_fraction` of the width per rank, TP-sharded).
+    `gathered_units`: what the gathered inputs weigh under SP (less than
+    `GATHERED_INPUT_UNITS` where float8 tensor parallel gathers them in float8,
+    `float8_gathered_units`)."""
     if mode == "full":
         return units / tp if sequence_parallel else units
     whole = 0.0
     if tp > 1:
-        whole = GATHERED_INPUT_UNITS if sequence_parallel or mode != "none" else REPLICATED_UNITS_WITHOUT_SP
+        whole = gathered_units if sequence_parallel or mode != "none" else REPLICATED_UNITS_WITHOUT_SP
     kept = (units - whole) / tp + whole
     if cp > 1:
         kept += kv_fraction * (cp - 1) / tp
@@ -682,7 +692,8 @@ def checkpointed_blocks(ac, stage_blocks: Sequence[int]) -> int:
 
 def kept_units(ac, stage_blocks: Sequence[int], selective_units: float,
                none_units: float = ACT_UNITS_PER_TOKEN["none"], *, tp: int = 1, cp: int = 1,
-               sequence_parallel: bool = True, kv_fraction: float = 0.0) -> tuple[float, float]:
+               sequence_parallel: bool = True, kv_fraction: float = 0.0,
+               gathered_units: float = GATHERED_INPUT_UNITS) -> tuple[float, float]:
     """(activation units kept per token over the blocks of one rank, whose stages hold
     `stage_blocks` blocks each; units one checkpointed block rebuilds in its backward on one TP
     rank) under the activation-checkpointing config `ac`: a block keeps `none_units` without
@@ -691,7 +702,7 @@ def kept_units(ac, stage_blocks: Sequence[int], selective_units: float,
     over TP and CP as `rank_block_units` says."""
     def on_rank(units: float, mode: str) -> float:
         return rank_block_units(units, mode, tp=tp, cp=cp, sequence_parallel=sequence_parallel,
-                                kv_fraction=kv_fraction)
+                                kv_fraction=kv_fraction, gathered_units=gathered_units)
 
     n_layers, none = sum(stage_blocks), none_units
     checkpointed = checkpointed_blocks(ac, stage_blocks)
@@ -706,7 +717,7 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
                       dim: int, vocab: int, tokens: float, logit_tokens: int,
                       activation_dtype: str, loss_chunk_tokens: int,
                       measured: dict[str, float] | None, compiled_loss: bool = False,
-                      kv_fraction: float = 0.0) -> tuple[int, int, int]:
+                      kv_fraction: float = 0.0, gathered_units: float = GATHERED_INPUT_UNITS) -> tuple[int, int, int]:
     """(bytes of the blocks' activations kept for backward, of one block's recomputation, of
     the loss's peak)."""
     act_bytes = _BYTES[activation_dtype]
@@ -723,7 +734,8 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
         backward_fixed = measured.get("backward_fixed_bytes", 0.0) / dims.tp
     per_dim = dim * tokens * act_bytes  # one model-dim-wide tensor of the rank's tokens
     kept, rebuilt = kept_units(ac, [len(list(blocks_of(p))) for p in parts], selective, none, tp=dims.tp, cp=dims.cp,
-                               sequence_parallel=cfg.enable_sequence_parallel, kv_fraction=kv_fraction)
+                               sequence_parallel=cfg.enable_sequence_parallel, kv_fraction=kv_fraction,
+                               gathered_units=gathered_units)
     # The loss lives for one microbatch only: the last stage runs its backward right after
     # its forward, so it is not multiplied by the microbatches in flight.
     logits = loss_peak_bytes(logit_tokens, vocab, tp=dims.tp, loss_parallel=cfg.enable_loss_parallel,
@@ -774,7 +786,8 @@ def _fsdp_bytes(parts: list[nn.Module], dims: ParallelDims, activation_dtype: st
 def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, activation_checkpoint,
                    compile, local_batch_size: int, seq_len: int, optimizer_states: int,
                    activation_dtype: str, loss_chunk_tokens: int = 0, measured: dict[str, float] | None = None,
-                   reduce_dtype: str = "float32", gathered_param_bytes: float | None = None):
+                   reduce_dtype: str = "float32", gathered_param_bytes: float | None = None,
+                   gathered_input_units: float = GATHERED_INPUT_UNITS):
     from titan.dist.parallelize import parallelize
     from titan.dist.pipeline import build_pipeline
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -807,7 +820,8 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
         params = sum(_local_numel(p) for p in parts)
         acts = _activation_bytes(parts, dims, parallelism, activation_checkpoint, dim, vocab,
                                  tokens, logit_tokens, activation_dtype, loss_chunk_tokens, measured,
-                                 compiled_loss=bool(getattr(compile, "compiles_loss", False)), kv_fraction=kv_fraction)
+                                 compiled_loss=bool(getattr(compile, "compiles_loss", False)), kv_fraction=kv_fraction,
+                                 gathered_units=gathered_input_units)
         return params, *acts, _fsdp_bytes(parts, dims, activation_dtype, parallelism, reduce_dtype, gathered_param_bytes)
     finally:
         dist.destroy_process_group()
@@ -820,7 +834,8 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             gathered_param_bytes: float | None = None,
             print_fn: Callable[[str], None] | None = print,
             measure_fn: Callable[[], nn.Module] | None = None,
-            measure_converted: bool = False, model_key: Hashable | None = None) -> list[RankEstimate]:
+            measure_converted: bool = False, model_key: Hashable | None = None,
+            gathered_input_units: float = GATHERED_INPUT_UNITS) -> list[RankEstimate]:
     """Validate and parallelize a configuration for `world_size` ranks on this one CPU.
 
     `model_fn()` builds the model (it is called under the meta device). Prints, and returns,
@@ -838,6 +853,8 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     linears (float8: their weight-sized casts are measured apart from the per-token
     activations), `model_key` what identifies that model (`measure_block_units`). A
     conversion the fake tensors cannot trace (MXFP8) is measured on the unconverted model.
+    `gathered_input_units`: what a block's SP-gathered inputs weigh (`rank_block_units`; float8
+    tensor parallel gathers them in float8, and `measure_fn` then casts as it does).
     """
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group")
@@ -871,7 +888,7 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             local_batch_size=local_batch_size, seq_len=seq_len,
             optimizer_states=optimizer_states, activation_dtype=activation_dtype,
             loss_chunk_tokens=loss_chunk_tokens, measured=measured, reduce_dtype=reduce_dtype,
-            gathered_param_bytes=gathered_param_bytes)
+            gathered_param_bytes=gathered_param_bytes, gathered_input_units=gathered_input_units)
         est = RankEstimate(ranks=f"{pp_rank * per_pp}-{(pp_rank + 1) * per_pp - 1}",
                            pp_rank=pp_rank, params=params, param_bytes=4 * params,
                            grad_bytes=4 * params, optimizer_bytes=4 * optimizer_states * params,

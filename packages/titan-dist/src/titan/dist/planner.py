@@ -77,8 +77,10 @@ from titan.dist.config import AC_MODES, RESHARD_POLICIES, ActivationCheckpointCo
 from titan.dist.fsdp import reshards_after_forward
 from titan.dist.dry_run import (
     ACT_UNITS_PER_TOKEN,
+    GATHERED_INPUT_UNITS,
     ZERO_BUBBLE_SCHEDULES,
     checkpointed_blocks,
+    float8_gathered_units,
     fsdp_buffer_bytes,
     gathered_bytes_per_param,
     held_block_microbatches,
@@ -299,6 +301,11 @@ class ModelFacts:
     backward_fixed_bytes: float = 0.0
     """Bytes a block's backward allocates whatever the tokens, before TP: a float8 block's
     casts of its weights and their gradients (measured with the conversion, else 0)."""
+    float8_tp_block_units: Mapping[str, float] | None = None
+    """What a block keeps and its backward holds when float8 tensor parallel casts its inputs
+    (`measure_block_units` of the model with `add_float8_tp_casts`, as `from_model`'s
+    `block_units`): the units of TP layouts under float8 TP. None: not measured (the
+    high-precision units then bound them)."""
 
     @property
     def weight_grad_share(self) -> float:
@@ -313,10 +320,12 @@ class ModelFacts:
     @classmethod
     def from_model(cls, model: nn.Module, *, flops_per_token: float, experts_per_token: int = 0,
                    float8_linears: Iterable[str] = (), block_units: dict[str, float] | None = None,
-                   matmul_flops_per_token: float | None = None) -> ModelFacts:
+                   matmul_flops_per_token: float | None = None,
+                   float8_tp_block_units: dict[str, float] | None = None) -> ModelFacts:
         """Classify every parameter of a (meta) model by its module's style in the model's
         sharding plan; `block_units` ("none", "selective"): what a block keeps, measured
-        (`titan.dist.dry_run.measure_block_units`), instead of the rules."""
+        (`titan.dist.dry_run.measure_block_units`), instead of the rules; `float8_tp_block_units`
+        the same under float8 tensor parallel's casts."""
         plan = sharding_plan(model)
         container = plan.layer_container
         sharded_styles = {"colwise", "rowwise"}
@@ -349,20 +358,24 @@ class ModelFacts:
         kv = kv_width(model, plan, int(dim)) / dim if dim else 2.0
         float8_linears = list(float8_linears)
         linears = [model.get_submodule(name) for name in float8_linears]
-        input_gathers, grad_gathers = _float8_tp_gathers(model, plan, frozenset(float8_linears))
+        input_gathers, grad_gathers = float8_tp_gathers(model, plan, frozenset(float8_linears))
         return cls(blocks=tuple(blocks), embedding=first, output=0 if tied else vocab * dim, final_norm=norm,
                    dim=int(dim), vocab=int(vocab), flops_per_token=flops_per_token,
                    matmul_flops_per_token=matmul_flops_per_token, kv_fraction=kv,
                    experts_per_token=experts_per_token, float8_params=sum(m.weight.numel() for m in linears),
                    float8_cast_width=sum(m.in_features + m.out_features for m in linears),
                    float8_tp_input_gathers=input_gathers, float8_tp_grad_gathers=grad_gathers,
-                   **(block_units and {"none_units": block_units["none"], "selective_units": block_units["selective"],
-                                       "backward_units": block_units["backward"],
-                                       "backward_fixed_bytes": block_units.get("backward_fixed_bytes", 0.0),
-                                       "none_units_compiled": block_units.get("none_compiled"),
-                                       "selective_units_compiled": block_units.get("selective_compiled")}
+                   float8_tp_block_units=float8_tp_block_units,
+                   **(block_units and _unit_fields(block_units)
                       or {"selective_units": sum(selective_op_units(b, int(dim)) for b in selective)
                           / max(len(selective), 1)}))
+
+    def under_float8_tp(self) -> ModelFacts:
+        """These facts with the block units float8 tensor parallel's casts leave (unchanged
+        when those were not measured)."""
+        if not self.float8_tp_block_units:
+            return self
+        return dataclasses.replace(self, **_unit_fields(self.float8_tp_block_units))
 
     @property
     def n_layers(self) -> int:
@@ -608,7 +621,16 @@ class Workload:
         return gathered_bytes_per_param(self.compute_dtype_bytes, share)
 
 
-def _float8_tp_gathers(model: nn.Module, plan, converted: frozenset[str]) -> tuple[float, float]:
+def _unit_fields(block_units: Mapping[str, float]) -> dict[str, float | None]:
+    """`ModelFacts`' block-unit fields from `measure_block_units`' figures."""
+    return {"none_units": block_units["none"], "selective_units": block_units["selective"],
+            "backward_units": block_units["backward"],
+            "backward_fixed_bytes": block_units.get("backward_fixed_bytes", 0.0),
+            "none_units_compiled": block_units.get("none_compiled"),
+            "selective_units_compiled": block_units.get("selective_compiled")}
+
+
+def float8_tp_gathers(model: nn.Module, plan, converted: frozenset[str]) -> tuple[float, float]:
     """(input gathers, gradient gathers) per block that float8 tensor parallel moves in float8,
     the mean over the blocks: a "block_input" module whose every linear is in `converted`,
     and each converted "rowwise" linear."""
@@ -747,6 +769,11 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[
     (`_held_block_tokens`)."""
     params, block_unsharded = stage_params(facts, layout, blocks, first, last)
     micro = _micro_tokens(layout, work)
+    gathered = GATHERED_INPUT_UNITS
+    if _float8_tp(layout, work) and facts.float8_tp_block_units:
+        # float8 TP keeps the converted linears' inputs in float8, gathered ones included.
+        facts = facts.under_float8_tp()
+        gathered = float8_gathered_units(facts.float8_tp_input_gathers, work.compute_dtype_bytes)
     width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
     none = facts.none_units_compiled if work.compile and facts.none_units_compiled else facts.none_units
     selective = (facts.selective_units_compiled if work.compile and facts.selective_units_compiled
@@ -755,7 +782,8 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[
     # V gathered from the other CP ranks; under layer-wise AC the blocks AC skips keep
     # everything (the dry run's rule, `kept_units`): per block, the rank's mean.
     kept, rebuilt = kept_units(layout.ac_config, stages, selective, none, tp=layout.tp, cp=layout.cp,
-                               sequence_parallel=work.sequence_parallel, kv_fraction=facts.kv_fraction)
+                               sequence_parallel=work.sequence_parallel, kv_fraction=facts.kv_fraction,
+                               gathered_units=gathered)
     per_block_token = kept / max(sum(stages), 1) * width
     activations = per_block_token * held_tokens
     recompute = rebuilt * width * micro if blocks else 0.0
@@ -839,7 +867,7 @@ def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware,
     residual = _ring(tokens_rank * facts.dim * work.compute_dtype_bytes, layout.tp) / _bandwidth(hw, layout.tp)
     pairs = 4 * n_blocks + 2 * rerun_blocks + first + last
     seconds = pairs * ((1 + hw.reduce_scatter_cost) * residual + 2 * calls)
-    if work.float8 and work.float8_tensor_parallel and work.sequence_parallel:
+    if _float8_tp(layout, work):
         # float8 TP gathers the converted blocks' inputs (again in a rerun) and their row-
         # parallel gradients in float8: 1 byte an element; the reduce-scatters stay.
         float8_gathers = (n_blocks * (facts.float8_tp_input_gathers + facts.float8_tp_grad_gathers)
@@ -851,6 +879,11 @@ def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware,
     elif last:
         seconds += 4 * calls
     return seconds
+
+
+def _float8_tp(layout: Layout, work: Workload) -> bool:
+    """Whether float8 tensor parallel moves this layout's SP gathers in float8."""
+    return layout.tp > 1 and work.float8 and work.float8_tensor_parallel and work.sequence_parallel
 
 
 def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, blocks: Sequence[int], *,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from titan.dist import TensorParallelOverrides
+from titan.dist.plan import match_modules, sharding_plan
 from titan.train.quantize import QuantizeConfig, import_torchao_float8
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -72,6 +73,42 @@ def float8_tensor_parallel(config: QuantizeConfig, *, tp_enabled: bool) -> Float
     if not (tp_enabled and float8.enabled and float8.recipe == "tensorwise"):
         return None
     return Float8TensorParallel()
+
+
+def add_float8_tp_casts(model: nn.Module) -> int:
+    """Make a one-process (converted) model cast what float8 tensor parallel casts, without
+    collectives: the first input of each block whose every linear is a tensorwise float8 one
+    (cast once, shared by its linears), and the input of every other tensorwise float8 linear
+    the plan shards. Its blocks then keep float8 inputs where a float8 TP rank keeps them, for
+    measuring what a block keeps (`titan.dist.dry_run.measure_block_units`). Returns the casts
+    added."""
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    def cast_first_input(linear: nn.Module):
+        def hook(_module, args):
+            if tensor_already_casted_to_fp8(args[0]):
+                return None
+            x = hp_tensor_to_float8_dynamic(args[0], linear.config.cast_config_input.target_dtype,
+                                            linear.linear_mm_config, gemm_input_role=GemmInputRole.INPUT)
+            return (x,) + tuple(args[1:])
+        return hook
+
+    overrides, casts = Float8TensorParallel(), 0
+    for pattern, style in sharding_plan(model).tensor_parallel.items():
+        for _, module in match_modules(model, pattern):
+            if module is None:
+                continue
+            if style == "block_input":
+                linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+                if linears and all(tensorwise_float8(m) for m in linears):
+                    module.register_forward_pre_hook(cast_first_input(linears[0]))
+                    casts += 1
+            elif overrides.style(style, module, sp=True) is not None:
+                module.register_forward_pre_hook(cast_first_input(module))
+                casts += 1
+    return casts
 
 
 def tensorwise_float8(module: nn.Module) -> bool:
