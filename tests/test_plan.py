@@ -337,6 +337,18 @@ def test_float8_tp_gathers_move_one_byte_an_element():
     assert not rowwise.float8_tensor_parallel and tensorwise.float8_tensor_parallel
 
 
+def test_the_plan_says_when_tp_gathers_in_float8(capsys):
+    """The header names float8 tensor parallel (tensorwise only) and what its blocks keep."""
+    pytest.importorskip("torchao.float8")
+    base = ["plan", "--config", "llama3_debug", "--gpus", "4xH100", "--top", "1", *TINY]
+    assert main([*base, "--quantize.linear.float8.recipe", "tensorwise"]) == 0
+    out = capsys.readouterr().out
+    assert "float8 on (TP gathers in float8)" in out and "under float8 tensor parallel it keeps" in out
+    assert main([*base, "--quantize.linear.float8.recipe", "rowwise"]) == 0
+    out = capsys.readouterr().out
+    assert "float8 on;" in out and "float8 tensor parallel" not in out
+
+
 def test_float8_on_a_device_without_fp8_is_refused(capsys):
     rc = main(["plan", "--config", "llama3_8b", "--gpus", "8xA100", "--quantize.linear.float8.recipe", "tensorwise"])
     err = capsys.readouterr().err

@@ -149,6 +149,13 @@ def model_facts(config: TrainerConfig):
     return facts, (moes[0].n_experts if moes else 0), model
 
 
+def _float8_state(work: Workload) -> str:
+    """'float8 off', 'float8 on', or 'float8 on (TP gathers in float8)' for the header."""
+    if not work.float8:
+        return "float8 off"
+    return "float8 on" + (" (TP gathers in float8)" if work.float8_tensor_parallel else "")
+
+
 def _float8_tp_block_units(config: TrainerConfig, build, vocab: int) -> dict[str, float] | None:
     """What a block keeps under float8 tensor parallel's casts (its TP layouts), or None when
     the recipe does not run it."""
@@ -426,8 +433,8 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
     size = f"{facts.num_params / 1e9:.1f}B" if facts.num_params >= 1e9 else f"{facts.num_params / 1e6:.1f}M"
     print(f"titan plan: {config.model.name} {config.model.flavor} ({size} params) on "
           f"{gpus} x {hw.name} ({min(hw.devices_per_node, gpus)} per node); batch {work.global_batch_size} x "
-          f"{work.seq_len} tokens; compile {'on' if work.compile else 'off'}, float8 "
-          f"{'on' if work.float8 else 'off'}; {len(preds)} valid layouts, {fitting} fit in memory")
+          f"{work.seq_len} tokens; compile {'on' if work.compile else 'off'}, "
+          f"{_float8_state(work)}; {len(preds)} valid layouts, {fitting} fit in memory")
     none, selective = facts.none_units, facts.selective_units
     if work.compile:  # what the compiled block keeps, where it was measured
         none, selective = facts.none_units_compiled or none, facts.selective_units_compiled or selective
@@ -435,6 +442,11 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
           f"{selective:.1f} / 1 model-width activations per token (AC none / selective / full); its backward "
           f"holds {facts.backward_units:.1f} more" + (f" and {facts.backward_fixed_bytes / 2**20:,.0f} MiB of weight "
                                                       "casts" if facts.backward_fixed_bytes else ""))
+    if work.float8 and work.float8_tensor_parallel and facts.float8_tp_block_units:
+        tp_units = facts.under_float8_tp()
+        kept = tp_units.none_units_compiled or tp_units.none_units if work.compile else tp_units.none_units
+        print(f"under float8 tensor parallel it keeps {kept:.1f} without AC (its linears' inputs in float8) and "
+              f"its TP gathers move float8")
     if config.training.document_mask:
         print("note: attention is counted causal over whole rows; with --training.document_mask each packed "
               "document attends only to itself, so its share of the time is an upper bound", file=sys.stderr)
