@@ -322,6 +322,25 @@ def test_dry_run_builds_the_model_titan_train_builds(capsys, tmp_path, monkeypat
         trainer.close()
 
 
+def test_dry_run_parallelizes_tensorwise_float8_with_float8_tensor_parallel():
+    """The dry run gives TP the engine's float8 styles (every pipeline stage's: the whole
+    model's count) and sizes its blocks with float8 inputs; the row-wise recipe keeps
+    high-precision gathers and the high-precision sizes."""
+    pytest.importorskip("torchao.float8")
+    layout = ["--config", "llama3_debug", "--parallelism.tensor_parallel_degree", "2",
+              "--parallelism.pipeline_parallel_degree", "2", "--quantize.linear.float8.recipe"]
+    lines = []
+    tensorwise = run_dry_run(parse_train_args([*layout, "tensorwise"]), world_size=4, print_fn=lines.append)
+    # debugmodel: 6 blocks of 7 linears, each block's attention and feed-forward inputs.
+    assert ("dry run: float8 tensor parallel: 42 linears with torchao's float8 styles, "
+            "12 block inputs all-gathered in float8") in lines
+    lines = []
+    rowwise = run_dry_run(parse_train_args([*layout, "rowwise"]), world_size=4, print_fn=lines.append)
+    assert not any("float8 tensor parallel" in line for line in lines)
+    for f8tp, hp in zip(tensorwise, rowwise, strict=True):
+        assert f8tp.activation_bytes < 0.9 * hp.activation_bytes
+
+
 @pytest.mark.slow
 def test_dry_run_converts_float8_before_the_layout_like_titan_train():
     pytest.importorskip("torchao.float8")

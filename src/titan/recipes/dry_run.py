@@ -20,7 +20,7 @@ from titan.dist.fsdp import DTYPES
 from titan.dist.plan import blocks_of, sharding_plan
 from titan.dist.planner import float8_tp_gathers
 from titan.train.config import TrainerConfig
-from titan.train.float8_tensor_parallel import add_float8_tp_casts
+from titan.train.float8_tensor_parallel import add_float8_tp_casts, float8_tensor_parallel
 from titan.train.quantize import (
     apply_quantization,
     check_quantize_supported,
@@ -194,7 +194,8 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
         f"tp {d.tp}{f' (ep {d.ep})' if d.ep_enabled else ''}; local batch {training.local_batch_size} x seq {training.seq_len}, "
         f"AC {config.activation_checkpoint.mode}, params {training.mixed_precision_param} in compute"
     )
-    return dry_run(
+    float8_tp = float8_tensor_parallel(config.quantize, tp_enabled=d.tp_enabled)
+    estimates = dry_run(
         model_fn,
         config.parallelism,
         world_size=world_size,
@@ -208,8 +209,13 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
         reduce_dtype=training.mixed_precision_reduce,
         gathered_param_bytes=gathered_param_bytes(config, unconverted),
         print_fn=print_fn,
+        # TP parallelized as `titan train` does it (float8's own styles included).
+        tensor_parallel_overrides=float8_tp,
         **_measured_blocks(config, d, unconverted, model_fn, vocab),
     )
+    if float8_tp is not None:  # one pipeline rank of each stage was parallelized: the whole model
+        print_fn(f"dry run: {float8_tp.summary()}")
+    return estimates
 
 
 def _measured_blocks(config: TrainerConfig, dims: ParallelDims, unconverted, converted, vocab: int) -> dict:

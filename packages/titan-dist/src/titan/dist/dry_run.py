@@ -787,7 +787,7 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
                    compile, local_batch_size: int, seq_len: int, optimizer_states: int,
                    activation_dtype: str, loss_chunk_tokens: int = 0, measured: dict[str, float] | None = None,
                    reduce_dtype: str = "float32", gathered_param_bytes: float | None = None,
-                   gathered_input_units: float = GATHERED_INPUT_UNITS):
+                   gathered_input_units: float = GATHERED_INPUT_UNITS, tensor_parallel_overrides=None):
     from titan.dist.parallelize import parallelize
     from titan.dist.pipeline import build_pipeline
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -804,7 +804,8 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
             _, parts, _, _ = build_pipeline(
                 model, dims, parallelism=parallelism, activation_checkpoint=activation_checkpoint,
                 compile=compile, loss_fn=lambda out, tgt: out.sum(),
-                local_batch_size=local_batch_size, device=torch.device("cpu"))
+                local_batch_size=local_batch_size, device=torch.device("cpu"),
+                tensor_parallel_overrides=tensor_parallel_overrides)
             # The activations this pipeline rank holds at its peak, as torch's schedule orders
             # its stages' forwards and backwards, as tokens held by every one of its blocks.
             micro = parallelism.pipeline_parallel_microbatch_size
@@ -815,7 +816,8 @@ def _estimate_rank(model_fn, dims: ParallelDims, rank: int, *, parallelism, acti
             logit_tokens = micro * seq_len // dims.cp
         else:
             parts = [parallelize(model, dims, root, parallelism=parallelism,
-                                 activation_checkpoint=activation_checkpoint, compile=compile)]
+                                 activation_checkpoint=activation_checkpoint, compile=compile,
+                                 tensor_parallel_overrides=tensor_parallel_overrides)]
             tokens = logit_tokens = local_batch_size * seq_len // dims.cp
         params = sum(_local_numel(p) for p in parts)
         acts = _activation_bytes(parts, dims, parallelism, activation_checkpoint, dim, vocab,
@@ -835,7 +837,8 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             print_fn: Callable[[str], None] | None = print,
             measure_fn: Callable[[], nn.Module] | None = None,
             measure_converted: bool = False, model_key: Hashable | None = None,
-            gathered_input_units: float = GATHERED_INPUT_UNITS) -> list[RankEstimate]:
+            gathered_input_units: float = GATHERED_INPUT_UNITS,
+            tensor_parallel_overrides=None) -> list[RankEstimate]:
     """Validate and parallelize a configuration for `world_size` ranks on this one CPU.
 
     `model_fn()` builds the model (it is called under the meta device). Prints, and returns,
@@ -854,7 +857,8 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     activations), `model_key` what identifies that model (`measure_block_units`). A
     conversion the fake tensors cannot trace (MXFP8) is measured on the unconverted model.
     `gathered_input_units`: what a block's SP-gathered inputs weigh (`rank_block_units`; float8
-    tensor parallel gathers them in float8, and `measure_fn` then casts as it does).
+    tensor parallel gathers them in float8, and `measure_fn` then casts as it does);
+    `tensor_parallel_overrides` parallelizes as the engine's (`TensorParallelOverrides`).
     """
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group")
@@ -888,7 +892,8 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
             local_batch_size=local_batch_size, seq_len=seq_len,
             optimizer_states=optimizer_states, activation_dtype=activation_dtype,
             loss_chunk_tokens=loss_chunk_tokens, measured=measured, reduce_dtype=reduce_dtype,
-            gathered_param_bytes=gathered_param_bytes, gathered_input_units=gathered_input_units)
+            gathered_param_bytes=gathered_param_bytes, gathered_input_units=gathered_input_units,
+            tensor_parallel_overrides=tensor_parallel_overrides)
         est = RankEstimate(ranks=f"{pp_rank * per_pp}-{(pp_rank + 1) * per_pp - 1}",
                            pp_rank=pp_rank, params=params, param_bytes=4 * params,
                            grad_bytes=4 * params, optimizer_bytes=4 * optimizer_states * params,
