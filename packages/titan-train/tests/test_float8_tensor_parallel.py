@@ -3,9 +3,16 @@ float8 linears, float8 input gathers for blocks made only of them, nothing other
 crosses the wire in a real TP 2 run is checked in tests/test_techniques_ran.py, the loss
 against one process in tests/test_float8_e2e.py."""
 
+from dataclasses import dataclass
+
 import pytest
+import torch
 import torch.nn as nn
-from titan.train.float8_tensor_parallel import float8_tensor_parallel, tensorwise_float8
+from titan.train.float8_tensor_parallel import (
+    add_float8_tp_casts,
+    float8_tensor_parallel,
+    tensorwise_float8,
+)
 from titan.train.quantize import (
     Float8LinearConfig,
     QuantizeConfig,
@@ -27,6 +34,9 @@ class _Attention(nn.Module):
         self.wq = nn.Linear(64, 64, bias=False)
         self.wo = nn.Linear(64, 64, bias=False)
 
+    def forward(self, x):
+        return self.wo(self.wq(x))
+
 
 class _Model(nn.Module):
     """Two attention blocks; block 1's `wq` can be filtered out of the conversion."""
@@ -34,6 +44,14 @@ class _Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.ModuleDict({"0": _Attention(), "1": _Attention()})
+
+    def sharding_plan(self):
+        return _Plan({"layers.*": "block_input", "layers.*.wq": "colwise", "layers.*.wo": "rowwise"})
+
+
+@dataclass
+class _Plan:
+    tensor_parallel: dict[str, str]
 
 
 def _converted(recipe: str, filter_fqns: tuple[str, ...] = ()) -> _Model:
@@ -70,3 +88,27 @@ def test_rowwise_scaled_linears_are_not_tensorwise():
     assert tensorwise_float8(_converted("tensorwise").layers["0"].wq)
     assert not tensorwise_float8(_converted("rowwise").layers["0"].wq)
     assert not tensorwise_float8(nn.Linear(64, 64))
+
+
+def test_one_process_casts_are_the_ones_float8_tp_makes():
+    """For measuring what a float8 TP block keeps: block 0 casts its input once (its `wq`
+    then receives float8), each row-parallel float8 linear casts its own; block 1, whose `wq`
+    stays in high precision, casts nothing but its `wo`."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    model = _converted("tensorwise", filter_fqns=("layers.1.wq",))
+    assert add_float8_tp_casts(model) == 3  # block 0's input, both wo
+    seen = {}
+
+    def record(key):
+        def hook(_module, args):
+            seen[key] = type(args[0]).__name__
+        return hook
+
+    for name in ("0", "1"):
+        for leaf in ("wq", "wo"):
+            getattr(model.layers[name], leaf).register_forward_pre_hook(record(f"{name}.{leaf}"))
+    for block in model.layers.values():
+        block(torch.randn(2, 16, 64))
+    assert seen == {"0.wq": Float8TrainingTensor.__name__, "0.wo": Float8TrainingTensor.__name__,
+                    "1.wq": "Tensor", "1.wo": Float8TrainingTensor.__name__}

@@ -54,10 +54,9 @@ class Float8TensorParallel(TensorParallelOverrides):
     def gather_block_input(self, module: nn.Module, mesh: DeviceMesh) -> bool:
         """Gather this block's input in float8 when every linear in it is a tensorwise float8
         one (the input then only feeds float8 matmuls)."""
-        linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
-        if not linears or not all(tensorwise_float8(m) for m in linears):
+        if not _all_linears_float8(module):
             return False
-        _gather_first_input_in_float8(module, mesh, linears[0])
+        _gather_first_input_in_float8(module, mesh, next(_linears(module)))
         self.float8_gathers += 1
         return True
 
@@ -80,8 +79,8 @@ def add_float8_tp_casts(model: nn.Module) -> int:
     collectives: the first input of each block whose every linear is a tensorwise float8 one
     (cast once, shared by its linears), and the input of every other tensorwise float8 linear
     the plan shards. Its blocks then keep float8 inputs where a float8 TP rank keeps them, for
-    measuring what a block keeps (`titan.dist.dry_run.measure_block_units`). Returns the casts
-    added."""
+    measuring what a block keeps (`titan.dist.dry_run.measure_block_units`). Returns the number
+    of casts added."""
     from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import GemmInputRole
@@ -95,20 +94,29 @@ def add_float8_tp_casts(model: nn.Module) -> int:
             return (x,) + tuple(args[1:])
         return hook
 
-    overrides, casts = Float8TensorParallel(), 0
-    for pattern, style in sharding_plan(model).tensor_parallel.items():
-        for _, module in match_modules(model, pattern):
-            if module is None:
-                continue
-            if style == "block_input":
-                linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
-                if linears and all(tensorwise_float8(m) for m in linears):
-                    module.register_forward_pre_hook(cast_first_input(linears[0]))
-                    casts += 1
-            elif overrides.style(style, module, sp=True) is not None:
-                module.register_forward_pre_hook(cast_first_input(module))
-                casts += 1
-    return casts
+    plan = sharding_plan(model).tensor_parallel.items()
+    styled = [(style, module) for pattern, style in plan for _, module in match_modules(model, pattern)
+              if module is not None]
+    cast_blocks = [module for style, module in styled if style == "block_input" and _all_linears_float8(module)]
+    for block in cast_blocks:
+        block.register_forward_pre_hook(cast_first_input(next(_linears(block))))
+    # The column-parallel linears of those blocks find their input cast already.
+    covered = {id(m) for block in cast_blocks for m in block.modules()}
+    cast_linears = [module for style, module in styled if tensorwise_float8(module)
+                    and (style == "rowwise" or (style == "colwise" and id(module) not in covered))]
+    for linear in cast_linears:
+        linear.register_forward_pre_hook(cast_first_input(linear))
+    return len(cast_blocks) + len(cast_linears)
+
+
+def _linears(module: nn.Module):
+    return (m for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def _all_linears_float8(module: nn.Module) -> bool:
+    """Whether `module` holds linears and every one is a tensorwise float8 linear."""
+    linears = list(_linears(module))
+    return bool(linears) and all(tensorwise_float8(m) for m in linears)
 
 
 def tensorwise_float8(module: nn.Module) -> bool:
