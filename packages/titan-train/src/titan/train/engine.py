@@ -344,7 +344,7 @@ class TrainingEngine:
         else:
             parts = [parallelize(model, self.parallel_dims, self.mesh, **common, mp_policy=mp_policy)]
         if float8_tp is not None:
-            logger.info(float8_tp.summary())
+            logger.info(float8_tp.summary() + (" (this rank's pipeline stages)" if self.parallel_dims.pp_enabled else ""))
         for part in parts:
             part.to_empty(device=self.device)
             # Values depend on the seed and each parameter's name only: every layout starts
