@@ -77,9 +77,12 @@ def test_tensorwise_linears_get_torchao_styles_and_the_rest_keep_the_plans():
     assert overrides.style("colwise", block1.wq, sp=True) is None  # filtered: high precision
     assert overrides.style("norm", block0.wq, sp=True) is None  # not a linear's style
     # A block gathers its input in float8 only when every linear in it takes float8 inputs.
-    assert overrides.gather_block_input(block0, mesh=None)
-    assert not overrides.gather_block_input(block1, mesh=None)
-    assert len(block0._forward_pre_hooks) == 1 and not block1._forward_pre_hooks
+    cast = overrides.block_input_cast(block0)
+    assert cast is not None
+    assert overrides.block_input_cast(block1) is None
+    # What block 0's gather then moves: float8 bytes of the input, scaled by torchao.
+    cast_input = cast(torch.randn(2, 16, 64))
+    assert type(cast_input).__name__ == "Float8TrainingTensor" and cast_input._data.dtype == torch.float8_e4m3fn
     assert overrides.summary() == ("float8 tensor parallel: 2 linears with torchao's float8 styles, "
                                    "1 block inputs all-gathered in float8")
 

@@ -443,7 +443,7 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
           f"holds {facts.backward_units:.1f} more" + (f" and {facts.backward_fixed_bytes / 2**20:,.0f} MiB of weight "
                                                       "casts" if facts.backward_fixed_bytes else ""))
     if work.float8 and work.float8_tensor_parallel and facts.float8_tp_block_units:
-        tp_units = facts.under_float8_tp()
+        tp_units = facts.under_float8_tp
         kept = tp_units.none_units_compiled or tp_units.none_units if work.compile else tp_units.none_units
         print(f"under float8 tensor parallel it keeps {kept:.1f} without AC (its linears' inputs in float8) and "
               f"its TP gathers move float8")

@@ -370,9 +370,10 @@ class ModelFacts:
                       or {"selective_units": sum(selective_op_units(b, int(dim)) for b in selective)
                           / max(len(selective), 1)}))
 
+    @functools.cached_property
     def under_float8_tp(self) -> ModelFacts:
         """These facts with the block units float8 tensor parallel's casts leave (unchanged
-        when those were not measured)."""
+        when those were not measured); built once, every float8 TP layout's memory reads it."""
         if not self.float8_tp_block_units:
             return self
         return dataclasses.replace(self, **_unit_fields(self.float8_tp_block_units))
@@ -772,7 +773,7 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[
     gathered = GATHERED_INPUT_UNITS
     if _float8_tp(layout, work) and facts.float8_tp_block_units:
         # float8 TP keeps the converted linears' inputs in float8, gathered ones included.
-        facts = facts.under_float8_tp()
+        facts = facts.under_float8_tp
         gathered = float8_gathered_units(facts.float8_tp_input_gathers, work.compute_dtype_bytes)
     width = facts.dim * work.compute_dtype_bytes  # bytes of one model-dim-wide activation per token
     none = facts.none_units_compiled if work.compile and facts.none_units_compiled else facts.none_units

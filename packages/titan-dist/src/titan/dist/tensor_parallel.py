@@ -24,6 +24,7 @@ put back on every module, so the tie survives as one DTensor; different layouts 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -102,15 +103,19 @@ class ReplicatedNorm(ParallelStyle):
         return output.to_local() if isinstance(output, DTensor) else output
 
 
-def _gather_first_input(module: nn.Module, mesh: DeviceMesh) -> None:
+def _gather_first_input(module: nn.Module, mesh: DeviceMesh, cast: Callable | None = None) -> None:
     """SP -> TP boundary: all-gather the first positional input along the sequence (kept as
     a replicated DTensor so the backward reduce-scatters the partial input gradients);
-    any other inputs (e.g. the RoPE table) pass through untouched."""
+    any other inputs (e.g. the RoPE table) pass through untouched. `cast` (from
+    `TensorParallelOverrides.block_input_cast`) converts the sequence shard first, so the
+    gather moves what it returns (float8 bytes)."""
 
     def hook(_module, args):
         x = args[0]
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        if cast is not None:
+            x = cast(x)
         return (x.redistribute(mesh, [Replicate()]),) + tuple(args[1:])
 
     module.register_forward_pre_hook(hook)
@@ -138,8 +143,9 @@ def _replicate_block(module: nn.Module, mesh: DeviceMesh) -> None:
 class TensorParallelOverrides:
     """Module-specific replacements for the plan's styles; this base class replaces nothing.
 
-    A subclass (e.g. titan.train's float8 tensor parallel) returns its own ParallelStyle for
-    the modules it knows and None for the rest, which get the plan's style.
+    A subclass (e.g. titan.train's float8 tensor parallel) returns its own ParallelStyle, or a
+    cast of a block's input before its gather, for the modules it knows and None for the rest,
+    which get the plan's style and a plain gather.
     """
 
     def style(self, style_name: str, module: nn.Module, *, sp: bool) -> ParallelStyle | None:
@@ -147,10 +153,10 @@ class TensorParallelOverrides:
         default one."""
         return None
 
-    def gather_block_input(self, module: nn.Module, mesh: DeviceMesh) -> bool:
-        """Install this module's own SP -> TP gather of its first input (sequence parallel
-        only); False leaves the default high-precision gather to be installed."""
-        return False
+    def block_input_cast(self, module: nn.Module) -> Callable | None:
+        """A conversion of this "block_input" module's sequence-sharded first input, applied
+        before the SP -> TP gather (sequence parallel only), or None to gather it as it is."""
+        return None
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, config,
@@ -173,8 +179,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, config,
         for fqn, module in match_modules(model, pattern):
             if module is None:
                 continue  # pipeline parallel removed it from this stage
-            if style_name == "block_input" and sp and not overrides.gather_block_input(module, mesh):
-                _gather_first_input(module, mesh)
+            if style_name == "block_input" and sp:
+                _gather_first_input(module, mesh, overrides.block_input_cast(module))
             if style_name == "replicated_block" and sp:
                 _replicate_block(module, mesh)
             style = overrides.style(style_name, module, sp=sp) or _style(style_name, sp=sp, lp=lp)

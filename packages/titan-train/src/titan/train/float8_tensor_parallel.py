@@ -24,8 +24,7 @@ import torch.nn as nn
 from titan.dist import TensorParallelOverrides
 from titan.dist.plan import match_modules, sharding_plan
 from titan.train.quantize import QuantizeConfig, import_torchao_float8
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 
 class Float8TensorParallel(TensorParallelOverrides):
@@ -51,14 +50,15 @@ class Float8TensorParallel(TensorParallelOverrides):
             return Float8ColwiseParallel()
         return Float8RowwiseParallel(output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp)
 
-    def gather_block_input(self, module: nn.Module, mesh: DeviceMesh) -> bool:
-        """Gather this block's input in float8 when every linear in it is a tensorwise float8
-        one (the input then only feeds float8 matmuls)."""
+    def block_input_cast(self, module: nn.Module):
+        """The float8 cast of this block's input before its gather, when every linear in it is
+        a tensorwise float8 one (the input then only feeds float8 matmuls). One scale for the
+        whole tensor: on the sequence-sharded DTensor, its amax is reduced over the TP ranks;
+        the backward reduce-scatters the high-precision gradient."""
         if not _all_linears_float8(module):
-            return False
-        _gather_first_input_in_float8(module, mesh, next(_linears(module)))
+            return None
         self.float8_gathers += 1
-        return True
+        return _float8_input_cast(next(_linears(module)))
 
     def summary(self) -> str:
         """One log line: how many linears and block inputs went float8."""
@@ -81,17 +81,11 @@ def add_float8_tp_casts(model: nn.Module) -> int:
     the plan shards. Its blocks then keep float8 inputs where a float8 TP rank keeps them, for
     measuring what a block keeps (`titan.dist.dry_run.measure_block_units`). Returns the number
     of casts added."""
-    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
-    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-    from torchao.float8.float8_training_tensor import GemmInputRole
-
     def cast_first_input(linear: nn.Module):
+        cast = _float8_input_cast(linear)
+
         def hook(_module, args):
-            if tensor_already_casted_to_fp8(args[0]):
-                return None
-            x = hp_tensor_to_float8_dynamic(args[0], linear.config.cast_config_input.target_dtype,
-                                            linear.linear_mm_config, gemm_input_role=GemmInputRole.INPUT)
-            return (x,) + tuple(args[1:])
+            return (cast(args[0]),) + tuple(args[1:])
         return hook
 
     plan = sharding_plan(model).tensor_parallel.items()
@@ -130,22 +124,17 @@ def tensorwise_float8(module: nn.Module) -> bool:
                and cast.scaling_granularity == ao.ScalingGranularity.TENSORWISE for cast in casts)
 
 
-def _gather_first_input_in_float8(module: nn.Module, mesh: DeviceMesh, linear: nn.Module) -> None:
-    """SP -> TP boundary in float8: the sequence-sharded first input is cast with one scale
-    for the whole tensor (its amax reduced over the TP ranks), then all-gathered as a
-    replicated DTensor of float8; the backward reduce-scatters the high-precision gradient."""
+def _float8_input_cast(linear: nn.Module):
+    """The dynamic tensorwise cast `linear` makes of its input (torchao's), as a function: a
+    plain tensor's scale is its own, a sharded DTensor's the whole tensor's."""
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import GemmInputRole
 
-    def hook(_module, args):
-        x = args[0]
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
-        x = hp_tensor_to_float8_dynamic(x, linear.config.cast_config_input.target_dtype, linear.linear_mm_config,
-                                        gemm_input_role=GemmInputRole.INPUT)
-        return (x.redistribute(mesh, [Replicate()]),) + tuple(args[1:])
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        return hp_tensor_to_float8_dynamic(x, linear.config.cast_config_input.target_dtype, linear.linear_mm_config,
+                                           gemm_input_role=GemmInputRole.INPUT)
 
-    module.register_forward_pre_hook(hook)
+    return cast
 
 
 _GATHER_OPS = ("c10d_functional", "_c10d_functional")
