@@ -690,6 +690,27 @@ def test_many_microbatches_idle_as_the_full_simulation(schedule, stages):
                 assert extrapolated == pytest.approx(idle / busy, rel=1e-9, abs=1e-12), (pp, microbatches)
 
 
+def test_a_constant_idle_with_rounding_noise_is_read_off_the_line():
+    """Stage costs whose sums round differently (here the idle at 4 x pp reads 14.930000000000007
+    and at 8 x pp 14.92999999999995): the idle is constant, so a long ZBVZeroBubble schedule
+    is read off the three simulations at 4, 8 and 12 x pp, not simulated microbatch by
+    microbatch (before, the -1e-13 "fall" sent 405B's 4,096-microbatch layouts to the full
+    simulation, 3 x 2.4M actions), and equals the full simulation."""
+    from titan.dist.planner import _idle_and_busy
+
+    pp, n, microbatches = 8, 16, 64 * 8
+    forward = tuple(2.0 if s < n - 1 else 1.1 for s in range(n))
+    backward = tuple(4.0 if s < n - 1 else 2.3 for s in range(n))
+    weight = tuple(1.845 if s < n - 1 else 0.7 for s in range(n))
+    first, second = (_idle_and_busy("ZBVZeroBubble", pp, k * pp, 2, forward, backward, weight)[0] for k in (4, 8))
+    assert second < first  # the noise the extrapolation must see through
+    _idle_and_busy.cache_clear()
+    pipeline_idle_fraction.cache_clear()
+    extrapolated = pipeline_idle_fraction("ZBVZeroBubble", pp, microbatches, 2, forward, backward, weight)
+    assert _idle_and_busy.cache_info().currsize == 3  # the three points only
+    idle, busy = _idle_and_busy("ZBVZeroBubble", pp, microbatches, 2, forward, backward, weight)
+    assert extrapolated == pytest.approx(idle / busy, rel=1e-9)
+
 @pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8), (8, 16), (8, 32)])
 def test_weight_gradients_fill_the_bubble_of_the_interleaved_schedule(pp, microbatches):
     """Equal stages (forward 1, backward 2, of which weight gradients 1): the zero-bubble

@@ -296,8 +296,18 @@ def passes_engine_checks(probe, seq_len: int, global_batch: int, pinned: dict[st
                          config: TrainerConfig | None = None):
     """A filter: the layout has the `pinned` values and passes the checks `titan train` runs
     before building anything (`engine_refusal`)."""
+    # The checks read only the mesh and the local batch: the layouts that differ in AC, the
+    # schedule, the microbatch or the reshard policy (most of them) share one verdict.
+    verdicts: dict[tuple, bool] = {}
+
     def check(layout: Layout) -> bool:
-        return _has_pinned(layout, pinned) and engine_refusal(layout, probe, seq_len, global_batch, config) is None
+        if not _has_pinned(layout, pinned):
+            return False
+        key = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp, layout.ep,
+               layout.engine_local_batch_size)
+        if key not in verdicts:
+            verdicts[key] = engine_refusal(layout, probe, seq_len, global_batch, config) is None
+        return verdicts[key]
     return check
 
 

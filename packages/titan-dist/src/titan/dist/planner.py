@@ -388,6 +388,23 @@ class ModelFacts:
         """Every parameter (a tied matrix once)."""
         return sum(b.total for b in self.blocks) + self.embedding + self.output + self.final_norm
 
+    def block_param_sums(self, blocks: Sequence[int]) -> tuple[int, int, int, int]:
+        """(TP-sharded, TP-replicated, expert) parameters of `blocks` summed, and how many of
+        them hold experts: all a stage's memory and time read of its blocks. Remembered per
+        set of blocks: every layout asks it of each of its pipeline ranks."""
+        key = len(blocks) if self.uniform_blocks else tuple(blocks)
+        sums = self._block_sums.get(key)
+        if sums is None:
+            chosen = [self.blocks[i] for i in blocks]
+            sums = (sum(b.tp_sharded for b in chosen), sum(b.tp_replicated for b in chosen),
+                    sum(b.experts for b in chosen), sum(1 for b in chosen if b.experts))
+            self._block_sums[key] = sums
+        return sums
+
+    @functools.cached_property
+    def _block_sums(self) -> dict:
+        return {}
+
     @functools.cached_property
     def uniform_blocks(self) -> bool:
         """Whether every block has the same parameters (a dense model)."""
@@ -655,8 +672,8 @@ def stage_params(facts: ModelFacts, layout: Layout, blocks: Sequence[int], first
     """(parameters this rank holds, the mean parameters of one of its blocks as a rank
     computes it: FSDP-gathered, TP- and EP-local)."""
     fsdp = layout.dp_shard * layout.cp
-    dense = sum(facts.blocks[i].tp_sharded / layout.tp + facts.blocks[i].tp_replicated for i in blocks)
-    experts = sum(facts.blocks[i].experts for i in blocks)
+    sharded, replicated, experts, _ = facts.block_param_sums(blocks)
+    dense = sharded / layout.tp + replicated
     outer = (facts.embedding if first else 0) / layout.tp + ((facts.output / layout.tp + facts.final_norm) if last else 0)
     # Dense parameters: TP-sharded, then FSDP over dp_shard x cp. Experts: split over EP, and
     # each EP rank's experts FSDP-sharded over the remaining dp_shard x cp / ep ranks.
@@ -711,17 +728,17 @@ def predict(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware) -> 
     for rank, (blocks, first, last) in enumerate(rank_stages(facts.n_layers, layout)):
         stages = rank_stage_sizes(facts.n_layers, layout, rank)
         held = _held_block_tokens(layout, work, facts.n_layers, blocks, rank)
-        # Pipeline ranks whose stages, ends and peak activations match hold the same bytes:
-        # sized once (a layout of PP 32 asks 32 times).
-        shape = (len(blocks) if facts.uniform_blocks else tuple(blocks), first, last, tuple(stages), held)
+        # A stage's memory and time read its blocks only through their parameter sums: pipeline
+        # ranks whose sums, stages, ends and peak activations match are sized once (a layout of
+        # PP 32 asks 32 times), and timed once whatever rank runs them.
+        params = (len(blocks), facts.block_param_sums(blocks))
+        shape = (params, first, last, tuple(stages), held)
         if shape not in sized:
             sized[shape] = _memory(facts, layout, work, blocks, first=first, last=last, held_tokens=held,
                                    stages=stages)
         mem = sized[shape]
         checkpointed = checkpointed_blocks(layout.ac_config, stages)
-        # A stage's time depends on its blocks, not on which rank runs them: pipeline ranks
-        # with as many blocks of a dense model are timed once.
-        key = (len(blocks) if facts.uniform_blocks else tuple(blocks), first, last, checkpointed)
+        key = (params, first, last, checkpointed)
         if key not in timed:
             timed[key] = _times(facts, layout, work, hw, blocks, first=first, last=last, checkpointed=checkpointed)
         times, loads = timed[key]
@@ -963,7 +980,7 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     cp = ((gathers + len(blocks) * hw.reduce_scatter_cost) * cp_pass + (gathers + len(blocks)) * calls
           if layout.cp > 1 else 0.0)
     # EP: dispatch + combine all-to-alls, forward and backward, per MoE block.
-    moe_blocks = sum(1 for i in blocks if facts.blocks[i].experts)
+    moe_blocks = facts.block_param_sums(blocks)[3]
     routed = tokens_rank * facts.experts_per_token * facts.dim * b
     ep = 4 * moe_blocks * (_ring(routed, layout.ep) / _bandwidth(hw, layout.ep * layout.tp) + calls) if layout.ep > 1 else 0.0
     # PP: activations to the next stage and gradients back, per microbatch and local stage.
@@ -1039,46 +1056,90 @@ def pipeline_idle_fraction(schedule: str, pp: int, microbatches: int, stages_per
     if microbatches > points[-1] and microbatches % pp == 0:
         (i1, _), (i2, _), (i3, busy3) = (_idle_and_busy(schedule, pp, m, stages_per_rank, forward, backward, weight)
                                          for m in points)
+        tolerance = 1e-9 * max(1.0, busy3)  # the sums' rounding: a constant idle reads +-1e-13
         step = (i2 - i1) / (points[1] - points[0])
-        if step >= 0 and abs(i3 - i2 - step * (points[2] - points[1])) <= 1e-9 * max(1.0, busy3):
+        if abs(i2 - i1) <= tolerance:
+            step = 0.0
+        if step >= 0 and abs(i3 - i2 - step * (points[2] - points[1])) <= tolerance:
             idle = i3 + step * (microbatches - points[2])
             return idle / (busy3 * microbatches / points[2])
     idle, busy = _idle_and_busy(schedule, pp, microbatches, stages_per_rank, forward, backward, weight)
     return idle / busy
 
 
+@functools.lru_cache(maxsize=1024)
 def _idle_and_busy(schedule: str, pp: int, microbatches: int, stages_per_rank: int, forward: tuple[float, ...],
                    backward: tuple[float, ...], weight: tuple[float, ...]) -> tuple[float, float]:
-    """(idle time, busy time) of the busiest pipeline rank (`pipeline_idle_fraction`)."""
-    last = pp * stages_per_rank - 1
+    """(idle time, busy time) of the busiest pipeline rank (`pipeline_idle_fraction`); cached:
+    the extrapolation of every larger microbatch count simulates the same three."""
     weight = weight or tuple(b / 2 for b in backward)
-    cost = {"F": forward, "B": backward, "W": weight, "I": tuple(b - w for b, w in zip(backward, weight))}
-    actions = pipeline_actions(schedule, pp, microbatches, stages_per_rank)
-    queues = [deque(rank_actions) for rank_actions in actions]
-    done: dict[tuple[str, int, int], float] = {}  # ("F" | "G" (input gradients ready) | "W", stage, micro)
-    clock = [0.0] * pp
-    while any(queues):
-        progressed = False
-        for rank, queue in enumerate(queues):
-            while queue:
-                kind, stage, micro = queue[0]
-                if kind == "F":
-                    needs = ("F", stage - 1, micro) if stage else None
-                elif kind == "W":
-                    needs = ("G", stage, micro)
-                else:
-                    needs = ("G", stage + 1, micro) if stage < last else ("F", stage, micro)
-                if needs is not None and needs not in done:
+    # Each action's cost, indexed as `_rank_programs` numbers kinds and stages.
+    cost = [*forward, *backward, *weight, *(b - w for b, w in zip(backward, weight))]
+    programs = [[(cost[what], needs, makes) for what, needs, makes in program]
+                for program in _rank_programs(schedule, pp, microbatches, stages_per_rank)]
+    # Each rank runs its actions in order until one waits for an event not yet made; it
+    # resumes when that event is made (each action is visited once: at pp 128 and thousands
+    # of microbatches, rescanning the blocked ranks cost more than the actions).
+    done: dict[int, float] = {}  # event (`_rank_programs`) -> when it was made
+    waiting: dict[int, list[int]] = {}  # event -> the ranks blocked on it
+    clock, position = [0.0] * pp, [0] * pp
+    runnable = list(range(pp))
+    while runnable:
+        rank = runnable.pop()
+        program, at, now = programs[rank], position[rank], clock[rank]
+        while at < len(program):
+            seconds, needs, makes = program[at]
+            if needs >= 0:
+                ready = done.get(needs)
+                if ready is None:
+                    waiting.setdefault(needs, []).append(rank)
                     break
-                start = max(clock[rank], done[needs] if needs else 0.0)
-                clock[rank] = start + cost[kind][stage]
-                done[("G" if kind in "BI" else kind, stage, micro)] = clock[rank]
-                queue.popleft()
-                progressed = True
-        if not progressed:
-            raise ValueError(f"{schedule} with pp {pp}, {microbatches} microbatches deadlocks in this model")
-    busy = max(sum(cost[kind][stage] for kind, stage, _ in rank_actions) for rank_actions in actions)
+                if ready > now:
+                    now = ready
+            now += seconds
+            done[makes] = now
+            if makes in waiting:
+                runnable += waiting.pop(makes)
+            at += 1
+        position[rank], clock[rank] = at, now
+    if any(at < len(program) for at, program in zip(position, programs)):
+        raise ValueError(f"{schedule} with pp {pp}, {microbatches} microbatches deadlocks in this model")
+    busy = max(sum(seconds for seconds, _, _ in program) for program in programs)
     return max(clock) - busy, busy
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_programs(schedule: str, pp: int, microbatches: int,
+                   stages_per_rank: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """Each rank's actions (`pipeline_actions`) as (what it costs: kind x stages + stage, kinds
+    F, B, W, I; the event it waits for, -1: none; the event it makes), events numbered
+    (kind, stage, microbatch): a forward done ("F"), a stage's input gradients ready ("G":
+    after its B or I) or its weight gradients done ("W"). A forward waits for the previous
+    stage's forward of its microbatch, a backward (B or I) for the next stage's input
+    gradients (on the last stage for its own forward), W for its own I. Cached: the layouts of
+    one schedule and shape differ only in the costs."""
+    stages = pp * stages_per_rank
+    last = stages - 1
+
+    def event(kind: int, stage: int, micro: int) -> int:
+        return (kind * stages + stage) * microbatches + micro
+
+    F, G, W = 0, 1, 2
+    cost_kind = {"F": 0, "B": 1, "W": 2, "I": 3}
+    programs = []
+    for actions in pipeline_actions(schedule, pp, microbatches, stages_per_rank):
+        program = []
+        for kind, stage, micro in actions:
+            if kind == "F":
+                needs = event(F, stage - 1, micro) if stage else -1
+            elif kind == "W":
+                needs = event(G, stage, micro)
+            else:
+                needs = event(G, stage + 1, micro) if stage < last else event(F, stage, micro)
+            makes = event(G if kind in "BI" else W if kind == "W" else F, stage, micro)
+            program.append((cost_kind[kind] * stages + stage, needs, makes))
+        programs.append(tuple(program))
+    return tuple(programs)
 
 
 def divisors(n: int) -> list[int]:
