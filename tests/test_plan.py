@@ -282,6 +282,35 @@ def test_float8_runs_the_converted_linears_at_the_fp8_peak_and_pays_for_the_cast
     assert fp8 == pytest.approx(plain - linear_time * (1 - 989 / 1979) + casts)
 
 
+@pytest.mark.parametrize("float8", [False, True])
+def test_async_tp_runs_the_block_matmuls_on_a_tp_th_of_the_tokens(float8):
+    """Async TP's fused all-gather + matmul (and matmul + reduce-scatter) multiplies one shard
+    of the tokens at a time: the block matmuls (6 FLOPs per block parameter and token, the
+    converted ones at the fp8 peak) run at the weights' roofline of micro_tokens / tp, the
+    output projection and attention's scores as before; by hand, from the sync layout's
+    compute."""
+    from titan.dist.planner import _size_factor
+
+    flags = ["--config", "llama3_debug", "--model.flavor", "debugmodel_tiny", *TINY]
+    facts, _, _ = model_facts(parse_train_args(flags))
+    # The matmuls against weights: 6 FLOPs per parameter and token, outside the embedding and
+    # the output projection (the norms' few counted too, as the trainer's 6N counts them).
+    block_weights = sum(b.total for b in facts.blocks) + facts.final_norm
+    assert facts.matmul_flops_per_token == 6 * (block_weights + facts.vocab * facts.dim)
+    hw, layout = HARDWARE["H100"], _layout(tp=4, local_batch_size=8, microbatch_size=8)
+    work = Workload(global_batch_size=8, seq_len=64, float8=float8)
+    sync = predict(facts, layout, work, hw).times["compute"]
+    fused = predict(facts, layout, dataclasses.replace(work, async_tp=True), hw).times["compute"]
+    tokens = 8 * 64
+    rate = hw.peak_bf16_tflops * 1e12 * hw.matmul_efficiency * _size_factor(tokens, hw)
+    matmuls = 6 * block_weights * tokens / 4 / rate  # a TP rank's quarter of every block matmul
+    if float8:
+        matmuls -= 6 * facts.float8_params * tokens / 4 / rate * (1 - 989 / 1979)
+    slower = (tokens / 4 + hw.half_tokens) / (tokens / 4) * tokens / (tokens + hw.half_tokens)
+    assert slower > 1.1  # 128-token shards on the H100's 103-token roofline
+    assert fused == pytest.approx(sync + matmuls * (slower - 1), rel=1e-9)
+
+
 @pytest.mark.parametrize("recipe", ["llama3_debug", "qwen3_moe_debug", "deepseek_v3_debug"])
 def test_float8_tp_gathers_are_the_ones_the_engine_moves_in_float8(recipe):
     """The planner's count of float8 TP gathers per block equals what the engine's float8

@@ -37,9 +37,10 @@ FSDP's gathers and reduce-scatter once per microbatch, the replicas' all-reduce 
     the device's bf16 peak x `matmul_efficiency` (x `compile_speedup` when compiled; less for
     microbatches of few tokens, by the weights' roofline: `Hardware.half_efficiency_tokens`); with
     float8 the converted linears' FLOPs at the fp8 peak instead, plus `float8_cast_bytes`
-    of memory traffic per cast element; communication volumes per step: FSDP all-gathers
-    (forward and backward) and reduce-scatter, overlapped with compute (the `comm_overlap`
-    part of them) except the first block's gather (under PP one gather per step, and the
+    of memory traffic per cast element; under async TP the block matmuls at the roofline of
+    1/tp of the microbatch's tokens, the shard its fused collectives multiply at a time;
+    communication volumes per step: FSDP all-gathers (forward and backward) and
+    reduce-scatter, overlapped with compute (the `comm_overlap` part of them) except the first block's gather (under PP one gather per step, and the
     reduce-scatter after the last microbatch exposed); a reduce-scatter takes
     `reduce_scatter_cost` times an all-gather of the same bytes; TP/SP all-gathers and
     reduce-scatters of the residual stream (4 per block forward, 4 backward, 4 more in the
@@ -610,7 +611,8 @@ class Workload:
     its vocabulary shard of the logits instead of all of them."""
     async_tp: bool = False
     """Async TP (`--parallelism.enable_async_tensor_parallel`): TP collectives overlap the
-    matmuls, so only what exceeds the compute is exposed."""
+    matmuls, so only what exceeds the compute is exposed; the block matmuls run on one TP
+    shard of the tokens at a time."""
     memory_headroom: float = 0.10
     """Fraction added on top of the estimate (allocator fragmentation, workspaces)."""
     loss_chunk_tokens: int = 0
@@ -824,16 +826,20 @@ def _memory(facts: ModelFacts, layout: Layout, work: Workload, blocks: Sequence[
     return out
 
 
-def _float8_change(facts: ModelFacts, hw: Hardware, tokens: float, rate: float) -> float:
-    """Seconds float8 adds (negative: saves) to the compute of `tokens`: the converted
-    linears' FLOPs at the fp8 instead of the bf16 peak, plus the casts' memory traffic."""
+def _float8_saving(facts: ModelFacts, hw: Hardware, tokens: float, rate: float) -> float:
+    """Seconds float8 saves on the matmuls of `tokens`: the converted linears' FLOPs at the
+    fp8 instead of the bf16 peak."""
     if hw.peak_fp8_tflops <= 0:
         raise ValueError(f"--quantize.linear.float8.recipe needs fp8 tensor cores; {hw.name} has none "
                          "(--hardware.peak_fp8_tflops is 0): plan without float8")
     linear_flops = 6 * facts.float8_params * tokens
-    saved = linear_flops / rate * (1 - hw.peak_bf16_tflops / hw.peak_fp8_tflops)
-    casts = facts.float8_cast_width * tokens * hw.float8_cast_bytes / (hw.memory_tbps * 1e12)
-    return casts - saved
+    return linear_flops / rate * (1 - hw.peak_bf16_tflops / hw.peak_fp8_tflops)
+
+
+def _float8_cast_seconds(facts: ModelFacts, hw: Hardware, tokens: float) -> float:
+    """Seconds float8's casts of `tokens` cost: their memory traffic (`float8_cast_bytes` per
+    cast element)."""
+    return facts.float8_cast_width * tokens * hw.float8_cast_bytes / (hw.memory_tbps * 1e12)
 
 
 DEFAULT_AC_EVERY = {"full": (1, 2)}
@@ -925,8 +931,17 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     rate = hw.peak_bf16_tflops * 1e12 * hw.matmul_efficiency * _size_factor(micro_tokens, hw)
     rate *= hw.compile_speedup if work.compile else 1.0
     compute = ((facts.flops_per_token - 6 * facts.vocab * facts.dim) * block_tokens + output_flops) / rate
+    # The blocks' matmuls against weights (float8's converted ones at the fp8 peak).
+    block_matmuls = facts.weight_grad_share * (facts.flops_per_token - 6 * facts.vocab * facts.dim) * block_tokens / rate
     if work.float8:
-        compute += _float8_change(facts, hw, block_tokens, rate)
+        saved = _float8_saving(facts, hw, block_tokens, rate)
+        compute += _float8_cast_seconds(facts, hw, block_tokens) - saved
+        block_matmuls -= saved
+    if work.async_tp and layout.tp > 1:
+        # Async TP's fused all-gather + matmul and matmul + reduce-scatter multiply each shard
+        # of the tokens as it arrives (or before it leaves): tp matmuls of 1/tp of the tokens,
+        # each reading the whole weight, so at the weights' roofline of that many tokens.
+        compute += block_matmuls * (_size_factor(micro_tokens, hw) / _size_factor(micro_tokens / layout.tp, hw) - 1)
     b = work.compute_dtype_bytes
     # FSDP: two all-gathers (forward, backward) and a fp32 reduce-scatter of the stage, all
     # overlapped with compute except the first block's gather. Under PP the stage is gathered
