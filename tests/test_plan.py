@@ -282,6 +282,25 @@ def test_float8_runs_the_converted_linears_at_the_fp8_peak_and_pays_for_the_cast
     assert fp8 == pytest.approx(plain - linear_time * (1 - 989 / 1979) + casts)
 
 
+@pytest.mark.parametrize("seq_len", [64, 4096])
+def test_compile_speeds_up_the_matmuls_and_leaves_attention_at_the_eager_rate(seq_len):
+    """Inductor fuses the elementwise work around the matmuls and calls the same attention
+    kernel eager does: compiled, the matmuls against weights (6 FLOPs per parameter and token,
+    the output projection's included) take 1 / `compile_speedup` of their eager time and
+    attention's scores all of it. By hand from the eager compute; the longer the sequence, the
+    less compile gains (attention's share grows with it)."""
+    flags = ["--config", "llama3_debug", "--model.flavor", "debugmodel_tiny", *TINY, "--training.seq_len", str(seq_len)]
+    facts, _, _ = model_facts(parse_train_args(flags))
+    hw, layout = HARDWARE["H100"], _layout(local_batch_size=1, microbatch_size=1)
+    work = Workload(global_batch_size=1, seq_len=seq_len)
+    eager = predict(facts, layout, work, hw).times["compute"]
+    compiled = predict(facts, layout, dataclasses.replace(work, compile=True), hw).times["compute"]
+    matmul_share = facts.matmul_flops_per_token / facts.flops_per_token  # at this sequence length
+    assert compiled == pytest.approx(eager * (matmul_share / hw.compile_speedup + 1 - matmul_share), rel=1e-9)
+    # dim 64: attention is a small share of the FLOPs at 64 tokens, nearly all of them at 4,096.
+    assert eager / compiled > 1.15 if seq_len == 64 else eager / compiled < 1.02
+
+
 @pytest.mark.parametrize("float8", [False, True])
 def test_async_tp_runs_the_block_matmuls_on_a_tp_th_of_the_tokens(float8):
     """Async TP's fused all-gather + matmul (and matmul + reduce-scatter) multiplies one shard
