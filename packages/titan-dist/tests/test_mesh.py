@@ -55,3 +55,13 @@ def test_clipping_on_a_dp2_mesh_matches_the_hand_computed_value(two_ranks):
     assert [r["dp_size"] for r in results] == [2, 2]
     assert [r["local_rows"] for r in results] == [3, 2]  # the gradient really is sharded
     check_clipping(results, max_norm=results[0]["max_norm"])
+
+
+def test_a_native_crash_runs_the_ranks_again_once_with_a_warning(tmp_path):
+    """A rank killed by SIGABRT without a Python error (a native crash) is run again from
+    scratch once, and the test report carries a warning; a second crash fails the launch."""
+    with pytest.warns(UserWarning, match="SIGABRT; running it again from scratch"):
+        assert lib.run_ranks(2, workers.abort_once, str(tmp_path)) == [0, 1]
+    assert (tmp_path / "aborted").exists()
+    with pytest.warns(UserWarning), pytest.raises(AssertionError, match="SIGABRT"):
+        lib.run_ranks(2, workers.always_abort)

@@ -194,3 +194,24 @@ def replicas_sync_later_case(rank: int, world_size: int) -> dict:
         out[f"{name}_own_sum"] = [p.grad.clone() for p in plain.parameters()]
         dist.barrier()
     return out
+
+
+def abort_once(rank: int, world_size: int, marker_dir: str) -> int:
+    """Rank 0 dies of SIGABRT (as a native double free does) on every run until `marker_dir`
+    holds a marker, which each abort leaves: the first run crashes, a rerun does not."""
+    import os
+
+    marker = os.path.join(marker_dir, "aborted")
+    if rank == 0 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.abort()
+    return rank
+
+
+def always_abort(rank: int, world_size: int) -> int:
+    """Rank 0 dies of SIGABRT on every run."""
+    import os
+
+    if rank == 0:
+        os.abort()
+    return rank
