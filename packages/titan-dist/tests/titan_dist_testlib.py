@@ -267,6 +267,6 @@ def run_ranks(world_size: int, fn, *args, retries_on_native_crash: int = 1) -> l
                 warnings.warn(f"{fn.__name__} on {world_size} ranks: {err}; running it again from scratch",
                               stacklevel=2)
                 return run_ranks(world_size, fn, *args, retries_on_native_crash=retries_on_native_crash - 1)
-            raise AssertionError("\n".join(errs) or str(err)) from err
+            raise AssertionError("\n".join([str(err), *errs])) from err  # which rank died, and how
         return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False)
                 for r in range(world_size)]
