@@ -36,12 +36,12 @@ FSDP's gathers and reduce-scatter once per microbatch, the replicas' all-reduce 
     compute = training FLOPs of the rank's tokens (plus the recomputed forward under AC) over
     the device's bf16 peak x `matmul_efficiency` (x `compile_speedup` for all but attention's
     scores when compiled; less for microbatches of few tokens, by the weights' roofline:
-    `Hardware.half_efficiency_tokens`); with
-    float8 the converted linears' FLOPs at the fp8 peak instead, plus `float8_cast_bytes`
-    of memory traffic per cast element; under async TP the block matmuls at the roofline of
-    1/tp of the microbatch's tokens, the shard its fused collectives multiply at a time;
-    communication volumes per step: FSDP all-gathers (forward and backward) and
-    reduce-scatter, overlapped with compute (the `comm_overlap` part of them) except the first block's gather (under PP one gather per step, and the
+    `Hardware.half_efficiency_tokens`); with float8 the converted linears' FLOPs at the fp8
+    peak instead, plus `float8_cast_bytes` of memory traffic per cast element; under async TP
+    the block matmuls at the roofline of 1/tp of the microbatch's tokens, the shard its fused
+    collectives multiply at a time; communication volumes per step: FSDP all-gathers (forward
+    and backward) and reduce-scatter, overlapped with compute (the `comm_overlap` part of
+    them) except the first block's gather (under PP one gather per step, and the
     reduce-scatter after the last microbatch exposed); a reduce-scatter takes
     `reduce_scatter_cost` times an all-gather of the same bytes; TP/SP all-gathers and
     reduce-scatters of the residual stream (4 per block forward, 4 backward, 4 more in the
@@ -1100,8 +1100,8 @@ def _idle_and_busy(schedule: str, pp: int, microbatches: int, stages_per_rank: i
     programs = [[(cost[what], needs, makes) for what, needs, makes in program]
                 for program in _rank_programs(schedule, pp, microbatches, stages_per_rank)]
     # Each rank runs its actions in order until one waits for an event not yet made; it
-    # resumes when that event is made (each action is visited once: at pp 128 and thousands
-    # of microbatches, rescanning the blocked ranks cost more than the actions).
+    # resumes when that event is made, so each action is visited once (finish times depend
+    # only on the dependencies, not on the order the ranks are resumed in).
     done: dict[int, float] = {}  # event (`_rank_programs`) -> when it was made
     waiting: dict[int, list[int]] = {}  # event -> the ranks blocked on it
     clock, position = [0.0] * pp, [0] * pp
