@@ -138,3 +138,22 @@ def test_async_tp_without_inductor_compiling_the_model_is_refused():
     check_compile_options(CompileConfig(), tp, async_tp=False)
     # Without TP there is nothing to overlap, and nothing to refuse.
     check_compile_options(CompileConfig(), ParallelDims.from_config(ParallelismConfig(), world_size=2), async_tp=True)
+
+
+def test_async_tp_without_sequence_parallel_is_refused(capsys):
+    """torch's micro-pipeline TP pass fuses all-gathers and reduce-scatters with matmuls;
+    TP without sequence parallel all-reduces instead, so the flag would fuse nothing: refused
+    before anything is built, by the dry run as by `titan train` (the same check)."""
+    from titan.dist import CompileConfig, ParallelDims, ParallelismConfig, check_compile_options
+
+    from titan.recipes.cli import main
+
+    tp = ParallelDims.from_config(ParallelismConfig(tensor_parallel_degree=2), world_size=2)
+    with pytest.raises(ValueError, match="without sequence parallel TP all-reduces"):
+        check_compile_options(CompileConfig(enable=True), tp, async_tp=True, sequence_parallel=False)
+    check_compile_options(CompileConfig(enable=True), tp, async_tp=True, sequence_parallel=True)
+    rc = main(["dry-run", "--world_size", "2", "--config", "llama3_debug", "--parallelism.tensor_parallel_degree", "2",
+               "--compile.enable", "--parallelism.enable_async_tensor_parallel",
+               "--parallelism.no_enable_sequence_parallel"])
+    assert rc == 2
+    assert "drop --parallelism.no_enable_sequence_parallel or the async flag" in capsys.readouterr().err

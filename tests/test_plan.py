@@ -330,6 +330,36 @@ def test_async_tp_runs_the_block_matmuls_on_a_tp_th_of_the_tokens(float8):
     assert fused == pytest.approx(sync + matmuls * (slower - 1), rel=1e-9)
 
 
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_async_tp_hides_only_the_collectives_torch_fuses_with_a_matmul(ac):
+    """torch's micro-pipeline TP pass fuses an all-gather with the matmuls it feeds and a
+    reduce-scatter with the one matmul producing its input. Per block, the 2 backward
+    reduce-scatters of SP's gathered inputs' gradients sum several matmuls' (wq, wk, wv; w1,
+    w3) and stay exposed, as do the pairs around the embedding and the output projection and
+    the loss's all-reduces; the rest (the recomputed forward's too) hides behind the compute.
+    By hand, one rank of 4 with the whole model (pp 1: first and last stage)."""
+    flags = ["--config", "llama3_debug", "--model.flavor", "debugmodel_tiny", *TINY]
+    facts, _, _ = model_facts(parse_train_args(flags))
+    # An H100 computing at 0.1 TFLOP/s: this tiny model's compute outlasts its collectives.
+    hw = dataclasses.replace(HARDWARE["H100"], peak_bf16_tflops=0.1)
+    layout = _layout(tp=4, local_batch_size=8, microbatch_size=8, ac=ac)
+    work = Workload(global_batch_size=8, seq_len=64, async_tp=True)
+    fused = predict(facts, layout, work, hw)
+    sync = predict(facts, layout, dataclasses.replace(work, async_tp=False), hw)
+    residual = 8 * 64 * facts.dim * 2 * 3 / 4 / (hw.intra_node_gbps * 1e9 * hw.link_efficiency)
+    call = hw.collective_latency_us * 1e-6  # one microbatch
+    pair = 2 * residual + 2 * call  # an all-gather and a reduce-scatter (reduce_scatter_cost 1)
+    exposed = facts.n_layers * 2 * (residual + call) + 2 * pair + 4 * call
+    rerun = facts.n_layers if ac == "full" else 0
+    assert sync.times["tp"] == pytest.approx((4 * facts.n_layers + 2 * rerun + 2) * pair + 4 * call, rel=1e-9)
+    assert fused.loads["tp"] == pytest.approx(sync.times["tp"], rel=1e-9)
+    assert fused.times["compute"] > fused.loads["tp"] - exposed  # so the fused rest hides whole
+    assert fused.times["tp"] == pytest.approx(exposed, rel=1e-9)
+    # A device that cannot compute while it communicates hides nothing.
+    no_overlap = dataclasses.replace(hw, comm_overlap=0.0)
+    assert predict(facts, layout, work, no_overlap).times["tp"] == pytest.approx(sync.times["tp"], rel=1e-9)
+
+
 @pytest.mark.parametrize("recipe", ["llama3_debug", "qwen3_moe_debug", "deepseek_v3_debug"])
 def test_float8_tp_gathers_are_the_ones_the_engine_moves_in_float8(recipe):
     """The planner's count of float8 TP gathers per block equals what the engine's float8
@@ -946,6 +976,9 @@ def test_each_printed_command_trains_the_planned_layout_with_the_recipe_flags(ca
     # The recipe's options are checked against each layout as `titan train` checks them.
     (["--gpus", "8xH100", "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel"],
      "enable_async_tensor_parallel overlaps TP's collectives with the matmuls inside inductor's compiled graphs"),
+    (["--gpus", "8xH100", "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel",
+      "--compile.enable", "--parallelism.no_enable_sequence_parallel"],
+     "without sequence parallel TP all-reduces instead, which it cannot fuse"),
     (["--gpus", "8xH100", "--hardware.reduce_scatter_cost", "0"], "--hardware.reduce_scatter_cost 0.0 must be > 0"),
     (["--gpus", "8xH100", "--hardware.half_efficiency_tokens", "-1"], "--hardware.half_efficiency_tokens -1.0 must be >= 0"),
 ])

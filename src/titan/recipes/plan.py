@@ -273,7 +273,8 @@ def check_layout_options(config: TrainerConfig, dims) -> None:
     make before building anything (ValueError): whole-model compile or async TP where the
     layout cannot run them, float8's FSDP all-gather without FSDP."""
     check_quantize_layout(config.quantize, uses_fully_shard=dims.uses_fully_shard)
-    check_compile_options(config.compile, dims, async_tp=config.parallelism.enable_async_tensor_parallel)
+    check_compile_options(config.compile, dims, async_tp=config.parallelism.enable_async_tensor_parallel,
+                          sequence_parallel=config.parallelism.enable_sequence_parallel)
 
 
 def engine_refusal(layout: Layout, probe, seq_len: int, global_batch: int,

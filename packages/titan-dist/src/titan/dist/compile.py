@@ -28,17 +28,23 @@ def apply_compile(model: nn.Module, mesh, config) -> nn.Module:
     return model
 
 
-def check_compile_options(config, parallel_dims, *, async_tp: bool = False) -> None:
+def check_compile_options(config, parallel_dims, *, async_tp: bool = False, sequence_parallel: bool = True) -> None:
     """Refuse, before anything is built, what compile cannot do on this layout (ValueError
     naming the flags): whole-model compile where FSDP2's per-block hooks or pipeline stages
     would cut the model's graph apart; async TP (`async_tp`,
     `--parallelism.enable_async_tensor_parallel`) under TP without inductor compiling the
-    model, whose graphs are where it fuses TP's collectives with the matmuls (the flag would
-    change nothing)."""
+    model, whose graphs are where it fuses TP's collectives with the matmuls, or without
+    sequence parallel (`sequence_parallel`), whose all-gathers and reduce-scatters are the
+    only collectives it fuses (TP without SP all-reduces): either way the flag would change
+    nothing."""
     if async_tp and parallel_dims.tp_enabled and not (config.compiles_model and config.backend == "inductor"):
         raise ValueError("--parallelism.enable_async_tensor_parallel overlaps TP's collectives with the matmuls "
                          "inside inductor's compiled graphs; it needs --compile.enable (the model compiled, "
                          "--compile.backend inductor), or drop the flag")
+    if async_tp and parallel_dims.tp_enabled and not sequence_parallel:
+        raise ValueError("--parallelism.enable_async_tensor_parallel fuses sequence parallel's all-gathers and "
+                         "reduce-scatters with the matmuls; without sequence parallel TP all-reduces instead, which "
+                         "it cannot fuse: drop --parallelism.no_enable_sequence_parallel or the async flag")
     if not (config.compiles_model and config.granularity == "model"):
         return
     if parallel_dims.uses_fully_shard or parallel_dims.pp_enabled:

@@ -46,16 +46,18 @@ FSDP's gathers and reduce-scatter once per microbatch, the replicas' all-reduce 
     `reduce_scatter_cost` times an all-gather of the same bytes; TP/SP all-gathers and
     reduce-scatters of the residual stream (4 per block forward, 4 backward, 4 more in the
     recomputed forward under full AC, one pair more around the embedding and one around the
-    output projection; without loss parallel the logits gathered whole; not overlapped unless
-    async TP); CP all-gathers of K/V (again in the recomputed forward; not overlapped); EP
-    all-to-alls (dispatch + combine, forward + backward, not overlapped); HSDP's and DDP's
-    gradient all-reduce across replicas (overlapped with the backward like FSDP's
-    reduce-scatter, in the compute FSDP's traffic leaves; under PP after the last microbatch,
-    exposed); PP's bubble: each rank runs its forwards and
-    backwards in the order `torch.distributed.pipelining` builds for the schedule, each waiting
-    for the neighbouring stage's result, with every stage's cost from its blocks (the engine's
-    split of the layers over pp x v stages) and the output projection on the last (`pipeline_
-    idle_fraction`); with equal stages that is (pp - 1) / (v m) of the busy time. Unoverlapped collectives also pay
+    output projection; without loss parallel the logits gathered whole; not overlapped; under
+    async TP overlapped with the compute but for the 2 backward reduce-scatters per block no
+    single matmul produces and the collectives outside the blocks); CP all-gathers of K/V
+    (again in the recomputed forward; not overlapped); EP all-to-alls (dispatch + combine,
+    forward + backward, not overlapped); HSDP's and DDP's gradient all-reduce across replicas
+    (overlapped with the backward like FSDP's reduce-scatter, in the compute FSDP's traffic
+    leaves; under PP after the last microbatch, exposed); PP's bubble: each rank runs its
+    forwards and backwards in the order `torch.distributed.pipelining` builds for the
+    schedule, each waiting for the neighbouring stage's result, with every stage's cost from
+    its blocks (the engine's split of the layers over pp x v stages) and the output
+    projection on the last (`pipeline_idle_fraction`); with equal stages that is
+    (pp - 1) / (v m) of the busy time. Unoverlapped collectives also pay
     `collective_latency_us` per call. A group inside one node uses the intra-node link,
     otherwise the network; the mesh is laid out with tp innermost, then cp, dp_shard,
     dp_replicate, pp (`titan.dist.ParallelDims`).
@@ -613,9 +615,10 @@ class Workload:
     """Vocab-parallel loss under TP (`--parallelism.enable_loss_parallel`): each TP rank keeps
     its vocabulary shard of the logits instead of all of them."""
     async_tp: bool = False
-    """Async TP (`--parallelism.enable_async_tensor_parallel`): TP collectives overlap the
-    matmuls, so only what exceeds the compute is exposed; the block matmuls run on one TP
-    shard of the tokens at a time."""
+    """Async TP (`--parallelism.enable_async_tensor_parallel`): the blocks' TP collectives
+    that torch fuses with a matmul overlap the compute, so of them only what exceeds it is
+    exposed (the others: `_tp_seconds`); the block matmuls run on one TP shard of the tokens
+    at a time."""
     memory_headroom: float = 0.10
     """Fraction added on top of the estimate (allocator fragmentation, workspaces)."""
     loss_chunk_tokens: int = 0
@@ -879,7 +882,8 @@ def _exposed(comm: float, compute: float, hw: Hardware) -> float:
 
 
 def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, n_blocks: int, *,
-                first: bool, last: bool, tokens_rank: float, calls: float, rerun_blocks: int = 0) -> float:
+                first: bool, last: bool, tokens_rank: float, calls: float,
+                rerun_blocks: int = 0) -> tuple[float, float]:
     """TP + SP's collectives of a stage: the residual stream is all-gathered before and
     reduce-scattered after each block's attention and feed-forward (forward; the reverse in
     backward): 4 all-gather + reduce-scatter pairs per block, 6 in the `rerun_blocks` AC
@@ -890,10 +894,18 @@ def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware,
     the logits are all-gathered whole on every TP rank; with it, a few all-reduces of
     per-token statistics (max, sum of exponentials, the label's logit; forward and backward).
     Under float8 tensor parallel the blocks' gathers of float8 inputs and gradients move one
-    byte an element (`ModelFacts.float8_tp_input_gathers`, `float8_tp_grad_gathers`)."""
+    byte an element (`ModelFacts.float8_tp_input_gathers`, `float8_tp_grad_gathers`).
+
+    Returns (all of it, the part async TP cannot fuse with a matmul). torch's micro-pipeline
+    TP pass fuses an all-gather with the matmuls it feeds and a reduce-scatter with the one
+    matmul that produces its input. Each block's backward has 2 reduce-scatters without one:
+    the gradients of SP's two gathered inputs, each the sum of several matmuls' (wq, wk, wv;
+    w1, w3), so they stay exposed; so do the pairs around the embedding and the output
+    projection, outside the compiled blocks, and the loss's collectives."""
     residual = _ring(tokens_rank * facts.dim * work.compute_dtype_bytes, layout.tp) / _bandwidth(hw, layout.tp)
-    pairs = 4 * n_blocks + 2 * rerun_blocks + first + last
-    seconds = pairs * ((1 + hw.reduce_scatter_cost) * residual + 2 * calls)
+    pair = (1 + hw.reduce_scatter_cost) * residual + 2 * calls
+    seconds = (4 * n_blocks + 2 * rerun_blocks + first + last) * pair
+    unfused = 2 * n_blocks * (hw.reduce_scatter_cost * residual + calls) + (first + last) * pair
     if _float8_tp(layout, work):
         # float8 TP gathers the converted blocks' inputs (again in a rerun) and their row-
         # parallel gradients in float8: 1 byte an element; the reduce-scatters stay.
@@ -902,10 +914,16 @@ def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware,
         seconds -= float8_gathers * residual * (1 - 1 / work.compute_dtype_bytes)
     if last and not work.loss_parallel:
         logits = tokens_rank * facts.vocab * work.compute_dtype_bytes
-        seconds += _ring(logits, layout.tp) / _bandwidth(hw, layout.tp) + calls
-    elif last:
-        seconds += 4 * calls
-    return seconds
+        loss = _ring(logits, layout.tp) / _bandwidth(hw, layout.tp) + calls
+    else:
+        loss = 4 * calls if last else 0.0
+    return seconds + loss, unfused + loss
+
+
+def _async_tp(layout: Layout, work: Workload) -> bool:
+    """Whether async TP fuses this layout's TP collectives with its matmuls: it fuses SP's
+    all-gathers and reduce-scatters (without SP, TP all-reduces: nothing to fuse)."""
+    return work.async_tp and layout.tp > 1 and work.sequence_parallel
 
 
 def _float8_tp(layout: Layout, work: Workload) -> bool:
@@ -944,7 +962,7 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
         saved = _float8_saving(facts, hw, block_tokens, rate)
         compute += _float8_cast_seconds(facts, hw, block_tokens) - saved
         block_matmuls -= saved
-    if work.async_tp and layout.tp > 1:
+    if _async_tp(layout, work):
         # Async TP's fused all-gather + matmul and matmul + reduce-scatter multiply each shard
         # of the tokens as it arrives (or before it leaves): tp matmuls of 1/tp of the tokens,
         # each reading the whole weight, so at the weights' roofline of that many tokens.
@@ -989,11 +1007,11 @@ def _times(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, bloc
     calls = layout.microbatches * hw.collective_latency_us * 1e-6
     tp = 0.0
     if layout.tp > 1:
-        tp = _tp_seconds(facts, layout, work, hw, len(blocks), first=first, last=last,
-                         tokens_rank=tokens_rank, calls=calls, rerun_blocks=rerun_blocks)
+        tp, unfused = _tp_seconds(facts, layout, work, hw, len(blocks), first=first, last=last,
+                                  tokens_rank=tokens_rank, calls=calls, rerun_blocks=rerun_blocks)
         loads["tp"] = tp
-        if work.async_tp:
-            tp = _exposed(tp, compute, hw)
+        if _async_tp(layout, work):
+            tp = unfused + _exposed(tp - unfused, compute, hw)
     # CP: K and V gathered per block forward (again in the recomputed forward under full AC),
     # their gradients reduce-scattered backward.
     kv = tokens_rank * layout.cp * facts.dim * facts.kv_fraction * b / layout.tp
