@@ -157,3 +157,27 @@ def test_async_tp_without_sequence_parallel_is_refused(capsys):
                "--parallelism.no_enable_sequence_parallel"])
     assert rc == 2
     assert "drop --parallelism.no_enable_sequence_parallel or the async flag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_zero_bubble_schedules_with_a_compiled_model_are_refused(schedule, capsys):
+    """The zero-bubble schedules run each backward as an input-gradient and a weight-gradient
+    pass; a compiled block's backward computes both in one call (torch refuses these schedules
+    for `torch.compile`d stages; through the in-place `module.compile()` a real 2-rank step
+    failed on the compiled backward's donated buffers and the other rank waited out the
+    collective timeout). Refused before anything is built; compiling only the loss, or the
+    model under 1F1B, is fine."""
+    from titan.dist import CompileConfig, ParallelDims, ParallelismConfig, check_compile_options
+
+    from titan.recipes.cli import main
+
+    pp = ParallelDims.from_config(ParallelismConfig(pipeline_parallel_degree=2), world_size=2)
+    with pytest.raises(ValueError, match=f"{schedule} runs each backward as an input-gradient and a weight-gradient"):
+        check_compile_options(CompileConfig(enable=True), pp, pipeline_schedule=schedule)
+    check_compile_options(CompileConfig(enable=True, components=["loss"]), pp, pipeline_schedule=schedule)
+    check_compile_options(CompileConfig(enable=True), pp, pipeline_schedule="1F1B")
+    check_compile_options(CompileConfig(), pp, pipeline_schedule=schedule)
+    rc = main(["dry-run", "--world_size", "2", "--config", "llama3_debug", "--parallelism.pipeline_parallel_degree", "2",
+               "--parallelism.pipeline_parallel_schedule", schedule, "--compile.enable"])
+    assert rc == 2
+    assert "with --compile.enable pick 1F1B" in capsys.readouterr().err

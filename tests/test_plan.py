@@ -1488,6 +1488,24 @@ def test_pipeline_split_points_are_planned_as_the_engine_splits(capsys):
     assert "--parallelism.pipeline_parallel_split_points" in rows[0]["train_argv"]
 
 
+def test_a_compiled_plan_leaves_out_the_zero_bubble_schedules(capsys):
+    """`titan train` refuses the zero-bubble schedules for a compiled model (a compiled
+    block's backward cannot be split into its input and weight passes), so `titan plan
+    --compile.enable` never prints one; eager, they are ranked; compiling the loss alone
+    keeps them."""
+    def schedules(*flags: str) -> set[str]:
+        assert main(["plan", "--config", "llama3_debug", *TINY, "--gpus", "8xH100", "--json", "--top", "100000",
+                     *flags]) == 0
+        rows = json.loads(capsys.readouterr().out)["layouts"]
+        return {row["layout"]["schedule"] for row in rows if row["layout"]["pp"] > 1}
+
+    zero_bubble = {"InterleavedZeroBubble", "ZBVZeroBubble"}
+    assert zero_bubble <= schedules()
+    assert zero_bubble <= schedules("--compile.enable", "--compile.components", "loss")
+    compiled = schedules("--compile.enable")
+    assert compiled and not compiled & zero_bubble
+
+
 def test_async_tp_is_planned_for_the_tp_rows_and_left_out_of_the_others(capsys):
     """`--compile.enable --parallelism.enable_async_tensor_parallel`: TP is the planner's choice,
     so the flag is not refused on a recipe without TP (as `titan train` refuses it there); the

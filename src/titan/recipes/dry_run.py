@@ -183,7 +183,8 @@ def run_dry_run(config: TrainerConfig, world_size: int, print_fn=print) -> list[
     d = ParallelDims.from_config(config.parallelism, world_size)  # resolves dp_shard -1; raises early
     check_quantize_supported(config.quantize, None, uses_fully_shard=d.uses_fully_shard)
     check_compile_options(config.compile, d, async_tp=config.parallelism.enable_async_tensor_parallel,
-                          sequence_parallel=config.parallelism.enable_sequence_parallel)
+                          sequence_parallel=config.parallelism.enable_sequence_parallel,
+                          pipeline_schedule=config.parallelism.pipeline_parallel_schedule)
     with torch.device("meta"):
         params = model_fn().num_params()  # the count `titan train` logs for the same flags
     if conversions[0] is not None:

@@ -274,7 +274,8 @@ def check_layout_options(config: TrainerConfig, dims) -> None:
     layout cannot run them, float8's FSDP all-gather without FSDP."""
     check_quantize_layout(config.quantize, uses_fully_shard=dims.uses_fully_shard)
     check_compile_options(config.compile, dims, async_tp=config.parallelism.enable_async_tensor_parallel,
-                          sequence_parallel=config.parallelism.enable_sequence_parallel)
+                          sequence_parallel=config.parallelism.enable_sequence_parallel,
+                          pipeline_schedule=config.parallelism.pipeline_parallel_schedule)
 
 
 def engine_refusal(layout: Layout, probe, seq_len: int, global_batch: int,
@@ -386,7 +387,7 @@ def format_table(preds: list[Prediction], hw: Hardware, top: int, recipe_argv: S
                 for p in preds)
     if close > 1:
         lines.append(f"\n{close} layouts predict within {100 * NEAR_TIE:.0f}% of the first: closer than the model's "
-                     "error against published runs (within 20% on 16 of 19), so their order is not a finding; "
+                     "error against published runs (within 20% on 18 of 19), so their order is not a finding; "
                      "--verify dry-runs the first ones, a short run on the cluster decides")
     lines.append("")
     for i, p in enumerate(preds[:top], 1):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from titan.dist.config import ZERO_BUBBLE_SCHEDULES
 from titan.dist.plan import blocks_of
 
 
@@ -28,10 +29,15 @@ def apply_compile(model: nn.Module, mesh, config) -> nn.Module:
     return model
 
 
-def check_compile_options(config, parallel_dims, *, async_tp: bool = False, sequence_parallel: bool = True) -> None:
+def check_compile_options(config, parallel_dims, *, async_tp: bool = False, sequence_parallel: bool = True,
+                          pipeline_schedule: str | None = None) -> None:
     """Refuse, before anything is built, what compile cannot do on this layout (ValueError
     naming the flags): whole-model compile where FSDP2's per-block hooks or pipeline stages
-    would cut the model's graph apart; async TP (`async_tp`,
+    would cut the model's graph apart; a compiled model under a zero-bubble
+    `pipeline_schedule` (a compiled block's backward computes the input and the weight
+    gradients in one call, which those schedules run apart: torch refuses them for stages
+    compiled with `torch.compile(module)`, and through titan's in-place `module.compile()`
+    the step fails on the compiled backward's donated buffers); async TP (`async_tp`,
     `--parallelism.enable_async_tensor_parallel`) under TP without inductor compiling the
     model, whose graphs are where it fuses TP's collectives with the matmuls, or without
     sequence parallel (`sequence_parallel`), whose all-gathers and reduce-scatters are the
@@ -41,6 +47,11 @@ def check_compile_options(config, parallel_dims, *, async_tp: bool = False, sequ
         raise ValueError("--parallelism.enable_async_tensor_parallel overlaps TP's collectives with the matmuls "
                          "inside inductor's compiled graphs; it needs --compile.enable (the model compiled, "
                          "--compile.backend inductor), or drop the flag")
+    if parallel_dims.pp_enabled and config.compiles_model and pipeline_schedule in ZERO_BUBBLE_SCHEDULES:
+        raise ValueError(f"--parallelism.pipeline_parallel_schedule {pipeline_schedule} runs each backward as an "
+                         "input-gradient and a weight-gradient pass, which a compiled block cannot split (its "
+                         "backward computes both at once); with --compile.enable pick 1F1B, Interleaved1F1B, GPipe "
+                         "or LoopedBFS, or compile the loss only (--compile.components loss)")
     if async_tp and parallel_dims.tp_enabled and not sequence_parallel:
         raise ValueError("--parallelism.enable_async_tensor_parallel fuses sequence parallel's all-gathers and "
                          "reduce-scatters with the matmuls; without sequence parallel TP all-reduces instead, which "

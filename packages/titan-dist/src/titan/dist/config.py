@@ -18,6 +18,9 @@ PIPELINE_SCHEDULES = (
     "ZBVZeroBubble",
     "DualPipeV",
 )
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""Schedules that split a backward into its input-gradient (I) and weight-gradient (W) parts
+to fill the pipeline's bubbles (the last two placing rank r's stages at r and 2 pp - 1 - r)."""
 RESHARD_POLICIES = ("default", "always", "never")
 DTYPES = ("float32", "bfloat16", "float16")
 AC_MODES = ("none", "full", "selective")

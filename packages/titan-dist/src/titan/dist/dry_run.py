@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from titan.dist.config import ZERO_BUBBLE_SCHEDULES  # their order comes from torch's builder (`pipeline_actions`)
 from titan.dist.dims import EXPERT_VIEWS, FLATTENED, ParallelDims
 from titan.dist.fsdp import DTYPES, check_cpu_offload_has_fsdp, reshard_after_forward
 from titan.dist.pipeline import stage_ids_of_rank
@@ -394,11 +395,6 @@ def forwards_in_flight(schedule: str, pp: int, microbatches: int, stages_per_ran
 
 ORDERED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 """Schedules whose action order the planner builds itself (`schedule_order`)."""
-
-ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""Schedules that split a backward into its input-gradient (I) and weight-gradient (W) parts
-to fill the pipeline's bubbles (the last two placing rank r's stages at r and 2 pp - 1 - r):
-their order comes from torch's own schedule builder (`pipeline_actions`)."""
 
 TIMED_SCHEDULES = ORDERED_SCHEDULES + ZERO_BUBBLE_SCHEDULES
 """Every schedule `titan plan` times and the dry run sizes by its order."""

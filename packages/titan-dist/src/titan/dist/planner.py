@@ -1215,7 +1215,10 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
     pipelines those stages, len(stage_sizes) / pp per rank, as the schedules allow. The
     bounds are pruning for speed: a flag the user pins widens them. The model's own
     constraints (heads, hidden sizes, ties) are checked by `ParallelDims.validate_model`
-    through `valid`."""
+    through `valid`. A compiled model leaves out the zero-bubble schedules, which the engine
+    refuses for it (`check_compile_options`)."""
+    if work.compile:
+        schedules = [s for s in schedules if s not in ZERO_BUBBLE_SCHEDULES]
     for pp in divisors(world_size):
         if pp > facts.n_layers or (stage_sizes and pp == 1):
             continue

@@ -204,7 +204,8 @@ class TrainingEngine:
         check_quantize_supported(self.quantize, self.device, uses_fully_shard=self.parallel_dims.uses_fully_shard)
         warn_if_float8_uncompiled(self.quantize, self.device, compiled=compile.compiles_model)
         check_compile_options(compile, self.parallel_dims, async_tp=parallelism.enable_async_tensor_parallel,
-                              sequence_parallel=parallelism.enable_sequence_parallel)
+                              sequence_parallel=parallelism.enable_sequence_parallel,
+                              pipeline_schedule=parallelism.pipeline_parallel_schedule)
         meta_model = self._build_meta_model(
             vocab_size, seq_len, dict(model_overrides or {}), global_batch_size, local_batch_size
         )
