@@ -1506,6 +1506,17 @@ def test_a_compiled_plan_leaves_out_the_zero_bubble_schedules(capsys):
     assert compiled and not compiled & zero_bubble
 
 
+def test_resharding_every_forward_is_not_planned_under_a_zero_bubble_schedule():
+    """`titan train` refuses FSDP's reshard policy `always` under the zero-bubble schedules
+    (the split backward's weight gradients would be lost), so `titan plan` ranks `always`
+    with the other schedules only."""
+    facts, _, _ = model_facts(parse_train_args(["--config", "llama3_debug", *TINY]))
+    layouts = [lay for lay in enumerate_layouts(facts, 8, Workload(global_batch_size=16, seq_len=32)) if lay.pp > 1]
+    always = {lay.schedule for lay in layouts if lay.reshard_after_forward == "always"}
+    assert "Interleaved1F1B" in always and not always & {"InterleavedZeroBubble", "ZBVZeroBubble"}
+    assert any(lay.schedule == "ZBVZeroBubble" and lay.dp_shard > 1 for lay in layouts)
+
+
 def test_async_tp_is_planned_for_the_tp_rows_and_left_out_of_the_others(capsys):
     """`--compile.enable --parallelism.enable_async_tensor_parallel`: TP is the planner's choice,
     so the flag is not refused on a recipe without TP (as `titan train` refuses it there); the

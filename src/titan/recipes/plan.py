@@ -29,7 +29,7 @@ from titan.dist.dry_run import (
     validate_against_model,
     zero_bubble_timeable,
 )
-from titan.dist.fsdp import DTYPES
+from titan.dist.fsdp import DTYPES, check_reshard_under_zero_bubble
 from titan.dist.pipeline import configured_stage_sizes
 from titan.dist.planner import (
     HARDWARE,
@@ -273,6 +273,7 @@ def check_layout_options(config: TrainerConfig, dims) -> None:
     make before building anything (ValueError): whole-model compile or async TP where the
     layout cannot run them, float8's FSDP all-gather without FSDP."""
     check_quantize_layout(config.quantize, uses_fully_shard=dims.uses_fully_shard)
+    check_reshard_under_zero_bubble(config.parallelism, dims)
     check_compile_options(config.compile, dims, async_tp=config.parallelism.enable_async_tensor_parallel,
                           sequence_parallel=config.parallelism.enable_sequence_parallel,
                           pipeline_schedule=config.parallelism.pipeline_parallel_schedule)

@@ -29,7 +29,13 @@ from titan.dist.context_parallel import (
 )
 from titan.dist.dry_run import RankEstimate, dry_run, validate_against_model
 from titan.dist.expert_parallel import apply_expert_parallel
-from titan.dist.fsdp import apply_ddp, apply_fsdp, mixed_precision_policy, replicas_sync_later
+from titan.dist.fsdp import (
+    apply_ddp,
+    apply_fsdp,
+    check_reshard_under_zero_bubble,
+    mixed_precision_policy,
+    replicas_sync_later,
+)
 from titan.dist.parallelize import parallelize
 from titan.dist.pipeline import build_pipeline
 from titan.dist.tensor_parallel import TensorParallelOverrides, apply_tensor_parallel, loss_parallel_context
@@ -64,6 +70,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_compile",
     "check_compile_options",
+    "check_reshard_under_zero_bubble",
     "clip_grad_norm_",
     "destroy_distributed",
     "Bridge",

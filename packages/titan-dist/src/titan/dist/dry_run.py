@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from titan.dist.config import ZERO_BUBBLE_SCHEDULES  # their order comes from torch's builder (`pipeline_actions`)
 from titan.dist.dims import EXPERT_VIEWS, FLATTENED, ParallelDims
-from titan.dist.fsdp import DTYPES, check_cpu_offload_has_fsdp, reshard_after_forward
+from titan.dist.fsdp import DTYPES, check_cpu_offload_has_fsdp, check_reshard_under_zero_bubble, reshard_after_forward
 from titan.dist.pipeline import stage_ids_of_rank
 from titan.dist.plan import blocks_of, match_modules, sharding_plan
 
@@ -862,6 +862,7 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
         raise RuntimeError("dry_run needs a process without a process group")
     offloaded = bool(getattr(parallelism, "fsdp_cpu_offload", False))
     dims = ParallelDims.from_config(parallelism, world_size)
+    check_reshard_under_zero_bubble(parallelism, dims)
     if offloaded:
         check_cpu_offload_has_fsdp(parallelism, dims)
         # The estimate stands for an accelerator's run: parallelized here on the CPU without the

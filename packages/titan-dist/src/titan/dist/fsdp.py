@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from titan.dist.config import ZERO_BUBBLE_SCHEDULES
 from titan.dist.plan import match_modules, sharding_plan, tied_parameter_groups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -121,6 +122,23 @@ def check_cpu_offload_has_fsdp(parallelism, dims) -> None:
             f"and this layout has no FSDP (data_parallel_shard_degree={dims.dp_shard}, "
             f"data_parallel_replicate_degree={dims.dp_replicate}, tensor_parallel_degree={dims.tp}): shard the parameters "
             "(--parallelism.data_parallel_shard_degree > 1) or drop the flag")
+
+
+def check_reshard_under_zero_bubble(parallelism, dims) -> None:
+    """Refuse FSDP's `--parallelism.fsdp_reshard_after_forward always` under a zero-bubble
+    pipeline schedule, before anything is built (ValueError naming the flags). Those
+    schedules compute a microbatch's weight gradients in a pass after its input gradients,
+    when FSDP2's backward hooks have already run for it, and resharding after each forward
+    drops them: a 4-rank FSDP 2 x PP 2 run measured a gradient norm of 0.20 where 1.29 is
+    right (InterleavedZeroBubble, ZBVZeroBubble and DualPipeV alike). The default policy
+    keeps a stage's parameters gathered for the whole step, and its gradients are right."""
+    if (dims.pp_enabled and dims.uses_fully_shard and parallelism.fsdp_reshard_after_forward == "always"
+            and parallelism.pipeline_parallel_schedule in ZERO_BUBBLE_SCHEDULES):
+        raise ValueError(
+            f"--parallelism.fsdp_reshard_after_forward always frees each stage's gathered parameters after every "
+            f"forward, and {parallelism.pipeline_parallel_schedule} computes the weight gradients in a later pass, "
+            "after FSDP's backward hooks: they would be lost. Use the default policy (a stage's parameters kept "
+            "gathered for the step) or a schedule without a split backward (1F1B, Interleaved1F1B, GPipe, LoopedBFS)")
 
 
 def _check_cpu_offload(config, mesh: DeviceMesh) -> None:

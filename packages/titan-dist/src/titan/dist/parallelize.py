@@ -24,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from titan.dist.activation_checkpoint import apply_activation_checkpointing
 from titan.dist.compile import apply_compile
 from titan.dist.dims import ParallelDims
-from titan.dist.fsdp import check_cpu_offload_has_fsdp
+from titan.dist.fsdp import check_cpu_offload_has_fsdp, check_reshard_under_zero_bubble
 
 
 def parallelize(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh | None, *,
@@ -42,6 +42,7 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh 
     """
     dims = parallel_dims
     check_cpu_offload_has_fsdp(parallelism, dims)
+    check_reshard_under_zero_bubble(parallelism, dims)
     if dims.cp_enabled:
         from titan.dist.context_parallel import apply_context_parallel
         apply_context_parallel(model, dims.mesh("cp"), parallelism)

@@ -1272,6 +1272,8 @@ def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_laye
         for schedule in schedules:
             if schedule in ZERO_BUBBLE_SCHEDULES and not zero_bubble_timeable():
                 continue  # this torch cannot list their order
+            if schedule in ZERO_BUBBLE_SCHEDULES and reshard == "always":
+                continue  # refused by the engine: the split backward's weight gradients would be lost
             stages = 1 if schedule in SINGLE_STAGE else 2  # the engine's default stages per rank
             if stage_sizes:  # the run's own split: the stages per rank follow
                 if stage_count_problem(len(stage_sizes), pp, schedule):

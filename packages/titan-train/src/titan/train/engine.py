@@ -46,6 +46,7 @@ from titan.dist import (
     ParallelismConfig,
     build_pipeline,
     check_compile_options,
+    check_reshard_under_zero_bubble,
     clip_grad_norm_,
     destroy_distributed,
     enable_flight_recorder,
@@ -203,6 +204,7 @@ class TrainingEngine:
         self.quantize = quantize or QuantizeConfig()
         check_quantize_supported(self.quantize, self.device, uses_fully_shard=self.parallel_dims.uses_fully_shard)
         warn_if_float8_uncompiled(self.quantize, self.device, compiled=compile.compiles_model)
+        check_reshard_under_zero_bubble(parallelism, self.parallel_dims)
         check_compile_options(compile, self.parallel_dims, async_tp=parallelism.enable_async_tensor_parallel,
                               sequence_parallel=parallelism.enable_sequence_parallel,
                               pipeline_schedule=parallelism.pipeline_parallel_schedule)
