@@ -1140,14 +1140,15 @@ def test_interleaved_activations_in_flight_count_each_stage_blocks():
 @pytest.mark.parametrize("schedule", ["Interleaved1F1B", "InterleavedZeroBubble", "1F1B", "GPipe"])
 def test_microbatch_counts_torch_refuses_are_named_before_it_runs(schedule):
     """`microbatch_count_problem` refuses exactly the counts torch's schedule refuses (the
-    interleaved ones split the microbatches into m // pp equal rounds: 7 over pp 2 cannot)."""
+    interleaved ones split the microbatches into m // pp equal rounds: 7 over pp 2 cannot;
+    1F1B needs one per rank)."""
     from titan.dist.pipeline import microbatch_count_problem
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     stages = 2 if schedule.startswith("Interleaved") else 1
     refused = []
     for pp in (2, 3, 4):
-        for microbatches in range(pp, 4 * pp + 2):
+        for microbatches in range(1, 4 * pp + 2):
             try:
                 get_schedule_ops(schedule, pp, microbatches, num_stages_per_rank=stages)
                 torch_refuses = False
@@ -1157,9 +1158,11 @@ def test_microbatch_counts_torch_refuses_are_named_before_it_runs(schedule):
             assert (problem is not None) == torch_refuses, (pp, microbatches, problem)
             if problem:
                 refused.append((pp, microbatches))
-    assert bool(refused) == schedule.startswith("Interleaved")  # the check has cases to catch
-    if refused:
+    assert bool(refused) == (schedule != "GPipe")  # the check has cases to catch
+    if schedule.startswith("Interleaved"):
         assert (2, 7) in refused
+    if schedule == "1F1B":
+        assert refused == [(pp, m) for pp in (2, 3, 4) for m in range(1, pp)]
 
 
 def test_the_planner_never_enumerates_a_microbatch_count_torch_refuses():

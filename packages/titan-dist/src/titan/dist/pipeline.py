@@ -42,7 +42,11 @@ def _splits_into_rounds(microbatches: int, pp: int) -> bool:
 def microbatch_count_problem(schedule: str, pp: int, microbatches: int) -> str | None:
     """Why torch's `schedule` cannot run `microbatches` over `pp` ranks, or None: the
     interleaved schedules split the microbatches into max(1, m // pp) equal rounds; DualPipeV
-    needs a microbatch per stage (its 2 x pp stages)."""
+    needs a microbatch per stage (its 2 x pp stages), 1F1B one per rank."""
+    if schedule == "1F1B" and microbatches < pp:
+        return (f"1F1B needs at least one microbatch per pipeline rank (pipeline_parallel_degree = {pp}), got "
+                f"{microbatches}; raise --training.local_batch_size or lower "
+                "--parallelism.pipeline_parallel_microbatch_size")
     if schedule == "DualPipeV" and microbatches < 2 * pp:
         return (f"DualPipeV needs at least as many microbatches as stages (2 x pipeline_parallel_degree = {2 * pp}), "
                 f"got {microbatches}; raise --training.local_batch_size or lower "
