@@ -901,7 +901,8 @@ def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware,
     matmul that produces its input. Each block's backward has 2 reduce-scatters without one:
     the gradients of SP's two gathered inputs, each the sum of several matmuls' (wq, wk, wv;
     w1, w3), so they stay exposed; so do the pairs around the embedding and the output
-    projection, outside the compiled blocks, and the loss's collectives."""
+    projection, outside the compiled blocks (whole-model compile could fuse the output
+    projection's gather: not counted), and the loss's collectives."""
     residual = _ring(tokens_rank * facts.dim * work.compute_dtype_bytes, layout.tp) / _bandwidth(hw, layout.tp)
     pair = (1 + hw.reduce_scatter_cost) * residual + 2 * calls
     seconds = (4 * n_blocks + 2 * rerun_blocks + first + last) * pair
