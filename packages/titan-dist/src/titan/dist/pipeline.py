@@ -249,14 +249,49 @@ def build_pipeline(model: nn.Module, parallel_dims: ParallelDims, *, parallelism
                     activation_checkpoint=activation_checkpoint, compile=compile,
                     mp_policy=mp_policy, tensor_parallel_overrides=tensor_parallel_overrides)
         parts.append(part)
-        stages.append(pipelining.PipelineStage(part, sid, total, device, group=pp_mesh.get_group(),
-                                    get_mesh=_mesh_lookup(dims)))
+        stage = pipelining.PipelineStage(part, sid, total, device, group=pp_mesh.get_group(),
+                                         get_mesh=_mesh_lookup(dims))
+        _keep_buffers_through_metadata_inference(stage)
+        stages.append(stage)
     schedule_cls = getattr(pipelining, SCHEDULES[name])
     target = stages[0] if name in SINGLE_STAGE else stages
     schedule = schedule_cls(target, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=scale_grads)
     _run_steps_under_loss_parallel(schedule, dims, cfg)
     ids = [s.stage_index for s in stages]
     return schedule, parts, 0 in ids, total - 1 in ids
+
+
+_METADATA_INFERENCE = ("_forward_metadata_inference", "_shape_inference")
+"""The private `PipelineStage` methods (newer torch, older torch) that run the stage's forward
+once, on the first step, to learn its output shapes."""
+
+
+def _keep_buffers_through_metadata_inference(stage) -> None:
+    """Restore the stage module's buffers after torch's metadata-inference forward. On the
+    first step torch runs the stage once more than the schedule's microbatches to learn its
+    output shapes; state the forward accumulates in buffers (an MoE router's per-expert
+    token counts, which move the load-balancing bias after the step) must not count it:
+    it did, and a DeepSeek-V3 debug run under PP 2 moved its expert bias from 5 microbatches'
+    counts instead of 4 and drifted from one process from step 3 on."""
+    for name in _METADATA_INFERENCE:
+        infer = getattr(stage, name, None)
+        if infer is None:
+            continue
+
+        def infer_keeping_buffers(*args, _infer=infer, **kwargs):
+            saved = [(buf, buf.detach().clone()) for buf in stage.submod.buffers()]
+            try:
+                return _infer(*args, **kwargs)
+            finally:
+                with torch.no_grad():
+                    for buf, value in saved:
+                        # Only what the forward changed: a copy into a buffer autograd saved
+                        # (a RoPE table) would invalidate the backward torch infers next.
+                        if not torch.equal(buf, value):
+                            buf.copy_(value)
+
+        setattr(stage, name, infer_keeping_buffers)
+        return
 
 
 def _run_steps_under_loss_parallel(schedule, dims: ParallelDims, config) -> None:
