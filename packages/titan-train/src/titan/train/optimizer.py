@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 Implementation = Literal["auto", "foreach", "fused", "for-loop"]
 
@@ -77,6 +78,16 @@ def _kernel_flags(cfg: OptimizerConfig, device_type: str) -> dict[str, bool]:
     return {"fused": choice == "fused", "foreach": choice == "foreach"}
 
 
+def _by_tensor_kind(group: dict) -> list[dict]:
+    """`group` split into its DTensor and plain-tensor parameters where it holds both (empty
+    when it holds none): the fused and foreach AdamW kernels refuse a mix, which tensor
+    parallel alone leaves on MoE models (the routed experts stay plain tensors). Groups of one
+    kind stay whole, so layouts without the mix keep their optimizer state layout."""
+    dtensors = [p for p in group["params"] if isinstance(p, DTensor)]
+    plain = [p for p in group["params"] if not isinstance(p, DTensor)]
+    return [{**group, "params": params} for params in (dtensors, plain) if params]
+
+
 def build_optimizer(cfg: OptimizerConfig, model_parts: list[nn.Module], device_type: str) -> torch.optim.Optimizer:
     """Build AdamW over every model part with decay/no-decay groups."""
     decay, exempt = split_decay_groups(model_parts)
@@ -84,7 +95,7 @@ def build_optimizer(cfg: OptimizerConfig, model_parts: list[nn.Module], device_t
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": exempt, "weight_decay": 0.0},
     ]
-    groups = [g for g in groups if g["params"]]
+    groups = [part for g in groups for part in _by_tensor_kind(g)]
     return torch.optim.AdamW(
         groups,
         lr=cfg.lr,
