@@ -194,3 +194,14 @@ def test_expert_load_after_a_step_and_bias_checkpointed():
     assert 1.0 <= load["moe/layers.1/imbalance"] <= 8.0
     assert model.layers["1"].feed_forward.expert_bias.abs().sum() > 0
     assert "layers.1.feed_forward.expert_bias" in model.state_dict()
+
+
+def test_expert_load_of_pipeline_stages_merges_into_the_whole_models():
+    """Each pipeline stage reports its own layers; the merged record has all of them and the
+    maximum imbalance over all of them, not the last stage's."""
+    first = {"moe/layers.1/imbalance": 2.5, "moe/layers.1/max_load": 0.6, "moe/imbalance_max": 2.5}
+    second = {"moe/layers.2/imbalance": 1.5, "moe/layers.2/max_load": 0.3, "moe/imbalance_max": 1.5}
+    model = build_qwen3_moe("debugmodel_tiny", vocab_size=VOCAB)
+    merged = model.merge_expert_load([first, second, {}])
+    assert merged == {**first, **second, "moe/imbalance_max": 2.5}
+    assert model.merge_expert_load([{}, {}]) == {}

@@ -390,6 +390,16 @@ class TrainingEngine:
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group())
         return value
 
+    def gather_over(self, value: Any, axis: str) -> list[Any]:
+        """Every rank's picklable ``value`` on mesh ``axis``, in rank order (``[value]`` when
+        the axis is trivial). Collective on that axis, and a host sync: logging steps only."""
+        mesh = self.parallel_dims.mesh(axis)
+        if mesh is None or mesh.size() == 1:
+            return [value]
+        out: list[Any] = [None] * mesh.size()
+        dist.all_gather_object(out, value, group=mesh.get_group())
+        return out
+
     @property
     def data_parallel_grad_scale(self) -> float:
         """FSDP/HSDP/DDP average gradients over the data-parallel and context-parallel ranks;

@@ -29,9 +29,13 @@ class HasAuxLoss(Protocol):
 
 @runtime_checkable
 class ReportsExpertLoad(Protocol):
-    """A model (part) with figures for every logged record, e.g. MoE per-layer load."""
+    """A model (part) with figures for every logged record, e.g. MoE per-layer load.
+    ``merge_expert_load`` combines the reports of several parts of one model (the pipeline
+    stages of this rank and of the other pipeline ranks) into the whole model's record."""
 
     def expert_load(self) -> dict[str, float]: ...
+
+    def merge_expert_load(self, reports: list[dict[str, float]]) -> dict[str, float]: ...
 
 
 @runtime_checkable

@@ -159,8 +159,10 @@ class Trainer(TrainingLoop):
     def log_extras(self) -> dict[str, Any]:
         """Loop-specific fields of each logged record: the model's own figures when it reports
         any (an ``expert_load()`` method, e.g. MoE per-layer load and imbalance)."""
-        extras: dict[str, Any] = {}
-        for part in self.model_parts:
-            if isinstance(part, ReportsExpertLoad):
-                extras.update(part.expert_load())
-        return extras
+        reporters = [part for part in self.model_parts if isinstance(part, ReportsExpertLoad)]
+        if not reporters:
+            return {}
+        reports = [part.expert_load() for part in reporters]
+        if self.parallel_dims.pp_enabled:  # each pipeline rank holds only its stages' layers
+            reports = [report for rank_reports in self.engine.gather_over(reports, "pp") for report in rank_reports]
+        return reporters[0].merge_expert_load(reports)

@@ -357,9 +357,23 @@ def expert_load_metrics(model: nn.Module) -> dict[str, float]:
         layer = name.removesuffix(".moe").removesuffix(".mlp").removesuffix(".feed_forward")
         out[f"moe/{layer}/imbalance"] = float(counts.max()) / (total / counts.numel())
         out[f"moe/{layer}/max_load"] = float(counts.max()) / total
-    if out:
-        out["moe/imbalance_max"] = max(v for k, v in out.items() if k.endswith("/imbalance"))
-    return out
+    return _with_imbalance_max(out)
+
+
+def merge_expert_load_metrics(reports: Iterable[dict[str, float]]) -> dict[str, float]:
+    """One record from the `expert_load_metrics` of several parts of a model (the pipeline
+    stages on this rank and on the other pipeline ranks): their per-layer figures, and
+    `moe/imbalance_max` over all of their layers."""
+    out: dict[str, float] = {}
+    for report in reports:
+        out.update((k, v) for k, v in report.items() if k != "moe/imbalance_max")
+    return _with_imbalance_max(out)
+
+
+def _with_imbalance_max(per_layer: dict[str, float]) -> dict[str, float]:
+    if per_layer:
+        per_layer["moe/imbalance_max"] = max(v for k, v in per_layer.items() if k.endswith("/imbalance"))
+    return per_layer
 
 
 def inactive_expert_params(model: nn.Module) -> int:

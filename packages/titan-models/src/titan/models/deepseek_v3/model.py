@@ -11,7 +11,12 @@ from titan.models.common.decoder import Decoder, TransformerBlock
 from titan.models.common.feed_forward import FeedForward
 from titan.models.common.flavors import build_flavor
 from titan.models.common.mla import MultiHeadLatentAttention
-from titan.models.common.moe import MoE, expert_load_metrics, moe_aux_loss
+from titan.models.common.moe import (
+    MoE,
+    expert_load_metrics,
+    merge_expert_load_metrics,
+    moe_aux_loss,
+)
 from titan.models.common.plan import ShardingPlan
 from titan.models.common.rope import YarnScaling, rope_cache
 from titan.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepseekV3Args
@@ -74,6 +79,11 @@ class DeepseekV3Model(Decoder):
         """Per-layer expert load of the last optimizer step (summed over data-parallel ranks);
         see `titan.models.common.moe.expert_load_metrics`."""
         return expert_load_metrics(self)
+
+    def merge_expert_load(self, reports: list[dict[str, float]]) -> dict[str, float]:
+        """One record from the `expert_load()` of several parts of this model (pipeline
+        stages); see `titan.models.common.moe.merge_expert_load_metrics`."""
+        return merge_expert_load_metrics(reports)
 
     def aux_loss(self) -> torch.Tensor | None:
         """Always None: DeepSeek-V3 balances with the selection bias, not an auxiliary loss."""

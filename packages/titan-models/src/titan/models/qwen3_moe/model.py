@@ -7,7 +7,12 @@ import dataclasses
 
 import torch
 from titan.models.common.flavors import build_flavor
-from titan.models.common.moe import MoE, expert_load_metrics, moe_aux_loss
+from titan.models.common.moe import (
+    MoE,
+    expert_load_metrics,
+    merge_expert_load_metrics,
+    moe_aux_loss,
+)
 from titan.models.common.plan import ShardingPlan
 from titan.models.qwen3.model import Qwen3Model
 from titan.models.qwen3_moe.args import QWEN3_MOE_FLAVORS, Qwen3MoeArgs
@@ -43,6 +48,11 @@ class Qwen3MoeModel(Qwen3Model):
         `moe/layers.<i>/imbalance` (max / mean tokens per expert), `.../max_load` and
         `moe/imbalance_max`; see `titan.models.common.moe.expert_load_metrics`."""
         return expert_load_metrics(self)
+
+    def merge_expert_load(self, reports: list[dict[str, float]]) -> dict[str, float]:
+        """One record from the `expert_load()` of several parts of this model (pipeline
+        stages); see `titan.models.common.moe.merge_expert_load_metrics`."""
+        return merge_expert_load_metrics(reports)
 
     def aux_loss(self) -> torch.Tensor | None:
         """The router aux loss of the last training forward (coefficient applied), or None."""
