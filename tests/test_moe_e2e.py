@@ -72,18 +72,25 @@ EP2_FSDP2 = ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.exp
              "--training.local_batch_size", "1"]
 
 
+# The last step's weights: float32 DCP (the one-process reference), or a Hugging Face folder
+# (the sharded runs' export, gathered from their stages and expert shards).
+SAVE_LAST_DCP = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.export_dtype", "float32"]
+SAVE_LAST_HF = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.last_save_in_hf"]
+
+
 def moe_runs(dsv3_seed: Path) -> dict[int, tuple[str, dict[str, list[str]]]]:
     """One launch per world size, shared by every test below (the same dicts for every
     caller): Qwen3-MoE from seeded init, DeepSeek-V3 from one seed checkpoint."""
     seed = ["--checkpoint.initial_load_path", str(dsv3_seed)]
     return {
         1: ("moe_one_process", {"qwen3_moe": [*TINY_MOE, "--training.local_batch_size", "4"],
-                                "deepseek_v3": [*TINY_DSV3, *seed, "--training.local_batch_size", "4"]}),
+                                "deepseek_v3": [*TINY_DSV3, *seed, "--training.local_batch_size", "4",
+                                                *SAVE_LAST_DCP]}),
         2: ("moe_two_ranks", {"qwen3_moe_ep2": [*TINY_MOE, *EP2], "qwen3_moe_tp2": [*TINY_MOE, *TP2],
                               "deepseek_v3_ep2": [*TINY_DSV3, *seed, *EP2],
-                              "deepseek_v3_pp2": [*TINY_DSV3, *seed, *PP2]}),
+                              "deepseek_v3_pp2": [*TINY_DSV3, *seed, *PP2, *SAVE_LAST_HF]}),
         4: ("moe_four_ranks", {"qwen3_moe_ep2_tp2_sp": [*TINY_MOE, *EP2_TP2_SP],
-                               "deepseek_v3_ep2_fsdp2": [*TINY_DSV3, *seed, *EP2_FSDP2],
+                               "deepseek_v3_ep2_fsdp2": [*TINY_DSV3, *seed, *EP2_FSDP2, *SAVE_LAST_HF],
                                "deepseek_v3_ep2_tp2_sp": [*TINY_DSV3, *seed, *EP2_TP2_SP]}),
     }
 
@@ -139,6 +146,36 @@ def test_expert_parallel_equals_one_process(family, ranks, run, train_group, dsv
     for key in ("loss", "grad_norm", *loads):
         got, want = [r[key] for r in many], [r[key] for r in one]
         assert all(abs(g - w) <= 1e-5 * abs(w) for g, w in zip(got, want, strict=True)), (key, got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("moe_one_process")
+@pytest.mark.parametrize("ranks, run", [(2, "deepseek_v3_pp2"), (4, "deepseek_v3_ep2_fsdp2")],
+                         ids=["pp2", "ep2_fsdp2"])
+def test_hf_export_of_a_sharded_moe_run_loads_in_transformers(train_group, dsv3_seed, ranks, run):
+    """`--checkpoint.last_save_in_hf` from a pipeline-parallel run (each rank holds its stages'
+    layers) and from an expert-parallel one (each rank 2 of the 4 experts, FSDP-sharded):
+    the folder loads in `DeepseekV3ForCausalLM` whole, and its logits equal titan's model
+    holding the one-process run's final weights (the layouts train alike: the test above)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from titan.models.deepseek_v3 import build_deepseek_v3
+
+    group, runs = moe_runs(dsv3_seed)[1]
+    weights = load_dcp_model(str(train_group(group, 1, runs) / "deepseek_v3" / "checkpoint"))
+    group, runs = moe_runs(dsv3_seed)[ranks]
+    export = train_group(group, ranks, runs) / run / "checkpoint" / "step-5"
+    assert (export / "config.json").exists(), sorted(p.name for p in export.parent.iterdir())
+    vocab = weights["tok_embeddings.weight"].shape[0]
+    model = build_deepseek_v3("debugmodel_tiny", vocab_size=vocab, max_seq_len=32)
+    model.load_state_dict(weights, strict=True)
+    loaded = transformers.DeepseekV3ForCausalLM.from_pretrained(export, attn_implementation="eager").eval()
+    tokens = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model.eval()(tokens), loaded(tokens).logits
+    # Measured 1.8e-7 (the runs' weights differ by summation order only); a missing or
+    # misplaced expert or stage moves the logits by orders of magnitude more.
+    assert float((ours - theirs).norm() / theirs.norm()) <= 1e-5
 
 
 @pytest.mark.slow
