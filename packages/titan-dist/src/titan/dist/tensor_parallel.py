@@ -10,6 +10,13 @@ Plan styles (docs/contracts.md) and what they become:
                  weights computing on the plain replicated activations
 - "block_input": first positional input gathered from sequence shards to replicated (SP only)
 - "output":      final projection; vocab-sharded logits kept as a DTensor for loss parallel
+- "replicate":   replicated weights on plain replicated activations (a router, a low-rank
+                 projection)
+- "head_norm":   replicated weights on activations sharded by heads (a per-head norm)
+- "shared_by_heads": an activation every head reads whole (MLA's rotated key part), on a
+                 parameter-free module: unchanged forward, gradient summed over the TP ranks
+                 in the backward (Megatron f), since each rank's heads give only part of it
+- "replicated_block": a block every TP rank computes whole (an MoE layer)
 
 A caller may replace the styles of some modules (`TensorParallelOverrides`): titan.train
 gives torchao's float8 linears float8 styles, whose sequence-parallel gathers move float8
@@ -29,7 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -42,7 +49,7 @@ from torch.distributed.tensor.parallel import (
 from titan.dist.plan import match_modules, sharding_plan, tied_parameter_groups
 
 STYLES = ("embedding", "colwise", "rowwise", "norm", "block_input", "output", "replicate", "head_norm",
-          "replicated_block")
+          "shared_by_heads", "replicated_block")
 
 
 def _style(name: str, *, sp: bool, lp: bool):
@@ -66,6 +73,8 @@ def _style(name: str, *, sp: bool, lp: bool):
         return ReplicatedNorm()
     if name == "head_norm":
         return ReplicatedNorm(input_placement=Shard(2))
+    if name == "shared_by_heads":
+        return SumGradientOverRanks()
     if name in ("block_input", "replicated_block"):
         return None  # handled by hooks, see _gather_first_input / _replicate_block
     raise ValueError(f"unknown tensor-parallel style {name!r} in the model's sharding plan; "
@@ -101,6 +110,31 @@ class ReplicatedNorm(ParallelStyle):
     @staticmethod
     def _to_local(_module, output, _device_mesh):
         return output.to_local() if isinstance(output, DTensor) else output
+
+
+class SumGradientOverRanks(ParallelStyle):
+    """A parameter-free module whose input every TP rank holds whole and whose output each
+    rank's heads read (MLA's rotated key part): the forward passes the tensor through, the
+    backward all-reduces its gradient, each rank's being the sum over its own heads only.
+
+    Without it the replicated projection below (`wkv_a`) would get half of that gradient on
+    each of 2 ranks: a silent error, and Adam, invariant to a gradient's scale, would hide
+    most of it from the loss."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=self._to_dtensor, output_fn=self._to_local)
+
+    @staticmethod
+    def _to_dtensor(_module, inputs, device_mesh):
+        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                     for x in inputs)
+
+    @staticmethod
+    def _to_local(_module, output, _device_mesh):
+        # The gradient coming back is this rank's partial sum; from_local's backward then
+        # reduces it to the replicated input's placement.
+        return output.to_local(grad_placements=[Partial()]) if isinstance(output, DTensor) else output
 
 
 def _gather_first_input(module: nn.Module, mesh: DeviceMesh, cast: Callable | None = None) -> None:

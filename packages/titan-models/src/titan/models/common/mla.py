@@ -26,6 +26,12 @@ from titan.models.common.rope import apply_rope
 from torch import nn
 
 
+class SharedByHeads(nn.Identity):
+    """Marks a tensor every attention head reads whole, MLA's rotated key part: the identity
+    here. A sharding plan that splits the heads over ranks gives it a style summing its
+    gradient over those ranks (each rank's heads contribute only their part of it)."""
+
+
 class MultiHeadLatentAttention(nn.Module):
     """MLA with optional low-rank queries (see the module docstring for the computation).
 
@@ -33,7 +39,8 @@ class MultiHeadLatentAttention(nn.Module):
     `q_norm` and `wq_b` [H*(nope+rope), q_lora_rank]; `wkv_a` [kv_lora_rank + rope, D],
     `kv_norm`, `wkv_b` [H*(nope+v), kv_lora_rank]; `wo` [D, H*v]. Head counts are read from
     the projection outputs, so tensor parallelism shards `wq`/`wq_b`/`wkv_b` column-wise and
-    `wo` row-wise (heads split over ranks) and replicates the low-rank projections and norms.
+    `wo` row-wise (heads split over ranks) and replicates the low-rank projections and norms;
+    `rope_key` (`SharedByHeads`) marks the rotated key part every head reads.
 
     `softmax_scale_multiplier` (YaRN's mscale squared) is folded into the queries, so the
     inner kernel stays causal SDPA with its default 1/sqrt(nope+rope) scale: context
@@ -73,6 +80,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(kv_lora_rank, norm_eps)
         self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
+        self.rope_key = SharedByHeads()
         self.inner_attention = ScaledDotProductAttention()
 
     @property
@@ -103,7 +111,7 @@ class MultiHeadLatentAttention(nn.Module):
             q = q * self.softmax_scale_multiplier
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = self.kv_norm(latent)
-        k_pe = apply_rope(k_pe.unsqueeze(2), rope)  # [B, S, 1, rope]: one rotated key part for all heads
+        k_pe = self.rope_key(apply_rope(k_pe.unsqueeze(2), rope))  # [B, S, 1, rope]: one for all heads
         if kv_cache is not None:
             # The cache stores [B, 1, S, .] latents and rotated key parts, never per-head K/V.
             latent, k_pe = kv_cache.update(latent.unsqueeze(1), k_pe.transpose(1, 2))

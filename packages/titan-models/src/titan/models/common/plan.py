@@ -9,7 +9,7 @@ from torch import nn
 
 TP_STYLES = frozenset(
     {"embedding", "colwise", "rowwise", "norm", "block_input", "output", "replicate", "head_norm",
-     "replicated_block"}
+     "shared_by_heads", "replicated_block"}
 )
 """Tensor-parallel styles a plan may name (see `ShardingPlan.tensor_parallel`)."""
 
@@ -27,6 +27,8 @@ class ShardingPlan:
     from sequence shards when SP is on), "output" (vocab-sharded logits for loss parallel),
     "replicate" (kept whole on every TP rank: routers, low-rank projections), "head_norm" (a
     norm over the last dim of [B, S, H, Dh] activations whose heads are TP-sharded),
+    "shared_by_heads" (a parameter-free module whose output every head reads whole, e.g.
+    MLA's rotated key part: its gradient is summed over the ranks holding the heads),
     "replicated_block" (a block every TP rank computes whole, e.g. an MoE layer: with SP its
     input is gathered to the full sequence and its output cut back to sequence shards)."""
     fsdp_units: tuple[str, ...]

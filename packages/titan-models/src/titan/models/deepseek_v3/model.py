@@ -106,6 +106,7 @@ class DeepseekV3Model(Decoder):
             "layers.*.attention.wkv_a": "replicate",
             "layers.*.attention.kv_norm": "replicate",
             "layers.*.attention.wkv_b": "colwise",
+            "layers.*.attention.rope_key": "shared_by_heads",
             "layers.*.attention.wo": "rowwise",
             "layers.*.feed_forward.router.gate": "replicate",
         })
