@@ -161,3 +161,11 @@ def test_model_vocab_size_is_taken_as_given_or_refused(tmp_path):
     cfg.model.vocab_size = 100
     with pytest.raises(ValueError, match="--model.vocab_size 100 is smaller than the tokenizer's 259 tokens"):
         Trainer(cfg, model_spec=model_spec("llama3"))
+
+
+def test_job_description_opens_the_log(tmp_path, capfd):
+    """`--job.description` is printed at start, as its help says (it was accepted and dropped)."""
+    cfg = tiny_config(tmp_path, steps=1)
+    cfg.job.description = "lr sweep, arm 3 of 5"
+    run(cfg)
+    assert "job: lr sweep, arm 3 of 5" in capfd.readouterr().err

@@ -205,9 +205,11 @@ class TrainingLoop:
         return self.engine.step
 
     def log_start(self) -> None:
-        """The opening line: model, size, layout, batch geometry (and the config when
-        ``--job.print_config``)."""
+        """The opening lines: the run's ``--job.description`` when set, then model, size,
+        layout, batch geometry (and the config when ``--job.print_config``)."""
         cfg = self.config
+        if cfg.job.description:
+            logger.info("job: %s", cfg.job.description)
         if cfg.job.print_config and self.is_rank0:
             logger.info("config:\n%s", json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
         d = self.parallel_dims
