@@ -7,11 +7,13 @@ gradient afterwards.
 where the file holds ``[[OUT, FAMILY, [--section.flag, V, ...]], ...]``: several runs, one after
 another in one process group (``train_runs_worker.one_process_group``). Rank 0 writes
 OUT/grads.pt: parameter name -> full gradient, gathered from every rank (pipeline stages hold
-different parameters).
+different parameters), and OUT/collectives.json: how many of each collective DTensor issued
+in the forward and backward (torch's CommDebugMode: tensor parallel's, not FSDP's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 import tyro
 from titan.train.config import TrainerConfig
 from titan.train.engine import TrainingEngine
+from torch.distributed.tensor.debug import CommDebugMode
 
 from titan.recipes.families import model_spec
 from titan.recipes.recipes import recipe
@@ -61,7 +64,13 @@ def run(out: Path, family: str, flags: list[str]) -> None:
     local = BATCH // dims.dp_world_size
     rows = slice(dims.dp_rank * local, (dims.dp_rank + 1) * local)
     batch = {"input_ids": tokens[rows, :-1], "labels": tokens[rows, 1:]}
-    engine.forward_backward(batch, summed_cross_entropy, global_token_count=BATCH * SEQ)
+    # The collectives DTensor issues (TP's, not FSDP's); counted without PP only (torch's
+    # pipeline schedules hang under the dispatch mode).
+    comm = CommDebugMode() if not dims.pp_enabled else contextlib.nullcontext()
+    with comm:
+        engine.forward_backward(batch, summed_cross_entropy, global_token_count=BATCH * SEQ)
+    counts = {str(op).rpartition(".")[2]: n for op, n in comm.get_comm_counts().items()} \
+        if isinstance(comm, CommDebugMode) else {}
     grads = full_gradients(engine)
     if dist.is_initialized():
         every_rank: list = [None] * dist.get_world_size()
@@ -70,6 +79,7 @@ def run(out: Path, family: str, flags: list[str]) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(grads, out / "grads.pt")
+        (out / "collectives.json").write_text(json.dumps(counts))
     engine.close()
 
 

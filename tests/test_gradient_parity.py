@@ -7,11 +7,13 @@ moves almost as it should, and the global norm hides a small tensor's error (Dee
 tensor parallel gave MLA's down-projection half of the gradient of its rotated key part:
 the norm read 1.3e-5 off, the weights agreed, the gradient of those rows was 50% off). Here
 one forward and backward of each family's tiny model on one batch, and every full gradient
-compared tensor by tensor (tests/grad_parity_worker.py).
+compared tensor by tensor (tests/grad_parity_worker.py). The same tensor-parallel steps count
+the collectives they issue, against the rule `titan plan` times them by.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,34 @@ def test_every_gradient_equals_one_process(build_once, layout):
     errors = {name: float((grads[name] - ref).norm() / ref.norm()) for name, ref in reference.items()}
     worst = sorted(errors.items(), key=lambda item: -item[1])[:3]
     assert worst[0][1] <= RTOL, worst
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gradient_parity")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_parallel_collectives_are_the_planners(build_once, family):
+    """The collectives of one TP 2 step with SP, as DTensor issued them, equal the planner's
+    rule per block (`TPCollectives`, read off the plan's styles) plus the pairs around the
+    embedding and the output projection: a Llama block 4 gathers and 4 reduce-scatters; an
+    MoE block computed whole 2 gathers, no reduce-scatter; MLA's attention no reduce-scatter
+    of its input's gradient (its projections from the residual are replicated) but an
+    all-reduce per up-projection and one for the rotated key part (`shared_by_heads`). The
+    rule counted every block as a Llama block until 2026-12-05."""
+    from titan.dist.plan import match_modules, sharding_plan
+
+    from titan.recipes.cli import parse_train_args
+    from titan.recipes.plan import model_facts
+
+    counts = json.loads((launch_group(build_once, 2) / f"{family}-tp2_sp" / "collectives.json").read_text())
+    config = parse_train_args(["--config", f"{family}_debug", "--model.flavor", "debugmodel_tiny",
+                               "--training.seq_len", "32", "--training.local_batch_size", "8"])
+    facts, _, model = model_facts(config)
+    tpc, n = facts.tp_collectives, len(facts.blocks)
+    shared = sum(1 for glob, style in sharding_plan(model).tensor_parallel.items() if style == "shared_by_heads"
+                 for _ in match_modules(model, glob))
+    # + the embedding's and the output projection's pairs; + 1 gather: the worker's loss
+    # gathers the vocab-sharded logits whole (titan's loss parallel does not).
+    expected = {"all_gather_into_tensor": n * (tpc.pairs + tpc.sp_gathers) + 2 + 1,
+                "reduce_scatter_tensor": n * tpc.pairs + 2,
+                "all_reduce": n * tpc.all_reduces + shared}
+    assert {k: counts.get(k, 0) for k in expected} == pytest.approx(expected), counts

@@ -44,11 +44,14 @@ FSDP's gathers and reduce-scatter once per microbatch, the replicas' all-reduce 
     them) except the first block's gather (under PP one gather per step, and the
     reduce-scatter after the last microbatch exposed); a reduce-scatter takes
     `reduce_scatter_cost` times an all-gather of the same bytes; TP/SP all-gathers and
-    reduce-scatters of the residual stream (4 per block forward, 4 backward, 4 more in the
-    recomputed forward under full AC, one pair more around the embedding and one around the
-    output projection; without loss parallel the logits gathered whole; not overlapped; under
-    async TP overlapped with the compute but for the 2 backward reduce-scatters per block no
-    single matmul produces and the collectives outside the blocks); CP all-gathers of K/V
+    reduce-scatters of the residual stream, read off each block's plan styles
+    (`TPCollectives`: a Llama block's 4 forward, 4 backward; an MoE block computed whole 2
+    gathers; MLA's attention no input reduce-scatter but an all-reduce per up-projection's
+    low-rank input), the forward's again in the recomputed forward under full AC, one pair more
+    around the embedding and one around the output projection; without loss parallel the
+    logits gathered whole; not overlapped; under async TP overlapped with the compute but for
+    the backward reduce-scatters no single matmul produces, the all-reduces, the gathers
+    around blocks computed whole and the collectives outside the blocks); CP all-gathers of K/V
     (again in the recomputed forward; not overlapped); EP all-to-alls (dispatch + combine,
     forward + backward, not overlapped); HSDP's and DDP's gradient all-reduce across replicas
     (overlapped with the backward like FSDP's reduce-scatter, in the compute FSDP's traffic
@@ -235,6 +238,85 @@ def parse_gpus(spec: str, overrides: dict[str, float] | None = None) -> tuple[in
 
 
 @dataclass(frozen=True, kw_only=True)
+class TPCollectives:
+    """A block's tensor-parallel collectives per token, the mean over the blocks, as the
+    engine's TP styles issue them (counted in a real step by `tests/test_plan.py`).
+
+    With sequence parallel the residual stream is sequence-sharded between sublayers: a
+    sublayer whose input feeds a column-parallel linear gathers it (forward) and
+    reduce-scatters its gradient (backward), a row-parallel linear reduce-scatters its output
+    and gathers its gradient: a "pair" each, of `dim`-wide rows. Without SP each pair is one
+    all-reduce (of the row-parallel output, of the column-parallel input's gradient), which
+    costs as much. A sublayer whose input feeds only replicated linears (MLA's low-rank
+    projections) gathers it but needs no reduce-scatter: every rank's input gradient is
+    whole. A block every rank computes whole (an MoE layer) gathers its input and, in the
+    backward, its output's gradient. A column-parallel linear fed by a replicated one (MLA's
+    up-projections) all-reduces its input's gradient, `all_reduce_width` elements per token in
+    all (the rotated key part's few dozen, `shared_by_heads`, are left out)."""
+
+    pairs: float = 4.0
+    """Gather + reduce-scatter pairs (or all-reduces without SP) of `dim`-wide rows."""
+    sp_gathers: float = 0.0
+    """Gathers without a reduce-scatter, under SP only: inputs of replicated-only sublayers,
+    and 2 per block computed whole."""
+    forward: float = 4.0
+    """Of all of these under SP, the collectives of the forward (a full-AC rerun repeats them);
+    without SP a rerun repeats the row-parallel all-reduces, `forward_pairs`."""
+    forward_pairs: float = 2.0
+    """Row-parallel outputs: the forward's all-reduces without SP."""
+    unfused: float = 2.0
+    """Under SP, the collectives async TP cannot fuse with one matmul: the reduce-scatters of
+    column-parallel inputs' gradients (each a sum over several matmuls) and the gathers of
+    blocks computed whole (they feed routing, not one matmul)."""
+    all_reduces: float = 0.0
+    """Backward all-reduces of replicated low-rank inputs' gradients (both modes)."""
+    all_reduce_width: float = 0.0
+    """Their elements per token, summed."""
+
+
+def tp_block_collectives(model: nn.Module, plan, dim: int) -> TPCollectives:
+    """The mean block's tensor-parallel collectives (`TPCollectives`), read off the plan's
+    styles: "block_input" sublayers (with or without a column-parallel linear on the
+    residual), "rowwise" linears, "replicated_block" blocks, and the column-parallel linears
+    inside a sublayer whose input is not the residual stream."""
+    styles = list(plan.tensor_parallel.items())
+
+    def style_of(fqn: str) -> str | None:
+        return next((s for g, s in styles if glob_matches(g, fqn)), None)
+
+    totals = dict(pairs=0.0, sp_gathers=0.0, forward=0.0, forward_pairs=0.0, unfused=0.0, all_reduces=0.0,
+                  all_reduce_width=0.0)
+    blocks = list(blocks_of(model))
+    for key, block in blocks:
+        prefix = f"{plan.layer_container}.{key}"
+        for name, module in block.named_modules():
+            fqn = f"{prefix}.{name}" if name else prefix
+            style = style_of(fqn)
+            if style == "rowwise":
+                totals["pairs"] += 1
+                totals["forward"] += 1
+                totals["forward_pairs"] += 1
+            elif style == "replicated_block":
+                totals["sp_gathers"] += 2
+                totals["forward"] += 1
+                totals["unfused"] += 2
+            elif style == "block_input":
+                totals["forward"] += 1
+                colwise = [m for n, m in module.named_modules()
+                           if isinstance(m, nn.Linear) and style_of(f"{fqn}.{n}") == "colwise"]
+                if any(m.in_features == dim for m in colwise):
+                    totals["pairs"] += 1
+                    totals["unfused"] += 1
+                else:
+                    totals["sp_gathers"] += 1
+                low_rank = [m.in_features for m in colwise if m.in_features != dim]
+                totals["all_reduces"] += len(low_rank)
+                totals["all_reduce_width"] += sum(low_rank)
+    n = max(len(blocks), 1)
+    return TPCollectives(**{k: v / n for k, v in totals.items()})
+
+
+@dataclass(frozen=True, kw_only=True)
 class BlockParams:
     """One block's parameters by how the layouts split them."""
 
@@ -289,6 +371,9 @@ class ModelFacts:
     float8_tp_grad_gathers: float = 0.0
     """Of a block's two backward gathers of its row-parallel outputs' gradients, those of
     converted linears (in float8 under float8 tensor parallel; mean over the blocks)."""
+    tp_collectives: TPCollectives = dataclasses.field(default_factory=lambda: TPCollectives())
+    """A block's tensor-parallel collectives by kind (`tp_block_collectives`; the default is a
+    Llama block's)."""
     selective_units: float = 12.0
     """Model-width units per token a block keeps under per-op selective AC, averaged over the
     blocks (`titan.dist.dry_run.selective_op_units`, or measured)."""
@@ -371,6 +456,7 @@ class ModelFacts:
                    experts_per_token=experts_per_token, float8_params=sum(m.weight.numel() for m in linears),
                    float8_cast_width=sum(m.in_features + m.out_features for m in linears),
                    float8_tp_input_gathers=input_gathers, float8_tp_grad_gathers=grad_gathers,
+                   tp_collectives=tp_block_collectives(model, plan, int(dim)) if dim else TPCollectives(),
                    float8_tp_block_units=float8_tp_block_units,
                    **(block_units and _unit_fields(block_units)
                       or {"selective_units": sum(selective_op_units(b, int(dim)) for b in selective)
@@ -884,11 +970,10 @@ def _exposed(comm: float, compute: float, hw: Hardware) -> float:
 def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware, n_blocks: int, *,
                 first: bool, last: bool, tokens_rank: float, calls: float,
                 rerun_blocks: int = 0) -> tuple[float, float]:
-    """TP + SP's collectives of a stage: the residual stream is all-gathered before and
-    reduce-scattered after each block's attention and feed-forward (forward; the reverse in
-    backward): 4 all-gather + reduce-scatter pairs per block, 6 in the `rerun_blocks` AC
-    checkpoints whole (the recomputed forward runs its collectives again; per-op AC saves
-    their outputs); one more pair on the
+    """TP + SP's collectives of a stage: each block's (`ModelFacts.tp_collectives`: for a
+    Llama block the residual stream all-gathered before and reduce-scattered after its
+    attention and feed-forward, the reverse in backward, 4 pairs), again in the forward of the
+    `rerun_blocks` AC checkpoints whole (per-op AC saves their outputs); one more pair on the
     first stage (the vocab-sharded embedding's output reduce-scattered) and on the last (the
     final norm's output gathered for the output projection). The last stage's loss: without loss parallel
     the logits are all-gathered whole on every TP rank; with it, a few all-reduces of
@@ -898,15 +983,29 @@ def _tp_seconds(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware,
 
     Returns (all of it, the part async TP cannot fuse with a matmul). torch's micro-pipeline
     TP pass fuses an all-gather with the matmuls it feeds and a reduce-scatter with the one
-    matmul that produces its input. Each block's backward has 2 reduce-scatters without one:
-    the gradients of SP's two gathered inputs, each the sum of several matmuls' (wq, wk, wv;
-    w1, w3), so they stay exposed; so do the pairs around the embedding and the output
-    projection, outside the compiled blocks (whole-model compile could fuse the output
-    projection's gather: not counted), and the loss's collectives."""
-    residual = _ring(tokens_rank * facts.dim * work.compute_dtype_bytes, layout.tp) / _bandwidth(hw, layout.tp)
-    pair = (1 + hw.reduce_scatter_cost) * residual + 2 * calls
-    seconds = (4 * n_blocks + 2 * rerun_blocks + first + last) * pair
-    unfused = 2 * n_blocks * (hw.reduce_scatter_cost * residual + calls) + (first + last) * pair
+    matmul that produces its input. A block's backward reduce-scatters of SP's gathered inputs'
+    gradients, each the sum of several matmuls' (wq, wk, wv; w1, w3), stay exposed, as do
+    all-reduces and the gathers around a block computed whole; so do the pairs around the
+    embedding and the output projection, outside the compiled blocks (whole-model compile
+    could fuse the output projection's gather: not counted), and the loss's collectives."""
+    tpc = facts.tp_collectives
+    bandwidth = _bandwidth(hw, layout.tp)
+    residual = _ring(tokens_rank * facts.dim * work.compute_dtype_bytes, layout.tp) / bandwidth
+    gather, scatter = residual + calls, hw.reduce_scatter_cost * residual + calls
+    pair = gather + scatter
+    all_reduce = ((1 + hw.reduce_scatter_cost)
+                  * _ring(tokens_rank * tpc.all_reduce_width * work.compute_dtype_bytes, layout.tp) / bandwidth
+                  + 2 * calls * tpc.all_reduces)
+    if work.sequence_parallel:
+        # The forward's gathers, and its reduce-scatters (the row-parallel outputs').
+        rerun = (tpc.forward - tpc.forward_pairs) * gather + tpc.forward_pairs * scatter
+        block = tpc.pairs * pair + tpc.sp_gathers * gather + all_reduce
+        unfused = n_blocks * (tpc.unfused * scatter + all_reduce) + (first + last) * pair
+    else:
+        rerun = tpc.forward_pairs * pair
+        block = tpc.pairs * pair + all_reduce
+        unfused = n_blocks * block + (first + last) * pair
+    seconds = n_blocks * block + rerun_blocks * rerun + (first + last) * pair
     if _float8_tp(layout, work):
         # float8 TP gathers the converted blocks' inputs (again in a rerun) and their row-
         # parallel gradients in float8: 1 byte an element; the reduce-scatters stay.
