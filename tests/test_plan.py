@@ -920,6 +920,24 @@ def test_titan_plan_json_and_hardware_overrides(capsys):
                or lay["layout"]["pp"] > 1 for lay in doc["layouts"])
 
 
+def test_a_router_auxiliary_loss_rules_out_pipeline_layouts(capsys):
+    """Qwen3-MoE's released sizes train with the router's auxiliary loss, which the engine adds
+    on the last pipeline stage only: `titan plan` ranked pipeline layouts first for 235B, which
+    `titan train` refused at its first step on the cluster. The dry run refuses them now
+    before building anything, so the planner ranks none; without the loss it ranks them."""
+    base = ["plan", "--config", "qwen3_moe_30b_a3b", "--gpus", "16xH100", "--json", "--top", "100000"]
+    assert main(base) == 0
+    assert {lay["layout"]["pp"] for lay in json.loads(capsys.readouterr().out)["layouts"]} == {1}
+    assert main([*base, "--model.router_aux_loss_coef", "0"]) == 0
+    assert max(lay["layout"]["pp"] for lay in json.loads(capsys.readouterr().out)["layouts"]) > 1
+    assert main(["plan", "--config", "qwen3_moe_30b_a3b", "--gpus", "16xH100",
+                 "--parallelism.pipeline_parallel_degree", "2"]) == 2
+    assert "--model.router_aux_loss_coef 0" in capsys.readouterr().err
+    cfg = parse_train_args(["--config", "qwen3_moe_30b_a3b", "--parallelism.pipeline_parallel_degree", "2"])
+    with pytest.raises(ValueError, match="auxiliary .router balancing. loss is not supported under pipeline"):
+        run_dry_run(cfg, world_size=16, print_fn=lambda s: None)
+
+
 @pytest.mark.parametrize("recipe, gpus, plan_flags", [
     (["--config", "llama3_debug", "--training.seq_len", "64", "--compile.enable",
       "--parallelism.tensor_parallel_degree", "2"], "8xH100", ["--global_batch_tokens", str(16 * 64)]),

@@ -917,6 +917,13 @@ def validate_against_model(dims: ParallelDims, model: nn.Module, *, seq_len: int
             f"expert_parallel_degree={dims.ep} needs an MoE model whose sharding plan names "
             f"its expert_modules; {type(model).__name__} declares none. Set "
             f"--parallelism.expert_parallel_degree 1")
+    aux = getattr(plan, "auxiliary_loss_modules", None)
+    if dims.pp_enabled and aux and next(iter(match_modules(model, aux)), None) is not None:
+        raise ValueError(
+            f"pipeline_parallel_degree={dims.pp}: the model's auxiliary (router balancing) loss is not "
+            f"supported under pipeline parallel yet (the engine adds it on the last stage only); use "
+            f"--model.router_aux_loss_coef 0 (auxiliary-loss-free balancing stays on) or "
+            f"--parallelism.pipeline_parallel_degree 1")
     dims.validate_model(
         n_layers=len(list(blocks_of(model))), seq_len=seq_len, global_batch_size=global_batch_size,
         local_batch_size=local_batch_size,

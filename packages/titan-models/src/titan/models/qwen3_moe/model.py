@@ -73,6 +73,7 @@ class Qwen3MoeModel(Qwen3Model):
             tensor_parallel={**styles, "layers.*.feed_forward.router.gate": "replicate"},
             expert_modules="layers.*.feed_forward.experts",
             expert_parallel_divisible={"n_experts": self.args.num_experts},
+            auxiliary_loss_modules="layers.*.feed_forward.router" if self.args.router_aux_loss_coef > 0 else None,
         )
 
 
