@@ -4,7 +4,7 @@ gradient afterwards.
 
     python -m torch.distributed.run --nproc_per_node N tests/grad_parity_worker.py RUNS.json
 
-where the file holds ``[[OUT, FAMILY, [--section.flag, V, ...]], ...]``: several runs, one after
+where the file holds ``[[OUT, FAMILY, [--section.flag, V, ...], MICROBATCHES], ...]``: several runs, one after
 another in one process group (``train_runs_worker.one_process_group``). Rank 0 writes
 OUT/grads.pt: parameter name -> full gradient, gathered from every rank (pipeline stages hold
 different parameters), and OUT/collectives.json: how many of each collective DTensor issued
@@ -52,8 +52,9 @@ def full_gradients(engine: TrainingEngine) -> dict[str, torch.Tensor]:
     return grads
 
 
-def run(out: Path, family: str, flags: list[str]) -> None:
-    """One forward and backward of `family` under `flags`; rank 0 writes every gradient."""
+def run(out: Path, family: str, flags: list[str], accumulate: int = 1) -> None:
+    """One forward and backward of `family` under `flags` (the rank's rows in `accumulate`
+    microbatches, gradients accumulated); rank 0 writes every gradient."""
     cfg = tyro.cli(TrainerConfig, default=recipe(RECIPES[family]), args=[
         "--model.flavor", "debugmodel_tiny", "--training.seq_len", str(SEQ), "--debug.seed", "3",
         "--job.dump_folder", str(out), *flags,
@@ -64,11 +65,14 @@ def run(out: Path, family: str, flags: list[str]) -> None:
     local = BATCH // dims.dp_world_size
     rows = slice(dims.dp_rank * local, (dims.dp_rank + 1) * local)
     batch = {"input_ids": tokens[rows, :-1], "labels": tokens[rows, 1:]}
-    # The collectives DTensor issues (TP's, not FSDP's); counted without PP only (torch's
-    # pipeline schedules hang under the dispatch mode).
-    comm = CommDebugMode() if not dims.pp_enabled else contextlib.nullcontext()
+    # The collectives DTensor issues (TP's, not FSDP's); counted in one forward and backward
+    # without PP only (torch's pipeline schedules hang under the dispatch mode, and its module
+    # tracker fails on a second forward).
+    comm = CommDebugMode() if not dims.pp_enabled and accumulate == 1 else contextlib.nullcontext()
     with comm:
-        engine.forward_backward(batch, summed_cross_entropy, global_token_count=BATCH * SEQ)
+        for rows in torch.arange(local).tensor_split(accumulate):
+            engine.forward_backward({k: v[rows] for k, v in batch.items()}, summed_cross_entropy,
+                                    global_token_count=BATCH * SEQ, last_microbatch=bool(rows[-1] == local - 1))
     counts = {str(op).rpartition(".")[2]: n for op, n in comm.get_comm_counts().items()} \
         if isinstance(comm, CommDebugMode) else {}
     grads = full_gradients(engine)
@@ -88,9 +92,9 @@ def main(runs_file: str) -> None:
     from train_runs_worker import one_process_group
 
     with one_process_group():
-        for out, family, flags in json.loads(Path(runs_file).read_text()):
+        for out, family, flags, accumulate in json.loads(Path(runs_file).read_text()):
             print(f"grad_parity_worker: run {out}", file=sys.stderr, flush=True)
-            run(Path(out), family, flags)
+            run(Path(out), family, flags, accumulate)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,17 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
                                            "--parallelism.expert_parallel_degree", "2"])
        for family in ("qwen3_moe", "deepseek_v3")},
 }
+# The router's auxiliary loss under PP: each stage adds its own layers' (1F1B: stage 0 holds
+# MoE layer 1, stage 1 layers 2-3). The loss is a statistic of each forward, so the reference
+# accumulates the same one-sequence microbatches the pipeline runs.
+AUX = ["--model.n_layers", "4", "--model.router_aux_loss_coef", "0.01"]
+LAYOUTS["qwen3_moe-pp2_aux_loss"] = (2, "qwen3_moe", [*AUX, *NO_DP, "--parallelism.pipeline_parallel_degree", "2"])
+LAYOUTS["qwen3_moe-interleaved_pp2_aux_loss"] = (2, "qwen3_moe", [
+    *AUX, *NO_DP, "--parallelism.pipeline_parallel_degree", "2",
+    "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1"])
+# name -> (family, flags, microbatches); a layout's reference is its family's unless named here
+REFERENCES = {**{family: (family, [], 1) for family in FAMILIES}, "qwen3_moe_aux_loss": ("qwen3_moe", AUX, 8)}
+REFERENCE_OF = {"qwen3_moe-pp2_aux_loss": "qwen3_moe_aux_loss", "qwen3_moe-interleaved_pp2_aux_loss": "qwen3_moe_aux_loss"}
 RTOL = 1e-5
 """fp32 sums taken in another order across ranks: measured up to 7e-7 of a tensor's norm; the
 bug above was 8e-3 at this size."""
@@ -51,12 +62,13 @@ def launch_group(build_once, ranks: int) -> Path:
     """Every run of `ranks` processes (the one-process references for ranks 1) in one launch,
     once per session; one output folder per run name."""
     if ranks == 1:
-        runs = {family: (family, []) for family in FAMILIES}
+        runs = REFERENCES
     else:
-        runs = {name: (family, flags) for name, (r, family, flags) in LAYOUTS.items() if r == ranks}
+        runs = {name: (family, flags, 1) for name, (r, family, flags) in LAYOUTS.items() if r == ranks}
 
     def build(folder: Path) -> None:
-        launch_runs(ranks, WORKER, [[str(folder / name), family, flags] for name, (family, flags) in runs.items()],
+        launch_runs(ranks, WORKER, [[str(folder / name), family, flags, accumulate]
+                                    for name, (family, flags, accumulate) in runs.items()],
                     folder / "launch.log", torchrun=ranks > 1)
 
     return build_once(f"gradient_parity_ranks{ranks}", build)
@@ -67,7 +79,8 @@ def launch_group(build_once, ranks: int) -> Path:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_gradient_equals_one_process(build_once, layout):
     ranks, family, _ = LAYOUTS[layout]
-    reference = torch.load(launch_group(build_once, 1) / family / "grads.pt", weights_only=True)
+    reference_run = REFERENCE_OF.get(layout, family)
+    reference = torch.load(launch_group(build_once, 1) / reference_run / "grads.pt", weights_only=True)
     grads = torch.load(launch_group(build_once, ranks) / layout / "grads.pt", weights_only=True)
     assert grads.keys() == reference.keys()
     errors = {name: float((grads[name] - ref).norm() / ref.norm()) for name, ref in reference.items()}

@@ -4,6 +4,7 @@ bytes computed by hand, and the command line works end to end."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shlex
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from titan.dist.config import ActivationCheckpointConfig
+from titan.dist.config import ZERO_BUBBLE_SCHEDULES, ActivationCheckpointConfig
 from titan.dist.dry_run import schedule_order
 from titan.dist.planner import (
     HARDWARE,
@@ -920,22 +921,28 @@ def test_titan_plan_json_and_hardware_overrides(capsys):
                or lay["layout"]["pp"] > 1 for lay in doc["layouts"])
 
 
-def test_a_router_auxiliary_loss_rules_out_pipeline_layouts(capsys):
-    """Qwen3-MoE's released sizes train with the router's auxiliary loss, which the engine adds
-    on the last pipeline stage only: `titan plan` ranked pipeline layouts first for 235B, which
-    `titan train` refused at its first step on the cluster. The dry run refuses them now
-    before building anything, so the planner ranks none; without the loss it ranks them."""
-    base = ["plan", "--config", "qwen3_moe_30b_a3b", "--gpus", "16xH100", "--json", "--top", "100000"]
-    assert main(base) == 0
-    assert {lay["layout"]["pp"] for lay in json.loads(capsys.readouterr().out)["layouts"]} == {1}
-    assert main([*base, "--model.router_aux_loss_coef", "0"]) == 0
-    assert max(lay["layout"]["pp"] for lay in json.loads(capsys.readouterr().out)["layouts"]) > 1
+def test_a_router_auxiliary_loss_rules_out_the_zero_bubble_schedules(capsys):
+    """Qwen3-MoE's released sizes train with the router's auxiliary loss, which each pipeline
+    stage adds through its output's backward: the schedules that split a backward into input
+    and weight passes cannot run it (a step hung), so the dry run refuses them before building
+    anything and the planner ranks the other schedules only; without the loss it ranks all."""
+    def schedules(*flags: str) -> set[str]:
+        assert main(["plan", "--config", "qwen3_moe_30b_a3b", "--gpus", "16xH100", "--json", *flags]) == 0
+        return {lay["layout"]["schedule"] for lay in json.loads(capsys.readouterr().out)["layouts"]
+                if lay["layout"]["pp"] > 1}
+
+    with_loss = schedules()
+    assert with_loss and not with_loss & set(ZERO_BUBBLE_SCHEDULES)
+    assert schedules("--model.router_aux_loss_coef", "0") & set(ZERO_BUBBLE_SCHEDULES)
     assert main(["plan", "--config", "qwen3_moe_30b_a3b", "--gpus", "16xH100",
-                 "--parallelism.pipeline_parallel_degree", "2"]) == 2
+                 "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]) == 2
     assert "--model.router_aux_loss_coef 0" in capsys.readouterr().err
-    cfg = parse_train_args(["--config", "qwen3_moe_30b_a3b", "--parallelism.pipeline_parallel_degree", "2"])
-    with pytest.raises(ValueError, match="auxiliary .router balancing. loss is not supported under pipeline"):
-        run_dry_run(cfg, world_size=16, print_fn=lambda s: None)
+    for schedule, refused in (("ZBVZeroBubble", True), ("1F1B", False)):
+        cfg = parse_train_args(["--config", "qwen3_moe_30b_a3b", "--parallelism.pipeline_parallel_degree", "2",
+                                "--parallelism.pipeline_parallel_schedule", schedule])
+        with pytest.raises(ValueError, match="auxiliary .router balancing. loss does not support") if refused \
+                else contextlib.nullcontext():
+            run_dry_run(cfg, world_size=16, print_fn=lambda s: None)
 
 
 @pytest.mark.parametrize("recipe, gpus, plan_flags", [

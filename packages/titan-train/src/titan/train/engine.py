@@ -23,7 +23,8 @@ import logging
 import math
 import os
 import random
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,36 @@ class LRSchedulers:
             scheduler.load_state_dict(state)
 
 
+@dataclass
+class _StageAuxiliaryLosses:
+    """One pipeline step's state for the auxiliary losses of the stages before the last: the
+    rank's batch, each microbatch's rows, how many forwards each stage has run, and the
+    weighted losses added (for the step's logged loss)."""
+
+    batch: Mapping[str, torch.Tensor]
+    aux_scale: Any
+    rows: Sequence[torch.Tensor]
+    forwards: dict[int, int] = field(default_factory=dict)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+
+class _AddAuxiliaryLoss(torch.autograd.Function):
+    """Identity on a stage's output whose backward also gives the auxiliary loss `aux` the
+    gradient `weight`: the loss joins the objective without crossing pipeline stages."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, aux: torch.Tensor, weight: Any) -> torch.Tensor:
+        ctx.aux_like = (aux.shape, aux.dtype, aux.device)
+        ctx.weight = weight
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        shape, dtype, device = ctx.aux_like
+        weight = torch.as_tensor(ctx.weight, dtype=dtype, device=device)
+        return grad, weight.expand(shape).clone(), None
+
+
 class TrainingEngine:
     """Builds a model family's model, parallelizes it over the mesh, and steps and saves it.
 
@@ -217,6 +248,7 @@ class TrainingEngine:
         self.pp_schedule: Any | None = None
         self.pp_has_first = self.pp_has_last = True
         self._pipeline_loss_call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._pipeline_aux_run: _StageAuxiliaryLosses | None = None
         self._inferring_pipeline_metadata = False
         self._step_hooks: list[Callable] | None = None
         self._first_non_finite_step: torch.Tensor | None = None
@@ -315,6 +347,7 @@ class TrainingEngine:
             seq_len=seq_len,
             global_batch_size=global_batch_size,
             local_batch_size=local_batch_size,
+            pipeline_schedule=self.parallelism.pipeline_parallel_schedule,
         )
         self.num_params = model.num_params()
         self.flops_per_token = model.flops_per_token(seq_len)
@@ -345,6 +378,9 @@ class TrainingEngine:
                 scale_grads=False,  # the loss is already normalized over the global batch
             )
             self._mark_pipeline_metadata_inference(self.pp_schedule)
+            for part in parts:  # the last stage adds its auxiliary loss to the loss itself
+                if isinstance(part, HasAuxLoss) and not (part is parts[-1] and self.pp_has_last):
+                    part.register_forward_hook(self._stage_auxiliary_loss)
         else:
             parts = [parallelize(model, self.parallel_dims, self.mesh, **common, mp_policy=mp_policy)]
         if float8_tp is not None:
@@ -615,21 +651,33 @@ class TrainingEngine:
         terms = [aux for part in parts if isinstance(part, HasAuxLoss) and (aux := part.aux_loss()) is not None]
         if not terms:
             return 0.0
-        labels = batch.get("labels")
-        tokens = (labels != IGNORE_INDEX).sum() if labels is not None else batch["input_ids"].numel()
-        return torch.stack(terms).sum() * tokens
+        return torch.stack(terms).sum() * TrainingEngine._labelled_tokens(batch)
 
-    def _refuse_auxiliary_loss_before_last_stage(self) -> None:
-        """Pipeline stages before the last cannot hand an auxiliary loss to the loss: refuse
-        rather than silently train without it."""
-        for part in self.model_parts:
-            aux = part.aux_loss() if isinstance(part, HasAuxLoss) else None
-            if aux is not None and not self._is_last_stage(part):
-                raise ValueError(
-                    "the model's auxiliary (router balancing) loss cannot cross pipeline stages yet; use "
-                    "--model.router_aux_loss_coef 0 (auxiliary-loss-free balancing stays on) or "
-                    "--parallelism.pipeline_parallel_degree 1"
-                )
+    @staticmethod
+    def _labelled_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor | int:
+        """The batch's labelled tokens (all of its tokens without labels)."""
+        labels = batch.get("labels")
+        return (labels != IGNORE_INDEX).sum() if labels is not None else batch["input_ids"].numel()
+
+    def _stage_auxiliary_loss(self, module: nn.Module, _args: Any, output: Any) -> Any:
+        """Forward hook of a pipeline stage before the last whose model leaves an auxiliary
+        loss (an MoE router's): the loss joins the objective on its own stage, weighted like
+        the last stage's (the microbatch's labelled tokens times the step's auxiliary scale),
+        through an identity on the stage's output whose backward also feeds the auxiliary
+        loss its gradient. Not during metadata inference or a forward-only pass."""
+        run = self._pipeline_aux_run
+        if run is None or self._inferring_pipeline_metadata or not torch.is_grad_enabled():
+            return None
+        aux = module.aux_loss()
+        if aux is None:
+            return None
+        # torch's schedules run each stage's forwards in microbatch order, and split the
+        # batch's rows into microbatches with `tensor_split`, as `run.rows` holds them.
+        index = run.forwards.get(id(module), 0)
+        run.forwards[id(module)] = index + 1
+        weight = run.aux_scale * self._labelled_tokens({k: v[run.rows[index]] for k, v in run.batch.items()})
+        run.values.append(local_value(aux.detach()) * weight)
+        return _AddAuxiliaryLoss.apply(output, aux, weight)
 
     def _is_last_stage(self, part: nn.Module) -> bool:
         return part is self.model_parts[-1] and self.pp_has_last
@@ -675,7 +723,6 @@ class TrainingEngine:
         the other stages zero."""
 
         def microbatch_loss(output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-            self._refuse_auxiliary_loss_before_last_stage()
             rows_batch = {k: v[rows] for k, v in batch.items()}
             loss = loss_fn(output, rows_batch) * scale
             if aux_scale:
@@ -690,6 +737,9 @@ class TrainingEngine:
         if self.pp_has_last:
             kwargs.update(target=rows, losses=losses)
         self._pipeline_loss_call = microbatch_loss
+        if backward and aux_scale:
+            self._pipeline_aux_run = _StageAuxiliaryLosses(
+                batch=batch, aux_scale=aux_scale, rows=rows.tensor_split(self.pp_schedule._n_microbatches))
         try:
             run = self.pp_schedule.step if backward else self.pp_schedule.eval
             if self.pp_has_first:
@@ -698,9 +748,15 @@ class TrainingEngine:
                 run(**kwargs)
         finally:
             self._pipeline_loss_call = None
-        if not self.pp_has_last:
-            return torch.zeros((), device=self.device)
-        return torch.stack([local_value(x).detach() for x in losses]).sum()
+            stage_aux, self._pipeline_aux_run = self._pipeline_aux_run, None
+        # The earlier stages' auxiliary losses count where they were computed: summed over the
+        # pipeline ranks, the rank losses give the whole objective, as without PP.
+        total = torch.zeros((), device=self.device)
+        if stage_aux is not None and stage_aux.values:
+            total = total + torch.stack(stage_aux.values).sum()
+        if self.pp_has_last:
+            total = total + torch.stack([local_value(x).detach() for x in losses]).sum()
+        return total
 
     @property
     def compute_dtype(self) -> torch.dtype:

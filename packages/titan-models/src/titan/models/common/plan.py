@@ -53,8 +53,9 @@ class ShardingPlan:
     weights are never tensor-parallel. None: the model has no routed experts."""
     auxiliary_loss_modules: str | None = None
     """Glob of the modules whose training forward leaves an auxiliary loss (an MoE router's
-    balancing loss, with its coefficient above 0): the engine adds it on the last pipeline
-    stage only, so pipeline parallelism refuses a model that has them. None: none."""
+    balancing loss, with its coefficient above 0): under pipeline parallel each stage adds its
+    own through its output's backward, which the zero-bubble schedules (split input and weight
+    backward passes) cannot run, so they refuse such a model. None: none."""
     tied_parameters: tuple[tuple[str, ...], ...] = ()
     """Groups of parameter names (full-model names, e.g. `("tok_embeddings.weight",
     "output.weight")`) that are one shared Parameter. `titan.dist` keeps each group one
