@@ -241,7 +241,7 @@ def parse_gpus(spec: str, overrides: dict[str, float] | None = None) -> tuple[in
 @dataclass(frozen=True, kw_only=True)
 class TPCollectives:
     """A block's tensor-parallel collectives per token, the mean over the blocks, as the
-    engine's TP styles issue them (counted in a real step by `tests/test_plan.py`).
+    engine's TP styles issue them (counted in a real step by `tests/test_gradient_parity.py`).
 
     With sequence parallel the residual stream is sequence-sharded between sublayers: a
     sublayer whose input feeds a column-parallel linear gathers it (forward) and
@@ -252,8 +252,10 @@ class TPCollectives:
     projections) gathers it but needs no reduce-scatter: every rank's input gradient is
     whole. A block every rank computes whole (an MoE layer) gathers its input and, in the
     backward, its output's gradient. A column-parallel linear fed by a replicated one (MLA's
-    up-projections) all-reduces its input's gradient, `all_reduce_width` elements per token in
-    all (the rotated key part's few dozen, `shared_by_heads`, are left out)."""
+    up-projections) all-reduces its input's gradient, and so does a "shared_by_heads" module
+    (MLA's rotated key part): `all_reduces` of `all_reduce_width` elements per token in all
+    (the shared parts' few dozen left out of the width: a parameter-free module has no size
+    the plan can read)."""
 
     pairs: float = 4.0
     """Gather + reduce-scatter pairs (or all-reduces without SP) of `dim`-wide rows."""
@@ -279,7 +281,7 @@ def tp_block_collectives(model: nn.Module, plan, dim: int) -> TPCollectives:
     """The mean block's tensor-parallel collectives (`TPCollectives`), read off the plan's
     styles: "block_input" sublayers (with or without a column-parallel linear on the
     residual), "rowwise" linears, "replicated_block" blocks, and the column-parallel linears
-    inside a sublayer whose input is not the residual stream."""
+    inside a sublayer whose input is not the residual stream, and "shared_by_heads" modules."""
     styles = list(plan.tensor_parallel.items())
 
     def style_of(fqn: str) -> str | None:
@@ -297,6 +299,8 @@ def tp_block_collectives(model: nn.Module, plan, dim: int) -> TPCollectives:
                 totals["pairs"] += 1
                 totals["forward"] += 1
                 totals["forward_pairs"] += 1
+            elif style == "shared_by_heads":
+                totals["all_reduces"] += 1
             elif style == "replicated_block":
                 totals["sp_gathers"] += 2
                 totals["forward"] += 1

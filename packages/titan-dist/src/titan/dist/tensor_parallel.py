@@ -112,23 +112,15 @@ class ReplicatedNorm(ParallelStyle):
         return output.to_local() if isinstance(output, DTensor) else output
 
 
-class SumGradientOverRanks(ParallelStyle):
+class SumGradientOverRanks(ReplicatedNorm):
     """A parameter-free module whose input every TP rank holds whole and whose output each
     rank's heads read (MLA's rotated key part): the forward passes the tensor through, the
     backward all-reduces its gradient, each rank's being the sum over its own heads only.
+    `ReplicatedNorm` with a replicated input, whose output declares its gradient partial.
 
     Without it the replicated projection below (`wkv_a`) would get half of that gradient on
     each of 2 ranks: a silent error, and Adam, invariant to a gradient's scale, would hide
     most of it from the loss."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, input_fn=self._to_dtensor, output_fn=self._to_local)
-
-    @staticmethod
-    def _to_dtensor(_module, inputs, device_mesh):
-        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
-                     for x in inputs)
 
     @staticmethod
     def _to_local(_module, output, _device_mesh):

@@ -249,6 +249,7 @@ class TrainingEngine:
         self.pp_has_first = self.pp_has_last = True
         self._pipeline_loss_call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._pipeline_aux_run: _StageAuxiliaryLosses | None = None
+        self._stage_aux_hooked = False  # a stage before the last on this rank adds an auxiliary loss
         self._inferring_pipeline_metadata = False
         self._step_hooks: list[Callable] | None = None
         self._first_non_finite_step: torch.Tensor | None = None
@@ -381,6 +382,7 @@ class TrainingEngine:
             for part in parts:  # the last stage adds its auxiliary loss to the loss itself
                 if isinstance(part, HasAuxLoss) and not (part is parts[-1] and self.pp_has_last):
                     part.register_forward_hook(self._stage_auxiliary_loss)
+                    self._stage_aux_hooked = True
         else:
             parts = [parallelize(model, self.parallel_dims, self.mesh, **common, mp_policy=mp_policy)]
         if float8_tp is not None:
@@ -675,12 +677,11 @@ class TrainingEngine:
         # batch's rows into microbatches with `tensor_split`, as `run.rows` holds them.
         index = run.forwards.get(id(module), 0)
         run.forwards[id(module)] = index + 1
-        weight = run.aux_scale * self._labelled_tokens({k: v[run.rows[index]] for k, v in run.batch.items()})
+        rows = run.rows[index]
+        weight = run.aux_scale * self._labelled_tokens({k: run.batch[k][rows] for k in ("labels", "input_ids")
+                                                        if k in run.batch})
         run.values.append(local_value(aux.detach()) * weight)
         return _AddAuxiliaryLoss.apply(output, aux, weight)
-
-    def _is_last_stage(self, part: nn.Module) -> bool:
-        return part is self.model_parts[-1] and self.pp_has_last
 
     def _mark_pipeline_metadata_inference(self, schedule: Any) -> None:
         """torch's schedules infer each stage's tensor metadata on their first run and again
@@ -737,7 +738,7 @@ class TrainingEngine:
         if self.pp_has_last:
             kwargs.update(target=rows, losses=losses)
         self._pipeline_loss_call = microbatch_loss
-        if backward and aux_scale:
+        if backward and aux_scale and self._stage_aux_hooked:
             self._pipeline_aux_run = _StageAuxiliaryLosses(
                 batch=batch, aux_scale=aux_scale, rows=rows.tensor_split(self.pp_schedule._n_microbatches))
         try:
