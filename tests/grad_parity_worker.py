@@ -4,8 +4,10 @@ gradient afterwards.
 
     python -m torch.distributed.run --nproc_per_node N tests/grad_parity_worker.py RUNS.json
 
-where the file holds ``[[OUT, FAMILY, [--section.flag, V, ...], MICROBATCHES], ...]``: several runs, one after
-another in one process group (``train_runs_worker.one_process_group``). Rank 0 writes
+where the file holds ``[[OUT, FAMILY, [--section.flag, V, ...], MICROBATCHES, RL], ...]``: several runs, one
+after another in one process group (``train_runs_worker.one_process_group``). RL: null for the
+language-model loss, or ``--rl.*`` fields (``{"loss_type": "gspo", "entropy_coef": 0.01}``): the
+RL policy loss of a fixed rollout, built and normalized as the RL controller does. Rank 0 writes
 OUT/grads.pt: parameter name -> full gradient, gathered from every rank (pipeline stages hold
 different parameters), and OUT/collectives.json: how many of each collective DTensor issued
 in the forward and backward (torch's CommDebugMode: tensor parallel's, not FSDP's).
@@ -41,6 +43,54 @@ def summed_cross_entropy(logits: torch.Tensor, batch) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="sum")
 
 
+def rollout_rows() -> list:
+    """``BATCH`` scored completions of random lengths (one masked, as --rl.mask_truncated
+    leaves a truncated one), with generator and reference log-probs, fixed by a seed."""
+    from titan.rl.rollouts import Row
+
+    g = torch.Generator().manual_seed(11)
+    rows = []
+    for i in range(BATCH):
+        prompt = int(torch.randint(2, 10, (), generator=g))
+        completion = int(torch.randint(1, SEQ + 1 - prompt, (), generator=g))
+        ids = torch.randint(0, VOCAB, (prompt + completion,), generator=g).tolist()
+        rows.append(Row(prompt_ids=ids[:prompt], token_ids=ids[prompt:],
+                        logprobs=(-3 * torch.rand(completion, generator=g)).tolist(),
+                        advantage=float(torch.randn((), generator=g)), train=i != 3,
+                        ref_logprobs=(-3 * torch.rand(completion, generator=g)).tolist()))
+    return rows
+
+
+def rl_microbatches(engine: TrainingEngine, cfg: TrainerConfig, rl_fields: dict, microbatches: int):
+    """This rank's microbatches of the rollout, the loss function and the two normalizers,
+    as the RL controller builds them (``RLController._minibatches`` and its loss)."""
+    from titan.rl.config import RLSection
+    from titan.rl.losses import loss_normalizer
+    from titan.rl.rollout_loss import RolloutLoss
+    from titan.rl.rollouts import build_batch, split_rows
+
+    rl, dims, rows = RLSection(**rl_fields), engine.parallel_dims, rollout_rows()
+    everything = build_batch(rows, seq_len=SEQ, pad_id=0)
+    normalizer = max(float(loss_normalizer(rl.loss_type, everything["loss_mask"], max_new_tokens=SEQ)), 1.0)
+    batches = [build_batch(mine, seq_len=SEQ, pad_id=0) for mine in split_rows(
+        rows, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
+        microbatch_size=BATCH // dims.dp_world_size // microbatches)]
+    loss_fn = RolloutLoss(rl, temperature=0.7, chunk_tokens=cfg.training.loss_chunk_tokens).for_microbatch(
+        {}, None, measure_mismatch=False)
+    return batches, loss_fn, normalizer, float(sum(len(r.token_ids) for r in rows))
+
+
+def lm_microbatches(engine: TrainingEngine, microbatches: int):
+    """This rank's microbatches of a fixed random batch, the summed cross entropy and the
+    global token count (the language-model loss, as the trainer runs it)."""
+    dims = engine.parallel_dims
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    local = BATCH // dims.dp_world_size
+    mine = tokens[dims.dp_rank * local : (dims.dp_rank + 1) * local]
+    batches = [{"input_ids": rows[:, :-1], "labels": rows[:, 1:]} for rows in mine.tensor_split(microbatches)]
+    return batches, summed_cross_entropy, BATCH * SEQ, None
+
+
 def full_gradients(engine: TrainingEngine) -> dict[str, torch.Tensor]:
     """Every parameter's gradient on this rank's model parts, unsharded (collective)."""
     grads = {}
@@ -52,27 +102,26 @@ def full_gradients(engine: TrainingEngine) -> dict[str, torch.Tensor]:
     return grads
 
 
-def run(out: Path, family: str, flags: list[str], accumulate: int = 1) -> None:
+def run(out: Path, family: str, flags: list[str], accumulate: int = 1, rl: dict | None = None) -> None:
     """One forward and backward of `family` under `flags` (the rank's rows in `accumulate`
-    microbatches, gradients accumulated); rank 0 writes every gradient."""
+    microbatches, gradients accumulated) with the language-model loss, or the RL policy loss
+    of ``rl``'s ``--rl.*`` fields; rank 0 writes every gradient."""
     cfg = tyro.cli(TrainerConfig, default=recipe(RECIPES[family]), args=[
         "--model.flavor", "debugmodel_tiny", "--training.seq_len", str(SEQ), "--debug.seed", "3",
         "--job.dump_folder", str(out), *flags,
     ], use_underscores=True)
     engine = TrainingEngine.from_config(cfg, model_spec=model_spec(family), vocab_size=VOCAB)
     dims = engine.parallel_dims
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
-    local = BATCH // dims.dp_world_size
-    rows = slice(dims.dp_rank * local, (dims.dp_rank + 1) * local)
-    batch = {"input_ids": tokens[rows, :-1], "labels": tokens[rows, 1:]}
+    batches, loss_fn, normalizer, aux_count = (rl_microbatches(engine, cfg, rl, accumulate) if rl is not None
+                                               else lm_microbatches(engine, accumulate))
     # The collectives DTensor issues (TP's, not FSDP's); counted in one forward and backward
     # without PP only (torch's pipeline schedules hang under the dispatch mode, and its module
     # tracker fails on a second forward).
     comm = CommDebugMode() if not dims.pp_enabled and accumulate == 1 else contextlib.nullcontext()
     with comm:
-        for rows in torch.arange(local).tensor_split(accumulate):
-            engine.forward_backward({k: v[rows] for k, v in batch.items()}, summed_cross_entropy,
-                                    global_token_count=BATCH * SEQ, last_microbatch=bool(rows[-1] == local - 1))
+        for i, batch in enumerate(batches):
+            engine.forward_backward(batch, loss_fn, global_token_count=normalizer, aux_token_count=aux_count,
+                                    last_microbatch=i == len(batches) - 1)
     counts = {str(op).rpartition(".")[2]: n for op, n in comm.get_comm_counts().items()} \
         if isinstance(comm, CommDebugMode) else {}
     grads = full_gradients(engine)
@@ -92,9 +141,9 @@ def main(runs_file: str) -> None:
     from train_runs_worker import one_process_group
 
     with one_process_group():
-        for out, family, flags, accumulate in json.loads(Path(runs_file).read_text()):
+        for out, family, flags, accumulate, *rl in json.loads(Path(runs_file).read_text()):
             print(f"grad_parity_worker: run {out}", file=sys.stderr, flush=True)
-            run(Path(out), family, flags, accumulate)
+            run(Path(out), family, flags, accumulate, *rl)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,32 @@ LAYOUTS["qwen3_moe-interleaved_pp2_aux_loss"] = (2, "qwen3_moe", [
 # name -> (family, flags, microbatches); a layout's reference is its family's unless named here
 REFERENCES = {**{family: (family, [], 1) for family in FAMILIES}, "qwen3_moe_aux_loss": ("qwen3_moe", AUX, 8)}
 REFERENCE_OF = {"qwen3_moe-pp2_aux_loss": "qwen3_moe_aux_loss", "qwen3_moe-interleaved_pp2_aux_loss": "qwen3_moe_aux_loss"}
+
+# The RL policy loss of a fixed rollout (titan.rl's, built and normalized as its controller
+# does), with its KL penalty against reference log-probs, the entropy bonus and token
+# importance weights, at temperature 0.7: its log-probs and entropy come from vocab-sharded
+# logits under TP (the entropy's gradient was wrong there until 2026-12-05), and GRPO's
+# per-completion token mean spans CP's sequence shards. name -> --rl.* fields
+RL_LOSSES = {loss: {"loss_type": loss, "entropy_coef": 0.01, "kl_coef": 0.05} for loss in ("grpo", "gspo", "dapo")}
+CP2 = [*NO_DP, "--parallelism.context_parallel_degree", "2"]
+RL_LAYOUTS: dict[str, tuple[int, str, list[str], int, str]] = {  # name -> (ranks, family, flags, microbatches, loss)
+    "rl_grpo-fsdp2_accumulate2": (2, "llama3", [], 2, "grpo"),
+    "rl_grpo-tp2_sp_chunked": (2, "llama3", [*TP2, "--training.loss_chunk_tokens", "40"], 1, "grpo"),
+    "rl_gspo-tp2_sp": (2, "llama3", TP2, 1, "gspo"),
+    "rl_grpo-cp2": (2, "llama3", CP2, 1, "grpo"),
+    "rl_dapo-cp2": (2, "llama3", CP2, 1, "dapo"),
+    "rl_grpo-pp2": (2, "llama3", [*NO_DP, "--parallelism.pipeline_parallel_degree", "2"], 1, "grpo"),
+    "rl_grpo-qwen3_moe-tp2_sp": (2, "qwen3_moe", TP2, 1, "grpo"),
+}
+
+
+def rl_reference(layout: str) -> str:
+    """The one-process run an RL layout is compared with."""
+    _, family, _, _, loss = RL_LAYOUTS[layout]
+    return f"rl_{loss}-{family}"
+
+
+RL_REFERENCES = {rl_reference(layout): (family, loss) for layout, (_, family, _, _, loss) in RL_LAYOUTS.items()}
 RTOL = 1e-5
 """fp32 sums taken in another order across ranks: measured up to 7e-7 of a tensor's norm; the
 bug above was 8e-3 at this size."""
@@ -62,13 +88,15 @@ def launch_group(build_once, ranks: int) -> Path:
     """Every run of `ranks` processes (the one-process references for ranks 1) in one launch,
     once per session; one output folder per run name."""
     if ranks == 1:
-        runs = REFERENCES
+        runs = {name: (family, flags, accumulate, None) for name, (family, flags, accumulate) in REFERENCES.items()}
+        runs.update({name: (family, [], 1, RL_LOSSES[loss]) for name, (family, loss) in RL_REFERENCES.items()})
     else:
-        runs = {name: (family, flags, 1) for name, (r, family, flags) in LAYOUTS.items() if r == ranks}
+        runs = {name: (family, flags, 1, None) for name, (r, family, flags) in LAYOUTS.items() if r == ranks}
+        runs.update({name: (family, flags, accumulate, RL_LOSSES[loss])
+                     for name, (r, family, flags, accumulate, loss) in RL_LAYOUTS.items() if r == ranks})
 
     def build(folder: Path) -> None:
-        launch_runs(ranks, WORKER, [[str(folder / name), family, flags, accumulate]
-                                    for name, (family, flags, accumulate) in runs.items()],
+        launch_runs(ranks, WORKER, [[str(folder / name), *run] for name, run in runs.items()],
                     folder / "launch.log", torchrun=ranks > 1)
 
     return build_once(f"gradient_parity_ranks{ranks}", build)
@@ -79,7 +107,18 @@ def launch_group(build_once, ranks: int) -> Path:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_gradient_equals_one_process(build_once, layout):
     ranks, family, _ = LAYOUTS[layout]
-    reference_run = REFERENCE_OF.get(layout, family)
+    assert_gradients_equal(build_once, ranks, layout, REFERENCE_OF.get(layout, family))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gradient_parity")
+@pytest.mark.parametrize("layout", list(RL_LAYOUTS))
+def test_every_rl_gradient_equals_one_process(build_once, layout):
+    assert_gradients_equal(build_once, RL_LAYOUTS[layout][0], layout, rl_reference(layout))
+
+
+def assert_gradients_equal(build_once, ranks: int, layout: str, reference_run: str) -> None:
+    """Every parameter of `layout`'s run has the one-process run's gradient, to RTOL of its norm."""
     reference = torch.load(launch_group(build_once, 1) / reference_run / "grads.pt", weights_only=True)
     grads = torch.load(launch_group(build_once, ranks) / layout / "grads.pt", weights_only=True)
     assert grads.keys() == reference.keys()

@@ -34,8 +34,22 @@ def _logprob_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
 def _entropy_rows(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Entropy of softmax(logits / T) of ``[n, V]`` rows (vocab-sharded rows: each rank sums
     its slice of the vocabulary, then the sums are reduced)."""
-    logp = F.log_softmax(_scaled_rows(logits, temperature), dim=-1)
+    rows = _scaled_rows(logits, temperature)
+    if isinstance(rows, DTensor):
+        logp = _sharded_log_softmax(rows)
+    else:
+        logp = F.log_softmax(rows, dim=-1)
     return _replicated(-(logp.exp() * logp).sum(-1))
+
+
+def _sharded_log_softmax(rows: DTensor) -> DTensor:
+    """log_softmax of vocab-sharded ``[n, V]`` rows from max, exp, sum and log, each of which
+    DTensor differentiates as written. Not ``log_softmax``: inside ``loss_parallel()`` its
+    backward passes the incoming gradient through unchanged, which is right only when
+    ``nll_loss`` (whose backward then forms the whole softmax gradient) consumes the result;
+    an entropy built on it got a wrong gradient (300% off on the final norm under TP 2)."""
+    shifted = rows - rows.detach().amax(dim=-1, keepdim=True)
+    return shifted - shifted.exp().sum(dim=-1, keepdim=True).log()
 
 
 def _by_chunks(rows_fn, logits: torch.Tensor, targets: torch.Tensor | None, temperature: float,
