@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import tyro
 from titan.train.config import TrainerConfig
 from titan.train.engine import TrainingEngine
+from titan.train.loss import supervised_loss
 from torch.distributed.tensor.debug import CommDebugMode
 
 from titan.recipes.families import model_spec
@@ -34,13 +34,6 @@ from titan.recipes.recipes import recipe
 VOCAB, SEQ, BATCH = 256, 32, 8
 RECIPES = {"llama3": "llama3_debug", "qwen3": "qwen3_debug", "qwen3_moe": "qwen3_moe_debug",
            "deepseek_v3": "deepseek_v3_debug"}
-
-
-def summed_cross_entropy(logits: torch.Tensor, batch) -> torch.Tensor:
-    """Cross entropy summed over this rank's positions (the engine divides by the global count)."""
-    if hasattr(logits, "full_tensor"):  # loss parallel: logits sharded over the vocabulary
-        logits = logits.full_tensor()
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="sum")
 
 
 def rollout_rows() -> list:
@@ -80,15 +73,16 @@ def rl_microbatches(engine: TrainingEngine, cfg: TrainerConfig, rl_fields: dict,
     return batches, loss_fn, normalizer, float(sum(len(r.token_ids) for r in rows))
 
 
-def lm_microbatches(engine: TrainingEngine, microbatches: int):
-    """This rank's microbatches of a fixed random batch, the summed cross entropy and the
-    global token count (the language-model loss, as the trainer runs it)."""
+def lm_microbatches(engine: TrainingEngine, cfg: TrainerConfig, microbatches: int):
+    """This rank's microbatches of a fixed random batch, the trainer's loss function (summed
+    cross entropy; vocab-parallel under loss parallel, in --training.loss_chunk_tokens chunks)
+    and the global token count."""
     dims = engine.parallel_dims
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
     local = BATCH // dims.dp_world_size
     mine = tokens[dims.dp_rank * local : (dims.dp_rank + 1) * local]
     batches = [{"input_ids": rows[:, :-1], "labels": rows[:, 1:]} for rows in mine.tensor_split(microbatches)]
-    return batches, summed_cross_entropy, BATCH * SEQ, None
+    return batches, supervised_loss(chunk_tokens=cfg.training.loss_chunk_tokens), BATCH * SEQ, None
 
 
 def full_gradients(engine: TrainingEngine) -> dict[str, torch.Tensor]:
@@ -113,7 +107,7 @@ def run(out: Path, family: str, flags: list[str], accumulate: int = 1, rl: dict 
     engine = TrainingEngine.from_config(cfg, model_spec=model_spec(family), vocab_size=VOCAB)
     dims = engine.parallel_dims
     batches, loss_fn, normalizer, aux_count = (rl_microbatches(engine, cfg, rl, accumulate) if rl is not None
-                                               else lm_microbatches(engine, accumulate))
+                                               else lm_microbatches(engine, cfg, accumulate))
     # The collectives DTensor issues (TP's, not FSDP's); counted in one forward and backward
     # without PP only (torch's pipeline schedules hang under the dispatch mode, and its module
     # tracker fails on a second forward).

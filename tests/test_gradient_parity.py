@@ -7,7 +7,8 @@ moves almost as it should, and the global norm hides a small tensor's error (Dee
 tensor parallel gave MLA's down-projection half of the gradient of its rotated key part:
 the norm read 1.3e-5 off, the weights agreed, the gradient of those rows was 50% off). Here
 one forward and backward of each family's tiny model on one batch, and every full gradient
-compared tensor by tensor (tests/grad_parity_worker.py). The same tensor-parallel steps count
+compared tensor by tensor (tests/grad_parity_worker.py), under the trainer's own loss function
+(vocab-parallel under TP) and under the RL policy loss. The same tensor-parallel steps count
 the collectives they issue, against the rule `titan plan` times them by.
 """
 
@@ -28,6 +29,8 @@ NO_SP = ["--parallelism.no_enable_sequence_parallel", "--parallelism.no_enable_l
 # name -> (ranks, family, flags)
 LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
     **{f"{family}-tp2_sp": (2, family, TP2) for family in FAMILIES},
+    # the trainer's vocab-parallel cross entropy, 40 positions at a time (recomputed in backward)
+    "llama3-tp2_sp_chunked_loss": (2, "llama3", [*TP2, "--training.loss_chunk_tokens", "40"]),
     # per-head q/k norms over TP-sharded heads, with and without SP
     "qwen3-tp2": (2, "qwen3", [*TP2, *NO_SP]),
     # MLA: low-rank projections replicated, the rotated key part read by every head
@@ -146,9 +149,10 @@ def test_tensor_parallel_collectives_are_the_planners(build_once, family):
                                "--training.seq_len", "32", "--training.local_batch_size", "8"])
     facts, _, _ = model_facts(config)
     tpc, n = facts.tp_collectives, len(facts.blocks)
-    # + the embedding's and the output projection's pairs; + 1 gather: the worker's loss
-    # gathers the vocab-sharded logits whole (titan's loss parallel does not).
-    expected = {"all_gather_into_tensor": n * (tpc.pairs + tpc.sp_gathers) + 2 + 1,
+    # + the embedding's and the output projection's pairs; + 3 all-reduces: the trainer's
+    # vocab-parallel cross entropy (the logits' maximum, the sum of exponentials, the label's
+    # logit; the vocab-sharded logits are never gathered).
+    expected = {"all_gather_into_tensor": n * (tpc.pairs + tpc.sp_gathers) + 2,
                 "reduce_scatter_tensor": n * tpc.pairs + 2,
-                "all_reduce": n * tpc.all_reduces}
+                "all_reduce": n * tpc.all_reduces + 3}
     assert {k: counts.get(k, 0) for k in expected} == pytest.approx(expected), counts
