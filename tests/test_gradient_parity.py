@@ -53,9 +53,16 @@ LAYOUTS["qwen3_moe-pp2_aux_loss"] = (2, "qwen3_moe", [*AUX, *NO_DP, "--paralleli
 LAYOUTS["qwen3_moe-interleaved_pp2_aux_loss"] = (2, "qwen3_moe", [
     *AUX, *NO_DP, "--parallelism.pipeline_parallel_degree", "2",
     "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1"])
+# One matrix for the embedding and the output projection: TP shards it for both.
+TIED = ["--model.flavor", "debugmodel_tiny_tied"]
+LAYOUTS["llama3_tied-tp2_sp"] = (2, "llama3", [*TIED, *TP2])
+LAYOUTS["llama3_tied-tp2"] = (2, "llama3", [*TIED, *TP2, *NO_SP])
+LAYOUTS["llama3_tied-fsdp2"] = (2, "llama3", TIED)
 # name -> (family, flags, microbatches); a layout's reference is its family's unless named here
-REFERENCES = {**{family: (family, [], 1) for family in FAMILIES}, "qwen3_moe_aux_loss": ("qwen3_moe", AUX, 8)}
-REFERENCE_OF = {"qwen3_moe-pp2_aux_loss": "qwen3_moe_aux_loss", "qwen3_moe-interleaved_pp2_aux_loss": "qwen3_moe_aux_loss"}
+REFERENCES = {**{family: (family, [], 1) for family in FAMILIES}, "qwen3_moe_aux_loss": ("qwen3_moe", AUX, 8),
+              "llama3_tied": ("llama3", TIED, 1)}
+REFERENCE_OF = {"qwen3_moe-pp2_aux_loss": "qwen3_moe_aux_loss", "qwen3_moe-interleaved_pp2_aux_loss": "qwen3_moe_aux_loss",
+                **{layout: "llama3_tied" for layout in LAYOUTS if layout.startswith("llama3_tied")}}
 
 # The RL policy loss of a fixed rollout (titan.rl's, built and normalized as its controller
 # does), with its KL penalty against reference log-probs, the entropy bonus and token
