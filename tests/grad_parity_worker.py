@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -36,6 +37,12 @@ RECIPES = {"llama3": "llama3_debug", "qwen3": "qwen3_debug", "qwen3_moe": "qwen3
            "deepseek_v3": "deepseek_v3_debug"}
 
 
+def near_uniform(tokens: int, g: torch.Generator) -> list[float]:
+    """Log-probs near an untrained model's (log 1/VOCAB): importance ratios near 1, so a
+    sequence's product of them neither vanishes nor saturates its cap."""
+    return (-math.log(VOCAB) + 0.2 * torch.randn(tokens, generator=g)).tolist()
+
+
 def rollout_rows() -> list:
     """``BATCH`` scored completions of random lengths (one masked, as --rl.mask_truncated
     leaves a truncated one), with generator and reference log-probs, fixed by a seed."""
@@ -47,10 +54,9 @@ def rollout_rows() -> list:
         prompt = int(torch.randint(2, 10, (), generator=g))
         completion = int(torch.randint(1, SEQ + 1 - prompt, (), generator=g))
         ids = torch.randint(0, VOCAB, (prompt + completion,), generator=g).tolist()
-        rows.append(Row(prompt_ids=ids[:prompt], token_ids=ids[prompt:],
-                        logprobs=(-3 * torch.rand(completion, generator=g)).tolist(),
+        rows.append(Row(prompt_ids=ids[:prompt], token_ids=ids[prompt:], logprobs=near_uniform(completion, g),
                         advantage=float(torch.randn((), generator=g)), train=i != 3,
-                        ref_logprobs=(-3 * torch.rand(completion, generator=g)).tolist()))
+                        ref_logprobs=near_uniform(completion, g)))
     return rows
 
 
@@ -68,8 +74,8 @@ def rl_microbatches(engine: TrainingEngine, cfg: TrainerConfig, rl_fields: dict,
     batches = [build_batch(mine, seq_len=SEQ, pad_id=0) for mine in split_rows(
         rows, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
         microbatch_size=BATCH // dims.dp_world_size // microbatches)]
-    loss_fn = RolloutLoss(rl, temperature=0.7, chunk_tokens=cfg.training.loss_chunk_tokens).for_microbatch(
-        {}, None, measure_mismatch=False)
+    loss_fn = RolloutLoss.on_engine(engine, rl, temperature=0.7, chunk_tokens=cfg.training.loss_chunk_tokens)\
+        .for_microbatch({}, None, measure_mismatch=False)
     return batches, loss_fn, normalizer, float(sum(len(r.token_ids) for r in rows))
 
 

@@ -141,6 +141,14 @@ def test_importance_weights_by_hand():
     # Sequence level: the product over the row's loss tokens (3 * 0.5 * 1.25 = 1.875; 0.25).
     w, _ = importance_weights(old, gen, MASK, level="sequence", cap=0.0)
     torch.testing.assert_close(w, torch.tensor([[1.875] * 3, [0.25, 0.25, 0.0]]))
+    # Rows split across two ranks (context parallel: positions 0-1 here, 2 there): each
+    # shard's row sums are completed by the other's (``sequence_sum``), giving the same weights.
+    shards = [(slice(0, 2), slice(2, 3)), (slice(2, 3), slice(0, 2))]
+    for mine, theirs in shards:
+        other = ((old[:, theirs] - gen[:, theirs]) * MASK[:, theirs]).sum(-1, keepdim=True)
+        w_shard, _ = importance_weights(old[:, mine], gen[:, mine], MASK[:, mine], level="sequence", cap=0.0,
+                                        sequence_sum=lambda row, other=other: row + other)
+        torch.testing.assert_close(w_shard, w[:, mine])
 
 
 def test_importance_weights_scale_the_policy_term_only():

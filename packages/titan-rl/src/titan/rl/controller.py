@@ -192,8 +192,8 @@ class RLTrainer(TrainingLoop):
         self.engine.add_state("rl_controller", self.state)
         self.warmup_loader = self._build_warmup_loader()
         self.sampling = dataclasses.replace(cfg.sampling, n=cfg.rl.group_size)
-        self.loss = RolloutLoss(cfg.rl, temperature=self.sampling.temperature,
-                                chunk_tokens=cfg.training.loss_chunk_tokens)
+        self.loss = RolloutLoss.on_engine(self.engine, cfg.rl, temperature=self.sampling.temperature,
+                                          chunk_tokens=cfg.training.loss_chunk_tokens)
         if cfg.rl.generator_ranks:
             self.remote = RemoteGenerators(current_split())
         # Colocated: rank 0 generates and scores every rollout for all ranks.

@@ -52,7 +52,7 @@ term. An entropy bonus (``entropy_coef > 0``) subtracts ``entropy_coef * H`` per
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import torch
@@ -124,6 +124,7 @@ def importance_weights(
     cap: float = 2.0,
     mask_low: float = 0.0,
     mask_high: float = 0.0,
+    sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Detached weights ``[B, S]`` correcting the trainer/generator mismatch, and their stats.
 
@@ -133,13 +134,19 @@ def importance_weights(
     ``[mask_low, mask_high]`` gets weight 0 (a bound of 0 is no bound). Truncated IS: what
     remains is capped at ``cap`` (0: no cap). Stats are sums over loss tokens:
     ``is_weight`` (the weights used), ``is_capped`` and ``is_masked`` (counts), and
-    ``is_weight_max`` (the largest raw weight, a max not a sum)."""
+    ``is_weight_max`` (the largest raw weight, a max not a sum). ``sequence_sum``: adds a
+    ``[B, 1]`` per-row value over the ranks holding the rows' other positions (context
+    parallel splits each row's tokens; a sequence's weight needs all of them); None: whole
+    rows are here."""
     if level not in ("token", "sequence"):
         raise ValueError(f"--rl.is_level must be token, sequence or off, got {level!r}")
     mask = loss_mask.to(torch.float32)
     log_w = (old_logprobs.detach().float() - generator_logprobs.float()) * mask
     if level == "sequence":
-        log_w = log_w.sum(-1, keepdim=True).expand_as(mask)
+        row_log_w = log_w.sum(-1, keepdim=True)
+        if sequence_sum is not None:
+            row_log_w = sequence_sum(row_log_w)
+        log_w = row_log_w.expand_as(mask)
     raw = torch.exp(log_w)
     keep = torch.ones_like(mask, dtype=torch.bool)
     if mask_low > 0:

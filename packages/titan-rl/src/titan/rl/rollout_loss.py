@@ -10,6 +10,7 @@ microbatches and ranks (sums, except :data:`MAX_STATS`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,10 +46,22 @@ def combine_stats(into: dict[str, Any], stats: Mapping[str, Any]) -> None:
 
 class RolloutLoss:
     """The loss closures of one run: ``--rl.*`` (``rl``), the sampling temperature the
-    generator's log-probs were taken at, and ``--training.loss_chunk_tokens``."""
+    generator's log-probs were taken at, and ``--training.loss_chunk_tokens``.
+    ``sequence_sum``: adds a per-row value over the context-parallel ranks (each holds a
+    share of every row's tokens), for a sequence's importance weight
+    (``--rl.is_level sequence``); None without context parallel."""
 
-    def __init__(self, rl: RLSection, *, temperature: float, chunk_tokens: int) -> None:
+    def __init__(self, rl: RLSection, *, temperature: float, chunk_tokens: int,
+                 sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.rl, self.temperature, self.chunk_tokens = rl, temperature, chunk_tokens
+        self.sequence_sum = sequence_sum
+
+    @classmethod
+    def on_engine(cls, engine: Any, rl: RLSection, *, temperature: float, chunk_tokens: int) -> RolloutLoss:
+        """The loss of a run on ``engine`` (a ``TrainingEngine``): under context parallel a
+        sequence's importance weight sums its log-ratios over the CP ranks."""
+        cp_sum = functools.partial(engine.sum_over, axis="cp") if engine.parallel_dims.cp_enabled else None
+        return cls(rl, temperature=temperature, chunk_tokens=chunk_tokens, sequence_sum=cp_sum)
 
     def label_logprobs(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs (fp32, 0 off the labels) of the label tokens, and the label mask. Logits
@@ -69,7 +82,7 @@ class RolloutLoss:
             return before_update, None, 0.0, {}
         weights, stats = importance_weights(
             before_update, generator, loss_mask, level=rl.is_level, cap=rl.is_cap,
-            mask_low=rl.is_mask_low, mask_high=rl.is_mask_high,
+            mask_low=rl.is_mask_low, mask_high=rl.is_mask_high, sequence_sum=self.sequence_sum,
         )
         return before_update, weights, 0.0, stats
 
