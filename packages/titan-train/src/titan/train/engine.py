@@ -488,7 +488,9 @@ class TrainingEngine:
             with loss_parallel_context(self.parallel_dims, self.parallelism):
                 with self._autocast():
                     logits = self.model_parts[0](batch["input_ids"], **self._model_kwargs(batch))
-                loss = loss_fn(logits, batch) * scale + self._auxiliary_loss(self.model_parts, batch) * aux_scale
+                # The loss as a plain tensor: under loss parallel it is a replicated DTensor,
+                # and autograd cannot add it to a plain auxiliary loss in backward.
+                loss = local_value(loss_fn(logits, batch)) * scale + self._auxiliary_loss(self.model_parts, batch) * aux_scale
                 del logits  # free the largest activation before backward
                 loss.backward()
             loss = local_value(loss.detach())
@@ -725,7 +727,7 @@ class TrainingEngine:
 
         def microbatch_loss(output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
             rows_batch = {k: v[rows] for k, v in batch.items()}
-            loss = loss_fn(output, rows_batch) * scale
+            loss = local_value(loss_fn(output, rows_batch)) * scale
             if aux_scale:
                 loss = loss + self._auxiliary_loss(self.model_parts[-1:], rows_batch) * aux_scale
             return loss
