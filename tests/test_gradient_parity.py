@@ -61,12 +61,15 @@ LAYOUTS["llama3_tied-fsdp2"] = (2, "llama3", TIED)
 # Under TP with loss parallel the loss is a DTensor: adding the plain auxiliary loss failed
 # in backward until 2026-12-05.
 LAYOUTS["qwen3_moe-tp2_sp_aux_loss"] = (2, "qwen3_moe", [*AUX, *TP2])
+# Under CP each rank routes a share of every sequence: the loss's statistics are the whole
+# microbatch's, summed over the CP ranks (the router's gradient was 60% off before 2026-12-05).
+LAYOUTS["qwen3_moe-cp2_aux_loss"] = (2, "qwen3_moe", [*AUX, *NO_DP, "--parallelism.context_parallel_degree", "2"])
 # name -> (family, flags, microbatches); a layout's reference is its family's unless named here
 REFERENCES = {**{family: (family, [], 1) for family in FAMILIES}, "qwen3_moe_aux_loss": ("qwen3_moe", AUX, 8),
               "qwen3_moe_aux_loss_whole": ("qwen3_moe", AUX, 1),
               "llama3_tied": ("llama3", TIED, 1)}
 REFERENCE_OF = {"qwen3_moe-pp2_aux_loss": "qwen3_moe_aux_loss", "qwen3_moe-interleaved_pp2_aux_loss": "qwen3_moe_aux_loss",
-                "qwen3_moe-tp2_sp_aux_loss": "qwen3_moe_aux_loss_whole",
+                "qwen3_moe-tp2_sp_aux_loss": "qwen3_moe_aux_loss_whole", "qwen3_moe-cp2_aux_loss": "qwen3_moe_aux_loss_whole",
                 **{layout: "llama3_tied" for layout in LAYOUTS if layout.startswith("llama3_tied")}}
 
 # The RL policy loss of a fixed rollout (titan.rl's, built and normalized as its controller

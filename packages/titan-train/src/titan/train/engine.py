@@ -19,6 +19,7 @@ token of the global batch weighs the same whatever rank or microbatch it landed 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -66,7 +67,12 @@ from titan.train.fault_tolerance import FaultToleranceConfig, ReplicaGroups
 from titan.train.float8_tensor_parallel import float8_tensor_parallel
 from titan.train.loss import IGNORE_INDEX, NonFiniteLossError
 from titan.train.lr_scheduler import LRSchedulerConfig, build_lr_scheduler
-from titan.train.model_spec import HasAuxLoss, ModelSpec, UpdatesAfterOptimizerStep
+from titan.train.model_spec import (
+    HasAuxLoss,
+    ModelSpec,
+    TakesSequenceSum,
+    UpdatesAfterOptimizerStep,
+)
 from titan.train.optimizer import OptimizerConfig, build_optimizer
 from titan.train.quantize import (
     QuantizeConfig,
@@ -76,6 +82,7 @@ from titan.train.quantize import (
     warn_if_float8_uncompiled,
 )
 from torch import nn
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("titan")
@@ -387,6 +394,7 @@ class TrainingEngine:
             parts = [parallelize(model, self.parallel_dims, self.mesh, **common, mp_policy=mp_policy)]
         if float8_tp is not None:
             logger.info(float8_tp.summary() + (" (this rank's pipeline stages)" if self.parallel_dims.pp_enabled else ""))
+        self._connect_sequence_sums(parts)
         for part in parts:
             part.to_empty(device=self.device)
             # Values depend on the seed and each parameter's name only: every layout starts
@@ -395,6 +403,19 @@ class TrainingEngine:
                 part.init_weights(buffer_device=self.device, seed=seed)
             part.train()
         return parts
+
+    def _connect_sequence_sums(self, parts: list[nn.Module]) -> None:
+        """Under context parallel, hand every module that takes a statistic over a whole
+        microbatch (`TakesSequenceSum`, an MoE router's balancing loss) the differentiable sum
+        over the CP ranks, which hold the other positions of its sequences."""
+        cp_mesh = self.parallel_dims.mesh("cp")
+        if cp_mesh is None or cp_mesh.size() == 1:
+            return
+        sequence_sum = functools.partial(differentiable_all_reduce, group=cp_mesh.get_group())
+        for part in parts:
+            for module in part.modules():
+                if isinstance(module, TakesSequenceSum):
+                    module.set_sequence_sum(sequence_sum)
 
     def _build_checkpointer(
         self, meta_model: nn.Module, config: CheckpointConfig, dump_folder: str, states: Mapping[str, Any]

@@ -47,6 +47,16 @@ class UpdatesAfterOptimizerStep(Protocol):
     def after_optimizer_step(self, sum_over_dp: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
 
 
+@runtime_checkable
+class TakesSequenceSum(Protocol):
+    """A submodule whose training forward takes a statistic over all of a microbatch's
+    tokens (an MoE router's balancing loss), which context parallel splits over its ranks:
+    the engine hands it ``sequence_sum(tensor)``, a differentiable sum over the
+    context-parallel ranks (None without context parallel)."""
+
+    def set_sequence_sum(self, sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None) -> None: ...
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Everything the trainer needs to know about one model family.

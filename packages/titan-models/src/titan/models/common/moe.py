@@ -201,7 +201,11 @@ class MoE(nn.Module):
     in training, each forward leaves `aux_loss` = coef * E * sum_e f_e * P_e (f_e: tokens
     routed to e per token, P_e: mean router probability of e) on the module, with its graph;
     the training engine adds it to a loop's loss through the model's `aux_loss()` (weighted by
-    the microbatch's labelled tokens). The model output never includes it.
+    the microbatch's labelled tokens). The model output never includes it. Under context
+    parallel each rank holds a share of every sequence: the engine hands the module
+    `set_sequence_sum(fn)`, a differentiable sum over those ranks, so that f_e and P_e are the
+    whole microbatch's (as in one process, and as Megatron-LM reduces them over its TP x CP
+    group), not each share's.
     """
 
     def __init__(
@@ -244,6 +248,13 @@ class MoE(nn.Module):
         # Data-parallel-summed counts of the last optimizer step, for metrics.
         self.register_buffer("last_tokens_per_expert", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
         self.aux_loss: torch.Tensor | None = None
+        self.sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def set_sequence_sum(self, sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Sum over the ranks that hold the other positions of this rank's sequences (context
+        parallel), differentiable; the aux loss's statistics are taken over all of them. None:
+        every sequence is whole here."""
+        self.sequence_sum = sequence_sum
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's signature)
         # A dtype cast of the model (`.to(torch.bfloat16)`) must not round the counts or the
@@ -276,14 +287,13 @@ class MoE(nn.Module):
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=routed_to.device).scatter_add_(
             0, routed_to, torch.ones_like(routed_to))
         if token_mask is None:
-            self._record(counts, scores.mean(0), scores.shape[0])
+            self._record(counts, scores.sum(0), scores.new_tensor(scores.shape[0]))
         else:
             # Weights instead of boolean indexing: shapes stay static (torch.compile).
             real = token_mask.reshape(-1, 1).to(scores.dtype)
             real_counts = torch.zeros(self.n_experts, dtype=scores.dtype, device=scores.device).scatter_add_(
                 0, selected.flatten(), real.expand_as(selected).flatten())
-            n_real = real.sum().clamp(min=1)
-            self._record(real_counts, (scores * real).sum(0) / n_real, n_real)
+            self._record(real_counts, (scores * real).sum(0), real.sum())
         # Token copies in expert order; a stable sort keeps token order within an expert.
         order = torch.argsort(selected.flatten(), stable=True)
         # repeat_interleave + a permutation (instead of flat[order // k]) keeps the backward
@@ -298,10 +308,10 @@ class MoE(nn.Module):
             out = out + self.shared_experts(flat)
         return out.view(shape)
 
-    def _record(self, counts: torch.Tensor, mean_scores: torch.Tensor, n_tokens) -> None:
+    def _record(self, counts: torch.Tensor, score_sums: torch.Tensor, n_tokens: torch.Tensor) -> None:
         """Accumulate the load counts (assignments per expert of the `n_tokens` counted
-        tokens) and compute the aux loss from them and the tokens' `mean_scores`, once per
-        real forward."""
+        tokens) and compute the aux loss from them and the tokens' summed scores per expert
+        (`score_sums`), once per real forward."""
         # Activation checkpointing reruns this forward inside backward: count the tokens and
         # keep the aux loss of the first run only. The rerun still computes the aux loss, so
         # it saves the same tensors for backward as the first run (checkpoint checks that).
@@ -311,8 +321,14 @@ class MoE(nn.Module):
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         aux = None
         if self.aux_loss_coef > 0 and self.training and torch.is_grad_enabled():
-            fraction = counts.to(mean_scores.dtype) / n_tokens  # sums to top_k, as in HF
-            aux = self.aux_loss_coef * self.n_experts * (fraction * mean_scores).sum()
+            counts = counts.to(score_sums.dtype)
+            if self.sequence_sum is not None:  # one collective for the three
+                n = self.n_experts
+                summed = self.sequence_sum(torch.cat([score_sums, counts, n_tokens.reshape(1)]))
+                score_sums, counts, n_tokens = summed[:n], summed[n : 2 * n], summed[2 * n]
+            n_tokens = n_tokens.clamp(min=1)
+            fraction = counts / n_tokens  # sums to top_k, as in HF
+            aux = self.aux_loss_coef * self.n_experts * (fraction * (score_sums / n_tokens)).sum()
         if not rerun:
             self.aux_loss = aux
 
