@@ -80,11 +80,15 @@ REFERENCE_OF = {"qwen3_moe-pp2_aux_loss": "qwen3_moe_aux_loss", "qwen3_moe-inter
 RL_LOSSES = {loss: {"loss_type": loss, "entropy_coef": 0.01, "kl_coef": 0.05} for loss in ("grpo", "gspo", "dapo")}
 # a sequence's importance weight is the product of its tokens' ratios: CP splits the tokens
 RL_LOSSES["grpo_sequence_is"] = {**RL_LOSSES["grpo"], "is_level": "sequence"}
+RL_LOSSES["gspo_sequence_is"] = {**RL_LOSSES["gspo"], "is_level": "sequence"}
 CP2 = [*NO_DP, "--parallelism.context_parallel_degree", "2"]
 RL_LAYOUTS: dict[str, tuple[int, str, list[str], int, str]] = {  # name -> (ranks, family, flags, microbatches, loss)
     "rl_grpo-fsdp2_accumulate2": (2, "llama3", [], 2, "grpo"),
     "rl_grpo-tp2_sp_chunked": (2, "llama3", [*TP2, "--training.loss_chunk_tokens", "40"], 1, "grpo"),
     "rl_gspo-tp2_sp": (2, "llama3", TP2, 1, "gspo"),
+    # GSPO's sequence ratio over CP's shares of each row (refused under CP before 2026-12-05)
+    "rl_gspo-cp2": (2, "llama3", CP2, 1, "gspo"),
+    "rl_gspo_sequence_is-cp2": (2, "llama3", CP2, 1, "gspo_sequence_is"),
     "rl_grpo-cp2": (2, "llama3", CP2, 1, "grpo"),
     "rl_dapo-cp2": (2, "llama3", CP2, 1, "dapo"),
     "rl_grpo_sequence_is-cp2": (2, "llama3", CP2, 1, "grpo_sequence_is"),

@@ -477,8 +477,8 @@ TWO_RANK_RUNS = {
     "pp_two_passes": [*DETERMINISTIC, "--rl.ppo_epochs", "2", "--parallelism.pipeline_parallel_degree", "2"],
     "tp": [*DETERMINISTIC, "--parallelism.tensor_parallel_degree", "2", "--training.loss_chunk_tokens", "40"],
     "async_kl": ASYNC_KL,
-    "cp_sequence_is": [*DETERMINISTIC, *SEQUENCE_IS, "--parallelism.context_parallel_degree", "2",
-                       "--parallelism.data_parallel_shard_degree", "1"],
+    **{f"cp_{loss}": [*DETERMINISTIC, *SEQUENCE_IS, "--rl.loss_type", loss, "--parallelism.context_parallel_degree", "2",
+                      "--parallelism.data_parallel_shard_degree", "1"] for loss in ("grpo", "gspo")},
 }
 TWO_RANKS = pytest.mark.xdist_group("rl_two_ranks")
 
@@ -552,13 +552,15 @@ def test_pipeline_parallel_with_a_pre_update_pass_matches_one_rank(tmp_path, two
 
 @pytest.mark.slow
 @TWO_RANKS
-def test_context_parallel_rl_with_sequence_weights_matches_one_rank(tmp_path, two_rank_runs):
+@pytest.mark.parametrize("loss", ["grpo", "gspo"])
+def test_context_parallel_rl_with_sequence_weights_matches_one_rank(tmp_path, two_rank_runs, loss):
     """CP 2 gives each rank a share of every completion's tokens. A sequence's importance
     weight (--rl.is_level sequence) is the product of all its tokens' ratios: each rank used
     its own share's (the gradient 17% off, tests/test_gradient_parity.py) until the log-ratio
-    sums were added over the CP ranks. Equal to one rank up to float32 summation order."""
-    run_rl(tmp_path / "one", *DETERMINISTIC, *SEQUENCE_IS)
-    assert_two_pass_runs_match(two_rank_runs / "cp_sequence_is", tmp_path / "one")
+    sums were added over the CP ranks; GSPO's sequence ratio, the geometric mean of them, was
+    refused under CP. Equal to one rank up to float32 summation order."""
+    run_rl(tmp_path / "one", *DETERMINISTIC, *SEQUENCE_IS, "--rl.loss_type", loss)
+    assert_two_pass_runs_match(two_rank_runs / f"cp_{loss}", tmp_path / "one")
 
 
 def assert_two_pass_runs_match(run: Path, one_rank: Path) -> None:

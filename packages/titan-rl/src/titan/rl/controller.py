@@ -184,7 +184,7 @@ class RLTrainer(TrainingLoop):
     def __init__(self, config: RLConfig, *, model_spec: ModelSpec) -> None:
         super().__init__(config, model_spec=model_spec)
         cfg = config
-        self._check_layout()
+        self._check_sequence_budget()
         if not cfg.rl.generator_ranks:  # disaggregated: vLLM runs on the generator ranks, one each
             check_generator_kind(cfg.generator.kind, world_size=self.engine.dist_env.world_size)
         train_prompts, self.eval_prompts = build_prompts(cfg.rl_data, self.tokenizer)
@@ -241,15 +241,9 @@ class RLTrainer(TrainingLoop):
                 "(--rl.prompts_per_step x --rl.group_size completions): leave it at -1"
             )
 
-    def _check_layout(self) -> None:
-        """Refuse layouts the RL loss cannot follow, before any work."""
-        dims = self.engine.parallel_dims
+    def _check_sequence_budget(self) -> None:
+        """Refuse a generation budget that does not fit a training sequence, before any work."""
         cfg = self.config
-        if dims.cp_enabled and cfg.rl.loss_type == "gspo":
-            raise ValueError(
-                "--rl.loss_type gspo needs each completion's whole sequence on one rank; it does not "
-                "run under --parallelism.context_parallel_degree > 1 (use grpo, dapo or dr_grpo)"
-            )
         if cfg.sampling.max_new_tokens >= cfg.training.seq_len:
             raise ValueError(
                 f"--sampling.max_new_tokens {cfg.sampling.max_new_tokens} does not fit --training.seq_len "

@@ -165,6 +165,25 @@ def importance_weights(
     return weights, stats
 
 
+def _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights, sequence_sum):
+    """GSPO's policy sum, the per-token weights of its KL and entropy terms (per-sequence token
+    means) and its clipped tokens. Its ratio is a sequence's geometric mean of the token
+    ratios: under context parallel (``sequence_sum`` given) each rank holds a share of every
+    row's tokens, so the row sums are summed over the CP ranks (differentiably: the backward
+    sums the gradient back), and each rank counts its token share of each sequence's loss,
+    which sums to the whole over the ranks."""
+    row_sum = sequence_sum if sequence_sum is not None else (lambda x: x)
+    local_tokens = mask.sum(-1, keepdim=True)
+    lengths = row_sum(local_tokens.detach()).clamp(min=1)
+    seq_ratio = torch.exp(row_sum(log_ratio.sum(-1, keepdim=True)) / lengths)  # geometric mean
+    seq_adv = row_sum((adv * mask).sum(-1, keepdim=True).detach()) / lengths  # the completion's advantage
+    seq_loss, seq_clipped = _clipped_surrogate(seq_ratio, seq_adv, eps_low, eps_high, is_cap)
+    if is_weights is not None:  # the sequence's mean token weight (its weight, per sequence)
+        seq_loss = seq_loss * row_sum((is_weights.detach() * mask).sum(-1, keepdim=True)) / lengths
+    policy_sum = (seq_loss * local_tokens / lengths).sum()  # this rank's share (all of it without CP)
+    return policy_sum, mask / lengths, seq_clipped.expand_as(mask) * mask
+
+
 def _sequence_lengths(loss_mask: torch.Tensor, sequence_lengths: torch.Tensor | None) -> torch.Tensor:
     """Loss tokens per row, ``[B, 1]`` (or per token ``[B, S]`` when the caller gives them,
     e.g. under context parallel where a row's shard does not see all its tokens)."""
@@ -190,11 +209,14 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     sequence_lengths: torch.Tensor | None = None,
+    sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """The summed loss of one microbatch for ``loss_type`` and its token-sum stats (module
     docstring). ``sequence_lengths`` (optional, ``[B, S]``): each token's completion length,
     for the ``grpo`` weights when rows are split (context parallel). ``is_weights``
-    (optional, ``[B, S]``, detached): per-token importance weights on the policy term."""
+    (optional, ``[B, S]``, detached): per-token importance weights on the policy term.
+    ``sequence_sum``: under context parallel, a differentiable sum over the ranks holding
+    the rows' other positions, for ``gspo``'s sequence ratio (:func:`_gspo_terms`)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"--rl.loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
     default_low, default_high = DEFAULT_CLIP[loss_type]
@@ -205,16 +227,8 @@ def policy_loss(
     log_ratio = (logprobs - old_logprobs) * mask  # masked tokens contribute 0 (exp -> 1)
 
     if loss_type == "gspo":
-        lengths = _sequence_lengths(mask, None)
-        seq_ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / lengths)  # geometric mean
-        seq_adv = (adv * mask).sum(-1, keepdim=True) / lengths  # the completion's advantage
-        seq_loss, seq_clipped = _clipped_surrogate(seq_ratio, seq_adv, eps_low, eps_high, is_cap)
-        if is_weights is not None:  # the sequence's mean token weight (its weight, per sequence)
-            seq_loss = seq_loss * (is_weights.detach() * mask).sum(-1, keepdim=True) / lengths
-        has_tokens = (mask.sum(-1, keepdim=True) > 0).to(mask.dtype)
-        policy_sum = (seq_loss * has_tokens).sum()
-        weights = mask / lengths  # what KL and entropy terms use: per-sequence token mean
-        clipped = seq_clipped.expand_as(mask) * mask
+        policy_sum, weights, clipped = _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights,
+                                                   sequence_sum)
     else:
         token_loss, token_clipped = _clipped_surrogate(torch.exp(log_ratio), adv, eps_low, eps_high, is_cap)
         if is_weights is not None:

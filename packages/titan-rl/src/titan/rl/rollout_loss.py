@@ -10,7 +10,6 @@ microbatches and ranks (sums, except :data:`MAX_STATS`).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -47,9 +46,9 @@ def combine_stats(into: dict[str, Any], stats: Mapping[str, Any]) -> None:
 class RolloutLoss:
     """The loss closures of one run: ``--rl.*`` (``rl``), the sampling temperature the
     generator's log-probs were taken at, and ``--training.loss_chunk_tokens``.
-    ``sequence_sum``: adds a per-row value over the context-parallel ranks (each holds a
-    share of every row's tokens), for a sequence's importance weight
-    (``--rl.is_level sequence``); None without context parallel."""
+    ``sequence_sum``: a differentiable sum of a per-row value over the context-parallel ranks
+    (each holds a share of every row's tokens), for a sequence's importance weight
+    (``--rl.is_level sequence``) and GSPO's sequence ratio; None without context parallel."""
 
     def __init__(self, rl: RLSection, *, temperature: float, chunk_tokens: int,
                  sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
@@ -59,9 +58,8 @@ class RolloutLoss:
     @classmethod
     def on_engine(cls, engine: Any, rl: RLSection, *, temperature: float, chunk_tokens: int) -> RolloutLoss:
         """The loss of a run on ``engine`` (a ``TrainingEngine``): under context parallel a
-        sequence's importance weight sums its log-ratios over the CP ranks."""
-        cp_sum = functools.partial(engine.sum_over, axis="cp") if engine.parallel_dims.cp_enabled else None
-        return cls(rl, temperature=temperature, chunk_tokens=chunk_tokens, sequence_sum=cp_sum)
+        sequence's importance weight and GSPO's sequence ratio sum over the CP ranks."""
+        return cls(rl, temperature=temperature, chunk_tokens=chunk_tokens, sequence_sum=engine.sequence_sum)
 
     def label_logprobs(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs (fp32, 0 off the labels) of the label tokens, and the label mask. Logits
@@ -115,6 +113,7 @@ class RolloutLoss:
                 kl_coef=rl.kl_coef if ref is not None else 0.0,
                 kl_estimator=rl.kl_estimator, entropy=entropy, entropy_coef=rl.entropy_coef,
                 sequence_lengths=batch["sequence_lengths"] if rl.loss_type == "grpo" else None,
+                sequence_sum=self.sequence_sum,
             )
             stats.update(is_stats)
             if measure_mismatch:

@@ -404,14 +404,23 @@ class TrainingEngine:
             part.train()
         return parts
 
-    def _connect_sequence_sums(self, parts: list[nn.Module]) -> None:
-        """Under context parallel, hand every module that takes a statistic over a whole
-        microbatch (`TakesSequenceSum`, an MoE router's balancing loss) the differentiable sum
-        over the CP ranks, which hold the other positions of its sequences."""
+    @property
+    def sequence_sum(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Under context parallel, a differentiable sum over the CP ranks, which hold the other
+        positions of this rank's sequences (its backward sums the gradient back); None
+        without. For statistics of whole sequences: an MoE balancing loss, an RL sequence
+        ratio. Collective on the CP ranks."""
         cp_mesh = self.parallel_dims.mesh("cp")
         if cp_mesh is None or cp_mesh.size() == 1:
+            return None
+        return functools.partial(differentiable_all_reduce, group=cp_mesh.get_group())
+
+    def _connect_sequence_sums(self, parts: list[nn.Module]) -> None:
+        """Hand every module that takes a statistic over a whole microbatch
+        (`TakesSequenceSum`, an MoE router's balancing loss) the CP ranks' `sequence_sum`."""
+        sequence_sum = self.sequence_sum
+        if sequence_sum is None:
             return
-        sequence_sum = functools.partial(differentiable_all_reduce, group=cp_mesh.get_group())
         for part in parts:
             for module in part.modules():
                 if isinstance(module, TakesSequenceSum):
