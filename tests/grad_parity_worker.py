@@ -116,8 +116,10 @@ def run(out: Path, family: str, flags: list[str], accumulate: int = 1, rl: dict 
                                                else lm_microbatches(engine, cfg, accumulate))
     # The collectives DTensor issues (TP's, not FSDP's); counted in one forward and backward
     # without PP only (torch's pipeline schedules hang under the dispatch mode, and its module
-    # tracker fails on a second forward).
-    comm = CommDebugMode() if not dims.pp_enabled and accumulate == 1 else contextlib.nullcontext()
+    # tracker fails on a second forward), and never when compiled (torch.compile skips every
+    # frame under a dispatch mode: the model would run eager).
+    counting = not dims.pp_enabled and accumulate == 1 and not cfg.compile.enable
+    comm = CommDebugMode() if counting else contextlib.nullcontext()
     with comm:
         for i, batch in enumerate(batches):
             engine.forward_backward(batch, loss_fn, global_token_count=normalizer, aux_token_count=aux_count,
