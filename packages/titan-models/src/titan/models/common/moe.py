@@ -407,3 +407,26 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
     (already multiplied by each module's `aux_loss_coef`); None when none did."""
     losses = [m.aux_loss for _, m in moe_modules(model) if m.aux_loss is not None]
     return torch.stack(losses).sum() if losses else None
+
+
+class MoEModelReports:
+    """What the training engine reads off an MoE model (`titan.train.model_spec`'s
+    `ReportsExpertLoad` and `HasAuxLoss`), the same for every MoE family: mixed into the
+    family's model class (an `nn.Module`)."""
+
+    def expert_load(self) -> dict[str, float]:
+        """Per-layer expert load of the last optimizer step (summed over data-parallel ranks):
+        `moe/layers.<i>/imbalance` (max / mean tokens per expert), `.../max_load` and
+        `moe/imbalance_max`; see `expert_load_metrics`."""
+        return expert_load_metrics(self)
+
+    def merge_expert_load(self, reports: list[dict[str, float]]) -> dict[str, float]:
+        """One record from the `expert_load()` of several parts of this model (pipeline
+        stages); see `merge_expert_load_metrics`."""
+        return merge_expert_load_metrics(reports)
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The routers' auxiliary loss of the last training forward (coefficients applied), or
+        None when no layer has one (balancing by the selection bias alone)."""
+        return moe_aux_loss(self)
+

@@ -11,19 +11,14 @@ from titan.models.common.decoder import Decoder, TransformerBlock
 from titan.models.common.feed_forward import FeedForward
 from titan.models.common.flavors import build_flavor
 from titan.models.common.mla import MultiHeadLatentAttention
-from titan.models.common.moe import (
-    MoE,
-    expert_load_metrics,
-    merge_expert_load_metrics,
-    moe_aux_loss,
-)
+from titan.models.common.moe import MoE, MoEModelReports
 from titan.models.common.plan import ShardingPlan
 from titan.models.common.rope import YarnScaling, rope_cache
 from titan.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepseekV3Args
 from torch import nn
 
 
-class DeepseekV3Model(Decoder):
+class DeepseekV3Model(MoEModelReports, Decoder):
     """DeepSeek-V3 decoder. Block i: `attention` is a `MultiHeadLatentAttention`
     (`wq` or `wq_a`/`q_norm`/`wq_b`, `wkv_a`/`kv_norm`/`wkv_b`, `wo`); `feed_forward` is a
     SwiGLU for i < `first_k_dense_replace`, else a `MoE` (`router.gate`, grouped
@@ -74,20 +69,6 @@ class DeepseekV3Model(Decoder):
         """Scores run over nope + rope channels, the weighted sum over v channels: the mean."""
         a = self.args
         return (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) / 2
-
-    def expert_load(self) -> dict[str, float]:
-        """Per-layer expert load of the last optimizer step (summed over data-parallel ranks);
-        see `titan.models.common.moe.expert_load_metrics`."""
-        return expert_load_metrics(self)
-
-    def merge_expert_load(self, reports: list[dict[str, float]]) -> dict[str, float]:
-        """One record from the `expert_load()` of several parts of this model (pipeline
-        stages); see `titan.models.common.moe.merge_expert_load_metrics`."""
-        return merge_expert_load_metrics(reports)
-
-    def aux_loss(self) -> torch.Tensor | None:
-        """Always None: DeepSeek-V3 balances with the selection bias, not an auxiliary loss."""
-        return moe_aux_loss(self)
 
     def sharding_plan(self) -> ShardingPlan:
         """The decoder's plan with MLA's projections: query and key/value up-projections

@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from titan.models.common.flavors import build_flavor
-from titan.models.common.moe import (
-    MoE,
-    expert_load_metrics,
-    merge_expert_load_metrics,
-    moe_aux_loss,
-)
+from titan.models.common.moe import MoE, MoEModelReports
 from titan.models.common.plan import ShardingPlan
 from titan.models.qwen3.model import Qwen3Model
 from titan.models.qwen3_moe.args import QWEN3_MOE_FLAVORS, Qwen3MoeArgs
 from torch import nn
 
 
-class Qwen3MoeModel(Qwen3Model):
+class Qwen3MoeModel(MoEModelReports, Qwen3Model):
     """Qwen3-MoE decoder. Block i is Qwen3's (QK-norm attention); in an MoE layer (see
     `Qwen3MoeArgs.is_moe_layer`) its `feed_forward` is a `MoE`: softmax router
     (`feed_forward.router.gate`), top-k, optional renormalization, no shared experts,
@@ -42,21 +36,6 @@ class Qwen3MoeModel(Qwen3Model):
                 load_balance_coeff=a.load_balance_coeff, aux_loss_coef=a.router_aux_loss_coef,
             )
         return block
-
-    def expert_load(self) -> dict[str, float]:
-        """Per-layer expert load of the last optimizer step (summed over data-parallel ranks):
-        `moe/layers.<i>/imbalance` (max / mean tokens per expert), `.../max_load` and
-        `moe/imbalance_max`; see `titan.models.common.moe.expert_load_metrics`."""
-        return expert_load_metrics(self)
-
-    def merge_expert_load(self, reports: list[dict[str, float]]) -> dict[str, float]:
-        """One record from the `expert_load()` of several parts of this model (pipeline
-        stages); see `titan.models.common.moe.merge_expert_load_metrics`."""
-        return merge_expert_load_metrics(reports)
-
-    def aux_loss(self) -> torch.Tensor | None:
-        """The router aux loss of the last training forward (coefficient applied), or None."""
-        return moe_aux_loss(self)
 
     def sharding_plan(self) -> ShardingPlan:
         """Qwen3's plan plus the MoE layers: routers replicated over TP, experts split by
