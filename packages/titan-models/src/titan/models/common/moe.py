@@ -287,13 +287,13 @@ class MoE(nn.Module):
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=routed_to.device).scatter_add_(
             0, routed_to, torch.ones_like(routed_to))
         if token_mask is None:
-            self._record(counts, scores.sum(0), scores.new_tensor(scores.shape[0]))
+            self._record(counts, scores.sum(0))
         else:
             # Weights instead of boolean indexing: shapes stay static (torch.compile).
             real = token_mask.reshape(-1, 1).to(scores.dtype)
             real_counts = torch.zeros(self.n_experts, dtype=scores.dtype, device=scores.device).scatter_add_(
                 0, selected.flatten(), real.expand_as(selected).flatten())
-            self._record(real_counts, (scores * real).sum(0), real.sum())
+            self._record(real_counts, (scores * real).sum(0))
         # Token copies in expert order; a stable sort keeps token order within an expert.
         order = torch.argsort(selected.flatten(), stable=True)
         # repeat_interleave + a permutation (instead of flat[order // k]) keeps the backward
@@ -308,9 +308,9 @@ class MoE(nn.Module):
             out = out + self.shared_experts(flat)
         return out.view(shape)
 
-    def _record(self, counts: torch.Tensor, score_sums: torch.Tensor, n_tokens: torch.Tensor) -> None:
-        """Accumulate the load counts (assignments per expert of the `n_tokens` counted
-        tokens) and compute the aux loss from them and the tokens' summed scores per expert
+    def _record(self, counts: torch.Tensor, score_sums: torch.Tensor) -> None:
+        """Accumulate the load counts (assignments per expert of the counted tokens, `top_k`
+        each) and compute the aux loss from them and the tokens' summed scores per expert
         (`score_sums`), once per real forward."""
         # Activation checkpointing reruns this forward inside backward: count the tokens and
         # keep the aux loss of the first run only. The rerun still computes the aux loss, so
@@ -322,11 +322,12 @@ class MoE(nn.Module):
         aux = None
         if self.aux_loss_coef > 0 and self.training and torch.is_grad_enabled():
             counts = counts.to(score_sums.dtype)
-            if self.sequence_sum is not None:  # one collective for the three
-                n = self.n_experts
-                summed = self.sequence_sum(torch.cat([score_sums, counts, n_tokens.reshape(1)]))
-                score_sums, counts, n_tokens = summed[:n], summed[n : 2 * n], summed[2 * n]
-            n_tokens = n_tokens.clamp(min=1)
+            if self.sequence_sum is not None:  # one collective for both
+                summed = self.sequence_sum(torch.cat([score_sums, counts]))
+                score_sums, counts = summed[: self.n_experts], summed[self.n_experts :]
+            # Every counted token made top_k assignments: the count comes from the device's
+            # tensors (a tensor made from a Python number would be a host-to-device copy).
+            n_tokens = (counts.sum() / self.top_k).clamp(min=1)
             fraction = counts / n_tokens  # sums to top_k, as in HF
             aux = self.aux_loss_coef * self.n_experts * (fraction * (score_sums / n_tokens)).sum()
         if not rerun:
