@@ -64,13 +64,11 @@ def rl_microbatches(engine: TrainingEngine, cfg: TrainerConfig, rl_fields: dict,
     """This rank's microbatches of the rollout, the loss function and the two normalizers,
     as the RL controller builds them (``RLController._minibatches`` and its loss)."""
     from titan.rl.config import RLSection
-    from titan.rl.losses import loss_normalizer
     from titan.rl.rollout_loss import RolloutLoss
-    from titan.rl.rollouts import build_batch, split_rows
+    from titan.rl.rollouts import build_batch, rows_loss_normalizer, split_rows
 
     rl, dims, rows = RLSection(**rl_fields), engine.parallel_dims, rollout_rows()
-    everything = build_batch(rows, seq_len=SEQ, pad_id=0)
-    normalizer = max(float(loss_normalizer(rl.loss_type, everything["loss_mask"], max_new_tokens=SEQ)), 1.0)
+    normalizer = rows_loss_normalizer(rows, rl.loss_type, max_new_tokens=SEQ)
     batches = [build_batch(mine, seq_len=SEQ, pad_id=0) for mine in split_rows(
         rows, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
         microbatch_size=BATCH // dims.dp_world_size // microbatches)]

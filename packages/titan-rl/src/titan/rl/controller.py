@@ -55,10 +55,17 @@ from titan.rl.config import RLConfig
 from titan.rl.data import build_prompts
 from titan.rl.disaggregated import TRAINER, GeneratorServer, RemoteGenerators, split_for_generators
 from titan.rl.generate.build import build_generator, check_generator_kind
-from titan.rl.losses import loss_normalizer, stat_means
+from titan.rl.losses import stat_means
 from titan.rl.producer import RolloutProducer, held_out_means
 from titan.rl.rollout_loss import MAX_STATS, SUMMED_STATS, RolloutLoss, combine_stats
-from titan.rl.rollouts import Rollout, build_batch, rollout_rows, rollout_stats, split_rows
+from titan.rl.rollouts import (
+    Rollout,
+    build_batch,
+    rollout_rows,
+    rollout_stats,
+    rows_loss_normalizer,
+    split_rows,
+)
 from titan.rl.schedule import RolloutSchedule
 from titan.rl.weight_sync import sync_colocated
 from titan.train.data.sft import build_sft_dataloader
@@ -365,15 +372,6 @@ class RLTrainer(TrainingLoop):
             self.engine.train(True)
         return out
 
-    def _normalizer(self, rows) -> float:
-        """The global divisor of the step's summed loss (every row of the global batch)."""
-        lengths = [len(r.token_ids) if r.train else 0 for r in rows]
-        mask = torch.zeros(len(rows), max(lengths + [1]))
-        for i, n in enumerate(lengths):
-            mask[i, :n] = 1
-        count = loss_normalizer(self.config.rl.loss_type, mask, max_new_tokens=self.sampling.max_new_tokens)
-        return max(float(count), 1.0)
-
     def _minibatches(self, rows, *, row_index: bool) -> list[tuple[float, float, list[dict[str, torch.Tensor]]]]:
         """The rollout's rows in --rl.minibatches_per_rollout contiguous minibatches, each as
         (its global loss normalizer, its global count of completion tokens — what a model's
@@ -395,7 +393,8 @@ class RLTrainer(TrainingLoop):
             for batch in batches if row_index else ():
                 batch_rows, seq = batch["input_ids"].shape
                 batch["row_index"] = torch.arange(batch_rows)[:, None].expand(batch_rows, seq).contiguous()
-            out.append((self._normalizer(chunk), completion_tokens, batches))
+            normalizer = rows_loss_normalizer(chunk, cfg.rl.loss_type, max_new_tokens=self.sampling.max_new_tokens)
+            out.append((normalizer, completion_tokens, batches))
         return out
 
     def rl_step(self) -> dict[str, Any] | None:

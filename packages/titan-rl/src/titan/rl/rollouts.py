@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from titan.rl.advantages import group_advantages, nonzero_variance_groups
 from titan.rl.generate.base import Completion
+from titan.rl.losses import loss_normalizer
 from titan.train.loss import IGNORE_INDEX
 
 
@@ -154,6 +155,16 @@ def build_batch(rows: Sequence[Row], *, seq_len: int, pad_id: int) -> dict[str, 
     if with_ref:
         batch["ref_logprobs"] = ref_logprobs
     return batch
+
+
+def rows_loss_normalizer(rows: Sequence[Row], loss_type: str, *, max_new_tokens: int) -> float:
+    """The global divisor of a step's summed policy loss over ``rows`` (every row of the
+    global batch): :func:`titan.rl.losses.loss_normalizer` of their loss tokens, at least 1."""
+    lengths = [len(r.token_ids) if r.train else 0 for r in rows]
+    mask = torch.zeros(len(rows), max(lengths + [1]))
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    return max(float(loss_normalizer(loss_type, mask, max_new_tokens=max_new_tokens)), 1.0)
 
 
 def padding_row(prompt_ids: list[int]) -> Row:
