@@ -192,6 +192,8 @@ BAD_INPUTS = [
     ("dataset_path_not_found", lambda t: ["--dataset.name", "text", "--dataset.path", str(t / "nope")],
      "--dataset.path"),
     ("unwritable_dump_folder", lambda t: ["--job.dump_folder", str(_file(t) / "out")], "--job.dump_folder"),
+    ("unwritable_checkpoint_folder", lambda t: ["--checkpoint.enable", "--checkpoint.folder", str(_file(t) / "ckpt")],
+     "--checkpoint.folder"),
     ("bad_tokenizer_file", lambda t: ["--tokenizer.kind", "hf", "--tokenizer.path", _bad_tokenizer(t)],
      "--tokenizer.path"),
     ("missing_tokenizer_file", lambda t: ["--tokenizer.kind", "hf", "--tokenizer.path", str(t / "nope.json")],
@@ -304,6 +306,20 @@ def test_bad_input_through_the_console_script_is_one_line(tmp_path):
     name, flags, needle = next(b for b in BAD_INPUTS if b[0] == "zero_steps")
     result = run_titan(bad_input_args(tmp_path, flags)[1:])
     assert_one_line_error(result.returncode, result.stdout, result.stderr, needle, tmp_path / "dump")
+
+
+@pytest.mark.slow
+def test_an_unreachable_hub_dataset_is_one_line_naming_the_flag(tmp_path):
+    """A dataset name that is neither built in nor local is read from the Hub; when the Hub
+    cannot be reached (offline here by the environment) the error names the flag and the
+    ways out instead of `datasets`' ConnectionError traceback."""
+    result = run_titan(["--config", "llama3_debug_synthetic", "--training.steps", "1", "--dataset.name",
+                        "no-such-org/no-such-dataset", "--job.dump_folder", str(tmp_path / "dump")],
+                       HF_HUB_OFFLINE="1")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("titan train: error: ")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert "--dataset.name 'no-such-org/no-such-dataset'" in errors[0] and "could not be reached" in errors[0]
+    assert "Traceback" not in result.stderr and not (tmp_path / "dump" / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow

@@ -4,7 +4,12 @@ import math
 
 import pytest
 import torch
-from titan.train.lr_scheduler import LRSchedulerConfig, build_lr_scheduler, wsd_factor
+from titan.train.lr_scheduler import (
+    LRSchedulerConfig,
+    build_lr_scheduler,
+    warn_if_warmup_exceeds_steps,
+    wsd_factor,
+)
 from titan.train.optimizer import OptimizerConfig, build_optimizer, split_decay_groups
 from torch import nn
 
@@ -92,3 +97,16 @@ def test_scheduler_drives_optimizer_lr():
 def test_lr_config_validation():
     with pytest.raises(ValueError, match="decay_ratio"):
         LRSchedulerConfig(decay_ratio=1.5)
+
+
+def test_a_warmup_longer_than_the_run_is_warned_and_spans_the_run(caplog):
+    """torchtitan's rule: the warmup is cut to the run's steps (the LR peaks at the last
+    one), and the user is told, since the flag's value is not what runs."""
+    cfg = LRSchedulerConfig(warmup_steps=100)
+    with caplog.at_level("WARNING", logger="titan"):
+        warn_if_warmup_exceeds_steps(cfg, total_steps=10)
+    assert ["--lr_scheduler.warmup_steps 100 exceeds the run's 10 steps" in r.getMessage() for r in caplog.records] == [True]
+    assert [wsd_factor(s, cfg=cfg, total_steps=10) for s in (1, 5, 10)] == [0.1, 0.5, 1.0]
+    caplog.clear()
+    warn_if_warmup_exceeds_steps(LRSchedulerConfig(warmup_steps=10), total_steps=10)
+    assert not caplog.records

@@ -329,12 +329,21 @@ def parse_train_args(argv: Sequence[str], *, command: str = "train", exempt_flag
     return config
 
 
-def check_dump_folder(config: Any) -> None:
-    """Refuse an output folder that cannot be created or written, before any work starts."""
-    job = getattr(config, "job", None)
-    folder = getattr(job, "dump_folder", None)
-    if not folder:
-        return
+def check_output_folders(config: Any) -> None:
+    """Refuse an output folder that cannot be created or written, before any work starts: the
+    job's dump folder and, when checkpoints are on, the checkpoint folder (a save that fails
+    after hours of training would lose them)."""
+    folder = getattr(getattr(config, "job", None), "dump_folder", None)
+    if folder:
+        _check_writable("--job.dump_folder", folder)
+    checkpoint = getattr(config, "checkpoint", None)
+    if getattr(checkpoint, "enable", False) and checkpoint.folder:
+        # Where CheckpointManager saves: relative to the dump folder unless absolute.
+        _check_writable("--checkpoint.folder", os.path.join(folder or "", checkpoint.folder))
+
+
+def _check_writable(flag: str, folder: str) -> None:
+    """Create `folder` if missing and write a scratch file in it, or raise a UsageError naming `flag`."""
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".titan-write-test-"):
@@ -342,8 +351,7 @@ def check_dump_folder(config: Any) -> None:
     except OSError as err:
         reason = err.strerror or type(err).__name__
         raise UsageError(
-            f"--job.dump_folder {folder!r} is not writable ({reason}); choose a folder you can "
-            "write to"
+            f"{flag} {folder!r} is not writable ({reason}); choose a folder you can write to"
         ) from None
 
 
@@ -373,7 +381,7 @@ def check_initial_load_path(config: Any) -> None:
 def preflight(config: Any) -> None:
     """Checks of the user's inputs that need this machine, run before any setup or logging
     (so that the error is the only line printed)."""
-    check_dump_folder(config)
+    check_output_folders(config)
     check_initial_load_path(config)
     if isinstance(config, TrainerConfig):
         from titan.train.data import validate_data_config

@@ -66,7 +66,11 @@ from titan.train.device_copy import BatchCopier
 from titan.train.fault_tolerance import FaultToleranceConfig, ReplicaGroups
 from titan.train.float8_tensor_parallel import float8_tensor_parallel
 from titan.train.loss import IGNORE_INDEX, NonFiniteLossError
-from titan.train.lr_scheduler import LRSchedulerConfig, build_lr_scheduler
+from titan.train.lr_scheduler import (
+    LRSchedulerConfig,
+    build_lr_scheduler,
+    warn_if_warmup_exceeds_steps,
+)
 from titan.train.model_spec import (
     HasAuxLoss,
     ModelSpec,
@@ -265,6 +269,7 @@ class TrainingEngine:
             meta_model, activation_checkpoint, compile, mp_policy, local_batch_size, seed
         )
         self.optimizers = [build_optimizer(optimizer, [part], self.device.type) for part in self.model_parts]
+        warn_if_warmup_exceeds_steps(lr_scheduler, steps)
         self.lr_schedulers = LRSchedulers([build_lr_scheduler(lr_scheduler, opt, steps) for opt in self.optimizers])
         self.train_state = TrainState()
         self.checkpointer = self._build_checkpointer(meta_model, checkpoint, dump_folder, states or {})

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+
+logger = logging.getLogger("titan")
 
 
 @dataclass(kw_only=True)
@@ -56,6 +59,17 @@ def wsd_factor(step: int, *, cfg: LRSchedulerConfig, total_steps: int) -> float:
     else:
         remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.min_lr_factor + (1.0 - cfg.min_lr_factor) * remaining
+
+
+def warn_if_warmup_exceeds_steps(cfg: LRSchedulerConfig, total_steps: int) -> None:
+    """Say so when the warmup is longer than the run: `wsd_factor` then warms up over the
+    run's steps instead (the flag's value is not what runs, so it must not pass silently)."""
+    if cfg.warmup_steps > total_steps:
+        logger.warning(
+            "--lr_scheduler.warmup_steps %d exceeds the run's %d steps: the LR warms up over "
+            "those %d steps instead and reaches its peak at the last one",
+            cfg.warmup_steps, total_steps, total_steps,
+        )
 
 
 def build_lr_scheduler(cfg: LRSchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int) -> LambdaLR:

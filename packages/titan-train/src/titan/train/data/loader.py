@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from titan.train.data.config import DatasetConfig
+from titan.train.data.config import BUILTIN_DATASETS, DatasetConfig
 from titan.train.data.packing import DocumentPacker
 from titan.train.data.resumable import RESTART_HINT, ResumableLoader, check_loader_args
 from titan.train.data.sources import (
+    LOCAL_FORMATS,
     DocumentSource,
     HFDatasetSource,
     StdlibSource,
@@ -72,7 +73,15 @@ def load_hf_dataset(cfg: DatasetConfig):
         return datasets.load_dataset(
             cfg.name, data_files=files, split=cfg.split, cache_dir=cfg.cache_dir, **extra
         )
-    return datasets.load_dataset(cfg.name, cfg.subset, split=cfg.split, cache_dir=cfg.cache_dir)
+    try:
+        return datasets.load_dataset(cfg.name, cfg.subset, split=cfg.split, cache_dir=cfg.cache_dir)
+    except ConnectionError as err:  # offline, or no route to the Hub: name the flag and the ways out
+        raise ValueError(
+            f"--dataset.name {cfg.name!r} is not built in ({', '.join(BUILTIN_DATASETS)}) nor a "
+            f"local format ({', '.join(LOCAL_FORMATS)}), so it is read from the Hugging Face Hub, "
+            f"which could not be reached ({err}); download it beforehand into the `datasets` cache "
+            "(--dataset.cache_dir), or use --dataset.name text|json|parquet with --dataset.path"
+        ) from err
 
 
 def document_layout(starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
