@@ -73,6 +73,57 @@ def test_rope_rotates_interleaved_pairs():
     assert out[:, 2:].abs().max() == 0
 
 
+def _rope_and_gradient(x: torch.Tensor, cache: torch.Tensor, rotate) -> tuple[torch.Tensor, torch.Tensor]:
+    leaf = x.detach().requires_grad_()
+    out = rotate(leaf, cache)
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(out.dtype))
+    return out.detach(), leaf.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "odd_offset_slice"])
+def test_eager_complex_rope_equals_the_real_rotation(dtype, layout):
+    """Eager `apply_rope` multiplies complex pairs; its values and gradients equal the real
+    formula's (the one compiled code runs) within one float32 rounding of each product
+    (a kernel may fuse multiply and add): 2 eps of the largest |x| (|cos|, |sin| <= 1)."""
+    from unittest import mock
+
+    from titan.models.common import rope as rope_module
+
+    torch.manual_seed(0)
+    cache = rope_cache(16, 32, 10000.0).to(dtype)  # a model cast whole casts its table too
+    wide = torch.randn(2, 32, 3, 17, dtype=dtype) * 4
+    # An odd storage offset cannot be viewed as complex: the real formula must take over.
+    x = wide[..., :16].contiguous() if layout == "contiguous" else wide[..., 1:]
+    real = _rope_and_gradient(x, cache, lambda t, c: rope_module._rotate_real(t.float(), c).to(t.dtype))
+    if layout == "contiguous":  # prove the complex path ran: the real one is not called
+        with mock.patch.object(rope_module, "_rotate_real", side_effect=AssertionError("real path")):
+            ours = _rope_and_gradient(x, cache, apply_rope)
+    else:
+        ours = _rope_and_gradient(x, cache, apply_rope)
+    bound = 2 * torch.finfo(torch.float32).eps * 4 * float(wide.abs().max())
+    for got, want in zip(ours, real, strict=True):
+        if dtype == torch.bfloat16:  # a float32 rounding apart may straddle one bf16 rounding
+            bound = max(bound, torch.finfo(dtype).eps * float(want.abs().max()))
+        torch.testing.assert_close(got, want, rtol=0, atol=bound)
+
+
+def test_compiled_rope_uses_no_complex_numbers():
+    """Under torch.compile the rotation is the real formula (inductor cannot generate code for
+    complex operators and would fall back to eager kernels), with the eager values."""
+    import warnings
+
+    torch.manual_seed(0)
+    x, cache = torch.randn(2, 8, 2, 8), rope_cache(8, 8, 10000.0)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(apply_rope, fullgraph=True)(x, cache)
+    assert not [w for w in caught if "complex" in str(w.message)], [str(w.message) for w in caught]
+    bound = 2 * torch.finfo(torch.float32).eps * float(x.abs().max())
+    torch.testing.assert_close(compiled, apply_rope(x, cache), rtol=0, atol=bound)
+
+
 def test_rmsnorm_normalizes_in_float32_and_scales():
     norm = RMSNorm(8, eps=0.0).to(torch.bfloat16)
     with torch.no_grad():
