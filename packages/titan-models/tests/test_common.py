@@ -95,7 +95,7 @@ def test_eager_complex_rope_equals_the_real_rotation(dtype, layout):
     wide = torch.randn(2, 32, 3, 17, dtype=dtype) * 4
     # An odd storage offset cannot be viewed as complex: the real formula must take over.
     x = wide[..., :16].contiguous() if layout == "contiguous" else wide[..., 1:]
-    real = _rope_and_gradient(x, cache, lambda t, c: rope_module._rotate_real(t.float(), c).to(t.dtype))
+    real = _rope_and_gradient(x, cache, lambda t, c: rope_module._rotate_real(t.float(), c.float().unsqueeze(-2)).to(t.dtype))
     if layout == "contiguous":  # prove the complex path ran: the real one is not called
         with mock.patch.object(rope_module, "_rotate_real", side_effect=AssertionError("real path")):
             ours = _rope_and_gradient(x, cache, apply_rope)

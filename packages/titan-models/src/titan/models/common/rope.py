@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,8 +158,9 @@ def rope_cache(
     scaling: RopeScaling | YarnScaling | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Float32 table [max_seq_len, head_dim]: cos of each pair's angle, then its sin (both
-    times YaRN's `cos_sin_scale()` under YaRN scaling).
+    """Float32 table [max_seq_len, head_dim]: for each pair, the cos of its angle, then its sin
+    (both times YaRN's `cos_sin_scale()` under YaRN scaling), side by side as the pairs of x
+    are, so that `apply_rope` views a row as complex numbers without a copy.
 
     Row p holds the rotation for absolute position p, so a caller can gather rows for any
     positions (a context-parallel shard gathers the rows of its own tokens).
@@ -166,7 +168,7 @@ def rope_cache(
     inv_freq = rope_inv_freq(head_dim, theta, scaling, device)
     positions = torch.arange(max_seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(positions, inv_freq)
-    table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    table = torch.stack([angles.cos(), angles.sin()], dim=-1).flatten(-2)
     if isinstance(scaling, YarnScaling) and scaling.cos_sin_scale() != 1.0:
         table = table * scaling.cos_sin_scale()
     return table
@@ -178,30 +180,31 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     The math runs in float32 (angles of late positions need it) and the result takes x's dtype.
     Each adjacent pair (x[2i], x[2i+1]) turns by its angle: one complex multiplication per
     pair in eager mode (a single kernel, forward and backward: 2.8x faster than the four
-    multiplications and the stack on a CPU), the same products written in real arithmetic
-    under `torch.compile`, which fuses those and cannot generate code for complex numbers.
+    multiplications and the stack on a CPU; the table's rows are viewed, not copied), the same
+    products written in real arithmetic under `torch.compile`, which fuses those and cannot
+    generate code for complex numbers.
     """
-    xf = x.float()
-    if torch.compiler.is_compiling() or not _views_as_complex(xf):
-        return _rotate_real(xf, rope).type_as(x)
-    cos, sin = rope.unsqueeze(-2).chunk(2, dim=-1)  # broadcast over heads
-    turns = torch.complex(cos.float(), sin.float())  # a bf16 table (a model cast whole) promotes, as in real arithmetic
+    xf, table = x.float(), rope.float().unsqueeze(-2)  # the table broadcasts over heads
+    if torch.compiler.is_compiling() or not (_views_as_complex(xf) and _views_as_complex(table)):
+        return _rotate_real(xf, table).type_as(x)
+    turns = torch.view_as_complex(table.unflatten(-1, (-1, 2)))
     return torch.view_as_real(torch.view_as_complex(xf.unflatten(-1, (-1, 2))) * turns).flatten(-2).type_as(x)
 
 
-def _rotate_real(xf: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """`apply_rope`'s rotation of float32 `xf` in real arithmetic."""
-    cos, sin = rope.unsqueeze(-2).chunk(2, dim=-1)  # broadcast over heads
+def _rotate_real(xf: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """`apply_rope`'s rotation of float32 `xf` by float32 `table` rows, in real arithmetic."""
+    cos, sin = table.unflatten(-1, (-1, 2)).unbind(-1)
     even, odd = xf.unflatten(-1, (-1, 2)).unbind(-1)
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
 
 
-def _views_as_complex(xf: torch.Tensor) -> bool:
-    """Whether `torch.view_as_complex` can view `xf`'s pairs in place: a plain tensor (not a
-    DTensor or other subclass) whose pairs are adjacent and start at even offsets."""
+def _views_as_complex(t: torch.Tensor) -> bool:
+    """Whether `torch.view_as_complex` can view `t`'s pairs in place: not a DTensor, and its
+    pairs adjacent and starting at even offsets. (Fake tensors, which the memory estimates
+    trace the model with, take the path real ones take.)"""
     return (
-        type(xf) is torch.Tensor
-        and xf.stride(-1) == 1
-        and xf.storage_offset() % 2 == 0
-        and all(stride % 2 == 0 for stride in xf.stride()[:-1])
+        not isinstance(t, DTensor)
+        and t.stride(-1) == 1
+        and t.storage_offset() % 2 == 0
+        and all(stride % 2 == 0 for stride in t.stride()[:-1])
     )
