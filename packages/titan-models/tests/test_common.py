@@ -15,6 +15,7 @@ from titan.models.common import (
     ShardingPlan,
     apply_rope,
     glob_matches,
+    rms_norm_reference,
     rope_cache,
     rope_inv_freq,
 )
@@ -133,6 +134,65 @@ def test_rmsnorm_normalizes_in_float32_and_scales():
     assert out.dtype == torch.bfloat16
     rms = out.float().pow(2).mean(-1).sqrt()
     torch.testing.assert_close(rms, torch.full((3,), 2.0), rtol=1e-2, atol=0)
+
+
+def _norm_grads(norm, x, grad, forward) -> tuple[torch.Tensor, ...]:
+    x = x.detach().requires_grad_()
+    norm.zero_grad(set_to_none=True)
+    out = forward(x)
+    out.backward(grad)
+    return out.detach(), x.grad, norm.weight.grad
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32)], ids=["fp32", "bf16", "bf16_in_fp32_weight"])
+def test_rmsnorm_handwritten_backward_equals_autograd(dtypes):
+    """The eager RMSNorm's hand-written backward against autograd through the same formula
+    (`rms_norm_reference`): the same values and dtypes, and gradients at least as close to a
+    float64 computation as autograd's, within one rounding of the output dtype."""
+    from unittest import mock
+
+    from titan.models.common import norm as norm_module
+
+    x_dtype, w_dtype = dtypes
+    torch.manual_seed(0)
+    norm = RMSNorm(64).to(w_dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = (torch.randn(4, 16, 64) * 3).to(x_dtype)
+    grad = torch.randn(4, 16, 64).to(torch.promote_types(x_dtype, w_dtype))
+    with mock.patch.object(norm_module, "rms_norm_reference", side_effect=AssertionError("autograd path")):
+        ours = _norm_grads(norm, x, grad, norm)  # the hand-written path ran
+    reference = _norm_grads(norm, x, grad, lambda t: rms_norm_reference(t, norm.weight, norm.eps))
+    exact_norm = RMSNorm(64).double()
+    exact_norm.weight.data.copy_(norm.weight.double())
+    exact = _norm_grads(exact_norm, x.double(), grad.double(), exact_norm)
+    torch.testing.assert_close(ours[0], reference[0], rtol=0, atol=0)
+    for got, autograd, want in zip(ours[1:], reference[1:], exact[1:], strict=True):
+        assert got.dtype == autograd.dtype
+        ulp = torch.finfo(got.dtype).eps * float(want.abs().max())
+        assert float((got.double() - want).abs().max()) <= 2 * float((autograd.double() - want).abs().max()) + ulp
+
+
+def test_rmsnorm_keeps_less_for_backward_and_autograd_formula_under_compile():
+    """The hand-written backward keeps the input and one float per row (autograd's chain keeps
+    the normalized rows as well); compiled, the module runs the autograd formula, same values."""
+    torch.manual_seed(0)
+    norm, x = RMSNorm(64), torch.randn(4, 16, 64, requires_grad=True)
+
+    def saved_bytes(forward) -> int:
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            forward(x)
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in kept}.values() if t is not x)
+
+    assert saved_bytes(norm) == 4 * 16 * 4 + 64 * 4  # beside the input: one float32 per row, the weight
+    # autograd's chain keeps the normalized rows too: a second input-sized tensor
+    assert saved_bytes(lambda t: rms_norm_reference(t, norm.weight, norm.eps)) >= saved_bytes(norm) + x.numel() * 4
+    torch._dynamo.reset()
+    compiled = torch.compile(norm, fullgraph=True)(x)
+    torch.testing.assert_close(compiled, rms_norm_reference(x, norm.weight, norm.eps),
+                               rtol=0, atol=2 * torch.finfo(torch.float32).eps * float(compiled.abs().max()))
 
 
 def _attention(n_heads=8, n_kv_heads=4, head_dim=8):

@@ -628,10 +628,11 @@ def _model_shape(model: nn.Module) -> tuple[int, int]:
 GATHERED_INPUT_UNITS = 2.0
 """Of a block's units, those TP cannot shard: attention's and the feed-forward's inputs, which
 sequence parallel gathers whole before the sharded matmuls save them."""
-REPLICATED_UNITS_WITHOUT_SP = 6.0
+REPLICATED_UNITS_WITHOUT_SP = 4.0
 """The units TP without sequence parallel leaves whole (no AC): each of a block's two RMSNorms
-keeps its input, its normalized input and its output (the sharded matmuls' input). Measured
-with autograd's saved tensors: 21.3 of 33.1 MB per rank under TP 2 (tests/test_plan.py)."""
+keeps its input and its output (the sharded matmuls' input); its hand-written backward keeps
+one number per row beside them (6 units while autograd's chain also kept the normalized
+input). Checked against autograd's saved tensors in a real TP 2 step (tests/test_plan.py)."""
 
 
 def float8_gathered_units(float8_input_gathers: float, compute_dtype_bytes: int) -> float:

@@ -7,7 +7,7 @@ from titan.models.common.attention import (
 )
 from titan.models.common.feed_forward import FeedForward
 from titan.models.common.init import SeededInit, fill_seeded_
-from titan.models.common.norm import RMSNorm
+from titan.models.common.norm import RMSNorm, rms_norm_reference
 from titan.models.common.plan import ShardingPlan, glob_matches, match_modules
 from titan.models.common.rope import (
     RopeScaling,
@@ -32,6 +32,7 @@ __all__ = [
     "dense_flops_per_token",
     "glob_matches",
     "match_modules",
+    "rms_norm_reference",
     "rope_cache",
     "rope_inv_freq",
     "scale_inv_freq_llama3",
