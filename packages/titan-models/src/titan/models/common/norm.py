@@ -11,11 +11,12 @@ class RMSNorm(nn.Module):
 
     The statistics are taken in float32 whatever the input dtype, because the mean of squares
     of bf16 activations loses too much precision; the result is cast back before scaling.
-    In eager mode on plain tensors the backward is written out by hand (`_RMSNormFunction`):
-    fewer kernels than autograd's chain of small ops and only the input and one number per
-    row kept for it. Under `torch.compile` (which fuses the ops and derives the backward
-    itself) and on DTensors (sequence parallel, whose placements autograd's ops carry) the
-    same formula runs through autograd.
+    In eager mode the backward is written out by hand (`_RMSNormFunction`): fewer kernels than
+    autograd's chain of small ops, and only the input and one number per row kept for it. It
+    runs on DTensors too (sequence parallel's sequence-sharded norms; their gradients equal one
+    process's, tests/test_gradient_parity.py). Under `torch.compile`, which fuses the ops and
+    derives the backward itself, the same formula runs through autograd
+    (`rms_norm_reference`).
     """
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
