@@ -77,6 +77,17 @@ def test_tokenize_errors_are_one_line(tmp_path, capsys, extra, message):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.incomplete").exists()
 
 
+@pytest.mark.parametrize("source", ["missing.jsonl", "/no/such/folder", "./no_such_folder"])
+def test_a_missing_local_source_names_src(tmp_path, capsys, source):
+    """A source written as a path (absolute, ./, or with a data file's ending) that does not
+    exist is named as SRC, not handed to `datasets` as a hub name."""
+    source = str(tmp_path / source) if source == "missing.jsonl" else source
+    code = main(["data", "tokenize", source, str(tmp_path / "out"), "--no_progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"titan data: error: SRC {source!r} does not exist"), err
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
 def test_an_existing_corpus_is_kept(tmp_path, capsys):
     src = write_jsonl(tmp_path / "docs.jsonl", ["a", "b"])
     args = ["data", "tokenize", str(src), str(tmp_path / "out"), "--no_progress", "--num_proc", "1",

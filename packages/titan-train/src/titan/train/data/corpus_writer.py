@@ -43,7 +43,11 @@ def _infer_format(source: str) -> str | None:
     """The local format of `source` from its files' endings; None if it is not local."""
     exists = os.path.exists(source) or any(ch in source for ch in "*?[")
     if not exists:
-        if source.endswith(tuple(e for endings in LOCAL_FORMATS.values() for e in endings)):
+        # A hub name is `name` or `org/name`; a path written as one (absolute, ./, ../, ~) or
+        # with a data file's ending is a local source that is missing.
+        looks_local = os.path.isabs(source) or source.startswith(("./", "../", "~")) or source.endswith(
+            tuple(e for endings in LOCAL_FORMATS.values() for e in endings))
+        if looks_local:
             raise FileNotFoundError(f"SRC {source!r} does not exist; fix the path")
         return None  # a hub dataset name
     matches = []
