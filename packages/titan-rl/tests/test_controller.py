@@ -110,6 +110,9 @@ def test_config_errors_name_the_flag():
         RLSection(old_logprobs="generator", is_level="sequence")
     with pytest.raises(ValueError, match="--rl.minibatches_per_rollout 9 exceeds --rl.group_size 8"):
         RLSection(minibatches_per_rollout=9)
+    for estimator in ("grpo", "rloo"):  # a group of one: every advantage 0, nothing ever learned
+        with pytest.raises(ValueError, match=f"--rl.group_size 1: --rl.advantage_estimator {estimator} compares"):
+            RLSection(group_size=1, advantage_estimator=estimator, normalize_std=False if estimator == "rloo" else None)
     with pytest.raises(ValueError, match="--rl.overlong_buffer_len 10 must be below"):
         RLConfig(rl=RLSection(overlong_buffer_len=10), sampling=RLConfig().sampling.__class__(max_new_tokens=10))
     with pytest.raises(ValueError, match="not a multiple of the 4 optimizer steps"):

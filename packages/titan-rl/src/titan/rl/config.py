@@ -192,8 +192,14 @@ class RLSection:
             raise ValueError(f"--rl.advantage_std must be population or sample, got {self.advantage_std!r}")
         if self.advantage_estimator == "rloo" and self.normalize_std:
             raise ValueError("--rl.advantage_estimator rloo does not divide by a std: drop --rl.normalize_std")
-        if self.advantage_estimator == "rloo" and self.group_size < 2:
-            raise ValueError("--rl.advantage_estimator rloo needs --rl.group_size >= 2")
+        if self.group_size < 2:
+            # Both estimators compare a completion with the rest of its group: alone in it,
+            # every advantage is 0 and no step would ever change the policy.
+            raise ValueError(
+                f"--rl.group_size {self.group_size}: --rl.advantage_estimator {self.advantage_estimator} "
+                "compares each completion with its group, so every advantage of a group of one is 0; "
+                "use --rl.group_size >= 2"
+            )
         if self.max_refill_rounds and not self.drop_zero_variance:
             raise ValueError(
                 "--rl.max_refill_rounds replaces the groups --rl.drop_zero_variance drops; it needs "
