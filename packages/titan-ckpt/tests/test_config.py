@@ -29,7 +29,7 @@ def test_defaults_are_valid_for_a_manager(tmp_path):
     cfg = CheckpointConfig()
     manager = CheckpointManager(cfg, dump_folder=str(tmp_path), states={}, model_parts=[torch.nn.Linear(2, 2)])
     assert isinstance(manager, CheckpointManager)
-    assert manager.folder == str(tmp_path / "checkpoint")
+    assert manager.folder == str(tmp_path / "checkpoint") == cfg.folder_in(str(tmp_path))
     manager.close()
 
 
@@ -38,7 +38,7 @@ def test_absolute_folder_ignores_dump_folder(tmp_path):
 
     cfg = CheckpointConfig(folder=str(tmp_path / "elsewhere"))
     manager = CheckpointManager(cfg, dump_folder="/unused", states={}, model_parts=[torch.nn.Linear(2, 2)])
-    assert manager.folder == str(tmp_path / "elsewhere")
+    assert manager.folder == str(tmp_path / "elsewhere") == cfg.folder_in("/unused")
     manager.close()
 
 

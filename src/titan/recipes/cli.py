@@ -338,8 +338,7 @@ def check_output_folders(config: Any) -> None:
         _check_writable("--job.dump_folder", folder)
     checkpoint = getattr(config, "checkpoint", None)
     if getattr(checkpoint, "enable", False) and checkpoint.folder:
-        # Where CheckpointManager saves: relative to the dump folder unless absolute.
-        _check_writable("--checkpoint.folder", os.path.join(folder or "", checkpoint.folder))
+        _check_writable("--checkpoint.folder", checkpoint.folder_in(folder or ""))
 
 
 def _check_writable(flag: str, folder: str) -> None:

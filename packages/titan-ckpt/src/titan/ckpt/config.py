@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
@@ -65,6 +66,11 @@ class CheckpointConfig:
     create_seed_checkpoint: bool = False
     """Write the freshly initialized weights as step 0 and exit (world size 1), so multi-rank
     runs start from identical weights."""
+
+    def folder_in(self, dump_folder: str) -> str:
+        """Where the step folders go: `folder` under the job's `dump_folder`, or `folder`
+        itself when it is absolute."""
+        return os.path.join(dump_folder, self.folder)
 
     def __post_init__(self) -> None:
         _check_choice("async_mode", self.async_mode, ASYNC_MODES)

@@ -73,7 +73,7 @@ class CheckpointManager:
         collective_timeout: timedelta | None = None,
     ) -> None:
         self.config = config
-        self.folder = os.path.join(dump_folder, config.folder)  # join keeps an absolute folder
+        self.folder = config.folder_in(dump_folder)
         self.hf_adapter = hf_adapter
         self.hf_max_shard_bytes = hf_max_shard_bytes
         self.model = ModelWrapper(model_parts)
