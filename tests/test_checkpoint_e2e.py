@@ -502,6 +502,19 @@ def test_training_starts_from_hf_weights(killed_and_resumed, tmp_path):
     got = losses(tmp_path)[1]
     assert abs(got - expected) <= 1e-5 * expected, (got, expected)
 
+    # The same weights under a config.json of another RoPE base: same shapes, another model.
+    other = tmp_path / "other_rope"
+    shutil.copytree(export, other)
+    config = json.loads((other / "config.json").read_text())
+    theta = config["rope_theta"]
+    config["rope_theta"] = config["rope_parameters"]["rope_theta"] = theta / 50
+    (other / "config.json").write_text(json.dumps(config))
+    refused = titan(1, tmp_path / "refused", *ONE, "--training.steps", "1", "--checkpoint.initial_load_in_hf",
+                    "--checkpoint.initial_load_path", str(other), ok=False)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert f"rope_theta: checkpoint {theta / 50!r}, this run {theta!r}" in refused.stderr
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+
 
 # ---------------------------------------------------------------------------- 7. errors
 

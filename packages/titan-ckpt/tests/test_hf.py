@@ -7,7 +7,7 @@ import pytest
 import torch
 from ckpt_testlib import tensors_equal
 from safetensors.torch import load_file, save_file
-from titan.ckpt import CheckpointConfig, CheckpointManager, load_hf, save_hf
+from titan.ckpt import CheckpointConfig, CheckpointError, CheckpointManager, load_hf, save_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -111,3 +111,66 @@ def test_hf_shape_mismatch_is_named(tmp_path):
         manager.load()
     manager.close()
     assert not os.path.exists(tmp_path / "checkpoint")
+
+
+class ComparingAdapter(IdentityAdapter):
+    """An identity adapter that also compares a checkpoint's config.json with its model's, as
+    the families' adapters do (`config_differences`): here only `rope_theta`."""
+
+    def config_differences(self, checkpoint_config):
+        mine, theirs = self.model.config.rope_theta, checkpoint_config["rope_theta"]
+        return [] if mine == theirs else [f"rope_theta: checkpoint {theirs}, this run {mine}"]
+
+
+def _comparing_manager(tmp_path, model, src):
+    config = CheckpointConfig(enable=True, initial_load_path=str(src), initial_load_in_hf=True)
+    return CheckpointManager(config, dump_folder=str(tmp_path), states={}, model_parts=[model],
+                             hf_adapter=ComparingAdapter(model))
+
+
+def _with_rope_theta(model, theta: float):
+    model.config.rope_theta = theta
+    model.config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    return model
+
+
+def test_hf_config_of_another_model_is_refused_before_loading(tmp_path):
+    """Same shapes, another RoPE base: loading would compute another function silently."""
+    src = tmp_path / "hf_in"
+    _with_rope_theta(_tiny_llama(0), 10_000.0).save_pretrained(str(src))
+    model = _with_rope_theta(_tiny_llama(1), 500_000.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    manager = _comparing_manager(tmp_path, model, src)
+    with pytest.raises(CheckpointError, match=r"config.json describes another model than this run's: "
+                                              r"rope_theta: checkpoint 10000.0, this run 500000.0"):
+        manager.load()
+    manager.close()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing loaded
+
+
+def test_hf_config_of_the_same_model_loads_and_weights_only_folders_warn(tmp_path, caplog):
+    src = tmp_path / "hf_in"
+    source = _with_rope_theta(_tiny_llama(0), 10_000.0)
+    source.save_pretrained(str(src))
+    model = _with_rope_theta(_tiny_llama(1), 10_000.0)
+    manager = _comparing_manager(tmp_path, model, src)
+    manager.load()
+    manager.close()
+    assert tensors_equal(model.state_dict(), source.state_dict())
+
+    os.remove(src / "config.json")  # weights only: shapes are all that can be checked
+    with caplog.at_level("WARNING", logger="titan.ckpt.hf"):
+        manager = _comparing_manager(tmp_path, _tiny_llama(2), src)
+        manager.load()
+        manager.close()
+    assert "has no config.json: only the tensor shapes are checked" in caplog.text
+
+
+def test_unreadable_hf_config_is_named(tmp_path):
+    src = tmp_path / "hf_in"
+    _tiny_llama(0).save_pretrained(str(src))
+    (src / "config.json").write_text("{not json")
+    manager = _comparing_manager(tmp_path, _tiny_llama(1), src)
+    with pytest.raises(CheckpointError, match=r"config.json cannot be read as this model family's config"):
+        manager.load()
+    manager.close()

@@ -14,6 +14,7 @@ Layout written (what `transformers.AutoModelForCausalLM.from_pretrained` reads):
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -28,6 +29,7 @@ __all__ = ["StateDictAdapter", "save_hf", "load_hf", "DTYPES", "INDEX_FILE", "SI
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+logger = logging.getLogger(__name__)
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,6 +82,36 @@ def load_hf(folder: str, adapter: StateDictAdapter | None = None) -> dict[str, t
             for key in f.keys():
                 hf_sd[key] = f.get_tensor(key)
     return adapter.from_hf(hf_sd) if adapter is not None else hf_sd
+
+
+def check_hf_config(folder: str, adapter: StateDictAdapter) -> None:
+    """Refuse a Hugging Face folder whose `config.json` describes another model than the one
+    `adapter` converts for: matching tensor shapes do not prove the same model (a different
+    `rope_theta`, `rms_norm_eps` or activation loads and silently computes another function).
+    Adapters without `config_differences` and folders without `config.json` (weights
+    only) are not checked; the second is logged."""
+    differences = getattr(adapter, "config_differences", None)
+    if differences is None:
+        return
+    path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isfile(path):
+        logger.warning("%s has no %s: only the tensor shapes are checked, not RoPE, norm or activation settings",
+                       folder, CONFIG_FILE)
+        return
+    try:
+        with open(path) as f:
+            config = json.load(f)
+        lines = differences(config)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        detail = f"missing key {err}" if isinstance(err, KeyError) else str(err)
+        raise CheckpointError(f"{path} cannot be read as this model family's config: {detail}") from err
+    if lines:
+        raise CheckpointError(
+            f"{path} describes another model than this run's: " + "; ".join(lines)
+            + ". Choose the family and flavor the checkpoint is (--model.name, --model.flavor) "
+            "or override the differing sizes (--model.n_layers, --model.dim, --model.n_heads, "
+            "--model.n_kv_heads, --model.vocab_size)"
+        )
 
 
 def hf_weight_files(folder: str) -> list[str]:

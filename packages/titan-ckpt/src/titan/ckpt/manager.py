@@ -281,6 +281,7 @@ class CheckpointManager:
         full, problem = {}, None
         template = self.model.state_dict()
         try:
+            hf.check_hf_config(path, self.hf_adapter)
             full = hf.load_hf(path, self.hf_adapter)
             check_state_matches("model", template, full, where=path)
         except (CheckpointError, ValueError) as err:  # ValueError: the adapter's unknown key

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+# Fields of a family's args that a run sets for itself rather than inherit from a checkpoint:
+# the context it trains at (RoPE tables are built to it) and its balancing-loss settings.
+RUN_SETTINGS = frozenset({"max_seq_len", "router_aux_loss_coef", "load_balance_coeff"})
+# Llama's inputs to its FFN width rule: compared through the width they give (ffn_hidden_dim).
+_FFN_RULE = frozenset({"multiple_of", "ffn_dim_multiplier", "ffn_dim"})
+# config.json keys that change the function but are not fields of the args (the adapters
+# write their one supported value): compared as written when the checkpoint's config has them.
+FUNCTION_KEYS = ("model_type", "hidden_act", "attention_bias", "mlp_bias")
 
 
 def decoder_hf_config(args: Any, *, architecture: str, model_type: str, torch_dtype: str,
@@ -38,4 +48,35 @@ def decoder_hf_config(args: Any, *, architecture: str, model_type: str, torch_dt
     return cfg
 
 
-__all__ = ["decoder_hf_config"]
+def hf_config_differences(adapter: Any, checkpoint_config: dict[str, Any]) -> list[str]:
+    """How the architecture a checkpoint's ``config.json`` describes differs from the model
+    ``adapter`` converts for (``adapter.args``), one ``"name: checkpoint X, this run Y"`` line
+    per difference; empty when they are the same model.
+
+    Matching shapes do not prove the same model: a different ``rope_theta``, ``rms_norm_eps``,
+    RoPE scaling or activation loads without a shape error and computes another function.
+    Both sides go through the family's ``args_from_hf_config`` (the run's via its own
+    ``hf_config()``), so equal architectures written differently (an explicit FFN width or
+    the flavor's rule; transformers 4 or 5 RoPE keys) compare equal. A config the family
+    cannot represent raises the family's ValueError, which names the feature."""
+    run_config = adapter.hf_config()
+    lines = [
+        f"{key}: checkpoint {checkpoint_config[key]!r}, this run {run_config.get(key)!r}"
+        for key in FUNCTION_KEYS
+        if key in checkpoint_config and checkpoint_config[key] != run_config.get(key, False)
+    ]
+    if lines and "model_type" in lines[0]:
+        return lines  # another family: its fields do not compare
+    theirs = adapter.args_from_hf_config(checkpoint_config)
+    ours = adapter.args_from_hf_config(run_config)
+    names = [f.name for f in dataclasses.fields(ours) if f.name not in RUN_SETTINGS | _FFN_RULE]
+    if "ffn_hidden_dim" not in names:  # Llama's is a property of the rule's fields
+        names.append("ffn_hidden_dim")
+    for name in names:
+        mine, other = getattr(ours, name), getattr(theirs, name)
+        if mine != other:
+            lines.append(f"{name}: checkpoint {other!r}, this run {mine!r}")
+    return lines
+
+
+__all__ = ["RUN_SETTINGS", "decoder_hf_config", "hf_config_differences"]

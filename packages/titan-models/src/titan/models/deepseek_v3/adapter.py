@@ -14,6 +14,7 @@ import re
 import warnings
 from typing import Any
 
+from titan.models.common.hf_config import hf_config_differences
 from titan.models.common.hub_experts import ExpertStacker, split_experts
 from titan.models.common.rope import YarnScaling
 from titan.models.deepseek_v3.args import DeepseekV3Args
@@ -163,6 +164,11 @@ class DeepseekV3StateDictAdapter:
         if a.vocab_size > max(_BOS_ID, _EOS_ID):
             cfg.update(bos_token_id=_BOS_ID, eos_token_id=_EOS_ID)
         return cfg
+
+    def config_differences(self, checkpoint_config: dict[str, Any]) -> list[str]:
+        """How a checkpoint's `config.json` describes another model than this adapter's, one
+        line per field (`titan.models.common.hf_config.hf_config_differences`)."""
+        return hf_config_differences(self, checkpoint_config)
 
     @classmethod
     def args_from_hf_config(cls, cfg: dict[str, Any]) -> DeepseekV3Args:

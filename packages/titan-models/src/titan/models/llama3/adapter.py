@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 import torch
-from titan.models.common.hf_config import decoder_hf_config
+from titan.models.common.hf_config import decoder_hf_config, hf_config_differences
 from titan.models.common.rope import RopeScaling
 from titan.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 
@@ -160,6 +160,11 @@ class Llama3StateDictAdapter:
                                 rope_scaling=_rope_scaling_to_hf(self.args.rope_scaling))
         cfg["mlp_bias"] = False
         return cfg
+
+    def config_differences(self, checkpoint_config: dict[str, Any]) -> list[str]:
+        """How a checkpoint's `config.json` describes another model than this adapter's, one
+        line per field (`titan.models.common.hf_config.hf_config_differences`)."""
+        return hf_config_differences(self, checkpoint_config)
 
     @classmethod
     def args_from_hf_config(cls, cfg: dict[str, Any]) -> Llama3Args:
