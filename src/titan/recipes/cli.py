@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
-import functools
 import io
 import logging
 import os
@@ -45,7 +44,7 @@ from titan.recipes.dry_run import (
     split_world_size_flag,
     world_size_from_env,
 )
-from titan.recipes.families import model_spec
+from titan.recipes.families import HF_FLAVOR, hf_flavor_args, model_spec, model_spec_for
 from titan.recipes.memory_check import check_memory, warn_beyond_context
 from titan.recipes.recipes import RECIPES, recipe
 from titan.recipes.runners import DEFAULT_RECIPES, runner_for
@@ -329,6 +328,23 @@ def parse_train_args(argv: Sequence[str], *, command: str = "train", exempt_flag
     return config
 
 
+def resolve_hf_flavor(config: Any) -> Any:
+    """``--model.flavor hf`` (the commands run this on the parsed config): check that the run starts from a Hugging Face checkpoint whose
+    ``config.json`` this family builds, and give the model that checkpoint's vocabulary unless
+    ``--model.vocab_size`` says otherwise (the tokenizer's, padded, would not fit its
+    embedding). Returns ``config``."""
+    model = getattr(config, "model", None)
+    if getattr(model, "flavor", None) != HF_FLAVOR or not isinstance(config, RunConfig):
+        return config
+    try:
+        args = hf_flavor_args(model_spec(model.name), config.checkpoint)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if model.vocab_size is None:
+        model.vocab_size = args.vocab_size
+    return config
+
+
 def check_output_folders(config: Any) -> None:
     """Refuse an output folder that cannot be created or written, before any work starts: the
     job's dump folder and, when checkpoints are on, the checkpoint folder (a save that fails
@@ -380,6 +396,7 @@ def check_initial_load_path(config: Any) -> None:
 def preflight(config: Any) -> None:
     """Checks of the user's inputs that need this machine, run before any setup or logging
     (so that the error is the only line printed)."""
+    resolve_hf_flavor(config)
     check_output_folders(config)
     check_initial_load_path(config)
     if isinstance(config, TrainerConfig):
@@ -390,7 +407,7 @@ def preflight(config: Any) -> None:
     if getattr(config, "quantize", None) is not None:
         check_quantize_installed(config.quantize)  # before the memory check builds the model
     if isinstance(config, RunConfig):  # every loop's config; a plugin's may be anything
-        spec = model_spec(config.model.name)
+        spec = model_spec_for(config)
         spec.check_flavor(config.model.flavor)
         warn_beyond_context(config, getattr(spec.flavors[config.model.flavor], "max_seq_len", None))
 
@@ -515,7 +532,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
         return run(rest, command=command)
     if command == "dry-run":
         world_size, rest = split_world_size_flag(rest)
-        config = parse_train_args(rest)
+        config = resolve_hf_flavor(parse_train_args(rest))
         return dry_run_main(config, world_size or world_size_from_env())
     if command == "plan":
         # The layout and AC flags are the planner's to combine (a schedule without PP picks the
@@ -525,7 +542,10 @@ def _dispatch(command: str, rest: list[str]) -> int:
         # A pipeline split of the run's own pins pipelined layouts (the planner picks their degree).
         exempt = (*LAYOUT_FLAGS, "--parallelism.pipeline_parallel_layers_per_stage",
                   "--parallelism.pipeline_parallel_split_points", *TP_ONLY_FLAGS)
-        return plan(rest, functools.partial(parse_train_args, exempt_flags=exempt))
+        def parse(argv: list[str]) -> Any:
+            return resolve_hf_flavor(parse_train_args(argv, exempt_flags=exempt))
+
+        return plan(rest, parse)
     if command == "recipes":
         print(recipes_description())
         return 0

@@ -29,7 +29,7 @@ from titan.train.quantize import (
 )
 from torch import nn
 
-from titan.recipes.families import model_spec
+from titan.recipes.families import model_spec_for
 
 FAKE_BACKEND = "fake_backend"
 
@@ -83,7 +83,7 @@ def vocab_size_for(config: TrainerConfig) -> tuple[int, str]:
     if tok.kind == "byte" or (tok.path and os.path.exists(tok.path)):
         size, source = tok.build().vocab_size, "tokenizer"
     elif model.vocab_size is None:
-        size, source = model_spec(model.name).flavors[model.flavor].vocab_size, "flavor"
+        size, source = model_spec_for(config).flavors[model.flavor].vocab_size, "flavor"
     else:  # no tokenizer here to check the given size against
         return model.vocab_size, "--model.vocab_size"
     return model.resolve_vocab_size(size), source if model.vocab_size is None else "--model.vocab_size"
@@ -92,7 +92,7 @@ def vocab_size_for(config: TrainerConfig) -> tuple[int, str]:
 def model_builder(config: TrainerConfig) -> tuple[Callable[[], nn.Module], int, str]:
     """(a function building the recipe's model as the trainer would, before any conversion or
     parallelism; its vocabulary; where that came from, as `vocab_size_for`)."""
-    spec = model_spec(config.model.name)
+    spec = model_spec_for(config)
     spec.check_flavor(config.model.flavor)
     vocab, source = vocab_size_for(config)
 

@@ -68,9 +68,9 @@ def runner_for(config: Any) -> Runner:
 def _build_pretraining(config: TrainerConfig) -> Loop:
     from titan.train.trainer import Trainer  # imported late: --help stays fast
 
-    from titan.recipes.families import model_spec
+    from titan.recipes.families import model_spec_for
 
-    return Trainer(config, model_spec=model_spec(config.model.name))
+    return Trainer(config, model_spec=model_spec_for(config))
 
 
 register_runner(TrainerConfig, _build_pretraining, command="train")
@@ -79,9 +79,9 @@ register_runner(TrainerConfig, _build_pretraining, command="train")
 def _build_sft(config) -> Loop:
     from titan.train.sft import SFTTrainer  # imported late: --help stays fast
 
-    from titan.recipes.families import model_spec
+    from titan.recipes.families import model_spec_for
 
-    return SFTTrainer(config, model_spec=model_spec(config.model.name))
+    return SFTTrainer(config, model_spec=model_spec_for(config))
 
 
 def _register_sft() -> None:
@@ -98,9 +98,9 @@ def _build_rl(config) -> Loop:
     # become generator servers, the others the trainer.
     from titan.rl.controller import build_rl_loop
 
-    from titan.recipes.families import model_spec
+    from titan.recipes.families import model_spec_for
 
-    return build_rl_loop(config, model_spec=model_spec(config.model.name))
+    return build_rl_loop(config, model_spec=model_spec_for(config))
 
 
 def _register_rl() -> None:

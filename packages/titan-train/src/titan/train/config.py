@@ -43,7 +43,9 @@ class ModelConfig:
     name: str = "llama3"
     """Model family, as registered in titan.recipes (e.g. llama3)."""
     flavor: str = "debugmodel"
-    """Size within the family (e.g. debugmodel, 1B, 8B, 70B, 405B)."""
+    """Size within the family (e.g. debugmodel, 1B, 8B, 70B, 405B), or ``hf``: the architecture
+    of the Hugging Face checkpoint the run starts from, read from its ``config.json`` (needs
+    ``--checkpoint.initial_load_path HF_FOLDER --checkpoint.initial_load_in_hf``)."""
     vocab_multiple_of: int = 64
     """Pad the embedding/output vocabulary to a multiple of this, so tensor parallel degrees
     divide it; padded rows never receive a label."""

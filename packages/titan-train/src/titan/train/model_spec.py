@@ -7,6 +7,7 @@ titan.train never imports a model family (docs/design.md): the recipes layer des
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -70,6 +71,26 @@ class ModelSpec:
     flavors: Mapping[str, Any]
     build: Callable[..., nn.Module]
     adapter: Callable[[nn.Module], StateDictAdapter] | None = None
+    hf_model_type: str | None = None
+    """The ``model_type`` of the family's Hugging Face ``config.json`` (e.g. ``llama``)."""
+    args_from_hf_config: Callable[[dict[str, Any]], Any] | None = None
+    """The family's arguments for a Hugging Face ``config.json`` dict (its adapter's)."""
+
+    def with_flavor(self, flavor: str, args: Any) -> ModelSpec:
+        """This spec plus one more flavor, ``args`` (the family's arguments dataclass), e.g. a
+        checkpoint's own architecture; ``build(flavor, **overrides)`` builds it. The family's
+        build knows only its table, so the new flavor is built as the table's first flavor with
+        every field replaced by ``args``' (overrides win)."""
+        base = next(iter(self.flavors))
+        fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+        family_build = self.build
+
+        def build(name: str, **overrides: Any) -> nn.Module:
+            if name != flavor:
+                return family_build(name, **overrides)
+            return family_build(base, **{**fields, **overrides})
+
+        return dataclasses.replace(self, flavors={**self.flavors, flavor: args}, build=build)
 
     def check_flavor(self, flavor: str) -> None:
         """Raise a ValueError naming the known flavors when ``flavor`` is not one of them."""

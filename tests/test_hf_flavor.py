@@ -1,0 +1,123 @@
+"""`--model.flavor hf`: train a Hugging Face checkpoint of whatever size its `config.json` says
+(no titan flavor of that shape needed), checked against transformers' own loss on the first
+batch, one process and FSDP 2; and the inputs it needs, refused up front when missing."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from forked_cli import run_titan, run_torchrun
+
+transformers = pytest.importorskip("transformers")
+
+SEQ, BATCH = 32, 4
+FLAGS = [
+    "--config", "llama3_debug_synthetic", "--model.flavor", "hf", "--checkpoint.initial_load_in_hf",
+    "--training.seq_len", str(SEQ), "--training.local_batch_size", str(BATCH), "--training.steps", "2",
+    "--debug.seed", "0", "--debug.deterministic", "--metrics.log_freq", "1",
+    "--metrics.no_enable_progress_bar", "--dataset.synthetic_documents", "200",
+]
+ENV_ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def llama_checkpoint(folder: Path) -> Path:
+    """A Llama no titan flavor describes: width 96 in 6 heads of 16, an FFN of 200 (no rounding
+    rule gives it), RoPE base 10,000 and norm epsilon 1e-6 (titan's Llama defaults differ)."""
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=96, intermediate_size=200, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, rope_theta=10_000.0, rms_norm_eps=1e-6, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
+    return folder
+
+
+def qwen3_checkpoint(folder: Path) -> Path:
+    """A tied Qwen3 whose head_dim (32) is not hidden_size / heads (16)."""
+    config = transformers.Qwen3Config(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=True,
+    )
+    torch.manual_seed(1)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(str(folder))
+    return folder
+
+
+def first_batch() -> dict[str, torch.Tensor]:
+    """The batch step 1 of FLAGS' run trains on (the synthetic corpus, byte tokenizer)."""
+    from titan.train.data import DatasetConfig, TokenizerConfig, build_dataloader
+
+    loader = build_dataloader(DatasetConfig(name="synthetic", synthetic_documents=200), TokenizerConfig().build(),
+                              dp_rank=0, dp_world_size=1, local_batch_size=BATCH, seq_len=SEQ, seed=0)
+    return next(iter(loader))
+
+
+def transformers_loss(folder: Path) -> float:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    batch = first_batch()
+    with torch.no_grad():
+        logits = model(batch["input_ids"]).logits.float()
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()))
+
+
+def step_losses(dump: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def test_a_llama_of_no_titan_flavor_trains_from_its_config(tmp_path):
+    src = llama_checkpoint(tmp_path / "hf")
+    dump = tmp_path / "run"
+    result = run_titan(["train", *FLAGS, "--checkpoint.initial_load_path", src, "--job.dump_folder", dump],
+                       env={**os.environ, **ENV_ONE_THREAD}, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "llama3 hf: " in result.stderr  # the run names the flavor it built
+    losses = step_losses(dump)
+    expected = transformers_loss(src)
+    assert abs(losses[1] - expected) <= 1e-5 * expected, (losses[1], expected)
+    assert losses[2] < losses[1]  # and it trains
+
+
+def test_a_tied_qwen3_trains_from_its_config_under_fsdp2_as_in_one_process(tmp_path):
+    src = qwen3_checkpoint(tmp_path / "hf")
+    flags = [*FLAGS, "--model.name", "qwen3", "--checkpoint.initial_load_path", str(src)]
+    env = {**os.environ, **ENV_ONE_THREAD}
+    one = run_titan(["train", *flags, "--job.dump_folder", tmp_path / "one"], env=env, timeout=300)
+    assert one.returncode == 0, one.stderr[-4000:]
+    two = run_torchrun(["--nproc_per_node", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0",
+                        "-m", "titan.recipes.cli", "train", *flags, "--parallelism.data_parallel_shard_degree", "2",
+                        "--training.local_batch_size", str(BATCH // 2), "--job.dump_folder", tmp_path / "two"],
+                       env=env, timeout=300)
+    assert two.returncode == 0, two.stderr[-4000:]
+    expected = transformers_loss(src)
+    single, sharded = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
+    assert abs(single[1] - expected) <= 1e-5 * expected, (single[1], expected)
+    for step in (1, 2):
+        assert abs(sharded[step] - single[step]) <= 1e-5 * single[step], (step, sharded, single)
+
+
+@pytest.mark.parametrize("case", ["no_hf_load", "other_family", "no_config"])
+def test_what_the_hf_flavor_needs_is_refused_before_any_work(case, tmp_path):
+    src = llama_checkpoint(tmp_path / "hf")
+    flags = [*FLAGS, "--checkpoint.initial_load_path", str(src), "--job.dump_folder", str(tmp_path / "run")]
+    expected = {
+        "no_hf_load": "--model.flavor hf takes the architecture of the Hugging Face checkpoint the run starts "
+                      "from: add --checkpoint.initial_load_path HF_FOLDER --checkpoint.initial_load_in_hf",
+        "other_family": "is a 'llama' model, not --model.name qwen3's: run it with --model.name llama3",
+        "no_config": "--model.flavor hf reads",
+    }[case]
+    if case == "no_hf_load":
+        flags.remove("--checkpoint.initial_load_in_hf")
+    elif case == "other_family":
+        flags += ["--model.name", "qwen3"]
+    else:
+        (src / "config.json").unlink()
+    result = run_titan(["train", *flags], timeout=120)
+    assert result.returncode == 2 and expected in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
