@@ -25,7 +25,7 @@ import torch
 from forked_cli import run_command
 from launching import launch_train_runs, run_output
 from titan.ckpt import load_dcp_model, load_hf
-from titan.models.llama3 import Llama3Model, Llama3StateDictAdapter
+from titan.models.llama3 import LLAMA3_FLAVORS, Llama3Model, Llama3StateDictAdapter
 
 # One worker runs the module: its tests read the same shared launches (two_rank_runs and
 # four_rank_runs), which a second worker would wait for.
@@ -452,6 +452,9 @@ def test_hf_export_loads_in_transformers_and_round_trips(killed_and_resumed, fsd
     transformers = pytest.importorskip("transformers")
     export = killed_and_resumed / "checkpoint" / f"step-{STEPS}"
     assert (export / "model.safetensors.index.json").is_file()
+    # It states the model's context (the flavor's), not the length this run trained at.
+    context = LLAMA3_FLAVORS["debugmodel_tiny"].max_seq_len
+    assert context > SEQ and json.loads((export / "config.json").read_text())["max_position_embeddings"] == context
 
     # transformers loads the export; its logits equal titan's for the uninterrupted run's
     # weights (a DCP checkpoint, no adapter involved on the titan side).

@@ -73,7 +73,8 @@ def step_losses(dump: Path) -> dict[int, float]:
 def test_a_llama_of_no_titan_flavor_trains_from_its_config(tmp_path):
     src = llama_checkpoint(tmp_path / "hf")
     dump = tmp_path / "run"
-    result = run_titan(["train", *FLAGS, "--checkpoint.initial_load_path", src, "--job.dump_folder", dump],
+    result = run_titan(["train", *FLAGS, "--checkpoint.initial_load_path", src, "--job.dump_folder", dump,
+                        "--checkpoint.enable", "--checkpoint.last_save_in_hf"],
                        env={**os.environ, **ENV_ONE_THREAD}, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "llama3 hf: " in result.stderr  # the run names the flavor it built
@@ -81,6 +82,18 @@ def test_a_llama_of_no_titan_flavor_trains_from_its_config(tmp_path):
     expected = transformers_loss(src)
     assert abs(losses[1] - expected) <= 1e-5 * expected, (losses[1], expected)
     assert losses[2] < losses[1]  # and it trains
+
+    # The export is the source model, trained: its context, special tokens and generation
+    # settings, not the run's sequence length or Llama 3's token ids.
+    export = dump / "checkpoint" / "step-2"
+    source_config = json.loads((src / "config.json").read_text())
+    config = json.loads((export / "config.json").read_text())
+    for key in ("max_position_embeddings", "bos_token_id", "eos_token_id", "rms_norm_eps", "intermediate_size"):
+        assert config[key] == source_config[key], key
+    assert (export / "generation_config.json").read_text() == (src / "generation_config.json").read_text()
+    trained = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)
+    assert trained.generation_config.eos_token_id == source_config["eos_token_id"]
+    assert transformers_loss(export) < expected
 
 
 def test_a_tied_qwen3_trains_from_its_config_under_fsdp2_as_in_one_process(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from ckpt_testlib import tensors_equal
 from safetensors.torch import load_file, save_file
-from titan.ckpt import CheckpointConfig, CheckpointError, CheckpointManager, load_hf, save_hf
+from titan.ckpt import CheckpointConfig, CheckpointError, CheckpointManager, hf, load_hf, save_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -174,3 +174,35 @@ def test_unreadable_hf_config_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"config.json cannot be read as this model family's config"):
         manager.load()
     manager.close()
+
+
+def test_export_config_keeps_the_source_tokens_and_generation_config(tmp_path):
+    """An export of a run that started from a Hub folder generates and stops like it: the
+    source's special tokens and generation_config.json travel; its architecture keys are the
+    adapter's, its dtype and writer are not carried."""
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({
+        "bos_token_id": 1, "eos_token_id": [2, 7], "initializer_range": 0.01, "hidden_size": 999,
+        "dtype": "float32", "transformers_version": "5.0.0",
+    }))
+    (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7], "temperature": 0.6}))
+
+    class Adapter:
+        def hf_config(self):
+            return {"hidden_size": 32, "eos_token_id": 128001, "max_position_embeddings": 64, "torch_dtype": "bfloat16"}
+
+    out = tmp_path / "out"
+    out.mkdir()
+    hf.write_config(str(out), Adapter(), "bfloat16", overrides={"max_position_embeddings": 4096}, source=str(source))
+    config = json.loads((out / "config.json").read_text())
+    assert config == {"bos_token_id": 1, "eos_token_id": [2, 7], "initializer_range": 0.01, "hidden_size": 32,
+                      "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
+    assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": [2, 7], "temperature": 0.6}
+
+    # No source: the adapter's keys and the overrides, nothing else.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    hf.write_config(str(alone), Adapter(), None)
+    assert json.loads((alone / "config.json").read_text()) == Adapter().hf_config()
+    assert not (alone / "generation_config.json").exists()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -29,6 +30,12 @@ __all__ = ["StateDictAdapter", "save_hf", "load_hf", "DTYPES", "INDEX_FILE", "SI
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+# Keys of a source checkpoint's config.json an export keeps over the adapter's: the tokens the
+# pretrained model begins, ends and pads with (an adapter knows only its family's usual ones).
+SOURCE_WINS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# Keys never carried from a source config: the export states its own dtype and writer.
+NOT_CARRIED = ("dtype", "torch_dtype", "transformers_version", "_name_or_path")
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -201,14 +208,38 @@ def write_index(folder: str, weight_map: dict[str, str], *, total_size: int) -> 
         json.dump(index, f, indent=2)
 
 
-def write_config(folder: str, adapter: StateDictAdapter, dtype: torch.dtype | str | None = None) -> None:
+def write_config(folder: str, adapter: StateDictAdapter, dtype: torch.dtype | str | None = None, *,
+                 overrides: dict[str, Any] | None = None, source: str | None = None) -> None:
     """Write the adapter's `config.json`; `dtype` (the dtype of the written weights) replaces
-    its `torch_dtype`, which transformers 5 loads the weights in by default."""
-    config = adapter.hf_config()
+    its `torch_dtype`, which transformers 5 loads the weights in by default.
+
+    `overrides` replace the adapter's keys (e.g. `max_position_embeddings`: the model's context,
+    where the adapter knows only the length this run trained at). `source`, the Hugging Face
+    folder the run started from, lends the keys the adapter does not write (its special tokens,
+    `initializer_range`, ...) and its `generation_config.json`, so that the export generates
+    and stops like the model it came from; its `SOURCE_WINS` keys win over the adapter's."""
+    config = {**adapter.hf_config(), **(overrides or {})}
+    if source is not None:
+        config = _with_source_keys(config, source)
+        generation = os.path.join(source, GENERATION_CONFIG_FILE)
+        if os.path.isfile(generation):
+            shutil.copyfile(generation, os.path.join(folder, GENERATION_CONFIG_FILE))
     if dtype is not None:
         config["torch_dtype"] = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     with open(os.path.join(folder, CONFIG_FILE), "w") as f:
         json.dump(config, f, indent=2)
+
+
+def _with_source_keys(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """`config` completed from `source`'s `config.json` (when it has one): keys `config` lacks
+    and the `SOURCE_WINS` keys are taken from the source, `NOT_CARRIED` ones never."""
+    path = os.path.join(source, CONFIG_FILE)
+    if not os.path.isfile(path):
+        return config
+    with open(path) as f:
+        base = json.load(f)
+    carried = {k: v for k, v in base.items() if k not in NOT_CARRIED}
+    return {**carried, **config, **{k: base[k] for k in SOURCE_WINS if k in base}}
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -52,6 +52,9 @@ class CheckpointManager:
         rank_local: names of states that differ per rank and are stored per rank.
             An `RNGState` is added as "rng" unless `states` has one.
         hf_max_shard_bytes: the size at which Hugging Face exports start a new file.
+        hf_config_overrides: `config.json` keys the export states over the adapter's (the
+            trainer: `max_position_embeddings`, the model's context rather than the length
+            this run trains at).
         collective_timeout: timeout of the checkpoint group's collectives (None: torch's
             default); a rank that died mid-save makes the others fail after it.
 
@@ -71,11 +74,13 @@ class CheckpointManager:
         rank_local: Iterable[str] = ("dataloader", "rng"),
         hf_max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES,
         collective_timeout: timedelta | None = None,
+        hf_config_overrides: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.folder = config.folder_in(dump_folder)
         self.hf_adapter = hf_adapter
         self.hf_max_shard_bytes = hf_max_shard_bytes
+        self.hf_config_overrides = dict(hf_config_overrides or {})
         self.model = ModelWrapper(model_parts)
         self._rank, self._world_size = _rank_and_world()
         self._rank_local = set(rank_local)
@@ -420,10 +425,17 @@ class CheckpointManager:
         if self._rank == 0:
             merged = {k: v for wm, _ in gathered for k, v in wm.items()}
             hf.write_index(tmp, merged, total_size=sum(n for _, n in gathered))
-            hf.write_config(tmp, self.hf_adapter, self.config.export_dtype)
+            self._write_hf_config(tmp, self.config.export_dtype)
         self._finish(step, self._manifest(step, "hf", ["model"], True, self.config.export_dtype))
         logger.info("exported step %d as Hugging Face safetensors to %s", step,
                     layout.step_path(self.folder, step))
+
+    def _write_hf_config(self, folder: str, dtype: Any) -> None:
+        """The model's `config.json` in `folder`: the adapter's, the trainer's overrides, and
+        the keys of the Hugging Face folder the run started from (`hf.write_config`)."""
+        source = self.config.initial_load_path if self.config.initial_load_in_hf else None
+        hf.write_config(folder, self.hf_adapter, dtype, overrides=self.hf_config_overrides,
+                        source=source if source and os.path.isdir(source) else None)
 
     def _owned_full_state(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) CPU tensors of the weights this rank writes in an HF export.
@@ -463,8 +475,7 @@ class CheckpointManager:
             if manifest["format"] == "dcp" and self.hf_adapter is not None:
                 # The model's HF config travels with its weights: tools/convert_hf.py to-hf
                 # needs no flags to describe the model (plain JSON, like the manifest).
-                hf.write_config(layout.tmp_path(self.folder, step), self.hf_adapter,
-                                manifest["dtype"] or "float32")
+                self._write_hf_config(layout.tmp_path(self.folder, step), manifest["dtype"] or "float32")
             layout.publish(self.folder, step, manifest)
             self._purges.append(self._purger.submit(self._purge, step))
         self._barrier()  # nobody goes on before the step is visible

@@ -431,6 +431,15 @@ class TrainingEngine:
                 if isinstance(module, TakesSequenceSum):
                     module.set_sequence_sum(sequence_sum)
 
+    def _hf_config_overrides(self, meta_model: nn.Module) -> dict[str, Any]:
+        """What an exported `config.json` states over the adapter's: the model's context (the
+        flavor's, e.g. 131,072 for Llama 3.1; for `--model.flavor hf` the source's), not the
+        sequence length this run's RoPE tables were built for."""
+        trained = getattr(getattr(meta_model, "args", None), "max_seq_len", None)
+        published = getattr(self.model_spec.flavors.get(self.flavor), "max_seq_len", None)
+        contexts = [n for n in (trained, published) if isinstance(n, int)]
+        return {"max_position_embeddings": max(contexts)} if contexts else {}
+
     def _build_checkpointer(
         self, meta_model: nn.Module, config: CheckpointConfig, dump_folder: str, states: Mapping[str, Any]
     ) -> CheckpointManager:
@@ -443,6 +452,7 @@ class TrainingEngine:
             model_parts=self.model_parts,
             optimizers=OptimizerWrapper(self.model_parts, self.optimizers),
             hf_adapter=adapter,
+            hf_config_overrides=self._hf_config_overrides(meta_model),
             # Loop states (e.g. a loader whose position is one global record, equal on every
             # rank) are saved once; only the RNG state is per rank.
             rank_local=("rng",),
