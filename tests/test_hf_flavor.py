@@ -134,3 +134,32 @@ def test_what_the_hf_flavor_needs_is_refused_before_any_work(case, tmp_path):
     assert result.returncode == 2 and expected in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_export_is_a_folder_transformers_loads_with_its_tokenizer(tmp_path):
+    """A run with a Hugging Face tokenizer exports it beside the weights: `from_pretrained`
+    loads model and tokenizer from the one folder, as a Hub download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    src = llama_checkpoint(tmp_path / "hf")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 50, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok.save(str(src / "tokenizer.json"))
+    (src / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    dump = tmp_path / "run"
+    result = run_titan(["train", "--config", "llama3_debug", "--model.flavor", "hf", "--checkpoint.initial_load_in_hf",
+                        "--checkpoint.initial_load_path", src, "--tokenizer.kind", "hf", "--tokenizer.path", src,
+                        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "1",
+                        "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--job.dump_folder", dump],
+                       env={**os.environ, **ENV_ONE_THREAD}, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    export = dump / "checkpoint" / "step-1"
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in export.iterdir()}
+    text = "def g(y):\n    return y\n"
+    ours = transformers.AutoTokenizer.from_pretrained(str(export))
+    assert ours(text)["input_ids"] == tok.encode(text).ids and ours.eos_token == "</s>"
+    transformers.AutoModelForCausalLM.from_pretrained(str(export))

@@ -81,3 +81,14 @@ def test_tokenizer_config_validation():
         TokenizerConfig(kind="byte", path="x/tokenizer.json")
     with pytest.raises(ValueError, match="--tokenizer.kind"):
         TokenizerConfig(kind="sentencepiece")
+
+
+def test_hub_files_are_the_tokenizer_and_the_side_files_beside_it(hf_tokenizer_file):
+    folder = hf_tokenizer_file.parent
+    assert TokenizerConfig(kind="hf", path=str(folder)).hub_files() == [str(hf_tokenizer_file)]
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "chat_template.jinja").write_text("{{ messages }}")
+    (folder / "unrelated.txt").write_text("")
+    assert TokenizerConfig(kind="hf", path=str(hf_tokenizer_file)).hub_files() == [
+        str(hf_tokenizer_file), str(folder / "tokenizer_config.json"), str(folder / "chat_template.jinja")]
+    assert TokenizerConfig().hub_files() == []  # the byte tokenizer has no Hub form

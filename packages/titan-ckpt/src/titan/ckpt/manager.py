@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -55,6 +56,8 @@ class CheckpointManager:
         hf_config_overrides: `config.json` keys the export states over the adapter's (the
             trainer: `max_position_embeddings`, the model's context rather than the length
             this run trains at).
+        hf_export_files: files copied into every Hugging Face export (the trainer: its
+            tokenizer's, so that transformers and vLLM load the folder as it is).
         collective_timeout: timeout of the checkpoint group's collectives (None: torch's
             default); a rank that died mid-save makes the others fail after it.
 
@@ -75,12 +78,14 @@ class CheckpointManager:
         hf_max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES,
         collective_timeout: timedelta | None = None,
         hf_config_overrides: dict[str, Any] | None = None,
+        hf_export_files: Sequence[str] = (),
     ) -> None:
         self.config = config
         self.folder = config.folder_in(dump_folder)
         self.hf_adapter = hf_adapter
         self.hf_max_shard_bytes = hf_max_shard_bytes
         self.hf_config_overrides = dict(hf_config_overrides or {})
+        self.hf_export_files = tuple(hf_export_files)
         self.model = ModelWrapper(model_parts)
         self._rank, self._world_size = _rank_and_world()
         self._rank_local = set(rank_local)
@@ -426,6 +431,8 @@ class CheckpointManager:
             merged = {k: v for wm, _ in gathered for k, v in wm.items()}
             hf.write_index(tmp, merged, total_size=sum(n for _, n in gathered))
             self._write_hf_config(tmp, self.config.export_dtype)
+            for path in self.hf_export_files:
+                shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
         self._finish(step, self._manifest(step, "hf", ["model"], True, self.config.export_dtype))
         logger.info("exported step %d as Hugging Face safetensors to %s", step,
                     layout.step_path(self.folder, step))

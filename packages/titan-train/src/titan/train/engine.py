@@ -227,8 +227,10 @@ class TrainingEngine:
         states: Mapping[str, Any] | None = None,
         comm: CommConfig | None = None,
         fault_tolerance: FaultToleranceConfig | None = None,
+        hf_export_files: Sequence[str] = (),
     ) -> None:
         model_spec.check_flavor(flavor)
+        self.hf_export_files = tuple(hf_export_files)
         self.model_spec, self.flavor = model_spec, flavor
         self.parallelism, self.max_norm, self.seq_len = parallelism, max_norm, seq_len
         self.mixed_precision_param, self.document_mask = mixed_precision_param, document_mask
@@ -310,6 +312,7 @@ class TrainingEngine:
             states=states,
             comm=getattr(config, "comm", None),
             fault_tolerance=getattr(config, "fault_tolerance", None),
+            hf_export_files=config.tokenizer.hub_files() if hasattr(config, "tokenizer") else (),
         )
 
     def _join_replica_groups(self, config: FaultToleranceConfig | None) -> ReplicaGroups | None:
@@ -453,6 +456,7 @@ class TrainingEngine:
             optimizers=OptimizerWrapper(self.model_parts, self.optimizers),
             hf_adapter=adapter,
             hf_config_overrides=self._hf_config_overrides(meta_model),
+            hf_export_files=self.hf_export_files,
             # Loop states (e.g. a loader whose position is one global record, equal on every
             # rank) are saved once; only the RNG state is per rank.
             rank_local=("rng",),

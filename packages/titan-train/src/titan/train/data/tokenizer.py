@@ -146,6 +146,10 @@ class HFTokenizer(Tokenizer):
         return None
 
 
+# The files beside a tokenizer.json that complete a Hub tokenizer (special tokens, chat template).
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
 def _resolve_tokenizer_file(path: str | os.PathLike) -> str:
     """`path` itself, or `path/tokenizer.json` when `path` is a directory."""
     path = os.fspath(path)
@@ -217,6 +221,16 @@ class TokenizerConfig:
                 f"--tokenizer.path {self.path!r} is only read with --tokenizer.kind hf; "
                 "drop the path or set --tokenizer.kind hf"
             )
+
+    def hub_files(self) -> list[str]:
+        """The files a Hugging Face folder needs to hold this tokenizer (`tokenizer.json` and
+        the `tokenizer_config.json`, `special_tokens_map.json` and `chat_template.jinja` beside
+        it, those that exist); none for the byte tokenizer, which has no Hub form."""
+        if self.kind != "hf":
+            return []
+        main = _resolve_tokenizer_file(self.path)
+        siblings = [os.path.join(os.path.dirname(main), name) for name in TOKENIZER_SIDE_FILES]
+        return [main, *(path for path in siblings if os.path.isfile(path))]
 
     def build(self) -> Tokenizer:
         """Construct the configured tokenizer (reads the file for kind "hf")."""
