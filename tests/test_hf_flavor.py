@@ -24,12 +24,13 @@ FLAGS = [
 ENV_ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
-def llama_checkpoint(folder: Path) -> Path:
-    """A Llama no titan flavor describes: width 96 in 6 heads of 16, an FFN of 200 (no rounding
-    rule gives it), RoPE base 10,000 and norm epsilon 1e-6 (titan's Llama defaults differ)."""
+def llama_checkpoint(folder: Path, heads: int = 6) -> Path:
+    """A Llama no titan flavor describes: width 96 in 6 heads of 16 (``heads``: 3 of 32, the
+    smallest vLLM's CPU attention takes), an FFN of 200 (no rounding rule gives it), RoPE base
+    10,000 and norm epsilon 1e-6 (titan's Llama defaults differ)."""
     config = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=96, intermediate_size=200, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, rope_theta=10_000.0, rms_norm_eps=1e-6, max_position_embeddings=256,
+        vocab_size=320, hidden_size=96, intermediate_size=200, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=heads // 3, rope_theta=10_000.0, rms_norm_eps=1e-6, max_position_embeddings=256,
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
@@ -136,12 +137,10 @@ def test_what_the_hf_flavor_needs_is_refused_before_any_work(case, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_the_export_is_a_folder_transformers_loads_with_its_tokenizer(tmp_path):
-    """A run with a Hugging Face tokenizer exports it beside the weights: `from_pretrained`
-    loads model and tokenizer from the one folder, as a Hub download."""
+def with_bpe_tokenizer(src: Path):
+    """`src` with a tiny byte-level BPE (`tokenizer.json` + `tokenizer_config.json`); returns it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    src = llama_checkpoint(tmp_path / "hf")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 50, trainer=trainers.BpeTrainer(
@@ -150,16 +149,51 @@ def test_the_export_is_a_folder_transformers_loads_with_its_tokenizer(tmp_path):
     tok.save(str(src / "tokenizer.json"))
     (src / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return tok
+
+
+def export_of_a_fine_tune(tmp_path: Path, steps: int, heads: int = 6):
+    """(the HF export of `steps` steps on the llama checkpoint with a BPE tokenizer, the tokenizer)."""
+    src = llama_checkpoint(tmp_path / "hf", heads)
+    tok = with_bpe_tokenizer(src)
     dump = tmp_path / "run"
     result = run_titan(["train", "--config", "llama3_debug", "--model.flavor", "hf", "--checkpoint.initial_load_in_hf",
                         "--checkpoint.initial_load_path", src, "--tokenizer.kind", "hf", "--tokenizer.path", src,
-                        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "1",
+                        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", str(steps),
                         "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--job.dump_folder", dump],
                        env={**os.environ, **ENV_ONE_THREAD}, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
-    export = dump / "checkpoint" / "step-1"
+    return dump / "checkpoint" / f"step-{steps}", tok
+
+
+def test_the_export_is_a_folder_transformers_loads_with_its_tokenizer(tmp_path):
+    """A run with a Hugging Face tokenizer exports it beside the weights: `from_pretrained`
+    loads model and tokenizer from the one folder, as a Hub download."""
+    export, tok = export_of_a_fine_tune(tmp_path, steps=1)
     assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in export.iterdir()}
     text = "def g(y):\n    return y\n"
     ours = transformers.AutoTokenizer.from_pretrained(str(export))
     assert ours(text)["input_ids"] == tok.encode(text).ids and ours.eos_token == "</s>"
     transformers.AutoModelForCausalLM.from_pretrained(str(export))
+
+
+@pytest.mark.vllm
+def test_stock_vllm_serves_the_export_as_transformers_runs_it(tmp_path, monkeypatch):
+    """The export is a folder vLLM's own Llama loads, tokenizer included (no titan code in
+    vLLM); its greedy tokens equal transformers' on the same folder."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: this test runs in `make test-vllm`")
+    from vllm import LLM, SamplingParams
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+    export, _ = export_of_a_fine_tune(tmp_path, steps=20, heads=3)
+    prompt = "def f(x):\n"
+    llm = LLM(model=str(export), dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
+              kv_cache_memory_bytes=64 << 20)
+    served = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))[0]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(export))
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    assert list(served.prompt_token_ids) == ids[0].tolist()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
+    expected = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
+    got = list(served.outputs[0].token_ids)
+    assert got == expected[:len(got)] and len(got) >= 1
