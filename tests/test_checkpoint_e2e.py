@@ -26,6 +26,7 @@ from forked_cli import run_command
 from launching import launch_train_runs, run_output
 from titan.ckpt import load_dcp_model, load_hf
 from titan.models.llama3 import LLAMA3_FLAVORS, Llama3Model, Llama3StateDictAdapter
+from titan.train.data import ByteTokenizer
 
 # One worker runs the module: its tests read the same shared launches (two_rank_runs and
 # four_rank_runs), which a second worker would wait for.
@@ -454,7 +455,10 @@ def test_hf_export_loads_in_transformers_and_round_trips(killed_and_resumed, fsd
     assert (export / "model.safetensors.index.json").is_file()
     # It states the model's context (the flavor's), not the length this run trained at.
     context = LLAMA3_FLAVORS["debugmodel_tiny"].max_seq_len
-    assert context > SEQ and json.loads((export / "config.json").read_text())["max_position_embeddings"] == context
+    exported = json.loads((export / "config.json").read_text())
+    assert context > SEQ and exported["max_position_embeddings"] == context
+    # ... and the run's tokenizer's special tokens (the byte tokenizer's), not Llama 3's.
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (ByteTokenizer.bos_id, ByteTokenizer.eos_id)
 
     # transformers loads the export; its logits equal titan's for the uninterrupted run's
     # weights (a DCP checkpoint, no adapter involved on the titan side).

@@ -197,3 +197,21 @@ def test_stock_vllm_serves_the_export_as_transformers_runs_it(tmp_path, monkeypa
     expected = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
     got = list(served.outputs[0].token_ids)
     assert got == expected[:len(got)] and len(got) >= 1
+
+
+def test_an_export_without_a_source_folder_names_the_run_tokenizer_special_tokens(tmp_path):
+    """Pretraining from scratch with a Hub tokenizer: the export's config says where its
+    tokenizer's BOS and EOS are, so transformers' `generate` stops at that EOS."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok = with_bpe_tokenizer(folder)
+    dump = tmp_path / "run"
+    result = run_titan(["train", "--config", "llama3_debug", "--model.flavor", "debugmodel_tiny", "--tokenizer.kind", "hf",
+                        "--tokenizer.path", folder, "--training.seq_len", "32", "--training.local_batch_size", "2",
+                        "--training.steps", "1", "--checkpoint.enable", "--checkpoint.last_save_in_hf",
+                        "--job.dump_folder", dump], env={**os.environ, **ENV_ONE_THREAD}, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    config = json.loads((dump / "checkpoint" / "step-1" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tok.token_to_id("<s>"), tok.token_to_id("</s>")) == (1, 2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(dump / "checkpoint" / "step-1"))
+    assert model.generation_config.eos_token_id == 2

@@ -88,7 +88,9 @@ def to_hf(args: argparse.Namespace) -> None:
     adapter = build_adapter(args.adapter, hf_config=config, flavors=args.flavors,
                             flavor=args.flavor)
     state = load_dcp_model(step)
-    save_hf(state, args.out, adapter, args.dtype, max_shard_bytes=args.max_shard_bytes)
+    # The step's config.json (titan's, or one from-hf kept) lends the keys the adapter does not
+    # write: special tokens, generation settings.
+    save_hf(state, args.out, adapter, args.dtype, max_shard_bytes=args.max_shard_bytes, config_source=step)
     print(f"wrote {len(state)} tensors to {args.out}")
 
 
@@ -106,7 +108,7 @@ def from_hf(args: argparse.Namespace) -> None:
     save_dcp_model(state, args.out)
     # Keep the model's description with the weights, as titan's own steps do (to-hf reads it).
     floats = [v.dtype for v in state.values() if v.is_floating_point()]
-    hf.write_config(args.out, adapter, args.dtype or (floats[0] if floats else None))
+    hf.write_config(args.out, adapter, args.dtype or (floats[0] if floats else None), source=args.src)
     print(f"wrote {len(state)} tensors to {args.out}")
 
 

@@ -60,11 +60,13 @@ def save_hf(
     adapter: StateDictAdapter | None = None,
     dtype: torch.dtype | str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    config_source: str | None = None,
 ) -> dict[str, str]:
     """Write a titan model state dict as a Hugging Face folder; return the weight map.
 
     `adapter` converts names (None keeps them); `dtype` casts floating-point tensors (None
-    keeps theirs). Writes `config.json` when an adapter is given.
+    keeps theirs). Writes `config.json` when an adapter is given, completed from the folder
+    `config_source` when given (`write_config`'s `source`).
     """
     hf_sd = to_hf_tensors(state_dict, adapter, dtype)
     os.makedirs(folder, exist_ok=True)
@@ -74,7 +76,7 @@ def save_hf(
     if adapter is not None:
         # The weights' own dtype when not cast (all floating tensors share one in practice).
         floats = [t.dtype for t in hf_sd.values() if t.is_floating_point()]
-        write_config(folder, adapter, dtype or (floats[0] if floats else None))
+        write_config(folder, adapter, dtype or (floats[0] if floats else None), source=config_source)
     return weight_map
 
 

@@ -190,6 +190,16 @@ class _AddAuxiliaryLoss(torch.autograd.Function):
         return grad, weight.expand(shape).clone(), None
 
 
+def hub_token_ids(tokenizer: Any) -> dict[str, int]:
+    """The `config.json` special-token ids of a tokenizer (`bos_id`, `eos_id`): what
+    `generate` stops at. A tokenizer without a BOS of its own reports its EOS there, which a
+    config must not claim as a BOS."""
+    ids = {"eos_token_id": int(tokenizer.eos_id)}
+    if tokenizer.bos_id != tokenizer.eos_id:
+        ids["bos_token_id"] = int(tokenizer.bos_id)
+    return ids
+
+
 class TrainingEngine:
     """Builds a model family's model, parallelizes it over the mesh, and steps and saves it.
 
@@ -228,9 +238,11 @@ class TrainingEngine:
         comm: CommConfig | None = None,
         fault_tolerance: FaultToleranceConfig | None = None,
         hf_export_files: Sequence[str] = (),
+        hf_token_ids: Mapping[str, int] | None = None,
     ) -> None:
         model_spec.check_flavor(flavor)
         self.hf_export_files = tuple(hf_export_files)
+        self.hf_token_ids = dict(hf_token_ids or {})
         self.model_spec, self.flavor = model_spec, flavor
         self.parallelism, self.max_norm, self.seq_len = parallelism, max_norm, seq_len
         self.mixed_precision_param, self.document_mask = mixed_precision_param, document_mask
@@ -313,6 +325,7 @@ class TrainingEngine:
             comm=getattr(config, "comm", None),
             fault_tolerance=getattr(config, "fault_tolerance", None),
             hf_export_files=config.tokenizer.hub_files() if hasattr(config, "tokenizer") else (),
+            hf_token_ids=hub_token_ids(config.tokenizer.build()) if hasattr(config, "tokenizer") else None,
         )
 
     def _join_replica_groups(self, config: FaultToleranceConfig | None) -> ReplicaGroups | None:
@@ -437,11 +450,13 @@ class TrainingEngine:
     def _hf_config_overrides(self, meta_model: nn.Module) -> dict[str, Any]:
         """What an exported `config.json` states over the adapter's: the model's context (the
         flavor's, e.g. 131,072 for Llama 3.1; for `--model.flavor hf` the source's), not the
-        sequence length this run's RoPE tables were built for."""
+        sequence length this run's RoPE tables were built for; and the run's tokenizer's
+        special tokens (`hf_token_ids`), not the family's usual ones."""
         trained = getattr(getattr(meta_model, "args", None), "max_seq_len", None)
         published = getattr(self.model_spec.flavors.get(self.flavor), "max_seq_len", None)
         contexts = [n for n in (trained, published) if isinstance(n, int)]
-        return {"max_position_embeddings": max(contexts)} if contexts else {}
+        context = {"max_position_embeddings": max(contexts)} if contexts else {}
+        return {**context, **self.hf_token_ids}
 
     def _build_checkpointer(
         self, meta_model: nn.Module, config: CheckpointConfig, dump_folder: str, states: Mapping[str, Any]
