@@ -215,3 +215,27 @@ def test_an_export_without_a_source_folder_names_the_run_tokenizer_special_token
     assert (config["bos_token_id"], config["eos_token_id"]) == (tok.token_to_id("<s>"), tok.token_to_id("</s>")) == (1, 2)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(dump / "checkpoint" / "step-1"))
     assert model.generation_config.eos_token_id == 2
+
+
+def test_a_source_folder_with_its_own_tokenizer_is_not_tokenized_otherwise(tmp_path):
+    """The byte tokenizer (the recipes' default) on a Hub model that brings its own tokenizer
+    would train the pretrained weights on other ids without any error: refused, with the
+    flags. A Hub tokenizer of another vocabulary is warned about; the folder's own is quiet."""
+    src = llama_checkpoint(tmp_path / "hf")
+    with_bpe_tokenizer(src)
+    flags = [*FLAGS, "--checkpoint.initial_load_path", str(src), "--training.steps", "1"]
+    byte = run_titan(["train", *flags, "--job.dump_folder", str(tmp_path / "byte")], timeout=120)
+    assert byte.returncode == 2 and "Traceback" not in byte.stderr
+    assert (f"{src} holds the model's own tokenizer.json, but this run tokenizes with the byte tokenizer: the "
+            f"pretrained weights would see other token ids. Add --tokenizer.kind hf --tokenizer.path {src}") in byte.stderr
+    assert not (tmp_path / "byte" / "metrics.jsonl").exists()
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text((src / "tokenizer.json").read_text().replace('"<pad>"', '"<unused>"'))
+    env = {**os.environ, **ENV_ONE_THREAD}
+    for tokenizer, warned in ((other, True), (src, False)):
+        run = run_titan(["train", *flags, "--tokenizer.kind", "hf", "--tokenizer.path", str(tokenizer),
+                         "--job.dump_folder", str(tmp_path / f"run_{warned}")], env=env, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert (f"--tokenizer.path {other} has another vocabulary than {src / 'tokenizer.json'}" in run.stderr) is warned

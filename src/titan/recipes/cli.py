@@ -384,6 +384,36 @@ def check_tokenizer(config: Any) -> None:
         ) from None
 
 
+def check_tokenizer_of_hf_source(config: Any) -> None:
+    """A run starting from a Hugging Face folder that holds its own ``tokenizer.json`` must
+    tokenize as that model did: the byte tokenizer (the recipes' default) would feed the
+    pretrained embeddings other ids, and the run would train without any error. Refused with
+    the flags that fix it; a Hub tokenizer whose vocabulary differs from the folder's is
+    warned about (extending a vocabulary is a choice, mixing two up is not)."""
+    checkpoint, tokenizer = getattr(config, "checkpoint", None), getattr(config, "tokenizer", None)
+    folder = getattr(checkpoint, "initial_load_path", None)
+    if not (folder and getattr(checkpoint, "initial_load_in_hf", False) and tokenizer is not None):
+        return
+    own = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(own):
+        return
+    if tokenizer.kind != "hf":
+        raise UsageError(
+            f"{folder} holds the model's own tokenizer.json, but this run tokenizes with the "
+            f"{tokenizer.kind} tokenizer: the pretrained weights would see other token ids. Add "
+            f"--tokenizer.kind hf --tokenizer.path {folder}"
+        )
+    from tokenizers import Tokenizer  # a Hub tokenizer is in use: the library is there
+
+    mine = tokenizer.hub_files()[0]
+    if os.path.samefile(mine, own) or Tokenizer.from_file(mine).get_vocab() == Tokenizer.from_file(own).get_vocab():
+        return
+    if int(os.environ.get("RANK", "0")) == 0:  # before logging is set up: rank 0 prints it once
+        print(f"titan: warning: --tokenizer.path {tokenizer.path} has another vocabulary than {own}, the "
+              "tokenizer the checkpoint was trained with: its token ids mean other things to the pretrained weights",
+              file=sys.stderr)
+
+
 def check_initial_load_path(config: Any) -> None:
     """A checkpoint to start from must exist (its contents are checked when it is loaded)."""
     path = getattr(getattr(config, "checkpoint", None), "initial_load_path", None)
@@ -404,6 +434,7 @@ def preflight(config: Any) -> None:
 
         validate_data_config(config.dataset, config.tokenizer)
     check_tokenizer(config)
+    check_tokenizer_of_hf_source(config)
     if getattr(config, "quantize", None) is not None:
         check_quantize_installed(config.quantize)  # before the memory check builds the model
     if isinstance(config, RunConfig):  # every loop's config; a plugin's may be anything
