@@ -239,3 +239,42 @@ def test_a_source_folder_with_its_own_tokenizer_is_not_tokenized_otherwise(tmp_p
                          "--job.dump_folder", str(tmp_path / f"run_{warned}")], env=env, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         assert (f"--tokenizer.path {other} has another vocabulary than {src / 'tokenizer.json'}" in run.stderr) is warned
+
+
+def test_hf_weights_load_one_block_at_a_time_and_a_stage_reads_only_its_own(tmp_path, monkeypatch):
+    """Importing Hub weights holds one block's tensors at a time (every rank of a large job
+    imports them), and a pipeline stage reads only the blocks it holds; the values are the
+    checkpoint's."""
+    from titan.ckpt import CheckpointConfig, CheckpointManager, hf, save_hf
+    from titan.models.llama3 import Llama3StateDictAdapter, build_llama3
+
+    def model():
+        with torch.device("meta"):
+            built = build_llama3("debugmodel_tiny", vocab_size=320, max_seq_len=64)
+        built.to_empty(device="cpu")
+        with torch.no_grad():
+            built.init_weights(seed=len(os.listdir(tmp_path)))  # another seed per model
+        return built
+
+    source = model()
+    adapter = Llama3StateDictAdapter(source.args)
+    save_hf(source.state_dict(), str(tmp_path / "hf"), adapter)
+    n_layers = source.args.n_layers
+    assert n_layers >= 2
+
+    stage = model()  # a last pipeline stage: the blocks from 1 on, the norm and the output
+    del stage.layers["0"]
+    stage.tok_embeddings = None
+    converted: list[set[str]] = []
+    real_from_hf = adapter.from_hf
+    monkeypatch.setattr(adapter, "from_hf", lambda sd: converted.append(set(sd)) or real_from_hf(sd))
+    manager = CheckpointManager(CheckpointConfig(initial_load_path=str(tmp_path / "hf"), initial_load_in_hf=True),
+                                dump_folder=str(tmp_path / "run"), states={}, model_parts=[stage], hf_adapter=adapter)
+    manager.load()
+    manager.close()
+
+    blocks = [{hf.layer_of(key) for key in keys} for keys in converted]
+    assert blocks == [{None}, *({i} for i in range(1, n_layers))]  # one block per conversion, never block 0
+    expected = source.state_dict()
+    for key, value in stage.state_dict().items():
+        assert torch.equal(value, expected[key]), key

@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -121,6 +122,39 @@ def check_hf_config(folder: str, adapter: StateDictAdapter) -> None:
             "or override the differing sizes (--model.n_layers, --model.dim, --model.n_heads, "
             "--model.n_kv_heads, --model.vocab_size)"
         )
+
+
+# A parameter inside transformer block i: titan's `layers.i.` and the Hub's `model.layers.i.`.
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_of(key: str) -> int | None:
+    """The block a parameter name belongs to (`...layers.<i>.`), None outside the blocks."""
+    match = _LAYER.search(key)
+    return int(match.group(1)) if match else None
+
+
+def read_hf_layers(folder: str, layers: Container[int | None] | None = None,
+                   ) -> Iterator[tuple[int | None, dict[str, torch.Tensor]]]:
+    """The tensors of a Hugging Face folder one block at a time (`(i, {name: tensor})`, the
+    tensors outside the blocks first as block None), reading only the blocks in `layers` (all
+    when None). Memory holds one block at a time, where `load_hf` holds the whole model: what
+    lets every rank of a large job import a Hub checkpoint (a 70B model is 140 GB in bf16, per
+    rank), and a pipeline stage read only its own blocks."""
+    files: dict[int | None, dict[str, list[str]]] = {}
+    for path in hf_weight_files(folder):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                files.setdefault(layer_of(key), {}).setdefault(path, []).append(key)
+    order = sorted(files, key=lambda layer: -1 if layer is None else layer)
+    for layer in order:
+        if layers is not None and layer not in layers:
+            continue
+        group: dict[str, torch.Tensor] = {}
+        for path, keys in files[layer].items():
+            with safe_open(path, framework="pt", device="cpu") as f:
+                group.update((key, f.get_tensor(key)) for key in keys)
+        yield layer, group
 
 
 def hf_weight_files(folder: str) -> list[str]:

@@ -282,22 +282,30 @@ class CheckpointManager:
             raise CheckpointError(message + where)
 
     def _load_hf_model(self, path: str) -> None:
-        """Load Hugging Face safetensors into the model through the adapter."""
+        """Load Hugging Face safetensors into the model through the adapter, one block at a
+        time and only the blocks this rank holds (`hf.read_hf_layers`): the memory it takes
+        beyond the model is one block's full tensors, not the whole checkpoint per rank."""
         if self.hf_adapter is None:
             raise CheckpointError(
                 f"loading Hugging Face weights from {path} needs the model family's state-dict "
                 "adapter (hf_adapter=); the trainer passes it from the model spec"
             )
-        full, problem = {}, None
         template = self.model.state_dict()
+        loaded: set[str] = set()
+        problem = None
         try:
             hf.check_hf_config(path, self.hf_adapter)
-            full = hf.load_hf(path, self.hf_adapter)
-            check_state_matches("model", template, full, where=path)
+            for _, hf_block in hf.read_hf_layers(path, {hf.layer_of(key) for key in template}):
+                block = {k: v for k, v in self.hf_adapter.from_hf(hf_block).items() if k in template}
+                check_state_matches("model", {k: template[k] for k in block}, block, where=path)  # shapes
+                # Loading has no collectives (the values become this rank's shards locally), so
+                # a rank that stops on a problem leaves no other waiting.
+                self.model.load_state_dict({k: _like(v, template[k]) for k, v in block.items()})
+                loaded.update(block)
+            check_state_matches("model", template, dict.fromkeys(loaded), where=path)  # completeness
         except (CheckpointError, ValueError) as err:  # ValueError: the adapter's unknown key
             problem = str(err)
         self._raise_if_any(problem)
-        self.model.load_state_dict({k: _like(full[k], t) for k, t in template.items()})
         logger.info("loaded Hugging Face weights from %s", path)
 
     # ----------------------------------------------------------------------------- save
