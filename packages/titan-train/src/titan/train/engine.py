@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import random
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,9 +103,30 @@ MODEL_INPUT_KEYS = ("positions", "document_ids")
 
 
 def setup_logging(rank: int) -> None:
-    """INFO on rank 0, warnings only elsewhere, one compact format."""
+    """INFO on rank 0, warnings only elsewhere, one compact format. A record a library has
+    already printed through its own console handler (``datasets`` and ``huggingface_hub``
+    install one) is not printed a second time."""
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format="[titan %(asctime)s] %(message)s", datefmt="%H:%M:%S", force=True)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(not_printed_by_a_library)
+
+
+def not_printed_by_a_library(record: logging.LogRecord) -> bool:
+    """False for a record that a console handler of a logger between its own and the root
+    printed already (the logger propagates after its handlers ran)."""
+    logger = logging.getLogger(record.name)
+    while logger is not None and logger is not logging.getLogger():
+        if any(_is_console(handler) and record.levelno >= handler.level for handler in logger.handlers):
+            return False
+        logger = logger.parent if logger.propagate else None
+    return True
+
+
+def _is_console(handler: logging.Handler) -> bool:
+    """A handler writing to this process's stderr or stdout."""
+    stream = getattr(handler, "stream", None)
+    return isinstance(handler, logging.StreamHandler) and stream in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
 
 
 def set_determinism(seed: int, deterministic: bool, device: torch.device) -> None:
