@@ -206,3 +206,28 @@ def test_export_config_keeps_the_source_tokens_and_generation_config(tmp_path):
     hf.write_config(str(alone), Adapter(), None)
     assert json.loads((alone / "config.json").read_text()) == Adapter().hf_config()
     assert not (alone / "generation_config.json").exists()
+
+
+def test_export_writes_each_file_as_soon_as_its_weights_are_gathered(tmp_path, monkeypatch):
+    """The writing rank holds one file's tensors at a time, in the export dtype, not the
+    whole model: one write per planned file, none above the file size unless one tensor is."""
+    written: list[dict[str, torch.Tensor]] = []
+    real_write = hf.write_shards
+
+    def spy(state_dict, groups, folder, *, first, total):
+        written.append({key: state_dict[key] for group in groups for key in group})
+        return real_write(state_dict, groups, folder, first=first, total=total)
+
+    monkeypatch.setattr(hf, "write_shards", spy)
+    model = _tiny_llama(0)
+    manager = _manager(tmp_path, model, last_save_in_hf=True, export_dtype="bfloat16")
+    assert manager.maybe_save(5, last_step=True)
+    manager.close()
+    folder = tmp_path / "checkpoint" / "step-5"
+    files = set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(written) == len(files) > 1
+    for piece in written:
+        sizes = [t.numel() * t.element_size() for t in piece.values()]
+        assert sum(sizes) <= 40_000 or len(sizes) == 1
+        assert all(t.dtype == torch.bfloat16 for t in piece.values())
+    assert tensors_equal(load_hf(str(folder)), {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})

@@ -181,6 +181,12 @@ def hf_weight_files(folder: str) -> list[str]:
     )
 
 
+def export_dtype(tensor: torch.Tensor, dtype: torch.dtype | str | None) -> torch.dtype:
+    """The dtype `tensor` is written in: `dtype` for floating-point tensors (when given)."""
+    target = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    return target if target is not None and tensor.is_floating_point() else tensor.dtype
+
+
 def to_hf_tensors(
     state_dict: dict[str, torch.Tensor],
     adapter: StateDictAdapter | None,
@@ -203,12 +209,18 @@ def to_hf_tensors(
 def plan_shards(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
     """Group keys (in sorted order) into files of at most `max_shard_bytes` each (a tensor
     larger than the limit gets a file of its own)."""
+    return plan_shards_by_size({key: _nbytes([t]) for key, t in state_dict.items()}, max_shard_bytes)
+
+
+def plan_shards_by_size(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """`plan_shards` from each key's byte count alone: a plan made before any tensor exists
+    (an export that writes each file as soon as its tensors are gathered)."""
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
     groups: list[list[str]] = []
     size = 0
-    for key in sorted(state_dict):
-        nbytes = _nbytes([state_dict[key]])
+    for key in sorted(sizes):
+        nbytes = sizes[key]
         if not groups or size + nbytes > max_shard_bytes:
             groups.append([])
             size = 0

@@ -428,13 +428,8 @@ class CheckpointManager:
             )
         self.wait()
         tmp = self._begin(step)
-        hf_sd = hf.to_hf_tensors(self._owned_full_state(), self.hf_adapter,
-                                 self.config.export_dtype)
-        groups = hf.plan_shards(hf_sd, self.hf_max_shard_bytes) if hf_sd else []
-        counts = self._all_gather(len(groups))
-        first, total = sum(counts[: self._rank]), sum(counts)
-        weight_map = hf.write_shards(hf_sd, groups, tmp, first=first, total=total)
-        gathered = self._all_gather((weight_map, hf._nbytes(hf_sd.values())))
+        weight_map, nbytes = self._write_owned_shards(tmp)
+        gathered = self._all_gather((weight_map, nbytes))
         if self._rank == 0:
             merged = {k: v for wm, _ in gathered for k, v in wm.items()}
             hf.write_index(tmp, merged, total_size=sum(n for _, n in gathered))
@@ -452,27 +447,46 @@ class CheckpointManager:
         hf.write_config(folder, self.hf_adapter, dtype, overrides=self.hf_config_overrides,
                         source=source if source and os.path.isdir(source) else None)
 
-    def _owned_full_state(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) CPU tensors of the weights this rank writes in an HF export.
+    def _write_owned_shards(self, folder: str) -> tuple[dict[str, str], int]:
+        """Write the safetensors files of the weights this rank owns in an HF export; return
+        their weight map and byte count.
 
-        Each weight is written once, by the lowest rank holding it; sharded weights are
-        gathered one at a time (in the same sorted order on every rank of their mesh) so the
-        peak memory is one full tensor on the device.
+        Each weight is written once, by the lowest rank holding it. Sharded weights are
+        gathered one at a time, in the same sorted order on every rank of their mesh (the
+        gathers are collectives), and each file is written as soon as its last weight is
+        gathered: the memory an export takes is one file's tensors, in the export dtype, not
+        the whole model on the writing rank. The files are planned from the weights' sizes
+        first, so every rank knows the total count that the file names carry.
         """
-        sd = self.model.state_dict()
+        dtype = self.config.export_dtype
+        sd = _without_aliases(self.model.state_dict())
         keys = sorted(sd)
         owner: dict[str, int] = {}
         for rank, rank_keys in enumerate(self._all_gather(keys)):
             for key in rank_keys:
                 owner.setdefault(key, rank)
-        owned = {}
+        sizes = {key: sd[key].numel() * hf.export_dtype(sd[key], dtype).itemsize
+                 for key in keys if owner[key] == self._rank}
+        files = hf.plan_shards_by_size(sizes, self.hf_max_shard_bytes) if sizes else []
+        counts = self._all_gather(len(files))
+        first, total = sum(counts[: self._rank]), sum(counts)
+        last_of = {file[-1]: index for index, file in enumerate(files)}
+        pending: dict[str, torch.Tensor] = {}
+        weight_map: dict[str, str] = {}
+        nbytes = 0
         for key in keys:
             value = sd[key]
             if isinstance(value, DTensor):
                 value = value.full_tensor()
-            if owner[key] == self._rank:
-                owned[key] = value.detach().cpu()
-        return owned
+            if owner[key] != self._rank:
+                continue
+            pending[key] = value.detach().to(device="cpu", dtype=hf.export_dtype(value, dtype))
+            if key in last_of:
+                hf_sd = hf.to_hf_tensors(pending, self.hf_adapter, dtype)
+                weight_map.update(hf.write_shards(hf_sd, [sorted(hf_sd)], folder, first=first + last_of[key], total=total))
+                nbytes += hf._nbytes(hf_sd.values())
+                pending.clear()
+        return weight_map, nbytes
 
     # ----------------------------------------------------------------------------- publish
 
@@ -692,6 +706,23 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.to(dtype)
     return value
+
+
+def _without_aliases(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` with each tensor under one name: a tied weight (the output sharing the
+    embedding) is kept under its first name in sorted order, which the family's adapter
+    writes as the shared matrix. An export planned per name would otherwise write it twice."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    unique = {}
+    for key in sorted(state_dict):
+        value = state_dict[key]
+        local = value.to_local() if isinstance(value, DTensor) else value
+        identity = (local.data_ptr(), tuple(value.shape))
+        if isinstance(local, torch.Tensor) and local.numel() and identity in seen:
+            continue
+        seen.add(identity)
+        unique[key] = value
+    return unique
 
 
 def _like(full: torch.Tensor, template: Any) -> Any:
