@@ -231,3 +231,24 @@ def test_export_writes_each_file_as_soon_as_its_weights_are_gathered(tmp_path, m
         assert sum(sizes) <= 40_000 or len(sizes) == 1
         assert all(t.dtype == torch.bfloat16 for t in piece.values())
     assert tensors_equal(load_hf(str(folder)), {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+
+
+def test_an_import_reports_what_it_read_and_long_ones_report_progress(tmp_path, caplog):
+    from titan.ckpt.manager import _Progress
+
+    src = tmp_path / "hf_in"
+    _tiny_llama(0).save_pretrained(str(src))
+    model = _tiny_llama(1)
+    with caplog.at_level("INFO", logger="titan.ckpt"):
+        manager = _manager(tmp_path, model, initial_load_path=str(src), initial_load_in_hf=True)
+        manager.load()
+        manager.close()
+    n_tensors = len(model.state_dict())
+    assert f"loaded Hugging Face weights from {src}: {n_tensors} tensors, " in caplog.text
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="titan.ckpt"):
+        progress = _Progress("loading x", total=3, every_s=0.0)
+        for done in range(1, 4):
+            progress.advance(done * 2**30)
+    assert [r.getMessage().split(", ")[0] for r in caplog.records] == ["loading x: 1 of 3 blocks", "loading x: 2 of 3 blocks"]

@@ -291,22 +291,27 @@ class CheckpointManager:
                 "adapter (hf_adapter=); the trainer passes it from the model spec"
             )
         template = self.model.state_dict()
+        wanted = {hf.layer_of(key) for key in template}
         loaded: set[str] = set()
-        problem = None
+        problem, nbytes, start = None, 0, time.monotonic()
+        progress = _Progress(f"loading Hugging Face weights from {path}", total=len(wanted))
         try:
             hf.check_hf_config(path, self.hf_adapter)
-            for _, hf_block in hf.read_hf_layers(path, {hf.layer_of(key) for key in template}):
+            for _, hf_block in hf.read_hf_layers(path, wanted):
                 block = {k: v for k, v in self.hf_adapter.from_hf(hf_block).items() if k in template}
                 check_state_matches("model", {k: template[k] for k in block}, block, where=path)  # shapes
                 # Loading has no collectives (the values become this rank's shards locally), so
                 # a rank that stops on a problem leaves no other waiting.
                 self.model.load_state_dict({k: _like(v, template[k]) for k, v in block.items()})
                 loaded.update(block)
+                nbytes += hf._nbytes(hf_block.values())
+                progress.advance(nbytes)
             check_state_matches("model", template, dict.fromkeys(loaded), where=path)  # completeness
         except (CheckpointError, ValueError) as err:  # ValueError: the adapter's unknown key
             problem = str(err)
         self._raise_if_any(problem)
-        logger.info("loaded Hugging Face weights from %s", path)
+        logger.info("loaded Hugging Face weights from %s: %d tensors, %.2f GiB read, in %.1fs", path,
+                    len(loaded), nbytes / 2**30, time.monotonic() - start)
 
     # ----------------------------------------------------------------------------- save
 
@@ -706,6 +711,25 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.to(dtype)
     return value
+
+
+class _Progress:
+    """A log line on long work (a large model's Hugging Face import): at most one per
+    `every_s` seconds, saying how far it got."""
+
+    def __init__(self, what: str, *, total: int, every_s: float = 30.0) -> None:
+        self.what, self.total, self.every_s = what, total, every_s
+        self.done, self.start = 0, time.monotonic()
+        self.last = self.start
+
+    def advance(self, nbytes: int) -> None:
+        """One more unit done, `nbytes` in all so far."""
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last >= self.every_s and self.done < self.total:
+            self.last = now
+            logger.info("%s: %d of %d blocks, %.2f GiB, %.0fs", self.what, self.done, self.total,
+                        nbytes / 2**30, now - self.start)
 
 
 def _without_aliases(state_dict: dict[str, Any]) -> dict[str, Any]:
