@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import pytest
 import transformers
@@ -74,11 +75,21 @@ def test_sizes_and_the_ffn_width_are_named_not_the_rule_that_gives_it():
     ]
 
 
-def test_an_activation_the_family_does_not_run_is_named():
+@pytest.mark.parametrize("key, value, named", [
+    ("hidden_act", "gelu", "hidden_act 'gelu' (only 'silu')"),
+    ("attention_bias", True, "attention_bias=true"),
+    ("mlp_bias", True, "mlp_bias=true"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_type 'yarn'"),
+])
+def test_a_llama_feature_titan_does_not_implement_is_refused_by_name(key, value, named):
+    """Not a difference a flavor could fix: the family's own error says what it lacks."""
     adapter = _adapter("llama3")
     config = adapter.hf_config()
-    config["hidden_act"] = "gelu"
-    assert adapter.config_differences(config) == ["hidden_act: checkpoint 'gelu', this run 'silu'"]
+    config[key] = value
+    if key == "rope_scaling":
+        config.pop("rope_parameters")
+    with pytest.raises(ValueError, match=f"features titan's llama3 does not implement: {re.escape(named)}"):
+        adapter.config_differences(config)
 
 
 def test_another_family_is_named_by_its_model_type_alone():

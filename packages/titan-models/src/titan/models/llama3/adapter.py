@@ -168,7 +168,12 @@ class Llama3StateDictAdapter:
 
     @classmethod
     def args_from_hf_config(cls, cfg: dict[str, Any]) -> Llama3Args:
-        """`Llama3Args` for a HF Llama `config.json` dict (transformers 4 or 5 layout)."""
+        """`Llama3Args` for a HF Llama `config.json` dict (transformers 4 or 5 layout).
+
+        Raises for features titan's Llama does not implement (q/k/v/o or MLP biases, another
+        activation, a RoPE type other than plain and Llama 3's) rather than load them wrongly.
+        """
+        _check_supported(cfg)
         dim, n_heads = cfg["hidden_size"], cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or dim // n_heads
         if head_dim * n_heads != dim:
@@ -189,6 +194,25 @@ class Llama3StateDictAdapter:
             # LlamaConfig's default is untied; Llama 3.2 1B/3B configs say true.
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             **_ffn_fields(dim, cfg["intermediate_size"]),
+        )
+
+
+def _check_supported(cfg: dict[str, Any]) -> None:
+    """Refuse a Llama config whose features this implementation lacks."""
+    problems = []
+    if cfg.get("attention_bias"):
+        problems.append("attention_bias=true (q/k/v/o biases)")
+    if cfg.get("mlp_bias"):
+        problems.append("mlp_bias=true (feed-forward biases)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {cfg['hidden_act']!r} (only 'silu')")
+    kind = _rope_params_from_hf(cfg)
+    kind = kind.get("rope_type", kind.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        problems.append(f"rope_type {kind!r} (only plain RoPE, 'default', and Llama 3's, 'llama3')")
+    if problems:
+        raise ValueError(
+            "this Llama config uses features titan's llama3 does not implement: " + "; ".join(problems)
         )
 
 
