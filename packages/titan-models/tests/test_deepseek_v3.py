@@ -227,8 +227,10 @@ def test_unknown_key_and_missing_expert_are_errors(saved_hf):
     _, adapter, state = titan_from_folder(folder, DeepseekV3StateDictAdapter, DeepseekV3Model)
     with pytest.raises(ValueError, match="not a DeepseekV3ForCausalLM parameter"):
         adapter.from_hf({**state, "model.layers.1.self_attn.q_proj.bias": torch.zeros(4)})
-    with pytest.raises(ValueError, match="fp8 block-quantized"):
-        adapter.from_hf({**state, "model.layers.1.self_attn.o_proj.weight_scale_inv": torch.ones(1, 1)})
+    with pytest.raises(ValueError, match="has no weight 'model.layers.1.self_attn.o_proj.bias' beside it"):
+        adapter.from_hf({**state, "model.layers.1.self_attn.o_proj.bias_scale_inv": torch.ones(1, 1)})
+    with pytest.raises(ValueError, match=r"\(2, 1\) scales do not tile a 64 x 64 weight in 128 x 128 blocks"):
+        adapter.from_hf({**state, "model.layers.1.self_attn.o_proj.weight_scale_inv": torch.ones(2, 1)})
     del state["model.layers.2.mlp.experts.5.gate_proj.weight"]
     with pytest.raises(ValueError, match="missing \\[5\\]"):
         adapter.from_hf(state)
@@ -239,7 +241,8 @@ def test_unknown_key_and_missing_expert_are_errors(saved_hf):
     ({"attention_bias": True}, "attention_bias"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
     ({"moe_layer_freq": 2}, "moe_layer_freq"),
-    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "dequantize"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}, "quantization_config"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config"),
 ])
 def test_unsupported_configs_are_refused(change, message):
     cfg = {**_hf_config().to_dict(), **change}
@@ -314,3 +317,70 @@ def test_the_hubs_config_layout_is_read():
     assert args.rope_theta == 10000.0
     assert args.rope_scaling == YarnScaling(factor=40, original_max_position_embeddings=4096, mscale=1.0,
                                             mscale_all_dim=1.0)
+
+
+def _quantize_fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 e4m3 weight, float32 scale per 128 x 128 block, the last ones partial): the
+    release's scheme, written block by block as a reference."""
+    rows, cols = weight.shape
+    scale = torch.empty(math.ceil(rows / 128), math.ceil(cols / 128))
+    quantized = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            block = weight[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
+            scale[i, j] = block.abs().max().clamp(min=1e-12) / 448.0
+            quantized[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (block / scale[i, j]).to(torch.float8_e4m3fn)
+    return quantized, scale
+
+
+def _dequantize_by_blocks(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(quantized.shape, dtype=torch.bfloat16)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128)
+            out[rows, cols] = (quantized[rows, cols].float() * scale[i, j]).to(torch.bfloat16)
+    return out
+
+
+def test_the_release_fp8_checkpoint_is_dequantized_on_import(tmp_path):
+    """The Hub's DeepSeek-V3 stores its projections in fp8 with one scale per 128 x 128 block
+    (`quantization_config`): imported as bf16 weights equal to a block-by-block dequantization,
+    and the model's logits equal transformers' on those weights. The dense FFN (200 wide) has
+    partial blocks both ways."""
+    torch.manual_seed(0)
+    hf_model = _randomize(transformers.DeepseekV3ForCausalLM(_hf_config(intermediate_size=200))).eval()
+    hf_model.save_pretrained(tmp_path / "bf16")
+    config, state = load_folder(tmp_path / "bf16")
+    released, dequantized = {}, {}
+    for key, value in state.items():
+        if key.endswith("proj.weight") and value.ndim == 2:  # every projection, as the release
+            quantized, scale = _quantize_fp8_blocks(value)
+            released[key], released[key + "_scale_inv"] = quantized, scale
+            dequantized[key] = _dequantize_by_blocks(quantized, scale)
+        else:
+            released[key] = dequantized[key] = value
+    assert released["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (1, 2)
+    assert released["model.layers.0.mlp.gate_proj.weight_scale_inv"].shape == (2, 1)
+    folder = tmp_path / "fp8"
+    folder.mkdir()
+    safetensors_torch.save_file(released, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+
+    titan, adapter, _ = titan_from_folder(folder, DeepseekV3StateDictAdapter, DeepseekV3Model)
+    expected = adapter.from_hf(dequantized)
+    for key, value in titan.state_dict().items():
+        if key in expected:
+            assert torch.equal(value, expected[key].to(value.dtype)), key
+    assert adapter.from_hf(released)["layers.0.feed_forward.w1.weight"].dtype == torch.bfloat16
+    reference = tmp_path / "dequantized"  # the same weights as transformers loads a Hub folder
+    reference.mkdir()
+    safetensors_torch.save_file({k: v.float().contiguous() for k, v in dequantized.items()},
+                                str(reference / "model.safetensors"), metadata={"format": "pt"})
+    (reference / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
+    hf_reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(reference), dtype=torch.float32, attn_implementation="eager").eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        assert rel_err(titan(tokens), hf_logits(hf_reference, tokens)) <= REL_TOL

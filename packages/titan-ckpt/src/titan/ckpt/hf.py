@@ -35,8 +35,9 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 # Keys of a source checkpoint's config.json an export keeps over the adapter's: the tokens the
 # pretrained model begins, ends and pads with (an adapter knows only its family's usual ones).
 SOURCE_WINS = ("bos_token_id", "eos_token_id", "pad_token_id")
-# Keys never carried from a source config: the export states its own dtype and writer.
-NOT_CARRIED = ("dtype", "torch_dtype", "transformers_version", "_name_or_path")
+# Keys never carried from a source config: the export states its own dtype and writer, and
+# its weights are not quantized (a source's fp8 scheme was dequantized on import).
+NOT_CARRIED = ("dtype", "torch_dtype", "transformers_version", "_name_or_path", "quantization_config")
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -5,7 +5,8 @@ RoPE: DeepSeek's checkpoints lay the rotary channels out in interleaved pairs
 (`rope_interleave: true`, every release), which is titan's convention, so no row moves. The
 router's selection bias is titan's `expert_bias` under its Hub name. Multi-token-prediction
 weights (the release's extra `model.layers.{num_hidden_layers}.*` block) are skipped on import
-with a warning: titan trains the next-token model only.
+with a warning: titan trains the next-token model only. The release's fp8 weights (one scale
+per 128 x 128 block, `quantization_config`) are dequantized to bf16 on import.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 import warnings
 from typing import Any
 
+import torch
 from titan.models.common.hf_config import hf_config_differences
 from titan.models.common.hub_experts import ExpertStacker, split_experts
 from titan.models.common.rope import YarnScaling
@@ -84,21 +86,21 @@ class DeepseekV3StateDictAdapter:
         return out
 
     def from_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """HF names/layout -> titan names/layout (MTP weights and derived buffers dropped)."""
+        """HF names/layout -> titan names/layout (MTP weights and derived buffers dropped).
+
+        The release's fp8 weights (`float8_e4m3fn`, each with a `weight_scale_inv` per 128 x 128
+        block) are dequantized to bf16 on the way, as DeepSeek's own conversion does, so the
+        Hub's checkpoint loads as it is published."""
         experts = ExpertStacker(self.args.n_routed_experts, "n_routed_experts")
         out: dict[str, Any] = {}
         skipped_mtp = set()
-        for key, value in state_dict.items():
+        for key, value in dequantize_fp8_blocks(state_dict).items():
             if _HF_DERIVED.fullmatch(key):
                 continue
             block = _HF_BLOCK.fullmatch(key)
             if block is not None and int(block.group(1)) >= self.args.n_layers:
                 skipped_mtp.add(int(block.group(1)))  # the multi-token-prediction block(s)
                 continue
-            if key.endswith("weight_scale_inv"):
-                raise ValueError(
-                    f"{key!r}: this is the release's fp8 block-quantized checkpoint; dequantize it to "
-                    "bf16 first (each weight times its per-128x128-block scale_inv), then convert")
             if experts.add(key, value):
                 continue
             if block is None and key in _FROM_HF_TOP:
@@ -209,6 +211,42 @@ class DeepseekV3StateDictAdapter:
         )
 
 
+FP8_BLOCK = (128, 128)
+"""The block DeepSeek-V3's release scales its fp8 weights by (`weight_block_size`)."""
+_SCALE_SUFFIX = "_scale_inv"
+
+
+def dequantize_fp8_blocks(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` with each fp8 weight that has a `<name>_scale_inv` (one float32 per
+    `FP8_BLOCK` block, the last blocks partial) replaced by `weight * scale` in bfloat16 and
+    the scales dropped; everything else as it is. A weight whose scales do not tile it in
+    128 x 128 blocks, or a scale without its weight, is an error."""
+    scales = {key[: -len(_SCALE_SUFFIX)]: value for key, value in state_dict.items() if key.endswith(_SCALE_SUFFIX)}
+    if not scales:
+        return state_dict
+    missing = sorted(set(scales) - set(state_dict))
+    if missing:
+        raise ValueError(f"{missing[0]}{_SCALE_SUFFIX} has no weight {missing[0]!r} beside it: is the checkpoint complete?")
+    out = {}
+    for key, value in state_dict.items():
+        if key.endswith(_SCALE_SUFFIX):
+            continue
+        out[key] = _dequantize(key, value, scales[key]) if key in scales else value
+    return out
+
+
+def _dequantize(key: str, weight: Any, scale: Any) -> Any:
+    """One fp8 weight times its per-block scales, in bfloat16."""
+    rows, cols = weight.shape
+    block_rows, block_cols = FP8_BLOCK
+    expected = (-(-rows // block_rows), -(-cols // block_cols))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{key!r}: {tuple(scale.shape)} scales do not tile a {rows} x {cols} weight in "
+                         f"{block_rows} x {block_cols} blocks ({expected} would)")
+    per_element = scale.float().repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+    return (weight.float() * per_element).to(torch.bfloat16)
+
+
 def _yarn_from_hf(rope: dict[str, Any], max_seq_len: int) -> YarnScaling | None:
     """`YarnScaling` from flat HF RoPE settings (None for plain RoPE), with transformers'
     defaults: a missing `factor` is max_position_embeddings / original_max_position_embeddings."""
@@ -223,6 +261,12 @@ def _yarn_from_hf(rope: dict[str, Any], max_seq_len: int) -> YarnScaling | None:
         mscale=rope.get("mscale") or 0.0, mscale_all_dim=rope.get("mscale_all_dim") or 0.0,
         attention_factor=rope.get("attention_factor"), truncate=rope.get("truncate", True),
     )
+
+
+def _is_release_fp8(quantization: dict[str, Any]) -> bool:
+    """Whether a `quantization_config` is DeepSeek-V3's published fp8 scheme."""
+    return (quantization.get("quant_method") == "fp8" and quantization.get("fmt", "e4m3") == "e4m3"
+            and tuple(quantization.get("weight_block_size") or ()) == FP8_BLOCK)
 
 
 def _check_supported(cfg: dict[str, Any]) -> None:
@@ -244,9 +288,10 @@ def _check_supported(cfg: dict[str, Any]) -> None:
         problems.append(f"topk_method {cfg['topk_method']!r} (DeepSeek-V3's 'noaux_tc')")
     if cfg.get("moe_layer_freq", 1) != 1:
         problems.append(f"moe_layer_freq={cfg['moe_layer_freq']} (every block after the dense ones routes)")
-    if cfg.get("quantization_config"):
-        problems.append("quantization_config (the release's fp8 block-quantized weights: dequantize them to "
-                        "bf16 and drop quantization_config first)")
+    quantization = cfg.get("quantization_config")
+    if quantization and not _is_release_fp8(quantization):
+        problems.append(f"quantization_config {quantization} (only the release's: fp8 e4m3 in "
+                        f"{FP8_BLOCK[0]} x {FP8_BLOCK[1]} blocks, dequantized to bf16 on import)")
     if (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) != cfg["num_attention_heads"]:
         problems.append("num_key_value_heads != num_attention_heads (MLA expands a key and value per head)")
     if problems:
