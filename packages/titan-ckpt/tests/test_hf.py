@@ -185,6 +185,7 @@ def test_export_config_keeps_the_source_tokens_and_generation_config(tmp_path):
     (source / "config.json").write_text(json.dumps({
         "bos_token_id": 1, "eos_token_id": [2, 7], "initializer_range": 0.01, "hidden_size": 999,
         "dtype": "float32", "transformers_version": "5.0.0",
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
     }))
     (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7], "temperature": 0.6}))
 
