@@ -278,3 +278,37 @@ def test_hf_weights_load_one_block_at_a_time_and_a_stage_reads_only_its_own(tmp_
     expected = source.state_dict()
     for key, value in stage.state_dict().items():
         assert torch.equal(value, expected[key]), key
+
+
+def moe_checkpoint(family: str, folder: Path) -> Path:
+    """A tiny Hub-layout MoE of the family (per-expert tensors, as `save_pretrained` writes)."""
+    torch.manual_seed(2)
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=256, router_aux_loss_coef=0.0)
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:
+        config = transformers.DeepseekV3Config(
+            vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
+            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256)
+        model = transformers.DeepseekV3ForCausalLM(config)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_hub_moe_trains_from_its_config_with_transformers_first_loss(family, tmp_path):
+    """The MoE families through the same path: experts stacked block by block on import; the
+    first step's loss is transformers' on the same batch."""
+    src = moe_checkpoint(family, tmp_path / "hf")
+    dump = tmp_path / "run"
+    result = run_titan(["train", *FLAGS, "--model.name", family, "--checkpoint.initial_load_path", src,
+                        "--job.dump_folder", dump], env={**os.environ, **ENV_ONE_THREAD}, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    expected = transformers_loss(src)
+    got = step_losses(dump)[1]
+    assert abs(got - expected) <= 1e-5 * expected, (got, expected)
