@@ -741,10 +741,11 @@ def _without_aliases(state_dict: dict[str, Any]) -> dict[str, Any]:
     for key in sorted(state_dict):
         value = state_dict[key]
         local = value.to_local() if isinstance(value, DTensor) else value
-        identity = (local.data_ptr(), tuple(value.shape))
-        if isinstance(local, torch.Tensor) and local.numel() and identity in seen:
-            continue
-        seen.add(identity)
+        if isinstance(local, torch.Tensor) and local.numel():
+            identity = (local.data_ptr(), tuple(value.shape))
+            if identity in seen:
+                continue
+            seen.add(identity)
         unique[key] = value
     return unique
 
