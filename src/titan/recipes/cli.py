@@ -329,8 +329,8 @@ def parse_train_args(argv: Sequence[str], *, command: str = "train", exempt_flag
 
 
 def resolve_hf_flavor(config: Any) -> Any:
-    """``--model.flavor hf`` (the commands run this on the parsed config): check that the run starts from a Hugging Face checkpoint whose
-    ``config.json`` this family builds, and give the model that checkpoint's vocabulary unless
+    """``--model.flavor hf`` (the commands run this on the parsed config): check that the run
+    starts from a Hugging Face checkpoint whose ``config.json`` this family builds, and give the model that checkpoint's vocabulary unless
     ``--model.vocab_size`` says otherwise (the tokenizer's, padded, would not fit its
     embedding). Returns ``config``."""
     model = getattr(config, "model", None)

@@ -293,7 +293,7 @@ class CheckpointManager:
         template = self.model.state_dict()
         wanted = {hf.layer_of(key) for key in template}
         loaded: set[str] = set()
-        problem, nbytes, start = None, 0, time.monotonic()
+        problem, nbytes = None, 0
         progress = _Progress(f"loading Hugging Face weights from {path}", total=len(wanted))
         try:
             hf.check_hf_config(path, self.hf_adapter)
@@ -311,7 +311,7 @@ class CheckpointManager:
             problem = str(err)
         self._raise_if_any(problem)
         logger.info("loaded Hugging Face weights from %s: %d tensors, %.2f GiB read, in %.1fs", path,
-                    len(loaded), nbytes / 2**30, time.monotonic() - start)
+                    len(loaded), nbytes / 2**30, time.monotonic() - progress.start)
 
     # ----------------------------------------------------------------------------- save
 

@@ -314,11 +314,14 @@ class TrainingEngine:
 
     @classmethod
     def from_config(
-        cls, config: Any, *, model_spec: ModelSpec, vocab_size: int, states: Mapping[str, Any] | None = None
+        cls, config: Any, *, model_spec: ModelSpec, vocab_size: int, states: Mapping[str, Any] | None = None,
+        tokenizer: Any | None = None,
     ) -> TrainingEngine:
         """Build from a config tree with the usual sections (``model``, ``training``,
         ``parallelism``, ``activation_checkpoint``, ``compile``, ``optimizer``,
-        ``lr_scheduler``, ``checkpoint``, ``debug``, ``job``), e.g. a ``TrainerConfig``."""
+        ``lr_scheduler``, ``checkpoint``, ``debug``, ``job``), e.g. a ``TrainerConfig``.
+        ``tokenizer``, the one the loop built from ``config.tokenizer`` (built here when not
+        given), names the special tokens of Hugging Face exports."""
         training = config.training
         return cls(
             model_spec=model_spec,
@@ -347,7 +350,8 @@ class TrainingEngine:
             comm=getattr(config, "comm", None),
             fault_tolerance=getattr(config, "fault_tolerance", None),
             hf_export_files=config.tokenizer.hub_files() if hasattr(config, "tokenizer") else (),
-            hf_token_ids=hub_token_ids(config.tokenizer.build()) if hasattr(config, "tokenizer") else None,
+            hf_token_ids=(hub_token_ids(tokenizer if tokenizer is not None else config.tokenizer.build())
+                          if hasattr(config, "tokenizer") else None),
         )
 
     def _join_replica_groups(self, config: FaultToleranceConfig | None) -> ReplicaGroups | None:

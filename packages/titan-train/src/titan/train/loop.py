@@ -107,7 +107,8 @@ class TrainingLoop:
         self.check_config()
         self.tokenizer = config.tokenizer.build()
         self.vocab_size = config.model.resolve_vocab_size(self.tokenizer.vocab_size)
-        self.engine = TrainingEngine.from_config(config, model_spec=model_spec, vocab_size=self.vocab_size)
+        self.engine = TrainingEngine.from_config(config, model_spec=model_spec, vocab_size=self.vocab_size,
+                                                 tokenizer=self.tokenizer)
         self._training_timeout_on = False
         # Every thread's stack on stderr when a step outlives the collective timeout (a rank
         # that hangs outside a collective shows where).

@@ -65,8 +65,8 @@ def hf_config_differences(adapter: Any, checkpoint_config: dict[str, Any]) -> li
         for key in FUNCTION_KEYS
         if key in checkpoint_config and checkpoint_config[key] != run_config.get(key, False)
     ]
-    if lines and "model_type" in lines[0]:
-        return lines  # another family: its fields do not compare
+    if checkpoint_config.get("model_type", run_config["model_type"]) != run_config["model_type"]:
+        return lines[:1]  # another family (FUNCTION_KEYS' first): its fields do not compare
     theirs = adapter.args_from_hf_config(checkpoint_config)
     ours = adapter.args_from_hf_config(run_config)
     names = [f.name for f in dataclasses.fields(ours) if f.name not in RUN_SETTINGS | _FFN_RULE]
