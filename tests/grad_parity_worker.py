@@ -100,16 +100,42 @@ def full_gradients(engine: TrainingEngine) -> dict[str, torch.Tensor]:
     return grads
 
 
+AUX_LOSS_STAGES = "--test.aux_loss_stages"
+"""Not a titan flag: ``"1|2,3"`` makes a one-process reference pool the MoE balancing loss
+over those groups of layers, each weighted by its share of the MoE layers, as the pipeline
+stages holding them do (``moe_aux_loss`` with ``moe_layers_in_model``)."""
+
+
+def pool_aux_loss_by_stage(model: torch.nn.Module, stages: str) -> None:
+    """Replace `model`'s ``aux_loss`` by the pipeline's: one pooled loss per group of
+    ``stages``, weighted by the group's share of the MoE layers, summed."""
+    from titan.models.common.moe import moe_aux_loss
+
+    groups = [[model.layers[i] for i in group.split(",")] for group in stages.split("|")]
+    in_model = sum(len(group) for group in groups)
+
+    def aux_loss() -> torch.Tensor:
+        return sum(moe_aux_loss(torch.nn.ModuleList(group), moe_layers_in_model=in_model) for group in groups)
+
+    model.aux_loss = aux_loss
+
+
 def run(out: Path, family: str, flags: list[str], accumulate: int = 1, rl: dict | None = None) -> None:
     """One forward and backward of `family` under `flags` (the rank's rows in `accumulate`
     microbatches, gradients accumulated) with the language-model loss, or the RL policy loss
     of ``rl``'s ``--rl.*`` fields; rank 0 writes every gradient."""
+    stages = None
+    if AUX_LOSS_STAGES in flags:
+        at = flags.index(AUX_LOSS_STAGES)
+        stages, flags = flags[at + 1], flags[:at] + flags[at + 2:]
     cfg = tyro.cli(TrainerConfig, default=recipe(RECIPES[family]), args=[
         "--model.flavor", "debugmodel_tiny", "--training.seq_len", str(SEQ), "--debug.seed", "3",
         "--job.dump_folder", str(out), *flags,
     ], use_underscores=True)
     engine = TrainingEngine.from_config(cfg, model_spec=model_spec(family), vocab_size=VOCAB)
     dims = engine.parallel_dims
+    if stages is not None:
+        pool_aux_loss_by_stage(engine.model_parts[0], stages)
     batches, loss_fn, normalizer, aux_count = (rl_microbatches(engine, cfg, rl, accumulate) if rl is not None
                                                else lm_microbatches(engine, cfg, accumulate))
     # The collectives DTensor issues (TP's, not FSDP's); counted in one forward and backward

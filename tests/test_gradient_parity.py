@@ -46,8 +46,9 @@ LAYOUTS: dict[str, tuple[int, str, list[str]]] = {
        for family in ("qwen3_moe", "deepseek_v3")},
 }
 # The router's auxiliary loss under PP: each stage adds its own layers' (1F1B: stage 0 holds
-# MoE layer 1, stage 1 layers 2-3). The loss is a statistic of each forward, so the reference
-# accumulates the same one-sequence microbatches the pipeline runs.
+# MoE layer 1, stage 1 layers 2-3), pooled over them and weighted by their share of the MoE
+# layers; the reference pools the same groups by hand. The loss is a statistic of each
+# forward, so the reference accumulates the same one-sequence microbatches the pipeline runs.
 AUX = ["--model.n_layers", "4", "--model.router_aux_loss_coef", "0.01"]
 LAYOUTS["qwen3_moe-pp2_aux_loss"] = (2, "qwen3_moe", [*AUX, *NO_DP, "--parallelism.pipeline_parallel_degree", "2"])
 LAYOUTS["qwen3_moe-interleaved_pp2_aux_loss"] = (2, "qwen3_moe", [
@@ -65,10 +66,13 @@ LAYOUTS["qwen3_moe-tp2_sp_aux_loss"] = (2, "qwen3_moe", [*AUX, *TP2])
 # microbatch's, summed over the CP ranks (the router's gradient was 60% off before 2026-12-05).
 LAYOUTS["qwen3_moe-cp2_aux_loss"] = (2, "qwen3_moe", [*AUX, *NO_DP, "--parallelism.context_parallel_degree", "2"])
 # name -> (family, flags, microbatches); a layout's reference is its family's unless named here
-REFERENCES = {**{family: (family, [], 1) for family in FAMILIES}, "qwen3_moe_aux_loss": ("qwen3_moe", AUX, 8),
+REFERENCES = {**{family: (family, [], 1) for family in FAMILIES},
+              "qwen3_moe_aux_loss_1f1b_stages": ("qwen3_moe", [*AUX, "--test.aux_loss_stages", "1|2,3"], 8),
+              "qwen3_moe_aux_loss_layer_stages": ("qwen3_moe", [*AUX, "--test.aux_loss_stages", "1|2|3"], 8),
               "qwen3_moe_aux_loss_whole": ("qwen3_moe", AUX, 1),
               "llama3_tied": ("llama3", TIED, 1)}
-REFERENCE_OF = {"qwen3_moe-pp2_aux_loss": "qwen3_moe_aux_loss", "qwen3_moe-interleaved_pp2_aux_loss": "qwen3_moe_aux_loss",
+REFERENCE_OF = {"qwen3_moe-pp2_aux_loss": "qwen3_moe_aux_loss_1f1b_stages",
+                "qwen3_moe-interleaved_pp2_aux_loss": "qwen3_moe_aux_loss_layer_stages",
                 "qwen3_moe-tp2_sp_aux_loss": "qwen3_moe_aux_loss_whole", "qwen3_moe-cp2_aux_loss": "qwen3_moe_aux_loss_whole",
                 **{layout: "llama3_tied" for layout in LAYOUTS if layout.startswith("llama3_tied")}}
 

@@ -58,12 +58,17 @@ def first_batch() -> dict[str, torch.Tensor]:
     return next(iter(loader))
 
 
-def transformers_loss(folder: Path) -> float:
+def transformers_loss(folder: Path, *, router_aux_loss: bool = False) -> float:
+    """transformers' loss on the first batch; with `router_aux_loss`, plus its router
+    balancing loss (`output_router_logits`, weighted by the config's `router_aux_loss_coef`)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     batch = first_batch()
     with torch.no_grad():
-        logits = model(batch["input_ids"]).logits.float()
-    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()))
+        out = model(batch["input_ids"], **({"output_router_logits": True} if router_aux_loss else {}))
+    loss = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), batch["labels"].flatten())
+    if router_aux_loss:
+        loss = loss + model.config.router_aux_loss_coef * out.aux_loss
+    return float(loss)
 
 
 def step_losses(dump: Path) -> dict[int, float]:
@@ -287,7 +292,7 @@ def moe_checkpoint(family: str, folder: Path) -> Path:
         config = transformers.Qwen3MoeConfig(
             vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-            max_position_embeddings=256, router_aux_loss_coef=0.0)
+            max_position_embeddings=256, router_aux_loss_coef=0.05)  # titan reads it from config.json
         model = transformers.Qwen3MoeForCausalLM(config)
     else:
         config = transformers.DeepseekV3Config(
@@ -303,12 +308,13 @@ def moe_checkpoint(family: str, folder: Path) -> Path:
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_a_hub_moe_trains_from_its_config_with_transformers_first_loss(family, tmp_path):
     """The MoE families through the same path: experts stacked block by block on import; the
-    first step's loss is transformers' on the same batch."""
+    first step's loss is transformers' on the same batch (Qwen3-MoE's with the router
+    balancing loss of its config.json, pooled over both MoE layers as transformers does)."""
     src = moe_checkpoint(family, tmp_path / "hf")
     dump = tmp_path / "run"
     result = run_titan(["train", *FLAGS, "--model.name", family, "--checkpoint.initial_load_path", src,
                         "--job.dump_folder", dump], env={**os.environ, **ENV_ONE_THREAD}, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
-    expected = transformers_loss(src)
+    expected = transformers_loss(src, router_aux_loss=family == "qwen3_moe")
     got = step_losses(dump)[1]
     assert abs(got - expected) <= 1e-5 * expected, (got, expected)

@@ -14,6 +14,7 @@ from titan.models.common.moe import (
     expert_load_metrics,
     moe_aux_loss,
 )
+from torch import nn
 
 
 def _experts(dim: int, hidden: int, n: int, seed: int = 0) -> GroupedExperts:
@@ -224,6 +225,20 @@ def test_aux_loss_matches_switch_formula_and_reaches_the_loss():
     torch.testing.assert_close(moe_aux_loss(moe), expected)
     moe.aux_loss.backward()
     assert moe.router.gate.weight.grad.abs().sum() > 0  # the aux loss trains the router
+
+
+def test_a_pipeline_stage_weights_its_pooled_loss_by_its_share_of_the_layers():
+    """A stage pools the layers it holds and counts for its share of the model's MoE layers:
+    two stages whose layers route alike add up to the whole model's loss."""
+    layers = nn.ModuleList([_moe(aux_loss_coef=0.01, seed=1) for _ in range(4)])
+    x = torch.randn(1, 6, 16)
+    for layer in layers:
+        layer(x)  # the same input and weights: every layer routes alike
+    whole = moe_aux_loss(layers)
+    first, second = (moe_aux_loss(nn.ModuleList(list(layers)[i : i + 2]), moe_layers_in_model=4) for i in (0, 2))
+    torch.testing.assert_close(first + second, whole)
+    torch.testing.assert_close(first, 0.5 * whole)
+    torch.testing.assert_close(whole, layers[0].aux_loss)  # alike layers pool to one layer's loss
 
 
 @pytest.mark.parametrize("grouped", [True, False])

@@ -111,6 +111,39 @@ def test_parity_needs_the_right_expert_order(saved_hf):
         assert rel_err(titan(tokens), hf_logits(hf_model, tokens)) > 1e-3
 
 
+def test_training_loss_with_the_balancing_loss_is_transformers(tmp_path):
+    """`router_aux_loss_coef` means what it means in the Hub's config: transformers' loss
+    with `output_router_logits` (cross entropy + coef x `load_balancing_loss_func` over the
+    router logits of every MoE layer, pooled before the product). Two MoE layers whose
+    routing differs, so pooling and a per-layer sum disagree; loss and every gradient equal."""
+    torch.manual_seed(0)
+    config = _hf_config(num_hidden_layers=3, router_aux_loss_coef=0.05)
+    hf_model = _randomize(transformers.Qwen3MoeForCausalLM(config))
+    hf_model.save_pretrained(tmp_path)
+    titan, _, _ = titan_from_folder(tmp_path, Qwen3MoeStateDictAdapter, Qwen3MoeModel)
+    titan.train()
+    assert titan.args.router_aux_loss_coef == 0.05
+    tokens = _tokens()
+
+    hf_out = hf_model(tokens, labels=tokens, output_router_logits=True)
+    logits = titan(tokens)
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    aux = titan.aux_loss()
+    loss = ce + aux
+    torch.testing.assert_close(aux, 0.05 * hf_out.aux_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(loss, hf_out.loss, rtol=1e-6, atol=0)
+    per_layer_sum = sum(titan.layers[i].feed_forward.aux_loss for i in ("1", "2"))
+    assert abs(float(per_layer_sum.detach() - aux.detach())) > 100 * 1e-5 * float(aux.detach())  # pooling is what makes them equal
+
+    hf_out.loss.backward()
+    loss.backward()
+    for i in (1, 2):
+        hf_grad = hf_model.model.layers[i].mlp.gate.weight.grad
+        grad = titan.layers[str(i)].feed_forward.router.gate.weight.grad
+        assert rel_err(grad, hf_grad) <= REL_TOL
+    assert rel_err(titan.tok_embeddings.weight.grad, hf_model.model.embed_tokens.weight.grad) <= REL_TOL
+
+
 def test_export_loads_with_from_pretrained(saved_hf, tmp_path):
     _, folder = saved_hf
     cfg, _ = load_folder(folder)

@@ -63,6 +63,7 @@ from titan.dist import (
     validate_against_model,
 )
 from titan.dist.comm import TRACE_FOLDER, is_peer_lost
+from titan.dist.dry_run import has_auxiliary_loss
 from titan.train.device_copy import BatchCopier
 from titan.train.fault_tolerance import FaultToleranceConfig, ReplicaGroups
 from titan.train.float8_tensor_parallel import float8_tensor_parallel
@@ -437,6 +438,12 @@ class TrainingEngine:
                 if isinstance(part, HasAuxLoss) and not (part is parts[-1] and self.pp_has_last):
                     part.register_forward_hook(self._stage_auxiliary_loss)
                     self._stage_aux_hooked = True
+            if has_auxiliary_loss(model):
+                logger.warning(
+                    "pipeline parallel: each stage computes the model's auxiliary (router balancing) loss over the "
+                    "layers it holds; a loss pooled over all layers (Qwen3-MoE's, as transformers computes it) "
+                    "is pooled per stage and weighted by the stage's share of the layers, which equals the whole "
+                    "model's only when the stages route alike")
         else:
             parts = [parallelize(model, self.parallel_dims, self.mesh, **common, mp_policy=mp_policy)]
         if float8_tp is not None:

@@ -10,6 +10,7 @@ and calls `forward` with the tokens and counts of its local experts.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -19,6 +20,20 @@ from titan.models.common.init import SeededInit
 from torch import nn
 
 ScoreFunc = Literal["softmax", "sigmoid"]
+
+
+@dataclass(frozen=True)
+class RoutingStatistics:
+    """What one MoE layer's training forward routed, for the Switch-style auxiliary loss:
+    `counts` [E] the assignments each expert received (`top_k` per counted token, no graph),
+    `score_sums` [E] the counted tokens' router probabilities summed per expert (with their
+    graph: the loss trains the router through them), `tokens` the counted tokens (a 0-dim
+    tensor). Padding is not counted; under context parallel all three cover the whole
+    sequences (summed over the ranks that hold them)."""
+
+    counts: torch.Tensor
+    score_sums: torch.Tensor
+    tokens: torch.Tensor
 
 
 class TokenChoiceRouter(nn.Module):
@@ -198,10 +213,12 @@ class MoE(nn.Module):
     trained with it (DeepSeek-V3's `e_score_correction_bias`) routes as it was trained.
 
     Switch-style auxiliary loss (`aux_loss_coef > 0`, Qwen3-MoE's `router_aux_loss_coef`):
-    in training, each forward leaves `aux_loss` = coef * E * sum_e f_e * P_e (f_e: tokens
-    routed to e per token, P_e: mean router probability of e) on the module, with its graph;
-    the training engine adds it to a loop's loss through the model's `aux_loss()` (weighted by
-    the microbatch's labelled tokens). The model output never includes it. Under context
+    in training, each forward leaves its `routing_statistics` on the module, with their graph;
+    the model's `aux_loss()` (`moe_aux_loss`) pools them over its MoE layers into
+    coef * E * sum_e f_e * P_e (f_e: assignments to e per token, P_e: mean router
+    probability of e), and the training engine adds that to a loop's loss (weighted by the
+    microbatch's labelled tokens). `aux_loss` is this layer's own term, for inspection. The
+    model output never includes it. Under context
     parallel each rank holds a share of every sequence: the engine hands the module
     `set_sequence_sum(fn)`, a differentiable sum over those ranks, so that f_e and P_e are the
     whole microbatch's (as in one process, and as Megatron-LM reduces them over its TP x CP
@@ -247,7 +264,7 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
         # Data-parallel-summed counts of the last optimizer step, for metrics.
         self.register_buffer("last_tokens_per_expert", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
-        self.aux_loss: torch.Tensor | None = None
+        self.routing_statistics: RoutingStatistics | None = None
         self.sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def set_sequence_sum(self, sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
@@ -310,16 +327,16 @@ class MoE(nn.Module):
 
     def _record(self, counts: torch.Tensor, score_sums: torch.Tensor) -> None:
         """Accumulate the load counts (assignments per expert of the counted tokens, `top_k`
-        each) and compute the aux loss from them and the tokens' summed scores per expert
-        (`score_sums`), once per real forward."""
+        each) and keep the routing statistics of the auxiliary loss (with the tokens' summed
+        scores per expert, `score_sums`), once per real forward."""
         # Activation checkpointing reruns this forward inside backward: count the tokens and
-        # keep the aux loss of the first run only. The rerun still computes the aux loss, so
-        # it saves the same tensors for backward as the first run (checkpoint checks that).
+        # keep the statistics of the first run only. The rerun still computes them, so it
+        # saves the same tensors for backward as the first run (checkpoint checks that).
         rerun = torch._C._current_graph_task_id() != -1
         if self.training and not rerun:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
-        aux = None
+        stats = None
         if self.aux_loss_coef > 0 and self.training and torch.is_grad_enabled():
             counts = counts.to(score_sums.dtype)
             if self.sequence_sum is not None:  # one collective for both
@@ -327,11 +344,16 @@ class MoE(nn.Module):
                 score_sums, counts = summed[: self.n_experts], summed[self.n_experts :]
             # Every counted token made top_k assignments: the count comes from the device's
             # tensors (a tensor made from a Python number would be a host-to-device copy).
-            n_tokens = (counts.sum() / self.top_k).clamp(min=1)
-            fraction = counts / n_tokens  # sums to top_k, as in HF
-            aux = self.aux_loss_coef * self.n_experts * (fraction * (score_sums / n_tokens)).sum()
+            stats = RoutingStatistics(counts=counts.detach(), score_sums=score_sums,
+                                      tokens=counts.detach().sum() / self.top_k)
         if not rerun:
-            self.aux_loss = aux
+            self.routing_statistics = stats
+
+    @property
+    def aux_loss(self) -> torch.Tensor | None:
+        """This layer's own Switch loss from its last training forward (coefficient applied),
+        or None; a model's loss pools its layers instead (`moe_aux_loss`)."""
+        return None if self.routing_statistics is None else switch_loss([self])
 
     @torch.no_grad()
     def after_optimizer_step(self, sum_over_dp: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -352,7 +374,7 @@ class MoE(nn.Module):
             self.shared_experts.init_weights(init, std_in, std_out)
         for buf in (self.expert_bias, self.tokens_per_expert, self.last_tokens_per_expert):
             buf.zero_()
-        self.aux_loss = None
+        self.routing_statistics = None
 
 
 def moe_modules(model: nn.Module) -> Iterable[tuple[str, MoE]]:
@@ -403,11 +425,41 @@ def inactive_expert_params(model: nn.Module) -> int:
     return inactive
 
 
-def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """Sum of the aux losses the `MoE` modules of `model` left in their last forward
-    (already multiplied by each module's `aux_loss_coef`); None when none did."""
-    losses = [m.aux_loss for _, m in moe_modules(model) if m.aux_loss is not None]
-    return torch.stack(losses).sum() if losses else None
+def switch_loss(layers: list[MoE]) -> torch.Tensor:
+    """coef * E * sum_e f_e * P_e over the pooled routing statistics of `layers` (each with
+    statistics, all of one coefficient and expert count): f_e is the assignments to expert e
+    per counted row and P_e the mean router probability of e, rows counted once per layer.
+    This is Hugging Face transformers' `load_balancing_loss_func` for the router logits of
+    several layers: it sums the layers' counts and probabilities before the product."""
+    coefs = {(m.aux_loss_coef, m.n_experts) for m in layers}
+    if len(coefs) != 1:
+        raise ValueError(f"MoE layers with different auxiliary-loss coefficients or expert counts {sorted(coefs)} "
+                         "cannot share one balancing loss")
+    coef, n_experts = coefs.pop()
+    stats = [m.routing_statistics for m in layers]
+    counts = torch.stack([s.counts for s in stats]).sum(0)
+    score_sums = torch.stack([s.score_sums for s in stats]).sum(0)
+    rows = torch.stack([s.tokens for s in stats]).sum().clamp(min=1)
+    return coef * n_experts * ((counts / rows) * (score_sums / rows)).sum()
+
+
+def moe_aux_loss(model: nn.Module, moe_layers_in_model: int | None = None) -> torch.Tensor | None:
+    """The balancing loss of `model`'s last training forward: the Switch loss pooled over
+    the routing statistics of all its MoE layers (`switch_loss`, transformers' definition of
+    `router_aux_loss_coef`), None when no layer kept statistics.
+
+    `moe_layers_in_model`: the MoE layer count of the whole model when `model` is one
+    pipeline stage of it. A stage pools its own layers (the others run on other ranks, later)
+    and its loss is weighted by its share of the layers, so that the stages' losses add up
+    to the whole model's when their layers route alike; in general the sum differs from the
+    whole model's by the correlation of the stages' statistics."""
+    layers = [m for _, m in moe_modules(model) if m.routing_statistics is not None]
+    if not layers:
+        return None
+    loss = switch_loss(layers)
+    if moe_layers_in_model is not None and len(layers) != moe_layers_in_model:
+        loss = loss * (len(layers) / moe_layers_in_model)
+    return loss
 
 
 class MoEModelReports:
@@ -427,7 +479,10 @@ class MoEModelReports:
         return merge_expert_load_metrics(reports)
 
     def aux_loss(self) -> torch.Tensor | None:
-        """The routers' auxiliary loss of the last training forward (coefficients applied), or
-        None when no layer has one (balancing by the selection bias alone)."""
-        return moe_aux_loss(self)
+        """The routers' auxiliary loss of the last training forward (coefficient applied),
+        pooled over the MoE layers this model (or pipeline stage) holds, or None when no
+        layer has one (balancing by the selection bias alone); see `moe_aux_loss`."""
+        args = self.args
+        in_model = sum(1 for i in range(args.n_layers) if args.is_moe_layer(i))
+        return moe_aux_loss(self, moe_layers_in_model=in_model)
 
