@@ -174,7 +174,76 @@ def test_tokenizer_chat_template_marks_assistant_turns(hf_tokenizer_file):
     tok = HFTokenizer(hf_tokenizer_file)
     ex = encode_chat(CHAT, tok, template=template)
     trained = [i for i, t in zip(ex.ids.tolist(), ex.targets.tolist(), strict=True) if t]
-    assert trained == tok.encode("yo<|im_end|>\n") + tok.encode("4<|im_end|>\n")
+    # the turn's text up to its end marker; the newline after it is the template's, not the answer's
+    assert trained == tok.encode("yo<|im_end|>") + tok.encode("4<|im_end|>")
+
+
+# The templates' shapes of common releases (Llama 3, ChatML as Qwen's, Mistral's [INST], a
+# Vicuna-style one), shortened: where each turn's header ends and its content starts.
+RELEASE_TEMPLATES = {
+    "llama3": ("<|begin_of_text|>", "<|eot_id|>",
+               "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n'"
+               " + m['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+               "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"),
+    "chatml": ("<s>", "</s>", CHATML),
+    "mistral": ("<s>", "</s>",
+                "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
+                "' [/INST]' }}{% elif m['role'] == 'assistant' %}{{ ' ' + m['content'] + eos_token }}{% endif %}"
+                "{% endfor %}"),
+    "vicuna": ("<s>", "</s>",
+               "{% for m in messages %}{% if m['role'] == 'user' %}{{ 'USER: ' + m['content'] + ' ' }}"
+               "{% elif m['role'] == 'assistant' %}{{ 'ASSISTANT: ' + m['content'] + eos_token + ' ' }}{% endif %}"
+               "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"),
+}
+
+
+def _gpt4_style_tokenizer(folder):
+    """A byte-level BPE with Llama 3's / Qwen's pre-tokenizer split (words with their leading
+    space, digits in threes, newlines apart), trained here, with the templates' specials."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(["Hello, how are you? I am fine: the answer is 42.\n\nSure! USER ASSISTANT INST"] * 20,
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+@pytest.mark.parametrize("release", list(RELEASE_TEMPLATES))
+def test_chat_ids_are_transformers_apply_chat_template(tmp_path, release):
+    """A conversation encodes to the ids transformers' `apply_chat_template` gives it, and a
+    prompt to its `add_generation_prompt=True` ids (what vLLM and `generate` are fed): the
+    per-turn tokenization that locates the trained spans does not change the tokens."""
+    transformers = pytest.importorskip("transformers")
+    bos, eos, source = RELEASE_TEMPLATES[release]
+    path = _gpt4_style_tokenizer(tmp_path / "tok")
+    (path.parent / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": source, "bos_token": bos, "eos_token": eos}))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token=bos, eos_token=eos)
+    # non-ASCII text before a trained turn: token ranges count characters, not bytes
+    chat = [{"role": "user", "content": "Hello, ¿cómo estás? 🤖"}, {"role": "assistant", "content": "I am fine: 42."},
+            {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Sure! Hello ✓."}]
+    tok, template = HFTokenizer(path), ChatTemplate.from_tokenizer_files(str(path.parent))
+
+    ex = encode_chat(chat, tok, template=template)
+    reference.chat_template = source
+    expected = reference.apply_chat_template(chat, tokenize=True, return_dict=False)
+    assert ex.ids.tolist() == list(expected)
+    prompt = encode_chat_prompt(chat[:3], tok, template=template)
+    assert prompt == list(reference.apply_chat_template(chat[:3], tokenize=True, add_generation_prompt=True,
+                                                        return_dict=False))
+    trained = tok.decode([i for i, t in zip(ex.ids.tolist(), ex.targets.tolist(), strict=True) if t])
+    assert trained.lstrip().startswith("I am fine: 42.") and "Sure! Hello ✓." in trained and "Hello" not in trained[:20]
+    assert "USER" not in trained and "?" not in trained
 
 
 def test_chat_template_choice_errors_for_byte_tokenizer(tmp_path):

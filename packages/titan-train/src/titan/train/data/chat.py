@@ -13,7 +13,11 @@ jinja2; there the template's own end-of-turn marker closes each assistant turn a
 trained on, and no extra BOS/EOS is added (templates emit their own). The trained span
 of assistant turn i is found by rendering the conversation up to turn i with and
 without the generation prompt, so a template must render each conversation as a
-prefix of its continuation (most do; one that rewrites earlier turns is refused).
+prefix of its continuation (most do; one that rewrites earlier turns is refused). The
+rendered conversation is tokenized in one piece, so its ids are those of transformers'
+`apply_chat_template` (whitespace a template puts between turns joins the next word as
+it does there); a token is trained when it holds a character of an assistant turn between
+the turn's first and last non-space characters.
 """
 from __future__ import annotations
 
@@ -257,10 +261,31 @@ def encode_chat(
     turns and all role headers masked. `template` None is the built-in template."""
     messages = check_messages(messages)
     if template is None:
-        segments = _builtin_chat_segments(messages, tokenizer)
-    else:
-        segments = template.segments(messages)
-    return _encode_segments(tokenizer, segments, train_on)
+        return _encode_segments(tokenizer, _builtin_chat_segments(messages, tokenizer), train_on)
+    return _encode_rendered(tokenizer, template.segments(messages), train_on)
+
+
+def _encode_rendered(tokenizer: Tokenizer, segments: Sequence[tuple[str, bool]], train_on: str) -> SFTExample:
+    """Tokenize the rendered text of `segments` in one piece (a tokenizer's words can span
+    two segments: " " closing a turn + "USER" is " USER") and train on each token that holds
+    a character of a trained segment, between its first and last non-space characters (the
+    separator closing a turn belongs to the next word's token, which is not trained)."""
+    if not hasattr(tokenizer, "encode_with_offsets"):  # no character ranges: piece by piece
+        return _encode_segments(tokenizer, segments, train_on)
+    text = "".join(piece for piece, _ in segments)
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    trained_chars = np.zeros(len(text), dtype=bool)
+    start = 0
+    for piece, trained in segments:
+        core = piece.strip()
+        if trained and core:
+            first = start + len(piece) - len(piece.lstrip())
+            trained_chars[first : first + len(core)] = True
+        start += len(piece)
+    before = np.concatenate([[0], np.cumsum(trained_chars)])  # trained characters before each position
+    ranges = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    targets = (before[ranges[:, 1]] > before[ranges[:, 0]]) | (train_on == "all")
+    return SFTExample(np.asarray(ids, dtype=np.int64), np.asarray(targets, dtype=bool))
 
 
 def encode_chat_prompt(
@@ -270,6 +295,6 @@ def encode_chat_prompt(
     header, tokenized as in `encode_chat`."""
     if template is None:
         segments = _builtin_chat_segments(messages, tokenizer, add_generation_prompt=True)
-    else:
-        segments = template.segments(messages, add_generation_prompt=True)
-    return [int(i) for i in _encode_segments(tokenizer, segments, "completion").ids]
+        return [int(i) for i in _encode_segments(tokenizer, segments, "completion").ids]
+    segments = template.segments(messages, add_generation_prompt=True)
+    return [int(i) for i in _encode_rendered(tokenizer, segments, "completion").ids]

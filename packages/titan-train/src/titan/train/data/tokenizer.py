@@ -118,6 +118,12 @@ class HFTokenizer(Tokenizer):
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return self._frame(list(ids), bos, eos)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of `text` (as `encode`, no separators) and each token's (start, end) character
+        range in `text`: which characters it was made from."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [tuple(offset) for offset in encoding.offsets]
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, skipping special tokens."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
