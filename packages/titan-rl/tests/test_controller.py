@@ -622,6 +622,30 @@ def test_soft_overlong_penalty_lowers_the_first_rollouts_rewards_by_hand(tmp_pat
 
 
 @pytest.mark.slow
+def test_titan_rl_on_conversational_jsonl_prompts(tmp_path, monkeypatch):
+    """`titan rl` on JSONL prompts in TRL's conversational format (a list of messages per row):
+    each is rendered with the chat template (the byte tokenizer's: the built-in one) and the
+    assistant header, generated from, scored and trained on; the reward sees the rendered text
+    and the row's answer."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"reverse {w}"}], "answer": w[::-1]})
+                               + "\n" for w in ("abc", "hello", "xyz", "rl")))
+    log = tmp_path / "rewards.jsonl"
+    monkeypatch.setenv("TITAN_TEST_REWARD_LOG", str(log))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the reward module (titan runs forked)
+    run_rl(tmp_path / "run", *SHORT, "--training.steps", "2", "--rl.sft_warmup_steps", "0", "--training.seq_len", "48",
+           "--rl_data.format", "jsonl",
+           "--rl_data.path", str(prompts), "--rl.rewards", "function", "--rl.reward_function",
+           "recording_reward:records", "--rl.no_drop_zero_variance")
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 2 * 4 * 4  # 2 rollouts of 4 prompts x 4 completions
+    assert {(c["prompt"], c["answer"]) for c in calls} == {
+        (f"<|user|>\nreverse {w}\n<|assistant|>\n", w[::-1]) for w in ("abc", "hello", "xyz", "rl")}
+    rl_steps = [r for r in records(tmp_path / "run") if r.get("phase") == "rl"]
+    assert len(rl_steps) == 2 and all(r["rows"] == 16 for r in rl_steps)
+
+
+@pytest.mark.slow
 def test_dynamic_sampling_refills_dropped_groups(tmp_path):
     """DAPO's dynamic sampling: groups without reward variance are replaced by fresh ones, so
     every step trains on --rl.prompts_per_step groups; without it those steps train on fewer."""

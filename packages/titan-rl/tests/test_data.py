@@ -1,11 +1,15 @@
-"""RL prompts of the synthetic task, and the warm-up's fixed set of demonstrations."""
+"""RL prompts: the synthetic task, the warm-up's fixed set of demonstrations, JSONL rows of
+text or of conversations (TRL's conversational format) rendered with the chat template."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from titan.rl.data import RLDataConfig, build_prompts
+from titan.train.data.chat import encode_chat_prompt, encode_prompt
 from titan.train.data.sft import SyntheticSFTTask
-from titan.train.data.tokenizer import ByteTokenizer
+from titan.train.data.tokenizer import ByteTokenizer, HFTokenizer
 
 
 def test_warm_up_demonstrations_are_the_first_training_prompts_and_keep_the_held_out_set():
@@ -20,3 +24,99 @@ def test_warm_up_demonstrations_are_the_first_training_prompts_and_keep_the_held
     assert len(SyntheticSFTTask(RLDataConfig().sft_config(demonstrations_only=True), tokenizer)) == len(train)
     with pytest.raises(ValueError, match="--rl_data.sft_demonstrations"):
         RLDataConfig(sft_demonstrations=cfg.synthetic_examples + 1)
+
+
+# ---- JSONL prompts --------------------------------------------------------------------
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CONVERSATION = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 2+2?"}]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def _chatml_tokenizer(folder):
+    """A tiny byte-level BPE with ChatML's specials and template (as Qwen's files carry)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["What is 2+2? Answer with a number. system user assistant"] * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}))
+    return folder / "tokenizer.json"
+
+
+def test_jsonl_text_prompts_are_encoded_as_sft_prompts(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "abc", "answer": 3}, {"prompt": "de"}])
+    tokenizer = ByteTokenizer()
+    train, held_out = build_prompts(RLDataConfig(format="jsonl", path=path), tokenizer)
+    assert [(p.text, p.ids, p.answer) for p in train] == [
+        ("abc", encode_prompt("abc", tokenizer), "3"), ("de", encode_prompt("de", tokenizer), None)]
+    assert held_out == []
+
+
+def test_conversational_prompts_are_transformers_apply_chat_template(tmp_path):
+    """TRL's conversational format: a prompt of messages is rendered with the tokenizer's
+    chat template and the assistant header, into the ids transformers gives it (what the
+    instruct model was tuned on); the rewards see the rendered text."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer_file = _chatml_tokenizer(tmp_path / "tok")
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": CONVERSATION, "answer": "4"}])
+    train, _ = build_prompts(RLDataConfig(format="jsonl", path=path), HFTokenizer(tokenizer_file))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|im_end|>")
+    reference.chat_template = CHATML
+    expected = reference.apply_chat_template(CONVERSATION, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert train[0].ids == list(expected)
+    assert train[0].text == ("<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\nWhat is 2+2?"
+                             "<|im_end|>\n<|im_start|>assistant\n")
+    assert train[0].answer == "4"
+
+
+def test_conversational_prompts_with_the_builtin_template(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"q": CONVERSATION}])
+    tokenizer = ByteTokenizer()
+    train, _ = build_prompts(RLDataConfig(format="jsonl", path=path, prompt_field="q"), tokenizer)
+    assert train[0].ids == encode_chat_prompt(CONVERSATION, tokenizer)
+    assert train[0].text == "<|system|>\nAnswer with a number.\n<|user|>\nWhat is 2+2?\n<|assistant|>\n"
+    with pytest.raises(ValueError, match="no chat_template"):  # asked for the tokenizer's: it has none
+        build_prompts(RLDataConfig(format="jsonl", path=path, prompt_field="q", chat_template="tokenizer"), tokenizer)
+
+
+@pytest.mark.parametrize("prompt,message", [
+    (7, "holds int, not a string or a list"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "ends with the turn to answer"),
+    ([{"role": "robot", "content": "hi"}], "role 'robot'"),
+])
+def test_bad_prompts_name_the_row(tmp_path, prompt, message):
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "fine"} if isinstance(prompt, int) else
+                                               {"prompt": [{"role": "user", "content": "fine"}]}, {"prompt": prompt}])
+    with pytest.raises(ValueError, match=message) as err:
+        build_prompts(RLDataConfig(format="jsonl", path=path), ByteTokenizer())
+    assert "row 1" in str(err.value)
+
+
+def test_overlong_prompts_are_dropped_when_read_or_refused(tmp_path, caplog):
+    """A prompt that leaves no room for --sampling.max_new_tokens within --training.seq_len is
+    handled when the prompts are read, never by a rollout mid-run."""
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x" * n} for n in (3, 9, 4, 12)])
+    cfg = RLDataConfig(format="jsonl", path=path, eval_path=path)
+    with caplog.at_level("WARNING", logger="titan"):
+        train, held_out = build_prompts(cfg, ByteTokenizer(), max_prompt_tokens=8)  # BOS + text
+    assert [len(p.ids) for p in train] == [len(p.ids) for p in held_out] == [4, 5]
+    assert "2 of the 4 training prompts are longer (the longest 13 tokens, the first is prompt 1)" in caplog.text
+    with pytest.raises(ValueError, match="2 of the 4 training prompts are longer") as err:
+        build_prompts(RLDataConfig(format="jsonl", path=path, overlong="error"), ByteTokenizer(), max_prompt_tokens=8)
+    assert "--rl_data.overlong drop" in str(err.value)
+    with pytest.raises(ValueError, match="4 of the 4 training prompts"):  # nothing left to train on
+        build_prompts(cfg, ByteTokenizer(), max_prompt_tokens=2)
+    with pytest.raises(ValueError, match="--rl_data.overlong must be"):
+        RLDataConfig(overlong="truncate")

@@ -272,6 +272,12 @@ class RLConfig(RunConfig):
     rl_data: RLDataConfig = field(default_factory=RLDataConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt a rollout can take: the generator's context is
+        ``--training.seq_len`` and every prompt leaves room for ``--sampling.max_new_tokens``."""
+        return self.training.seq_len - self.sampling.max_new_tokens
+
     def __post_init__(self) -> None:
         if self.sampling.n not in (1, self.rl.group_size):
             raise ValueError(

@@ -194,7 +194,8 @@ class RLTrainer(TrainingLoop):
         self._check_sequence_budget()
         if not cfg.rl.generator_ranks:  # disaggregated: vLLM runs on the generator ranks, one each
             check_generator_kind(cfg.generator.kind, world_size=self.engine.dist_env.world_size)
-        train_prompts, self.eval_prompts = build_prompts(cfg.rl_data, self.tokenizer)
+        train_prompts, self.eval_prompts = build_prompts(cfg.rl_data, self.tokenizer,
+                                                         max_prompt_tokens=cfg.max_prompt_tokens)
         self.state = ControllerState(prompts_per_step=cfg.rl.prompts_per_step, num_prompts=len(train_prompts))
         self.engine.add_state("rl_controller", self.state)
         self.warmup_loader = self._build_warmup_loader()

@@ -2,7 +2,11 @@
 
 A prompt is text plus an optional reference answer the rewards check against. JSONL files
 (read with ``datasets``' json loader) give them in two columns (``--rl_data.prompt_field``,
-``--rl_data.answer_field``). The synthetic task is SFT's (``titan.train.data.sft_sources``: sort or
+``--rl_data.answer_field``). A prompt is a string (encoded as ``[BOS] text``, as SFT's
+prompt/completion pairs) or, in TRL's conversational format, a list of ``{role, content}``
+messages: rendered with the chat template (``--rl_data.chat_template``, as SFT's) followed by
+the assistant header, the ids transformers' ``apply_chat_template(...,
+add_generation_prompt=True)`` gives, so an instruct model is prompted as it was tuned. The synthetic task is SFT's (``titan.train.data.sft_sources``: sort or
 reverse a short string), so an SFT warm-up and the RL run see the same prompt format and the
 same held-out prompts.
 
@@ -12,15 +16,24 @@ one counter, so a run resumes exactly (and identically on every rank).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from titan.train.data.chat import encode_prompt
+from titan.train.data.chat import (
+    ChatTemplate,
+    check_prompt_messages,
+    encode_chat_prompt,
+    encode_prompt,
+    resolve_chat_template,
+)
 from titan.train.data.sft_config import SFTDataConfig, SyntheticTaskConfig
 from titan.train.data.sft_sources import SyntheticSFTTask
 from titan.train.data.sources import resolve_data_files
 from titan.train.data.tokenizer import Tokenizer
+
+logger = logging.getLogger("titan")
 
 
 @dataclass(kw_only=True)
@@ -34,9 +47,19 @@ class RLDataConfig(SyntheticTaskConfig):
     path: str | None = None
     """jsonl: a JSONL file, a directory of them, or a glob."""
     prompt_field: str = "prompt"
-    """jsonl: the column holding the prompt text."""
+    """jsonl: the column holding the prompt: a string, or a list of {role, content} messages
+    (TRL's conversational format) rendered with --rl_data.chat_template."""
+    chat_template: Literal["auto", "tokenizer", "builtin"] = "auto"
+    """jsonl, conversational prompts: "tokenizer" renders the Jinja chat_template shipped with
+    the tokenizer files, "builtin" titan's simple template (titan.train.data.chat), "auto" the
+    tokenizer's when its files carry one, else builtin; the assistant header follows."""
     answer_field: str = "answer"
     """jsonl: the column holding the reference answer (may be missing for rewards that need none)."""
+    overlong: Literal["drop", "error"] = "drop"
+    """Prompts too long to generate --sampling.max_new_tokens after within --training.seq_len:
+    "drop" leaves them out when the prompts are read (counted in the log, as verl filters
+    overlong prompts); "error" stops before training, naming the first one. Either way no
+    rollout meets one mid-run."""
     eval_path: str | None = None
     """jsonl: held-out prompts scored greedily every --rl.eval_freq steps (optional)."""
     sft_demonstrations: int = 0
@@ -47,6 +70,10 @@ class RLDataConfig(SyntheticTaskConfig):
     def __post_init__(self) -> None:
         if self.format not in ("synthetic", "jsonl"):
             raise ValueError(f"--rl_data.format must be synthetic or jsonl, got {self.format!r}")
+        if self.overlong not in ("drop", "error"):
+            raise ValueError(f"--rl_data.overlong must be drop or error, got {self.overlong!r}")
+        if self.chat_template not in ("auto", "tokenizer", "builtin"):
+            raise ValueError(f"--rl_data.chat_template must be auto, tokenizer or builtin, got {self.chat_template!r}")
         if self.format == "jsonl" and not self.path:
             raise ValueError("--rl_data.format jsonl reads prompts from files: set --rl_data.path")
         if self.format == "synthetic" and (self.path or self.eval_path):
@@ -96,26 +123,75 @@ def _jsonl_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer) -> list[P
             f"(columns: {', '.join(rows.column_names)})"
         )
     has_answer = cfg.answer_field in rows.column_names
+    templates: list[ChatTemplate | None] = []  # resolved on the first conversational row
     out = []
-    for row in rows:
+    for index, row in enumerate(rows):
         answer = row[cfg.answer_field] if has_answer else None
-        out.append(Prompt(row[cfg.prompt_field], encode_prompt(row[cfg.prompt_field], tokenizer),
-                          None if answer is None else str(answer)))
+        value = row[cfg.prompt_field]
+        if isinstance(value, str):
+            text, ids = value, encode_prompt(value, tokenizer)
+        elif isinstance(value, list):
+            if not templates:
+                templates.append(resolve_chat_template(cfg.chat_template, tokenizer))
+            text, ids = _conversation_prompt(value, tokenizer, templates[0], where=f"{path} row {index}")
+        else:
+            raise ValueError(f"{path} row {index}: --rl_data.prompt_field {cfg.prompt_field!r} holds "
+                             f"{type(value).__name__}, not a string or a list of {{role, content}} messages")
+        out.append(Prompt(text, ids, None if answer is None else str(answer)))
     return out
 
 
-def build_prompts(cfg: RLDataConfig, tokenizer: Tokenizer) -> tuple[list[Prompt], list[Prompt]]:
-    """(training prompts, held-out prompts) of the configured source."""
+def _conversation_prompt(messages: list, tokenizer: Tokenizer, template: ChatTemplate | None,
+                         *, where: str) -> tuple[str, list[int]]:
+    """(text, ids) of a conversational prompt: the conversation rendered with ``template``
+    (None: the built-in one) and the assistant header after it. The text is what the
+    rewards' ``prompt`` receives: the rendered conversation (the built-in template's without
+    its BOS)."""
+    try:
+        messages = check_prompt_messages(messages)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    ids = encode_chat_prompt(messages, tokenizer, template=template)
+    text = template.render(messages, add_generation_prompt=True) if template is not None else tokenizer.decode(ids)
+    return text, ids
+
+
+def build_prompts(cfg: RLDataConfig, tokenizer: Tokenizer, *, max_prompt_tokens: int | None = None
+                  ) -> tuple[list[Prompt], list[Prompt]]:
+    """(training prompts, held-out prompts) of the configured source; with
+    ``max_prompt_tokens``, longer prompts are dropped or refused (``--rl_data.overlong``)."""
     if cfg.format == "jsonl":
         train = _jsonl_prompts(cfg.path, cfg, tokenizer)
         held_out = _jsonl_prompts(cfg.eval_path, cfg, tokenizer) if cfg.eval_path else []
-        return train, held_out
-    task = SyntheticSFTTask(cfg.sft_config(), tokenizer)
+    else:
+        task = SyntheticSFTTask(cfg.sft_config(), tokenizer)
 
-    def prompts(pairs):
-        return [Prompt(text, encode_prompt(text, tokenizer), answer) for text, answer in pairs]
+        def prompts(pairs):
+            return [Prompt(text, encode_prompt(text, tokenizer), answer) for text, answer in pairs]
 
-    return prompts(task.train_pairs), prompts(task.eval_pairs)
+        train, held_out = prompts(task.train_pairs), prompts(task.eval_pairs)
+    if max_prompt_tokens is not None:
+        train = _within_budget(train, max_prompt_tokens, cfg.overlong, "training")
+        held_out = _within_budget(held_out, max_prompt_tokens, cfg.overlong, "held-out") if held_out else held_out
+    return train, held_out
+
+
+def _within_budget(prompts: list[Prompt], max_tokens: int, overlong: str, which: str) -> list[Prompt]:
+    """``prompts`` of at most ``max_tokens`` tokens: the others dropped (and counted in the
+    log) or, with ``overlong`` "error", a ValueError naming the first of them."""
+    kept = [p for p in prompts if len(p.ids) <= max_tokens]
+    if len(kept) == len(prompts):
+        return prompts
+    first = next(i for i, p in enumerate(prompts) if len(p.ids) > max_tokens)
+    longest = max(len(p.ids) for p in prompts)
+    budget = (f"at most {max_tokens} prompt tokens fit (--training.seq_len minus --sampling.max_new_tokens); "
+              f"{len(prompts) - len(kept)} of the {len(prompts)} {which} prompts are longer (the longest "
+              f"{longest} tokens, the first is prompt {first})")
+    if overlong == "error" or not kept:
+        raise ValueError(f"{budget}; raise --training.seq_len, lower --sampling.max_new_tokens"
+                         + (" or drop them with --rl_data.overlong drop" if kept else ""))
+    logger.warning("%s: they are left out (--rl_data.overlong drop)", budget)
+    return kept
 
 
 class PromptSampler:

@@ -137,7 +137,8 @@ class GeneratorServer:
         vocab_size = config.model.resolve_vocab_size(tokenizer.vocab_size)
         self.generator = build_generator(config, model_spec, vocab_size=vocab_size, eos_token_id=tokenizer.eos_id,
                                          device=split.device, kind=config.generator.kind)
-        train_prompts, eval_prompts = build_prompts(config.rl_data, tokenizer)
+        train_prompts, eval_prompts = build_prompts(config.rl_data, tokenizer,
+                                                    max_prompt_tokens=config.max_prompt_tokens)
         self.producer = RolloutProducer(config, generator=self.generator, tokenizer=tokenizer,
                                         train_prompts=train_prompts, eval_prompts=eval_prompts,
                                         shard=split.rank, shards=split.size)

@@ -230,9 +230,27 @@ def resolve_chat_template(choice: str, tokenizer: Tokenizer) -> ChatTemplate | N
     return template
 
 
+def check_prompt_messages(messages: Any) -> list[dict]:
+    """`messages` is a conversation to answer (an RL prompt in TRL's conversational format):
+    a list of {role, content} with known roles that does not end with an assistant turn;
+    returns it as plain dicts. Raises ValueError saying what is wrong."""
+    checked = _checked_roles_and_contents(messages)
+    if checked[-1]["role"] == "assistant":
+        raise ValueError("the prompt's last message is the assistant's: a prompt ends with the turn to answer")
+    return checked
+
+
 def check_messages(messages: Any) -> list[dict]:
     """`messages` is a list of {role, content} with known roles and one assistant turn;
     returns it as plain dicts. Raises ValueError saying what is wrong."""
+    checked = _checked_roles_and_contents(messages)
+    if not any(m["role"] == "assistant" for m in checked):
+        raise ValueError("no assistant message, so nothing to train on")
+    return checked
+
+
+def _checked_roles_and_contents(messages: Any) -> list[dict]:
+    """`messages` as plain {role, content} dicts, or a ValueError naming the first bad one."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content}")
     checked = []
@@ -245,8 +263,6 @@ def check_messages(messages: Any) -> list[dict]:
         if not isinstance(content, str):
             raise ValueError(f"message {j} has non-string content {content!r}")
         checked.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in checked):
-        raise ValueError("no assistant message, so nothing to train on")
     return checked
 
 

@@ -1,0 +1,12 @@
+"""A reward function that records what it is called with, for the tests of what the rewards
+see (one JSON line per call in the file named by ``$TITAN_TEST_REWARD_LOG``)."""
+
+import json
+import os
+
+
+def records(*, prompt: str, completion: str, answer: str | None) -> float:
+    """Append the call's arguments to the log; reward 1 when the completion holds the answer."""
+    with open(os.environ["TITAN_TEST_REWARD_LOG"], "a") as log:
+        log.write(json.dumps({"prompt": prompt, "completion": completion, "answer": answer}) + "\n")
+    return float(answer is not None and answer in completion)
