@@ -432,6 +432,27 @@ def test_prompt_completion_jsonl_through_datasets(tmp_path):
     assert targets == [t for r in rows for t in tok.encode(r["completion"], eos=True)]
 
 
+def test_conversational_prompt_completion_trains_only_the_completion(tmp_path):
+    """TRL's conversational prompt-completion rows (both columns lists of messages): the
+    conversation is rendered whole, and only the completion's assistant turn is trained, not
+    the few-shot answer inside the prompt."""
+    prompt = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+              {"role": "user", "content": "3+3?"}]
+    path = _write_jsonl(tmp_path / "pc.jsonl", [{"prompt": prompt, "completion": [{"role": "assistant", "content": "6"}]}])
+    cfg = SFTDataConfig(format="prompt_completion", path=str(path), shuffle=False, cache_dir=str(tmp_path / "c"))
+    batch = next(_loader(cfg, batch=1, seq_len=64))
+    tok = ByteTokenizer()
+    whole = [*prompt, {"role": "assistant", "content": "6"}]
+    expected = encode_chat(whole, tok)
+    n = len(expected) - 1
+    assert batch["input_ids"][0, :n].tolist() == expected.ids[:-1].tolist()  # the same tokens as the chat format
+    labels = batch["labels"][0, :n]
+    assert labels[labels != -100].tolist() == list(b"6") + [EOS]  # the few-shot "4" is context
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": prompt, "completion": "6"}])
+    with pytest.raises(ValueError, match="row 0: prompt and completion must both be strings, or both lists"):
+        next(_loader(SFTDataConfig(format="prompt_completion", path=str(bad), cache_dir=str(tmp_path / "c2")), batch=1))
+
+
 def test_chat_jsonl_glob_through_datasets(tmp_path):
     folder = tmp_path / "chats"
     folder.mkdir()

@@ -88,16 +88,19 @@ def encode_prompt(prompt: str, tokenizer: Tokenizer) -> list[int]:
 
 
 def _builtin_chat_segments(
-    messages: Sequence[dict], tokenizer: Tokenizer, add_generation_prompt: bool = False
+    messages: Sequence[dict], tokenizer: Tokenizer, add_generation_prompt: bool = False,
+    trained_from: int = 0,
 ) -> list[Segment]:
     """The built-in template (module docstring): headers and non-assistant turns are
-    context; each assistant turn's content and its closing EOS are targets."""
+    context; each assistant turn's content and its closing EOS are targets (those from
+    message `trained_from` on)."""
     segments = _bos(tokenizer)
-    for message in messages:
+    for i, message in enumerate(messages):
         role, content = message["role"], message["content"]
         segments.append((f"<|{role}|>\n", False))
         if role == "assistant":
-            segments += [(content, True), (tokenizer.eos_id, True)]
+            trained = i >= trained_from
+            segments += [(content, trained), (tokenizer.eos_id, trained)]
         else:
             segments.append((content + "\n", False))
     if add_generation_prompt:
@@ -161,9 +164,10 @@ class ChatTemplate:
         )
 
     def segments(
-        self, messages: Sequence[dict], add_generation_prompt: bool = False
+        self, messages: Sequence[dict], add_generation_prompt: bool = False, trained_from: int = 0
     ) -> list[Segment]:
-        """Split the rendered conversation into context and assistant-turn text.
+        """Split the rendered conversation into context and assistant-turn text (trained
+        from message `trained_from` on).
 
         Assistant turn i is the text `render(messages[:i+1])` adds to
         `render(messages[:i], add_generation_prompt=True)`: its content and the
@@ -182,7 +186,7 @@ class ChatTemplate:
                     "its continuation, so assistant turns cannot be located; use "
                     "--sft_data.chat_template builtin"
                 )
-            segments += [(before[len(done) :], False), (after[len(before) :], True)]
+            segments += [(before[len(done) :], False), (after[len(before) :], i >= trained_from)]
             done = after
         full = self.render(messages, add_generation_prompt=add_generation_prompt)
         if not full.startswith(done):
@@ -272,13 +276,18 @@ def encode_chat(
     *,
     template: ChatTemplate | None = None,
     train_on: str = "completion",
+    trained_from: int = 0,
 ) -> SFTExample:
-    """A conversation as ids; targets: every assistant turn (and its end marker), other
+    """A conversation as ids; targets: every assistant turn (and its end marker) from message
+    `trained_from` on (a conversational prompt-completion pair: the completion's), other
     turns and all role headers masked. `template` None is the built-in template."""
     messages = check_messages(messages)
+    if not any(m["role"] == "assistant" for m in messages[trained_from:]):
+        raise ValueError("the completion holds no assistant message, so nothing to train on")
     if template is None:
-        return _encode_segments(tokenizer, _builtin_chat_segments(messages, tokenizer), train_on)
-    return _encode_rendered(tokenizer, template.segments(messages), train_on)
+        return _encode_segments(tokenizer, _builtin_chat_segments(messages, tokenizer, trained_from=trained_from),
+                                train_on)
+    return _encode_rendered(tokenizer, template.segments(messages, trained_from=trained_from), train_on)
 
 
 def _encode_rendered(tokenizer: Tokenizer, segments: Sequence[tuple[str, bool]], train_on: str) -> SFTExample:

@@ -94,7 +94,9 @@ class SFTDataConfig(SyntheticTaskConfig):
     messages_field: str = "messages"
     """chat: the column holding the list of messages."""
     chat_template: Literal["auto", "tokenizer", "builtin"] = "auto"
-    """chat: "tokenizer" renders the Jinja chat_template shipped with the tokenizer files;
+    """chat, and prompt_completion rows whose prompt and completion are lists of messages
+    (TRL's conversational prompt-completion: the completion's assistant turns are trained):
+    "tokenizer" renders the Jinja chat_template shipped with the tokenizer files;
     "builtin" the simple documented template of titan.train.data.chat; "auto" the
     tokenizer's when its files carry one, else builtin."""
     train_on: Literal["completion", "all"] = "completion"

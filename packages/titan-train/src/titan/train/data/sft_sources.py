@@ -114,8 +114,11 @@ class JSONLSFTSource(SFTSource):
         try:
             if self.cfg.format == "prompt_completion":
                 prompt, completion = row[self.cfg.prompt_field], row[self.cfg.completion_field]
+                if isinstance(prompt, list) and isinstance(completion, list):  # TRL's conversational pairs
+                    return encode_chat([*prompt, *completion], self.tokenizer, template=self.template,
+                                       train_on=self.cfg.train_on, trained_from=len(prompt))
                 if not isinstance(prompt, str) or not isinstance(completion, str):
-                    raise ValueError("prompt and completion must both be strings")
+                    raise ValueError("prompt and completion must both be strings, or both lists of messages")
                 return encode_prompt_completion(
                     prompt, completion, self.tokenizer, train_on=self.cfg.train_on
                 )
@@ -135,7 +138,8 @@ class JSONLSFTSource(SFTSource):
 def _format_needs(cfg: SFTDataConfig) -> str:
     """What a row of `cfg.format` must hold, for error messages."""
     if cfg.format == "prompt_completion":
-        return f"string {cfg.prompt_field!r} and {cfg.completion_field!r} per row"
+        return (f"{cfg.prompt_field!r} and {cfg.completion_field!r} per row, both strings or both lists of "
+                "{role, content} messages")
     return (
         f"{cfg.messages_field!r}: a list of {{role, content}} (roles system/user/assistant, "
         "at least one assistant)"
@@ -152,5 +156,6 @@ def build_sft_source(cfg: SFTDataConfig, tokenizer: Tokenizer) -> SFTSource:
     dataset = datasets.load_dataset(
         "json", data_files=files, split="train", cache_dir=cfg.cache_dir
     )
-    template = resolve_chat_template(cfg.chat_template, tokenizer) if cfg.format == "chat" else None
+    # prompt_completion rows may be conversations too (TRL's conversational prompt-completion)
+    template = resolve_chat_template(cfg.chat_template, tokenizer)
     return JSONLSFTSource(dataset, cfg, tokenizer, template)
