@@ -406,7 +406,7 @@ def test_rl_writes_a_seed_checkpoint_then_starts_from_it(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-0"]
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing trained
     resumed = run_rl(tmp_path, *flags)
-    assert "resumed from step 0 (rollout 0)" in resumed.stderr + resumed.stdout
+    assert "training starts at step 0 from the loaded weights" in resumed.stderr + resumed.stdout
     warmup = [r for r in records(tmp_path) if r.get("phase") == "sft_warmup"]
     assert [r["step"] for r in warmup] == [1, 2]
     assert 0 < warmup[0]["tokens_seen"] < warmup[1]["tokens_seen"]

@@ -330,8 +330,10 @@ class TrainingLoop:
             return []
         save_run_config(self.config, rank=self.dist_env.rank)
         resumed = self.engine.load_checkpoint() is not None  # step 0 too: a seed checkpoint, an initial load
-        if resumed:
+        if resumed and self.step:
             logger.info("resumed from step %d (%s)", self.step, self.resume_position())
+        elif resumed:  # an initial load or a seed checkpoint: weights, no progress yet
+            logger.info("training starts at step 0 from the loaded weights")
         self._report_restart(resumed)
         records: list[dict[str, Any]] = []
         self._run_start = (time.perf_counter(), self.step, self.train_state.tokens_seen)
