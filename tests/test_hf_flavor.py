@@ -171,6 +171,18 @@ def export_of_a_fine_tune(tmp_path: Path, steps: int, heads: int = 6):
     return dump / "checkpoint" / f"step-{steps}", tok
 
 
+def test_the_dry_run_sizes_the_hf_flavor_from_the_checkpoints_config(tmp_path, capsys):
+    """`titan dry-run --model.flavor hf` builds the folder's architecture and says where its
+    vocabulary came from (it once named --model.vocab_size, a flag the user never set)."""
+    from titan.recipes.cli import main
+
+    src = llama_checkpoint(tmp_path / "hf")
+    rc = main(["dry-run", "--world_size", "2", *FLAGS, "--checkpoint.initial_load_path", str(src)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "llama3 hf: " in out and "(vocab 320 from the checkpoint's config.json)" in out
+
+
 def test_the_export_is_a_folder_transformers_loads_with_its_tokenizer(tmp_path):
     """A run with a Hugging Face tokenizer exports it beside the weights: `from_pretrained`
     loads model and tokenizer from the one folder, as a Hub download."""

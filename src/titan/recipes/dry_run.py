@@ -29,7 +29,7 @@ from titan.train.quantize import (
 )
 from torch import nn
 
-from titan.recipes.families import model_spec_for
+from titan.recipes.families import HF_FLAVOR, model_spec_for
 
 FAKE_BACKEND = "fake_backend"
 
@@ -80,13 +80,15 @@ def vocab_size_for(config: TrainerConfig) -> tuple[int, str]:
     trainer's own rule), and where it came from. A tokenizer file that is not on this machine
     falls back to the flavor's published vocabulary."""
     tok, model = config.tokenizer, config.model
+    # `--model.flavor hf` set the size from the checkpoint's config.json (`resolve_hf_flavor`)
+    given = "the checkpoint's config.json" if model.flavor == HF_FLAVOR else "--model.vocab_size"
     if tok.kind == "byte" or (tok.path and os.path.exists(tok.path)):
         size, source = tok.build().vocab_size, "tokenizer"
     elif model.vocab_size is None:
         size, source = model_spec_for(config).flavors[model.flavor].vocab_size, "flavor"
     else:  # no tokenizer here to check the given size against
-        return model.vocab_size, "--model.vocab_size"
-    return model.resolve_vocab_size(size), source if model.vocab_size is None else "--model.vocab_size"
+        return model.vocab_size, given
+    return model.resolve_vocab_size(size), source if model.vocab_size is None else given
 
 
 def model_builder(config: TrainerConfig) -> tuple[Callable[[], nn.Module], int, str]:
