@@ -243,11 +243,30 @@ def test_unknown_key_and_missing_expert_are_errors(saved_hf):
     ({"moe_layer_freq": 2}, "moe_layer_freq"),
     ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}, "quantization_config"),
     ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config"),
+    ({"aux_loss_alpha": 0.001, "seq_aux": False}, "seq_aux=false"),
 ])
 def test_unsupported_configs_are_refused(change, message):
     cfg = {**_hf_config().to_dict(), **change}
     with pytest.raises(ValueError, match=message):
         DeepseekV3StateDictAdapter.args_from_hf_config(cfg)
+
+
+def test_the_sequence_wise_balance_loss_comes_from_the_config_and_goes_back():
+    """The release's `aux_loss_alpha` (with `seq_aux`) is the model's sequence-wise balance
+    loss: read on import, written on export, and it leaves a loss in a training forward."""
+    args = DeepseekV3StateDictAdapter.args_from_hf_config({**_hf_config().to_dict(), "aux_loss_alpha": 0.001,
+                                                          "seq_aux": True})
+    assert args.router_aux_loss_coef == 0.001
+    exported = DeepseekV3StateDictAdapter(args).hf_config()
+    assert (exported["aux_loss_alpha"], exported["seq_aux"]) == (0.001, True)
+    model = DeepseekV3Model(args).train()
+    model(torch.randint(0, args.vocab_size, (2, 8)))
+    aux = model.aux_loss()
+    assert aux is not None and aux.requires_grad
+    per_layer = [model.layers[str(i)].feed_forward.sequence_aux_loss for i in range(args.first_k_dense_replace,
+                                                                                   args.n_layers)]
+    torch.testing.assert_close(aux, torch.stack(per_layer).sum())
+    assert DeepseekV3StateDictAdapter.args_from_hf_config(_hf_config().to_dict()).router_aux_loss_coef == 0.0
 
 
 def test_hf_config_round_trips_args():

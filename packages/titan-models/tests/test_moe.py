@@ -227,6 +227,31 @@ def test_aux_loss_matches_switch_formula_and_reaches_the_loss():
     assert moe.router.gate.weight.grad.abs().sum() > 0  # the aux loss trains the router
 
 
+def test_sequence_wise_loss_is_deepseek_v3s_formula_per_sequence():
+    """DeepSeek-V3's complementary balance loss (its paper's eqs. 17-20), by hand: per
+    sequence, alpha * sum_e f_e P_e with f_e = E / (K T) x assignments and P_e the mean of the
+    normalized sigmoid scores; averaged over sequences, padding left out of T and the sums."""
+    moe = _moe(aux_loss_coef=0.01, aux_loss_kind="sequence", score_func="sigmoid", n_groups=2, topk_groups=1)
+    x = torch.randn(3, 5, 16)
+    mask = torch.tensor([[True] * 5, [True, True, True, False, False], [False] * 5])  # a row of padding only
+    moe(x, token_mask=mask)
+    expected = []
+    for row in range(2):  # the padding-only row has no tokens: not in the mean
+        tokens = x[row][mask[row]]
+        scores = torch.sigmoid(moe.router.gate(tokens))
+        chosen = moe.router.select(scores, moe.expert_bias)
+        f = torch.stack([(chosen == e).sum() for e in range(8)]).float() * 8 / (2 * len(tokens))
+        p = (scores / scores.sum(-1, keepdim=True)).mean(0)
+        expected.append(0.01 * (f * p).sum())
+    torch.testing.assert_close(moe.sequence_aux_loss, torch.stack(expected).mean())
+    twin = _moe(aux_loss_coef=0.01, aux_loss_kind="sequence", score_func="sigmoid", n_groups=2, topk_groups=1)
+    twin(x, token_mask=mask)  # the same weights (seeded): the same loss
+    torch.testing.assert_close(moe_aux_loss(nn.ModuleList([moe, twin])), 2 * moe.sequence_aux_loss)  # layers add up
+    assert moe.routing_statistics is None  # no Switch statistics beside it
+    moe.sequence_aux_loss.backward()
+    assert moe.router.gate.weight.grad.abs().sum() > 0
+
+
 def test_a_pipeline_stage_weights_its_pooled_loss_by_its_share_of_the_layers():
     """A stage pools the layers it holds and counts for its share of the model's MoE layers:
     two stages whose layers route alike add up to the whole model's loss."""

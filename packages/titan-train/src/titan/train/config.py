@@ -63,7 +63,8 @@ class ModelConfig:
     """Override the flavor's key/value heads per block (None keeps the flavor's)."""
     router_aux_loss_coef: float | None = None
     """MoE families: override the flavor's router auxiliary (balancing) loss coefficient; 0
-    turns it off (None keeps the flavor's)."""
+    turns it off (None keeps the flavor's). Qwen3-MoE: transformers' Switch loss pooled over
+    the layers; DeepSeek-V3: its sequence-wise balance loss (`aux_loss_alpha`)."""
 
     def __post_init__(self) -> None:
         if self.vocab_multiple_of < 1:

@@ -20,6 +20,7 @@ from titan.models.common.init import SeededInit
 from torch import nn
 
 ScoreFunc = Literal["softmax", "sigmoid"]
+AuxLossKind = Literal["switch", "sequence"]
 
 
 @dataclass(frozen=True)
@@ -218,11 +219,18 @@ class MoE(nn.Module):
     coef * E * sum_e f_e * P_e (f_e: assignments to e per token, P_e: mean router
     probability of e), and the training engine adds that to a loop's loss (weighted by the
     microbatch's labelled tokens). `aux_loss` is this layer's own term, for inspection. The
-    model output never includes it. Under context
+    model output never includes it.
+
+    Sequence-wise auxiliary loss (`aux_loss_kind="sequence"`, DeepSeek-V3's complementary
+    balance loss, the Hub config's `aux_loss_alpha` with `seq_aux`): per sequence (a row of
+    the microbatch) coef * sum_e f_e * P_e with f_e = E / (K T) x the sequence's assignments
+    to e and P_e the mean over its T tokens of e's score normalized over all experts
+    (s_e / sum_j s_j), averaged over the rows; each layer's loss (`sequence_aux_loss`) is
+    added to the model's. Under context
     parallel each rank holds a share of every sequence: the engine hands the module
     `set_sequence_sum(fn)`, a differentiable sum over those ranks, so that f_e and P_e are the
-    whole microbatch's (as in one process, and as Megatron-LM reduces them over its TP x CP
-    group), not each share's.
+    whole microbatch's or sequence's (as in one process, and as Megatron-LM reduces them over
+    its TP x CP group), not each share's.
     """
 
     def __init__(
@@ -242,6 +250,7 @@ class MoE(nn.Module):
         load_balance_coeff: float | None = None,
         always_use_expert_bias: bool = False,
         aux_loss_coef: float = 0.0,
+        aux_loss_kind: AuxLossKind = "switch",
         use_grouped_mm: bool = True,
     ) -> None:
         super().__init__()
@@ -249,6 +258,9 @@ class MoE(nn.Module):
             raise ValueError(f"load_balance_coeff must be > 0 or None (off), got {load_balance_coeff}")
         if aux_loss_coef < 0:
             raise ValueError(f"aux_loss_coef must be >= 0, got {aux_loss_coef}")
+        if aux_loss_kind not in ("switch", "sequence"):
+            raise ValueError(f"aux_loss_kind must be 'switch' or 'sequence', got {aux_loss_kind!r}")
+        self.aux_loss_kind = aux_loss_kind
         self.n_experts, self.top_k = n_experts, top_k
         self.load_balance_coeff, self.aux_loss_coef = load_balance_coeff, aux_loss_coef
         self.always_use_expert_bias = always_use_expert_bias
@@ -265,6 +277,7 @@ class MoE(nn.Module):
         # Data-parallel-summed counts of the last optimizer step, for metrics.
         self.register_buffer("last_tokens_per_expert", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
         self.routing_statistics: RoutingStatistics | None = None
+        self.sequence_aux_loss: torch.Tensor | None = None
         self.sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def set_sequence_sum(self, sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
@@ -311,6 +324,8 @@ class MoE(nn.Module):
             real_counts = torch.zeros(self.n_experts, dtype=scores.dtype, device=scores.device).scatter_add_(
                 0, selected.flatten(), real.expand_as(selected).flatten())
             self._record(real_counts, (scores * real).sum(0))
+        if self.aux_loss_kind == "sequence":
+            self._record_sequence_loss(scores, selected, token_mask, rows=shape[0])
         # Token copies in expert order; a stable sort keeps token order within an expert.
         order = torch.argsort(selected.flatten(), stable=True)
         # repeat_interleave + a permutation (instead of flat[order // k]) keeps the backward
@@ -337,7 +352,7 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         stats = None
-        if self.aux_loss_coef > 0 and self.training and torch.is_grad_enabled():
+        if self.aux_loss_kind == "switch" and self._computes_aux_loss():
             counts = counts.to(score_sums.dtype)
             if self.sequence_sum is not None:  # one collective for both
                 summed = self.sequence_sum(torch.cat([score_sums, counts]))
@@ -349,10 +364,44 @@ class MoE(nn.Module):
         if not rerun:
             self.routing_statistics = stats
 
+    def _computes_aux_loss(self) -> bool:
+        """A training forward with gradients of a module with an auxiliary loss."""
+        return self.aux_loss_coef > 0 and self.training and torch.is_grad_enabled()
+
+    def _record_sequence_loss(self, scores: torch.Tensor, selected: torch.Tensor, token_mask: torch.Tensor | None,
+                              *, rows: int) -> None:
+        """Keep DeepSeek-V3's sequence-wise balance loss of this forward (class docstring):
+        `scores` [N, E] and `selected` [N, K] of the `rows` x N/rows tokens, padding
+        (`token_mask` False) left out of every sum."""
+        rerun = torch._C._current_graph_task_id() != -1  # activation checkpointing's recompute
+        loss = None
+        if self._computes_aux_loss():
+            n, k = selected.shape
+            real = (torch.ones(n, dtype=scores.dtype, device=scores.device) if token_mask is None
+                    else token_mask.reshape(-1).to(scores.dtype))
+            shares = scores / scores.sum(-1, keepdim=True)  # s_e / sum_j s_j
+            share_sums = (shares * real[:, None]).view(rows, -1, self.n_experts).sum(1)  # [rows, E]
+            counts = torch.zeros(rows, self.n_experts, dtype=scores.dtype, device=scores.device).scatter_add_(
+                1, selected.reshape(rows, -1), real[:, None].expand(n, k).reshape(rows, -1))
+            tokens = real.view(rows, -1).sum(1, keepdim=True)
+            if self.sequence_sum is not None:  # the other positions of these rows (context parallel)
+                summed = self.sequence_sum(torch.cat([share_sums, counts, tokens], dim=1))
+                share_sums, counts, tokens = summed.split([self.n_experts, self.n_experts, 1], dim=1)
+            per_token = tokens.clamp(min=1)
+            fraction = counts.detach() * (self.n_experts / self.top_k) / per_token  # f_e
+            per_row = (fraction * (share_sums / per_token)).sum(1)
+            has_tokens = (tokens.squeeze(1) > 0).to(per_row.dtype)
+            loss = self.aux_loss_coef * (per_row * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+        if not rerun:
+            self.sequence_aux_loss = loss
+
     @property
     def aux_loss(self) -> torch.Tensor | None:
-        """This layer's own Switch loss from its last training forward (coefficient applied),
-        or None; a model's loss pools its layers instead (`moe_aux_loss`)."""
+        """This layer's own auxiliary loss from its last training forward (coefficient
+        applied), or None: its Switch loss (a model's pools its layers instead, `moe_aux_loss`)
+        or its sequence-wise loss."""
+        if self.aux_loss_kind == "sequence":
+            return self.sequence_aux_loss
         return None if self.routing_statistics is None else switch_loss([self])
 
     @torch.no_grad()
@@ -374,7 +423,7 @@ class MoE(nn.Module):
             self.shared_experts.init_weights(init, std_in, std_out)
         for buf in (self.expert_bias, self.tokens_per_expert, self.last_tokens_per_expert):
             buf.zero_()
-        self.routing_statistics = None
+        self.routing_statistics = self.sequence_aux_loss = None
 
 
 def moe_modules(model: nn.Module) -> Iterable[tuple[str, MoE]]:
@@ -444,22 +493,27 @@ def switch_loss(layers: list[MoE]) -> torch.Tensor:
 
 
 def moe_aux_loss(model: nn.Module, moe_layers_in_model: int | None = None) -> torch.Tensor | None:
-    """The balancing loss of `model`'s last training forward: the Switch loss pooled over
-    the routing statistics of all its MoE layers (`switch_loss`, transformers' definition of
-    `router_aux_loss_coef`), None when no layer kept statistics.
+    """The balancing loss of `model`'s last training forward, None when no layer has one:
+    the Switch loss pooled over the routing statistics of all its MoE layers (`switch_loss`,
+    transformers' definition of `router_aux_loss_coef`), plus the sum of the layers'
+    sequence-wise losses (DeepSeek-V3's, each layer's its own).
 
     `moe_layers_in_model`: the MoE layer count of the whole model when `model` is one
     pipeline stage of it. A stage pools its own layers (the others run on other ranks, later)
-    and its loss is weighted by its share of the layers, so that the stages' losses add up
-    to the whole model's when their layers route alike; in general the sum differs from the
-    whole model's by the correlation of the stages' statistics."""
-    layers = [m for _, m in moe_modules(model) if m.routing_statistics is not None]
-    if not layers:
-        return None
-    loss = switch_loss(layers)
-    if moe_layers_in_model is not None and len(layers) != moe_layers_in_model:
-        loss = loss * (len(layers) / moe_layers_in_model)
-    return loss
+    and its Switch loss is weighted by its share of the layers, so that the stages' losses
+    add up to the whole model's when their layers route alike; in general the sum differs
+    from the whole model's by the correlation of the stages' statistics. Sequence-wise
+    losses add up across stages exactly."""
+    modules = [m for _, m in moe_modules(model)]
+    terms = []
+    pooled = [m for m in modules if m.routing_statistics is not None]
+    if pooled:
+        loss = switch_loss(pooled)
+        if moe_layers_in_model is not None and len(pooled) != moe_layers_in_model:
+            loss = loss * (len(pooled) / moe_layers_in_model)
+        terms.append(loss)
+    terms += [m.sequence_aux_loss for m in modules if m.sequence_aux_loss is not None]
+    return torch.stack(terms).sum() if terms else None
 
 
 class MoEModelReports:

@@ -161,6 +161,8 @@ class DeepseekV3StateDictAdapter:
             "attention_bias": False,
             "tie_word_embeddings": a.tie_word_embeddings,
             "num_nextn_predict_layers": 0,
+            "aux_loss_alpha": a.router_aux_loss_coef,
+            "seq_aux": True,
             "torch_dtype": torch_dtype,
         }
         if a.vocab_size > max(_BOS_ID, _EOS_ID):
@@ -208,6 +210,7 @@ class DeepseekV3StateDictAdapter:
             first_k_dense_replace=cfg.get("first_k_dense_replace") or 0,
             # A release's bias is used as trained; training it further is an explicit choice.
             load_balance_coeff=None,
+            router_aux_loss_coef=float(cfg.get("aux_loss_alpha") or 0.0),
         )
 
 
@@ -286,6 +289,9 @@ def _check_supported(cfg: dict[str, Any]) -> None:
         problems.append(f"scoring_func {cfg['scoring_func']!r} (DeepSeek-V3 routes with 'sigmoid')")
     if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
         problems.append(f"topk_method {cfg['topk_method']!r} (DeepSeek-V3's 'noaux_tc')")
+    if cfg.get("aux_loss_alpha") and cfg.get("seq_aux", True) is False:
+        problems.append("aux_loss_alpha with seq_aux=false (a batch-wise balance loss; titan's is DeepSeek-V3's "
+                        "sequence-wise one)")
     if cfg.get("moe_layer_freq", 1) != 1:
         problems.append(f"moe_layer_freq={cfg['moe_layer_freq']} (every block after the dense ones routes)")
     quantization = cfg.get("quantization_config")

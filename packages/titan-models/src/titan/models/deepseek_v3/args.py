@@ -73,6 +73,11 @@ class DeepseekV3Args:
     """Step size of the auxiliary-loss-free balancing that moves the selection bias
     (`e_score_correction_bias`) toward uniform load after each optimizer step; None freezes
     the bias (it is still used for selection, as in the release)."""
+    router_aux_loss_coef: float = 0.0
+    """alpha of DeepSeek-V3's complementary sequence-wise balance loss (the Hub config's
+    `aux_loss_alpha` with `seq_aux`; 1e-4 in the paper's pretraining, 0.001 in the released
+    config): per sequence, alpha * sum_e f_e P_e, added for every MoE layer to the training
+    loss through the model's `aux_loss()`; 0 computes none."""
 
     def __post_init__(self) -> None:
         if not self.q_lora_rank:
@@ -95,6 +100,7 @@ class DeepseekV3Args:
                  f"groups ({self.topk_group} x {self.n_routed_experts // self.n_group})")
         _require(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
         _require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
+        _require(self.router_aux_loss_coef >= 0, f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
         _require(self.load_balance_coeff is None or self.load_balance_coeff > 0,
                  f"load_balance_coeff must be > 0 or None (frozen bias), got {self.load_balance_coeff}")
 

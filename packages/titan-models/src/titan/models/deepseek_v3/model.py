@@ -49,7 +49,7 @@ class DeepseekV3Model(MoEModelReports, Decoder):
                 n_shared_experts=a.n_shared_experts, score_func="sigmoid", n_groups=a.n_group,
                 topk_groups=a.topk_group, norm_topk_prob=a.norm_topk_prob,
                 route_scale=a.routed_scaling_factor, load_balance_coeff=a.load_balance_coeff,
-                always_use_expert_bias=True,
+                always_use_expert_bias=True, aux_loss_coef=a.router_aux_loss_coef, aux_loss_kind="sequence",
             )
         else:
             feed_forward = FeedForward(a.dim, a.ffn_hidden_dim)
@@ -100,6 +100,7 @@ class DeepseekV3Model(MoEModelReports, Decoder):
                                        "vocab_size": a.vocab_size},
             expert_modules="layers.*.feed_forward.experts",
             expert_parallel_divisible={"n_routed_experts": a.n_routed_experts},
+            auxiliary_loss_modules="layers.*.feed_forward.router" if a.router_aux_loss_coef > 0 else None,
         )
 
 
