@@ -103,6 +103,19 @@ def test_prompt_completion_mask_counts_only_completion_tokens():
     assert encode_prompt("ab", tok) == [BOS, 97, 98]  # what generation starts from
 
 
+def test_a_prompt_that_starts_with_its_bos_token_keeps_one(hf_tokenizer_file):
+    """A prompt rendered with its template's BOS ("<s>[INST] ...", as a chat template or vLLM
+    user writes it) gets no second BOS: the model would see "<s><s>" it never met."""
+    tok = HFTokenizer(hf_tokenizer_file)
+    plain = encode_prompt("hello world", tok)
+    assert plain[0] == tok.bos_id and plain[1] != tok.bos_id
+    rendered = encode_prompt("<s>hello world", tok)
+    assert rendered == plain
+    example = encode_prompt_completion("<s>hello", " world", tok)
+    assert example.ids.tolist()[:2] != [tok.bos_id, tok.bos_id]
+    assert example.ids.tolist() == encode_prompt_completion("hello", " world", tok).ids.tolist()
+
+
 def test_train_on_all_trains_every_next_token():
     ex = encode_prompt_completion("ab", "cd", ByteTokenizer(), train_on="all")
     row = _packer([ex], seq_len=5).next_row()

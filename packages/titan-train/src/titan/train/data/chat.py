@@ -52,11 +52,15 @@ Segment = tuple[str | int, bool]
 def _encode_segments(
     tokenizer: Tokenizer, segments: Sequence[Segment], train_on: str
 ) -> SFTExample:
-    """Tokenize each piece on its own (so a mask boundary is a token boundary) and join."""
+    """Tokenize each piece on its own (so a mask boundary is a token boundary) and join. A
+    text that already starts with the BOS token (a prompt rendered with its template's
+    `bos_token`) keeps its own: the framing BOS before it is not added twice."""
     ids: list[int] = []
     targets: list[bool] = []
     for piece, trained in segments:
         piece_ids = [piece] if isinstance(piece, int) else tokenizer.encode(piece)
+        if ids == [tokenizer.bos_id] and piece_ids[:1] == [tokenizer.bos_id]:
+            ids, targets = [], []
         ids.extend(piece_ids)
         targets.extend([trained or train_on == "all"] * len(piece_ids))
     return SFTExample(np.asarray(ids, dtype=np.int64), np.asarray(targets, dtype=bool))
