@@ -9,7 +9,7 @@ import pytest
 from titan.rl.config import RLConfig, RLSection
 from titan.rl.data import Prompt
 from titan.rl.generate.base import Completion, SamplingConfig
-from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts, share
+from titan.rl.producer import RolloutProducer, held_out_means, hub_stop_token_ids, merge_rollouts, share
 from titan.rl.rollouts import Rollout
 
 
@@ -37,7 +37,7 @@ def producer(shard: int, shards: int, **rl) -> RolloutProducer:
     config = RLConfig(rl=RLSection(prompts_per_step=5, group_size=2, rewards=("char_match",), **rl),
                       sampling=SamplingConfig(seed=100, max_new_tokens=4))
     prompts = [Prompt(ids=[10 + i], text=f"p{i}", answer=f"{i}") for i in range(40)]
-    tokenizer = SimpleNamespace(eos_id=-1, decode=lambda ids: " ".join(map(str, ids)))
+    tokenizer = SimpleNamespace(eos_id=-1, vocab_size=1000, decode=lambda ids: " ".join(map(str, ids)))
     return RolloutProducer(config, generator=EchoGenerator(), tokenizer=tokenizer, train_prompts=prompts,
                            eval_prompts=prompts[:3], shard=shard, shards=shards)
 
@@ -68,3 +68,27 @@ def test_held_out_shares_average_like_the_whole():
     assert split == pytest.approx(whole)
     assert [producer(s, 2).held_out_totals()["count"] for s in range(2)] == [2, 1]
     assert held_out_means([{"reward": 0.0, "exact_match": 0.0, "count": 0}]) == {}
+
+
+def test_completions_stop_where_transformers_and_vllm_stop_for_a_hub_start(tmp_path):
+    """A run started from a Hugging Face folder stops completions at every end-of-sequence id
+    its generation_config.json lists (Llama 3.1 Instruct: end of text, of message, of turn),
+    as `generate` and vLLM do, not only at the tokenizer's."""
+    from titan.ckpt import CheckpointConfig
+
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [128001, 128008, 128009]}')
+    (tmp_path / "config.json").write_text('{"eos_token_id": 128001}')
+    hub = CheckpointConfig(initial_load_path=str(tmp_path), initial_load_in_hf=True)
+    assert hub_stop_token_ids(hub, vocab_size=128256) == (128001, 128008, 128009)
+    (tmp_path / "generation_config.json").unlink()
+    assert hub_stop_token_ids(hub, vocab_size=128256) == (128001,)  # config.json's
+    assert hub_stop_token_ids(CheckpointConfig(initial_load_path=str(tmp_path)), vocab_size=128256) == ()  # DCP
+    assert hub_stop_token_ids(CheckpointConfig(), vocab_size=128256) == ()
+
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [3, 5, 999999]}')  # beyond the vocabulary: not a token
+    config = RLConfig(rl=RLSection(prompts_per_step=5, group_size=2, rewards=("char_match",)),
+                      sampling=SamplingConfig(seed=100, max_new_tokens=4, stop_token_ids=(7,)), checkpoint=hub)
+    tokenizer = SimpleNamespace(eos_id=5, vocab_size=1000, decode=str)
+    made = RolloutProducer(config, generator=EchoGenerator(), tokenizer=tokenizer, train_prompts=[Prompt(
+        ids=[1], text="p", answer="a")], eval_prompts=[])
+    assert made.sampling.stop_token_ids == (7, 3)

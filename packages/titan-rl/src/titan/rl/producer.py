@@ -12,6 +12,9 @@ completions: rollout ``i``'s prompts, refill prompts and sampling seed are funct
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import os
 import time
 from typing import Any
 
@@ -19,6 +22,8 @@ from titan.rl.data import Prompt, PromptSampler
 from titan.rl.generate.base import SamplingConfig
 from titan.rl.rewards import build_reward, overlong_penalty
 from titan.rl.rollouts import Rollout
+
+logger = logging.getLogger("titan")
 
 SHARD_SEED_STRIDE = 2**48
 """Sampling seeds of different shards are this far apart (refill rounds are 2**32 apart)."""
@@ -35,6 +40,26 @@ def _with_variance(groups: list, rewards: list[list[float]], texts: list) -> tup
     """The groups (with their rewards and texts) whose rewards are not all equal."""
     keep = [i for i, r in enumerate(rewards) if max(r) > min(r)]
     return [groups[i] for i in keep], [rewards[i] for i in keep], [texts[i] for i in keep]
+
+
+def hub_stop_token_ids(checkpoint: Any, vocab_size: int) -> tuple[int, ...]:
+    """The end-of-sequence ids of the Hugging Face folder a run starts from
+    (``--checkpoint.initial_load_path`` with ``initial_load_in_hf``): its
+    ``generation_config.json``'s ``eos_token_id`` (one or a list, as Llama 3.1 Instruct's
+    end-of-text, end-of-message and end-of-turn), else its ``config.json``'s. transformers'
+    ``generate`` and vLLM stop at every one of them; () without such a folder."""
+    if not (checkpoint.initial_load_in_hf and checkpoint.initial_load_path):
+        return ()
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(checkpoint.initial_load_path, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            value = json.load(f).get("eos_token_id")
+        if value is not None:
+            ids = value if isinstance(value, list) else [value]
+            return tuple(sorted({int(i) for i in ids if 0 <= int(i) < vocab_size}))
+    return ()
 
 
 class RolloutProducer:
@@ -57,7 +82,13 @@ class RolloutProducer:
             rl.rewards, weights=rl.reward_weights, format_regex=rl.format_regex, function=rl.reward_function,
             numeric_tolerance=rl.numeric_tolerance, timeout_s=rl.reward_timeout_s,
         )
-        self.sampling = dataclasses.replace(config.sampling, n=rl.group_size)
+        stops = config.sampling.stop_token_ids
+        hub_stops = tuple(t for t in hub_stop_token_ids(config.checkpoint, tokenizer.vocab_size)
+                          if t not in stops and t != tokenizer.eos_id)
+        if hub_stops and shard == 0:
+            logger.info("completions also stop at %s, the end-of-sequence ids of %s (as transformers and vLLM "
+                        "stop there)", list(hub_stops), config.checkpoint.initial_load_path)
+        self.sampling = dataclasses.replace(config.sampling, n=rl.group_size, stop_token_ids=(*stops, *hub_stops))
 
     def produce(self, index: int) -> Rollout:
         """Generate and score this shard's part of rollout ``index``. With
