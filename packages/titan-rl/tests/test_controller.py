@@ -633,10 +633,13 @@ def test_titan_rl_on_conversational_jsonl_prompts(tmp_path, monkeypatch):
     log = tmp_path / "rewards.jsonl"
     monkeypatch.setenv("TITAN_TEST_REWARD_LOG", str(log))
     monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the reward module (titan runs forked)
-    run_rl(tmp_path / "run", *SHORT, "--training.steps", "2", "--rl.sft_warmup_steps", "0", "--training.seq_len", "48",
+    result = run_rl(tmp_path / "run", *SHORT, "--training.steps", "2", "--rl.sft_warmup_steps", "0", "--training.seq_len", "48",
            "--rl_data.format", "jsonl",
            "--rl_data.path", str(prompts), "--rl.rewards", "function", "--rl.reward_function",
-           "recording_reward:records", "--rl.no_drop_zero_variance")
+           "recording_reward:records", "--rl.no_drop_zero_variance", "--rl.eval_freq", "1")
+    # no --rl_data.eval_path: said once, and no evaluation records (they were logged as NaN)
+    assert "no held-out prompts (--rl_data.eval_path): the run is not evaluated" in result.stderr + result.stdout
+    assert not [r for r in records(tmp_path / "run") if r.get("phase") == "eval"]
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(calls) == 2 * 4 * 4  # 2 rollouts of 4 prompts x 4 completions
     assert {(c["prompt"], c["answer"]) for c in calls} == {

@@ -196,6 +196,8 @@ class RLTrainer(TrainingLoop):
             check_generator_kind(cfg.generator.kind, world_size=self.engine.dist_env.world_size)
         train_prompts, self.eval_prompts = build_prompts(cfg.rl_data, self.tokenizer,
                                                          max_prompt_tokens=cfg.max_prompt_tokens)
+        if cfg.rl.eval_freq > 0 and not self.eval_prompts:
+            logger.info("no held-out prompts (--rl_data.eval_path): the run is not evaluated")
         self.state = ControllerState(prompts_per_step=cfg.rl.prompts_per_step, num_prompts=len(train_prompts))
         self.engine.add_state("rl_controller", self.state)
         self.warmup_loader = self._build_warmup_loader()
@@ -552,7 +554,8 @@ class RLTrainer(TrainingLoop):
         """Whether to evaluate after moving from step ``before`` to ``step`` (a multiple of
         --rl.eval_freq passed, the first RL step, or the last step)."""
         freq = self.config.rl.eval_freq
-        return freq > 0 and (first_rl_step or _crossed(before, step, freq) or step == self.config.training.steps)
+        return (freq > 0 and bool(self.eval_prompts)
+                and (first_rl_step or _crossed(before, step, freq) or step == self.config.training.steps))
 
     def _start_reference(self) -> None:
         """Freeze the weights RL starts from as the KL reference (rank 0), when KL is on; a
