@@ -118,6 +118,9 @@ def test_config_errors_name_the_flag():
     with pytest.raises(ValueError, match="not a multiple of the 4 optimizer steps"):
         RLConfig(rl=RLSection(ppo_epochs=2, minibatches_per_rollout=2, sft_warmup_steps=1),
                  training=RLConfig().training.__class__(steps=6))
+    # titan rl never ran --validation (held-out prompts are its evaluation): refused, not ignored
+    with pytest.raises(ValueError, match="titan rl scores held-out prompts greedily instead"):
+        RLConfig(validation=RLConfig().validation.__class__(enable=True))
 
 
 def test_vllm_generator_is_refused_with_the_extra_named():

@@ -537,3 +537,21 @@ def test_config_errors_name_the_flag(kwargs, needle):
     with pytest.raises(ValueError) as e:
         SFTDataConfig(**kwargs)
     _one_line(e, needle)
+
+
+def test_held_out_batches_score_every_example_once_on_any_data_parallel_degree():
+    """Validation's pass over the held-out examples: each once (no wrap into a second epoch),
+    the last global microbatch padded, and every data-parallel rank yields as many batches."""
+    from titan.train.data.sft import held_out_sft_batches
+
+    cfg = SFTDataConfig(format="synthetic", synthetic_eval_examples=13, **{
+        k: v for k, v in SMALL_SYNTHETIC.items() if k != "synthetic_eval_examples"})
+    tok = ByteTokenizer()
+    task = SyntheticSFTTask(cfg, tok)
+    expected = sum(int(encode_prompt_completion(p, a, tok).targets[1:].sum()) for p, a in task.eval_pairs)
+    for world in (1, 2):
+        per_rank = [list(held_out_sft_batches(cfg, tok, dp_rank=r, dp_world_size=world, local_batch_size=2,
+                                              seq_len=24, seed=0)) for r in range(world)]
+        assert len({len(batches) for batches in per_rank}) == 1
+        labelled = sum(int((b["labels"] != -100).sum()) for batches in per_rank for b in batches)
+        assert labelled == expected, (world, labelled, expected)

@@ -284,6 +284,11 @@ class RLConfig(RunConfig):
                 f"--sampling.n {self.sampling.n} differs from --rl.group_size {self.rl.group_size}; the group "
                 "size sets the completions per prompt: leave --sampling.n at 1"
             )
+        if self.validation.enable:
+            raise ValueError(
+                "--validation.enable scores a held-out corpus in titan train and titan sft; titan rl scores "
+                "held-out prompts greedily instead (--rl.eval_freq, --rl_data.eval_path)"
+            )
         if self.rl.sft_warmup_steps and self.rl_data.format != "synthetic":
             raise ValueError(
                 "--rl.sft_warmup_steps trains on the synthetic task's answers; with --rl_data.format "

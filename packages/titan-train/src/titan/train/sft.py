@@ -9,13 +9,16 @@ log-probabilities do not depend on what it was packed with.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from titan.train.config import RunConfig, TrainingConfig
+from titan.train.data import DatasetConfig
 from titan.train.data.sft import (
     SFTDataConfig,
     build_sft_dataloader,
+    held_out_sft_batches,
     validate_sft_data_config,
 )
 from titan.train.trainer import Trainer
@@ -46,8 +49,24 @@ class SFTTrainer(Trainer):
     Config = SFTConfig
 
     def check_config(self) -> None:
-        """Check ``--sft_data.*`` before any work starts."""
-        validate_sft_data_config(self.config.sft_data)
+        """Check ``--sft_data.*`` and what validation scores, before any work starts."""
+        cfg = self.config
+        validate_sft_data_config(cfg.sft_data)
+        data, validation = cfg.sft_data, cfg.validation
+        if validation.dataset != DatasetConfig():
+            raise ValueError("--validation.dataset.* is titan train's corpus; titan sft scores held-out SFT "
+                             "examples: --sft_data.eval_path (or the synthetic task's own)")
+        if validation.enable and data.format != "synthetic" and not data.eval_path:
+            raise ValueError("titan sft --validation.enable scores held-out examples: set --sft_data.eval_path "
+                             f"(JSONL in the --sft_data.format {data.format} layout)")
+        if data.eval_path and not validation.enable:
+            raise ValueError("--sft_data.eval_path is scored by --validation.enable (every --validation.freq "
+                             "steps); add it, or drop the path")
+
+    def validation_loader(self):
+        """One pass over the held-out SFT examples per validation (their completion tokens'
+        loss), not a pretraining corpus."""
+        return functools.partial(held_out_sft_batches, self.config.sft_data, self.tokenizer)
 
     def build_dataloader(self):
         """This data-parallel rank's resumable loader of packed SFT examples."""

@@ -48,6 +48,7 @@ class Trainer(TrainingLoop):
             loss_chunk_tokens=config.training.loss_chunk_tokens,
             compile_loss=config.compile.compiles_loss,
             seed=config.debug.seed + 1,  # another order than training's, even on the same corpus
+            loader=self.validation_loader(),
         )
         self._unsynced_tokens = torch.zeros((), device=self.engine.device)
         self.stragglers = StragglerWatch(config.metrics.straggler_factor)
@@ -59,6 +60,11 @@ class Trainer(TrainingLoop):
     def check_config(self) -> None:
         """Check the data flags before any work starts (raises ValueError naming the flag)."""
         validate_data_config(self.config.dataset, self.config.tokenizer)
+
+    def validation_loader(self):
+        """The held-out batches ``--validation.enable`` scores, as a function of the loader
+        arguments (``Validator``'s ``loader``); None: the ``--validation.dataset`` corpus."""
+        return None
 
     def build_dataloader(self):
         """This data-parallel rank's resumable loader of ``{"input_ids", "labels", ...}``

@@ -8,7 +8,9 @@ position of its stream: the numbers of different steps are comparable.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,10 +28,12 @@ class ValidationConfig:
     freq: int = 500
     """Optimizer steps between validation passes."""
     steps: int = 10
-    """Microbatches of ``--training.local_batch_size`` rows per data-parallel rank per pass."""
+    """Microbatches of ``--training.local_batch_size`` rows per data-parallel rank per pass
+    (``titan sft``: at most this many; one pass over the held-out examples may end sooner)."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     """The validation corpus (``--validation.dataset.name``, ``.path``, ``.split`` ...); use a
-    held-out split or files, e.g. ``--validation.dataset.split validation``."""
+    held-out split or files, e.g. ``--validation.dataset.split validation``. ``titan sft``
+    scores its held-out examples instead (``--sft_data.eval_path``, or the synthetic task's)."""
 
     def __post_init__(self) -> None:
         for flag in ("freq", "steps"):
@@ -43,8 +47,12 @@ class Validator:
     equal on every rank; collective)."""
 
     def __init__(self, config: ValidationConfig, *, engine: TrainingEngine, tokenizer, local_batch_size: int,
-                 seq_len: int, seed: int, loss_chunk_tokens: int = 0, compile_loss: bool = False) -> None:
+                 seq_len: int, seed: int, loss_chunk_tokens: int = 0, compile_loss: bool = False,
+                 loader: Callable[..., Iterable[dict[str, torch.Tensor]]] | None = None) -> None:
+        """``loader(dp_rank=, dp_world_size=, local_batch_size=, seq_len=, seed=)``: the held-out
+        batches (SFT's held-out examples); None reads ``--validation.dataset``."""
         self.config, self.engine = config, engine
+        self._loader = loader
         self._loss = supervised_loss(chunk_tokens=loss_chunk_tokens, compiled=compile_loss)
         dims = engine.parallel_dims
         self._loader_args = dict(dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
@@ -59,8 +67,10 @@ class Validator:
     def _fixed_batches(self) -> list[dict[str, torch.Tensor]]:
         """The pass's microbatches, read once: every pass sees the same tokens."""
         if self._batches is None:
-            loader = iter(build_dataloader(self.config.dataset, self._tokenizer, **self._loader_args))
-            self._batches = [next(loader) for _ in range(self.config.steps)]
+            loader = iter(self._loader(**self._loader_args) if self._loader is not None
+                          else build_dataloader(self.config.dataset, self._tokenizer, **self._loader_args))
+            # at most --validation.steps microbatches; a held-out set may end sooner
+            self._batches = list(itertools.islice(loader, self.config.steps))
         return self._batches
 
     def run(self) -> dict[str, float]:

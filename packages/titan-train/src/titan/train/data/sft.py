@@ -76,6 +76,7 @@ __all__ = [
     "SyntheticSFTTask",
     "build_sft_dataloader",
     "build_sft_source",
+    "held_out_sft_batches",
     "encode_chat",
     "encode_chat_prompt",
     "encode_prompt",
@@ -112,6 +113,7 @@ class SFTPacker:
         self.seq_len, self.pad_id = seq_len, pad_id
         self.packing, self.overlong, self.shuffle, self.seed = packing, overlong, shuffle, seed
         self.epoch = self.cursor = self.dropped = 0
+        self.single_pass = False  # held-out scoring: no example after the first epoch
         self._order: tuple[int, np.ndarray] | None = None
         self._pending: tuple[tuple[int, int], SFTExample | None] | None = None
 
@@ -127,6 +129,8 @@ class SFTPacker:
         used = placed = 0
         while True:
             example = self._current_example()
+            if example is None:  # a single pass is over: the rest of the row is padding
+                break
             n = len(example) - 1  # positions after the in-example shift
             if used + n > self.seq_len or (placed > 0 and not self.packing):
                 break
@@ -147,10 +151,18 @@ class SFTPacker:
             "document_ids": document_ids[0],
         }
 
-    def _current_example(self) -> SFTExample:
-        """The next example that can be placed, skipping (and counting) unusable ones."""
+    @property
+    def exhausted(self) -> bool:
+        """A single-pass packer has placed every example of its pass."""
+        return self.single_pass and self.epoch > 0
+
+    def _current_example(self) -> SFTExample | None:
+        """The next example that can be placed, skipping (and counting) unusable ones; None
+        once a single pass is over."""
         skipped_run = 0
         while True:
+            if self.exhausted:
+                return None
             key = (self.epoch, self.cursor)
             if self._pending is None or self._pending[0] != key:
                 self._pending = (key, self._prepare(self.source.example(self._example_index())))
@@ -234,6 +246,29 @@ class SFTBatches(IterableDataset):
         return {key: torch.from_numpy(np.stack([r[key] for r in mine])) for key in mine[0]}
 
 
+def held_out_sft_batches(
+    cfg: SFTDataConfig,
+    tokenizer: Tokenizer,
+    *,
+    dp_rank: int,
+    dp_world_size: int,
+    local_batch_size: int,
+    seq_len: int,
+    seed: int,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """One pass over the held-out SFT examples (`build_sft_source(..., held_out=True)`), in
+    file order, packed as training packs them: this rank's rows of each global microbatch,
+    the last one filled up with padding rows (no labels), so every rank yields as many."""
+    del seed  # one pass in file order: nothing to draw
+    check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
+    packer = SFTPacker(build_sft_source(cfg, tokenizer, held_out=True), seq_len=seq_len, pad_id=tokenizer.pad_id,
+                       packing=cfg.packing, overlong=cfg.overlong, shuffle=False, seed=0)
+    packer.single_pass = True
+    batches = SFTBatches(packer, local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
+    while not packer.exhausted:
+        yield batches.next_batch()
+
+
 class SFTDataLoader(ResumableLoader):
     """An endless, resumable `DataLoader` of SFT batches for one data-parallel rank.
 
@@ -298,11 +333,13 @@ def build_sft_dataloader(
     local_batch_size: int,
     seq_len: int,
     seed: int,
+    held_out: bool = False,
 ) -> SFTDataLoader:
     """An endless loader of `{"input_ids", "labels", "positions", "document_ids"}`
-    LongTensors [B, seq_len] for one data-parallel rank (see the module docstring)."""
+    LongTensors [B, seq_len] for one data-parallel rank (see the module docstring);
+    `held_out`: of the held-out examples (`build_sft_source`)."""
     check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
-    source = build_sft_source(cfg, tokenizer)
+    source = build_sft_source(cfg, tokenizer, held_out=held_out)
     packer = SFTPacker(
         source,
         seq_len=seq_len,

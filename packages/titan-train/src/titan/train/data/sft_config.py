@@ -87,6 +87,10 @@ class SFTDataConfig(SyntheticTaskConfig):
     path: str | None = None
     """JSONL file, directory of .jsonl/.json files, or glob (read with `datasets`' json
     loader). Required for prompt_completion and chat."""
+    eval_path: str | None = None
+    """Held-out examples in the same layout as --sft_data.path (JSONL file, directory or
+    glob), scored by `titan sft --validation.enable`: the loss over their completion tokens.
+    The synthetic format holds out its own strings (--sft_data.synthetic_eval_examples)."""
     prompt_field: str = "prompt"
     """prompt_completion: the column holding the prompt."""
     completion_field: str = "completion"
@@ -127,6 +131,11 @@ class SFTDataConfig(SyntheticTaskConfig):
                 f"--sft_data.format {self.format} reads JSONL files: set --sft_data.path to a "
                 "file, directory or glob"
             )
+        if self.format == "synthetic" and self.eval_path:
+            raise ValueError(
+                f"--sft_data.eval_path {self.eval_path!r} is not read by --sft_data.format synthetic (its "
+                "held-out strings are scored); drop it or set --sft_data.format prompt_completion or chat"
+            )
         if self.format == "synthetic" and self.path:
             raise ValueError(
                 f"--sft_data.path {self.path!r} is not read by --sft_data.format synthetic; "
@@ -154,14 +163,16 @@ def validate_sft_data_config(cfg: SFTDataConfig) -> None:
     the JSONL files exist. Raises FileNotFoundError naming the flag."""
     if cfg.format != "synthetic":
         resolve_jsonl_files(cfg.path)
+    if cfg.eval_path:
+        resolve_jsonl_files(cfg.eval_path, flag="--sft_data.eval_path")
 
 
-def resolve_jsonl_files(path: str) -> list[str]:
-    """The files `--sft_data.path` names, or a one-line error naming that flag."""
+def resolve_jsonl_files(path: str, *, flag: str = "--sft_data.path") -> list[str]:
+    """The files `path` (given by `flag`) names, or a one-line error naming that flag."""
     try:
         return resolve_data_files("json", path)
     except FileNotFoundError:
         raise FileNotFoundError(
-            f"--sft_data.path {path!r} matches no JSONL file (not a file, a directory with "
+            f"{flag} {path!r} matches no JSONL file (not a file, a directory with "
             ".jsonl/.json files, or a glob that matches); fix the path"
         ) from None

@@ -34,11 +34,13 @@ class SyntheticSFTTask(SFTSource):
     so the held-out set does not change with the training size.
     """
 
-    def __init__(self, cfg: SFTDataConfig, tokenizer: Tokenizer) -> None:
+    def __init__(self, cfg: SFTDataConfig, tokenizer: Tokenizer, *, held_out: bool = False) -> None:
         self.task, self.tokenizer, self.train_on = cfg.synthetic_task, tokenizer, cfg.train_on
         strings = _distinct_strings(cfg)
         self.eval_pairs = [self.pair(s) for s in strings[: cfg.synthetic_eval_examples]]
         self.train_pairs = [self.pair(s) for s in strings[cfg.synthetic_eval_examples :]]
+        # held out: the examples this source yields are the held-out pairs (validation)
+        self._examples = self.eval_pairs if held_out else self.train_pairs
 
     def pair(self, letters: str) -> tuple[str, str]:
         """(prompt, answer) for one string."""
@@ -46,11 +48,11 @@ class SyntheticSFTTask(SFTSource):
         return f"{self.task}: {letters}\n", answer
 
     def __len__(self) -> int:
-        return len(self.train_pairs)
+        return len(self._examples)
 
     def example(self, index: int) -> SFTExample:
-        """Training pair `index`, encoded as prompt/completion."""
-        prompt, answer = self.train_pairs[index]
+        """Pair `index` (a training pair, or a held-out one), encoded as prompt/completion."""
+        prompt, answer = self._examples[index]
         return encode_prompt_completion(prompt, answer, self.tokenizer, train_on=self.train_on)
 
 
@@ -86,9 +88,12 @@ class JSONLSFTSource(SFTSource):
     """Rows of a `datasets.Dataset` read from JSONL: prompt/completion or chat."""
 
     def __init__(
-        self, dataset, cfg: SFTDataConfig, tokenizer: Tokenizer, template: ChatTemplate | None
+        self, dataset, cfg: SFTDataConfig, tokenizer: Tokenizer, template: ChatTemplate | None,
+        *, flag: str = "--sft_data.path",
     ) -> None:
         self.cfg, self.tokenizer, self.template = cfg, tokenizer, template
+        # which flag named the files, for messages (--sft_data.path or --sft_data.eval_path)
+        self.where = f"{flag} {(cfg.eval_path if flag.endswith('eval_path') else cfg.path)!r}"
         if cfg.format == "prompt_completion":
             self.fields = {
                 "prompt_field": cfg.prompt_field,
@@ -99,7 +104,7 @@ class JSONLSFTSource(SFTSource):
         for flag, column in self.fields.items():
             if column not in dataset.column_names:
                 raise ValueError(
-                    f"--sft_data.path {cfg.path!r}: rows have no {column!r} key (columns: "
+                    f"{self.where}: rows have no {column!r} key (columns: "
                     f"{', '.join(dataset.column_names) or 'none'}); --sft_data.format {cfg.format} "
                     f"reads {_format_needs(cfg)}: fix the file, --sft_data.{flag} or --sft_data.format"
                 )
@@ -130,7 +135,7 @@ class JSONLSFTSource(SFTSource):
             )
         except ValueError as e:
             raise ValueError(
-                f"--sft_data.path {self.cfg.path!r}: row {index}: {e}; --sft_data.format "
+                f"{self.where}: row {index}: {e}; --sft_data.format "
                 f"{self.cfg.format} reads {_format_needs(self.cfg)}: fix the row"
             ) from None
 
@@ -146,16 +151,21 @@ def _format_needs(cfg: SFTDataConfig) -> str:
     )
 
 
-def build_sft_source(cfg: SFTDataConfig, tokenizer: Tokenizer) -> SFTSource:
-    """The example source `cfg` describes."""
+def build_sft_source(cfg: SFTDataConfig, tokenizer: Tokenizer, *, held_out: bool = False) -> SFTSource:
+    """The example source `cfg` describes; `held_out`: its held-out examples (the synthetic
+    task's held-out strings, or the rows of --sft_data.eval_path)."""
     if cfg.format == "synthetic":
-        return SyntheticSFTTask(cfg, tokenizer)
+        return SyntheticSFTTask(cfg, tokenizer, held_out=held_out)
     import datasets  # deferred: importing it costs ~1 s, synthetic runs never need it
 
-    files = resolve_jsonl_files(cfg.path)
+    if held_out and not cfg.eval_path:
+        raise ValueError("held-out SFT examples need --sft_data.eval_path (JSONL in the --sft_data.format layout)")
+    files = (resolve_jsonl_files(cfg.eval_path, flag="--sft_data.eval_path") if held_out
+             else resolve_jsonl_files(cfg.path))
     dataset = datasets.load_dataset(
         "json", data_files=files, split="train", cache_dir=cfg.cache_dir
     )
     # prompt_completion rows may be conversations too (TRL's conversational prompt-completion)
     template = resolve_chat_template(cfg.chat_template, tokenizer)
-    return JSONLSFTSource(dataset, cfg, tokenizer, template)
+    return JSONLSFTSource(dataset, cfg, tokenizer, template,
+                          flag="--sft_data.eval_path" if held_out else "--sft_data.path")
