@@ -9,7 +9,13 @@ import pytest
 from titan.rl.config import RLConfig, RLSection
 from titan.rl.data import Prompt
 from titan.rl.generate.base import Completion, SamplingConfig
-from titan.rl.producer import RolloutProducer, held_out_means, hub_stop_token_ids, merge_rollouts, share
+from titan.rl.producer import (
+    RolloutProducer,
+    held_out_means,
+    hub_stop_token_ids,
+    merge_rollouts,
+    share,
+)
 from titan.rl.rollouts import Rollout
 
 
