@@ -120,3 +120,22 @@ def test_overlong_prompts_are_dropped_when_read_or_refused(tmp_path, caplog):
         build_prompts(cfg, ByteTokenizer(), max_prompt_tokens=2)
     with pytest.raises(ValueError, match="--rl_data.overlong must be"):
         RLDataConfig(overlong="truncate")
+
+
+def test_parquet_prompts_with_a_nested_answer_as_verl_writes_them(tmp_path):
+    """Prompt files as verl and the Hub ship them: Parquet, conversational prompts, the answer
+    inside a record (`--rl_data.answer_field reward_model.ground_truth`)."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}?"}], "reward_model": {"ground_truth": str(2 * i)}}
+            for i in range(3)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
+    cfg = RLDataConfig(format="jsonl", path=str(tmp_path), answer_field="reward_model.ground_truth")
+    train, _ = build_prompts(cfg, ByteTokenizer())
+    assert [p.answer for p in train] == ["0", "2", "4"]
+    assert train[1].ids == encode_chat_prompt(rows[1]["prompt"], ByteTokenizer())
+    with pytest.raises(ValueError, match="'reward_model.score' has no 'score'"):
+        build_prompts(RLDataConfig(format="jsonl", path=str(tmp_path), answer_field="reward_model.score"),
+                      ByteTokenizer())
+    _write_jsonl(tmp_path / "more.jsonl", [{"prompt": "x"}])
+    with pytest.raises(ValueError, match="holds both JSONL and Parquet files"):
+        build_prompts(cfg, ByteTokenizer())

@@ -555,3 +555,20 @@ def test_held_out_batches_score_every_example_once_on_any_data_parallel_degree()
         assert len({len(batches) for batches in per_rank}) == 1
         labelled = sum(int((b["labels"] != -100).sum()) for batches in per_rank for b in batches)
         assert labelled == expected, (world, labelled, expected)
+
+
+def test_parquet_examples_read_like_jsonl(tmp_path):
+    """SFT rows from Parquet (the Hub's datasets ship it) read like the same rows in JSONL."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"prompt": f"q{i}?", "completion": f"a{i}"} for i in range(5)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "pc.parquet"))
+    jsonl = _write_jsonl(tmp_path / "pc.jsonl", rows)
+
+    def first_batch(path):
+        cfg = SFTDataConfig(format="prompt_completion", path=str(path), shuffle=False,
+                            cache_dir=str(tmp_path / f"c_{path.suffix[1:]}"))
+        validate_sft_data_config(cfg)
+        return next(_loader(cfg, batch=1, seq_len=64))
+
+    from_parquet, from_jsonl = first_batch(tmp_path / "pc.parquet"), first_batch(jsonl)
+    assert all(torch.equal(from_parquet[k], from_jsonl[k]) for k in from_jsonl)

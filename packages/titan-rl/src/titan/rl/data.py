@@ -28,9 +28,8 @@ from titan.train.data.chat import (
     encode_prompt,
     resolve_chat_template,
 )
-from titan.train.data.sft_config import SFTDataConfig, SyntheticTaskConfig
+from titan.train.data.sft_config import SFTDataConfig, SyntheticTaskConfig, resolve_record_files
 from titan.train.data.sft_sources import SyntheticSFTTask
-from titan.train.data.sources import resolve_data_files
 from titan.train.data.tokenizer import Tokenizer
 
 logger = logging.getLogger("titan")
@@ -45,16 +44,18 @@ class RLDataConfig(SyntheticTaskConfig):
     """"synthetic": the built-in SFT task (--rl_data.synthetic_*), no file; "jsonl": rows of
     --rl_data.path with a prompt and a reference answer."""
     path: str | None = None
-    """jsonl: a JSONL file, a directory of them, or a glob."""
+    """jsonl: a JSONL or Parquet file, a directory of them (one kind), or a glob."""
     prompt_field: str = "prompt"
     """jsonl: the column holding the prompt: a string, or a list of {role, content} messages
-    (TRL's conversational format) rendered with --rl_data.chat_template."""
+    (TRL's conversational format) rendered with --rl_data.chat_template; a dotted path reads
+    a nested record (``extra.question``)."""
     chat_template: Literal["auto", "tokenizer", "builtin"] = "auto"
     """jsonl, conversational prompts: "tokenizer" renders the Jinja chat_template shipped with
     the tokenizer files, "builtin" titan's simple template (titan.train.data.chat), "auto" the
     tokenizer's when its files carry one, else builtin; the assistant header follows."""
     answer_field: str = "answer"
-    """jsonl: the column holding the reference answer (may be missing for rewards that need none)."""
+    """jsonl: the column holding the reference answer (may be missing for rewards that need none);
+    a dotted path reads a nested record (verl's ``reward_model.ground_truth``)."""
     overlong: Literal["drop", "error"] = "drop"
     """Prompts too long to generate --sampling.max_new_tokens after within --training.seq_len:
     "drop" leaves them out when the prompts are read (counted in the log, as verl filters
@@ -108,37 +109,48 @@ class Prompt:
     answer: str | None
 
 
-def _jsonl_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer) -> list[Prompt]:
-    """Prompts of the JSONL files at ``path``."""
+def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: str) -> list[Prompt]:
+    """Prompts of the JSONL or Parquet files at ``path`` (given by ``flag``)."""
     import datasets
 
-    try:
-        files = resolve_data_files("json", path)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--rl_data.path {path!r} matches no JSONL file; fix the path") from None
-    rows = datasets.load_dataset("json", data_files=files, split="train")
-    if cfg.prompt_field not in rows.column_names:
-        raise ValueError(
-            f"--rl_data.prompt_field {cfg.prompt_field!r} is not a column of {path} "
-            f"(columns: {', '.join(rows.column_names)})"
-        )
-    has_answer = cfg.answer_field in rows.column_names
+    kind, files = resolve_record_files(path, flag=flag)
+    rows = datasets.load_dataset(kind, data_files=files, split="train")
+    for field_flag, dotted in (("prompt_field", cfg.prompt_field), ("answer_field", cfg.answer_field)):
+        column = dotted.split(".")[0]
+        if column not in rows.column_names and (field_flag == "prompt_field" or "." in dotted):
+            raise ValueError(
+                f"--rl_data.{field_flag} {dotted!r}: {column!r} is not a column of {path} "
+                f"(columns: {', '.join(rows.column_names)})"
+            )
+    has_answer = cfg.answer_field.split(".")[0] in rows.column_names
     templates: list[ChatTemplate | None] = []  # resolved on the first conversational row
     out = []
     for index, row in enumerate(rows):
-        answer = row[cfg.answer_field] if has_answer else None
-        value = row[cfg.prompt_field]
+        where = f"{path} row {index}"
+        answer = _field(row, cfg.answer_field, where=where, flag="answer_field") if has_answer else None
+        value = _field(row, cfg.prompt_field, where=where, flag="prompt_field")
         if isinstance(value, str):
             text, ids = value, encode_prompt(value, tokenizer)
         elif isinstance(value, list):
             if not templates:
                 templates.append(resolve_chat_template(cfg.chat_template, tokenizer))
-            text, ids = _conversation_prompt(value, tokenizer, templates[0], where=f"{path} row {index}")
+            text, ids = _conversation_prompt(value, tokenizer, templates[0], where=where)
         else:
-            raise ValueError(f"{path} row {index}: --rl_data.prompt_field {cfg.prompt_field!r} holds "
+            raise ValueError(f"{where}: --rl_data.prompt_field {cfg.prompt_field!r} holds "
                              f"{type(value).__name__}, not a string or a list of {{role, content}} messages")
         out.append(Prompt(text, ids, None if answer is None else str(answer)))
     return out
+
+
+def _field(row: dict, dotted: str, *, where: str, flag: str):
+    """``row``'s value at ``dotted`` (``reward_model.ground_truth``: a key of a nested record,
+    as verl's prompt files hold the answer)."""
+    value = row
+    for key in dotted.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise ValueError(f"{where}: --rl_data.{flag} {dotted!r} has no {key!r}")
+        value = value[key]
+    return value
 
 
 def _conversation_prompt(messages: list, tokenizer: Tokenizer, template: ChatTemplate | None,
@@ -161,8 +173,9 @@ def build_prompts(cfg: RLDataConfig, tokenizer: Tokenizer, *, max_prompt_tokens:
     """(training prompts, held-out prompts) of the configured source; with
     ``max_prompt_tokens``, longer prompts are dropped or refused (``--rl_data.overlong``)."""
     if cfg.format == "jsonl":
-        train = _jsonl_prompts(cfg.path, cfg, tokenizer)
-        held_out = _jsonl_prompts(cfg.eval_path, cfg, tokenizer) if cfg.eval_path else []
+        train = _file_prompts(cfg.path, cfg, tokenizer, flag="--rl_data.path")
+        held_out = (_file_prompts(cfg.eval_path, cfg, tokenizer, flag="--rl_data.eval_path")
+                    if cfg.eval_path else [])
     else:
         task = SyntheticSFTTask(cfg.sft_config(), tokenizer)
 

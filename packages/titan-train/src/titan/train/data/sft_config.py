@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 from dataclasses import dataclass
 from typing import Literal
 
-from titan.train.data.sources import resolve_data_files
+from titan.train.data.sources import LOCAL_FORMATS, files_in_dir
 
 
 @dataclass(kw_only=True)
@@ -85,11 +87,11 @@ class SFTDataConfig(SyntheticTaskConfig):
     {role, content} with roles system/user/assistant. "synthetic": a built-in small task
     (see --sft_data.synthetic_*), no file needed."""
     path: str | None = None
-    """JSONL file, directory of .jsonl/.json files, or glob (read with `datasets`' json
-    loader). Required for prompt_completion and chat."""
+    """JSONL or Parquet file, directory of .jsonl/.json or .parquet files (one kind), or glob
+    (read with `datasets`' json or parquet loader). Required for prompt_completion and chat."""
     eval_path: str | None = None
-    """Held-out examples in the same layout as --sft_data.path (JSONL file, directory or
-    glob), scored by `titan sft --validation.enable`: the loss over their completion tokens.
+    """Held-out examples in the same layout as --sft_data.path (JSONL or Parquet file,
+    directory or glob), scored by `titan sft --validation.enable`: the loss over their completion tokens.
     The synthetic format holds out its own strings (--sft_data.synthetic_eval_examples)."""
     prompt_field: str = "prompt"
     """prompt_completion: the column holding the prompt."""
@@ -160,19 +162,36 @@ class SFTDataConfig(SyntheticTaskConfig):
 
 def validate_sft_data_config(cfg: SFTDataConfig) -> None:
     """Filesystem checks, run before any work starts (like `validate_data_config`):
-    the JSONL files exist. Raises FileNotFoundError naming the flag."""
+    the record files exist. Raises FileNotFoundError naming the flag."""
     if cfg.format != "synthetic":
-        resolve_jsonl_files(cfg.path)
+        resolve_record_files(cfg.path)
     if cfg.eval_path:
-        resolve_jsonl_files(cfg.eval_path, flag="--sft_data.eval_path")
+        resolve_record_files(cfg.eval_path, flag="--sft_data.eval_path")
 
 
-def resolve_jsonl_files(path: str, *, flag: str = "--sft_data.path") -> list[str]:
-    """The files `path` (given by `flag`) names, or a one-line error naming that flag."""
-    try:
-        return resolve_data_files("json", path)
-    except FileNotFoundError:
+def resolve_record_files(path: str, *, flag: str = "--sft_data.path") -> tuple[str, list[str]]:
+    """(`datasets` builder, files) of the record files `path` (given by `flag`) names: a
+    file, a directory or a glob of JSONL (.jsonl/.json, optionally .gz) or Parquet files (as
+    the Hub's datasets ship them), one kind; a one-line error naming the flag otherwise."""
+    if os.path.isdir(path):
+        kinds = {kind: files_in_dir(path, LOCAL_FORMATS[kind]) for kind in RECORD_FORMATS}
+    else:
+        matched = [path] if os.path.isfile(path) else sorted(f for f in glob.glob(path, recursive=True)
+                                                            if os.path.isfile(f))
+        kinds = {kind: [f for f in matched if f.endswith(LOCAL_FORMATS[kind])] for kind in RECORD_FORMATS}
+        if os.path.isfile(path) and not any(kinds.values()):
+            kinds["json"] = [path]  # a file named otherwise: JSON lines, as before
+    found = {kind: files for kind, files in kinds.items() if files}
+    if len(found) > 1:
+        raise ValueError(f"{flag} {path!r} holds both JSONL and Parquet files; point it at one kind")
+    if not found:
         raise FileNotFoundError(
-            f"{flag} {path!r} matches no JSONL file (not a file, a directory with "
-            ".jsonl/.json files, or a glob that matches); fix the path"
-        ) from None
+            f"{flag} {path!r} matches no JSONL or Parquet file (not a file, a directory with "
+            ".jsonl/.json/.parquet files, or a glob that matches); fix the path"
+        )
+    (kind, files), = found.items()
+    return kind, files
+
+
+RECORD_FORMATS = ("json", "parquet")
+"""The file kinds SFT examples and RL prompts are read from (`datasets` builder names)."""

@@ -10,7 +10,7 @@ from titan.train.data.chat import (
     encode_prompt_completion,
     resolve_chat_template,
 )
-from titan.train.data.sft_config import SFTDataConfig, resolve_jsonl_files
+from titan.train.data.sft_config import SFTDataConfig, resolve_record_files
 from titan.train.data.tokenizer import Tokenizer
 
 
@@ -160,11 +160,9 @@ def build_sft_source(cfg: SFTDataConfig, tokenizer: Tokenizer, *, held_out: bool
 
     if held_out and not cfg.eval_path:
         raise ValueError("held-out SFT examples need --sft_data.eval_path (JSONL in the --sft_data.format layout)")
-    files = (resolve_jsonl_files(cfg.eval_path, flag="--sft_data.eval_path") if held_out
-             else resolve_jsonl_files(cfg.path))
-    dataset = datasets.load_dataset(
-        "json", data_files=files, split="train", cache_dir=cfg.cache_dir
-    )
+    kind, files = (resolve_record_files(cfg.eval_path, flag="--sft_data.eval_path") if held_out
+                   else resolve_record_files(cfg.path))
+    dataset = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cfg.cache_dir)
     # prompt_completion rows may be conversations too (TRL's conversational prompt-completion)
     template = resolve_chat_template(cfg.chat_template, tokenizer)
     return JSONLSFTSource(dataset, cfg, tokenizer, template,

@@ -174,7 +174,7 @@ def resolve_data_files(name: str, path: str) -> list[str]:
     if os.path.isfile(path):
         return [path]
     if os.path.isdir(path):
-        files = _files_in_dir(path, LOCAL_FORMATS[name])
+        files = files_in_dir(path, LOCAL_FORMATS[name])
         if not files:
             raise FileNotFoundError(
                 f"--dataset.path {path!r} is a directory with no {'/'.join(LOCAL_FORMATS[name])} "
@@ -190,7 +190,7 @@ def resolve_data_files(name: str, path: str) -> list[str]:
     return files
 
 
-def _files_in_dir(directory: str, endings: tuple[str, ...]) -> list[str]:
+def files_in_dir(directory: str, endings: tuple[str, ...]) -> list[str]:
     """Files below `directory` with one of `endings`, sorted for determinism."""
     found = []
     for dirpath, dirnames, filenames in os.walk(directory):
