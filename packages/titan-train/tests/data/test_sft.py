@@ -572,3 +572,45 @@ def test_parquet_examples_read_like_jsonl(tmp_path):
 
     from_parquet, from_jsonl = first_batch(tmp_path / "pc.parquet"), first_batch(jsonl)
     assert all(torch.equal(from_parquet[k], from_jsonl[k]) for k in from_jsonl)
+
+
+# ChatML with transformers' {% generation %} tags (as TRL-ready templates carry them), and
+# Qwen3-style: the reasoning of earlier assistant turns is dropped when a later turn follows,
+# so a conversation does not render as a prefix of its continuation.
+GENERATION_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if loop.last %}{% set content = m['content'] %}{% else %}{% set content = m['content'].split('</think>')[-1] %}"
+    "{% endif %}{% generation %}{{ content + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_generation_tags_mark_the_trained_tokens_as_transformers_assistant_mask(tmp_path):
+    """A template with `{% generation %}` blocks says what is trained: titan's targets are
+    transformers' `return_assistant_tokens_mask` and its ids transformers' ids, also for a
+    template that rewrites earlier turns (refused by the prefix rule before)."""
+    transformers = pytest.importorskip("transformers")
+    path = _gpt4_style_tokenizer(tmp_path / "tok")
+    (path.parent / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": GENERATION_TEMPLATE, "bos_token": "<s>", "eos_token": "<|im_end|>"}))
+    chat = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "<think>hm</think>I am fine."},
+            {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "<think>yes</think>Sure!"}]
+    tok, template = HFTokenizer(path), ChatTemplate.from_tokenizer_files(str(path.parent))
+    assert template.marks_generation
+    example = encode_chat(chat, tok, template=template)
+
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="<|im_end|>")
+    reference.chat_template = GENERATION_TEMPLATE
+    expected = reference.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert example.ids.tolist() == expected["input_ids"]
+    assert example.targets.astype(int).tolist() == expected["assistant_masks"]
+    trained = tok.decode([i for i, t in zip(example.ids.tolist(), example.targets.tolist(), strict=True) if t])
+    assert trained == "I am fine.<think>yes</think>Sure!"  # the first turn's reasoning was dropped by the template
+
+    # conversational prompt-completion: only the completion's block is trained
+    completion_only = encode_chat(chat, tok, template=template, trained_from=3)
+    only = tok.decode([i for i, t in zip(completion_only.ids.tolist(), completion_only.targets.tolist(), strict=True)
+                       if t])
+    assert only == "<think>yes</think>Sure!"
+    assert encode_chat_prompt(chat[:3], tok, template=template) == reference.apply_chat_template(
+        chat[:3], tokenize=True, add_generation_prompt=True, return_dict=False)

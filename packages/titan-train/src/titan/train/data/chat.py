@@ -112,9 +112,56 @@ def _builtin_chat_segments(
     return segments
 
 
+def _generation_tag_extension():
+    """A jinja2 extension for `{% generation %}...{% endgeneration %}`, the tags transformers'
+    templates put around what the assistant generates (its `return_assistant_tokens_mask`):
+    the body renders as it is, and while a `spans` list is set on the environment, each
+    block's character range in the output is appended to it (the output so far is the
+    `chunks` list the renderer fills)."""
+    import jinja2.ext
+    import jinja2.nodes
+
+    class GenerationSpans(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def __init__(self, environment) -> None:  # noqa: ANN001 (jinja2's signature)
+            super().__init__(environment)
+            environment.extend(generation_chunks=None, generation_spans=None)
+
+        def parse(self, parser):  # noqa: ANN001, ANN201 (jinja2's signature)
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark", []), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller) -> str:  # noqa: ANN001 (jinja2's signature)
+            text = caller()
+            env = self.environment
+            if env.generation_spans is not None:
+                start = sum(len(chunk) for chunk in env.generation_chunks)
+                env.generation_spans.append((start, start + len(text)))
+            return text
+
+    return GenerationSpans
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    """transformers' `tojson` filter for chat templates (jinja2's own escapes <, > and & as
+    HTML): the same text a template renders there."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _has_generation_tag(env: Any, source: str) -> bool:
+    """Whether `source` has a `{% generation %}` block."""
+    tokens = [(kind, value) for _, kind, value in env.lex(source) if kind != "whitespace"]
+    return any(kind == "block_begin" and nxt == ("name", "generation")
+               for (kind, _), nxt in zip(tokens, tokens[1:], strict=False))
+
+
 class ChatTemplate:
     """A Jinja chat template as shipped with Hugging Face tokenizer files, rendered with
-    jinja2 in a sandbox, with `bos_token`/`eos_token` and `raise_exception` available."""
+    jinja2 in a sandbox as transformers renders it: `bos_token`/`eos_token`,
+    `raise_exception`, its `tojson` and its `{% generation %}` tags."""
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
         try:
@@ -130,20 +177,40 @@ class ChatTemplate:
             raise ValueError(f"the tokenizer's chat template refused a conversation: {message}")
 
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _generation_tag_extension()]
         )
         env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = _tojson
+        self.env = env
         self.template = env.from_string(source)
+        self.marks_generation = _has_generation_tag(env, source)
         self.bos_token, self.eos_token = bos_token, eos_token
+
+    def _variables(self, messages: Sequence[dict], add_generation_prompt: bool) -> dict[str, Any]:
+        return dict(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                    bos_token=self.bos_token, eos_token=self.eos_token)
 
     def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> str:
         """The conversation as text, optionally followed by the assistant header."""
-        return self.template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-        )
+        return self.template.render(**self._variables(messages, add_generation_prompt))
+
+    def _generation_segments(self, messages: Sequence[dict], trained_from: int) -> list[Segment]:
+        """`segments` of a template with `{% generation %}` blocks."""
+        text, spans = self.render_with_generation_spans(messages)
+        return _generation_segments_of(text, spans, messages, trained_from)
+
+    def render_with_generation_spans(self, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation as text and the character ranges of its `{% generation %}`
+        blocks, in order."""
+        chunks: list[str] = []
+        spans: list[tuple[int, int]] = []
+        self.env.generation_chunks, self.env.generation_spans = chunks, spans
+        try:
+            for chunk in self.template.generate(**self._variables(messages, False)):
+                chunks.append(chunk)
+        finally:
+            self.env.generation_chunks = self.env.generation_spans = None
+        return "".join(chunks), spans
 
     @classmethod
     def from_tokenizer_files(cls, directory: str) -> ChatTemplate | None:
@@ -175,8 +242,14 @@ class ChatTemplate:
 
         Assistant turn i is the text `render(messages[:i+1])` adds to
         `render(messages[:i], add_generation_prompt=True)`: its content and the
-        template's end-of-turn marker, never the assistant header.
+        template's end-of-turn marker, never the assistant header. A template with
+        `{% generation %}` blocks says itself what the assistant generates: the blocks are
+        the trained text (transformers' assistant mask), one per assistant turn, and the
+        conversation is rendered once (no prefix rule: a template that rewrites earlier turns,
+        as Qwen3's drops their reasoning, works).
         """
+        if self.marks_generation and not add_generation_prompt:
+            return self._generation_segments(messages, trained_from)
         segments: list[Segment] = []
         done = ""
         for i, message in enumerate(messages):
@@ -200,6 +273,25 @@ class ChatTemplate:
             )
         segments.append((full[len(done) :], False))
         return [(text, trained) for text, trained in segments if text]
+
+
+def _generation_segments_of(text: str, spans: list[tuple[int, int]], messages: Sequence[dict],
+                            trained_from: int) -> list[Segment]:
+    """`text` cut at its `{% generation %}` `spans` (one per assistant turn, in order): the
+    spans of assistant turns from message `trained_from` on are trained."""
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(spans) != len(assistants):
+        raise ValueError(
+            f"the tokenizer's chat template marks {len(spans)} {{% generation %}} blocks for {len(assistants)} "
+            "assistant turns, so the trained text is ambiguous; use --sft_data.chat_template builtin"
+        )
+    segments: list[Segment] = []
+    done = 0
+    for (start, end), index in zip(spans, assistants, strict=True):
+        segments += [(text[done:start], False), (text[start:end], index >= trained_from)]
+        done = end
+    segments.append((text[done:], False))
+    return [(piece, trained) for piece, trained in segments if piece]
 
 
 def _read_json(path: str) -> dict:
@@ -325,5 +417,6 @@ def encode_chat_prompt(
     if template is None:
         segments = _builtin_chat_segments(messages, tokenizer, add_generation_prompt=True)
         return [int(i) for i in _encode_segments(tokenizer, segments, "completion").ids]
-    segments = template.segments(messages, add_generation_prompt=True)
-    return [int(i) for i in _encode_rendered(tokenizer, segments, "completion").ids]
+    # the rendered prompt in one piece: nothing in it is trained, so no turn needs locating
+    prompt = template.render(messages, add_generation_prompt=True)
+    return [int(i) for i in _encode_rendered(tokenizer, [(prompt, False)], "completion").ids]
