@@ -17,6 +17,7 @@ one counter, so a run resumes exactly (and identically on every rank).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -173,9 +174,12 @@ def build_prompts(cfg: RLDataConfig, tokenizer: Tokenizer, *, max_prompt_tokens:
     """(training prompts, held-out prompts) of the configured source; with
     ``max_prompt_tokens``, longer prompts are dropped or refused (``--rl_data.overlong``)."""
     if cfg.format == "jsonl":
+        start = time.perf_counter()
         train = _file_prompts(cfg.path, cfg, tokenizer, flag="--rl_data.path")
         held_out = (_file_prompts(cfg.eval_path, cfg, tokenizer, flag="--rl_data.eval_path")
                     if cfg.eval_path else [])
+        logger.info("read %d training and %d held-out prompts in %.1fs (longest %d tokens)", len(train), len(held_out),
+                    time.perf_counter() - start, max(len(p.ids) for p in train + held_out) if train else 0)
     else:
         task = SyntheticSFTTask(cfg.sft_config(), tokenizer)
 
