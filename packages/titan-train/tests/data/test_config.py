@@ -98,3 +98,18 @@ def test_flags_as_the_trainer_spells_them():
         3,
     )
     assert cfg.dataset.shuffle is False and cfg.tokenizer.kind == "byte"
+
+
+def test_a_local_file_of_another_kind_names_the_right_dataset_name(tmp_path):
+    """A Parquet file given as --dataset.name json failed inside `datasets` with a JSON parse
+    error; it is named before any work."""
+    from titan.train.data.sources import resolve_data_files
+
+    parquet = tmp_path / "docs.parquet"
+    parquet.write_bytes(b"PAR1")
+    with pytest.raises(ValueError, match="is a parquet file, not json: use --dataset.name parquet"):
+        resolve_data_files("json", str(parquet))
+    assert resolve_data_files("parquet", str(parquet)) == [str(parquet)]
+    odd = tmp_path / "docs.dat"  # an ending of no kind: read as asked
+    odd.write_text("{}")
+    assert resolve_data_files("json", str(odd)) == [str(odd)]

@@ -54,7 +54,7 @@ def _infer_format(source: str) -> str | None:
     for name, endings in LOCAL_FORMATS.items():
         try:
             files = resolve_data_files(name, source)
-        except FileNotFoundError:
+        except (FileNotFoundError, ValueError):  # none of this kind, or a file of another kind
             continue
         if all(f.endswith(endings) for f in files):
             matches.append(name)

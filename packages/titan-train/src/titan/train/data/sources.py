@@ -172,6 +172,10 @@ def resolve_data_files(name: str, path: str) -> list[str]:
     fails before any process group, model or dataset is built.
     """
     if os.path.isfile(path):
+        other = next((kind for kind, endings in LOCAL_FORMATS.items() if kind != name and path.endswith(endings)
+                      and not path.endswith(LOCAL_FORMATS.get(name, ()))), None)
+        if other is not None:  # a file of another kind would fail inside `datasets` with a parse error
+            raise ValueError(f"--dataset.path {path!r} is a {other} file, not {name}: use --dataset.name {other}")
         return [path]
     if os.path.isdir(path):
         files = files_in_dir(path, LOCAL_FORMATS[name])
