@@ -92,3 +92,10 @@ def test_hub_files_are_the_tokenizer_and_the_side_files_beside_it(hf_tokenizer_f
     assert TokenizerConfig(kind="hf", path=str(hf_tokenizer_file)).hub_files() == [
         str(hf_tokenizer_file), str(folder / "tokenizer_config.json"), str(folder / "chat_template.jinja")]
     assert TokenizerConfig().hub_files() == []  # the byte tokenizer has no Hub form
+
+
+def test_byte_offsets_point_at_their_characters():
+    tok = ByteTokenizer()
+    ids, offsets = tok.encode_with_offsets("aé🤖")
+    assert ids == tok.encode("aé🤖")
+    assert offsets == [(0, 1), (1, 2), (1, 2), (2, 3), (2, 3), (2, 3), (2, 3)]

@@ -67,6 +67,17 @@ class ByteTokenizer(Tokenizer):
         """UTF-8 bytes of `text` (lone surrogates become '?')."""
         return self._frame(list(text.encode("utf-8", errors="replace")), bos, eos)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of `text` (as `encode`) and each byte's character range: a character's bytes
+        all point at it."""
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        for index, char in enumerate(text):
+            encoded = char.encode("utf-8", errors="replace")
+            ids.extend(encoded)
+            offsets.extend([(index, index + 1)] * len(encoded))
+        return ids, offsets
+
     def decode(self, ids: Sequence[int]) -> str:
         """Bytes back to text; specials dropped, invalid UTF-8 replaced."""
         data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
