@@ -85,6 +85,15 @@ def test_max_norm_0_disables_clipping_and_trains(tmp_path):
     assert all(r["grad_norm"] > 0 for r in rows)  # the norm is still computed and logged
 
 
+def test_the_loop_collects_garbage_on_its_schedule(tmp_path):
+    """`--training.gc_freq` / `--training.gc_debug` (torchtitan's flags) are the loop's: with
+    debug a full collection after each of the 3 optimizer steps, logged."""
+    result = run_titan("--config", "llama3_debug_synthetic", "--training.steps", "3", "--training.gc_debug",
+                       "--job.dump_folder", str(tmp_path), *TINY)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [f"garbage collection after step {s}:" in result.stderr for s in (1, 2, 3)] == [True] * 3
+
+
 def _cpu_cache_key(env: dict[str, str]) -> str:
     """The cache key a `titan` subprocess with `env` uses (it depends on its thread count)."""
     code = "from titan.train.device_peak import _cpu_cache_key; print(_cpu_cache_key())"

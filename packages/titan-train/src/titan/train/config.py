@@ -134,7 +134,18 @@ class TrainingConfig:
     SDPA's fused `is_causal` kernel, and runs stay identical to earlier ones. SFT and RL
     loops turn it on: there a sequence's log-probabilities must be its own."""
 
+    gc_freq: int = 50
+    """Collect Python's garbage every this many optimizer steps, the same steps on every rank,
+    with the automatic collector off while training (its pauses, at other moments on each
+    rank, make the others wait at their next collective; torchtitan's flag and default); 0
+    leaves Python's automatic collection on."""
+    gc_debug: bool = False
+    """A full garbage collection after every step, logged with what it freed, and torch's
+    warning (rank 0) for reference cycles that keep tensors alive (slow: for debugging)."""
+
     def __post_init__(self) -> None:
+        if self.gc_freq < 0:
+            raise ValueError(f"--training.gc_freq must be >= 0 (0: Python's automatic collection), got {self.gc_freq}")
         if self.loss_chunk_tokens < 0:
             raise ValueError(f"--training.loss_chunk_tokens must be >= 0 (0 = one piece), got {self.loss_chunk_tokens}")
         for flag in ("steps", "local_batch_size", "seq_len"):

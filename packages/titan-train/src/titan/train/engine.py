@@ -309,6 +309,8 @@ class TrainingEngine:
         warn_if_warmup_exceeds_steps(lr_scheduler, steps)
         self.lr_schedulers = LRSchedulers([build_lr_scheduler(lr_scheduler, opt, steps) for opt in self.optimizers])
         self.train_state = TrainState()
+        self.step_callbacks: list[Callable[[int], None]] = []
+        """Called with the new step after every optimizer step (a loop's garbage collection)."""
         self.checkpointer = self._build_checkpointer(meta_model, checkpoint, dump_folder, states or {})
         self.replicas = self._join_replica_groups(fault_tolerance)
         """This group's torchft participant (``--fault_tolerance.enable``), else None."""
@@ -659,6 +661,8 @@ class TrainingEngine:
         self.zero_grad()
         self.train_state.step += 1
         self._after_optimizer_step()
+        for callback in self.step_callbacks:
+            callback(self.train_state.step)
 
     def _record_non_finite(self, grad_norm: torch.Tensor) -> None:
         """Remember, on the device, the first step whose gradient norm was NaN/inf."""

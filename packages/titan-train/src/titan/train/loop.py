@@ -36,6 +36,7 @@ from titan.dist import HangWatchdog, reduce_max
 from titan.train.config import TrainingConfig
 from titan.train.device_peak import device_peak_flops
 from titan.train.engine import TrainingEngine
+from titan.train.gc_control import GarbageCollection
 from titan.train.loss import NonFiniteLossError, count_valid_tokens, supervised_loss
 from titan.train.metrics import MetricsLogger
 from titan.train.model_spec import ModelSpec
@@ -339,8 +340,11 @@ class TrainingLoop:
         self._run_start = (time.perf_counter(), self.step, self.train_state.tokens_seen)
         self.metrics.start(self.step)
         guard = PreemptionGuard(self.engine.device)
+        training = self.config.training
+        collector = GarbageCollection(training.gc_freq, debug=training.gc_debug, rank=self.dist_env.rank)
+        self.engine.step_callbacks.append(collector.after_step)
         try:
-            with self._profiler() as profiler:
+            with self._profiler() as profiler, collector:
                 preempted = self.run_steps(guard, profiler, records)
         except RuntimeError as err:
             timeout = self.engine.timeout_error(err, self._timeout_flag())
@@ -348,6 +352,7 @@ class TrainingLoop:
                 raise
             raise timeout from err
         finally:
+            self.engine.step_callbacks.remove(collector.after_step)
             self._watchdog.stop()
             guard.close()
         self.after_steps()
