@@ -149,10 +149,12 @@ def parsed(*flags):
     (["--model.hf_assets_path", "assets/hf/Llama-3.1-8B"], "tokenizer.path", "assets/hf/Llama-3.1-8B"),
     (["--model.tokenizer_path", "tok/tokenizer.json"], "tokenizer.kind", "hf"),
     (["--parallelism.no_enable_compiled_autograd"], "parallelism.enable_compiled_autograd", None),
+    (["--parallelism.expert_tensor_parallel_degree", "1"], "parallelism.expert_tensor_parallel_degree", None),
 ])
 def test_a_torchtitan_spelling_sets_the_field_it_means(flags, field, expected):
     config = parsed(*flags)
-    if field == "parallelism.enable_compiled_autograd":  # accepted (asks for nothing), not a titan field
+    if field in ("parallelism.enable_compiled_autograd", "parallelism.expert_tensor_parallel_degree"):
+        # accepted (asks for nothing), not a titan field
         assert translate(flags) == []
         return
     value = config
@@ -173,6 +175,7 @@ def test_an_every_nth_block_option_is_not_per_op():
     (["--activation_checkpoint.selective_ac_option", "0"], "'op' or a positive integer"),
     (["--parallelism.enable_compiled_autograd"], "no titan equivalent: titan does not run compiled autograd"),
     (["--optimizer.early_step_in_backward"], "no titan equivalent"),
+    (["--parallelism.expert_tensor_parallel_degree", "2"], "no tensor parallel inside experts"),
     (["--experimental.custom_import", "my.models"], "no titan equivalent"),
     (["--training.dataset", "c4_test"], "--training.dataset_path"),
     (["--parallelism.disable_loss_parallel", "maybe"], "takes true or false"),

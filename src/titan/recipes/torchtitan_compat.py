@@ -80,6 +80,8 @@ NOTHING_ASKED: dict[str, tuple[tuple[Any, ...], str]] = {
     "--metrics.disable_color_printing": ((False, True), ""),  # titan's logs are plain text either way
     "--model.print_after_conversion": ((False,), "titan logs the converted linears' count, not the model"),
     "--parallelism.enable_compiled_autograd": ((False,), "titan does not run compiled autograd"),
+    "--parallelism.expert_tensor_parallel_degree": (("1",), "titan computes each expert whole on its expert-"
+                                                    "parallel rank (no tensor parallel inside experts)"),
     "--optimizer.early_step_in_backward": ((False,), "titan steps the optimizer after the backward "
                                            "(gradient clipping needs every gradient)"),
     "--memory_estimation.enabled": ((False,), "titan checks memory before every run; `titan dry-run` "
