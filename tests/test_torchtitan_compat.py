@@ -225,7 +225,7 @@ def test_the_newer_quantize_section_names_the_recipe_the_converter_uses(tmp_path
     (None, "no such file"),
     ("[training\nsteps = 3\n", "is not valid TOML"),
     ("steps = 3\n", "outside any \\[section\\]"),
-    ("[training]\nsteps = 3\ngc_freq = 50\n", "unrecognized flag --training.gc_freq"),
+    ("[training]\nsteps = 3\nwarmup_fraction = 50\n", "unrecognized flag --training.warmup_fraction"),
     ("[training]\nstart = 1979-05-27\n", "take booleans, numbers"),
     ("[job]\nconfig_file = \"other.toml\"\n", "one TOML file per run"),
 ])
