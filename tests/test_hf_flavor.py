@@ -330,3 +330,49 @@ def test_a_hub_moe_trains_from_its_config_with_transformers_first_loss(family, t
     expected = transformers_loss(src, router_aux_loss=family == "qwen3_moe")
     got = step_losses(dump)[1]
     assert abs(got - expected) <= 1e-5 * expected, (got, expected)
+
+
+def qwen3_moe_checkpoint(folder: Path) -> Path:
+    """A Hub-layout Qwen3-MoE with vLLM's CPU attention's smallest head (32): a dense first
+    layer, 4 experts top 2."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        mlp_only_layers=[0], max_position_embeddings=256)
+    torch.manual_seed(3)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(str(folder))
+    return folder
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_stock_vllm_serves_a_qwen_export_as_transformers_runs_it(family, tmp_path, monkeypatch):
+    """A titan fine-tune of a Hub Qwen3 (tied, head_dim 32 != width / heads) or Qwen3-MoE,
+    exported, runs in stock vLLM's own Qwen3 / Qwen3-MoE (no titan code) with transformers'
+    greedy tokens on the same folder."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: this test runs in `make test-vllm`")
+    from vllm import LLM, SamplingParams
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+    src = (qwen3_checkpoint if family == "qwen3" else qwen3_moe_checkpoint)(tmp_path / "hf")
+    dump = tmp_path / "run"
+    result = run_titan(["train", *FLAGS, "--model.name", family, "--checkpoint.initial_load_path", src,
+                        "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--job.dump_folder", dump],
+                       env={**os.environ, **ENV_ONE_THREAD}, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    export = dump / "checkpoint" / "step-2"
+    prompt = first_batch()["input_ids"][0, :12].tolist()
+    # An in-process engine keeps the model-parallel groups of this process's first model, which
+    # has no expert-parallel group when it was dense: start them afresh for this model.
+    from vllm.distributed.parallel_state import destroy_model_parallel
+
+    destroy_model_parallel()
+    llm = LLM(model=str(export), dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
+              skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20)
+    served = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12,
+                                                                          detokenize=False))[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    got = list(served.outputs[0].token_ids)
+    assert got == expected[:len(got)] and len(got) >= 1

@@ -201,6 +201,16 @@ def test_export_config_keeps_the_source_tokens_and_generation_config(tmp_path):
                       "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
     assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": [2, 7], "temperature": 0.6}
 
+    # A source that names no tokens (null, as a bare `save_pretrained` config) leaves the run's.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps({"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}))
+    out_bare = tmp_path / "out_bare"
+    out_bare.mkdir()
+    hf.write_config(str(out_bare), Adapter(), "bfloat16", overrides={"eos_token_id": 257}, source=str(bare))
+    config = json.loads((out_bare / "config.json").read_text())
+    assert config["eos_token_id"] == 257 and config["bos_token_id"] is None
+
     # No source: the adapter's keys and the overrides, nothing else.
     alone = tmp_path / "alone"
     alone.mkdir()

@@ -281,14 +281,16 @@ def write_config(folder: str, adapter: StateDictAdapter, dtype: torch.dtype | st
 
 def _with_source_keys(config: dict[str, Any], source: str) -> dict[str, Any]:
     """`config` completed from `source`'s `config.json` (when it has one): keys `config` lacks
-    and the `SOURCE_WINS` keys are taken from the source, `NOT_CARRIED` ones never."""
+    and the `SOURCE_WINS` keys are taken from the source (unless null there), `NOT_CARRIED`
+    ones never."""
     path = os.path.join(source, CONFIG_FILE)
     if not os.path.isfile(path):
         return config
     with open(path) as f:
         base = json.load(f)
     carried = {k: v for k, v in base.items() if k not in NOT_CARRIED}
-    return {**carried, **config, **{k: base[k] for k in SOURCE_WINS if k in base}}
+    # a source's null id says nothing: the run's tokenizer's stands (generate stops there)
+    return {**carried, **config, **{k: base[k] for k in SOURCE_WINS if base.get(k) is not None}}
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
