@@ -440,7 +440,7 @@ class TrainingEngine:
                 if isinstance(part, HasAuxLoss) and not (part is parts[-1] and self.pp_has_last):
                     part.register_forward_hook(self._stage_auxiliary_loss)
                     self._stage_aux_hooked = True
-            if has_auxiliary_loss(model):
+            if has_auxiliary_loss(model) and getattr(model, "aux_loss_pools_layers", False):  # the whole model
                 logger.warning(
                     "pipeline parallel: each stage computes the model's auxiliary (router balancing) loss over the "
                     "layers it holds; a loss pooled over all layers (Qwen3-MoE's, as transformers computes it) "

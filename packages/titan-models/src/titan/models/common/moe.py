@@ -532,6 +532,12 @@ class MoEModelReports:
         stages); see `merge_expert_load_metrics`."""
         return merge_expert_load_metrics(reports)
 
+    @property
+    def aux_loss_pools_layers(self) -> bool:
+        """Whether the auxiliary loss pools statistics over layers (the Switch loss as
+        transformers computes it), so that a pipeline stage's share only approximates it."""
+        return any(m.aux_loss_coef > 0 and m.aux_loss_kind == "switch" for _, m in moe_modules(self))
+
     def aux_loss(self) -> torch.Tensor | None:
         """The routers' auxiliary loss of the last training forward (coefficient applied),
         pooled over the MoE layers this model (or pipeline stage) holds, or None when no
