@@ -443,9 +443,9 @@ class TrainingEngine:
             if has_auxiliary_loss(model) and getattr(model, "aux_loss_pools_layers", False):  # the whole model
                 logger.warning(
                     "pipeline parallel: each stage computes the model's auxiliary (router balancing) loss over the "
-                    "layers it holds; a loss pooled over all layers (Qwen3-MoE's, as transformers computes it) "
-                    "is pooled per stage and weighted by the stage's share of the layers, which equals the whole "
-                    "model's only when the stages route alike")
+                    "layers it holds; this model's loss pools statistics over all its layers (the Switch loss as "
+                    "transformers computes it), so each stage pools its own layers, weighted by their share, "
+                    "which equals the whole model's loss only when the stages route alike")
         else:
             parts = [parallelize(model, self.parallel_dims, self.mesh, **common, mp_policy=mp_policy)]
         if float8_tp is not None:
