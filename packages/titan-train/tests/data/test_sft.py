@@ -580,7 +580,7 @@ def test_parquet_examples_read_like_jsonl(tmp_path):
 GENERATION_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
     "{% if loop.last %}{% set content = m['content'] %}{% else %}{% set content = m['content'].split('</think>')[-1] %}"
-    "{% endif %}{% generation %}{{ content + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% endif %}{% generation %}{{ content + '<|im_end|>\\n' }}{% endgeneration %}"
     "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
@@ -605,12 +605,12 @@ def test_generation_tags_mark_the_trained_tokens_as_transformers_assistant_mask(
     assert example.ids.tolist() == expected["input_ids"]
     assert example.targets.astype(int).tolist() == expected["assistant_masks"]
     trained = tok.decode([i for i, t in zip(example.ids.tolist(), example.targets.tolist(), strict=True) if t])
-    assert trained == "I am fine.<think>yes</think>Sure!"  # the first turn's reasoning was dropped by the template
+    assert trained == "I am fine.\n<think>yes</think>Sure!\n"  # the first turn's reasoning was dropped by the template
 
     # conversational prompt-completion: only the completion's block is trained
     completion_only = encode_chat(chat, tok, template=template, trained_from=3)
     only = tok.decode([i for i, t in zip(completion_only.ids.tolist(), completion_only.targets.tolist(), strict=True)
                        if t])
-    assert only == "<think>yes</think>Sure!"
+    assert only == "<think>yes</think>Sure!\n"  # the block's newline too, as in transformers' mask
     assert encode_chat_prompt(chat[:3], tok, template=template) == reference.apply_chat_template(
         chat[:3], tokenize=True, add_generation_prompt=True, return_dict=False)

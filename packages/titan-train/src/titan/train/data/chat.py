@@ -13,7 +13,8 @@ jinja2; there the template's own end-of-turn marker closes each assistant turn a
 trained on, and no extra BOS/EOS is added (templates emit their own). The trained span
 of assistant turn i is found by rendering the conversation up to turn i with and
 without the generation prompt, so a template must render each conversation as a
-prefix of its continuation (most do; one that rewrites earlier turns is refused). The
+prefix of its continuation (most do; one that rewrites earlier turns is refused), unless
+the template marks them itself with transformers' `{% generation %}` tags. The
 rendered conversation is tokenized in one piece, so its ids are those of transformers'
 `apply_chat_template` (whitespace a template puts between turns joins the next word as
 it does there); a token is trained when it holds a character of an assistant turn between
@@ -383,14 +384,18 @@ def encode_chat(
     if template is None:
         return _encode_segments(tokenizer, _builtin_chat_segments(messages, tokenizer, trained_from=trained_from),
                                 train_on)
-    return _encode_rendered(tokenizer, template.segments(messages, trained_from=trained_from), train_on)
+    return _encode_rendered(tokenizer, template.segments(messages, trained_from=trained_from), train_on,
+                            exact_spans=template.marks_generation)
 
 
-def _encode_rendered(tokenizer: Tokenizer, segments: Sequence[tuple[str, bool]], train_on: str) -> SFTExample:
+def _encode_rendered(tokenizer: Tokenizer, segments: Sequence[tuple[str, bool]], train_on: str,
+                     *, exact_spans: bool = False) -> SFTExample:
     """Tokenize the rendered text of `segments` in one piece (a tokenizer's words can span
     two segments: " " closing a turn + "USER" is " USER") and train on each token that holds
     a character of a trained segment, between its first and last non-space characters (the
-    separator closing a turn belongs to the next word's token, which is not trained)."""
+    separator closing a turn belongs to the next word's token, which is not trained);
+    `exact_spans`: every character of a trained segment counts (a template's own
+    `{% generation %}` blocks, as transformers' assistant mask counts them)."""
     if not hasattr(tokenizer, "encode_with_offsets"):  # no character ranges: piece by piece
         return _encode_segments(tokenizer, segments, train_on)
     text = "".join(piece for piece, _ in segments)
@@ -398,9 +403,9 @@ def _encode_rendered(tokenizer: Tokenizer, segments: Sequence[tuple[str, bool]],
     trained_chars = np.zeros(len(text), dtype=bool)
     start = 0
     for piece, trained in segments:
-        core = piece.strip()
+        core = piece if exact_spans else piece.strip()
         if trained and core:
-            first = start + len(piece) - len(piece.lstrip())
+            first = start + (0 if exact_spans else len(piece) - len(piece.lstrip()))
             trained_chars[first : first + len(core)] = True
         start += len(piece)
     before = np.concatenate([[0], np.cumsum(trained_chars)])  # trained characters before each position
