@@ -10,3 +10,12 @@ def records(*, prompt: str, completion: str, answer: str | None) -> float:
     with open(os.environ["TITAN_TEST_REWARD_LOG"], "a") as log:
         log.write(json.dumps({"prompt": prompt, "completion": completion, "answer": answer}) + "\n")
     return float(answer is not None and answer in completion)
+
+
+def trl_records(prompts, completions, answer, **kwargs):
+    """A TRL-style reward (lists in, a list out) that records what it is called with."""
+    with open(os.environ["TITAN_TEST_REWARD_LOG"], "a") as log:
+        for prompt, completion, expected in zip(prompts, completions, answer, strict=True):
+            log.write(json.dumps({"prompt": prompt, "completion": completion, "answer": expected,
+                                  "other": sorted(kwargs)}) + "\n")
+    return [float(expected in completion[0]["content"]) for completion, expected in zip(completions, answer, strict=True)]

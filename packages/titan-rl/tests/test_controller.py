@@ -650,6 +650,19 @@ def test_titan_rl_on_conversational_jsonl_prompts(tmp_path, monkeypatch):
     rl_steps = [r for r in records(tmp_path / "run") if r.get("phase") == "rl"]
     assert len(rl_steps) == 2 and all(r["rows"] == 16 for r in rl_steps)
 
+    # a reward written for TRL's GRPOTrainer: the conversation, the completion as an assistant
+    # message, the row's columns by name
+    trl_log = tmp_path / "trl_rewards.jsonl"
+    monkeypatch.setenv("TITAN_TEST_REWARD_LOG", str(trl_log))
+    run_rl(tmp_path / "trl", *SHORT, "--training.steps", "1", "--rl.ppo_epochs", "1", "--rl.sft_warmup_steps", "0",
+           "--training.seq_len", "48", "--rl_data.format", "jsonl", "--rl_data.path", str(prompts), "--rl.rewards",
+           "function", "--rl.reward_function", "recording_reward:trl_records", "--rl.no_drop_zero_variance")
+    calls = [json.loads(line) for line in trl_log.read_text().splitlines()]
+    assert len(calls) == 4 * 4 and all(c["other"] == [] for c in calls)
+    assert {(json.dumps(c["prompt"]), c["answer"]) for c in calls} == {
+        (json.dumps([{"role": "user", "content": f"reverse {w}"}]), w[::-1]) for w in ("abc", "hello", "xyz", "rl")}
+    assert all(c["completion"][0]["role"] == "assistant" and len(c["completion"]) == 1 for c in calls)
+
 
 @pytest.mark.slow
 def test_dynamic_sampling_refills_dropped_groups(tmp_path):

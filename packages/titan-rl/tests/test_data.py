@@ -132,6 +132,8 @@ def test_parquet_prompts_with_a_nested_answer_as_verl_writes_them(tmp_path):
     cfg = RLDataConfig(format="jsonl", path=str(tmp_path), answer_field="reward_model.ground_truth")
     train, _ = build_prompts(cfg, ByteTokenizer())
     assert [p.answer for p in train] == ["0", "2", "4"]
+    assert train[1].messages == rows[1]["prompt"]  # for TRL-style rewards: the row as given
+    assert train[1].columns == {"reward_model": {"ground_truth": "2"}}
     assert train[1].ids == encode_chat_prompt(rows[1]["prompt"], ByteTokenizer())
     with pytest.raises(ValueError, match="'reward_model.score' has no 'score'"):
         build_prompts(RLDataConfig(format="jsonl", path=str(tmp_path), answer_field="reward_model.score"),

@@ -54,6 +54,36 @@ def test_format_reward_is_a_full_match():
     assert call(fn, "x <answer>abc</answer>") == 0.0
 
 
+def test_a_reward_written_for_trl_is_called_as_trl_calls_it(tmp_path, monkeypatch):
+    """A `GRPOTrainer` reward (`completions` in, a list out) gets, per completion, the prompt
+    as the dataset gave it (the conversation), the completion as an assistant message, and
+    the row's other columns by name; None scores 0. titan-style functions are unchanged."""
+    from titan.rl.rewards import RewardContext
+
+    (tmp_path / "trl_rewards.py").write_text(
+        "calls = []\n"
+        "def accuracy(prompts, completions, solution, **kwargs):\n"
+        "    calls.append((prompts, completions, solution, kwargs))\n"
+        "    return [None if s is None else float(s in c[0]['content'] if isinstance(c, list) else s in c)\n"
+        "            for c, s in zip(completions, solution)]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reward = build_reward(["function"], function="trl_rewards:accuracy")
+    messages = [{"role": "user", "content": "2+2?"}]
+    chat = RewardContext(messages=messages, columns={"solution": "4", "level": 3})
+    assert reward.score(["rendered"] * 2, ["It is 4.", "It is 5."], ["4", "4"], [chat, chat]) == [1.0, 0.0]
+    import trl_rewards
+
+    prompts, completions, solution, extra = trl_rewards.calls[0]
+    assert prompts == [messages] and completions == [[{"role": "assistant", "content": "It is 4."}]]
+    assert solution == ["4"] and extra == {"level": [3]}
+    text = RewardContext(columns={"solution": "4"})  # a text prompt: strings, as TRL passes them
+    assert reward.score(["2+2?"], ["4"], ["4"], [text]) == [1.0]
+    assert trl_rewards.calls[-1][:2] == (["2+2?"], ["4"])
+    assert reward.score(["p"], ["x"], [None], [RewardContext(columns={"solution": None})]) == [0.0]  # None: 0
+    sys.modules.pop("trl_rewards", None)
+
+
 def test_user_function_by_dotted_path_and_weighted_sum(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(
         "def length_bonus(*, prompt, completion, answer):\n    return len(completion) / 10\n"

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
+from titan.rl.rewards import RewardContext
 from titan.train.data.chat import (
     ChatTemplate,
     check_prompt_messages,
@@ -103,11 +104,20 @@ class RLDataConfig(SyntheticTaskConfig):
 
 @dataclass
 class Prompt:
-    """One RL prompt: its text, its token ids as generation sees them, the reference answer."""
+    """One RL prompt: its text, its token ids as generation sees them, the reference answer,
+    and for TRL-style rewards its conversation (None for a text prompt) and its row's other
+    columns."""
 
     text: str
     ids: list[int]
     answer: str | None
+    messages: list[dict] | None = None
+    columns: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reward_context(self) -> RewardContext:
+        """What a TRL-style reward sees of this prompt."""
+        return RewardContext(messages=self.messages, columns=self.columns)
 
 
 def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: str) -> list[Prompt]:
@@ -130,16 +140,19 @@ def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: s
         where = f"{path} row {index}"
         answer = _field(row, cfg.answer_field, where=where, flag="answer_field") if has_answer else None
         value = _field(row, cfg.prompt_field, where=where, flag="prompt_field")
+        messages = None
         if isinstance(value, str):
             text, ids = value, encode_prompt(value, tokenizer)
         elif isinstance(value, list):
             if not templates:
                 templates.append(resolve_chat_template(cfg.chat_template, tokenizer))
             text, ids = _conversation_prompt(value, tokenizer, templates[0], where=where)
+            messages = check_prompt_messages(value)
         else:
             raise ValueError(f"{where}: --rl_data.prompt_field {cfg.prompt_field!r} holds "
                              f"{type(value).__name__}, not a string or a list of {{role, content}} messages")
-        out.append(Prompt(text, ids, None if answer is None else str(answer)))
+        columns = {name: column for name, column in row.items() if name != cfg.prompt_field.split(".")[0]}
+        out.append(Prompt(text, ids, None if answer is None else str(answer), messages=messages, columns=columns))
     return out
 
 

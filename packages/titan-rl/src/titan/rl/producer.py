@@ -129,7 +129,8 @@ class RolloutProducer:
         groups = self.generator.generate([p.ids for p in prompts], sampling)
         texts = [[self.decode(c.token_ids) for c in group] for group in groups]
         rewards = [
-            self.reward.score([p.text] * len(g), g, [p.answer] * len(g)) for p, g in zip(prompts, texts, strict=True)
+            self.reward.score([p.text] * len(g), g, [p.answer] * len(g), [p.reward_context] * len(g))
+            for p, g in zip(prompts, texts, strict=True)
         ]
         if rl.overlong_buffer_len:
             for group, scores in zip(groups, rewards, strict=True):
@@ -155,7 +156,8 @@ class RolloutProducer:
                                 stop_token_ids=self.sampling.stop_token_ids, n=1, seed=0)
         groups = self.generator.generate([p.ids for p in prompts], greedy)
         texts = [self.decode(g[0].token_ids) for g in groups]
-        rewards = self.reward.score([p.text for p in prompts], texts, [p.answer for p in prompts])
+        rewards = self.reward.score([p.text for p in prompts], texts, [p.answer for p in prompts],
+                                    [p.reward_context for p in prompts])
         exact = [float(t.strip() == (p.answer or "").strip()) for t, p in zip(texts, prompts, strict=True)]
         return {"reward": sum(rewards), "exact_match": sum(exact), "count": len(prompts)}
 

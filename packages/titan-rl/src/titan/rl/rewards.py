@@ -13,7 +13,11 @@ reference from the prompt dataset. Built-in ones (``--rl.rewards``):
 - ``math_verify``: the ``math-verify`` package's equivalence check (installed separately,
   imported only when used);
 - ``function``: a user function given by dotted path (``--rl.reward_function
-  package.module:function`` or ``package.module.function``).
+  package.module:function`` or ``package.module.function``). A function written for TRL's
+  ``GRPOTrainer`` (it takes ``completions``: lists in, a list of floats or None out) is
+  called as TRL calls it, one completion at a time: ``prompts`` (the conversation when the
+  prompt was one), ``completions`` (``[{"role": "assistant", "content": text}]`` then) and
+  every other column of the prompt's row by name (``solution=[...]``); None scores 0.
 
 Every call runs under a timeout (``--rl.reward_timeout_s``) that works in any thread (the
 async schedule scores in a background thread, where signal-based timeouts such as
@@ -36,6 +40,7 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 RewardFn = Callable[..., float]
 REWARD_NAMES: tuple[str, ...] = ("exact_match", "char_match", "numeric", "format", "math_verify", "function")
@@ -166,6 +171,44 @@ def overlong_penalty(length: int, *, max_new_tokens: int, buffer_len: int, facto
     return -factor * min(1.0, (length - free) / buffer_len)
 
 
+@dataclass(frozen=True)
+class RewardContext:
+    """What a TRL-style reward sees besides the completion: the prompt as the dataset gave it
+    (``messages`` for a conversation, else None) and the row's other columns."""
+
+    messages: list[dict] | None = None
+    columns: dict[str, Any] = field(default_factory=dict)
+
+
+class TRLStyleReward:
+    """A reward function written for TRL's ``GRPOTrainer`` (``fn(prompts, completions, **columns)
+    -> list[float | None]``), called with one completion at a time."""
+
+    wants_context = True
+
+    def __init__(self, fn: Callable[..., Sequence[float | None]]) -> None:
+        self.fn = fn
+
+    def __call__(self, *, prompt: str, completion: str, answer: str | None,
+                 context: RewardContext | None = None) -> float:
+        context = context or RewardContext()
+        conversational = context.messages is not None
+        prompts = [context.messages if conversational else prompt]
+        completions = [[{"role": "assistant", "content": completion}] if conversational else completion]
+        columns = {name: [value] for name, value in context.columns.items()}
+        values = self.fn(prompts=prompts, completions=completions, **columns)
+        value = list(values)[0]
+        return 0.0 if value is None else float(value)
+
+
+def is_trl_style(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is written for TRL: it takes the batch's ``completions``."""
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
 def load_function(path: str) -> RewardFn:
     """The callable at ``package.module:function`` (or ``package.module.function``)."""
     module_name, sep, attr = path.partition(":")
@@ -181,7 +224,7 @@ def load_function(path: str) -> RewardFn:
         raise ValueError(f"--rl.reward_function {path!r} cannot be imported ({err}); check the path") from None
     if not callable(fn):
         raise ValueError(f"--rl.reward_function {path!r} is not callable")
-    return fn
+    return TRLStyleReward(fn) if is_trl_style(fn) else fn
 
 
 @dataclass
@@ -196,13 +239,15 @@ class CombinedReward:
     timeouts: int = field(default=0, init=False)
     """Calls that timed out so far (each scored 0)."""
 
-    def __call__(self, *, prompt: str, completion: str, answer: str | None) -> float:
-        """The weighted sum of every term's reward."""
+    def __call__(self, *, prompt: str, completion: str, answer: str | None,
+                 context: RewardContext | None = None) -> float:
+        """The weighted sum of every term's reward (``context`` reaches TRL-style ones)."""
         kwargs = {"prompt": prompt, "completion": completion, "answer": answer}
         total = 0.0
         for name, fn, weight in self.terms:
+            call = {**kwargs, "context": context} if getattr(fn, "wants_context", False) else kwargs
             try:
-                value = float(call_with_timeout(fn, kwargs, self.timeout_s))
+                value = float(call_with_timeout(fn, call, self.timeout_s))
             except RewardTimeout:
                 self._timed_out(name, completion)
                 continue
@@ -226,9 +271,13 @@ class CombinedReward:
                 f"{name!r} hangs; fix it or raise the timeout"
             )
 
-    def score(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str | None]) -> list[float]:
-        """Rewards of aligned prompts, completions and answers."""
-        return [self(prompt=p, completion=c, answer=a) for p, c, a in zip(prompts, completions, answers, strict=True)]
+    def score(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str | None],
+              contexts: Sequence[RewardContext | None] | None = None) -> list[float]:
+        """Rewards of aligned prompts, completions and answers (and the prompts' contexts,
+        for TRL-style rewards)."""
+        contexts = contexts if contexts is not None else [None] * len(prompts)
+        return [self(prompt=p, completion=c, answer=a, context=x)
+                for p, c, a, x in zip(prompts, completions, answers, contexts, strict=True)]
 
 
 def build_reward(
