@@ -614,3 +614,17 @@ def test_generation_tags_mark_the_trained_tokens_as_transformers_assistant_mask(
     assert only == "<think>yes</think>Sure!\n"  # the block's newline too, as in transformers' mask
     assert encode_chat_prompt(chat[:3], tok, template=template) == reference.apply_chat_template(
         chat[:3], tokenize=True, add_generation_prompt=True, return_dict=False)
+
+
+def test_held_out_examples_too_long_to_score_are_reported(caplog):
+    from titan.train.data.sft import held_out_sft_batches
+
+    cfg = SFTDataConfig(format="synthetic", synthetic_eval_examples=6, synthetic_min_len=3, synthetic_max_len=12,
+                        **{k: v for k, v in SMALL_SYNTHETIC.items() if k != "synthetic_eval_examples"})
+    with caplog.at_level("WARNING", logger="titan"):
+        list(held_out_sft_batches(cfg, ByteTokenizer(), dp_rank=0, dp_world_size=1, local_batch_size=2, seq_len=16,
+                                  seed=0))
+    task = SyntheticSFTTask(cfg, ByteTokenizer())
+    too_long = sum(len(encode_prompt_completion(p, a, ByteTokenizer())) - 1 > 16 for p, a in task.eval_pairs)
+    assert too_long > 0  # the test shows something
+    assert f"{too_long} of the 6 held-out SFT examples do not fit --training.seq_len 16" in caplog.text

@@ -39,6 +39,7 @@ importable from here too.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,6 +65,8 @@ from titan.train.data.sft_sources import (
 from titan.train.data.tokenizer import Tokenizer
 from titan.train.loss import IGNORE_INDEX
 from torch.utils.data import IterableDataset
+
+logger = logging.getLogger("titan")
 
 # The SFT data's public names (defined in chat, sft_config and sft_sources): importable from
 # here as before the split.
@@ -267,6 +270,10 @@ def held_out_sft_batches(
     batches = SFTBatches(packer, local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
     while not packer.exhausted:
         yield batches.next_batch()
+    if packer.dropped:  # they are not in the validation loss: say so once (the batches are read once)
+        logger.warning("validation: %d of the %d held-out SFT examples do not fit --training.seq_len %d (or train "
+                       "no token) and are left out (--sft_data.overlong truncate keeps their start)",
+                       packer.dropped, packer.num_examples, seq_len)
 
 
 class SFTDataLoader(ResumableLoader):
