@@ -141,3 +141,15 @@ def test_parquet_prompts_with_a_nested_answer_as_verl_writes_them(tmp_path):
     _write_jsonl(tmp_path / "more.jsonl", [{"prompt": "x"}])
     with pytest.raises(ValueError, match="holds both JSONL and Parquet files"):
         build_prompts(cfg, ByteTokenizer())
+
+
+def test_a_downloaded_hub_dataset_folder_gives_train_prompts_and_held_out_test_prompts(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    (tmp_path / "data").mkdir()
+    for split, n in (("train", 4), ("test", 2)):
+        datasets.Dataset.from_list([{"prompt": f"{split} {i}", "answer": str(i)} for i in range(n)]).to_parquet(
+            str(tmp_path / "data" / f"{split}-00000-of-00001.parquet"))
+    train, held_out = build_prompts(RLDataConfig(format="jsonl", path=str(tmp_path), eval_path=str(tmp_path)),
+                                    ByteTokenizer())
+    assert [p.text for p in train] == [f"train {i}" for i in range(4)]
+    assert [p.text for p in held_out] == ["test 0", "test 1"]

@@ -628,3 +628,42 @@ def test_held_out_examples_too_long_to_score_are_reported(caplog):
     too_long = sum(len(encode_prompt_completion(p, a, ByteTokenizer())) - 1 > 16 for p, a in task.eval_pairs)
     assert too_long > 0  # the test shows something
     assert f"{too_long} of the 6 held-out SFT examples do not fit --training.seq_len 16" in caplog.text
+
+
+def test_a_downloaded_hub_dataset_folder_gives_its_train_split_and_holds_out_its_test_split(tmp_path):
+    """A folder as `huggingface-cli download` leaves a Hub dataset (data/train-*.parquet,
+    data/test-*.parquet): training reads the train split only, the held-out path the test
+    split (every file of the folder, both splits mixed, was read before)."""
+    datasets = pytest.importorskip("datasets")
+    from titan.train.data.sft_config import resolve_record_files
+
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    for split, n in (("train", 5), ("test", 2)):
+        datasets.Dataset.from_list([{"prompt": f"{split}{i}", "completion": "x"} for i in range(n)]).to_parquet(
+            str(tmp_path / "hub" / "data" / f"{split}-00000-of-00001.parquet"))
+    folder = str(tmp_path / "hub")
+    kind, files = resolve_record_files(folder)
+    assert kind == "parquet" and [f.rsplit("/", 1)[1] for f in files] == ["train-00000-of-00001.parquet"]
+    _, held = resolve_record_files(folder, flag="--sft_data.eval_path", held_out=True)
+    assert [f.rsplit("/", 1)[1] for f in held] == ["test-00000-of-00001.parquet"]
+
+    cfg = SFTDataConfig(format="prompt_completion", path=folder, eval_path=folder, shuffle=False,
+                        cache_dir=str(tmp_path / "c"))
+    validate_sft_data_config(cfg)
+    from titan.train.data.sft import build_sft_source
+
+    assert len(build_sft_source(cfg, ByteTokenizer())) == 5
+    assert len(build_sft_source(cfg, ByteTokenizer(), held_out=True)) == 2
+
+    plain = tmp_path / "plain"  # no split names: every file, as before
+    plain.mkdir()
+    _write_jsonl(plain / "a.jsonl", [{"prompt": "p", "completion": "c"}])
+    _write_jsonl(plain / "b.jsonl", [{"prompt": "p", "completion": "c"}])
+    assert len(resolve_record_files(str(plain))[1]) == 2
+    no_train = tmp_path / "no_train"
+    no_train.mkdir()
+    _write_jsonl(no_train / "validation.jsonl", [{"prompt": "p", "completion": "c"}])
+    _write_jsonl(no_train / "test.jsonl", [{"prompt": "p", "completion": "c"}])
+    assert resolve_record_files(str(no_train), held_out=True)[1] == [str(no_train / "validation.jsonl")]
+    with pytest.raises(ValueError, match="splits test, validation and has no train split"):
+        resolve_record_files(str(no_train))

@@ -120,11 +120,13 @@ class Prompt:
         return RewardContext(messages=self.messages, columns=self.columns)
 
 
-def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: str) -> list[Prompt]:
-    """Prompts of the JSONL or Parquet files at ``path`` (given by ``flag``)."""
+def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: str, held_out: bool = False
+                  ) -> list[Prompt]:
+    """Prompts of the JSONL or Parquet files at ``path`` (given by ``flag``; a folder in
+    splits gives its train split, or ``held_out`` its validation/test split)."""
     import datasets
 
-    kind, files = resolve_record_files(path, flag=flag)
+    kind, files = resolve_record_files(path, flag=flag, held_out=held_out)
     rows = datasets.load_dataset(kind, data_files=files, split="train")
     for field_flag, dotted in (("prompt_field", cfg.prompt_field), ("answer_field", cfg.answer_field)):
         column = dotted.split(".")[0]
@@ -189,7 +191,7 @@ def build_prompts(cfg: RLDataConfig, tokenizer: Tokenizer, *, max_prompt_tokens:
     if cfg.format == "jsonl":
         start = time.perf_counter()
         train = _file_prompts(cfg.path, cfg, tokenizer, flag="--rl_data.path")
-        held_out = (_file_prompts(cfg.eval_path, cfg, tokenizer, flag="--rl_data.eval_path")
+        held_out = (_file_prompts(cfg.eval_path, cfg, tokenizer, flag="--rl_data.eval_path", held_out=True)
                     if cfg.eval_path else [])
         logger.info("read %d training and %d held-out prompts in %.1fs (longest %d tokens)", len(train), len(held_out),
                     time.perf_counter() - start, max(len(p.ids) for p in train + held_out) if train else 0)

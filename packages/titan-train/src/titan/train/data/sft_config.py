@@ -166,15 +166,27 @@ def validate_sft_data_config(cfg: SFTDataConfig) -> None:
     if cfg.format != "synthetic":
         resolve_record_files(cfg.path)
     if cfg.eval_path:
-        resolve_record_files(cfg.eval_path, flag="--sft_data.eval_path")
+        resolve_record_files(cfg.eval_path, flag="--sft_data.eval_path", held_out=True)
 
 
-def resolve_record_files(path: str, *, flag: str = "--sft_data.path") -> tuple[str, list[str]]:
+HELD_OUT_SPLITS = ("validation", "test")
+"""The splits a held-out path's folder is read from, in this order, when it has splits."""
+
+
+def resolve_record_files(path: str, *, flag: str = "--sft_data.path", held_out: bool = False
+                         ) -> tuple[str, list[str]]:
     """(`datasets` builder, files) of the record files `path` (given by `flag`) names: a
     file, a directory or a glob of JSONL (.jsonl/.json, optionally .gz) or Parquet files (as
-    the Hub's datasets ship them), one kind; a one-line error naming the flag otherwise."""
+    the Hub's datasets ship them), one kind; a one-line error naming the flag otherwise. A
+    directory laid out in splits as a downloaded Hub dataset is (`data/train-*.parquet`,
+    `data/test-*.parquet`) gives its "train" split, or with `held_out` its "validation" (else
+    "test") split, as `datasets` names them: never the splits mixed."""
     if os.path.isdir(path):
-        kinds = {kind: files_in_dir(path, LOCAL_FORMATS[kind]) for kind in RECORD_FORMATS}
+        split_files = _split_files(path, flag=flag, held_out=held_out)
+        if split_files is not None:
+            kinds = {kind: [f for f in split_files if f.endswith(LOCAL_FORMATS[kind])] for kind in RECORD_FORMATS}
+        else:
+            kinds = {kind: files_in_dir(path, LOCAL_FORMATS[kind]) for kind in RECORD_FORMATS}
     else:
         matched = [path] if os.path.isfile(path) else sorted(f for f in glob.glob(path, recursive=True)
                                                             if os.path.isfile(f))
@@ -191,6 +203,25 @@ def resolve_record_files(path: str, *, flag: str = "--sft_data.path") -> tuple[s
         )
     (kind, files), = found.items()
     return kind, files
+
+
+def _split_files(directory: str, *, flag: str, held_out: bool) -> list[str] | None:
+    """The files of the wanted split of a directory laid out in splits (`datasets`' own rule
+    for split names in file and folder names), None for a directory without splits."""
+    try:
+        from datasets.data_files import DataFilesDict, get_data_patterns
+
+        patterns = get_data_patterns(directory)
+    except Exception:  # no data files it recognizes, or no `datasets`: the directory as it is
+        return None
+    if set(patterns) == {"train"}:
+        return None
+    splits = {str(name): files for name, files in DataFilesDict.from_patterns(patterns, base_path=directory).items()}
+    wanted = next((s for s in HELD_OUT_SPLITS if s in splits), None) if held_out else "train"
+    if wanted not in splits:
+        raise ValueError(f"{flag} {directory!r} is laid out in the splits {', '.join(sorted(splits))} and has no "
+                         f"{'validation or test' if held_out else 'train'} split; point {flag} at the files to read")
+    return sorted(str(f) for f in splits[wanted])
 
 
 RECORD_FORMATS = ("json", "parquet")

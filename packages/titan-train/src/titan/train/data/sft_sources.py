@@ -160,7 +160,7 @@ def build_sft_source(cfg: SFTDataConfig, tokenizer: Tokenizer, *, held_out: bool
 
     if held_out and not cfg.eval_path:
         raise ValueError("held-out SFT examples need --sft_data.eval_path (JSONL in the --sft_data.format layout)")
-    kind, files = (resolve_record_files(cfg.eval_path, flag="--sft_data.eval_path") if held_out
+    kind, files = (resolve_record_files(cfg.eval_path, flag="--sft_data.eval_path", held_out=True) if held_out
                    else resolve_record_files(cfg.path))
     dataset = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cfg.cache_dir)
     # prompt_completion rows may be conversations too (TRL's conversational prompt-completion)
