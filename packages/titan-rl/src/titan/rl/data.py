@@ -148,8 +148,7 @@ def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: s
         elif isinstance(value, list):
             if not templates:
                 templates.append(resolve_chat_template(cfg.chat_template, tokenizer))
-            text, ids = _conversation_prompt(value, tokenizer, templates[0], where=where)
-            messages = check_prompt_messages(value)
+            text, ids, messages = _conversation_prompt(value, tokenizer, templates[0], where=where)
         else:
             raise ValueError(f"{where}: --rl_data.prompt_field {cfg.prompt_field!r} holds "
                              f"{type(value).__name__}, not a string or a list of {{role, content}} messages")
@@ -170,18 +169,18 @@ def _field(row: dict, dotted: str, *, where: str, flag: str):
 
 
 def _conversation_prompt(messages: list, tokenizer: Tokenizer, template: ChatTemplate | None,
-                         *, where: str) -> tuple[str, list[int]]:
-    """(text, ids) of a conversational prompt: the conversation rendered with ``template``
-    (None: the built-in one) and the assistant header after it. The text is what the
-    rewards' ``prompt`` receives: the rendered conversation (the built-in template's without
-    its BOS)."""
+                         *, where: str) -> tuple[str, list[int], list[dict]]:
+    """(text, ids, checked messages) of a conversational prompt: the conversation rendered
+    with ``template`` (None: the built-in one) and the assistant header after it. The text is
+    what the rewards' ``prompt`` receives: the rendered conversation (the built-in template's
+    without its BOS)."""
     try:
         messages = check_prompt_messages(messages)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
     ids = encode_chat_prompt(messages, tokenizer, template=template)
     text = template.render(messages, add_generation_prompt=True) if template is not None else tokenizer.decode(ids)
-    return text, ids
+    return text, ids, messages
 
 
 def build_prompts(cfg: RLDataConfig, tokenizer: Tokenizer, *, max_prompt_tokens: int | None = None

@@ -249,6 +249,13 @@ class SFTBatches(IterableDataset):
         return {key: torch.from_numpy(np.stack([r[key] for r in mine])) for key in mine[0]}
 
 
+def _packer(cfg: SFTDataConfig, source: SFTSource, tokenizer: Tokenizer, *, seq_len: int, shuffle: bool,
+            seed: int) -> SFTPacker:
+    """A packer of `source`'s examples with `cfg`'s packing and overlong policy."""
+    return SFTPacker(source, seq_len=seq_len, pad_id=tokenizer.pad_id, packing=cfg.packing, overlong=cfg.overlong,
+                     shuffle=shuffle, seed=seed)
+
+
 def held_out_sft_batches(
     cfg: SFTDataConfig,
     tokenizer: Tokenizer,
@@ -264,8 +271,8 @@ def held_out_sft_batches(
     the last one filled up with padding rows (no labels), so every rank yields as many."""
     del seed  # one pass in file order: nothing to draw
     check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
-    packer = SFTPacker(build_sft_source(cfg, tokenizer, held_out=True), seq_len=seq_len, pad_id=tokenizer.pad_id,
-                       packing=cfg.packing, overlong=cfg.overlong, shuffle=False, seed=0)
+    packer = _packer(cfg, build_sft_source(cfg, tokenizer, held_out=True), tokenizer, seq_len=seq_len, shuffle=False,
+                     seed=0)
     packer.single_pass = True
     batches = SFTBatches(packer, local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
     while not packer.exhausted:
@@ -340,22 +347,12 @@ def build_sft_dataloader(
     local_batch_size: int,
     seq_len: int,
     seed: int,
-    held_out: bool = False,
 ) -> SFTDataLoader:
     """An endless loader of `{"input_ids", "labels", "positions", "document_ids"}`
-    LongTensors [B, seq_len] for one data-parallel rank (see the module docstring);
-    `held_out`: of the held-out examples (`build_sft_source`)."""
+    LongTensors [B, seq_len] for one data-parallel rank (see the module docstring)."""
     check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
-    source = build_sft_source(cfg, tokenizer, held_out=held_out)
-    packer = SFTPacker(
-        source,
-        seq_len=seq_len,
-        pad_id=tokenizer.pad_id,
-        packing=cfg.packing,
-        overlong=cfg.overlong,
-        shuffle=cfg.shuffle,
-        seed=seed,
-    )
+    source = build_sft_source(cfg, tokenizer)
+    packer = _packer(cfg, source, tokenizer, seq_len=seq_len, shuffle=cfg.shuffle, seed=seed)
     batches = SFTBatches(packer, local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
     return SFTDataLoader(
         batches, dp_rank=dp_rank, dp_world_size=dp_world_size, num_examples=len(source)

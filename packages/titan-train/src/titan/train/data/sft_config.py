@@ -209,10 +209,12 @@ def _split_files(directory: str, *, flag: str, held_out: bool) -> list[str] | No
     """The files of the wanted split of a directory laid out in splits (`datasets`' own rule
     for split names in file and folder names), None for a directory without splits."""
     try:
-        from datasets.data_files import DataFilesDict, get_data_patterns
-
+        from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
+    except ImportError:  # no `datasets`: the directory as it is
+        return None
+    try:
         patterns = get_data_patterns(directory)
-    except Exception:  # no data files it recognizes, or no `datasets`: the directory as it is
+    except EmptyDatasetError:  # no data file it recognizes: the directory as it is
         return None
     if set(patterns) == {"train"}:
         return None
