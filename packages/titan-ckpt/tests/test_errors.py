@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from ckpt_testlib import Run, TinyLM
 from titan.ckpt import CheckpointConfig, CheckpointError, CheckpointManager
 
@@ -189,3 +190,39 @@ def test_reserved_state_names(tmp_path):
     with pytest.raises(ValueError, match="reserved"):
         CheckpointManager(_cfg(), dump_folder=str(tmp_path), states={"model": torch.nn.Linear(1, 1)},
                           model_parts=[TinyLM()])
+
+
+def _torchtitan_style_step(folder, step):
+    """A step folder as torchtitan publishes it: DCP files, its model's weights at the top
+    level, and no titan manifest."""
+    path = folder / f"step-{step}"
+    model = TinyLM()
+    dcp.save(
+        {**model.state_dict(), "train_state": {"step": step}}, checkpoint_id=str(path), no_dist=True
+    )
+    return path
+
+
+def test_a_checkpoint_folder_holding_another_trainers_steps_is_refused_and_left_intact(tmp_path):
+    folder = tmp_path / "checkpoint"
+    foreign = _torchtitan_style_step(folder, 10)
+    before = sorted(os.listdir(foreign))
+    run = Run(_cfg(), str(tmp_path))
+    with pytest.raises(CheckpointError) as info:
+        run.manager.load()
+    message = str(info.value)
+    assert "step-10" in message and "torchtitan" in message
+    assert f"--checkpoint.initial_load_path {foreign}" in message
+    run.manager.close()
+    assert sorted(os.listdir(foreign)) == before  # nothing deleted or replaced
+
+
+def test_a_save_never_replaces_a_step_folder_titan_did_not_write(tmp_path):
+    run = Run(_cfg(), str(tmp_path))
+    run.manager.load()  # an empty folder: nothing to refuse yet
+    foreign = _torchtitan_style_step(tmp_path / "checkpoint", 1)  # appears during the run
+    before = sorted(os.listdir(foreign))
+    with pytest.raises(CheckpointError, match="titan did not write it"):
+        run.train(1)
+    assert sorted(os.listdir(foreign)) == before
+    run.manager.close()

@@ -17,6 +17,8 @@ import shutil
 import time
 from typing import Any
 
+from titan.ckpt.errors import CheckpointError
+
 MANIFEST = "titan_checkpoint.json"
 MANIFEST_VERSION = 1
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -46,9 +48,16 @@ def complete_steps(folder: str) -> list[int]:
 def partial_steps(folder: str) -> list[int]:
     """Sorted steps with only a half-written folder (a crash during their save)."""
     done = set(complete_steps(folder))
-    tmp = {s for s, _ in _scan(folder, _TMP_RE)}
-    bare = {s for s, name in _scan(folder, _STEP_RE) if not is_complete(os.path.join(folder, name))}
-    return sorted((tmp | bare) - done)
+    return sorted({s for s, _ in _scan(folder, _TMP_RE)} - done)
+
+
+def foreign_steps(folder: str) -> list[int]:
+    """Sorted steps whose `step-<N>` folder has no manifest: titan did not write them.
+
+    titan writes a step into `step-<N>.tmp` and renames it only once its manifest is in, so a
+    published name without one is another program's: typically torchtitan, which names its
+    steps the same way. Such folders are never loaded as this run's steps nor replaced."""
+    return sorted(s for s, name in _scan(folder, _STEP_RE) if not is_complete(os.path.join(folder, name)))
 
 
 def _scan(folder: str, pattern: re.Pattern) -> list[tuple[int, str]]:
@@ -103,6 +112,11 @@ def publish(folder: str, step: int, manifest: dict[str, Any]) -> str:
     write_manifest(tmp, manifest)
     final = step_path(folder, step)
     old = None
+    if os.path.exists(final) and not is_complete(final):
+        raise CheckpointError(
+            f"{final} exists and titan did not write it (no {MANIFEST}); not replacing it. "
+            "Give this run its own --checkpoint.folder."
+        )
     if os.path.exists(final):
         # A re-save of the same step (e.g. a run resumed from an earlier step): move the old
         # one aside first, because a rename cannot replace a non-empty directory.

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from titan.ckpt import hf, layout
+from titan.ckpt import hf, layout, torchtitan
 from titan.ckpt.config import CheckpointConfig
 from titan.ckpt.errors import CheckpointError, check_state_matches, flatten_state
 from titan.ckpt.stateful import ModelWrapper, RankLocal, RNGState
@@ -172,6 +172,7 @@ class CheckpointManager:
             raise CheckpointError(
                 f"--checkpoint.folder {self.folder} is a file, not a checkpoint folder"
             )
+        self._refuse_foreign_steps()
         complete, partial = layout.complete_steps(self.folder), layout.partial_steps(self.folder)
         if partial:
             logger.warning("ignoring half-written steps %s in %s", partial, self.folder)
@@ -188,6 +189,28 @@ class CheckpointManager:
         raise CheckpointError(
             f"--checkpoint.load_step {requested}: no such step in {self.folder}. Complete "
             f"steps: {complete or 'none'}."
+        )
+
+    def _refuse_foreign_steps(self) -> None:
+        """Stop before training when the checkpoint folder holds steps titan did not write.
+
+        Resuming would skip them and the first save of the same step would replace them: a
+        torchtitan run's checkpoints lost without a word. Their weights load through
+        `--checkpoint.initial_load_path` instead."""
+        foreign = layout.foreign_steps(self.folder)
+        if not foreign:
+            return
+        newest = layout.step_path(self.folder, foreign[-1])
+        made_by = (
+            "DCP checkpoints of another trainer (torchtitan names its steps the same way)"
+            if os.path.isfile(os.path.join(newest, DCP_METADATA)) else "not titan's checkpoints"
+        )
+        raise CheckpointError(
+            f"--checkpoint.folder {self.folder} holds step folders titan did not write "
+            f"({', '.join(f'step-{s}' for s in foreign)}: no {layout.MANIFEST}); they are "
+            f"{made_by}. titan neither resumes from nor overwrites them: give this run its "
+            f"own --checkpoint.folder, and start from their weights with "
+            f"--checkpoint.initial_load_path {newest}."
         )
 
     def _load_step(self, step: int) -> None:
@@ -214,12 +237,66 @@ class CheckpointManager:
         if self.config.initial_load_in_hf:
             self._load_hf_model(path)
             return
-        complete = layout.complete_steps(path)
-        if complete:  # a whole checkpoint folder: start from its latest step
-            path = layout.step_path(path, complete[-1])
+        path = _newest_step_folder(path)
+        metadata = os.path.join(path, DCP_METADATA)
+        if os.path.isfile(metadata) and torchtitan.is_torchtitan_layout(
+                FileSystemReader(path).read_metadata().state_dict_metadata):
+            self._load_torchtitan_model(path)
+            return
         names = ["model"] if self.config.initial_load_model_only else self._names_to_load()
         self._dcp_load(path, names)
         logger.info("initial load of %s from %s", names, path)
+
+    def _load_torchtitan_model(self, path: str) -> None:
+        """Warm start from the weights of a torchtitan step folder (`titan.ckpt.torchtitan`).
+
+        Every weight of this model must be there and every weight there must have a place
+        in this model: an entry dropped or left at its initialization in silence would train
+        another model than the one the user brought."""
+        if not self.config.initial_load_model_only:
+            raise CheckpointError(
+                f"{path} is a torchtitan checkpoint: titan reads its model weights, not its "
+                "optimizer, scheduler or data-loader states (torchtitan keys them its own way). "
+                "Drop --checkpoint.initial_load_model_only false; the optimizer and counters "
+                "start fresh."
+            )
+        reader = FileSystemReader(path)
+        saved = reader.read_metadata().state_dict_metadata
+        value = self.states["model"].state_dict()
+        # Under pipeline parallel a rank holds some stages only: a weight is unused when no
+        # rank's stages read it.
+        everyone = sorted({k for keys in self._all_gather(sorted(value)) for k in keys})
+        names, _, unused = torchtitan.match_model_entries(everyone, saved)
+        _, missing, _ = torchtitan.match_model_entries(value, saved)
+        renamed = {names[k]: v for k, v in value.items() if k in names}
+        problem = None
+        try:  # shapes first: "[320, 64] there but [2048, 64] here" names another size best
+            check_state_matches("model", renamed, saved, where=path)
+        except CheckpointError as err:
+            problem = str(err)
+        if problem is None and missing:
+            problem = (
+                f"{path} (a torchtitan checkpoint) has no weights for {_shown(missing)}: it was "
+                "written for another model family or size (compare --model.name and "
+                "--model.flavor with the torchtitan run's)"
+            )
+        if problem is None and unused:
+            problem = (
+                f"{path} (a torchtitan checkpoint) holds weights this model has no place for: "
+                f"{_shown(unused)}. It was written for another model family or size, or with "
+                "a part titan's model lacks; titan does not drop weights in silence."
+            )
+        self._raise_if_any(problem)
+        with _quiet_single_process(), _load_errors(path):
+            dcp.load(renamed, storage_reader=reader, planner=_SafeLoadPlanner(),
+                     process_group=self._pg, no_dist=self._pg is None)
+        self.states["model"].load_state_dict({k: renamed[names[k]] for k in value if k in names})
+        zeros = [k for k in value if k not in names and torchtitan.zero_when_absent(k)]
+        if zeros:
+            logger.info("%s has no balancing bias for %s (torchtitan's run used none): they stay "
+                        "zero", path, _shown(zeros))
+        logger.info("loaded the weights of torchtitan checkpoint %s (%d tensors); optimizer, "
+                    "scheduler and counters start fresh", path, len(renamed))
 
     def _names_to_load(self) -> list[str]:
         """Every state but the ones `--checkpoint.exclude_from_loading` names."""
@@ -598,6 +675,17 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _newest_step_folder(path: str) -> str:
+    """`path` itself, or the newest step when it is a checkpoint folder: titan's complete
+    steps first, else DCP steps another trainer (torchtitan) published under the same names."""
+    complete = layout.complete_steps(path)
+    if complete:
+        return layout.step_path(path, complete[-1])
+    foreign = [s for s in layout.foreign_steps(path)
+               if os.path.isfile(os.path.join(layout.step_path(path, s), DCP_METADATA))]
+    return layout.step_path(path, foreign[-1]) if foreign else path
 
 
 def _check_entries(name: str, expected: dict[str, Any], saved: Any, path: str) -> None:
