@@ -11,8 +11,10 @@ torchtitan 0.3.0 seed checkpoint of its Llama 3 debug model: titan's logits afte
 equal torchtitan's model's to 1.2e-6 (fp32; the closing note of the session gives the run).
 """
 
+import importlib.util
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,3 +208,20 @@ def test_pipeline_stages_each_load_their_own_weights_from_a_torchtitan_checkpoin
     launch_train_runs(2, runs, tmp_path / "launch.log")
     assert _first_loss(tmp_path / "run_tt") == _first_loss(tmp_path / "run_titan")
     assert "loaded the weights of torchtitan checkpoint" in (tmp_path / "launch.log").read_text()
+
+
+def test_convert_hf_exports_a_torchtitan_checkpoint_that_transformers_loads(tmp_path):
+    """tools/convert_hf.py to-hf reads a torchtitan checkpoint (no config.json beside it: the
+    flavor describes the model); transformers' Llama computes titan's logits from the export."""
+    transformers = pytest.importorskip("transformers")
+    source = _seeded("llama3", 4)
+    save_torchtitan_step(tmp_path / "tt", 30, source, release="0.3", family="llama3")
+    spec = importlib.util.spec_from_file_location("convert_hf", Path(__file__).parents[1] / "tools" / "convert_hf.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.main(["to-hf", str(tmp_path / "tt"), str(tmp_path / "hf"), "--model", "llama3", "--flavor", "debugmodel_tiny"])
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    tokens = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = float((source.eval()(tokens) - hf_model(tokens).logits).abs().max())
+    assert diff <= 1e-5, diff  # fp32, as the export test of titan's own checkpoints

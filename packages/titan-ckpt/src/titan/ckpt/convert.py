@@ -8,7 +8,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from titan.ckpt import layout
+from titan.ckpt import layout, torchtitan
 from titan.ckpt.errors import CheckpointError
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -19,12 +19,11 @@ MODEL_PREFIX = "model."
 
 
 def resolve_step_folder(path: str) -> str:
-    """A DCP step folder itself, or the latest complete step of a checkpoint folder."""
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        return path
-    steps = layout.complete_steps(path)
-    if steps:
-        return layout.step_path(path, steps[-1])
+    """A DCP step folder itself, or the latest step of a checkpoint folder (titan's complete
+    steps, else torchtitan's)."""
+    folder = layout.newest_step_folder(path)
+    if os.path.isfile(os.path.join(folder, ".metadata")):
+        return folder
     raise CheckpointError(
         f"{path} is neither a DCP step folder (no .metadata) nor a checkpoint folder with "
         "complete step-<N> folders"
@@ -32,22 +31,29 @@ def resolve_step_folder(path: str) -> str:
 
 
 def load_dcp_model(path: str) -> dict[str, torch.Tensor]:
-    """The full model weights (`{fqn: tensor}` on CPU) of a DCP checkpoint, without a model:
-    the tensors are allocated from the checkpoint's metadata."""
+    """The full model weights (`{fqn: tensor}` on CPU, titan's names) of a DCP checkpoint,
+    titan's or torchtitan's (`titan.ckpt.torchtitan`), without a model: the tensors are
+    allocated from the checkpoint's metadata."""
     folder = resolve_step_folder(path)
     reader = FileSystemReader(folder)
     metadata = reader.read_metadata().state_dict_metadata
-    template = {
-        key[len(MODEL_PREFIX):]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        for key, meta in metadata.items()
-        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
-    }
-    if not template:
+    flat = torchtitan.is_torchtitan_layout(metadata)
+    if flat:
+        names = {torchtitan.titan_name(k): k for k in torchtitan.model_entries(metadata)}
+    else:
+        names = {k[len(MODEL_PREFIX):]: k for k in metadata if k.startswith(MODEL_PREFIX)}
+    names = {name: key for name, key in names.items() if isinstance(metadata[key], TensorStorageMetadata)}
+    if not names:
         raise CheckpointError(f"{folder} holds no model weights (no 'model.*' entries)")
+    # DCP keys the request by the saved names: flat for torchtitan, under "model" for titan.
+    template = {key: torch.empty(tuple(metadata[key].size), dtype=metadata[key].properties.dtype)
+                for key in names.values()}
+    request = template if flat else {
+        "model": {key[len(MODEL_PREFIX):]: value for key, value in template.items()}}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": template}, storage_reader=reader, no_dist=True)
-    return template
+        dcp.load(request, storage_reader=reader, no_dist=True)
+    return {name: template[key] for name, key in names.items()}
 
 
 def save_dcp_model(state_dict: dict[str, torch.Tensor], folder: str, *, step: int = 0) -> str:

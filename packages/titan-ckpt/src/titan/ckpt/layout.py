@@ -60,6 +60,17 @@ def foreign_steps(folder: str) -> list[int]:
     return sorted(s for s, name in _scan(folder, _STEP_RE) if not is_complete(os.path.join(folder, name)))
 
 
+def newest_step_folder(path: str) -> str:
+    """`path` itself, or the newest step when it is a checkpoint folder: titan's complete
+    steps first, else the DCP steps another trainer (torchtitan) published under the same
+    names."""
+    complete = complete_steps(path)
+    if complete:
+        return step_path(path, complete[-1])
+    dcp_steps = [s for s in foreign_steps(path) if os.path.isfile(os.path.join(step_path(path, s), ".metadata"))]
+    return step_path(path, dcp_steps[-1]) if dcp_steps else path
+
+
 def _scan(folder: str, pattern: re.Pattern) -> list[tuple[int, str]]:
     """(step, entry name) of the directories in `folder` whose name matches `pattern`."""
     if not os.path.isdir(folder):

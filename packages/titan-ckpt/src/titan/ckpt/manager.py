@@ -237,7 +237,7 @@ class CheckpointManager:
         if self.config.initial_load_in_hf:
             self._load_hf_model(path)
             return
-        path = _newest_step_folder(path)
+        path = layout.newest_step_folder(path)
         metadata = os.path.join(path, DCP_METADATA)
         if os.path.isfile(metadata) and torchtitan.is_torchtitan_layout(
                 FileSystemReader(path).read_metadata().state_dict_metadata):
@@ -675,17 +675,6 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
-
-
-def _newest_step_folder(path: str) -> str:
-    """`path` itself, or the newest step when it is a checkpoint folder: titan's complete
-    steps first, else DCP steps another trainer (torchtitan) published under the same names."""
-    complete = layout.complete_steps(path)
-    if complete:
-        return layout.step_path(path, complete[-1])
-    foreign = [s for s in layout.foreign_steps(path)
-               if os.path.isfile(os.path.join(layout.step_path(path, s), DCP_METADATA))]
-    return layout.step_path(path, foreign[-1]) if foreign else path
 
 
 def _check_entries(name: str, expected: dict[str, Any], saved: Any, path: str) -> None:

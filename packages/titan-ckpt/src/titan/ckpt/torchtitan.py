@@ -36,31 +36,24 @@ TRAINING_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
 DERIVED_ENTRIES = ("freqs_cis",)
 # The balancing bias is saved only when torchtitan's run used one; without it routing had
 # none, which is what a zero bias computes.
-ZERO_WHEN_ABSENT = re.compile(r"\.feed_forward\.expert_bias$")
+_ZERO_WHEN_ABSENT = re.compile(r"\.feed_forward\.expert_bias$")
 
-_EXPERT_SUFFIX = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}
-_LAYER = r"^(layers\.\d+)\."
+# torchtitan's names -> titan's, applied in order to one saved key.
+_RENAMES = (
+    (re.compile(r"^lm_head\.weight$"), "output.weight"),
+    (re.compile(r"^(layers\.\d+)\.attention\.qkv_linear\.(w[qkv])\.weight$"), r"\1.attention.\2.weight"),
+    (re.compile(r"^(layers\.\d+)\.moe\.routed_experts\.inner_experts\.(w[123])_E[DF]{2}$"),
+     r"\1.feed_forward.experts.\2"),
+    (re.compile(r"^(layers\.\d+)\.moe\.expert_bias(_E)?$"), r"\1.feed_forward.expert_bias"),
+    (re.compile(r"^(layers\.\d+)\.moe\.((experts|router|shared_experts)\..*)$"), r"\1.feed_forward.\2"),
+)
 
 
-def _candidate_names(fqn: str) -> list[str]:
-    """The names torchtitan may have saved titan's entry `fqn` under, most recent release last."""
-    if fqn == "output.weight":
-        return [fqn, "lm_head.weight"]
-    match = re.match(_LAYER + r"attention\.(w[qkv])\.weight$", fqn)
-    if match:
-        return [fqn, f"{match[1]}.attention.qkv_linear.{match[2]}.weight"]
-    match = re.match(_LAYER + r"feed_forward\.experts\.(w[123])$", fqn)
-    if match:
-        layer, name = match[1], match[2]
-        return [f"{layer}.moe.experts.{name}",
-                f"{layer}.moe.routed_experts.inner_experts.{_EXPERT_SUFFIX[name]}"]
-    match = re.match(_LAYER + r"feed_forward\.expert_bias$", fqn)
-    if match:
-        return [f"{match[1]}.moe.expert_bias", f"{match[1]}.moe.expert_bias_E"]
-    match = re.match(_LAYER + r"feed_forward\.((router|shared_experts)\..*)$", fqn)
-    if match:
-        return [f"{match[1]}.moe.{match[2]}"]
-    return [fqn]
+def titan_name(key: str) -> str:
+    """titan's name for the weight torchtitan saved as `key` (unchanged where both agree)."""
+    for pattern, replacement in _RENAMES:
+        key = pattern.sub(replacement, key)
+    return key
 
 
 def is_torchtitan_layout(saved_keys: Iterable[str]) -> bool:
@@ -78,6 +71,12 @@ def _state_of(key: str) -> str | None:
     return head if head in TRAINING_STATES else None
 
 
+def model_entries(saved_keys: Iterable[str]) -> list[str]:
+    """The checkpoint's model weights: its entries outside torchtitan's training states and
+    its derived ones."""
+    return [k for k in saved_keys if _state_of(k) is None and k not in DERIVED_ENTRIES]
+
+
 def match_model_entries(
     wanted: Iterable[str], saved_keys: Iterable[str]
 ) -> tuple[dict[str, str], list[str], list[str]]:
@@ -86,31 +85,26 @@ def match_model_entries(
     Returns ``(names, missing, unused)``: ``names`` maps each titan entry found to its saved
     name; ``missing`` lists the titan entries with none (zero-when-absent ones excluded: they
     keep their initial zeros); ``unused`` lists the checkpoint's weights nothing reads (other
-    than derived entries and a tied output's second name), which would be silently dropped.
+    than a tied output's second name), which would otherwise be dropped in silence.
     """
-    saved = [k for k in saved_keys if _state_of(k) is None]
-    present = set(saved)
-    names: dict[str, str] = {}
-    missing: list[str] = []
-    for fqn in wanted:
-        found = next((name for name in _candidate_names(fqn) if name in present), None)
-        if found is not None:
-            names[fqn] = found
-        elif not ZERO_WHEN_ABSENT.search(fqn):
-            missing.append(fqn)
-    used = set(names.values())
-    tied = "tok_embeddings.weight" in used and "output.weight" not in names
-    unused = [
-        k for k in sorted(present - used)
-        if k not in DERIVED_ENTRIES and not (tied and k in ("output.weight", "lm_head.weight"))
-    ]
-    return names, sorted(missing), unused
+    wanted = list(wanted)
+    by_titan_name = {titan_name(k): k for k in model_entries(saved_keys)}
+    names = {fqn: by_titan_name[fqn] for fqn in wanted if fqn in by_titan_name}
+    missing = sorted(f for f in wanted if f not in names and not zero_when_absent(f))
+    # A tied model has one matrix: titan names it once, torchtitan saved both names.
+    tied = "tok_embeddings.weight" in names and "output.weight" not in wanted
+    unused = sorted(
+        saved for name, saved in by_titan_name.items()
+        if name not in names and not (tied and name == "output.weight")
+    )
+    return names, missing, unused
 
 
 def zero_when_absent(fqn: str) -> bool:
     """Whether titan's entry `fqn` may be missing from a torchtitan checkpoint (it then keeps
     its initial zeros)."""
-    return bool(ZERO_WHEN_ABSENT.search(fqn))
+    return bool(_ZERO_WHEN_ABSENT.search(fqn))
 
 
-__all__ = ["TRAINING_STATES", "is_torchtitan_layout", "match_model_entries", "zero_when_absent"]
+__all__ = ["TRAINING_STATES", "is_torchtitan_layout", "match_model_entries", "model_entries", "titan_name",
+           "zero_when_absent"]
