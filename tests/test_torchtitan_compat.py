@@ -150,10 +150,18 @@ def parsed(*flags):
     (["--model.tokenizer_path", "tok/tokenizer.json"], "tokenizer.kind", "hf"),
     (["--parallelism.no_enable_compiled_autograd"], "parallelism.enable_compiled_autograd", None),
     (["--parallelism.expert_tensor_parallel_degree", "1"], "parallelism.expert_tensor_parallel_degree", None),
+    (["--float8.force_recompute_fp8_weight_in_bwd", "false"], "float8.force_recompute_fp8_weight_in_bwd", None),
+    # The MoE experts' float8 grouped GEMMs: `moe_fqns` (its DeepSeek-V3 job files), earlier
+    # `moe_fqns_prototype`; read under the float8 converter only, as torchtitan does.
+    (["--model.converters", "float8", "--float8.moe_fqns", "experts"], "quantize.grouped_mm.float8.fqns", ["experts"]),
+    (["--model.converters", "float8", "--float8.moe_fqns_prototype", "experts"], "quantize.grouped_mm.float8.fqns",
+     ["experts"]),
+    (["--float8.moe_fqns", "experts"], "quantize.grouped_mm.float8.fqns", []),
 ])
 def test_a_torchtitan_spelling_sets_the_field_it_means(flags, field, expected):
     config = parsed(*flags)
-    if field in ("parallelism.enable_compiled_autograd", "parallelism.expert_tensor_parallel_degree"):
+    if field in ("parallelism.enable_compiled_autograd", "parallelism.expert_tensor_parallel_degree",
+                 "float8.force_recompute_fp8_weight_in_bwd"):
         # accepted (asks for nothing), not a titan field
         assert translate(flags) == []
         return
@@ -179,6 +187,7 @@ def test_an_every_nth_block_option_is_not_per_op():
     (["--experimental.custom_import", "my.models"], "no titan equivalent"),
     (["--training.dataset", "c4_test"], "--training.dataset_path"),
     (["--parallelism.disable_loss_parallel", "maybe"], "takes true or false"),
+    (["--float8.force_recompute_fp8_weight_in_bwd"], "no titan equivalent"),
 ])
 def test_what_titan_cannot_honour_is_refused_with_the_reason(flags, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
@@ -205,6 +214,49 @@ def test_a_torchtitan_job_file_sets_every_field_and_the_command_line_overrides_i
     assert config.quantize.linear.float8.filter_fqns == ["output"]
     assert not config.validation.enable and config.validation.dataset.name == "allenai/c4"
     assert (config.validation.dataset.split, config.validation.freq) == ("validation", 5)
+
+
+# torchtitan's JobConfig defaults (torchtitan/config/job_config.py, the TOML-era releases) for
+# the fields that shape training, by titan's field.
+TORCHTITAN_DEFAULTS = {
+    "optimizer.lr": 8e-4, "optimizer.beta1": 0.9, "optimizer.beta2": 0.95, "optimizer.eps": 1e-8,
+    "optimizer.weight_decay": 0.1,
+    "lr_scheduler.warmup_steps": 200, "lr_scheduler.decay_ratio": None, "lr_scheduler.decay_type": "linear",
+    "lr_scheduler.min_lr_factor": 0.0,
+    "training.local_batch_size": 8, "training.global_batch_size": -1, "training.seq_len": 2048,
+    "training.max_norm": 1.0, "training.steps": 10000, "training.mixed_precision_param": "bfloat16",
+    "training.mixed_precision_reduce": "float32", "training.gc_freq": 50, "compile.enable": False,
+    "activation_checkpoint.mode": "selective", "activation_checkpoint.selective_layer_every": 2,
+    "activation_checkpoint.selective_op": False,
+    "parallelism.data_parallel_replicate_degree": 1, "parallelism.data_parallel_shard_degree": -1,
+    "parallelism.tensor_parallel_degree": 1, "parallelism.pipeline_parallel_degree": 1,
+    "parallelism.pipeline_parallel_schedule": "1F1B", "parallelism.pipeline_parallel_microbatch_size": 1,
+    "parallelism.context_parallel_degree": 1, "parallelism.fsdp_reshard_after_forward": "default",
+    "metrics.log_freq": 10,
+    "checkpoint.enable": False, "checkpoint.folder": "checkpoint", "checkpoint.interval": 500,
+    "checkpoint.last_save_model_only": True, "checkpoint.export_dtype": "float32", "checkpoint.keep_latest_k": 10,
+    "checkpoint.async_mode": "disabled", "checkpoint.initial_load_model_only": True,
+}
+
+
+def _field(config, dotted):
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def test_what_a_job_file_leaves_out_takes_torchtitans_default(tmp_path):
+    """A torchtitan job file trains as in torchtitan: e.g. in bfloat16 and with the LR decaying
+    right after warmup, though the file says neither (the CPU debug recipe computes in float32
+    and decays over the last 20%). An explicitly named recipe keeps its own values."""
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nflavor = "debugmodel_tiny"\n[training]\nsteps = 30\n')
+    config = parse_train_args(["--job.config_file", str(path)])
+    wrong = {f: _field(config, f) for f, v in TORCHTITAN_DEFAULTS.items() if f != "training.steps" and _field(config, f) != v}
+    assert not wrong, wrong
+    assert (config.training.steps, config.model.flavor) == (30, "debugmodel_tiny")  # the file's own
+    recipe = parse_train_args(["--config", "llama3_debug", "--job.config_file", str(path)])
+    assert (recipe.training.mixed_precision_param, recipe.lr_scheduler.decay_ratio) == ("float32", 0.2)
 
 
 def test_the_converter_in_the_file_and_the_recipe_on_the_command_line_combine(tmp_path):

@@ -304,7 +304,9 @@ def parse_train_args(argv: Sequence[str], *, command: str = "train", exempt_flag
     argv_rest = rest
     try:
         default = recipe(name)
-        rest = titan_argv(rest)
+        # A torchtitan job file run without --config: its omissions mean torchtitan's defaults.
+        explicit_recipe = len(rest) < len(argv)  # split_recipe_flag took --config NAME out
+        rest = titan_argv(rest, job_file_defaults=command == "train" and not explicit_recipe)
     except ValueError as err:  # CompatError is one
         raise UsageError(str(err)) from None
     description = (

@@ -64,13 +64,18 @@ INVERTED: dict[str, str] = {
 }
 
 FLOAT8_SECTION = "--float8."
-FLOAT8_FIELDS = {  # torchtitan's [float8] field -> titan's --quantize.linear.float8 field
-    "recipe_name": "recipe",
-    "filter_fqns": "filter_fqns",
-    "enable_fsdp_float8_all_gather": "enable_fsdp_float8_all_gather",
-    "precompute_float8_dynamic_scale_for_fsdp": "precompute_float8_dynamic_scale_for_fsdp",
-    "emulate": "emulate",
+FLOAT8_FIELDS = {  # torchtitan's [float8] field -> titan's flag
+    "recipe_name": "--quantize.linear.float8.recipe",
+    "filter_fqns": "--quantize.linear.float8.filter_fqns",
+    "enable_fsdp_float8_all_gather": "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+    "precompute_float8_dynamic_scale_for_fsdp": "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
+    "emulate": "--quantize.linear.float8.emulate",
+    # The MoE modules whose grouped GEMMs go float8 (rowwise), under the float8 converter:
+    # `moe_fqns` in its DeepSeek-V3 job files, `moe_fqns_prototype` before.
+    "moe_fqns": "--quantize.grouped_mm.float8.fqns",
+    "moe_fqns_prototype": "--quantize.grouped_mm.float8.fqns",
 }
+FLOAT8_LISTS = ("filter_fqns", "moe_fqns", "moe_fqns_prototype")
 FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")
 TITAN_FLOAT8_RECIPE = "--quantize.linear.float8.recipe"
 
@@ -88,9 +93,31 @@ NOTHING_ASKED: dict[str, tuple[tuple[Any, ...], str]] = {
                                     "prints the estimate without running"),
     "--memory_estimation.disable_fake_mode": ((False,), "see --memory_estimation.enabled"),
     "--checkpoint.enable_first_step_checkpoint": ((False,), "save early with --checkpoint.interval 1"),
+    "--float8.force_recompute_fp8_weight_in_bwd": ((False,), "titan's float8 keeps torchao's default: the "
+                                                   "float8 weight saved for the backward, not recomputed"),
     "--experimental.custom_import": (("",), "titan's model families are registered as plugins"),
     "--experimental.custom_args_module": (("",), "titan's flags come from the recipe's config type"),
 }
+
+JOB_FILE_DEFAULTS: tuple[str, ...] = (
+    # What a torchtitan job file leaves out means torchtitan's default (its JobConfig), not the
+    # CPU debug recipe's: a file written for torchtitan trains the same way here. The fields
+    # that shape the training, in titan's spelling, applied under the file (--config RECIPE
+    # given explicitly keeps that recipe's values instead).
+    "--optimizer.lr", "8e-4", "--optimizer.beta1", "0.9", "--optimizer.beta2", "0.95",
+    "--optimizer.eps", "1e-8", "--optimizer.weight_decay", "0.1",
+    "--lr_scheduler.warmup_steps", "200", "--lr_scheduler.decay_ratio", "None",
+    "--lr_scheduler.decay_type", "linear", "--lr_scheduler.min_lr_factor", "0.0",
+    "--training.local_batch_size", "8", "--training.global_batch_size", "-1",
+    "--training.seq_len", "2048", "--training.max_norm", "1.0", "--training.steps", "10000",
+    "--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32",
+    "--training.gc_freq", "50",
+    "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_layer_every", "2",
+    "--activation_checkpoint.no_selective_op",
+    "--metrics.log_freq", "10",
+    "--checkpoint.interval", "500", "--checkpoint.last_save_model_only", "--checkpoint.keep_latest_k", "10",
+    "--checkpoint.export_dtype", "float32",
+)
 
 DATASET_FLAGS = {  # torchtitan flag -> (titan's dataset section, what it sets)
     "--training.dataset": ("--dataset", "name"),
@@ -205,8 +232,10 @@ def _float8_flags(float8: dict[str, list[str]], converters: list[str] | None, *,
     if wants and default_recipe and "recipe_name" not in float8:
         out += ["--quantize.linear.float8.recipe", "tensorwise"]  # torchtitan's default recipe
     for name, values in float8.items():
-        target = f"--quantize.linear.float8.{FLOAT8_FIELDS[name]}"
-        if name == "filter_fqns":
+        target = FLOAT8_FIELDS[name]
+        if name in FLOAT8_LISTS:
+            if name != "filter_fqns" and not _list_values(values):
+                continue  # no MoE module named: nothing asked
             out += [target, *_list_values(values)]
         elif name == "recipe_name":
             out += [target, *values]
@@ -360,8 +389,12 @@ def split_config_file(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
-def titan_argv(argv: Sequence[str]) -> list[str]:
+def titan_argv(argv: Sequence[str], *, job_file_defaults: bool = False) -> list[str]:
     """The flags titan parses for ``argv``: the TOML file's first (``--job.config_file``), then
-    the command line's, which override them, with torchtitan's spellings translated."""
+    the command line's, which override them, with torchtitan's spellings translated. With
+    ``job_file_defaults`` a TOML file's omissions take torchtitan's defaults
+    (`JOB_FILE_DEFAULTS`, under the file's own flags)."""
     path, rest = split_config_file(argv)
-    return translate(rest, defaults=toml_flags(path) if path else [])
+    if not path:
+        return translate(rest)
+    return translate(rest, defaults=[*(JOB_FILE_DEFAULTS if job_file_defaults else ()), *toml_flags(path)])
