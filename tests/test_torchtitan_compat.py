@@ -220,7 +220,7 @@ def test_a_torchtitan_job_file_sets_every_field_and_the_command_line_overrides_i
 # the fields that shape training, by titan's field.
 TORCHTITAN_DEFAULTS = {
     "optimizer.lr": 8e-4, "optimizer.beta1": 0.9, "optimizer.beta2": 0.95, "optimizer.eps": 1e-8,
-    "optimizer.weight_decay": 0.1,
+    "optimizer.weight_decay": 0.1, "optimizer.weight_decay_exempt": [],  # every parameter decays
     "lr_scheduler.warmup_steps": 200, "lr_scheduler.decay_ratio": None, "lr_scheduler.decay_type": "linear",
     "lr_scheduler.min_lr_factor": 0.0,
     "training.local_batch_size": 8, "training.global_batch_size": -1, "training.seq_len": 2048,

@@ -110,3 +110,25 @@ def test_a_warmup_longer_than_the_run_is_warned_and_spans_the_run(caplog):
     caplog.clear()
     warn_if_warmup_exceeds_steps(LRSchedulerConfig(warmup_steps=10), total_steps=10)
     assert not caplog.records
+
+
+@pytest.mark.parametrize("kinds, exempt_names", [
+    (["embeddings", "norms", "biases"], {"embed.weight", "norm.weight", "proj.bias"}),
+    (["norms", "biases"], {"norm.weight", "proj.bias"}),  # transformers' Trainer, Megatron-LM
+    (["none"], set()),  # torchtitan: every parameter decays
+])
+def test_the_exempt_kinds_are_chosen(kinds, exempt_names):
+    model = TinyLM()
+    cfg = OptimizerConfig(weight_decay=0.1, weight_decay_exempt=kinds)
+    decay, exempt = split_decay_groups([model], cfg.weight_decay_exempt)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in exempt} == exempt_names
+    assert {names[id(p)] for p in decay} == set(names.values()) - exempt_names
+    opt = build_optimizer(cfg, [model], "cpu")
+    decayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    assert decayed == set(names.values()) - exempt_names
+
+
+def test_an_unknown_exempt_kind_is_refused():
+    with pytest.raises(ValueError, match="weight_decay_exempt takes embeddings, norms, biases or none"):
+        OptimizerConfig(weight_decay_exempt=["layernorms"])

@@ -105,7 +105,7 @@ JOB_FILE_DEFAULTS: tuple[str, ...] = (
     # that shape the training, in titan's spelling, applied under the file (--config RECIPE
     # given explicitly keeps that recipe's values instead).
     "--optimizer.lr", "8e-4", "--optimizer.beta1", "0.9", "--optimizer.beta2", "0.95",
-    "--optimizer.eps", "1e-8", "--optimizer.weight_decay", "0.1",
+    "--optimizer.eps", "1e-8", "--optimizer.weight_decay", "0.1", "--optimizer.weight_decay_exempt", "none",
     "--lr_scheduler.warmup_steps", "200", "--lr_scheduler.decay_ratio", "None",
     "--lr_scheduler.decay_type", "linear", "--lr_scheduler.min_lr_factor", "0.0",
     "--training.local_batch_size", "8", "--training.global_batch_size", "-1",

@@ -1,9 +1,10 @@
-"""AdamW with parameter groups that exempt norms, biases and embeddings from weight decay."""
+"""AdamW with parameter groups that exempt chosen kinds (norms, biases, embeddings by default)
+from weight decay."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -11,6 +12,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 Implementation = Literal["auto", "foreach", "fused", "for-loop"]
+
+
+EXEMPT_KINDS = ("embeddings", "norms", "biases")
+"""What ``--optimizer.weight_decay_exempt`` can name (all three by default)."""
 
 
 @dataclass(kw_only=True)
@@ -28,7 +33,12 @@ class OptimizerConfig:
     eps: float = 1e-8
     """AdamW denominator epsilon."""
     weight_decay: float = 0.1
-    """Decoupled weight decay; norms, biases and embeddings are exempt."""
+    """Decoupled weight decay, on every parameter but the kinds `weight_decay_exempt` names."""
+    weight_decay_exempt: list[str] = field(default_factory=lambda: list(EXEMPT_KINDS))
+    """Parameter kinds trained without weight decay: any of "embeddings" (the embedding
+    tables), "norms" (norm scales and other one-dimensional weights), "biases"; "none" decays
+    every parameter, as torchtitan does (transformers' Trainer exempts norms and biases;
+    Megatron-LM the same)."""
     implementation: Implementation = "auto"
     """Kernel: "fused" (one kernel for all params), "foreach" (batched), "for-loop";
     "auto" picks fused on CUDA and CPU (on CPU 4-6x faster than foreach, measured on the
@@ -44,27 +54,45 @@ class OptimizerConfig:
             raise ValueError(f"--optimizer.eps must be > 0, got {self.eps}")
         if self.weight_decay < 0:
             raise ValueError(f"--optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.weight_decay_exempt == ["none"]:
+            self.weight_decay_exempt = []
+        unknown = sorted(set(self.weight_decay_exempt) - set(EXEMPT_KINDS))
+        if unknown:
+            raise ValueError(f"--optimizer.weight_decay_exempt takes {', '.join(EXEMPT_KINDS)} or none, "
+                             f"got {unknown}")
 
 
-def split_decay_groups(modules: Iterable[nn.Module]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """Split trainable parameters into (decayed, exempt).
+def split_decay_groups(
+    modules: Iterable[nn.Module], exempt_kinds: Iterable[str] = EXEMPT_KINDS
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Split trainable parameters into (decayed, exempt), exempting the `exempt_kinds`.
 
-    Exempt: every parameter of an ``nn.Embedding`` and every parameter with fewer than two
-    dims (norm scales, biases). Decided by module type and shape, not by name, so it holds
-    for any model family and survives FSDP/TP wrapping.
+    Kinds: "embeddings" (every parameter of an ``nn.Embedding``), "biases" (parameters named
+    ``bias``), "norms" (every other parameter with fewer than two dims: norm scales). Decided
+    by module type, name and shape, so it holds for any model family and survives FSDP/TP
+    wrapping.
     """
+    kinds = set(exempt_kinds)
     decay: list[nn.Parameter] = []
     exempt: list[nn.Parameter] = []
     seen: set[int] = set()
     for root in modules:
         for module in root.modules():
-            for param in module.parameters(recurse=False):
+            for name, param in module.named_parameters(recurse=False):
                 if not param.requires_grad or id(param) in seen:
                     continue
                 seen.add(id(param))
-                is_exempt = isinstance(module, nn.Embedding) or param.ndim < 2
-                (exempt if is_exempt else decay).append(param)
+                (exempt if _kind(module, name, param) in kinds else decay).append(param)
     return decay, exempt
+
+
+def _kind(module: nn.Module, name: str, param: nn.Parameter) -> str | None:
+    """The exemptible kind of `module`'s parameter `name`, or None for a weight matrix."""
+    if isinstance(module, nn.Embedding):
+        return "embeddings"
+    if name == "bias":
+        return "biases"
+    return "norms" if param.ndim < 2 else None
 
 
 FUSED_BY_DEFAULT = ("cuda", "cpu")
@@ -90,7 +118,7 @@ def _by_tensor_kind(group: dict) -> list[dict]:
 
 def build_optimizer(cfg: OptimizerConfig, model_parts: list[nn.Module], device_type: str) -> torch.optim.Optimizer:
     """Build AdamW over every model part with decay/no-decay groups."""
-    decay, exempt = split_decay_groups(model_parts)
+    decay, exempt = split_decay_groups(model_parts, cfg.weight_decay_exempt)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": exempt, "weight_decay": 0.0},
