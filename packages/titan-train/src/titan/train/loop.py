@@ -42,6 +42,7 @@ from titan.train.metrics import MetricsLogger
 from titan.train.model_spec import ModelSpec
 from titan.train.preemption import PreemptionGuard, save_for_preemption
 from titan.train.profiling import StepProfiler
+from titan.train.run_lock import lock_run_folder
 
 logger = logging.getLogger("titan")
 
@@ -106,6 +107,16 @@ class TrainingLoop:
         self.model_spec = model_spec
         model_spec.check_flavor(config.model.flavor)
         self.check_config()
+        # Before anything is written: a second run in the same folder stops here.
+        self._folder_lock = lock_run_folder(config.job.dump_folder, rank=int(os.environ.get("RANK", "0") or 0))
+        try:
+            self._build(config, model_spec)
+        except BaseException:
+            self._folder_lock.release()
+            raise
+
+    def _build(self, config: Any, model_spec: ModelSpec) -> None:
+        """The tokenizer, the engine (model, parallelism, optimizer, checkpoints) and metrics."""
         self.tokenizer = config.tokenizer.build()
         self.vocab_size = config.model.resolve_vocab_size(self.tokenizer.vocab_size)
         self.engine = TrainingEngine.from_config(config, model_spec=model_spec, vocab_size=self.vocab_size,
@@ -416,6 +427,10 @@ class TrainingLoop:
         )
 
     def close(self) -> None:
-        """Drain checkpoint saves, close the progress bar and release the process group."""
-        self.metrics.close()
-        self.engine.close()
+        """Drain checkpoint saves, close the progress bar, release the process group and the
+        dump folder."""
+        try:
+            self.metrics.close()
+            self.engine.close()
+        finally:
+            self._folder_lock.release()
