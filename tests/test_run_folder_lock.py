@@ -2,7 +2,6 @@
 that run is gone the same command trains."""
 
 from forked_cli import run_titan
-
 from titan.train.run_lock import RunFolderLock
 
 FLAGS = ["train", "--config", "llama3_debug", "--model.flavor", "debugmodel_tiny", "--training.steps", "2",
