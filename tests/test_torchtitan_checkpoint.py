@@ -68,10 +68,11 @@ def save_torchtitan_step(folder, step: int, model: torch.nn.Module, *, release: 
     return path
 
 
-def load_into(model: torch.nn.Module, path: str, tmp_path, **config) -> None:
+def load_into(model: torch.nn.Module, path: str, tmp_path, hf_adapter=None, **config) -> None:
     """`model` warm-started from `path` the way the trainer does it."""
     manager = CheckpointManager(CheckpointConfig(initial_load_path=str(path), **config),
-                                dump_folder=str(tmp_path / "run"), states={}, model_parts=model)
+                                dump_folder=str(tmp_path / "run"), states={}, model_parts=model,
+                                hf_adapter=hf_adapter)
     try:
         assert manager.load() == 0
     finally:
@@ -225,3 +226,20 @@ def test_convert_hf_exports_a_torchtitan_checkpoint_that_transformers_loads(tmp_
     with torch.no_grad():
         diff = float((source.eval()(tokens) - hf_model(tokens).logits).abs().max())
     assert diff <= 1e-5, diff  # fp32, as the export test of titan's own checkpoints
+
+
+def test_a_torchtitan_checkpoint_folder_of_hugging_face_steps_loads_its_newest(tmp_path):
+    """torchtitan's `last_save_in_hf` steps: safetensors under Hub names, no config.json, in
+    `step-<N>` folders without titan's manifest; the folder given, the newest step is read."""
+    from titan.ckpt import save_hf
+    from titan.models.llama3 import LLAMA3_FLAVORS, Llama3StateDictAdapter
+
+    adapter = Llama3StateDictAdapter(LLAMA3_FLAVORS["debugmodel_tiny"])
+    source, older = _seeded("llama3", 5), _seeded("llama3", 6)
+    for step, model in ((10, older), (40, source)):
+        folder = tmp_path / "tt" / f"step-{step}"
+        save_hf(model.state_dict(), str(folder), adapter)
+        (folder / "config.json").unlink()
+    target = _seeded("llama3", 7)
+    load_into(target, tmp_path / "tt", tmp_path, hf_adapter=adapter, initial_load_in_hf=True)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in source.state_dict().items())

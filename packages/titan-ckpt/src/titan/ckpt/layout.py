@@ -62,13 +62,15 @@ def foreign_steps(folder: str) -> list[int]:
 
 def newest_step_folder(path: str) -> str:
     """`path` itself, or the newest step when it is a checkpoint folder: titan's complete
-    steps first, else the DCP steps another trainer (torchtitan) published under the same
-    names."""
+    steps first, else the steps (DCP or Hugging Face safetensors) another trainer (torchtitan)
+    published under the same names."""
     complete = complete_steps(path)
     if complete:
         return step_path(path, complete[-1])
-    dcp_steps = [s for s in foreign_steps(path) if os.path.isfile(os.path.join(step_path(path, s), ".metadata"))]
-    return step_path(path, dcp_steps[-1]) if dcp_steps else path
+    marks = (".metadata", "model.safetensors.index.json", "model.safetensors")  # DCP, Hugging Face
+    loadable = [s for s in foreign_steps(path)
+                if any(os.path.isfile(os.path.join(step_path(path, s), mark)) for mark in marks)]
+    return step_path(path, loadable[-1]) if loadable else path
 
 
 def _scan(folder: str, pattern: re.Pattern) -> list[tuple[int, str]]:

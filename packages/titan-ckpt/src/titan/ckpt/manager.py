@@ -234,10 +234,10 @@ class CheckpointManager:
         """Warm start from `--checkpoint.initial_load_path`."""
         if not os.path.exists(path):
             raise CheckpointError(f"--checkpoint.initial_load_path {path} does not exist")
+        path = layout.newest_step_folder(path)
         if self.config.initial_load_in_hf:
             self._load_hf_model(path)
             return
-        path = layout.newest_step_folder(path)
         metadata = os.path.join(path, DCP_METADATA)
         if os.path.isfile(metadata) and torchtitan.is_torchtitan_layout(
                 FileSystemReader(path).read_metadata().state_dict_metadata):
