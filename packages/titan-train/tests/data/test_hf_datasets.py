@@ -73,6 +73,38 @@ def test_missing_text_field_lists_columns(data_files, tmp_path):
         _first_stream(cfg, ByteTokenizer(), 8)
 
 
+def test_a_column_that_does_not_hold_text_is_refused(data_files, tmp_path):
+    """Its rows would be trained as their Python form ("7", "[{'role': ...}]")."""
+    cfg = _config("parquet", data_files["parquet"], tmp_path)
+    cfg.text_field = "id"
+    with pytest.raises(ValueError, match=r"text_field 'id' holds int64 values, not text.*text column \(body\)"):
+        _first_stream(cfg, ByteTokenizer(), 8)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' * 3)
+    cfg = _config("json", chats, tmp_path)
+    cfg.text_field = "messages"
+    with pytest.raises(ValueError, match=r"holds List values.*the dataset has none\); conversations train with `titan sft`"):
+        _first_stream(cfg, ByteTokenizer(), 8)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("json", '{"body": "fine"}\n{"body": "also fine"}\n{"body": broken}\n',
+     r"--dataset.path: \S+bad.jsonl line 3 is not valid JSON \(Expecting value"),
+    ("json", '{"body": "fine"}\n["a", "list"]\n', r"bad.jsonl line 2 is a JSON list, not an object"),
+    ("parquet", "not parquet at all", r"--dataset.path: \S+bad.parquet is not a readable Parquet file"),
+])
+def test_a_file_datasets_cannot_parse_is_named_with_its_line(name, content, message, data_files, tmp_path):
+    bad = tmp_path / f"bad.{'jsonl' if name == 'json' else name}"
+    bad.write_text(content)
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    good = folder / data_files[name].name
+    good.write_bytes(data_files[name].read_bytes())
+    (folder / bad.name).write_bytes(bad.read_bytes())
+    with pytest.raises(ValueError, match=message):
+        _first_stream(_config(name, folder, tmp_path), ByteTokenizer(), 8)
+
+
 def test_json_with_hf_tokenizer_resumes(data_files, tmp_path, hf_tokenizer_file):
     tok = HFTokenizer(hf_tokenizer_file)
     cfg = _config("json", data_files["json"], tmp_path, text_sample_by="line")

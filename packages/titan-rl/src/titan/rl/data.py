@@ -32,6 +32,7 @@ from titan.train.data.chat import (
 )
 from titan.train.data.sft_config import SFTDataConfig, SyntheticTaskConfig, resolve_record_files
 from titan.train.data.sft_sources import SyntheticSFTTask
+from titan.train.data.sources import load_local_files
 from titan.train.data.tokenizer import Tokenizer
 
 logger = logging.getLogger("titan")
@@ -124,10 +125,8 @@ def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: s
                   ) -> list[Prompt]:
     """Prompts of the JSONL or Parquet files at ``path`` (given by ``flag``; a folder in
     splits gives its train split, or ``held_out`` its validation/test split)."""
-    import datasets
-
     kind, files = resolve_record_files(path, flag=flag, held_out=held_out)
-    rows = datasets.load_dataset(kind, data_files=files, split="train")
+    rows = load_local_files(kind, files, flag=flag, split="train")
     for field_flag, dotted in (("prompt_field", cfg.prompt_field), ("answer_field", cfg.answer_field)):
         column = dotted.split(".")[0]
         if column not in rows.column_names and (field_flag == "prompt_field" or "." in dotted):

@@ -17,6 +17,7 @@ from titan.train.data.sources import (
     HFDatasetSource,
     StdlibSource,
     SyntheticSource,
+    load_local_files,
     resolve_data_files,
 )
 from titan.train.data.synthetic import SyntheticCorpus
@@ -70,9 +71,8 @@ def load_hf_dataset(cfg: DatasetConfig):
     if cfg.is_local:
         files = resolve_data_files(cfg.name, cfg.path)  # raises before datasets does any work
         extra = {"sample_by": cfg.text_sample_by} if cfg.name == "text" else {}
-        return datasets.load_dataset(
-            cfg.name, data_files=files, split=cfg.split, cache_dir=cfg.cache_dir, **extra
-        )
+        return load_local_files(cfg.name, files, flag="--dataset.path", split=cfg.split,
+                                cache_dir=cfg.cache_dir, **extra)
     try:
         return datasets.load_dataset(cfg.name, cfg.subset, split=cfg.split, cache_dir=cfg.cache_dir)
     except ConnectionError as err:  # offline, or no route to the Hub: name the flag and the ways out

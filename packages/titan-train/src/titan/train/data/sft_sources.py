@@ -11,6 +11,7 @@ from titan.train.data.chat import (
     resolve_chat_template,
 )
 from titan.train.data.sft_config import SFTDataConfig, resolve_record_files
+from titan.train.data.sources import load_local_files
 from titan.train.data.tokenizer import Tokenizer
 
 
@@ -156,14 +157,12 @@ def build_sft_source(cfg: SFTDataConfig, tokenizer: Tokenizer, *, held_out: bool
     task's held-out strings, or the rows of --sft_data.eval_path)."""
     if cfg.format == "synthetic":
         return SyntheticSFTTask(cfg, tokenizer, held_out=held_out)
-    import datasets  # deferred: importing it costs ~1 s, synthetic runs never need it
-
     if held_out and not cfg.eval_path:
         raise ValueError("held-out SFT examples need --sft_data.eval_path (JSONL in the --sft_data.format layout)")
     kind, files = (resolve_record_files(cfg.eval_path, flag="--sft_data.eval_path", held_out=True) if held_out
                    else resolve_record_files(cfg.path))
-    dataset = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cfg.cache_dir)
+    flag = "--sft_data.eval_path" if held_out else "--sft_data.path"
+    dataset = load_local_files(kind, files, flag=flag, split="train", cache_dir=cfg.cache_dir)
     # prompt_completion rows may be conversations too (TRL's conversational prompt-completion)
     template = resolve_chat_template(cfg.chat_template, tokenizer)
-    return JSONLSFTSource(dataset, cfg, tokenizer, template,
-                          flag="--sft_data.eval_path" if held_out else "--sft_data.path")
+    return JSONLSFTSource(dataset, cfg, tokenizer, template, flag=flag)

@@ -9,9 +9,12 @@ for a whole corpus.
 from __future__ import annotations
 
 import glob
+import gzip
+import json
 import os
 import sysconfig
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from titan.train.data.tokenizer import Tokenizer
@@ -119,6 +122,15 @@ class HFDatasetSource(TextSource):
                 f"--dataset.text_field {text_field!r} is not a column of the dataset; "
                 f"available columns: {', '.join(dataset.column_names)}"
             )
+        feature = dataset.features[text_field]
+        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+            kind = getattr(feature, "dtype", None) or type(feature).__name__
+            raise ValueError(
+                f"--dataset.text_field {text_field!r} holds {kind} values, not text: pretraining reads one "
+                f"string per row (its text would be the Python form of each value). Pick a text column "
+                f"({', '.join(_text_columns(dataset)) or 'the dataset has none'}); conversations train with "
+                "`titan sft`"
+            )
         # Selecting the column once avoids decoding every other column per access.
         self.dataset = dataset.select_columns([text_field])
         self.text_field = text_field
@@ -148,7 +160,7 @@ class HFDatasetSource(TextSource):
             value = self._block[index]
         else:
             value = self.dataset[index][self.text_field]
-        return "" if value is None else str(value)
+        return "" if value is None else value
 
 
 class SyntheticSource(DocumentSource):
@@ -163,6 +175,12 @@ class SyntheticSource(DocumentSource):
     def tokens(self, index: int) -> np.ndarray:
         """The corpus already produces tokenizer ids."""
         return self.corpus.tokens(index)
+
+
+def _text_columns(dataset) -> list[str]:
+    """The dataset's columns that hold strings."""
+    return [name for name, feature in dataset.features.items()
+            if getattr(feature, "dtype", None) in ("string", "large_string")]
 
 
 def resolve_data_files(name: str, path: str) -> list[str]:
@@ -201,3 +219,88 @@ def files_in_dir(directory: str, endings: tuple[str, ...]) -> list[str]:
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         found.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(endings))
     return sorted(found)
+
+
+def load_local_files(kind: str, files: list[str], *, flag: str, **kwargs: Any):
+    """``datasets.load_dataset(kind, data_files=files, **kwargs)``, except that a file it cannot
+    parse is a one-line ValueError naming ``flag``, the file and (JSON Lines) the line, instead
+    of `datasets`' DatasetGenerationError three tracebacks deep."""
+    import datasets  # deferred: importing it costs ~1 s
+
+    try:
+        return datasets.load_dataset(kind, data_files=files, **kwargs)
+    except Exception as err:  # DatasetGenerationError, or pyarrow's own while inferring the schema
+        problem = _unreadable(kind, files, err)
+        if problem is None:
+            raise
+        raise ValueError(f"{flag}: {problem}") from err
+
+
+def _unreadable(kind: str, files: list[str], err: BaseException) -> str | None:
+    """Which of `files` `datasets` failed on and why (looked for only after it failed); for a
+    generation error with no file to blame, its innermost cause; None for any other error."""
+    import datasets
+
+    finder = {"json": _bad_json_line, "parquet": _bad_parquet_file, "text": _bad_text_file}.get(kind)
+    for path in files:
+        problem = finder(path) if finder else None
+        if problem:
+            return problem
+    if not isinstance(err, datasets.exceptions.DatasetGenerationError):
+        return None
+    cause = err
+    while cause.__cause__ is not None or cause.__context__ is not None:
+        cause = cause.__cause__ or cause.__context__
+    return f"`datasets` could not read the {kind} files ({type(cause).__name__}: {cause})"
+
+
+def _open_text(path: str):
+    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+
+
+def _bad_json_line(path: str) -> str | None:
+    """The first line of a JSON Lines file that is not one JSON object; None when every line
+    is one, or the whole file is one JSON document (`datasets` reads those too)."""
+    try:
+        with _open_text(path) as f:
+            json.load(f)
+        return None
+    except (ValueError, UnicodeDecodeError):
+        pass
+    try:
+        with _open_text(path) as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    return f"{path} line {number} is not valid JSON ({exc}); each line must be one JSON object"
+                if not isinstance(record, dict):
+                    return (f"{path} line {number} is a JSON {type(record).__name__}, not an object; each "
+                            "line must be one JSON object")
+    except UnicodeDecodeError as exc:
+        return f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    return None
+
+
+def _bad_parquet_file(path: str) -> str | None:
+    """`path`'s problem when it is not a readable Parquet file, else None."""
+    import pyarrow.parquet as pq
+
+    try:
+        pq.ParquetFile(path).schema_arrow  # noqa: B018 - reading the footer is the check
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
+        return f"{path} is not a readable Parquet file ({exc})"
+    return None
+
+
+def _bad_text_file(path: str) -> str | None:
+    """`path`'s problem when it is not UTF-8 text, else None."""
+    try:
+        with _open_text(path) as f:
+            for _ in f:
+                pass
+    except UnicodeDecodeError as exc:
+        return f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    return None
