@@ -109,6 +109,25 @@ def test_tensorboard_events_equal_the_jsonl(tmp_path):
     _assert_same_series(_tensorboard_series(tmp_path / "tb" / "rank0"), expected)
 
 
+def test_a_resumed_run_replaces_the_rolled_back_steps_in_tensorboard(tmp_path):
+    """An attempt logged steps 1-3 and died; its relaunch resumed from step 1's checkpoint and
+    logged steps 2-3 again: TensorBoard shows the relaunch's values for them, once."""
+    pytest.importorskip("tensorboard")
+    _run_three_steps(_logger(tmp_path, enable_tensorboard=True))
+    relaunch = _logger(tmp_path, enable_tensorboard=True)
+    relaunch.start(1)
+    for step in (2, 3):
+        relaunch.record_tokens(10)
+        relaunch.clock.now += 1.0
+        relaunch.log(step=step, loss=10.0 * step, grad_norm=1.0, lr=1e-3)
+    relaunch.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb" / "rank0"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 2.5), (2, 20.0), (3, 30.0)]
+
+
 # ---- W&B: a real offline run, read back from its .wandb file ------------------------------
 
 def _wandb_records(run_file: Path) -> list:

@@ -194,6 +194,15 @@ class TensorBoardBackend:
         self.log_dir = log_dir
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
+    def resume_at(self, step: int) -> None:
+        """Training continues after ``step`` (a resumed run): TensorBoard drops the events an
+        earlier attempt logged past it (``purge_step``), whose training was rolled back, so
+        the curves do not double back over the redone steps."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=step + 1)
+
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         """Add one scalar per metric and flush, so a live TensorBoard sees every log step."""
         for key, value in scalars.items():
@@ -329,6 +338,10 @@ class MetricsLogger:
         from here)."""
         self._start_step = step
         self._start_time = self._last_log_time = self.clock()
+        if step > 0:
+            for backend in self._backends:
+                if isinstance(backend, TensorBoardBackend):
+                    backend.resume_at(step)
         if self._bar is not None:
             self._bar.update(step)
 
