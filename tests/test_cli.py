@@ -394,3 +394,11 @@ def test_dependent_flags_pass_with_what_they_need_and_plan_may_pin_layout_flags(
     # titan plan ranks the layouts a pinned schedule allows: its layout flags are exempt.
     parse_train_args(["--config", "llama3_debug", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
                      exempt_flags=("--parallelism.pipeline_parallel_schedule",))
+
+
+def test_python_dash_m_titan_is_the_command_line():
+    """`python -m titan ...` (and so `torchrun -m titan train ...`) runs the `titan` command."""
+    result = subprocess.run([sys.executable, "-m", "titan", "recipes"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "llama3_debug" in result.stdout
