@@ -68,6 +68,16 @@ def test_initial_load_path_that_is_not_a_checkpoint(tmp_path):
     run.manager.close()
 
 
+def test_a_hugging_face_folder_of_pytorch_pickles_is_refused_with_the_conversion(tmp_path):
+    folder = tmp_path / "old_hub_model"
+    folder.mkdir()
+    torch.save({"w": torch.zeros(2)}, folder / "pytorch_model.bin")
+    run = Run(_cfg(initial_load_path=str(folder), initial_load_in_hf=True), str(tmp_path), hf_adapter=object())
+    with pytest.raises(CheckpointError, match=r"PyTorch pickles \(pytorch_model.bin\).*save_pretrained"):
+        run.manager.load()
+    run.manager.close()
+
+
 def test_checkpoint_folder_that_is_a_file(tmp_path):
     (tmp_path / "checkpoint").write_text("")
     run = Run(_cfg(), str(tmp_path))

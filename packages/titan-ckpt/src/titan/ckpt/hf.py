@@ -175,6 +175,15 @@ def hf_weight_files(folder: str) -> list[str]:
     single = os.path.join(folder, SINGLE_FILE)
     if os.path.isfile(single):
         return [single]
+    pickles = sorted(name for name in os.listdir(folder) if name.startswith("pytorch_model") and name.endswith(".bin")) \
+        if os.path.isdir(folder) else []
+    if pickles:
+        raise CheckpointError(
+            f"{folder} holds its weights as PyTorch pickles ({pickles[0]}), which titan does not read: "
+            "loading a pickle can run any code it carries. Convert it once to safetensors, e.g. "
+            "`AutoModelForCausalLM.from_pretrained(folder).save_pretrained(out)` with transformers, "
+            "and point --checkpoint.initial_load_path at the result."
+        )
     raise CheckpointError(
         f"{folder} is not a Hugging Face checkpoint: it has neither {INDEX_FILE} nor "
         f"{SINGLE_FILE}. Point --checkpoint.initial_load_path at the folder holding the "
