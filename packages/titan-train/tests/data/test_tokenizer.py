@@ -64,6 +64,19 @@ def test_hf_malformed_file_names_path(tmp_path):
     assert str(bad) in str(info.value)
 
 
+@pytest.mark.parametrize("content, kind", [
+    # tiktoken's ranks file (Llama 3's original/tokenizer.model, named by torchtitan's earlier job files)
+    (b"IQ== 0\nIg== 1\nIw== 2\n", "a tiktoken BPE ranks file"),
+    # a SentencePiece ModelProto: field 1 (a piece) first
+    (b"\x0a\x09\x0a\x05<unk>\x15\x00\x00\x00\x00", "a SentencePiece model"),
+])
+def test_another_librarys_tokenizer_file_is_named_with_the_fix(tmp_path, content, kind):
+    path = tmp_path / "tokenizer.model"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"{kind}.*point --tokenizer.path at the tokenizer.json"):
+        HFTokenizer(path)
+
+
 def test_hf_without_eos_asks_for_flag(tmp_path):
     from tokenizers import Tokenizer, models
 

@@ -187,7 +187,28 @@ def _load_tokenizer_file(path: str):
     try:
         return _RustTokenizer.from_file(path)
     except Exception as e:  # the library raises bare Exceptions for malformed JSON
+        kind = _other_tokenizer_format(path)
+        if kind:
+            raise ValueError(
+                f"{path} is {kind}, not a Hugging Face tokenizer.json, which is what titan reads: "
+                "point --tokenizer.path at the tokenizer.json of the same Hub repository (Llama 3 "
+                "and 3.1 repositories hold one beside original/tokenizer.model)"
+            ) from e
         raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from e
+
+
+def _other_tokenizer_format(path: str) -> str | None:
+    """What `path` is when it is another library's tokenizer file (torchtitan's earlier
+    configs point at these), else None."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    first = head.split(b"\n", 1)[0].split(b" ")
+    if len(first) == 2 and first[1].isdigit() and first[0] and all(
+            chr(c).isalnum() or chr(c) in "+/=" for c in first[0]):
+        return "a tiktoken BPE ranks file (base64 token, rank per line: Llama 3's original/tokenizer.model)"
+    if head[:1] == b"\x0a":  # field 1 (the pieces) of a ModelProto
+        return "a SentencePiece model (a protobuf: Llama 2's and Mistral's tokenizer.model)"
+    return None
 
 
 def _tokens_from_tokenizer_config(directory: str) -> dict[str, str]:
