@@ -157,6 +157,10 @@ def parsed(*flags):
     (["--model.converters", "float8", "--float8.moe_fqns_prototype", "experts"], "quantize.grouped_mm.float8.fqns",
      ["experts"]),
     (["--float8.moe_fqns", "experts"], "quantize.grouped_mm.float8.fqns", []),
+    # Its attention masks: block_causal attends within each packed document.
+    (["--model.use_flex_attn", "--model.attn_mask_type", "block_causal"], "training.document_mask", True),
+    (["--model.use_flex_attn", "--model.attn_mask_type", "causal"], "training.document_mask", False),
+    (["--model.no_use_flex_attn"], "training.document_mask", False),
 ])
 def test_a_torchtitan_spelling_sets_the_field_it_means(flags, field, expected):
     config = parsed(*flags)
@@ -188,6 +192,7 @@ def test_an_every_nth_block_option_is_not_per_op():
     (["--training.dataset", "c4_test"], "--training.dataset_path"),
     (["--parallelism.disable_loss_parallel", "maybe"], "takes true or false"),
     (["--float8.force_recompute_fp8_weight_in_bwd"], "no titan equivalent"),
+    (["--model.attn_mask_type", "sliding"], "causal or block_causal"),
 ])
 def test_what_titan_cannot_honour_is_refused_with_the_reason(flags, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):

@@ -17,7 +17,9 @@ group), by rewriting them into titan's flags before they are parsed:
   would not convert either);
 - ``--training.dataset`` / ``--training.dataset_path`` and their ``--validation.*`` pair
   (``c4`` is the Hub's ``allenai/c4``, subset ``en``, as in torchtitan);
-- ``--model.tokenizer_path`` / ``--model.hf_assets_path`` (a Hugging Face tokenizer).
+- ``--model.tokenizer_path`` / ``--model.hf_assets_path`` (a Hugging Face tokenizer);
+- ``--model.attn_mask_type causal|block_causal`` (``--training.document_mask`` off / on) and
+  ``--model.use_flex_attn`` (a kernel choice: titan's SDPA computes the same attention).
 
 torchtitan fields titan has no feature for are accepted only with the value that asks for
 nothing (``--parallelism.enable_compiled_autograd false``); any other value is refused with the
@@ -189,6 +191,19 @@ def _selective_ac(values: list[str]) -> list[str]:
                       f"(checkpoint every N-th block), got {option!r}")
 
 
+def _attention_mask(values: list[str]) -> list[str]:
+    """torchtitan's ``attn_mask_type``: ``causal`` over the packed row, or ``block_causal``,
+    causal within each packed document (titan's ``--training.document_mask``; titan also
+    restarts RoPE positions per document, which changes no attention score: RoPE's scores
+    depend on the distance between tokens only)."""
+    mask = values[0] if values else ""
+    if mask == "causal":
+        return ["--training.no_document_mask"]
+    if mask == "block_causal":
+        return ["--training.document_mask"]
+    raise CompatError(f"--model.attn_mask_type takes causal or block_causal, got {mask!r}")
+
+
 def _dataset_flags(section: str, name: str | None, path: str | None) -> list[str]:
     """titan's flags for torchtitan's dataset name and local path."""
     label = "--training" if section == "--dataset" else "--validation"
@@ -300,6 +315,10 @@ def _translate_into(argv: Sequence[str], groups: _Groups) -> list[str]:
             groups.datasets.setdefault(section, {})[key] = values[0] if values else ""
         elif flag in TOKENIZER_FLAGS:
             out += ["--tokenizer.kind", "hf", "--tokenizer.path", *values]
+        elif base == "--model.use_flex_attn":
+            pass  # the kernel only: titan's SDPA computes the same attention
+        elif flag == "--model.attn_mask_type":
+            out += _attention_mask(values)
         elif base in NOTHING_ASKED:
             _nothing_asked(flag, values)
         else:
