@@ -71,6 +71,19 @@ def transformers_loss(folder: Path, *, router_aux_loss: bool = False) -> float:
     return float(loss)
 
 
+def transformers_router_loss(folder: Path) -> float:
+    """transformers' router balancing loss on the first batch, weighted by the config's
+    `router_aux_loss_coef`: the part of its loss that is auxiliary."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(first_batch()["input_ids"], output_router_logits=True)
+    return float(model.config.router_aux_loss_coef * out.aux_loss)
+
+
+def step_records(dump: Path) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
+
+
 def step_losses(dump: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     return {row["step"]: row["loss"] for row in rows}
@@ -330,6 +343,12 @@ def test_a_hub_moe_trains_from_its_config_with_transformers_first_loss(family, t
     expected = transformers_loss(src, router_aux_loss=family == "qwen3_moe")
     got = step_losses(dump)[1]
     assert abs(got - expected) <= 1e-5 * expected, (got, expected)
+    # The auxiliary part is logged on its own too: transformers' router loss for Qwen3-MoE;
+    # none for DeepSeek-V3, whose Hub config trains with its selection bias alone.
+    aux = step_records(dump)[1]["aux_loss"]
+    expected_aux = transformers_router_loss(src) if family == "qwen3_moe" else 0.0
+    assert abs(aux - expected_aux) <= 1e-5 * max(expected_aux, 1e-3), (aux, expected_aux)
+    assert family != "qwen3_moe" or expected_aux > 0.05  # coef 0.05 x a balance loss near top_k (2)
 
 
 def qwen3_moe_checkpoint(folder: Path) -> Path:

@@ -277,6 +277,7 @@ class TrainingEngine:
         self.dist_env = init_distributed(timeout_s=self.comm.init_timeout_seconds)
         setup_logging(self.dist_env.rank)
         self.device = self.dist_env.device
+        self._aux_loss_share: torch.Tensor | None = None  # this step's auxiliary losses (start_step)
         self._copy_to_device = BatchCopier(self.device)
         set_determinism(seed, deterministic, self.device)
         self.parallel_dims = ParallelDims.from_config(parallelism, world_size=self.dist_env.world_size)
@@ -369,9 +370,26 @@ class TrainingEngine:
 
     def start_step(self) -> None:
         """Before a step's forward: join the replica groups' quorum (with
-        ``--fault_tolerance.enable``; a rejoining group loads the live state here)."""
+        ``--fault_tolerance.enable``; a rejoining group loads the live state here), and start
+        the step's auxiliary-loss tally (:meth:`aux_loss_share`)."""
         if self.replicas is not None:
             self.replicas.start_step()
+        self._aux_loss_share = torch.zeros((), device=self.device)
+
+    def aux_loss_share(self) -> torch.Tensor:
+        """This rank's share, since :meth:`start_step`, of the auxiliary losses (an MoE
+        router's balancing loss) the returned losses of :meth:`forward_backward` include,
+        scaled alike: summed over the pipeline and data-parallel ranks it is the part of the
+        step's loss that is auxiliary. A device scalar (no host sync)."""
+        if self._aux_loss_share is None:
+            return torch.zeros((), device=self.device)
+        return self._aux_loss_share / self.data_parallel_grad_scale
+
+    def _tally_aux(self, value: torch.Tensor | float) -> None:
+        """Add a detached auxiliary term (already scaled) to the step's tally."""
+        if isinstance(value, torch.Tensor):
+            share = local_value(value.detach()).float()
+            self._aux_loss_share = share if self._aux_loss_share is None else self._aux_loss_share + share
 
     # ---- collectives that never return ----------------------------------------------------
 
@@ -589,7 +607,9 @@ class TrainingEngine:
                     logits = self.model_parts[0](batch["input_ids"], **self._model_kwargs(batch))
                 # The loss as a plain tensor: under loss parallel it is a replicated DTensor,
                 # and autograd cannot add it to a plain auxiliary loss in backward.
-                loss = local_value(loss_fn(logits, batch)) * scale + self._auxiliary_loss(self.model_parts, batch) * aux_scale
+                aux = self._auxiliary_loss(self.model_parts, batch) * aux_scale
+                loss = local_value(loss_fn(logits, batch)) * scale + aux
+                self._tally_aux(aux)
                 del logits  # free the largest activation before backward
                 loss.backward()
             loss = local_value(loss.detach())
@@ -830,7 +850,10 @@ class TrainingEngine:
             rows_batch = {k: v[rows] for k, v in batch.items()}
             loss = local_value(loss_fn(output, rows_batch)) * scale
             if aux_scale:
-                loss = loss + self._auxiliary_loss(self.model_parts[-1:], rows_batch) * aux_scale
+                aux = self._auxiliary_loss(self.model_parts[-1:], rows_batch) * aux_scale
+                loss = loss + aux
+                if backward:
+                    self._tally_aux(aux)
             return loss
 
         rows = torch.arange(batch["input_ids"].shape[0], device=self.device)
@@ -857,7 +880,9 @@ class TrainingEngine:
         # pipeline ranks, the rank losses give the whole objective, as without PP.
         total = torch.zeros((), device=self.device)
         if stage_aux is not None and stage_aux.values:
-            total = total + torch.stack(stage_aux.values).sum()
+            stage_total = torch.stack(stage_aux.values).sum()
+            self._tally_aux(stage_total)
+            total = total + stage_total
         if self.pp_has_last:
             total = total + torch.stack([local_value(x).detach() for x in losses]).sum()
         return total

@@ -63,6 +63,9 @@ class StepResult:
     """Global gradient norm before clipping (a device scalar on steps that did not sync)."""
     lr: float
     """The learning rate this step applied (the scheduler has moved on since)."""
+    rank_aux_loss: torch.Tensor | None = None
+    """This rank's share of the part of ``rank_loss`` that is auxiliary (an MoE router's
+    balancing loss; ``TrainingEngine.aux_loss_share``)."""
 
 
 def save_run_config(config: Any, *, rank: int) -> None:
@@ -283,7 +286,8 @@ class TrainingLoop:
             self._check_finite(float(rank_loss))
         lr = self.engine.lr_schedulers.last_lr()
         grad_norm = self.engine.optimizer_step(sync=sync)
-        return StepResult(rank_loss=rank_loss, rank_tokens=local_tokens, tokens=global_tokens, grad_norm=grad_norm, lr=lr)
+        return StepResult(rank_loss=rank_loss, rank_tokens=local_tokens, tokens=global_tokens, grad_norm=grad_norm, lr=lr,
+                          rank_aux_loss=self.engine.aux_loss_share())
 
     def device_tokens(self, microbatches: list[dict[str, torch.Tensor]]) -> int:
         """This device's share of the tokens of ``microbatches``: a data-parallel rank's tokens
@@ -301,6 +305,14 @@ class TrainingLoop:
         mean = float(self.engine.sum_over(rank_loss.clone(), "dp_cp"))
         rank_mean = self.engine.sum_over(rank_loss.clone(), "cp") * result.tokens / result.rank_tokens.clamp(min=1)
         return mean, float(reduce_max(rank_mean, self.parallel_dims.mesh("dp_cp")))
+
+    def global_aux_loss(self, result: StepResult) -> float:
+        """The part of the step's global loss that is auxiliary (summed as the loss is).
+        Collective: every rank calls it on the same steps."""
+        share = result.rank_aux_loss if result.rank_aux_loss is not None else torch.zeros((), device=self.engine.device)
+        if self.parallel_dims.pp_enabled:
+            share = self.engine.sum_over(share.clone(), "pp")  # each stage counts its own layers'
+        return float(self.engine.sum_over(share.clone(), "dp_cp"))
 
     def _check_finite(self, rank_loss: float) -> None:
         """Stop before the optimizer step on a non-finite loss on this rank (the engine's

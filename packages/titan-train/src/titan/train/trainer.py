@@ -14,7 +14,7 @@ import torch
 from titan.train.config import TrainerConfig
 from titan.train.data import build_dataloader, validate_data_config
 from titan.train.loop import StepResult, TrainingLoop
-from titan.train.model_spec import ModelSpec, ReportsExpertLoad
+from titan.train.model_spec import HasAuxLoss, ModelSpec, ReportsExpertLoad
 from titan.train.preemption import PreemptionGuard
 from titan.train.profiling import StepProfiler
 from titan.train.straggler import StragglerWatch
@@ -51,6 +51,9 @@ class Trainer(TrainingLoop):
             loader=self.validation_loader(),
         )
         self._unsynced_tokens = torch.zeros((), device=self.engine.device)
+        # Every part of one model is the same class, so every rank answers alike (the logging
+        # of the auxiliary loss is a collective).
+        self._has_aux_loss = any(isinstance(part, HasAuxLoss) for part in self.model_parts)
         self.stragglers = StragglerWatch(config.metrics.straggler_factor)
         self._unrecorded_steps: list[tuple[float, float]] = []
         self.log_start()
@@ -147,6 +150,9 @@ class Trainer(TrainingLoop):
 
     def _log(self, result: StepResult, validation: dict[str, float] | None = None) -> dict[str, Any]:
         loss, loss_max = self.global_loss(result)
+        # The routers' balancing loss is part of `loss` (as transformers' reports it): shown
+        # on its own too, for the models that have one.
+        aux = {"aux_loss": self.global_aux_loss(result)} if self._has_aux_loss else {}
         env = self.engine.dist_env
         self.stragglers.check(env.rank, env.world_size, self.engine.device)
         return self.log_step(
@@ -156,6 +162,7 @@ class Trainer(TrainingLoop):
             lr=result.lr,
             extra={
                 "loss_max": loss_max,
+                **aux,
                 "tokens_seen": self.train_state.tokens_seen,
                 **(validation or {}),
                 **self.log_extras(),
