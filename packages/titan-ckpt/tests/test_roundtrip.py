@@ -4,9 +4,10 @@ import os
 import random
 
 import numpy as np
+import pytest
 import torch
 from ckpt_testlib import Run, TinyLM, tensors_equal
-from titan.ckpt import CheckpointConfig, CheckpointManager
+from titan.ckpt import CheckpointConfig, CheckpointError, CheckpointManager
 
 
 def _cfg(**kw) -> CheckpointConfig:
@@ -118,12 +119,39 @@ def test_last_save_model_only_casts_and_loads(tmp_path):
     run = Run(cfg, str(tmp_path))
     run.train(3, last=3)
     run.manager.close()
-    fresh = Run(cfg, str(tmp_path), seed=3)
-    assert fresh.manager.load() == 3
+    # Its weights start a new run (another folder): counters fresh.
+    fresh = Run(_cfg(initial_load_path=str(tmp_path / "checkpoint" / "step-3")), str(tmp_path / "next"), seed=3)
+    assert fresh.manager.load() == 0
     for key, value in run.model.state_dict().items():
         assert torch.equal(fresh.model.state_dict()[key], value.to(torch.bfloat16).float()), key
     assert fresh.train_state.step == 0  # model only: counters start fresh
     fresh.manager.close()
+
+
+def test_a_run_extended_past_its_weights_only_last_save_continues_from_the_newest_full_step(tmp_path):
+    """A finished run's last save holds the weights only: run longer, it continues from the
+    step before (redoing the steps between), not from step 1 over its own checkpoints."""
+    cfg = _cfg(interval=2, last_save_model_only=True)
+    run = Run(cfg, str(tmp_path))
+    run.train(5, last=5)  # full steps 2 and 4, weights-only step 5
+    run.manager.close()
+    extended = Run(cfg, str(tmp_path), seed=3)
+    assert extended.manager.load() == 4
+    assert extended.train_state.step == 4
+    extended.manager.close()
+    with pytest.raises(CheckpointError, match=r"step 5 .* holds only model weights.*initial_load_path"):
+        Run(_cfg(load_step=5), str(tmp_path), seed=3).manager.load()
+
+
+def test_a_folder_whose_only_step_holds_weights_only_is_not_resumed_from_step_1(tmp_path):
+    cfg = _cfg(interval=10, last_save_model_only=True)
+    run = Run(cfg, str(tmp_path))
+    run.train(3, last=3)
+    run.manager.close()
+    again = Run(cfg, str(tmp_path), seed=3)
+    with pytest.raises(CheckpointError, match=r"step 3 .* holds only model weights.*--checkpoint.initial_load_path \S+step-3"):
+        again.manager.load()
+    again.manager.close()
 
 
 def test_exclude_from_loading_keeps_fresh_state(tmp_path):

@@ -177,8 +177,10 @@ class CheckpointManager:
         if partial:
             logger.warning("ignoring half-written steps %s in %s", partial, self.folder)
         if requested == -1:
-            return complete[-1] if complete else None
+            return self._newest_resumable(complete)
         if requested in complete:
+            if requested and self._weights_only(requested):
+                raise CheckpointError(self._weights_only_message(requested))
             return requested
         if requested in partial:
             raise CheckpointError(
@@ -189,6 +191,45 @@ class CheckpointManager:
         raise CheckpointError(
             f"--checkpoint.load_step {requested}: no such step in {self.folder}. Complete "
             f"steps: {complete or 'none'}."
+        )
+
+    def _newest_resumable(self, complete: list[int]) -> int | None:
+        """The newest step a run can continue from. A run's last save may hold the weights only
+        (``--checkpoint.last_save_model_only``, or Hugging Face safetensors): a run extended
+        past it (more ``--training.steps``) continues from the newest full step before it and
+        runs the steps between again (deterministic data, the same results), instead of
+        restarting at step 1 with a fresh optimizer, the data from its start, and saves that
+        replace the earlier steps. A seed checkpoint (step 0) is weights by design."""
+        if not complete:
+            return None
+        newest = complete[-1]
+        if newest == 0 or not self._weights_only(newest):
+            return newest
+        full = [step for step in complete if step and not self._weights_only(step)]
+        if not full:
+            raise CheckpointError(self._weights_only_message(newest))
+        logger.warning(
+            "step %d holds only model weights (the run's last save); resuming from step %d, the newest step "
+            "with the optimizer, data position and counters: steps %d-%d run again", newest, full[-1],
+            full[-1] + 1, newest,
+        )
+        return full[-1]
+
+    def _weights_only(self, step: int) -> bool:
+        """Whether complete step `step` holds the model weights only (no optimizer, data
+        position or counters)."""
+        return bool(layout.read_manifest(layout.step_path(self.folder, step)).get("model_only"))
+
+    def _weights_only_message(self, step: int) -> str:
+        path = layout.step_path(self.folder, step)
+        return (
+            f"step {step} in {self.folder} holds only model weights (a run's last save, "
+            "--checkpoint.last_save_model_only): its optimizer, data position and step count are "
+            "not there, so training cannot continue from it in this folder (it would start again "
+            "at step 1, over the data's start, and replace the folder's steps). Train on from its "
+            f"weights as a new run: --checkpoint.initial_load_path {path} with another "
+            "--checkpoint.folder (or --job.dump_folder); keep full last saves with "
+            "--checkpoint.no_last_save_model_only to continue a run later."
         )
 
     def _refuse_foreign_steps(self) -> None:
