@@ -94,10 +94,12 @@ def test_resaving_an_existing_step_replaces_it(tmp_path):
     first = Run(_cfg(interval=2), str(tmp_path))
     first.train(4)
     first.manager.close()
+    # Its step counter left out of loading, the next run counts from 0 again and saves steps
+    # 2 and 4 over the first run's.
     again = Run(_cfg(interval=2, exclude_from_loading=["train_state"]), str(tmp_path), seed=8)
-    assert again.manager.load(step=2) == 2
-    again.train_state.step = 2
-    again.train(2)  # saves step 4 again, over the first run's step 4
+    assert again.manager.load() == 4
+    assert again.train_state.step == 0
+    again.train(4)
     again.manager.close()
     assert again.manager.steps() == [2, 4]
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-4"]
@@ -191,3 +193,27 @@ def test_disabled_manager_neither_saves_nor_resumes(tmp_path):
     assert not (tmp_path / "checkpoint").exists()
     assert run.manager.load() is None
     run.manager.close()
+
+
+def test_going_back_to_an_earlier_step_sets_the_later_ones_aside(tmp_path):
+    """`load_step 2` of steps 2, 4, 6: the run continues from 2, and 4 and 6 (the abandoned
+    continuation) move to discarded-*/, so a later resume finds this continuation's newest
+    step, not step 6, and retention does not count them; nothing is deleted."""
+    run = Run(_cfg(interval=2, keep_latest_k=0), str(tmp_path))
+    run.train(6)
+    run.manager.close()
+    back = Run(_cfg(interval=2, keep_latest_k=0, load_step=2), str(tmp_path), seed=3)
+    assert back.manager.load() == 2
+    assert back.manager.steps() == [2, 4, 6]  # loading alone moves nothing
+    back.train_state.step = 2
+    back.train(2)  # saves step 4: the continuation's first save
+    back.manager.close()
+    assert back.manager.steps() == [2, 4]
+    folder = tmp_path / "checkpoint"
+    (aside,) = [p for p in folder.iterdir() if p.name.startswith("discarded-")]
+    assert sorted(p.name for p in aside.iterdir()) == ["step-4", "step-6"]
+    assert (aside / "step-6" / "titan_checkpoint.json").is_file()
+    latest = Run(_cfg(interval=2), str(tmp_path), seed=4)
+    assert latest.manager.load() == 4  # this continuation's, not the abandoned step 6
+    assert tensors_equal(latest.model.state_dict(), back.model.state_dict())
+    latest.manager.close()

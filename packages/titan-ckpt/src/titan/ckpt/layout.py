@@ -143,6 +143,21 @@ def publish(folder: str, step: int, manifest: dict[str, Any]) -> str:
     return final
 
 
+def set_aside(folder: str, steps: list[int]) -> str:
+    """Move the complete `steps` into a new ``<folder>/discarded-<UTC time>/`` (a name no step
+    pattern matches: never listed, loaded nor purged); returns that folder."""
+    target = os.path.join(folder, time.strftime("discarded-%Y%m%dT%H%M%SZ", time.gmtime()))
+    suffix = 0
+    while os.path.exists(target + (f"-{suffix}" if suffix else "")):
+        suffix += 1
+    target += f"-{suffix}" if suffix else ""
+    os.makedirs(target)
+    for step in steps:
+        os.rename(step_path(folder, step), os.path.join(target, f"step-{step}"))
+    _fsync_dir(folder)
+    return target
+
+
 def purge(folder: str, *, keep_latest_k: int, up_to_step: int) -> list[int]:
     """Delete complete steps beyond the newest `keep_latest_k` (0 keeps all) and leftovers of
     crashed saves at or below `up_to_step`; return the complete steps deleted.

@@ -88,6 +88,7 @@ class CheckpointManager:
         self.hf_export_files = tuple(hf_export_files)
         self.model = ModelWrapper(model_parts)
         self._rank, self._world_size = _rank_and_world()
+        self._abandoned_after: int | None = None  # the step a run was sent back to (load_step)
         self._rank_local = set(rank_local)
         self.states = self._collect_states(states, optimizers)
         self._pg = _checkpoint_group(collective_timeout)
@@ -160,6 +161,8 @@ class CheckpointManager:
             if chosen is not None:
                 self._load_step(chosen)
                 self._last_saved = chosen  # already on disk: no need to save it again
+                if requested != -1:  # sent back: later steps belong to the abandoned continuation
+                    self._abandoned_after = chosen
                 return chosen
         if self.config.initial_load_path:
             self._initial_load(self.config.initial_load_path)
@@ -192,6 +195,20 @@ class CheckpointManager:
             f"--checkpoint.load_step {requested}: no such step in {self.folder}. Complete "
             f"steps: {complete or 'none'}."
         )
+
+    def _set_aside_abandoned_steps(self) -> None:
+        """On rank 0, at the first save of a run sent back to an earlier step
+        (``--checkpoint.load_step``): the steps after that one belong to the continuation it
+        abandoned. Left in place, a later resume would pick the newest of them rather than this
+        run's, and retention would count them; they move into ``<folder>/discarded-<time>/``
+        (kept, never loaded nor purged). Loading alone moves nothing (a step may be loaded to
+        inspect it)."""
+        step, self._abandoned_after = self._abandoned_after, None
+        newer = [s for s in layout.complete_steps(self.folder) if s > step] if step is not None else []
+        if newer and self._rank == 0:
+            where = layout.set_aside(self.folder, newer)
+            logger.warning("this run continues from step %d: the later steps %s belong to the continuation it "
+                           "replaces; moved to %s (not resumed from, not purged)", step, newer, where)
 
     def _newest_resumable(self, complete: list[int]) -> int | None:
         """The newest step a run can continue from. A run's last save may hold the weights only
@@ -614,7 +631,9 @@ class CheckpointManager:
     # ----------------------------------------------------------------------------- publish
 
     def _begin(self, step: int) -> str:
-        """Rank 0 clears the step's temporary folder; everyone waits for it."""
+        """Rank 0 clears the step's temporary folder (and, on a run sent back to an earlier
+        step, sets the abandoned steps aside); everyone waits for it."""
+        self._set_aside_abandoned_steps()
         if self._rank == 0:
             layout.prepare_tmp(self.folder, step)
         self._barrier()
