@@ -36,18 +36,19 @@ MAX_NORM = 0.3  # below the natural grad norm (~0.8 at init), so clipping acts e
 EPS = 1e-5
 BETAS = (0.9, 0.95)
 # Five steps cover the three phases of the schedule: warmup (steps 1-2), stable (3), decay (4-5).
-STEPS, WARMUP, DECAY_RATIO, MIN_LR_FACTOR = 5, 2, 0.4, 0.1
+STEPS, WARMUP, DECAY_RATIO, MIN_LR_FACTOR = 5, 2, 0.6, 0.1
 RTOL = 1e-5
 
 
 def expected_lr(step: int) -> float:
-    """The LR of 1-based optimizer ``step``, from the schedule's definition: linear warmup from
-    peak/WARMUP to the peak, flat, then a sqrt decay over the last DECAY_RATIO of the steps down
-    to MIN_LR_FACTOR x peak."""
+    """The LR of 1-based optimizer ``step``, from the schedule's definition (torchtitan's):
+    linear warmup from peak/WARMUP to the peak, flat, then a sqrt decay over the last
+    DECAY_RATIO of the steps toward MIN_LR_FACTOR x peak, reached at a virtual step after the
+    last."""
     if step <= WARMUP:
         return PEAK_LR * step / WARMUP
     decay_steps = round(STEPS * DECAY_RATIO)
-    decay_start = STEPS - decay_steps
+    decay_start = STEPS + 1 - decay_steps
     if step <= decay_start:
         return PEAK_LR
     progress = (step - decay_start) / decay_steps
@@ -165,9 +166,11 @@ def runs(tmp_path_factory):
 
 
 def test_schedule_formula_covers_every_phase():
-    """The hand-written schedule itself: warmup, stable and a partial and a full decay."""
+    """The hand-written schedule itself: warmup, stable and two decay steps (3 decay steps, the
+    last a virtual one after the run, so the run's last step still learns)."""
     factors = [expected_lr(s) / PEAK_LR for s in range(1, STEPS + 1)]
-    assert factors == pytest.approx([0.5, 1.0, 1.0, 0.1 + 0.9 * (1 - math.sqrt(0.5)), 0.1])
+    decay = [0.1 + 0.9 * (1 - math.sqrt(k / 3)) for k in (1, 2)]
+    assert factors == pytest.approx([0.5, 1.0, 1.0, *decay])
 
 
 @pytest.mark.slow

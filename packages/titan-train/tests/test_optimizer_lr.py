@@ -67,16 +67,20 @@ def test_wsd_shape():
     factors = [wsd_factor(s, cfg=cfg, total_steps=100) for s in range(1, 101)]
     assert factors[0] == pytest.approx(0.1)
     assert factors[9] == pytest.approx(1.0)
-    assert all(f == 1.0 for f in factors[10:80])  # stable phase
-    assert factors[-1] == pytest.approx(0.1)  # decayed to min_lr_factor
-    assert all(a >= b for a, b in zip(factors[80:], factors[81:], strict=False))
+    assert all(f == 1.0 for f in factors[10:81])  # stable phase, through step 81
+    # 20 decay steps, the last a virtual 101st: step 100 is 19/20 of the way to min_lr_factor.
+    assert factors[-1] == pytest.approx(0.1 + 0.9 * (1 / 20))
+    assert all(a > b for a, b in zip(factors[80:], factors[81:], strict=False))
 
 
 @pytest.mark.parametrize("decay_type", ["linear", "sqrt", "cosine"])
 def test_decay_types_end_at_min(decay_type):
     cfg = LRSchedulerConfig(warmup_steps=0, decay_type=decay_type, min_lr_factor=0.0)
-    assert wsd_factor(50, cfg=cfg, total_steps=50) == pytest.approx(0.0, abs=1e-12)
-    mid = wsd_factor(25, cfg=cfg, total_steps=50)
+    # Decay over 50 steps from step 1 (at the peak) to a virtual step 51 (at the minimum).
+    assert wsd_factor(1, cfg=cfg, total_steps=50) == 1.0
+    assert wsd_factor(51, cfg=cfg, total_steps=50) == pytest.approx(0.0, abs=1e-12)
+    assert wsd_factor(50, cfg=cfg, total_steps=50) > 0  # the last step still learns
+    mid = wsd_factor(26, cfg=cfg, total_steps=50)
     expected = {"linear": 0.5, "sqrt": 1 - math.sqrt(0.5), "cosine": 0.5}[decay_type]
     assert mid == pytest.approx(expected)
 
@@ -91,7 +95,22 @@ def test_scheduler_drives_optimizer_lr():
         opt.step()
         sched.step()
     assert seen[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
-    assert seen[4] == pytest.approx(0.75)  # decay after warmup (decay_ratio None)
+    # decay_ratio None: decay over the 4 steps after warmup, the first still at the peak, the
+    # last at 1/4 (torchtitan's schedule, computed by hand from its definition).
+    assert seen[4:] == pytest.approx([1.0, 0.75, 0.5, 0.25])
+
+
+def test_the_schedule_is_torchtitans_step_for_step():
+    """torchtitan's linear_warmup_stable_decay, written out by hand for 10 steps, warmup 2:
+    warmup 1/2, 2/2; decay_ratio None: 8 decay steps with a virtual last one, the first held
+    at the peak; decay_ratio 0.5: 5 decay steps at the end."""
+    cfg = LRSchedulerConfig(warmup_steps=2)
+    assert [wsd_factor(s, cfg=cfg, total_steps=10) for s in range(1, 11)] == pytest.approx(
+        [0.5, 1.0, 1.0, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8])
+    cfg = LRSchedulerConfig(warmup_steps=2, decay_ratio=0.5, min_lr_factor=0.2)
+    tail = [0.2 + 0.8 * (1 - k / 5) for k in range(1, 5)]
+    assert [wsd_factor(s, cfg=cfg, total_steps=10) for s in range(1, 11)] == pytest.approx(
+        [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, *tail])
 
 
 def test_lr_config_validation():

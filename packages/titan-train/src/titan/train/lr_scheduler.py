@@ -18,17 +18,20 @@ class LRSchedulerConfig:
     """Warmup–stable–decay schedule (``--lr_scheduler.*``).
 
     The LR rises linearly over ``warmup_steps``, stays at the peak, then decays over the last
-    ``decay_ratio`` of training to ``min_lr_factor`` times the peak.
+    ``decay_ratio`` of training toward ``min_lr_factor`` times the peak, torchtitan's schedule
+    step for step: the decay ends one step after the last (its "virtual last step"), so the
+    last step still learns, as with transformers' linear schedule.
     """
 
     warmup_steps: int = 200
     """Steps of linear warmup from lr/warmup_steps to the peak."""
     decay_ratio: float | None = None
-    """Fraction of all steps spent decaying at the end; None decays over every step after warmup."""
+    """Fraction of all steps spent decaying at the end; None decays over every step after warmup
+    (the first of them still at the peak, as in torchtitan)."""
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
     """Shape of the decay."""
     min_lr_factor: float = 0.0
-    """Final LR as a fraction of the peak."""
+    """The LR the decay heads for, as a fraction of the peak (reached one step after the run)."""
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0:
@@ -48,7 +51,9 @@ def wsd_factor(step: int, *, cfg: LRSchedulerConfig, total_steps: int) -> float:
     after_warmup = total_steps - warmup
     decay_steps = after_warmup if cfg.decay_ratio is None else round(total_steps * cfg.decay_ratio)
     decay_steps = min(decay_steps, after_warmup)
-    decay_start = total_steps - decay_steps
+    # The decay's last step is a virtual one after the run's: the run's last step decays to
+    # (decay_steps - 1) / decay_steps of the way, never to a zero LR that would waste it.
+    decay_start = total_steps + 1 - decay_steps
     if step <= decay_start or decay_steps == 0:
         return 1.0
     progress = min((step - decay_start) / decay_steps, 1.0)
