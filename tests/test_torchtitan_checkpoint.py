@@ -22,15 +22,22 @@ import torch.distributed.checkpoint as dcp
 from forked_cli import run_titan
 from launching import launch_train_runs
 from titan.ckpt import CheckpointConfig, CheckpointError, CheckpointManager
-from titan.models.deepseek_v3 import build_deepseek_v3
-from titan.models.llama3 import build_llama3
-from titan.models.qwen3_moe import build_qwen3_moe
+from titan.models.deepseek_v3 import DeepseekV3StateDictAdapter, build_deepseek_v3
+from titan.models.llama3 import Llama3StateDictAdapter, build_llama3
+from titan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter
+from titan.models.qwen3_moe import Qwen3MoeStateDictAdapter, build_qwen3_moe
 
 BUILDERS = {
     "llama3": lambda: build_llama3("debugmodel_tiny"),
     "qwen3_moe": lambda: build_qwen3_moe("debugmodel", dim=64, n_layers=2),
     "deepseek_v3": lambda: build_deepseek_v3("debugmodel", n_layers=2),
 }
+ADAPTERS = {"llama3": Llama3StateDictAdapter, "qwen3_moe": Qwen3MoeStateDictAdapter,
+            "deepseek_v3": DeepseekV3StateDictAdapter}
+HALF_SPLIT_FAMILIES = ("qwen3", "qwen3_moe")
+"""torchtitan's Qwen3 models rotate the two halves of each head (as the Hub does), so their
+checkpoints hold the q/k rows and q/k norm weights in that layout; its Llama 3 and DeepSeek-V3
+rotate interleaved pairs, as titan does."""
 _EXPERT_AXES = {"w1": "w1_EFD", "w2": "w2_EDF", "w3": "w3_EFD"}
 
 
@@ -52,11 +59,24 @@ def torchtitan_name(fqn: str, release: str, family: str) -> str:
     return ".".join(parts)
 
 
+def torchtitan_layout(fqn: str, value: torch.Tensor, family: str, head_dim: int) -> torch.Tensor:
+    """`value` (titan's layout) as torchtitan's `family` stores it: for Qwen3, each head's
+    channels (pair i: 2i, 2i+1) regrouped into two halves (i, head_dim/2 + i)."""
+    parts = fqn.split(".")
+    rotated = parts[2:3] == ["attention"] and parts[3] in ("wq", "wk", "q_norm", "k_norm")
+    if family not in HALF_SPLIT_FAMILIES or not rotated:
+        return value
+    rest = value.shape[1:]
+    return value.reshape(-1, head_dim // 2, 2, *rest).transpose(1, 2).reshape(value.shape).contiguous()
+
+
 def save_torchtitan_step(folder, step: int, model: torch.nn.Module, *, release: str, family: str,
                          drop: tuple[str, ...] = (), extra: dict | None = None) -> str:
-    """Write `model`'s weights as torchtitan's step `step` under `folder` (with its training
-    states beside them, as a full torchtitan checkpoint holds)."""
-    weights = {torchtitan_name(k, release, family): v for k, v in model.state_dict().items() if k not in drop}
+    """Write `model`'s weights as torchtitan's step `step` under `folder`, in its names and
+    layout (with its training states beside them, as a full torchtitan checkpoint holds)."""
+    head_dim = getattr(model.args, "head_dim", 0)
+    weights = {torchtitan_name(k, release, family): torchtitan_layout(k, v, family, head_dim)
+               for k, v in model.state_dict().items() if k not in drop}
     states = {
         "optimizer": {"state": {"tok_embeddings.weight": {"step": torch.tensor(3.0)}}},
         "lr_scheduler": {"last_epoch": step},
@@ -83,10 +103,13 @@ def _seeded(family: str, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = BUILDERS[family]()
     model.init_weights() if hasattr(model, "init_weights") else None
-    with torch.no_grad():  # a bias away from zero, so that loading it is seen
+    with torch.no_grad():  # a bias away from zero and norms away from one, so that loading them is seen
         for name, buf in model.named_buffers():
             if name.endswith("expert_bias"):
                 buf.copy_(torch.randn_like(buf))
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.2)
     return model
 
 
@@ -96,7 +119,8 @@ def test_the_weights_of_a_torchtitan_checkpoint_load_into_the_same_titan_model(t
     source, target = _seeded(family, 0), _seeded(family, 1)
     save_torchtitan_step(tmp_path / "tt", 0, _seeded(family, 2), release=release, family=family)
     save_torchtitan_step(tmp_path / "tt", 20, source, release=release, family=family)
-    load_into(target, tmp_path / "tt", tmp_path)  # the checkpoint folder: its newest step
+    # The checkpoint folder: its newest step, through the family's adapter, as the trainer loads.
+    load_into(target, tmp_path / "tt", tmp_path, hf_adapter=ADAPTERS[family](target.args))
 
     expected, loaded = source.state_dict(), target.state_dict()
     assert expected.keys() == loaded.keys()
@@ -116,7 +140,7 @@ def test_an_absent_balancing_bias_stays_zero_and_everything_else_loads(tmp_path)
         for name, buf in target.named_buffers():
             if name.endswith("expert_bias"):
                 buf.zero_()
-    load_into(target, path, tmp_path)
+    load_into(target, path, tmp_path, hf_adapter=DeepseekV3StateDictAdapter(target.args))
     loaded = target.state_dict()
     assert all(torch.count_nonzero(loaded[k]) == 0 for k in biases)
     assert all(torch.equal(v, loaded[k]) for k, v in source.state_dict().items() if k not in biases)
@@ -243,3 +267,54 @@ def test_a_torchtitan_checkpoint_folder_of_hugging_face_steps_loads_its_newest(t
     target = _seeded("llama3", 7)
     load_into(target, tmp_path / "tt", tmp_path, hf_adapter=adapter, initial_load_in_hf=True)
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in source.state_dict().items())
+
+
+def _hub_qwen3(tmp_path):
+    """A transformers Qwen3 (q/k norms, rotate-half RoPE, GQA) and its weights under the names
+    torchtitan 0.3 saves (its Qwen3 keeps the Hub's q/k layout: no row moves)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(11)
+    config = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=128, rope_theta=1e6, tie_word_embeddings=False)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # norm scales away from 1, so that their channel order matters
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.2)
+    names = {"self_attn.q_proj": "attention.qkv_linear.wq", "self_attn.k_proj": "attention.qkv_linear.wk",
+             "self_attn.v_proj": "attention.qkv_linear.wv", "self_attn.o_proj": "attention.wo",
+             "self_attn.q_norm": "attention.q_norm", "self_attn.k_norm": "attention.k_norm",
+             "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2",
+             "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
+    weights = {}
+    for key, value in model.state_dict().items():
+        if key.startswith("model.layers."):
+            _, _, layer, *rest = key.split(".")
+            module, leaf = ".".join(rest[:-1]), rest[-1]
+            weights[f"layers.{layer}.{names[module]}.{leaf}"] = value
+        else:
+            weights[{"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+                     "lm_head.weight": "lm_head.weight"}[key]] = value
+    dcp.save({**weights, "train_state": {"step": 7}}, checkpoint_id=str(tmp_path / "tt" / "step-7"), no_dist=True)
+    return model, config
+
+
+def test_a_torchtitan_qwen3_checkpoint_computes_transformers_logits_in_titan(tmp_path):
+    """The outside reference: transformers' Qwen3 with the weights a torchtitan Qwen3 checkpoint
+    holds (the Hub's rotate-half layout). Loaded by name alone, titan's interleaved RoPE would
+    pair the wrong channels: the q/k rows and norms are permuted on the way in."""
+    reference, config = _hub_qwen3(tmp_path)
+    adapter_args = Qwen3StateDictAdapter.args_from_hf_config(config.to_dict())
+    titan = Qwen3Model(adapter_args)
+    load_into(titan, tmp_path / "tt", tmp_path, hf_adapter=Qwen3StateDictAdapter(adapter_args))
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = titan.eval()(tokens), reference(tokens).logits
+    diff = float((ours - theirs).abs().max())
+    assert diff <= 1e-5, diff  # fp32, as the exports' transformers checks
+    # Without the permutation the model is another one.
+    unpermuted = Qwen3Model(adapter_args)
+    load_into(unpermuted, tmp_path / "tt", tmp_path)  # no adapter: names only
+    with torch.no_grad():
+        assert float((unpermuted.eval()(tokens) - theirs).abs().max()) > 1e-2

@@ -348,7 +348,9 @@ class CheckpointManager:
         with _quiet_single_process(), _load_errors(path):
             dcp.load(renamed, storage_reader=reader, planner=_SafeLoadPlanner(),
                      process_group=self._pg, no_dist=self._pg is None)
-        self.states["model"].load_state_dict({k: renamed[names[k]] for k in value if k in names})
+        loaded = {k: renamed[names[k]] for k in value if k in names}
+        self._relayout_torchtitan(loaded)
+        self.states["model"].load_state_dict(loaded)
         zeros = [k for k in value if k not in names and torchtitan.zero_when_absent(k)]
         if zeros:
             logger.info("%s has no balancing bias for %s (torchtitan's run used none): they stay "
@@ -406,6 +408,20 @@ class CheckpointManager:
                 )
                 break
         self._raise_if_any(problem)
+
+    def _relayout_torchtitan(self, values: dict[str, Any]) -> None:
+        """Put the entries a torchtitan checkpoint holds in another layout than titan's into
+        titan's, through the family's adapter (``torchtitan_layout_keys`` / ``from_torchtitan``;
+        e.g. Qwen3's q/k rows: torchtitan's Qwen3 rotates the halves of each head). A sharded
+        entry is gathered whole for its permutation and sharded again: a collective among the
+        ranks that hold it, all of which call this with the same keys."""
+        adapter = self.hf_adapter
+        if adapter is None or not hasattr(adapter, "torchtitan_layout_keys"):
+            return
+        for key in sorted(adapter.torchtitan_layout_keys(list(values))):
+            value = values[key]
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            values[key] = _like(adapter.from_torchtitan({key: whole})[key], value)
 
     def _raise_if_any(self, problem: str | None) -> None:
         """Raise `CheckpointError` on every rank when any rank found a problem (the lowest

@@ -76,7 +76,7 @@ class Llama3StateDictAdapter:
                 if _EMBED in state_dict:
                     continue  # the same matrix, written once as the embedding
                 key = _EMBED  # a piece holding only the output still carries the shared matrix
-            if _is_rotated(key):
+            if is_rope_rotated(key):
                 value = interleaved_to_half_split(value, self.args.head_dim)
             out[self._hf_key(key)] = value
         return out
@@ -88,7 +88,7 @@ class Llama3StateDictAdapter:
             if _HF_DERIVED.fullmatch(key):
                 continue
             titan_key = self._titan_key(key)
-            if _is_rotated(titan_key):
+            if is_rope_rotated(titan_key):
                 value = half_split_to_interleaved(value, self.args.head_dim)
             out[titan_key] = value
         self._fill_tied_output(out)
@@ -216,7 +216,7 @@ def _check_supported(cfg: dict[str, Any]) -> None:
         )
 
 
-def _is_rotated(titan_key: str) -> bool:
+def is_rope_rotated(titan_key: str) -> bool:
     """Whether the rows of this titan parameter follow the RoPE channel layout (wq, wk)."""
     block = _TITAN_BLOCK.fullmatch(titan_key)
     return block is not None and block.group(2) in _ROTATED

@@ -10,6 +10,7 @@ head's channels permuted, which leaves the q.k attention scores unchanged.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from titan.models.common.hf_config import decoder_hf_config
@@ -17,6 +18,7 @@ from titan.models.llama3.adapter import (
     Llama3StateDictAdapter,
     half_split_to_interleaved,
     interleaved_to_half_split,
+    is_rope_rotated,
 )
 from titan.models.qwen3.args import Qwen3Args
 
@@ -64,6 +66,17 @@ class Qwen3StateDictAdapter(Llama3StateDictAdapter):
             if _TITAN_HEAD_NORM.fullmatch(key):
                 out[key] = half_split_to_interleaved(value, self.args.head_dim)
         return out
+
+    def torchtitan_layout_keys(self, keys: Iterable[str]) -> list[str]:
+        """The entries of `keys` (titan names) a torchtitan checkpoint holds in another layout:
+        the q/k projection rows and the q/k norm weights. torchtitan's Qwen3 (every release)
+        rotates the two halves of each head, as the Hub does; titan rotates interleaved pairs."""
+        return [k for k in keys if is_rope_rotated(k) or _TITAN_HEAD_NORM.fullmatch(k)]
+
+    def from_torchtitan(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Those entries (whole tensors, titan names) in titan's layout: the Hub's permutation,
+        as in `from_hf`."""
+        return {key: half_split_to_interleaved(value, self.args.head_dim) for key, value in state_dict.items()}
 
     def hf_config(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """A `config.json` dict for `Qwen3ForCausalLM` (`transformers.Qwen3Config(**d)` accepts it)."""
