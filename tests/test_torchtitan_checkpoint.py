@@ -318,3 +318,21 @@ def test_a_torchtitan_qwen3_checkpoint_computes_transformers_logits_in_titan(tmp
     load_into(unpermuted, tmp_path / "tt", tmp_path)  # no adapter: names only
     with torch.no_grad():
         assert float((unpermuted.eval()(tokens) - theirs).abs().max()) > 1e-2
+
+
+def test_convert_hf_exports_a_torchtitan_qwen3_checkpoint_in_the_hubs_layout(tmp_path):
+    """to-hf of a torchtitan Qwen3 checkpoint: its q/k rows are already in the Hub's layout, so
+    they must come out as they went in (converted to titan's on reading, back on writing)."""
+    transformers = pytest.importorskip("transformers")
+    reference, config = _hub_qwen3(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    spec = importlib.util.spec_from_file_location("convert_hf", Path(__file__).parents[1] / "tools" / "convert_hf.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.main(["to-hf", str(tmp_path / "tt"), str(tmp_path / "hf"), "--model", "qwen3",
+               "--hf-config", str(tmp_path / "config.json")])
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        diff = float((exported(tokens).logits - reference(tokens).logits).abs().max())
+    assert diff <= 1e-5, diff

@@ -3,7 +3,8 @@
     python tools/convert_hf.py to-hf   CKPT   OUT --model llama3
     python tools/convert_hf.py from-hf HF_DIR OUT --model llama3
 
-CKPT is a DCP step folder or a checkpoint folder (its latest complete step is used). OUT of
+CKPT is a DCP step folder or a checkpoint folder (its latest complete step is used), titan's or
+torchtitan's (its names and, for Qwen3, its q/k layout are converted on reading). OUT of
 `from-hf` is a model-only DCP step folder usable as `--checkpoint.initial_load_path`.
 
 `--model` names a family (llama3, qwen3, qwen3_moe, deepseek_v3); `--adapter module:Class` names any adapter instead. The
@@ -87,7 +88,7 @@ def to_hf(args: argparse.Namespace) -> None:
         config = os.path.join(step, "config.json")  # written by titan next to the weights
     adapter = build_adapter(args.adapter, hf_config=config, flavors=args.flavors,
                             flavor=args.flavor)
-    state = load_dcp_model(step)
+    state = load_dcp_model(step, adapter)  # the adapter puts a torchtitan checkpoint's layout right
     # The step's config.json (titan's, or one from-hf kept) lends the keys the adapter does not
     # write: special tokens, generation settings.
     save_hf(state, args.out, adapter, args.dtype, max_shard_bytes=args.max_shard_bytes, config_source=step)

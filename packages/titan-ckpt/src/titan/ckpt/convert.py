@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,10 +31,12 @@ def resolve_step_folder(path: str) -> str:
     )
 
 
-def load_dcp_model(path: str) -> dict[str, torch.Tensor]:
-    """The full model weights (`{fqn: tensor}` on CPU, titan's names) of a DCP checkpoint,
-    titan's or torchtitan's (`titan.ckpt.torchtitan`), without a model: the tensors are
-    allocated from the checkpoint's metadata."""
+def load_dcp_model(path: str, adapter: Any | None = None) -> dict[str, torch.Tensor]:
+    """The full model weights (`{fqn: tensor}` on CPU, titan's names and layout) of a DCP
+    checkpoint, titan's or torchtitan's (`titan.ckpt.torchtitan`), without a model: the tensors
+    are allocated from the checkpoint's metadata. A torchtitan checkpoint's entries in another
+    layout than titan's (Qwen3's q/k rows) are converted by the family `adapter`
+    (``torchtitan_layout_keys`` / ``from_torchtitan``); pass it for those families."""
     folder = resolve_step_folder(path)
     reader = FileSystemReader(folder)
     metadata = reader.read_metadata().state_dict_metadata
@@ -53,7 +56,10 @@ def load_dcp_model(path: str) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(request, storage_reader=reader, no_dist=True)
-    return {name: template[key] for name, key in names.items()}
+    weights = {name: template[key] for name, key in names.items()}
+    if flat and adapter is not None and hasattr(adapter, "torchtitan_layout_keys"):
+        weights.update(adapter.from_torchtitan({k: weights[k] for k in adapter.torchtitan_layout_keys(list(weights))}))
+    return weights
 
 
 def save_dcp_model(state_dict: dict[str, torch.Tensor], folder: str, *, step: int = 0) -> str:
