@@ -102,7 +102,6 @@ def load_into(model: torch.nn.Module, path: str, tmp_path, hf_adapter=None, **co
 def _seeded(family: str, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = BUILDERS[family]()
-    model.init_weights() if hasattr(model, "init_weights") else None
     with torch.no_grad():  # a bias away from zero and norms away from one, so that loading them is seen
         for name, buf in model.named_buffers():
             if name.endswith("expert_bias"):

@@ -57,8 +57,9 @@ def load_dcp_model(path: str, adapter: Any | None = None) -> dict[str, torch.Ten
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(request, storage_reader=reader, no_dist=True)
     weights = {name: template[key] for name, key in names.items()}
-    if flat and adapter is not None and hasattr(adapter, "torchtitan_layout_keys"):
-        weights.update(adapter.from_torchtitan({k: weights[k] for k in adapter.torchtitan_layout_keys(list(weights))}))
+    relayout = torchtitan.relayout_keys(adapter, weights) if flat else []
+    if relayout:
+        weights.update(adapter.from_torchtitan({k: weights[k] for k in relayout}))
     return weights
 
 

@@ -296,16 +296,17 @@ class CheckpointManager:
         if self.config.initial_load_in_hf:
             self._load_hf_model(path)
             return
-        metadata = os.path.join(path, DCP_METADATA)
-        if os.path.isfile(metadata) and torchtitan.is_torchtitan_layout(
-                FileSystemReader(path).read_metadata().state_dict_metadata):
-            self._load_torchtitan_model(path)
-            return
+        if os.path.isfile(os.path.join(path, DCP_METADATA)):
+            reader = FileSystemReader(path)
+            saved = reader.read_metadata().state_dict_metadata
+            if torchtitan.is_torchtitan_layout(saved):
+                self._load_torchtitan_model(path, reader, saved)
+                return
         names = ["model"] if self.config.initial_load_model_only else self._names_to_load()
         self._dcp_load(path, names)
         logger.info("initial load of %s from %s", names, path)
 
-    def _load_torchtitan_model(self, path: str) -> None:
+    def _load_torchtitan_model(self, path: str, reader: FileSystemReader, saved: Any) -> None:
         """Warm start from the weights of a torchtitan step folder (`titan.ckpt.torchtitan`).
 
         Every weight of this model must be there and every weight there must have a place
@@ -318,14 +319,11 @@ class CheckpointManager:
                 "Drop --checkpoint.initial_load_model_only false; the optimizer and counters "
                 "start fresh."
             )
-        reader = FileSystemReader(path)
-        saved = reader.read_metadata().state_dict_metadata
         value = self.states["model"].state_dict()
         # Under pipeline parallel a rank holds some stages only: a weight is unused when no
-        # rank's stages read it.
+        # rank's stages read it (and a missing one is reported by every rank alike).
         everyone = sorted({k for keys in self._all_gather(sorted(value)) for k in keys})
-        names, _, unused = torchtitan.match_model_entries(everyone, saved)
-        _, missing, _ = torchtitan.match_model_entries(value, saved)
+        names, missing, unused = torchtitan.match_model_entries(everyone, saved)
         renamed = {names[k]: v for k, v in value.items() if k in names}
         problem = None
         try:  # shapes first: "[320, 64] there but [2048, 64] here" names another size best
@@ -415,13 +413,10 @@ class CheckpointManager:
         e.g. Qwen3's q/k rows: torchtitan's Qwen3 rotates the halves of each head). A sharded
         entry is gathered whole for its permutation and sharded again: a collective among the
         ranks that hold it, all of which call this with the same keys."""
-        adapter = self.hf_adapter
-        if adapter is None or not hasattr(adapter, "torchtitan_layout_keys"):
-            return
-        for key in sorted(adapter.torchtitan_layout_keys(list(values))):
+        for key in torchtitan.relayout_keys(self.hf_adapter, values):
             value = values[key]
             whole = value.full_tensor() if isinstance(value, DTensor) else value
-            values[key] = _like(adapter.from_torchtitan({key: whole})[key], value)
+            values[key] = _like(self.hf_adapter.from_torchtitan({key: whole})[key], value)
 
     def _raise_if_any(self, problem: str | None) -> None:
         """Raise `CheckpointError` on every rank when any rank found a problem (the lowest

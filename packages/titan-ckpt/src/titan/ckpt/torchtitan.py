@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 # torchtitan's top-level states besides the model's flattened weights.
 TRAINING_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
@@ -100,11 +101,19 @@ def match_model_entries(
     return names, missing, unused
 
 
+def relayout_keys(adapter: Any, keys: Iterable[str]) -> list[str]:
+    """The entries of `keys` (titan names) a torchtitan checkpoint holds in another layout than
+    titan's, as the family `adapter` says (``torchtitan_layout_keys``; its ``from_torchtitan``
+    converts them); none for an adapter without the method, or no adapter."""
+    ask = getattr(adapter, "torchtitan_layout_keys", None)
+    return sorted(ask(list(keys))) if ask is not None else []
+
+
 def zero_when_absent(fqn: str) -> bool:
     """Whether titan's entry `fqn` may be missing from a torchtitan checkpoint (it then keeps
     its initial zeros)."""
     return bool(_ZERO_WHEN_ABSENT.search(fqn))
 
 
-__all__ = ["TRAINING_STATES", "is_torchtitan_layout", "match_model_entries", "model_entries", "titan_name",
-           "zero_when_absent"]
+__all__ = ["TRAINING_STATES", "is_torchtitan_layout", "match_model_entries", "model_entries", "relayout_keys",
+           "titan_name", "zero_when_absent"]

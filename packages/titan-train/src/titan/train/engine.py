@@ -374,15 +374,16 @@ class TrainingEngine:
         the step's auxiliary-loss tally (:meth:`aux_loss_share`)."""
         if self.replicas is not None:
             self.replicas.start_step()
-        self._aux_loss_share = torch.zeros((), device=self.device)
+        self._aux_loss_share = None
 
-    def aux_loss_share(self) -> torch.Tensor:
+    def aux_loss_share(self) -> torch.Tensor | None:
         """This rank's share, since :meth:`start_step`, of the auxiliary losses (an MoE
         router's balancing loss) the returned losses of :meth:`forward_backward` include,
         scaled alike: summed over the pipeline and data-parallel ranks it is the part of the
-        step's loss that is auxiliary. A device scalar (no host sync)."""
+        step's loss that is auxiliary. A device scalar (no host sync); None when this rank's
+        forwards left none."""
         if self._aux_loss_share is None:
-            return torch.zeros((), device=self.device)
+            return None
         return self._aux_loss_share / self.data_parallel_grad_scale
 
     def _tally_aux(self, value: torch.Tensor | float) -> None:
@@ -852,8 +853,7 @@ class TrainingEngine:
             if aux_scale:
                 aux = self._auxiliary_loss(self.model_parts[-1:], rows_batch) * aux_scale
                 loss = loss + aux
-                if backward:
-                    self._tally_aux(aux)
+                self._tally_aux(aux)  # aux_scale is 0 on forward-only runs
             return loss
 
         rows = torch.arange(batch["input_ids"].shape[0], device=self.device)

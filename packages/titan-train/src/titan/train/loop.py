@@ -65,7 +65,7 @@ class StepResult:
     """The learning rate this step applied (the scheduler has moved on since)."""
     rank_aux_loss: torch.Tensor | None = None
     """This rank's share of the part of ``rank_loss`` that is auxiliary (an MoE router's
-    balancing loss; ``TrainingEngine.aux_loss_share``)."""
+    balancing loss; ``TrainingEngine.aux_loss_share``); None when it had none."""
 
 
 def save_run_config(config: Any, *, rank: int) -> None:

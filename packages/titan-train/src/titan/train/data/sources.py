@@ -122,13 +122,14 @@ class HFDatasetSource(TextSource):
                 f"--dataset.text_field {text_field!r} is not a column of the dataset; "
                 f"available columns: {', '.join(dataset.column_names)}"
             )
-        feature = dataset.features[text_field]
-        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        text_columns = _text_columns(dataset)
+        if text_field not in text_columns:
+            feature = dataset.features[text_field]
             kind = getattr(feature, "dtype", None) or type(feature).__name__
             raise ValueError(
                 f"--dataset.text_field {text_field!r} holds {kind} values, not text: pretraining reads one "
                 f"string per row (its text would be the Python form of each value). Pick a text column "
-                f"({', '.join(_text_columns(dataset)) or 'the dataset has none'}); conversations train with "
+                f"({', '.join(text_columns) or 'the dataset has none'}); conversations train with "
                 "`titan sft`"
             )
         # Selecting the column once avoids decoding every other column per access.
