@@ -102,6 +102,9 @@ def load_into(model: torch.nn.Module, path: str, tmp_path, hf_adapter=None, **co
 def _seeded(family: str, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = BUILDERS[family]()
+    # The builders leave the grouped experts uninitialized (torch.empty: NaN in a full run,
+    # and NaN never equals itself): initialize every weight from the seed.
+    model.init_weights()
     with torch.no_grad():  # a bias away from zero and norms away from one, so that loading them is seen
         for name, buf in model.named_buffers():
             if name.endswith("expert_bias"):
