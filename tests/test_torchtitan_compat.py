@@ -144,6 +144,9 @@ def parsed(*flags):
     (["--float8.filter_fqns", "output"], "quantize.linear.float8.recipe", None),  # no converter: no float8
     (["--training.dataset", "c4"], "dataset.name", "allenai/c4"),
     (["--training.dataset", "c4"], "dataset.subset", "en"),
+    (["--training.dataset", "c4"], "dataset.streaming", True),  # torchtitan streams c4
+    (["--validation.dataset", "c4_validation"], "validation.dataset.streaming", True),
+    (["--training.dataset", "c4_test", "--training.dataset_path", "/data/c4_test"], "dataset.streaming", False),
     (["--training.dataset", "c4", "--training.dataset_path", "/data/c4"], "dataset.name", "/data/c4"),
     (["--validation.dataset", "c4_validation"], "validation.dataset.split", "validation"),
     (["--model.hf_assets_path", "assets/hf/Llama-3.1-8B"], "tokenizer.path", "assets/hf/Llama-3.1-8B"),

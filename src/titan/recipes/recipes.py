@@ -28,9 +28,11 @@ def pretrain_defaults(*, flavor: str, seq_len: int, steps: int, lr: float, warmu
 
 
 def on_gpu_cluster(cfg: TrainerConfig, *, dataset: str, tokenizer_path: str) -> TrainerConfig:
-    """Settings for real hardware: bf16 FSDP compute, a hub dataset, the model's tokenizer."""
+    """Settings for real hardware: bf16 FSDP compute, a hub dataset (streamed: nothing is
+    downloaded before the first step), the model's tokenizer."""
     cfg.training.mixed_precision_param = "bfloat16"
     cfg.dataset.name = dataset
+    cfg.dataset.streaming = True
     cfg.tokenizer.kind = "hf"
     cfg.tokenizer.path = tokenizer_path
     cfg.model.vocab_multiple_of = 1  # the published vocab is already TP-friendly

@@ -128,7 +128,7 @@ DATASET_FLAGS = {  # torchtitan flag -> (titan's dataset section, what it sets)
     "--validation.dataset_path": ("--validation.dataset", "path"),
 }
 
-HUB_DATASETS = {  # torchtitan's dataset names -> (Hub name, subset, split)
+HUB_DATASETS = {  # torchtitan's dataset names -> (Hub name, subset, split), streamed as torchtitan does
     "c4": ("allenai/c4", "en", "train"),
     "c4_validation": ("allenai/c4", "en", "validation"),
 }
@@ -219,7 +219,9 @@ def _dataset_flags(section: str, name: str | None, path: str | None) -> list[str
             return [f"{section}.name", path]
         return [f"{section}.name", name] if name else []
     repo, subset, split = hub
-    return [f"{section}.name", path or repo, f"{section}.subset", subset, f"{section}.split", split]
+    # torchtitan streams c4 (from the Hub or its local copy) rather than downloading it first.
+    return [f"{section}.name", path or repo, f"{section}.subset", subset, f"{section}.split", split,
+            f"{section}.streaming"]
 
 
 def _nothing_asked(flag: str, values: list[str]) -> None:

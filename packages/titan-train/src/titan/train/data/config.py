@@ -48,6 +48,11 @@ class DatasetConfig:
     text_sample_by: Literal["line", "paragraph", "document"] = "line"
     """For "text": one document per line (as `datasets` does; blank lines are
     skipped), per blank-line-separated paragraph, or per whole file."""
+    streaming: bool = False
+    """Read a hub dataset (or local files) as `datasets` streams it, shard by shard, instead of
+    downloading and converting all of it first: for corpora larger than the disk (the Hub's
+    allenai/c4 is ~300 GB). Shuffling then permutes the shards, not the documents inside one;
+    resuming re-reads at most one shard."""
     shuffle: bool = True
     """Visit documents in a fresh seeded order every epoch."""
     cache_dir: str | None = None
@@ -90,6 +95,12 @@ class DatasetConfig:
             raise ValueError(
                 f"--dataset.path is only read for local files, but --dataset.name is {self.name!r}; "
                 "set --dataset.name to text, json or parquet, or drop the path"
+            )
+        if self.streaming and self.name in BUILTIN_DATASETS:
+            raise ValueError(
+                f"--dataset.streaming reads a hub dataset or local text/json/parquet files; "
+                f"--dataset.name {self.name} is {'a pre-tokenized corpus, memory-mapped' if self.name == 'tokenized' else 'built in'}"
+                ": drop --dataset.streaming"
             )
         if not self.text_field:
             raise ValueError("--dataset.text_field is empty; name the column holding the text")

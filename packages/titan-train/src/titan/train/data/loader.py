@@ -19,7 +19,9 @@ from titan.train.data.sources import (
     SyntheticSource,
     load_local_files,
     resolve_data_files,
+    why_unreadable,
 )
+from titan.train.data.streaming import ShardedStream, StreamPacker
 from titan.train.data.synthetic import SyntheticCorpus
 from titan.train.data.tokenizer import Tokenizer
 from torch.utils.data import IterableDataset
@@ -27,6 +29,7 @@ from torch.utils.data import IterableDataset
 __all__ = [
     "PackedBatches",
     "PackedDataLoader",
+    "StreamingDataLoader",
     "load_hf_dataset",
     "build_packed_dataloader",
     "build_source",
@@ -64,17 +67,30 @@ def build_source(cfg: DatasetConfig, tokenizer: Tokenizer) -> DocumentSource:
     return HFDatasetSource(load_hf_dataset(cfg), tokenizer, cfg.text_field)
 
 
+def build_stream(cfg: DatasetConfig, tokenizer: Tokenizer) -> ShardedStream:
+    """The shard-by-shard stream `cfg` names (``--dataset.streaming``)."""
+    describe = None
+    if cfg.is_local:
+        files = resolve_data_files(cfg.name, cfg.path)
+        describe = lambda err: why_unreadable(cfg.name, files, err)  # noqa: E731 - names the file and line
+    flag = "--dataset.path" if cfg.is_local else "--dataset.name"
+    return ShardedStream(load_hf_dataset(cfg), tokenizer, cfg.text_field, describe_error=describe, flag=flag)
+
+
 def load_hf_dataset(cfg: DatasetConfig):
-    """Local files (text/json/parquet) or a hub dataset, as a map-style Dataset."""
+    """Local files (text/json/parquet) or a hub dataset: a map-style ``Dataset``, or with
+    ``--dataset.streaming`` an ``IterableDataset`` that reads as it goes (nothing downloaded
+    or converted beforehand)."""
     import datasets  # deferred: importing it costs ~1 s, synthetic runs never need it
 
     if cfg.is_local:
         files = resolve_data_files(cfg.name, cfg.path)  # raises before datasets does any work
         extra = {"sample_by": cfg.text_sample_by} if cfg.name == "text" else {}
         return load_local_files(cfg.name, files, flag="--dataset.path", split=cfg.split,
-                                cache_dir=cfg.cache_dir, **extra)
+                                cache_dir=cfg.cache_dir, streaming=cfg.streaming, **extra)
     try:
-        return datasets.load_dataset(cfg.name, cfg.subset, split=cfg.split, cache_dir=cfg.cache_dir)
+        return datasets.load_dataset(cfg.name, cfg.subset, split=cfg.split, cache_dir=cfg.cache_dir,
+                                     streaming=cfg.streaming)
     except ConnectionError as err:  # offline, or no route to the Hub: name the flag and the ways out
         raise ValueError(
             f"--dataset.name {cfg.name!r} is not built in ({', '.join(BUILTIN_DATASETS)}) nor a "
@@ -224,6 +240,24 @@ class PackedDataLoader(ResumableLoader):
                 f"which this one cannot resume; {RESTART_HINT}, or resume with the titan-train that wrote it")
 
 
+class StreamingDataLoader(PackedDataLoader):
+    """`PackedDataLoader` over a streamed dataset (``--dataset.streaming``): the same batches
+    and global, data-parallel-independent position, counted in ``(epoch, shard, row, offset)``
+    (`titan.train.data.streaming`) and measured against the number of shards, since a
+    stream's number of documents is unknown until it has been read."""
+
+    def __init__(self, dataset: PackedBatches, *, dp_rank: int, dp_world_size: int) -> None:
+        super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, num_documents=-1)
+
+    def measured_against(self) -> dict[str, tuple[Any, str]]:
+        """Window boundaries, the stream's shards and their order."""
+        return {
+            "seq_len": (self.dataset.seq_len, "--training.seq_len (windows are seq_len + 1 tokens)"),
+            "num_shards": (self.packer.num_shards, "dataset (--dataset.name/--dataset.path/--dataset.streaming)"),
+            "shuffle": (self.packer.shuffle, "--dataset.shuffle / --dataset.no_shuffle"),
+        }
+
+
 def build_packed_dataloader(
     cfg: DatasetConfig,
     tokenizer: Tokenizer,
@@ -254,6 +288,14 @@ def build_packed_dataloader(
     if cfg.name == "tokenized":
         raise ValueError("--dataset.name tokenized is read by build_tokenized_dataloader (build_dataloader picks it)")
     check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
+    if cfg.streaming:
+        stream = build_stream(cfg, tokenizer)
+        stream_packer = StreamPacker(
+            stream, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, shuffle=cfg.shuffle, seed=seed
+        )
+        batches = PackedBatches(stream_packer, local_batch_size, seq_len, dp_rank=dp_rank,
+                                dp_world_size=dp_world_size)
+        return StreamingDataLoader(batches, dp_rank=dp_rank, dp_world_size=dp_world_size)
     source = build_source(cfg, tokenizer)
     packer = DocumentPacker(
         source, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, shuffle=cfg.shuffle, seed=seed

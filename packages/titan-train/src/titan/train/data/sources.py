@@ -231,13 +231,13 @@ def load_local_files(kind: str, files: list[str], *, flag: str, **kwargs: Any):
     try:
         return datasets.load_dataset(kind, data_files=files, **kwargs)
     except Exception as err:  # DatasetGenerationError, or pyarrow's own while inferring the schema
-        problem = _unreadable(kind, files, err)
+        problem = why_unreadable(kind, files, err)
         if problem is None:
             raise
         raise ValueError(f"{flag}: {problem}") from err
 
 
-def _unreadable(kind: str, files: list[str], err: BaseException) -> str | None:
+def why_unreadable(kind: str, files: list[str], err: BaseException) -> str | None:
     """Which of `files` `datasets` failed on and why (looked for only after it failed); for a
     generation error with no file to blame, its innermost cause; None for any other error."""
     import datasets
