@@ -209,9 +209,10 @@ def test_bad_columns_and_empty_streams_are_refused(hub_folder, tmp_path):
         next(_loader(blank))
 
 
-def test_streaming_is_refused_where_nothing_streams():
+def test_built_in_corpora_read_as_they_always_do_under_streaming(tmp_path):
+    """A recipe that streams its hub corpus (the GPU recipes) keeps working when the corpus is
+    switched to a built-in one, which downloads nothing and is read lazily anyway."""
     for name in ("synthetic", "stdlib"):
-        with pytest.raises(ValueError, match=f"--dataset.streaming .*--dataset.name {name} is built in"):
-            DatasetConfig(name=name, streaming=True)
-    with pytest.raises(ValueError, match="pre-tokenized corpus"):
-        DatasetConfig(name="tokenized", path="corpus", streaming=True)
+        plain, streamed = (_loader(DatasetConfig(name=name, streaming=s, shuffle=False)) for s in (False, True))
+        assert type(streamed) is type(plain) and not isinstance(streamed, StreamingDataLoader)
+        _assert_same(_take(streamed, 2), _take(plain, 2))

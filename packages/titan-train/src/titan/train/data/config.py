@@ -52,7 +52,9 @@ class DatasetConfig:
     """Read a hub dataset (or local files) as `datasets` streams it, shard by shard, instead of
     downloading and converting all of it first: for corpora larger than the disk (the Hub's
     allenai/c4 is ~300 GB). Shuffling then permutes the shards, not the documents inside one;
-    resuming re-reads at most one shard."""
+    resuming re-reads at most one shard. The built-in corpora (synthetic, stdlib, tokenized)
+    download nothing and are read as training goes either way, so a recipe's streaming
+    setting carries over to them unchanged."""
     shuffle: bool = True
     """Visit documents in a fresh seeded order every epoch."""
     cache_dir: str | None = None
@@ -96,12 +98,6 @@ class DatasetConfig:
                 f"--dataset.path is only read for local files, but --dataset.name is {self.name!r}; "
                 "set --dataset.name to text, json or parquet, or drop the path"
             )
-        if self.streaming and self.name in BUILTIN_DATASETS:
-            raise ValueError(
-                f"--dataset.streaming reads a hub dataset or local text/json/parquet files; "
-                f"--dataset.name {self.name} is {'a pre-tokenized corpus, memory-mapped' if self.name == 'tokenized' else 'built in'}"
-                ": drop --dataset.streaming"
-            )
         if not self.text_field:
             raise ValueError("--dataset.text_field is empty; name the column holding the text")
         if not self.split:
@@ -143,6 +139,12 @@ class DatasetConfig:
     def is_local(self) -> bool:
         """Whether this reads local files through `datasets`."""
         return self.name in LOCAL_FORMATS
+
+    @property
+    def streams(self) -> bool:
+        """Whether `datasets` streams this corpus (``--dataset.streaming`` on a hub dataset or
+        local files; the built-in corpora are read lazily anyway)."""
+        return self.streaming and self.name not in BUILTIN_DATASETS
 
     @property
     def is_hub(self) -> bool:

@@ -87,10 +87,10 @@ def load_hf_dataset(cfg: DatasetConfig):
         files = resolve_data_files(cfg.name, cfg.path)  # raises before datasets does any work
         extra = {"sample_by": cfg.text_sample_by} if cfg.name == "text" else {}
         return load_local_files(cfg.name, files, flag="--dataset.path", split=cfg.split,
-                                cache_dir=cfg.cache_dir, streaming=cfg.streaming, **extra)
+                                cache_dir=cfg.cache_dir, streaming=cfg.streams, **extra)
     try:
         return datasets.load_dataset(cfg.name, cfg.subset, split=cfg.split, cache_dir=cfg.cache_dir,
-                                     streaming=cfg.streaming)
+                                     streaming=cfg.streams)
     except ConnectionError as err:  # offline, or no route to the Hub: name the flag and the ways out
         raise ValueError(
             f"--dataset.name {cfg.name!r} is not built in ({', '.join(BUILTIN_DATASETS)}) nor a "
@@ -288,7 +288,7 @@ def build_packed_dataloader(
     if cfg.name == "tokenized":
         raise ValueError("--dataset.name tokenized is read by build_tokenized_dataloader (build_dataloader picks it)")
     check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
-    if cfg.streaming:
+    if cfg.streams:
         stream = build_stream(cfg, tokenizer)
         stream_packer = StreamPacker(
             stream, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, shuffle=cfg.shuffle, seed=seed
