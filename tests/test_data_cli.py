@@ -202,3 +202,67 @@ def _a_bpe_file(tmp_path):
     path = tmp_path / "bpe.json"
     tok.save(str(path))
     return path
+
+
+def _hub_folder(root, shards):
+    """A local dataset repository in the Hub's layout (gzipped JSON Lines shards, config "en")."""
+    import gzip
+
+    (root / "en").mkdir(parents=True)
+    for i, docs in enumerate(shards):
+        with gzip.open(root / "en" / f"train-{i:05d}-of-{len(shards):05d}.json.gz", "wt") as f:
+            f.writelines(json.dumps({"body": d, "n": 1}) + "\n" for d in docs)
+    (root / "README.md").write_text(
+        "---\nconfigs:\n- config_name: en\n  data_files:\n  - split: train\n    path: en/train-*.json.gz\n---\n")
+    return root
+
+
+def test_streamed_tokenize_writes_one_shard_per_source_file_like_the_loaded_one(tmp_path, bpe):
+    shards = [[f"shard {s} document {i}: " + "words " * (i % 5) for i in range(n)] for s, n in
+              enumerate([40, 0, 25, 31])]
+    src = _hub_folder(tmp_path / "hub", shards)
+    common = ["--subset", "en", "--tokenizer.kind", "hf", "--tokenizer.path", str(bpe), "--text_field", "body"]
+    streamed = titan("data", "tokenize", str(src), str(tmp_path / "streamed"), *common, "--streaming",
+                     "--num_proc", "2", "--cache_dir", str(tmp_path / "cache-s"))
+    assert streamed.returncode == 0, streamed.stderr[-2000:]
+    assert "4 shards" in streamed.stdout and "tokens/s" in streamed.stderr
+    loaded = titan("data", "tokenize", str(src), str(tmp_path / "loaded"), *common, "--num_proc", "1",
+                   "--cache_dir", str(tmp_path / "cache-l"), "--no_progress")
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    a, b = TokenizedCorpus(tmp_path / "streamed"), TokenizedCorpus(tmp_path / "loaded")
+    docs = [d for shard in shards for d in shard]
+    assert a.num_documents == b.num_documents == len(docs)
+    tok = HFTokenizer(bpe)
+    assert [a.document(i).tolist() for i in range(len(docs))] == [tok.encode(d) for d in docs]
+    assert [s["num_documents"] for s in a.manifest["shards"]] == [40, 0, 25, 31]
+    assert a.manifest["source"] == {**b.manifest["source"]}
+    assert not list((tmp_path / "cache-s").rglob("*.arrow"))  # streamed: nothing converted
+
+
+def test_a_failed_streamed_tokenize_keeps_its_finished_shards(tmp_path, bpe, monkeypatch):
+    from titan.train.data import TokenizerConfig, corpus_writer, tokenize_corpus
+
+    src = _hub_folder(tmp_path / "hub", [[f"doc {s}.{i}" for i in range(5)] for s in range(3)])
+    out, work = tmp_path / "corpus", tmp_path / "corpus.incomplete"
+    real = corpus_writer._write_stream_shard
+
+    def fail_on_the_last(shard):
+        if shard == 2:
+            raise OSError("network gone")
+        return real(shard)
+
+    kwargs = dict(text_field="body", subset="en", streaming=True, num_proc=1, progress=False,
+                  cache_dir=str(tmp_path / "cache"))
+    monkeypatch.setattr(corpus_writer, "_write_stream_shard", fail_on_the_last)
+    with pytest.raises(OSError, match="network gone"):
+        tokenize_corpus(str(src), out, TokenizerConfig(kind="hf", path=str(bpe)), **kwargs)
+    assert not out.exists() and (work / "index-00001.npy").exists() and not (work / "index-00002.npy").exists()
+    stamp = (work / "index-00000.npy").stat().st_mtime_ns
+    monkeypatch.setattr(corpus_writer, "_write_stream_shard", real)
+    manifest = tokenize_corpus(str(src), out, TokenizerConfig(kind="hf", path=str(bpe)), **kwargs)
+    assert manifest["num_documents"] == 15 and (out / "index-00000.npy").stat().st_mtime_ns == stamp
+
+
+def test_streaming_takes_no_rows_per_shard(tmp_path, capsys):
+    assert main(["data", "tokenize", "src.jsonl", str(tmp_path / "out"), "--streaming", "--rows_per_shard", "9"]) == 2
+    assert "--rows_per_shard is not read with --streaming" in capsys.readouterr().err

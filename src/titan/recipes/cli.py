@@ -538,11 +538,20 @@ def data(argv: Sequence[str]) -> int:
     p.add_argument("--subset", help="hub dataset configuration name")
     p.add_argument("--text_sample_by", "--text-sample-by", default="line",
                    choices=["line", "paragraph", "document"], help="text files: one document per ...")
-    p.add_argument("--rows_per_shard", "--rows-per-shard", type=int, default=1 << 18)
+    p.add_argument("--rows_per_shard", "--rows-per-shard", type=int,
+                   help="documents per corpus shard (default 262144; with --streaming, one corpus shard per "
+                   "source file)")
+    p.add_argument("--streaming", action="store_true",
+                   help="stream SRC instead of loading it first (a hub corpus larger than the disk): one corpus "
+                   "shard per source file, each tokenized by one process")
     p.add_argument("--cache_dir", "--cache-dir", help="datasets cache (local files: a temporary one)")
     p.add_argument("--no_progress", "--no-progress", action="store_true")
     args = parser.parse_args(list(argv))
+    if args.streaming and args.rows_per_shard is not None:
+        raise UsageError("--rows_per_shard is not read with --streaming (one corpus shard per source file); "
+                         "drop one of them")
     from titan.train.data import TokenizerConfig, tokenize_corpus  # late: --help stays fast
+    from titan.train.data.corpus_writer import DEFAULT_ROWS_PER_SHARD
 
     if args.no_progress:
         import datasets
@@ -552,8 +561,8 @@ def data(argv: Sequence[str]) -> int:
         args.src, args.out, TokenizerConfig(kind=args.kind, path=args.path),
         text_field=args.text_field, format=args.format, split=args.split, subset=args.subset,
         text_sample_by=args.text_sample_by, num_proc=args.num_proc,
-        rows_per_shard=args.rows_per_shard, cache_dir=args.cache_dir,
-        progress=not args.no_progress,
+        rows_per_shard=args.rows_per_shard or DEFAULT_ROWS_PER_SHARD, cache_dir=args.cache_dir,
+        progress=not args.no_progress, streaming=args.streaming,
     )
     print(f"{args.out}: {manifest['num_documents']} documents, {manifest['num_tokens']} tokens "
           f"({manifest['dtype']}, {len(manifest['shards'])} shards)")

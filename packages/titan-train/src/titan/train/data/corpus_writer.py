@@ -4,6 +4,10 @@ Writing is atomic: everything goes to `<OUT>.incomplete/` and is renamed to `OUT
 manifest is written, so an interrupted run never leaves a folder that looks complete. A rerun
 with the same arguments keeps the shards that were finished (a shard is finished when its
 index file exists) and tokenizes the rest. The format is ``titan.train.data.tokenized``'s.
+
+With ``streaming`` the source is read as `datasets` streams it (a hub corpus too large to
+download first): each source shard (file) becomes one corpus shard, tokenized by one worker
+process straight from the stream, so nothing but the corpus itself is written to disk.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from titan.train.data.corpus_format import (
     MANIFEST,
     fingerprint_of,
 )
-from titan.train.data.loader import load_hf_dataset
+from titan.train.data.loader import build_stream, load_hf_dataset
 from titan.train.data.sources import LOCAL_FORMATS, resolve_data_files
+from titan.train.data.streaming import ShardedStream
 from titan.train.data.tokenizer import TokenizerConfig
 
 PLAN = "plan.json"  # in the work folder only: the arguments a resumed run must share
@@ -40,7 +45,10 @@ DEFAULT_CHUNK_ROWS = 512
 
 
 def _infer_format(source: str) -> str | None:
-    """The local format of `source` from its files' endings; None if it is not local."""
+    """The local format of `source` from its files' endings; None if it is a hub dataset name or
+    a dataset repository (a folder laid out as on the Hub, which `datasets` reads by its name)."""
+    if _is_dataset_repository(source):
+        return None
     exists = os.path.exists(source) or any(ch in source for ch in "*?[")
     if not exists:
         # A hub name is `name` or `org/name`; a path written as one (absolute, ./, ../, ~) or
@@ -66,6 +74,19 @@ def _infer_format(source: str) -> str | None:
     return matches[0]
 
 
+def _is_dataset_repository(source: str) -> bool:
+    """Whether `source` is a folder laid out as a Hub dataset repository: a README.md whose YAML
+    header declares its `configs` (the Hub's allenai/c4, downloaded, is one)."""
+    readme = Path(source) / "README.md"
+    if not readme.is_file():
+        return False
+    text = readme.read_text(encoding="utf-8", errors="replace")
+    if not text.startswith("---"):
+        return False
+    header = text[3:].split("\n---", 1)[0]
+    return any(line.startswith("configs:") for line in header.splitlines())
+
+
 # The dataset and tokenizer of a worker process, set once by `_init_worker`.
 _WORKER: dict[str, Any] = {}
 
@@ -85,6 +106,38 @@ def _encode_rows(rows: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     # uint32 halves what travels back from a worker; ids are checked against the vocab later.
     flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.uint32, count=int(lengths.sum()))
     return flat, lengths
+
+
+def _init_stream_worker(stream: ShardedStream, tokenizer_cfg: TokenizerConfig, work: Path, vocab_size: int,
+                        chunk_rows: int) -> None:
+    """Pool initializer of a streamed source: every worker builds its own tokenizer once."""
+    _WORKER.update(stream=stream, tokenizer=tokenizer_cfg.build(), work=work, vocab_size=vocab_size,
+                   chunk_rows=chunk_rows)
+
+
+def _write_stream_shard(shard: int) -> dict[str, int]:
+    """Stream source shard `shard`, tokenize it and write corpus shard `shard` (in a worker, or
+    here); the index file is written last (its existence marks the shard finished)."""
+    work, vocab_size, encode = _WORKER["work"], _WORKER["vocab_size"], _WORKER["tokenizer"].encode
+    dtype = _dtype_for(vocab_size)
+    tokens_name, index_name = _shard_names(shard)
+    partial = work / (tokens_name + ".tmp")
+    lengths = [np.zeros(1, dtype=np.int64)]
+    texts = _WORKER["stream"].rows(shard, 0)
+    with open(partial, "wb") as f:
+        while chunk := list(itertools.islice(texts, _WORKER["chunk_rows"])):
+            docs = [encode(text) for text in chunk]
+            flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.int64)
+            if len(flat) and int(flat.max()) >= vocab_size:
+                raise ValueError(f"token id {int(flat.max())} >= vocab size {vocab_size}")
+            f.write(flat.astype(dtype).tobytes())
+            lengths.append(np.fromiter(map(len, docs), dtype=np.int64, count=len(docs)))
+        f.flush()
+        os.fsync(f.fileno())
+    offsets = np.cumsum(np.concatenate(lengths))
+    os.replace(partial, work / tokens_name)
+    _save_npy_atomic(work / index_name, offsets)
+    return _ShardWriter._entry(shard, offsets)
 
 
 def _dtype_for(vocab_size: int) -> np.dtype:
@@ -203,12 +256,15 @@ def tokenize_corpus(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     cache_dir: str | None = None,
     progress: bool = True,
+    streaming: bool = False,
 ) -> dict[str, Any]:
     """Tokenize `source` (local files or a hub dataset, read through `datasets` exactly as
     `--dataset.name <format> --dataset.path source` would) into a corpus folder `out`.
 
     `num_proc` worker processes tokenize chunks of `chunk_rows` documents; the chunks are
-    written in order, so the corpus does not depend on `num_proc`. Returns the manifest.
+    written in order, so the corpus does not depend on `num_proc`. With `streaming`, the
+    source is streamed instead of loaded: one corpus shard per source shard (file), each
+    tokenized by one worker (`rows_per_shard` does not apply). Returns the manifest.
     Atomic and resumable (see the module docstring). Raises ValueError/FileExistsError with
     the flag to fix.
     """
@@ -222,14 +278,16 @@ def tokenize_corpus(
     built = tokenizer.build()
     fingerprint = {**fingerprint_of(tokenizer), "vocab_size": built.vocab_size}
     plan = {
-        "source": source if fmt is None else str(Path(source).absolute()),
+        "source": str(Path(source).absolute()) if fmt or _is_dataset_repository(source) else source,
         "format": fmt or "hub",
         "text_field": text_field,
         "split": split,
         "subset": subset,
         "text_sample_by": text_sample_by,
         "tokenizer": fingerprint,
-        "rows_per_shard": rows_per_shard,
+        # Streamed: one corpus shard per source shard, so the rows per shard are the source's.
+        "rows_per_shard": None if streaming else rows_per_shard,
+        "streaming": streaming,
     }
     work = _prepare_work_folder(out, plan)
     try:
@@ -256,7 +314,11 @@ def _tokenize_into(work, out, plan, tokenizer, built, fingerprint, cache_dir, nu
         text_sample_by=plan["text_sample_by"],
         # Local text is converted to Arrow once; that copy is not worth keeping afterwards.
         cache_dir=str(work / "datasets-cache") if local_cache else cache_dir,
+        streaming=plan["streaming"],
     )
+    if plan["streaming"]:
+        shards = _write_streamed_shards(work, cfg, tokenizer, built, num_proc, chunk_rows, progress)
+        return _finish(work, out, plan, built, fingerprint, shards, local_cache)
     dataset = load_hf_dataset(cfg)
     if text_field not in dataset.column_names:
         raise ValueError(
@@ -267,6 +329,11 @@ def _tokenize_into(work, out, plan, tokenizer, built, fingerprint, cache_dir, nu
     shards = _write_shards(
         work, dataset, tokenizer, built, text_field, num_proc, rows_per_shard, chunk_rows, progress
     )
+    return _finish(work, out, plan, built, fingerprint, shards, local_cache)
+
+
+def _finish(work, out, plan, built, fingerprint, shards, local_cache) -> dict[str, Any]:
+    """Write the manifest of the finished `shards` and move the work folder to `out`."""
     manifest = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -286,6 +353,42 @@ def _tokenize_into(work, out, plan, tokenizer, built, fingerprint, cache_dir, nu
     os.replace(work, out)
     (out / PLAN).unlink(missing_ok=True)
     return manifest
+
+
+def _write_streamed_shards(work, cfg: DatasetConfig, tokenizer_cfg, built, num_proc, chunk_rows,
+                           progress) -> list[dict[str, int]]:
+    """Tokenize every unfinished source shard of the streamed `cfg` (one per worker at a time)
+    and return every corpus shard's manifest entry, in the source's order."""
+    stream = build_stream(cfg, None, flag="SRC", field_flag="--text_field")
+    todo = [i for i in range(stream.num_shards) if not (work / _shard_names(i)[1]).exists()]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=stream.num_shards, initial=stream.num_shards - len(todo), unit="shard",
+                   desc="tokenize (streamed)", dynamic_ncols=True)
+    init_args = (stream, tokenizer_cfg, work, built.vocab_size, chunk_rows)
+    pool = None
+    if num_proc > 1 and len(todo) > 1:
+        methods = multiprocessing.get_all_start_methods()
+        ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
+        pool = ctx.Pool(min(num_proc, len(todo)), initializer=_init_stream_worker, initargs=init_args)
+    else:
+        _init_stream_worker(*init_args)
+    tokens, started = 0, time.perf_counter()
+    try:
+        for entry in (pool.imap(_write_stream_shard, todo) if pool else map(_write_stream_shard, todo)):
+            tokens += entry["num_tokens"]
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"{tokens:,} tokens, {tokens / max(time.perf_counter() - started, 1e-9):,.0f}"
+                                    " tokens/s")
+    finally:
+        if pool is not None:
+            pool.terminate()
+        if bar is not None:
+            bar.close()
+    return [_ShardWriter._entry(i, np.load(work / _shard_names(i)[1])) for i in range(stream.num_shards)]
 
 
 def _write_shards(

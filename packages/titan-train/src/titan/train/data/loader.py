@@ -67,14 +67,17 @@ def build_source(cfg: DatasetConfig, tokenizer: Tokenizer) -> DocumentSource:
     return HFDatasetSource(load_hf_dataset(cfg), tokenizer, cfg.text_field)
 
 
-def build_stream(cfg: DatasetConfig, tokenizer: Tokenizer) -> ShardedStream:
-    """The shard-by-shard stream `cfg` names (``--dataset.streaming``)."""
+def build_stream(cfg: DatasetConfig, tokenizer: Tokenizer | None, *, flag: str | None = None,
+                 field_flag: str = "--dataset.text_field") -> ShardedStream:
+    """The shard-by-shard stream `cfg` names (``--dataset.streaming``); its errors name
+    ``flag`` (default: the dataset's path or name flag) and ``field_flag``."""
     describe = None
     if cfg.is_local:
         files = resolve_data_files(cfg.name, cfg.path)
         describe = lambda err: why_unreadable(cfg.name, files, err)  # noqa: E731 - names the file and line
-    flag = "--dataset.path" if cfg.is_local else "--dataset.name"
-    return ShardedStream(load_hf_dataset(cfg), tokenizer, cfg.text_field, describe_error=describe, flag=flag)
+    flag = flag or ("--dataset.path" if cfg.is_local else "--dataset.name")
+    return ShardedStream(load_hf_dataset(cfg), tokenizer, cfg.text_field, describe_error=describe, flag=flag,
+                         field_flag=field_flag)
 
 
 def load_hf_dataset(cfg: DatasetConfig):

@@ -40,17 +40,18 @@ class ShardedStream:
     def __init__(
         self,
         dataset,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         text_field: str,
         *,
         describe_error: Callable[[BaseException], str | None] | None = None,
         flag: str = "--dataset.name",
+        field_flag: str = "--dataset.text_field",
     ) -> None:
-        _check_text_column(dataset, text_field)
+        _check_text_column(dataset, text_field, field_flag)
         self.dataset = dataset.select_columns([text_field])
         self.tokenizer, self.text_field = tokenizer, text_field
         self.num_shards = int(dataset.n_shards)
-        self.describe_error, self.flag = describe_error, flag
+        self.describe_error, self.flag, self.field_flag = describe_error, flag, field_flag
 
     def rows(self, shard: int, start: int) -> Iterator[str]:
         """The texts of shard ``shard`` from its row ``start`` on (None reads as empty)."""
@@ -59,7 +60,7 @@ class ShardedStream:
             part = part.skip(start)  # reads and drops the rows: bounded by one shard
         try:
             for record in part:
-                yield _text_of(record[self.text_field], self.text_field)
+                yield _text_of(record[self.text_field], self.field_flag, self.text_field)
         except (ValueError, OSError, RuntimeError) as err:
             problem = self.describe_error(err) if self.describe_error else None
             if problem is None:
@@ -71,31 +72,31 @@ class ShardedStream:
         return np.asarray(self.tokenizer.encode(text), dtype=np.int64)
 
 
-def _check_text_column(dataset, text_field: str) -> None:
+def _check_text_column(dataset, text_field: str, field_flag: str) -> None:
     """``text_field`` is a column, and a text one, wherever `datasets` knows the schema before
     reading (otherwise the first row is checked by `_text_of`)."""
     columns = dataset.column_names
     if columns is not None and text_field not in columns:
         raise ValueError(
-            f"--dataset.text_field {text_field!r} is not a column of the dataset; available columns: "
+            f"{field_flag} {text_field!r} is not a column of the dataset; available columns: "
             f"{', '.join(columns)}"
         )
     feature = (dataset.features or {}).get(text_field)
     dtype = getattr(feature, "dtype", None)
     if feature is not None and dtype not in ("string", "large_string"):
         raise ValueError(
-            f"--dataset.text_field {text_field!r} holds {dtype or type(feature).__name__} values, not text: "
+            f"{field_flag} {text_field!r} holds {dtype or type(feature).__name__} values, not text: "
             "pretraining reads one string per row; pick a text column (conversations train with `titan sft`)"
         )
 
 
-def _text_of(value: Any, text_field: str) -> str:
+def _text_of(value: Any, field_flag: str, text_field: str) -> str:
     """One row's text; a value of another type is refused rather than trained on as its repr."""
     if value is None:
         return ""
     if not isinstance(value, str):
         raise ValueError(
-            f"--dataset.text_field {text_field!r} holds {type(value).__name__} values, not text: pretraining "
+            f"{field_flag} {text_field!r} holds {type(value).__name__} values, not text: pretraining "
             "reads one string per row; pick a text column"
         )
     return value
