@@ -389,6 +389,40 @@ def test_pipeline_activations_count_the_blocks_of_each_stage_in_flight(schedule,
     assert first.activation_bytes == held * 64 * (2 * 32) * 4
 
 
+@pytest.mark.parametrize("flags, blocks", [
+    ([], ["0-2", "3-5"]),
+    # torchtitan's split: 6 + 1 + 1 units over 2 stages, the first and last a block lighter each
+    (["--parallelism.pipeline_parallel_first_stage_less_layers", "1",
+      "--parallelism.pipeline_parallel_last_stage_less_layers", "1"], ["0-2", "3-5"]),
+    (["--parallelism.pipeline_parallel_last_stage_less_layers", "2"], ["0-3", "4-5"]),
+    (["--parallelism.pipeline_parallel_first_stage_less_layers", "2"], ["0-1", "2-5"]),
+    # 4 stages of 8 units (2 each), the first and last a block lighter: 1, 2, 2, 1 blocks;
+    # rank 0 runs stages 0 and 2, rank 1 stages 1 and 3.
+    (["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+      "--parallelism.pipeline_parallel_first_stage_less_layers", "1",
+      "--parallelism.pipeline_parallel_last_stage_less_layers", "1"], ["0, 3-4", "1-2, 5"]),
+])
+def test_pipeline_stages_hold_the_blocks_the_split_gives_them(flags, blocks):
+    """Each pipeline rank's line names its blocks, and its parameter count is those blocks'
+    (plus the embedding on the first stage, the output on the last): the stage weights move
+    blocks off the stages that hold the embedding and the output."""
+    cfg = parse_train_args([*TINY, "--model.n_layers", "6", "--parallelism.data_parallel_shard_degree", "1",
+                            "--parallelism.pipeline_parallel_degree", "2", *flags])
+    lines: list[str] = []
+    estimates = run_dry_run(cfg, world_size=2, print_fn=lines.append)
+    assert [e.blocks for e in estimates] == blocks
+    rank_lines = [line for line in lines if line.startswith("ranks")]
+    assert all(line.endswith(f" | blocks {b}") for b, line in zip(blocks, rank_lines, strict=True))
+    model = _tiny_model()
+    block = sum(p.numel() for p in model.layers["0"].parameters())
+    first_extra = model.tok_embeddings.weight.numel()
+    last_extra = sum(p.numel() for p in (*model.norm.parameters(), *model.output.parameters()))
+    for estimate, (extra, span) in zip(estimates, ((first_extra, blocks[0]), (last_extra, blocks[1])), strict=True):
+        n_blocks = sum(1 if "-" not in part else int(part.split("-")[1]) - int(part.split("-")[0]) + 1
+                       for part in span.split(", "))
+        assert estimate.params == extra + n_blocks * block
+
+
 def test_async_tp_without_compile_is_refused_before_anything_is_built(capsys):
     """`--parallelism.enable_async_tensor_parallel` works inside inductor's compiled graphs;
     without `--compile.enable` it would change nothing, so the dry run (and `titan train`,

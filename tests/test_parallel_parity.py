@@ -102,6 +102,9 @@ LAYOUTS: dict[str, tuple[int, list[str], bool]] = {
     "fsdp2_tp2": _layout(4, *_dp(shard=2), *TP2, dp=2),
     "pp2_gpipe": _layout(2, *_dp(), *_pp("GPipe")),
     "pp2_1f1b": _layout(2, *_dp(), *_pp("1F1B"), quick=True),
+    # torchtitan's uneven split: the last stage (output and loss) a block lighter, 3 + 1 blocks.
+    "pp2_1f1b_lighter_last_stage": _layout(2, *_dp(), *_pp("1F1B"),
+                                           "--parallelism.pipeline_parallel_last_stage_less_layers", "1"),
     "pp2_interleaved1f1b": _layout(2, *_dp(), *_pp("Interleaved1F1B", stages_per_rank=2), quick=True),
     "pp2_loopedbfs": _layout(2, *_dp(), *_pp("LoopedBFS", stages_per_rank=2)),
     "pp2_interleavedzb": _layout(2, *_dp(), *_pp("InterleavedZeroBubble", stages_per_rank=2)),

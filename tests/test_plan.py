@@ -1519,6 +1519,38 @@ def test_pipeline_split_points_are_planned_as_the_engine_splits(capsys):
     assert "--parallelism.pipeline_parallel_split_points" in rows[0]["train_argv"]
 
 
+def test_lighter_first_and_last_stages_are_planned_as_the_engine_splits(capsys):
+    """`--parallelism.pipeline_parallel_{first,last}_stage_less_layers` (torchtitan's stage
+    weights): every pipelined layout splits Llama 3 8B's 32 layers with the first and last
+    stages lighter, as the engine does (`even_stage_sizes`), its rank times follow, and the
+    first rows' commands keep the flags and pass the dry run."""
+    from titan.dist.pipeline import even_stage_sizes
+    from titan.dist.planner import layout_stage_sizes
+
+    flags = ["--parallelism.pipeline_parallel_first_stage_less_layers", "1",
+             "--parallelism.pipeline_parallel_last_stage_less_layers", "2"]
+    rc = main(["plan", "--config", "llama3_8b", "--gpus", "16xH100", "--json", "--verify", "2", "--top", "400",
+               "--parallelism.pipeline_parallel_degree", "4", *flags])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    layouts = [Layout(**row["layout"]) for row in rows]
+    assert layouts and all(lay.pp == 4 and lay.stage_weights == (1, 2) for lay in layouts)
+    for lay in layouts:
+        sizes = layout_stage_sizes(lay, 32)
+        assert sizes == tuple(even_stage_sizes(32, 4 * lay.stages_per_rank, 1, 2))
+        assert sizes[0] < max(sizes) and sizes[-1] < max(sizes)
+    assert all(flag in rows[0]["train_argv"] for flag in flags)
+    # Unpinned, the rows without PP leave the flags out of their commands (`titan train` would
+    # refuse them as having no effect there); the pipelined rows keep them.
+    assert main(["plan", "--config", "llama3_8b", "--gpus", "16xH100", "--json", "--verify", "3", "--top", "1000",
+                 *flags]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    by_pp = {pp: [row for row in rows if row["layout"]["pp"] == pp] for pp in (1, 2)}
+    assert by_pp[1] and by_pp[2]
+    assert all(flags[0] not in row["train_argv"] for row in by_pp[1])
+    assert all(flags[0] in row["train_argv"] for row in by_pp[2])
+
+
 def test_a_compiled_plan_leaves_out_the_zero_bubble_schedules(capsys):
     """`titan train` refuses the zero-bubble schedules for a compiled model (a compiled
     block's backward cannot be split into its input and weight passes), so `titan plan

@@ -240,6 +240,7 @@ TORCHTITAN_DEFAULTS = {
     "parallelism.tensor_parallel_degree": 1, "parallelism.pipeline_parallel_degree": 1,
     "parallelism.pipeline_parallel_schedule": "1F1B", "parallelism.pipeline_parallel_microbatch_size": 1,
     "parallelism.context_parallel_degree": 1, "parallelism.fsdp_reshard_after_forward": "default",
+    "parallelism.pipeline_parallel_first_stage_less_layers": 1, "parallelism.pipeline_parallel_last_stage_less_layers": 1,
     "metrics.log_freq": 10,
     "checkpoint.enable": False, "checkpoint.folder": "checkpoint", "checkpoint.interval": 500,
     "checkpoint.last_save_model_only": True, "checkpoint.export_dtype": "float32", "checkpoint.keep_latest_k": 10,
@@ -265,6 +266,22 @@ def test_what_a_job_file_leaves_out_takes_torchtitans_default(tmp_path):
     assert (config.training.steps, config.model.flavor) == (30, "debugmodel_tiny")  # the file's own
     recipe = parse_train_args(["--config", "llama3_debug", "--job.config_file", str(path)])
     assert (recipe.training.mixed_precision_param, recipe.lr_scheduler.decay_ratio) == ("float32", 0.2)
+
+
+def test_a_job_file_with_split_points_splits_only_there(tmp_path):
+    """torchtitan's stage weights apply to its even split; explicit split points (in the file or
+    on the command line) name every stage, so the defaulted weights are left out, not refused."""
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nflavor = "debugmodel_tiny"\n[parallelism]\npipeline_parallel_degree = 2\n'
+                    'pipeline_parallel_split_points = ["layers.1"]\n')
+    config = parse_train_args(["--job.config_file", str(path)])
+    assert config.parallelism.pipeline_parallel_split_points == ["layers.1"]
+    assert (config.parallelism.pipeline_parallel_first_stage_less_layers,
+            config.parallelism.pipeline_parallel_last_stage_less_layers) == (0, 0)
+    path.write_text('[model]\nflavor = "debugmodel_tiny"\n')
+    config = parse_train_args(["--job.config_file", str(path), "--parallelism.pipeline_parallel_degree", "2",
+                               "--parallelism.pipeline_parallel_split_points", "layers.1"])
+    assert config.parallelism.pipeline_parallel_last_stage_less_layers == 0
 
 
 def test_the_converter_in_the_file_and_the_recipe_on_the_command_line_combine(tmp_path):

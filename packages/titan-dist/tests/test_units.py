@@ -6,6 +6,7 @@ import torch
 from titan.dist import ParallelismConfig
 from titan.dist.context_parallel import _unshuffle, shard_positions, shard_sequence
 from titan.dist.pipeline import (
+    even_stage_sizes,
     num_stages_for,
     split_stage,
     stage_ids_of_rank,
@@ -148,3 +149,44 @@ def test_replicas_all_reduce_once_after_the_last_microbatch():
         for r in results:
             for got, want in zip(r[f"{name}_last"], mean_of_sums, strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_layers, stages, first, last, sizes", [
+    (32, 4, 1, 1, [8, 9, 8, 7]),   # 34 units: 9, 9, 8, 8; the embedding and the output a block each
+    (32, 4, 0, 0, [8, 8, 8, 8]),
+    (8, 2, 1, 1, [4, 4]),          # 10 units: 5, 5
+    (8, 2, 0, 2, [5, 3]),          # 10 units: 5, 5; the last stage 2 blocks lighter
+    (7, 3, 1, 1, [2, 3, 2]),       # 9 units: 3, 3, 3
+    (80, 16, 1, 1, [5, 6, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 4]),  # 82 units: two stages of 6
+    (5, 1, 3, 3, [5]),             # one stage holds everything
+])
+def test_the_even_split_counts_the_first_and_last_stages_extra_work(n_layers, stages, first, last, sizes):
+    """Hand-computed: n_layers + first + last units dealt out evenly (the first stages one more),
+    the first stage `first` blocks fewer and the last `last` fewer (torchtitan's
+    pipeline_parallel_{first,last}_stage_less_layers)."""
+    assert even_stage_sizes(n_layers, stages, first, last) == sizes
+    cfg = ParallelismConfig(pipeline_parallel_first_stage_less_layers=first,
+                            pipeline_parallel_last_stage_less_layers=last)
+    keys = [str(i) for i in range(n_layers)]
+    split = stage_layer_keys(keys, stages, cfg)
+    assert [len(s) for s in split] == sizes and sum(split, []) == keys
+
+
+def test_stage_weights_errors():
+    cfg = ParallelismConfig(pipeline_parallel_first_stage_less_layers=4)  # 8 units: 4, 4; the first 0
+    with pytest.raises(ValueError, match=r"gives stages of \[0, 4\] blocks; every stage needs one"):
+        stage_layer_keys(KEYS, 2, cfg)
+    lps = ParallelismConfig(pipeline_parallel_degree=2, pipeline_parallel_layers_per_stage=3,
+                            pipeline_parallel_schedule="Interleaved1F1B", pipeline_parallel_last_stage_less_layers=1)
+    with pytest.raises(ValueError, match="must divide the model's 4 layers plus the first and last stages' 0 \\+ 1"):
+        num_stages_for(4, 2, lps)
+    # 6 layers + 1 + 1 = 8 units in stages of 2: four stages of 1, 2, 2, 1 blocks
+    lps = ParallelismConfig(pipeline_parallel_degree=2, pipeline_parallel_layers_per_stage=2,
+                            pipeline_parallel_schedule="Interleaved1F1B", pipeline_parallel_first_stage_less_layers=1,
+                            pipeline_parallel_last_stage_less_layers=1)
+    assert num_stages_for(6, 2, lps) == 4
+    assert [len(s) for s in stage_layer_keys([str(i) for i in range(6)], 4, lps)] == [1, 2, 2, 1]
+    with pytest.raises(ValueError, match="less_layers -1 must be >= 0|must be >= 0, got -1"):
+        ParallelismConfig(pipeline_parallel_last_stage_less_layers=-1)
+    with pytest.raises(ValueError, match="not read with --parallelism.pipeline_parallel_split_points"):
+        ParallelismConfig(pipeline_parallel_split_points=["layers.1"], pipeline_parallel_first_stage_less_layers=1)

@@ -253,7 +253,8 @@ DEPENDENT_FLAGS = (
       "--activation_checkpoint.no_selective_op"),
      lambda c: c.activation_checkpoint.mode == "selective", "--activation_checkpoint.mode selective"),
     (("--parallelism.pipeline_parallel_schedule", "--parallelism.pipeline_parallel_microbatch_size",
-      "--parallelism.pipeline_parallel_layers_per_stage", "--parallelism.pipeline_parallel_split_points"),
+      "--parallelism.pipeline_parallel_layers_per_stage", "--parallelism.pipeline_parallel_split_points",
+      "--parallelism.pipeline_parallel_first_stage_less_layers", "--parallelism.pipeline_parallel_last_stage_less_layers"),
      lambda c: c.parallelism.pipeline_parallel_degree > 1, "--parallelism.pipeline_parallel_degree > 1"),
     (("--parallelism.enable_async_tensor_parallel",), lambda c: c.parallelism.tensor_parallel_degree > 1,
      "--parallelism.tensor_parallel_degree > 1"),
@@ -583,7 +584,8 @@ def _dispatch(command: str, rest: list[str]) -> int:
 
         # A pipeline split of the run's own pins pipelined layouts (the planner picks their degree).
         exempt = (*LAYOUT_FLAGS, "--parallelism.pipeline_parallel_layers_per_stage",
-                  "--parallelism.pipeline_parallel_split_points", *TP_ONLY_FLAGS)
+                  "--parallelism.pipeline_parallel_split_points", "--parallelism.pipeline_parallel_first_stage_less_layers",
+                  "--parallelism.pipeline_parallel_last_stage_less_layers", *TP_ONLY_FLAGS)
         def parse(argv: list[str]) -> Any:
             return resolve_hf_flavor(parse_train_args(argv, exempt_flags=exempt))
 

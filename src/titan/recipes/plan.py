@@ -31,7 +31,7 @@ from titan.dist.dry_run import (
     zero_bubble_timeable,
 )
 from titan.dist.fsdp import DTYPES, check_reshard_under_zero_bubble
-from titan.dist.pipeline import configured_stage_sizes
+from titan.dist.pipeline import configured_stage_sizes, stage_weights
 from titan.dist.planner import (
     HARDWARE,
     Hardware,
@@ -355,17 +355,25 @@ TP_ONLY_FLAGS = ("--parallelism.enable_async_tensor_parallel",)
 """Recipe switches that act under TP only: a row without TP leaves them out of its command
 (which `titan train` would refuse as having no effect)."""
 
+PP_ONLY_FLAGS = ("--parallelism.pipeline_parallel_first_stage_less_layers",
+                 "--parallelism.pipeline_parallel_last_stage_less_layers")
+"""Recipe flags (with a value) that act under PP only: a row without PP leaves them out."""
+
 
 def train_argv(recipe_argv: Sequence[str], layout: Layout) -> list[str]:
     """The `titan train` arguments of a planned row: the recipe flags given to `titan plan`
     (`--config`, `--compile.enable`, `--training.seq_len`, ...), less those the layout sets
-    (and, without TP, `TP_ONLY_FLAGS`), then the layout's own (`Layout.flags`)."""
+    (and, without TP, `TP_ONLY_FLAGS`; without PP, `PP_ONLY_FLAGS`), then the layout's own
+    (`Layout.flags`)."""
     kept, args = [], list(recipe_argv)
     i = 0
     while i < len(args):
         flag, eq, _ = args[i].partition("=")
         if flag in LAYOUT_FLAGS:
             i += 1 if eq or not LAYOUT_FLAGS[flag] else 2
+            continue
+        if flag in PP_ONLY_FLAGS and layout.pp == 1:
+            i += 1 if eq else 2
             continue
         if not (flag in TP_ONLY_FLAGS and layout.tp == 1):
             kept.append(args[i])
@@ -417,6 +425,7 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
     check_auxiliary_loss_schedule(probe, pinned.get("schedule"))  # the planner leaves them out otherwise
     bounds = enumeration_for(pinned)
     stage_sizes = configured_stage_sizes(probe, config.parallelism)
+    bounds["stage_weights"] = stage_weights(config.parallelism)
     if stage_sizes:  # the run's own split (split points or a stage size): every layout pipelines it
         bounds["stage_sizes"] = stage_sizes
         if not any(len(stage_sizes) % pp == 0 for pp in range(2, min(gpus, len(stage_sizes)) + 1) if gpus % pp == 0):

@@ -121,6 +121,14 @@ JOB_FILE_DEFAULTS: tuple[str, ...] = (
     "--checkpoint.export_dtype", "float32",
 )
 
+JOB_FILE_STAGE_WEIGHTS: tuple[str, ...] = (
+    # torchtitan's even pipeline split counts the embedding and the output as a block each
+    # (its defaults); not with explicit split points, which name every stage's blocks.
+    "--parallelism.pipeline_parallel_first_stage_less_layers", "1",
+    "--parallelism.pipeline_parallel_last_stage_less_layers", "1",
+)
+SPLIT_POINTS_FLAG = "--parallelism.pipeline_parallel_split_points"
+
 DATASET_FLAGS = {  # torchtitan flag -> (titan's dataset section, what it sets)
     "--training.dataset": ("--dataset", "name"),
     "--training.dataset_path": ("--dataset", "path"),
@@ -418,4 +426,10 @@ def titan_argv(argv: Sequence[str], *, job_file_defaults: bool = False) -> list[
     path, rest = split_config_file(argv)
     if not path:
         return translate(rest)
-    return translate(rest, defaults=[*(JOB_FILE_DEFAULTS if job_file_defaults else ()), *toml_flags(path)])
+    file_flags = toml_flags(path)
+    defaults: list[str] = []
+    if job_file_defaults:
+        defaults += JOB_FILE_DEFAULTS
+        if not any(token.split("=", 1)[0] == SPLIT_POINTS_FLAG for token in [*file_flags, *rest]):
+            defaults += JOB_FILE_STAGE_WEIGHTS
+    return translate(rest, defaults=[*defaults, *file_flags])

@@ -74,6 +74,15 @@ class ParallelismConfig:
     """Transformer blocks per stage; None = one stage per rank (two for V schedules)."""
     pipeline_parallel_split_points: list[str] | None = None
     """Explicit split: names of the blocks that start stages 1..n-1 (e.g. layers.2)."""
+    pipeline_parallel_first_stage_less_layers: int = 0
+    """Blocks' worth of work the first stage's embedding counts for: the split deals out blocks
+    plus this many and plus ``..._last_stage_less_layers`` evenly, and the first stage holds
+    this many blocks fewer (torchtitan's flag; its default is 1, titan's 0: an even split of
+    the blocks). Not read with ``pipeline_parallel_split_points``."""
+    pipeline_parallel_last_stage_less_layers: int = 0
+    """Blocks' worth of work the last stage's norm, output projection and loss count for (at a
+    large vocabulary they cost more than a block): that stage holds this many blocks fewer.
+    torchtitan's flag (default 1 there, 0 here)."""
     pipeline_parallel_microbatch_size: int = 1
     """Samples per pipeline microbatch; the local batch must divide by it."""
     context_parallel_degree: int = 1
@@ -99,6 +108,12 @@ class ParallelismConfig:
         _require(lps is None or not self.pipeline_parallel_split_points,
                  "set either --parallelism.pipeline_parallel_layers_per_stage or "
                  "--parallelism.pipeline_parallel_split_points, not both")
+        for end in ("first", "last"):
+            less = getattr(self, f"pipeline_parallel_{end}_stage_less_layers")
+            _require(less >= 0, f"--parallelism.pipeline_parallel_{end}_stage_less_layers must be >= 0, got {less}")
+            _require(not (less and self.pipeline_parallel_split_points),
+                     f"--parallelism.pipeline_parallel_{end}_stage_less_layers {less} is not read with "
+                     "--parallelism.pipeline_parallel_split_points (which name every stage's first block); drop one")
 
     def _check_choices(self) -> None:
         _require(self.pipeline_parallel_schedule in PIPELINE_SCHEDULES,

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from titan.dist.config import ZERO_BUBBLE_SCHEDULES  # their order comes from torch's builder (`pipeline_actions`)
 from titan.dist.dims import EXPERT_VIEWS, FLATTENED, ParallelDims
 from titan.dist.fsdp import DTYPES, check_cpu_offload_has_fsdp, check_reshard_under_zero_bubble, reshard_after_forward
-from titan.dist.pipeline import stage_ids_of_rank
+from titan.dist.pipeline import num_stages_for, stage_ids_of_rank, stage_layer_keys
 from titan.dist.plan import blocks_of, match_modules, sharding_plan
 
 _BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
@@ -561,6 +561,8 @@ class RankEstimate:
     offloaded: bool = False
     """The sharded params, grads and optimizer states live in host memory
     (`--parallelism.fsdp_cpu_offload`): reported, but not in the device's `total_bytes`."""
+    blocks: str = ""
+    """Under pipeline parallel, the blocks of this rank's stages (e.g. ``0-2`` or ``0-1, 4-5``)."""
 
     @property
     def state_bytes(self) -> int:
@@ -590,8 +592,9 @@ class RankEstimate:
 
     def line(self) -> str:
         """One human-readable report line."""
+        blocks = f" | blocks {self.blocks}" if self.blocks else ""
         return (f"ranks {self.ranks:>12} (pp {self.pp_rank}): {self.params:,} params | "
-                f"{self.components()}, total {format_bytes(self.total_bytes)}")
+                f"{self.components()}, total {format_bytes(self.total_bytes)}{blocks}")
 
 
 def format_bytes(n: int) -> str:
@@ -899,11 +902,26 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
                            pp_rank=pp_rank, params=params, param_bytes=4 * params,
                            grad_bytes=4 * params, optimizer_bytes=4 * optimizer_states * params,
                            activation_bytes=acts, recompute_bytes=recompute, loss_bytes=loss,
-                           fsdp_buffer_bytes=fsdp, offloaded=offloaded)
+                           fsdp_buffer_bytes=fsdp, offloaded=offloaded,
+                           blocks=_rank_blocks(probe, dims, parallelism, pp_rank))
         estimates.append(est)
         if print_fn is not None:
             print_fn(est.line())
     return estimates
+
+
+def _rank_blocks(model: nn.Module, dims: ParallelDims, parallelism, pp_rank: int) -> str:
+    """The blocks of pipeline rank `pp_rank`'s stages as the engine splits them (e.g. ``0-2``,
+    ``0-1, 4-5``); empty without pipeline parallel."""
+    if dims.pp == 1:
+        return ""
+    keys = [name for name, _ in blocks_of(model)]
+    total = num_stages_for(len(keys), dims.pp, parallelism)
+    stages = stage_layer_keys(keys, total, parallelism)
+    spans = [stage[0] if len(stage) == 1 else f"{stage[0]}-{stage[-1]}"
+             for stage in (stages[s] for s in stage_ids_of_rank(pp_rank, dims.pp, total,
+                                                                parallelism.pipeline_parallel_schedule))]
+    return ", ".join(spans)
 
 
 def has_auxiliary_loss(model: nn.Module) -> bool:

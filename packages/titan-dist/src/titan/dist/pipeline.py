@@ -61,16 +61,31 @@ def microbatch_count_problem(schedule: str, pp: int, microbatches: int) -> str |
     return None
 
 
-def even_stage_sizes(n_blocks: int, num_stages: int) -> list[int]:
-    """Blocks of each stage when the layers are split evenly: the first ``n_blocks %
-    num_stages`` stages get one more (the planner times and sizes stages by the same rule)."""
-    base, extra = divmod(n_blocks, num_stages)
-    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+def even_stage_sizes(n_blocks: int, num_stages: int, first_less: int = 0, last_less: int = 0) -> list[int]:
+    """Blocks of each stage when the layers are split evenly: ``n_blocks + first_less +
+    last_less`` units dealt out to the stages, the first ``units % num_stages`` stages one more,
+    then the first stage ``first_less`` blocks fewer (its embedding's share) and the last
+    ``last_less`` fewer (the output projection's and loss's), as torchtitan splits with its
+    ``pipeline_parallel_{first,last}_stage_less_layers``. The planner times and sizes stages
+    by the same rule. A stage may come out empty (``stage_layer_keys`` refuses it)."""
+    if num_stages == 1:
+        return [n_blocks]
+    base, extra = divmod(n_blocks + first_less + last_less, num_stages)
+    sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    sizes[0] -= first_less
+    sizes[-1] -= last_less
+    return sizes
+
+
+def stage_weights(config) -> tuple[int, int]:
+    """``(first_less, last_less)`` of a `ParallelismConfig` (any object with the fields)."""
+    return (getattr(config, "pipeline_parallel_first_stage_less_layers", 0),
+            getattr(config, "pipeline_parallel_last_stage_less_layers", 0))
 
 
 def stage_layer_keys(layer_keys: list[str], num_stages: int, config) -> list[list[str]]:
-    """Which blocks each stage holds: from explicit split points, or evenly (earlier
-    stages get the remainder)."""
+    """Which blocks each stage holds: from explicit split points, or evenly (earlier stages
+    get the remainder; the first and last stage fewer by the config's stage weights)."""
     points = config.pipeline_parallel_split_points
     if points:
         starts = [_split_index(p, layer_keys) for p in points]
@@ -79,7 +94,13 @@ def stage_layer_keys(layer_keys: list[str], num_stages: int, config) -> list[lis
                              f"{num_stages - 1} distinct blocks in model order")
         bounds = [0, *starts, len(layer_keys)]
     else:
-        sizes = even_stage_sizes(len(layer_keys), num_stages)
+        sizes = even_stage_sizes(len(layer_keys), num_stages, *stage_weights(config))
+        if min(sizes) < 1:
+            first, last = stage_weights(config)
+            raise ValueError(f"{num_stages} pipeline stages for {len(layer_keys)} blocks, the first stage "
+                             f"{first} and the last {last} blocks lighter (--parallelism.pipeline_parallel_"
+                             f"first/last_stage_less_layers), gives stages of {sizes} blocks; every stage needs one "
+                             "at least: lower those, the pipeline degree or the stages per rank")
         bounds = [sum(sizes[:s]) for s in range(num_stages + 1)]
     stages = [layer_keys[bounds[s]:bounds[s + 1]] for s in range(num_stages)]
     if any(not s for s in stages):
@@ -99,12 +120,21 @@ def configured_stage_sizes(model: nn.Module, config) -> list[int] | None:
     if config.pipeline_parallel_split_points:
         total = len(config.pipeline_parallel_split_points) + 1
     else:
-        lps = config.pipeline_parallel_layers_per_stage
-        if len(keys) % lps:
-            raise ValueError(f"--parallelism.pipeline_parallel_layers_per_stage={lps} must "
-                             f"divide the model's {len(keys)} layers")
-        total = len(keys) // lps
+        total = _stages_of_size(len(keys), config)
     return [len(stage) for stage in stage_layer_keys(keys, total, config)]
+
+
+def _stages_of_size(n_layers: int, config) -> int:
+    """Stages of ``pipeline_parallel_layers_per_stage`` units each: the blocks plus the first
+    and last stages' weights (``..._stage_less_layers``), which the size must divide."""
+    lps = config.pipeline_parallel_layers_per_stage
+    first, last = stage_weights(config)
+    units = n_layers + first + last
+    if units % lps:
+        weights = f" plus the first and last stages' {first} + {last}" if first or last else ""
+        raise ValueError(f"--parallelism.pipeline_parallel_layers_per_stage={lps} must divide the model's "
+                         f"{n_layers} layers{weights}")
+    return units // lps
 
 
 def _split_index(point: str, layer_keys: list[str]) -> int:
@@ -121,11 +151,7 @@ def num_stages_for(n_layers: int, pp: int, config) -> int:
     if config.pipeline_parallel_split_points:
         total = len(config.pipeline_parallel_split_points) + 1
     elif config.pipeline_parallel_layers_per_stage:
-        lps = config.pipeline_parallel_layers_per_stage
-        if n_layers % lps:
-            raise ValueError(f"--parallelism.pipeline_parallel_layers_per_stage={lps} must "
-                             f"divide the model's {n_layers} layers")
-        total = n_layers // lps
+        total = _stages_of_size(n_layers, config)
     else:
         total = pp if config.pipeline_parallel_schedule in SINGLE_STAGE else 2 * pp
     _check_stage_count(total, pp, config.pipeline_parallel_schedule)

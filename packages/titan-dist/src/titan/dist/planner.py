@@ -544,12 +544,16 @@ class Layout:
     """Blocks of each pipeline stage, in order (pp x `stages_per_rank` of them), where the run
     splits the layers itself (`--parallelism.pipeline_parallel_split_points` /
     `layers_per_stage`); None: the engine's even split."""
+    stage_weights: tuple[int, int] = (0, 0)
+    """The even split's blocks fewer on the first and last stage
+    (`--parallelism.pipeline_parallel_first/last_stage_less_layers`)."""
     ac_every: int = 1
     """Layer-wise AC (`--activation_checkpoint.selective_layer_every`): `ac` applies to blocks
     0, k, 2k, ... of each stage (k = this), the others keep everything; "full" every k
     checkpoints those blocks whole, "selective" every k per op."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_weights", tuple(self.stage_weights))  # JSON gives a list
         if not 1 <= self.microbatch_size <= self.local_batch_size or self.local_batch_size % self.microbatch_size:
             raise ValueError(f"microbatch_size {self.microbatch_size} must divide local_batch_size "
                              f"{self.local_batch_size}")
@@ -813,14 +817,14 @@ def rank_stage_sizes(n_layers: int, layout: Layout, pp_rank: int) -> list[int]:
 
 def layout_stage_sizes(layout: Layout, n_layers: int) -> tuple[int, ...]:
     """Blocks of each pipeline stage: the layout's own split, else the engine's even one."""
-    return layout.stage_sizes or _stage_sizes(n_layers, layout.pp * layout.stages_per_rank)
+    return layout.stage_sizes or _stage_sizes(n_layers, layout.pp * layout.stages_per_rank, layout.stage_weights)
 
 
 @functools.lru_cache(maxsize=1024)
-def _stage_sizes(n_layers: int, num_stages: int) -> tuple[int, ...]:
-    """`even_stage_sizes` (the engine's split), cached: every pipeline rank of every layout
-    asks for it."""
-    return tuple(even_stage_sizes(n_layers, num_stages))
+def _stage_sizes(n_layers: int, num_stages: int, weights: tuple[int, int] = (0, 0)) -> tuple[int, ...]:
+    """`even_stage_sizes` (the engine's split, the first and last stages lighter by
+    `weights`), cached: every pipeline rank of every layout asks for it."""
+    return tuple(even_stage_sizes(n_layers, num_stages, *weights))
 
 
 def predict(facts: ModelFacts, layout: Layout, work: Workload, hw: Hardware) -> Prediction:
@@ -1308,7 +1312,8 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
                       replicas_across_nodes_only: bool = True,
                       reshard_policies: Sequence[str] | None = None,
                       ac_every: Mapping[str, Sequence[int]] = DEFAULT_AC_EVERY,
-                      stage_sizes: Sequence[int] | None = None) -> Iterator[Layout]:
+                      stage_sizes: Sequence[int] | None = None,
+                      stage_weights: tuple[int, int] = (0, 0)) -> Iterator[Layout]:
     """Every layout of `world_size` ranks whose degrees divide what they split: TP and CP
     powers of two up to `max_tp` / `max_cp` (a TP group beyond one node is never faster),
     CP dividing the sequence into 2 cp chunks, PP at most one block per stage, the global
@@ -1321,7 +1326,8 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
     intervals `ac_every` lists (default: whole blocks every block or every second one; 1 for
     modes it leaves out). With `stage_sizes` (the run's own split: blocks per stage, from
     `--parallelism.pipeline_parallel_split_points` or `layers_per_stage`) every layout
-    pipelines those stages, len(stage_sizes) / pp per rank, as the schedules allow. The
+    pipelines those stages, len(stage_sizes) / pp per rank, as the schedules allow; else the
+    even split makes the first and last stages lighter by `stage_weights` blocks. The
     bounds are pruning for speed: a flag the user pins widens them. The model's own
     constraints (heads, hidden sizes, ties) are checked by `ParallelDims.validate_model`
     through `valid`. A compiled model leaves out the zero-bubble schedules, which the engine
@@ -1352,7 +1358,7 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
                                 for policy in policies:
                                     yield from _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local,
                                                                   facts.n_layers, schedules, microbatch_sizes, policy,
-                                                                  every, stage_sizes)
+                                                                  every, stage_sizes, stage_weights)
 
 
 def reshard_choices(pp: int, sharded: bool, pinned: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -1369,7 +1375,7 @@ def reshard_choices(pp: int, sharded: bool, pinned: Sequence[str] | None = None)
 
 
 def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_layers, schedules,
-                       microbatch_sizes, reshard, every=1, stage_sizes=None) -> Iterator[Layout]:
+                       microbatch_sizes, reshard, every=1, stage_sizes=None, weights=(0, 0)) -> Iterator[Layout]:
     base = dict(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, ac=ac,
                 local_batch_size=local, reshard_after_forward=reshard, ac_every=every)
     if pp == 1:  # the whole local batch at once, or accumulated over microbatches of `microbatch_sizes`
@@ -1393,11 +1399,14 @@ def _pipeline_variants(pp, dp_replicate, dp_shard, cp, tp, ep, ac, local, n_laye
                     continue  # a multi-stage schedule (torch's order needs two stages per rank at least)
             if n_layers < pp * stages or microbatch_count_problem(schedule, pp, local // micro):
                 continue
-            sizes = tuple(stage_sizes) if stage_sizes else _stage_sizes(n_layers, pp * stages)
+            sizes = tuple(stage_sizes) if stage_sizes else _stage_sizes(n_layers, pp * stages, weights)
+            if min(sizes) < 1:
+                continue  # the lighter first / last stage comes out empty: refused by the engine
             if every > 1 and max(sizes) < 2:
                 continue  # stages of one block: every k-th block is every block
             yield Layout(**base, microbatch_size=micro, schedule=schedule, stages_per_rank=stages,
-                         stage_sizes=tuple(stage_sizes) if stage_sizes else None)
+                         stage_sizes=tuple(stage_sizes) if stage_sizes else None,
+                         stage_weights=(0, 0) if stage_sizes else tuple(weights))
 
 
 def rank_layouts(facts: ModelFacts, layouts: Iterable[Layout], work: Workload, hw: Hardware,
