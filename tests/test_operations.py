@@ -74,6 +74,76 @@ def test_validation_loss_is_the_mean_cross_entropy_of_held_out_batches(tmp_path)
     assert saved["type"] == "TrainerConfig" and saved["validation"]["freq"] == 2
 
 
+def _validated(tmp_path, *flags):
+    """A 2-step in-process run validating at step 2: (the logged validation record, the
+    validator, the trained model)."""
+    import tyro
+    from titan.train.config import TrainerConfig
+    from titan.train.trainer import Trainer
+
+    from titan.recipes.families import model_spec
+    from titan.recipes.recipes import recipe
+
+    cfg = tyro.cli(TrainerConfig, default=recipe("llama3_debug_synthetic"),
+                   args=[*TINY[2:], "--validation.enable", "--validation.freq", "2", "--training.steps", "2",
+                         "--metrics.log_freq", "2", "--job.dump_folder", str(tmp_path), *flags], use_underscores=True)
+    trainer = Trainer(cfg, model_spec=model_spec("llama3"))
+    try:
+        logged = trainer.train()
+        return next(r for r in logged if "validation_loss" in r), trainer.validator, trainer.model_parts[0]
+    finally:
+        trainer.close()
+
+
+def test_validation_takes_its_own_batch_shape(tmp_path):
+    """`--validation.local_batch_size` / `--validation.seq_len` (torchtitan's flags): the held-out
+    microbatches have that shape (2 steps x 3 rows x 16 tokens scored), not training's 4 x 32."""
+    record, validator, _ = _validated(tmp_path, "--validation.steps", "2", "--validation.local_batch_size", "3",
+                                      "--validation.seq_len", "16", "--validation.dataset.synthetic_documents", "500")
+    shapes = {tuple(b["input_ids"].shape) for b in validator._fixed_batches()}
+    assert shapes == {(3, 16)} and record["validation_tokens"] == 2 * 3 * 16
+
+
+def test_validation_steps_minus_one_scores_the_whole_held_out_corpus(tmp_path):
+    """`--validation.steps -1`: every global batch of one pass over the held-out files, up to the
+    one that reaches their end; the loss is the mean cross entropy of exactly those batches."""
+    from titan.train.data import ByteTokenizer
+
+    texts = [f"held-out line {i}: " + "text " * (i % 5) for i in range(40)]
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    record, validator, model = _validated(
+        tmp_path, "--validation.steps", "-1", "--validation.dataset.name", "json", "--validation.dataset.path",
+        str(tmp_path / "held.jsonl"), "--validation.dataset.cache_dir", str(tmp_path / "cache"),
+        "--validation.dataset.no_shuffle")
+    framed = sum(len(ByteTokenizer().encode(t, bos=True, eos=True)) for t in texts)
+    per_batch = 4 * 33  # one data-parallel rank: 4 windows of seq_len + 1 tokens per fetch
+    batches = list(validator._fixed_batches())
+    assert len(batches) == -(-framed // per_batch) - 1  # the batch reaching the end is left out
+    assert record["validation_tokens"] == len(batches) * 4 * 32
+    with torch.no_grad():
+        logits = torch.cat([model(b["input_ids"]) for b in batches])
+    labels = torch.cat([b["labels"] for b in batches])
+    expected = float(F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+    assert record["validation_loss"] == pytest.approx(expected, rel=1e-6)
+    assert validator._batches is None  # read afresh each pass, never all held
+
+
+@pytest.mark.parametrize("kwargs, rows, message", [
+    ({"seq_len": 64}, (4, 32, False), "--validation.seq_len 64 is longer than --training.seq_len 32"),
+    ({"local_batch_size": 2}, (4, 32, True), "must equal training's \\(4 x 32\\) under pipeline parallel"),
+    ({"seq_len": 30}, (4, 32, False, 4), "--validation.seq_len 30 must divide by 4"),
+])
+def test_validation_shapes_the_run_cannot_evaluate_are_refused(kwargs, rows, message):
+    from titan.train.validation import ValidationConfig
+
+    local, seq, pipelined, *multiple = rows
+    with pytest.raises(ValueError, match=message):
+        ValidationConfig(**kwargs).shape(local, seq, pipelined=pipelined, multiple_of=multiple[0] if multiple else 1)
+    assert ValidationConfig().shape(4, 32, pipelined=True) == (4, 32)
+    with pytest.raises(ValueError, match="--validation.steps must be >= 1, or -1"):
+        ValidationConfig(steps=0)
+
+
 VALIDATION_LAYOUTS = {
     "fsdp2": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
     "pp2": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"],

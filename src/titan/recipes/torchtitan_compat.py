@@ -119,6 +119,7 @@ JOB_FILE_DEFAULTS: tuple[str, ...] = (
     "--metrics.log_freq", "10",
     "--checkpoint.interval", "500", "--checkpoint.last_save_model_only", "--checkpoint.keep_latest_k", "10",
     "--checkpoint.export_dtype", "float32",
+    "--validation.steps", "-1",  # torchtitan validates on the whole held-out split by default
 )
 
 JOB_FILE_STAGE_WEIGHTS: tuple[str, ...] = (

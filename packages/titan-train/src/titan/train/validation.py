@@ -28,17 +28,55 @@ class ValidationConfig:
     freq: int = 500
     """Optimizer steps between validation passes."""
     steps: int = 10
-    """Microbatches of ``--training.local_batch_size`` rows per data-parallel rank per pass
-    (``titan sft``: at most this many; one pass over the held-out examples may end sooner)."""
+    """Microbatches of ``local_batch_size`` rows per data-parallel rank per pass (``titan sft``:
+    at most this many; one pass over the held-out examples may end sooner); -1: one whole
+    pass over the held-out corpus (torchtitan's default), read afresh each time, up to its
+    last full global batch."""
+    local_batch_size: int | None = None
+    """Rows per data-parallel rank in a validation microbatch (None: ``--training.local_batch_size``;
+    torchtitan's flag). Under pipeline parallel it must equal training's (the stages' shapes
+    are fixed at the first step)."""
+    seq_len: int | None = None
+    """Tokens per validation row (None: ``--training.seq_len``; torchtitan's flag): at most
+    training's (the model's RoPE table covers that far) and, under pipeline parallel, equal."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     """The validation corpus (``--validation.dataset.name``, ``.path``, ``.split`` ...); use a
     held-out split or files, e.g. ``--validation.dataset.split validation``. ``titan sft``
     scores its held-out examples instead (``--sft_data.eval_path``, or the synthetic task's)."""
 
     def __post_init__(self) -> None:
-        for flag in ("freq", "steps"):
-            if getattr(self, flag) < 1:
-                raise ValueError(f"--validation.{flag} must be >= 1, got {getattr(self, flag)}")
+        if self.freq < 1:
+            raise ValueError(f"--validation.freq must be >= 1, got {self.freq}")
+        if self.steps < 1 and self.steps != -1:
+            raise ValueError(f"--validation.steps must be >= 1, or -1 for the whole held-out corpus, got {self.steps}")
+        for flag in ("local_batch_size", "seq_len"):
+            value = getattr(self, flag)
+            if value is not None and value < 1:
+                raise ValueError(f"--validation.{flag} must be >= 1 (or unset: training's), got {value}")
+
+    def shape(self, local_batch_size: int, seq_len: int, *, pipelined: bool, multiple_of: int = 1) -> tuple[int, int]:
+        """(rows, tokens per row) of a validation microbatch, given training's; raises ValueError
+        naming the flag where the run cannot evaluate that shape (see the fields)."""
+        rows = self.local_batch_size or local_batch_size
+        length = self.seq_len or seq_len
+        if length > seq_len:
+            raise ValueError(f"--validation.seq_len {length} is longer than --training.seq_len {seq_len}, as far as "
+                             "the model's RoPE table reaches; lower it to at most that")
+        if pipelined and (rows, length) != (local_batch_size, seq_len):
+            raise ValueError(f"--validation.local_batch_size/--validation.seq_len ({rows} x {length}) must equal "
+                             f"training's ({local_batch_size} x {seq_len}) under pipeline parallel, whose stages fix "
+                             "their shapes at the first step; drop them")
+        if length % multiple_of:
+            raise ValueError(f"--validation.seq_len {length} must divide by {multiple_of} (2 x the context-parallel "
+                             "degree: its head-tail chunks), as --training.seq_len does")
+        return rows, length
+
+
+def _sequence_multiple(engine: TrainingEngine) -> int:
+    """What a sequence length must divide by on this engine's mesh: 2 x the context-parallel
+    degree (its head-tail chunks), as `ParallelDims.validate_model` asks of training's."""
+    cp = engine.parallel_dims.cp
+    return 2 * cp if cp > 1 else 1
 
 
 class Validator:
@@ -55,8 +93,12 @@ class Validator:
         self._loader = loader
         self._loss = supervised_loss(chunk_tokens=loss_chunk_tokens, compiled=compile_loss)
         dims = engine.parallel_dims
+        rows, length = local_batch_size, seq_len
+        if config.enable:  # a disabled validator's flags are someone else's defaults (a job file's)
+            rows, length = config.shape(local_batch_size, seq_len, pipelined=dims.pp_enabled,
+                                        multiple_of=_sequence_multiple(engine))
         self._loader_args = dict(dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
-                                 local_batch_size=local_batch_size, seq_len=seq_len, seed=seed)
+                                 local_batch_size=rows, seq_len=length, seed=seed)
         self._tokenizer = tokenizer
         self._batches: list[dict[str, torch.Tensor]] | None = None
 
@@ -64,14 +106,42 @@ class Validator:
         """Whether a pass runs after optimizer step ``step``."""
         return self.config.enable and (step % self.config.freq == 0 or last_step)
 
-    def _fixed_batches(self) -> list[dict[str, torch.Tensor]]:
-        """The pass's microbatches, read once: every pass sees the same tokens."""
+    def _fixed_batches(self) -> Iterable[dict[str, torch.Tensor]]:
+        """The pass's microbatches: ``--validation.steps`` of them, read once (every pass sees the
+        same tokens); with -1 the whole held-out corpus, read afresh each pass (never all held)."""
+        if self.config.steps == -1:
+            return self._one_pass()
         if self._batches is None:
-            loader = iter(self._loader(**self._loader_args) if self._loader is not None
-                          else build_dataloader(self.config.dataset, self._tokenizer, **self._loader_args))
             # at most --validation.steps microbatches; a held-out set may end sooner
-            self._batches = list(itertools.islice(loader, self.config.steps))
+            self._batches = list(itertools.islice(self._new_loader(), self.config.steps))
         return self._batches
+
+    def _new_loader(self):
+        return (self._loader(**self._loader_args) if self._loader is not None
+                else build_dataloader(self.config.dataset, self._tokenizer, **self._loader_args))
+
+    def _one_pass(self) -> Iterable[dict[str, torch.Tensor]]:
+        """Every global batch of the held-out corpus's first epoch, in its order: an endless
+        pretraining loader is read until its position enters the second epoch (the batch that
+        crossed is left out: it holds the corpus's start again). The position is global, so
+        every rank stops at the same batch. A finite loader (SFT's held-out examples) ends itself."""
+        loader = self._new_loader()
+        if self._loader is not None:
+            yield from loader
+            return
+        if loader.epoch is None:
+            raise ValueError("--validation.steps -1 reads the held-out corpus once, but a --validation.dataset.mix "
+                             "has no end; set --validation.steps N")
+        count = 0
+        for batch in loader:
+            if loader.epoch > 0:
+                break
+            count += 1
+            yield batch
+        if count == 0:
+            raise ValueError("--validation.steps -1: the held-out corpus (--validation.dataset.*) is shorter than one "
+                             "global batch of --validation.local_batch_size x --validation.seq_len per data-parallel "
+                             "rank; use more held-out text or a smaller batch")
 
     def run(self) -> dict[str, float]:
         """One pass in eval mode; the model goes back to training mode after it."""

@@ -210,6 +210,12 @@ class PackedDataLoader(ResumableLoader):
         """The packer behind this loader (its position is the loader's state)."""
         return self.dataset.packer
 
+    @property
+    def epoch(self) -> int | None:
+        """Passes the stream has completed over its corpus (0 during the first); None where it
+        has no end (a mixture of corpora)."""
+        return self.packer.epoch
+
     def position(self) -> dict[str, Any]:
         """The packer's (epoch, cursor, offset, seed) — or a pre-tokenized stream's token
         count — and the `windows` consumed globally."""

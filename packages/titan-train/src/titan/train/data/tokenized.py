@@ -330,6 +330,14 @@ class TokenizedPacker:
             done += take
             self.position += take
 
+    @property
+    def epoch(self) -> int | None:
+        """Passes completed over the corpus (0 during the first); None for a mixture, whose
+        stream draws from each corpus without end."""
+        if len(self.streams) > 1:
+            return None
+        return self.position // self.streams[0].epoch_tokens
+
     def state_dict(self) -> dict[str, Any]:
         """The position (tokens into the global stream), the seed, and which corpora (and
         weights) it counts in."""
