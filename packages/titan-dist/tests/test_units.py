@@ -190,3 +190,28 @@ def test_stage_weights_errors():
         ParallelismConfig(pipeline_parallel_last_stage_less_layers=-1)
     with pytest.raises(ValueError, match="not read with --parallelism.pipeline_parallel_split_points"):
         ParallelismConfig(pipeline_parallel_split_points=["layers.1"], pipeline_parallel_first_stage_less_layers=1)
+
+
+@pytest.mark.parametrize("preserve", [True, False])
+def test_preserve_rng_state_replays_dropout_in_the_recomputation(preserve, monkeypatch):
+    """`--activation_checkpoint.preserve_rng_state`: a checkpointed block with dropout gets the
+    gradient of the uncheckpointed one only when the recomputation replays the forward's RNG
+    state (otherwise it draws another mask); `apply_activation_checkpointing` passes it on."""
+    import titan.dist.activation_checkpoint as ac
+    from titan.dist import ActivationCheckpointConfig
+
+    def grads(checkpointed: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 16))
+        if checkpointed:
+            ac.checkpoint_block(block, preserve_rng_state=preserve)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        block(x).square().sum().backward()
+        return block[0].weight.grad
+
+    assert torch.equal(grads(True), grads(False)) is preserve
+    seen = []
+    monkeypatch.setattr(ac, "checkpoint_block", lambda block, **kw: seen.append(kw["preserve_rng_state"]))
+    ac.apply_activation_checkpointing(lib.make_model(), None,
+                                      ActivationCheckpointConfig(mode="full", preserve_rng_state=preserve))
+    assert seen and set(seen) == {preserve}

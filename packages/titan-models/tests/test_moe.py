@@ -304,3 +304,20 @@ def test_negative_document_ids_mark_padding_for_the_moe_layers():
     model(tokens, document_ids=docs)
     moe = model.layers["1"].feed_forward
     assert moe.tokens_per_expert.sum() == 8 * moe.top_k  # the 4 padding tokens are not counted
+
+
+def test_forced_load_balance_routes_round_robin_and_still_trains_the_gate():
+    """`force_load_balance` (torchtitan's --debug.moe_force_load_balance): token t takes experts
+    t*k .. t*k + k - 1 mod E, whatever the scores, which still weight the outputs (the gate
+    gets a gradient)."""
+    router = TokenChoiceRouter(4, 4, 2, norm_topk_prob=True, force_load_balance=True)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.eye(4))
+    x = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.5, 0.0, -1.0, 5.0], [9.0, 0.0, 0.0, 0.0]], requires_grad=True)
+    weights, selected = router(x, torch.tensor([0.0, 0.0, 0.0, 100.0]))  # a bias is ignored too
+    assert selected.tolist() == [[0, 1], [2, 3], [0, 1]]
+    p = torch.softmax(x[1].detach(), 0)[[2, 3]]
+    torch.testing.assert_close(weights[1], p / p.sum())
+    weights.square().sum().backward()
+    assert router.gate.weight.grad is not None and router.gate.weight.grad.abs().sum() > 0
+    assert MoE(8, 16, 4, 2, force_load_balance=True).router.force_load_balance  # passed down

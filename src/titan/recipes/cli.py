@@ -252,6 +252,8 @@ DEPENDENT_FLAGS = (
     (("--activation_checkpoint.selective_layer_every", "--activation_checkpoint.selective_op",
       "--activation_checkpoint.no_selective_op"),
      lambda c: c.activation_checkpoint.mode == "selective", "--activation_checkpoint.mode selective"),
+    (("--activation_checkpoint.preserve_rng_state",),
+     lambda c: c.activation_checkpoint.mode != "none", "--activation_checkpoint.mode full or selective"),
     (("--parallelism.pipeline_parallel_schedule", "--parallelism.pipeline_parallel_microbatch_size",
       "--parallelism.pipeline_parallel_layers_per_stage", "--parallelism.pipeline_parallel_split_points",
       "--parallelism.pipeline_parallel_first_stage_less_layers", "--parallelism.pipeline_parallel_last_stage_less_layers"),

@@ -98,6 +98,9 @@ NOTHING_ASKED: dict[str, tuple[tuple[Any, ...], str]] = {
     "--float8.force_recompute_fp8_weight_in_bwd": ((False,), "titan's float8 keeps torchao's default: the "
                                                    "float8 weight saved for the backward, not recomputed"),
     "--experimental.custom_import": (("",), "titan's model families are registered as plugins"),
+    "--parallelism.expert_parallel_comm_backend": (("standard",), "titan's expert parallel exchanges tokens with "
+                                                   "torch.distributed all-to-alls (torchtitan's standard backend), "
+                                                   "not DeepEP's or HybridEP's kernels"),
     "--experimental.custom_args_module": (("",), "titan's flags come from the recipe's config type"),
 }
 

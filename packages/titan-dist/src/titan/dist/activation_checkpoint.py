@@ -40,10 +40,13 @@ def _op_context():
     return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
-def checkpoint_block(block: nn.Module, *, per_op: bool = False, context_fn: Callable | None = None) -> nn.Module:
+def checkpoint_block(block: nn.Module, *, per_op: bool = False, context_fn: Callable | None = None,
+                     preserve_rng_state: bool = False) -> nn.Module:
     """Make `block` recompute its activations in backward, in place: all of them, or with
     `per_op` what titan's per-op policy does not save (`context_fn`: another policy's
-    selective-checkpoint contexts instead).
+    selective-checkpoint contexts instead). `preserve_rng_state` stashes the RNG states before
+    the forward and replays them in the recomputation, so random ops (dropout) draw the same
+    values twice; titan's models draw none, so it is off by default (torchtitan's default).
 
     The block's `forward` is wrapped rather than the module itself, so parameter names
     (and therefore checkpoints and optimizer groups) are the same with and without AC.
@@ -54,7 +57,7 @@ def checkpoint_block(block: nn.Module, *, per_op: bool = False, context_fn: Call
 
     @functools.wraps(inner)
     def forward(*args, **kw):
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                           **kwargs, **kw)
 
     block.forward = forward
@@ -74,5 +77,5 @@ def apply_activation_checkpointing(model: nn.Module, mesh, config) -> nn.Module:
     per_op = config.mode == "selective" and config.selective_op
     for index, (_, block) in enumerate(blocks_of(model)):
         if index % every == 0:
-            checkpoint_block(block, per_op=per_op)
+            checkpoint_block(block, per_op=per_op, preserve_rng_state=config.preserve_rng_state)
     return model

@@ -141,6 +141,10 @@ class ActivationCheckpointConfig:
     selective_op: bool = False
     """selective: inside a checkpointed block keep matmul (and collective) outputs and
     recompute only the cheap ops in between, instead of recomputing the whole block."""
+    preserve_rng_state: bool = False
+    """Replay the RNG states in the recomputation, so random ops (dropout) draw what the
+    forward drew (torchtitan's flag and default). titan's models draw nothing at random in
+    their forward; a model that does (dropout) needs it for exact gradients."""
 
     def __post_init__(self) -> None:
         _require(self.mode in AC_MODES,

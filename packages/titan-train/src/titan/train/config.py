@@ -173,6 +173,11 @@ class DebugConfig:
     skip_memory_check: bool = False
     """Start even when the run's estimated peak memory per rank exceeds the device's (by
     default such a run is refused before anything is built, with the flags that would fit)."""
+    moe_force_load_balance: bool = False
+    """MoE families, for benchmarks (torchtitan's flag): every router sends the tokens to the
+    experts round robin, the same number to each, whatever the scores (which still weight the
+    outputs and train the gate), so throughput is measured at perfect balance. Changes what
+    the model computes: not for real training."""
 
 
 @dataclass(kw_only=True)

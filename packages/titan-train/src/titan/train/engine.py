@@ -223,6 +223,18 @@ def hub_token_ids(tokenizer: Any) -> dict[str, int]:
     return ids
 
 
+def _debug_overrides(config: Any, model_spec: ModelSpec) -> dict[str, Any]:
+    """Model fields the ``--debug.*`` flags set: ``moe_force_load_balance`` (round-robin
+    routing, for benchmarks), refused by name for a family without MoE routers."""
+    if not getattr(getattr(config, "debug", None), "moe_force_load_balance", False):
+        return {}
+    args = model_spec.flavors.get(config.model.flavor)
+    if args is not None and not hasattr(args, "moe_force_load_balance"):
+        raise ValueError(f"--debug.moe_force_load_balance routes the tokens of MoE layers; {config.model.name} "
+                         f"{config.model.flavor} has none: drop the flag")
+    return {"moe_force_load_balance": True}
+
+
 class TrainingEngine:
     """Builds a model family's model, parallelizes it over the mesh, and steps and saves it.
 
@@ -348,7 +360,7 @@ class TrainingEngine:
             document_mask=getattr(training, "document_mask", False),
             seed=config.debug.seed,
             deterministic=config.debug.deterministic,
-            model_overrides=config.model.overrides(),
+            model_overrides={**config.model.overrides(), **_debug_overrides(config, model_spec)},
             quantize=getattr(config, "quantize", None),
             states=states,
             comm=getattr(config, "comm", None),

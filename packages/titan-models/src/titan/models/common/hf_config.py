@@ -7,7 +7,7 @@ from typing import Any
 
 # Fields of a family's args that a run sets for itself rather than inherit from a checkpoint:
 # the context it trains at (RoPE tables are built to it) and its balancing-loss settings.
-RUN_SETTINGS = frozenset({"max_seq_len", "router_aux_loss_coef", "load_balance_coeff"})
+RUN_SETTINGS = frozenset({"max_seq_len", "router_aux_loss_coef", "load_balance_coeff", "moe_force_load_balance"})
 # Llama's inputs to its FFN width rule: compared through the width they give (ffn_hidden_dim).
 _FFN_RULE = frozenset({"multiple_of", "ffn_dim_multiplier", "ffn_dim"})
 # config.json keys that change the function but are not fields of the args (the adapters

@@ -46,6 +46,11 @@ class TokenChoiceRouter(nn.Module):
     `topk_groups` groups of consecutive experts whose two best (biased) scores sum highest,
     so a token's experts live on few devices under expert parallelism. The weights are then
     optionally renormalized to sum to one (`norm_topk_prob`) and multiplied by `route_scale`.
+
+    `force_load_balance` (a benchmarking switch, torchtitan's `--debug.moe_force_load_balance`)
+    ignores the scores for the choice: token t takes experts t*k .. t*k + k - 1 (mod E), so
+    every expert gets the same number of tokens (within one) whatever the router learned,
+    and the weights still come from the scores, so the gate trains.
     """
 
     def __init__(
@@ -59,6 +64,7 @@ class TokenChoiceRouter(nn.Module):
         topk_groups: int = 1,
         norm_topk_prob: bool = False,
         route_scale: float = 1.0,
+        force_load_balance: bool = False,
     ) -> None:
         super().__init__()
         if score_func not in ("softmax", "sigmoid"):
@@ -78,6 +84,7 @@ class TokenChoiceRouter(nn.Module):
         self.n_experts, self.top_k = n_experts, top_k
         self.score_func, self.n_groups, self.topk_groups = score_func, n_groups, topk_groups
         self.norm_topk_prob, self.route_scale = norm_topk_prob, route_scale
+        self.force_load_balance = force_load_balance
         self.gate = nn.Linear(dim, n_experts, bias=False)
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +93,11 @@ class TokenChoiceRouter(nn.Module):
         return logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
 
     def select(self, scores: torch.Tensor, expert_bias: torch.Tensor | None) -> torch.Tensor:
-        """Indices [T, k] of each token's experts: top-k of the biased scores among the kept groups."""
+        """Indices [T, k] of each token's experts: top-k of the biased scores among the kept groups
+        (round robin under `force_load_balance`)."""
+        if self.force_load_balance:
+            slots = torch.arange(scores.shape[0] * self.top_k, device=scores.device)
+            return (slots % self.n_experts).view(scores.shape[0], self.top_k)
         choice = scores.detach() if expert_bias is None else scores.detach() + expert_bias.float()
         if self.n_groups > 1:
             grouped = choice.unflatten(-1, (self.n_groups, -1))
@@ -252,6 +263,7 @@ class MoE(nn.Module):
         aux_loss_coef: float = 0.0,
         aux_loss_kind: AuxLossKind = "switch",
         use_grouped_mm: bool = True,
+        force_load_balance: bool = False,
     ) -> None:
         super().__init__()
         if load_balance_coeff is not None and load_balance_coeff <= 0:
@@ -267,6 +279,7 @@ class MoE(nn.Module):
         self.router = TokenChoiceRouter(
             dim, n_experts, top_k, score_func=score_func, n_groups=n_groups,
             topk_groups=topk_groups, norm_topk_prob=norm_topk_prob, route_scale=route_scale,
+            force_load_balance=force_load_balance,
         )
         self.experts = GroupedExperts(dim, hidden_dim, n_experts, use_grouped_mm=use_grouped_mm)
         self.shared_experts: FeedForward | None = None

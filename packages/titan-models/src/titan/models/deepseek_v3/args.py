@@ -69,6 +69,10 @@ class DeepseekV3Args:
     """Renormalize the selected experts' sigmoid scores to sum to one before scaling."""
     first_k_dense_replace: int = 1
     """The first this many blocks use the dense feed-forward."""
+    moe_force_load_balance: bool = False
+    """A run setting for benchmarks (torchtitan's `--debug.moe_force_load_balance`): every
+    router sends tokens to the experts round robin, the same count to each, whatever its
+    scores (which still weight the outputs); the model then computes another function."""
     load_balance_coeff: float | None = 1e-3
     """Step size of the auxiliary-loss-free balancing that moves the selection bias
     (`e_score_correction_bias`) toward uniform load after each optimizer step; None freezes

@@ -50,6 +50,7 @@ class DeepseekV3Model(MoEModelReports, Decoder):
                 topk_groups=a.topk_group, norm_topk_prob=a.norm_topk_prob,
                 route_scale=a.routed_scaling_factor, load_balance_coeff=a.load_balance_coeff,
                 always_use_expert_bias=True, aux_loss_coef=a.router_aux_loss_coef, aux_loss_kind="sequence",
+                force_load_balance=a.moe_force_load_balance,
             )
         else:
             feed_forward = FeedForward(a.dim, a.ffn_hidden_dim)

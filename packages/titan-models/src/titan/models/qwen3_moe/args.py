@@ -36,6 +36,10 @@ class Qwen3MoeArgs(Qwen3Args):
     router_aux_loss_coef: float = 0.0
     """Weight of the Switch-style load-balancing loss (0.001 in the releases). It reaches the
     training loss through the model's `aux_loss()`, which the training engine adds; 0 computes none."""
+    moe_force_load_balance: bool = False
+    """A run setting for benchmarks (torchtitan's `--debug.moe_force_load_balance`): every
+    router sends tokens to the experts round robin, the same count to each, whatever its
+    scores (which still weight the outputs); the model then computes another function."""
     load_balance_coeff: float | None = None
     """Step size of titan's auxiliary-loss-free balancing (a per-expert selection bias moved
     toward uniform load after each optimizer step); None turns it off. Hugging Face Qwen3-MoE

@@ -34,6 +34,7 @@ class Qwen3MoeModel(MoEModelReports, Qwen3Model):
                 a.dim, a.moe_intermediate_size, a.num_experts, a.num_experts_per_tok,
                 score_func="softmax", norm_topk_prob=a.norm_topk_prob,
                 load_balance_coeff=a.load_balance_coeff, aux_loss_coef=a.router_aux_loss_coef,
+                force_load_balance=a.moe_force_load_balance,
             )
         return block
 
