@@ -204,6 +204,43 @@ def test_wandb_offline_run_and_tensorboard_equal_the_jsonl(offline_wandb):
     assert config["optimizer"] == {"lr": 1e-3} and config["training"] == {"steps": 3}
 
 
+def _log_steps(log: MetricsLogger, start: int, steps) -> None:
+    log.start(start)
+    for step in steps:
+        log.record_tokens(100)
+        log.clock.now += 0.5
+        log.log(step=step, loss=10.0 - step, grad_norm=1.0, lr=1e-3)
+    log.close()
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_its_wandb_run_and_a_fresh_start_opens_another(offline_wandb, caplog):
+    """The relaunch that resumes from step 3 logs into the W&B run of steps 1-3 (same id, the
+    offline folders `wandb sync` merges); one that starts over gets a new run; one resumed from
+    before the run's last logged step says that W&B keeps the first values."""
+    import wandb
+
+    dump = offline_wandb
+    _log_steps(_logger(dump, enable_wandb=True), 0, (1, 2, 3))
+    first = json.loads((dump / "wandb-run.json").read_text())
+    assert first["last_step"] == 3
+    _log_steps(_logger(dump, enable_wandb=True), 3, (4, 5))
+    wandb.teardown()
+    runs = [_wandb_records(next(run.glob("run-*.wandb"))) for run in sorted((dump / "wandb").glob("offline-run-*"))]
+    assert len(runs) == 2
+    assert [[r.run.run_id for r in records if r.WhichOneof("record_type") == "run"] for records in runs] == \
+        [[first["id"]], [first["id"]]]
+    steps = [json.loads(i.value_json) for r in runs[1] if r.WhichOneof("record_type") == "history"
+             for i in r.history.item if (i.key or "/".join(i.nested_key)) == "_step"]
+    assert steps == [4, 5]
+    assert json.loads((dump / "wandb-run.json").read_text()) == {"id": first["id"], "last_step": 5}
+    with caplog.at_level("WARNING", logger="titan"):
+        _log_steps(_logger(dump, enable_wandb=True), 4, (5,))
+    assert "logged up to step 5, this run resumes from step 4: W&B keeps the first values of steps 5-5" in caplog.text
+    _log_steps(_logger(dump, enable_wandb=True), 0, (1,))
+    assert json.loads((dump / "wandb-run.json").read_text())["id"] != first["id"]
+
+
 # ---- ranks ---------------------------------------------------------------------------------
 
 def test_only_rank0_writes_by_default(tmp_path):

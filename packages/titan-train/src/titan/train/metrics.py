@@ -215,39 +215,90 @@ class TensorBoardBackend:
 
 
 class WandbBackend:
-    """One Weights & Biases run; metrics are logged at the record's step."""
+    """One Weights & Biases run per titan run (per rank with ``save_for_all_ranks``); metrics are
+    logged at the record's step.
+
+    The run's id is kept in the dump folder (``wandb-run.json``), so a relaunch that resumes
+    from a checkpoint continues the same W&B run (``resume="allow"``) instead of opening a
+    new one, and a relaunch that starts over opens a new one. A folder without a record opens
+    its run at once, so a W&B that cannot start fails before anything is built."""
 
     def __init__(self, cfg: MetricsConfig, *, dump_folder: Path, rank: int,
                  run_config: Mapping[str, Any] | None) -> None:
-        import wandb
-
         name = cfg.wandb_run_name or Path(dump_folder).resolve().name
         per_rank = cfg.save_for_all_ranks
         dump_folder.mkdir(parents=True, exist_ok=True)
+        self._init_kwargs = dict(
+            project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "titan",
+            name=f"{name}-rank{rank}" if per_rank else name,
+            group=name if per_rank else None,
+            dir=str(dump_folder),
+            config=dict(run_config) if run_config is not None else None,
+            mode=cfg.wandb_mode,
+            reinit="create_new",  # several loggers in one process (tests) get their own runs
+        )
+        self.record_path = dump_folder / (f"wandb-run-rank{rank}.json" if per_rank else "wandb-run.json")
+        self.run: Any = None
+        self._last_step = 0
+        if not self.record_path.exists():
+            self._open()
+
+    def start(self, step: int) -> None:
+        """Training starts after ``step``: a resumed run (``step`` > 0) continues the W&B run
+        recorded in the folder; a run starting over opens a new one."""
+        if self.run is not None:
+            return
+        record = self._record()
+        if step > 0 and record.get("id"):
+            if record.get("last_step", 0) > step:
+                logger.warning(
+                    "W&B run %s logged up to step %d, this run resumes from step %d: W&B keeps the first "
+                    "values of steps %d-%d (it takes each step once); TensorBoard and metrics.jsonl show the "
+                    "redone ones", record["id"], record["last_step"], step, step + 1, record["last_step"])
+            self._last_step = int(record.get("last_step", 0))
+            self._open(id=record["id"], resume="allow")
+        else:
+            self._open()
+
+    def _record(self) -> dict[str, Any]:
         try:
-            self.run = wandb.init(
-                project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "titan",
-                name=f"{name}-rank{rank}" if per_rank else name,
-                group=name if per_rank else None,
-                dir=str(dump_folder),
-                config=dict(run_config) if run_config is not None else None,
-                mode=cfg.wandb_mode,
-                reinit="create_new",  # several loggers in one process (tests) get their own runs
-            )
+            return json.loads(self.record_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _open(self, **resume: Any) -> None:
+        import wandb
+
+        try:
+            self.run = wandb.init(**self._init_kwargs, **resume)
         except Exception as err:  # no API key, no network, bad project: the user's setup
             first = (str(err) or type(err).__name__).splitlines()[0]
             raise ValueError(
                 f"--metrics.enable_wandb: could not start a W&B run ({first}); run `wandb "
                 "login`, or log without network with --metrics.wandb_mode offline"
             ) from err
+        self._save_record()
+
+    def _save_record(self) -> None:
+        run_id = getattr(self.run, "id", None)
+        if run_id is not None:
+            partial = self.record_path.with_name(self.record_path.name + ".tmp")
+            partial.write_text(json.dumps({"id": run_id, "last_step": self._last_step}) + "\n")
+            os.replace(partial, self.record_path)
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         """Log the metrics of ``step``."""
+        if self.run is None:
+            self.start(0)
         self.run.log(dict(scalars), step=step)
+        if step > self._last_step:
+            self._last_step = step
+            self._save_record()
 
     def close(self) -> None:
         """Finish the run (an offline run is then ready for ``wandb sync``)."""
-        self.run.finish()
+        if self.run is not None:
+            self.run.finish()
 
 
 def current_rank(is_rank0: bool) -> int:
@@ -338,10 +389,11 @@ class MetricsLogger:
         from here)."""
         self._start_step = step
         self._start_time = self._last_log_time = self.clock()
-        if step > 0:
-            for backend in self._backends:
-                if isinstance(backend, TensorBoardBackend):
-                    backend.resume_at(step)
+        for backend in self._backends:
+            if isinstance(backend, TensorBoardBackend) and step > 0:
+                backend.resume_at(step)
+            elif isinstance(backend, WandbBackend):
+                backend.start(step)
         if self._bar is not None:
             self._bar.update(step)
 
