@@ -336,3 +336,21 @@ def test_titan_train_runs_a_torchtitan_job_file(tmp_path):
     assert config["model"]["flavor"] == "debugmodel_tiny" and config["debug"]["seed"] == 3
     assert config["lr_scheduler"]["min_lr_factor"] == 0.1
     assert config["tokenizer"]["path"] == str(tmp_path / "assets")
+
+
+def test_modules_per_stage_become_split_points(tmp_path):
+    """torchtitan's `module_fqns_per_model_part` (each stage's modules) is titan's split points;
+    stages that are not consecutive runs of blocks are refused by name."""
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nflavor = "debugmodel_tiny"\n[parallelism]\npipeline_parallel_degree = 2\n'
+                    'module_fqns_per_model_part = [["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], '
+                    '["layers.3", "norm", "output"]]\npipeline_parallel_schedule = "Interleaved1F1B"\n')
+    config = parse_train_args(["--job.config_file", str(path)])
+    assert config.parallelism.pipeline_parallel_split_points == ["layers.1", "layers.2", "layers.3"]
+    assert config.parallelism.pipeline_parallel_last_stage_less_layers == 0  # not with split points
+    for stages, message in (('[["tok_embeddings", "layers.0"], ["layers.2", "output"]]', "not the next consecutive"),
+                            ('[["layers.0"], ["tok_embeddings", "layers.1"]]', "stage 1 holds 'tok_embeddings'"),
+                            ('[["layers.0", "layers.1"]]', "at least two")):
+        path.write_text(f'[parallelism]\npipeline_parallel_degree = 2\nmodule_fqns_per_model_part = {stages}\n')
+        with pytest.raises(UsageError, match=message):
+            parse_train_args(["--job.config_file", str(path)])

@@ -362,7 +362,40 @@ def _toml_module():
     return tomllib
 
 
+MODULES_PER_STAGE_FLAG = "--parallelism.module_fqns_per_model_part"
+FIRST_STAGE_MODULES, LAST_STAGE_MODULES = ("tok_embeddings",), ("norm", "output", "lm_head")
+
+
+def _split_points_of(stages: Any) -> list[str]:
+    """torchtitan's ``module_fqns_per_model_part`` (each pipeline stage's modules, e.g.
+    ``[["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]``) as titan's split
+    points (the first block of every stage but the first); refused unless the stages hold
+    consecutive blocks in order, the embedding on the first and the output on the last."""
+    flag = MODULES_PER_STAGE_FLAG[2:]
+    if not (isinstance(stages, list) and len(stages) > 1 and all(isinstance(s, list) and s for s in stages)):
+        raise CompatError(f"{flag} = {stages!r}: give a list of at least two non-empty lists of module names")
+    starts, expected = [], 0
+    for index, modules in enumerate(stages):
+        blocks = []
+        for name in modules:
+            head, _, number = str(name).partition(".")
+            if head == "layers" and number.isdigit():
+                blocks.append(int(number))
+            elif not ((index == 0 and name in FIRST_STAGE_MODULES)
+                      or (index == len(stages) - 1 and name in LAST_STAGE_MODULES)):
+                raise CompatError(f"{flag}: stage {index} holds {name!r}; titan splits at blocks only, with "
+                                  "tok_embeddings on the first stage and norm/output on the last")
+        if not blocks or blocks != list(range(expected, expected + len(blocks))):
+            raise CompatError(f"{flag}: stage {index} holds blocks {blocks}, not the next consecutive ones from "
+                              f"layers.{expected}; every stage runs a run of consecutive blocks")
+        starts.append(f"layers.{blocks[0]}")
+        expected += len(blocks)
+    return starts[1:]
+
+
 def _toml_value_tokens(flag: str, value: Any) -> list[str]:
+    if flag == MODULES_PER_STAGE_FLAG:
+        return [SPLIT_POINTS_FLAG, *_split_points_of(value)]
     if isinstance(value, bool):
         return [_switch(flag, value)]
     if isinstance(value, (int, float, str)):
