@@ -67,6 +67,9 @@ def test_tokenize_command_writes_a_corpus(tmp_path, bpe):
     (["--tokenizer.kind", "hf"], "--tokenizer.kind hf needs --tokenizer.path"),
     (["--num_proc", "0"], "--num_proc (0)"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--subset", "en"], "--subset 'en' names a configuration of a hub dataset"),  # local files have none
+    (["--split", "validation"], "--split 'validation' is not read for SRC of format json: local files form one"),
+    (["--text_sample_by", "paragraph"], "--text_sample_by paragraph splits plain text files"),
 ])
 def test_tokenize_errors_are_one_line(tmp_path, capsys, extra, message):
     src = write_jsonl(tmp_path / "docs.jsonl", ["a", "b"])

@@ -25,11 +25,26 @@ from titan.train.data.tokenizer import ByteTokenizer
             dict(synthetic_successors=9, synthetic_symbols=8),
             "--dataset.synthetic_successors 9 exceeds",
         ),
+        # Fields the named source would not read: refused, never ignored.
+        (dict(name="synthetic", split="validation"), "--dataset.split 'validation' is not read for --dataset.name "
+         "synthetic: it has no splits"),
+        (dict(name="json", path="x.jsonl", split="validation"), "local files form one split, train"),
+        (dict(name="stdlib", subset="en"), "--dataset.subset 'en' names a configuration of a hub dataset"),
+        (dict(name="parquet", path="x.parquet", subset="en"), "--dataset.name parquet has none"),
+        (dict(name="text", path="x.txt", text_field="body"), "--dataset.text_field 'body' names a column"),
+        (dict(name="tokenized", path="corpus", text_field="body"), "--dataset.name tokenized has none"),
+        (dict(name="json", path="x.jsonl", text_sample_by="paragraph"), "splits plain text files"),
     ],
 )
 def test_post_init_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DatasetConfig(**kwargs)
+
+
+def test_the_fields_each_source_reads_are_accepted():
+    DatasetConfig(name="allenai/c4", subset="en", split="validation", text_field="body")
+    DatasetConfig(name="text", path="x.txt", text_sample_by="paragraph")
+    DatasetConfig(name="json", path="x.jsonl", text_field="body")
 
 
 def test_defaults_are_valid_and_kinds():

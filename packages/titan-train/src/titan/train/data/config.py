@@ -98,6 +98,7 @@ class DatasetConfig:
                 f"--dataset.path is only read for local files, but --dataset.name is {self.name!r}; "
                 "set --dataset.name to text, json or parquet, or drop the path"
             )
+        self._check_unread_fields()
         if not self.text_field:
             raise ValueError("--dataset.text_field is empty; name the column holding the text")
         if not self.split:
@@ -105,6 +106,29 @@ class DatasetConfig:
         if self.text_sample_by not in ("line", "paragraph", "document"):
             raise ValueError(
                 f"--dataset.text_sample_by must be line, paragraph or document, got {self.text_sample_by!r}"
+            )
+
+    def _check_unread_fields(self) -> None:
+        """Fields the named source would not read are refused rather than ignored."""
+        if self.subset is not None and not self.is_hub:
+            raise ValueError(
+                f"--dataset.subset {self.subset!r} names a configuration of a hub dataset (or a folder laid out "
+                f"as one); --dataset.name {self.name} has none: drop it"
+            )
+        if self.split != "train" and not self.is_hub:
+            where = ("local files form one split, train: point --dataset.path at the held-out files, or name a "
+                     "folder laid out in splits as --dataset.name FOLDER" if self.is_local
+                     else "it has no splits: name held-out data with --dataset.name/--dataset.path")
+            raise ValueError(f"--dataset.split {self.split!r} is not read for --dataset.name {self.name}: {where}")
+        if self.text_field != "text" and self.name in (*BUILTIN_DATASETS, "text"):
+            raise ValueError(
+                f"--dataset.text_field {self.text_field!r} names a column of json, parquet or hub rows; "
+                f"--dataset.name {self.name} has none: drop it"
+            )
+        if self.text_sample_by != "line" and self.name != "text":
+            raise ValueError(
+                f"--dataset.text_sample_by {self.text_sample_by} splits plain text files into documents; "
+                f"--dataset.name {self.name} is read by row: drop it"
             )
 
     def _check_tokenized(self) -> None:

@@ -289,6 +289,7 @@ def tokenize_corpus(
         "rows_per_shard": None if streaming else rows_per_shard,
         "streaming": streaming,
     }
+    _source_config(plan, cache_dir)  # flags the source would not read fail before any folder is made
     work = _prepare_work_folder(out, plan)
     try:
         return _tokenize_into(work, out, plan, tokenizer, built, fingerprint, cache_dir,
@@ -299,23 +300,31 @@ def tokenize_corpus(
         raise
 
 
+def _source_config(plan: dict[str, Any], cache_dir: str | None) -> DatasetConfig:
+    """The `DatasetConfig` that reads the plan's source; its errors name this command's flags
+    (``--text_field``, ``--split``, ``--subset``, ``--text_sample_by``)."""
+    fmt = None if plan["format"] == "hub" else plan["format"]
+    try:
+        return DatasetConfig(
+            name=fmt or plan["source"], path=plan["source"] if fmt else None, text_field=plan["text_field"],
+            split=plan["split"], subset=plan["subset"], text_sample_by=plan["text_sample_by"], cache_dir=cache_dir,
+            streaming=plan["streaming"],
+        )
+    except ValueError as err:
+        message = str(err)
+        for field in ("text_field", "split", "subset", "text_sample_by"):
+            message = message.replace(f"--dataset.{field}", f"--{field}")
+        raise ValueError(message.replace("--dataset.name", "SRC of format")) from err
+
+
 def _tokenize_into(work, out, plan, tokenizer, built, fingerprint, cache_dir, num_proc,
                    rows_per_shard, chunk_rows, progress) -> dict[str, Any]:
     """`tokenize_corpus` once the work folder is ready: load, tokenize, write, rename."""
     fmt = None if plan["format"] == "hub" else plan["format"]
     source, text_field = plan["source"], plan["text_field"]
     local_cache = cache_dir is None and fmt is not None
-    cfg = DatasetConfig(
-        name=fmt or source,
-        path=source if fmt else None,
-        text_field=text_field,
-        split=plan["split"],
-        subset=plan["subset"],
-        text_sample_by=plan["text_sample_by"],
-        # Local text is converted to Arrow once; that copy is not worth keeping afterwards.
-        cache_dir=str(work / "datasets-cache") if local_cache else cache_dir,
-        streaming=plan["streaming"],
-    )
+    # Local text is converted to Arrow once; that copy is not worth keeping afterwards.
+    cfg = _source_config(plan, str(work / "datasets-cache") if local_cache else cache_dir)
     if plan["streaming"]:
         shards = _write_streamed_shards(work, cfg, tokenizer, built, num_proc, chunk_rows, progress)
         return _finish(work, out, plan, built, fingerprint, shards, local_cache)
