@@ -153,3 +153,13 @@ def test_a_downloaded_hub_dataset_folder_gives_train_prompts_and_held_out_test_p
                                     ByteTokenizer())
     assert [p.text for p in train] == [f"train {i}" for i in range(4)]
     assert [p.text for p in held_out] == ["test 0", "test 1"]
+
+
+@pytest.mark.parametrize("flag, value", [("prompt_field", "question"), ("answer_field", "solution"),
+                                         ("chat_template", "tokenizer")])
+def test_jsonl_fields_are_refused_for_the_synthetic_task(flag, value):
+    """The synthetic task reads its own prompts and answers: a column name or template given
+    with it would be ignored, so it is refused, naming the flag."""
+    with pytest.raises(ValueError, match=f"--rl_data.{flag} '{value}' is not read by --rl_data.format synthetic"):
+        RLDataConfig(**{flag: value})
+    RLDataConfig(format="jsonl", path="prompts.jsonl", **{flag: value})  # read there

@@ -531,6 +531,11 @@ def test_bad_chat_row_names_the_row(tmp_path):
         (dict(train_on="prompt"), "--sft_data.train_on"),
         (dict(synthetic_min_len=5, synthetic_max_len=3), "--sft_data.synthetic_max_len"),
         (dict(synthetic_alphabet=2, synthetic_max_len=3), "--sft_data.synthetic_examples"),
+        # Columns and templates the format does not read: refused, not ignored.
+        (dict(format="chat", path="x.jsonl", prompt_field="question"), "--sft_data.prompt_field 'question' is not read"),
+        (dict(format="prompt_completion", path="x.jsonl", messages_field="conversation"), "--sft_data.messages_field"),
+        (dict(format="synthetic", completion_field="answer"), "--sft_data.completion_field"),
+        (dict(format="synthetic", chat_template="tokenizer"), "--sft_data.chat_template tokenizer is not read"),
     ],
 )
 def test_config_errors_name_the_flag(kwargs, needle):

@@ -85,6 +85,11 @@ class RLDataConfig(SyntheticTaskConfig):
                 "--rl_data.path / --rl_data.eval_path are not read by --rl_data.format synthetic; "
                 "drop them or set --rl_data.format jsonl"
             )
+        unread = {"prompt_field": "prompt", "answer_field": "answer", "chat_template": "auto"}
+        for flag, default in unread.items():
+            if self.format == "synthetic" and getattr(self, flag) != default:
+                raise ValueError(f"--rl_data.{flag} {getattr(self, flag)!r} is not read by --rl_data.format synthetic "
+                                 "(its prompts and answers are the task's own); drop it or set --rl_data.format jsonl")
         if self.sft_demonstrations < 0 or self.sft_demonstrations > self.synthetic_examples:
             raise ValueError(
                 f"--rl_data.sft_demonstrations must be in [0, --rl_data.synthetic_examples "

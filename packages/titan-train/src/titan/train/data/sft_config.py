@@ -146,6 +146,21 @@ class SFTDataConfig(SyntheticTaskConfig):
         for flag in ("prompt_field", "completion_field", "messages_field"):
             if not getattr(self, flag):
                 raise ValueError(f"--sft_data.{flag} is empty; name the JSONL column to read")
+        self._check_unread_fields()
+
+    def _check_unread_fields(self) -> None:
+        """Column names and the template the format does not read are refused, not ignored."""
+        reads = {"prompt_completion": ("prompt_field", "completion_field"), "chat": ("messages_field",),
+                 "synthetic": ()}[self.format]
+        defaults = {"prompt_field": "prompt", "completion_field": "completion", "messages_field": "messages"}
+        for flag, default in defaults.items():
+            if flag not in reads and getattr(self, flag) != default:
+                raise ValueError(f"--sft_data.{flag} {getattr(self, flag)!r} is not read by --sft_data.format "
+                                 f"{self.format}" + (f" (it reads {', '.join('--sft_data.' + r for r in reads)})"
+                                                     if reads else "") + ": drop it")
+        if self.format == "synthetic" and self.chat_template != "auto":
+            raise ValueError(f"--sft_data.chat_template {self.chat_template} is not read by --sft_data.format "
+                             "synthetic (its prompts are plain text): drop it")
 
     def _check_choices(self) -> None:
         """Literal-typed flags hold one of their values (tyro checks the CLI, not code)."""
