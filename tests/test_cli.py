@@ -377,6 +377,17 @@ def test_tyro_boxes_are_condensed_when_no_structured_event_is_available():
     (["--parallelism.enable_async_tensor_parallel"],
      "--parallelism.enable_async_tensor_parallel has no effect without --parallelism.tensor_parallel_degree > 1"),
     (["--checkpoint.interval", "5"], "--checkpoint.interval has no effect without --checkpoint.enable"),
+    (["--checkpoint.export_dtype", "bfloat16"], "--checkpoint.export_dtype has no effect without --checkpoint.enable"),
+    (["--checkpoint.last_save_in_hf"], "--checkpoint.last_save_in_hf has no effect without --checkpoint.enable"),
+    (["--checkpoint.folder", "ck"], "--checkpoint.folder has no effect without --checkpoint.enable"),
+    (["--metrics.wandb_project", "p"], "--metrics.wandb_project has no effect without --metrics.enable_wandb"),
+    (["--metrics.save_tb_folder", "x"], "--metrics.save_tb_folder has no effect without --metrics.enable_tensorboard"),
+    (["--profiling.profile_freq", "5"], "--profiling.profile_freq has no effect without --profiling.enable_profiling "
+     "or --profiling.enable_memory_snapshot"),
+    (["--profiling.profiler_active", "2"], "--profiling.profiler_active has no effect without "
+     "--profiling.enable_profiling"),
+    (["--fault_tolerance.replica_id", "1"], "--fault_tolerance.replica_id has no effect without "
+     "--fault_tolerance.enable"),
 ])
 def test_a_flag_the_run_would_ignore_is_refused(flags, message):
     """A flag that changes nothing unless another setting is on stops the run with what it
@@ -391,6 +402,8 @@ def test_dependent_flags_pass_with_what_they_need_and_plan_may_pin_layout_flags(
                                "--parallelism.pipeline_parallel_degree", "2",
                                "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"])
     assert config.compile.granularity == "model" and config.checkpoint.interval == 5
+    parse_train_args(["--config", "llama3_debug", "--profiling.enable_memory_snapshot", "--profiling.profile_freq", "5",
+                      "--metrics.enable_tensorboard", "--metrics.save_tb_folder", "tensorboard"])
     # titan plan ranks the layouts a pinned schedule allows: its layout flags are exempt.
     parse_train_args(["--config", "llama3_debug", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
                      exempt_flags=("--parallelism.pipeline_parallel_schedule",))

@@ -260,8 +260,21 @@ DEPENDENT_FLAGS = (
      lambda c: c.parallelism.pipeline_parallel_degree > 1, "--parallelism.pipeline_parallel_degree > 1"),
     (("--parallelism.enable_async_tensor_parallel",), lambda c: c.parallelism.tensor_parallel_degree > 1,
      "--parallelism.tensor_parallel_degree > 1"),
-    (("--checkpoint.interval", "--checkpoint.keep_latest_k", "--checkpoint.async_mode", "--checkpoint.load_step"),
+    (("--checkpoint.interval", "--checkpoint.keep_latest_k", "--checkpoint.async_mode", "--checkpoint.load_step",
+      "--checkpoint.folder", "--checkpoint.exclude_from_loading", "--checkpoint.last_save_model_only",
+      "--checkpoint.no_last_save_model_only", "--checkpoint.export_dtype", "--checkpoint.last_save_in_hf"),
      lambda c: c.checkpoint.enable, "--checkpoint.enable"),
+    (("--metrics.wandb_project", "--metrics.wandb_run_name", "--metrics.wandb_mode"),
+     lambda c: c.metrics.enable_wandb, "--metrics.enable_wandb"),
+    (("--metrics.save_tb_folder",), lambda c: c.metrics.enable_tensorboard, "--metrics.enable_tensorboard"),
+    (("--profiling.profiler_warmup", "--profiling.profiler_active", "--profiling.save_traces_folder"),
+     lambda c: c.profiling.enable_profiling, "--profiling.enable_profiling"),
+    (("--profiling.profile_freq",), lambda c: c.profiling.enable_profiling or c.profiling.enable_memory_snapshot,
+     "--profiling.enable_profiling or --profiling.enable_memory_snapshot"),
+    (("--profiling.save_memory_snapshot_folder",), lambda c: c.profiling.enable_memory_snapshot,
+     "--profiling.enable_memory_snapshot"),
+    (("--fault_tolerance.replica_id", "--fault_tolerance.group_size", "--fault_tolerance.min_replica_size"),
+     lambda c: c.fault_tolerance.enable, "--fault_tolerance.enable"),
 )
 
 
