@@ -118,7 +118,7 @@ def parsed(*flags):
     (["--training.seed", "7"], "debug.seed", 7),
     (["--training.seed=7"], "debug.seed", 7),
     (["--training.batch_size", "3"], "training.local_batch_size", 3),
-    (["--checkpoint.model_weights_only"], "checkpoint.last_save_model_only", True),
+    (["--checkpoint.enable_checkpoint", "--checkpoint.model_weights_only"], "checkpoint.last_save_model_only", True),
     (["--training.deterministic"], "debug.deterministic", True),
     (["--training.enable_cpu_offload"], "parallelism.fsdp_cpu_offload", True),
     (["--training.compile"], "compile.enable", True),
@@ -127,8 +127,9 @@ def parsed(*flags):
     (["--job.print_args"], "job.print_config", True),
     (["--lr_scheduler.lr_min", "0.1"], "lr_scheduler.min_lr_factor", 0.1),
     (["--validation.enabled"], "validation.enable", True),
-    (["--profiling.profile_freq", "5"], "profiling.profile_freq", 5),
-    (["--profiler.profile_freq", "5"], "profiling.profile_freq", 5),  # titan's earlier section name
+    # (with the switch they need: without it titan refuses them as having no effect)
+    (["--profiling.enable_profiling", "--profiling.profile_freq", "5"], "profiling.profile_freq", 5),
+    (["--profiler.enable_profiling", "--profiler.profile_freq", "5"], "profiling.profile_freq", 5),  # earlier name
     (["--parallelism.disable_loss_parallel"], "parallelism.enable_loss_parallel", False),
     (["--parallelism.no_disable_loss_parallel"], "parallelism.enable_loss_parallel", True),
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
