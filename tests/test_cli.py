@@ -388,6 +388,12 @@ def test_tyro_boxes_are_condensed_when_no_structured_event_is_available():
      "--profiling.enable_profiling"),
     (["--fault_tolerance.replica_id", "1"], "--fault_tolerance.replica_id has no effect without "
      "--fault_tolerance.enable"),
+    (["--validation.freq", "5"], "--validation.freq has no effect without --validation.enable"),
+    (["--validation.dataset.split", "validation"], "--validation.dataset.split has no effect without "
+     "--validation.enable"),
+    (["--dataset.synthetic_documents", "10"], "--dataset.synthetic_documents has no effect without "
+     "--dataset.name synthetic"),  # llama3_debug reads the standard library
+    (["--dataset.streaming"], "--dataset.streaming has no effect without a hub dataset or local files"),
 ])
 def test_a_flag_the_run_would_ignore_is_refused(flags, message):
     """A flag that changes nothing unless another setting is on stops the run with what it

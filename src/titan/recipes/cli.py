@@ -35,6 +35,8 @@ import tyro
 from titan.ckpt import CheckpointError
 from titan.dist import CollectiveTimeoutError
 from titan.train.config import RunConfig, TrainerConfig
+from titan.train.data.config import DatasetConfig
+from titan.train.data.sft_config import SyntheticTaskConfig
 from titan.train.loss import NonFiniteLossError
 from titan.train.quantize import MissingExtraError, check_quantize_installed
 
@@ -244,6 +246,20 @@ def _one_line_parse_errors(default: Any, prog: str, argv: list[str]) -> Iterator
     sys.stderr.write(captured.getvalue())  # warnings printed while parsing stay visible
 
 
+def _flag_names(config_type: type) -> tuple[str, ...]:
+    """The command-line names of a config dataclass's fields (``no_<name>`` for switches too)."""
+    names = []
+    for f in dataclasses.fields(config_type):
+        names.append(f.name)
+        if f.type in (bool, "bool"):
+            names.append(f"no_{f.name}")
+    return tuple(names)
+
+
+DATASET_FLAG_NAMES = _flag_names(DatasetConfig)
+SYNTHETIC_CORPUS_FIELDS = tuple(name for name in DATASET_FLAG_NAMES if name.startswith("synthetic_"))
+SYNTHETIC_TASK_FIELDS = _flag_names(SyntheticTaskConfig)
+
 # Flags that change nothing unless another setting is on: (the flags, whether that setting is
 # on in the parsed config, the setting to name). A flag the run would silently ignore is refused.
 DEPENDENT_FLAGS = (
@@ -275,6 +291,16 @@ DEPENDENT_FLAGS = (
      "--profiling.enable_memory_snapshot"),
     (("--fault_tolerance.replica_id", "--fault_tolerance.group_size", "--fault_tolerance.min_replica_size"),
      lambda c: c.fault_tolerance.enable, "--fault_tolerance.enable"),
+    (tuple(f"--dataset.{name}" for name in SYNTHETIC_CORPUS_FIELDS), lambda c: c.dataset.name == "synthetic",
+     "--dataset.name synthetic"),
+    (("--dataset.streaming",), lambda c: c.dataset.streams, "a hub dataset or local files (--dataset.name)"),
+    (("--validation.freq", "--validation.steps", "--validation.local_batch_size", "--validation.seq_len",
+      *(f"--validation.dataset.{name}" for name in DATASET_FLAG_NAMES)),
+     lambda c: c.validation.enable, "--validation.enable"),
+    (tuple(f"--sft_data.{name}" for name in SYNTHETIC_TASK_FIELDS), lambda c: c.sft_data.format == "synthetic",
+     "--sft_data.format synthetic"),
+    ((*(f"--rl_data.{name}" for name in SYNTHETIC_TASK_FIELDS), "--rl_data.sft_demonstrations"),
+     lambda c: c.rl_data.format == "synthetic", "--rl_data.format synthetic"),
 )
 
 
