@@ -389,7 +389,7 @@ def test_tyro_boxes_are_condensed_when_no_structured_event_is_available():
     (["--fault_tolerance.replica_id", "1"], "--fault_tolerance.replica_id has no effect without "
      "--fault_tolerance.enable"),
     (["--validation.freq", "5"], "--validation.freq has no effect without --validation.enable"),
-    (["--validation.dataset.split", "validation"], "--validation.dataset.split has no effect without "
+    (["--validation.dataset.name", "stdlib"], "--validation.dataset.name has no effect without "
      "--validation.enable"),
     (["--dataset.synthetic_documents", "10"], "--dataset.synthetic_documents has no effect without "
      "--dataset.name synthetic"),  # llama3_debug reads the standard library
