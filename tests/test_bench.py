@@ -50,6 +50,7 @@ def test_bench_data_prints_ratios(capsys):
         "ratio stdlib/byte rank-0 dp2/dp1 batches/s:",
         "ratio jsonl/bpe titan/naive batches/s:",
         "ratio jsonl/bpe rank-0 dp2/dp1 batches/s:",
+        "ratio jsonl/bpe streamed/loaded batches/s:",
     ):
         assert line in out, out
 

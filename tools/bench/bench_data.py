@@ -26,11 +26,16 @@ file, so the documents are the same), checked batch for batch against the on-the
 then timed against it at dp 1 (tokenized/on-the-fly) and at each `--dp` degree (rank 0,
 relative to dp 1). Finally `tokenize_corpus` itself on the JSONL/BPE corpus, alternating
 `--num-proc` values, `--tokenize-rounds` rounds: tokens/s relative to the first value.
+
+Streaming (`--dataset.streaming`; skip with `--no-streamed`): the JSONL/BPE corpus read as
+`datasets` streams it against the same corpus loaded into Arrow first, checked batch for
+batch, then timed: streamed/loaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -66,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bpe-vocab", type=int, default=4096, help="vocabulary of the trained BPE")
     p.add_argument("--check-batches", type=int, default=3, help="batches compared for equality")
     p.add_argument("--no-tokenized", action="store_true", help="skip the pre-tokenized loader")
+    p.add_argument("--no-streamed", action="store_true", help="skip the streamed loader")
     p.add_argument("--num-proc", default="1,2", help="tokenize_corpus processes to compare")
     p.add_argument("--tokenize-rounds", type=int, default=5, help="rounds of each --num-proc")
     return p.parse_args(argv)
@@ -250,6 +256,17 @@ def tokenized_loaders(corpus: str, cfg: DatasetConfig, tokenizer, tok_cfg, sourc
                          scaling[base], "batches/s"))
 
 
+def streamed_against_loaded(corpus: str, cfg: DatasetConfig, tokenizer, args) -> None:
+    """The same local corpus streamed (`--dataset.streaming`) and loaded into Arrow first:
+    equal batches, then batches/s of both in interleaved rounds and their ratio."""
+    streamed_cfg = dataclasses.replace(cfg, streaming=True)
+    streamed, loaded = iter(titan_loader(streamed_cfg, tokenizer, args)), iter(titan_loader(cfg, tokenizer, args))
+    check_same_stream(streamed, loaded, args.check_batches)
+    rates = time_rounds({"stream": streamed, "loaded": loaded}, args.batches, args.rounds)
+    report(corpus, rates, args.batch_size * args.seq_len)
+    print(ratio_line(f"{corpus} streamed/loaded", rates["stream"], rates["loaded"], "batches/s"))
+
+
 def tokenize_throughput(jsonl: str, tok_cfg, tmp: str, args) -> None:
     """tokens/s of `tokenize_corpus` at each --num-proc, interleaved rounds (the JSONL is
     converted to Arrow once, in a shared cache, before timing: only tokenizing is compared)."""
@@ -340,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
             name="json", path=jsonl, shuffle=False, cache_dir=os.path.join(tmp, "hf")
         )
         bench_corpus("jsonl/bpe", cfg, bpe, naive, args)
+        if not args.no_streamed:
+            streamed_against_loaded("jsonl/bpe", cfg, bpe, args)
         if not args.no_tokenized:
             bpe_cfg = TokenizerConfig(kind="hf", path=tok_path)
             tokenized_loaders("jsonl/bpe", cfg, bpe, bpe_cfg, jsonl, tmp, args)
