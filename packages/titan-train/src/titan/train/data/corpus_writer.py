@@ -99,13 +99,40 @@ def _init_worker(dataset, text_field: str, tokenizer_cfg: TokenizerConfig) -> No
 def _encode_rows(rows: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """Token ids (uint32, documents end to end) and per-document lengths of rows [a, b)."""
     start, stop = rows
-    texts = _WORKER["dataset"][start:stop][_WORKER["field"]]
-    encode = _WORKER["tokenizer"].encode
+    return _encode_texts(_WORKER["dataset"][start:stop][_WORKER["field"]], _WORKER["tokenizer"].encode)
+
+
+def _encode_texts(texts, encode) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (uint32, documents end to end) and per-document lengths of `texts`."""
     docs = [encode("" if t is None else str(t)) for t in texts]  # None: a null in parquet
     lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
     # uint32 halves what travels back from a worker; ids are checked against the vocab later.
     flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.uint32, count=int(lengths.sum()))
     return flat, lengths
+
+
+def _write_shard_file(work: Path, shard: int, encoded, vocab_size: int, on_chunk=None) -> dict[str, int]:
+    """Write corpus shard `shard` from `encoded` chunks ((ids, lengths) pairs, in order): the
+    tokens through a temporary file, then the index, written last (its existence marks the
+    shard finished). `on_chunk(documents, tokens)` follows the progress."""
+    dtype = _dtype_for(vocab_size)
+    tokens_name, index_name = _shard_names(shard)
+    lengths = [np.zeros(1, dtype=np.int64)]
+    partial = work / (tokens_name + ".tmp")
+    with open(partial, "wb") as f:
+        for flat, lens in encoded:
+            if len(flat) and int(flat.max()) >= vocab_size:
+                raise ValueError(f"token id {int(flat.max())} >= vocab size {vocab_size}")
+            f.write(flat.astype(dtype).tobytes())
+            lengths.append(lens)
+            if on_chunk is not None:
+                on_chunk(len(lens), len(flat))
+        f.flush()
+        os.fsync(f.fileno())
+    offsets = np.cumsum(np.concatenate(lengths))
+    os.replace(partial, work / tokens_name)
+    _save_npy_atomic(work / index_name, offsets)
+    return _ShardWriter._entry(shard, offsets)
 
 
 def _init_stream_worker(stream: ShardedStream, tokenizer_cfg: TokenizerConfig, work: Path, vocab_size: int,
@@ -117,27 +144,11 @@ def _init_stream_worker(stream: ShardedStream, tokenizer_cfg: TokenizerConfig, w
 
 def _write_stream_shard(shard: int) -> dict[str, int]:
     """Stream source shard `shard`, tokenize it and write corpus shard `shard` (in a worker, or
-    here); the index file is written last (its existence marks the shard finished)."""
-    work, vocab_size, encode = _WORKER["work"], _WORKER["vocab_size"], _WORKER["tokenizer"].encode
-    dtype = _dtype_for(vocab_size)
-    tokens_name, index_name = _shard_names(shard)
-    partial = work / (tokens_name + ".tmp")
-    lengths = [np.zeros(1, dtype=np.int64)]
-    texts = _WORKER["stream"].rows(shard, 0)
-    with open(partial, "wb") as f:
-        while chunk := list(itertools.islice(texts, _WORKER["chunk_rows"])):
-            docs = [encode(text) for text in chunk]
-            flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.int64)
-            if len(flat) and int(flat.max()) >= vocab_size:
-                raise ValueError(f"token id {int(flat.max())} >= vocab size {vocab_size}")
-            f.write(flat.astype(dtype).tobytes())
-            lengths.append(np.fromiter(map(len, docs), dtype=np.int64, count=len(docs)))
-        f.flush()
-        os.fsync(f.fileno())
-    offsets = np.cumsum(np.concatenate(lengths))
-    os.replace(partial, work / tokens_name)
-    _save_npy_atomic(work / index_name, offsets)
-    return _ShardWriter._entry(shard, offsets)
+    here), `chunk_rows` documents at a time."""
+    texts, chunk_rows = _WORKER["stream"].rows(shard, 0), _WORKER["chunk_rows"]
+    chunks = iter(lambda: list(itertools.islice(texts, chunk_rows)), [])
+    encoded = (_encode_texts(chunk, _WORKER["tokenizer"].encode) for chunk in chunks)
+    return _write_shard_file(_WORKER["work"], shard, encoded, _WORKER["vocab_size"])
 
 
 def _dtype_for(vocab_size: int) -> np.dtype:
@@ -154,7 +165,6 @@ class _ShardWriter:
     """Tokenizes row ranges into shard files, in order, with a progress bar."""
 
     work: Path
-    dtype: np.dtype
     vocab_size: int
     chunk_rows: int
     pool: Any  # multiprocessing pool, or None to tokenize in this process
@@ -163,28 +173,10 @@ class _ShardWriter:
     started: float = 0.0
 
     def write(self, shard: int, start: int, stop: int) -> dict[str, int]:
-        """Tokenize rows [start, stop) into shard `shard`; the index file is written last
-        (its existence marks the shard finished)."""
-        tokens_name, index_name = _shard_names(shard)
+        """Tokenize rows [start, stop) into shard `shard` (see `_write_shard_file`)."""
         chunks = [(a, min(a + self.chunk_rows, stop)) for a in range(start, stop, self.chunk_rows)]
         results = self.pool.imap(_encode_rows, chunks) if self.pool else map(_encode_rows, chunks)
-        lengths = []
-        partial = self.work / (tokens_name + ".tmp")
-        with open(partial, "wb") as f:
-            for flat, lens in results:
-                if len(flat) and int(flat.max()) >= self.vocab_size:
-                    raise ValueError(f"token id {int(flat.max())} >= vocab size {self.vocab_size}")
-                f.write(flat.astype(self.dtype).tobytes())
-                lengths.append(lens)
-                self._progress(len(lens), len(flat))
-            f.flush()
-            os.fsync(f.fileno())
-        offsets = np.zeros(stop - start + 1, dtype=np.int64)
-        if lengths:
-            np.cumsum(np.concatenate(lengths), out=offsets[1:])
-        os.replace(partial, self.work / tokens_name)
-        _save_npy_atomic(self.work / index_name, offsets)
-        return self._entry(shard, offsets)
+        return _write_shard_file(self.work, shard, results, self.vocab_size, self._progress)
 
     def _progress(self, documents: int, tokens: int) -> None:
         self.tokens_done += tokens
@@ -423,7 +415,7 @@ def _write_shards(
                         initargs=(dataset, text_field, tokenizer_cfg))
     else:
         _init_worker(dataset, text_field, tokenizer_cfg)
-    writer = _ShardWriter(work, _dtype_for(built.vocab_size), built.vocab_size, chunk_rows, pool,
+    writer = _ShardWriter(work, built.vocab_size, chunk_rows, pool,
                           bar, started=time.perf_counter())
     entries = []
     try:
