@@ -394,6 +394,11 @@ def test_tyro_boxes_are_condensed_when_no_structured_event_is_available():
     (["--dataset.synthetic_documents", "10"], "--dataset.synthetic_documents has no effect without "
      "--dataset.name synthetic"),  # llama3_debug reads the standard library
     (["--dataset.streaming"], "--dataset.streaming has no effect without a hub dataset or local files"),
+    (["--dataset.split", "validation"], "--dataset.split has no effect without a hub dataset"),
+    (["--dataset.subset", "en"], "--dataset.subset has no effect without a hub dataset"),
+    (["--dataset.text_field", "body"], "--dataset.text_field has no effect without --dataset.name json, parquet"),
+    (["--validation.enable", "--validation.dataset.text_sample_by", "paragraph"],
+     "--validation.dataset.text_sample_by has no effect without --validation.dataset.name text"),
 ])
 def test_a_flag_the_run_would_ignore_is_refused(flags, message):
     """A flag that changes nothing unless another setting is on stops the run with what it
@@ -413,6 +418,18 @@ def test_dependent_flags_pass_with_what_they_need_and_plan_may_pin_layout_flags(
     # titan plan ranks the layouts a pinned schedule allows: its layout flags are exempt.
     parse_train_args(["--config", "llama3_debug", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
                      exempt_flags=("--parallelism.pipeline_parallel_schedule",))
+
+
+def test_a_job_files_dataset_fields_follow_a_corpus_switched_on_the_command_line(tmp_path):
+    """A torchtitan job file's `dataset = "c4"` sets the Hub's subset and split; naming another
+    corpus on the command line leaves them unread without an error (they are the file's, not
+    the user's), while the same fields typed on the command line are refused."""
+    job = tmp_path / "job.toml"
+    job.write_text('[model]\nflavor = "debugmodel_tiny"\n[training]\ndataset = "c4"\n')
+    config = parse_train_args(["--job.config_file", str(job), "--dataset.name", "stdlib"])
+    assert (config.dataset.name, config.dataset.subset) == ("stdlib", "en")
+    with pytest.raises(UsageError, match="--dataset.subset has no effect without a hub dataset"):
+        parse_train_args(["--job.config_file", str(job), "--dataset.name", "stdlib", "--dataset.subset", "en"])
 
 
 def test_python_dash_m_titan_is_the_command_line():

@@ -35,7 +35,7 @@ import tyro
 from titan.ckpt import CheckpointError
 from titan.dist import CollectiveTimeoutError
 from titan.train.config import RunConfig, TrainerConfig
-from titan.train.data.config import DatasetConfig
+from titan.train.data.config import BUILTIN_DATASETS, DatasetConfig
 from titan.train.data.sft_config import SyntheticTaskConfig
 from titan.train.loss import NonFiniteLossError
 from titan.train.quantize import MissingExtraError, check_quantize_installed
@@ -260,6 +260,23 @@ DATASET_FLAG_NAMES = _flag_names(DatasetConfig)
 SYNTHETIC_CORPUS_FIELDS = tuple(name for name in DATASET_FLAG_NAMES if name.startswith("synthetic_"))
 SYNTHETIC_TASK_FIELDS = _flag_names(SyntheticTaskConfig)
 
+def _unread_dataset_fields(section: str) -> tuple[tuple[tuple[str, ...], Any, str], ...]:
+    """`DEPENDENT_FLAGS` entries of a `DatasetConfig` section (``dataset``, ``validation.dataset``):
+    the fields only some sources read (`DatasetConfig.check_unread_fields` says why each)."""
+    def of(config: Any) -> DatasetConfig:
+        for part in section.split("."):
+            config = getattr(config, part)
+        return config
+
+    flag = f"--{section}"
+    return (
+        ((f"{flag}.subset", f"{flag}.split"), lambda c: of(c).is_hub, f"a hub dataset ({flag}.name)"),
+        ((f"{flag}.text_field",), lambda c: of(c).name not in (*BUILTIN_DATASETS, "text"),
+         f"{flag}.name json, parquet or a hub dataset"),
+        ((f"{flag}.text_sample_by",), lambda c: of(c).name == "text", f"{flag}.name text"),
+    )
+
+
 # Flags that change nothing unless another setting is on: (the flags, whether that setting is
 # on in the parsed config, the setting to name). A flag the run would silently ignore is refused.
 DEPENDENT_FLAGS = (
@@ -294,6 +311,7 @@ DEPENDENT_FLAGS = (
     (tuple(f"--dataset.{name}" for name in SYNTHETIC_CORPUS_FIELDS), lambda c: c.dataset.name == "synthetic",
      "--dataset.name synthetic"),
     (("--dataset.streaming",), lambda c: c.dataset.streams, "a hub dataset or local files (--dataset.name)"),
+    *(entry for section in ("dataset", "validation.dataset") for entry in _unread_dataset_fields(section)),
     (("--validation.freq", "--validation.steps", "--validation.local_batch_size", "--validation.seq_len",
       *(f"--validation.dataset.{name}" for name in DATASET_FLAG_NAMES)),
      lambda c: c.validation.enable, "--validation.enable"),

@@ -98,7 +98,6 @@ class DatasetConfig:
                 f"--dataset.path is only read for local files, but --dataset.name is {self.name!r}; "
                 "set --dataset.name to text, json or parquet, or drop the path"
             )
-        self._check_unread_fields()
         if not self.text_field:
             raise ValueError("--dataset.text_field is empty; name the column holding the text")
         if not self.split:
@@ -108,8 +107,11 @@ class DatasetConfig:
                 f"--dataset.text_sample_by must be line, paragraph or document, got {self.text_sample_by!r}"
             )
 
-    def _check_unread_fields(self) -> None:
-        """Fields the named source would not read are refused rather than ignored."""
+    def check_unread_fields(self) -> None:
+        """Raise ValueError naming a field the named source would not read (a split of a built-in
+        corpus, a subset of local files, ...). Not part of `__post_init__`: a recipe's or a job
+        file's value is a default the user may switch the source under (the CLI refuses such
+        fields only where the command line gives them; `titan data tokenize` calls this)."""
         if self.subset is not None and not self.is_hub:
             raise ValueError(
                 f"--dataset.subset {self.subset!r} names a configuration of a hub dataset (or a folder laid out "

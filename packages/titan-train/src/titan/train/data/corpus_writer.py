@@ -297,11 +297,13 @@ def _source_config(plan: dict[str, Any], cache_dir: str | None) -> DatasetConfig
     (``--text_field``, ``--split``, ``--subset``, ``--text_sample_by``)."""
     fmt = None if plan["format"] == "hub" else plan["format"]
     try:
-        return DatasetConfig(
+        cfg = DatasetConfig(
             name=fmt or plan["source"], path=plan["source"] if fmt else None, text_field=plan["text_field"],
             split=plan["split"], subset=plan["subset"], text_sample_by=plan["text_sample_by"], cache_dir=cache_dir,
             streaming=plan["streaming"],
         )
+        cfg.check_unread_fields()  # every one of these came from the command line
+        return cfg
     except ValueError as err:
         message = str(err)
         for field in ("text_field", "split", "subset", "text_sample_by"):
