@@ -395,6 +395,9 @@ def test_tyro_boxes_are_condensed_when_no_structured_event_is_available():
      "--dataset.name synthetic"),  # llama3_debug reads the standard library
     (["--dataset.streaming"], "--dataset.streaming has no effect without a hub dataset or local files"),
     (["--dataset.split", "validation"], "--dataset.split has no effect without a hub dataset"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.1",
+      "--parallelism.pipeline_parallel_last_stage_less_layers", "1"],
+     "--parallelism.pipeline_parallel_last_stage_less_layers has no effect without the even split"),
     (["--dataset.subset", "en"], "--dataset.subset has no effect without a hub dataset"),
     (["--dataset.text_field", "body"], "--dataset.text_field has no effect without --dataset.name json, parquet"),
     (["--validation.enable", "--validation.dataset.text_sample_by", "paragraph"],

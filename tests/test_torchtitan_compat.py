@@ -283,14 +283,16 @@ def test_a_job_file_with_split_points_splits_only_there(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text('[model]\nflavor = "debugmodel_tiny"\n[parallelism]\npipeline_parallel_degree = 2\n'
                     'pipeline_parallel_split_points = ["layers.1"]\n')
+    from titan.dist.pipeline import stage_layer_keys
+
     config = parse_train_args(["--job.config_file", str(path)])
     assert config.parallelism.pipeline_parallel_split_points == ["layers.1"]
-    assert (config.parallelism.pipeline_parallel_first_stage_less_layers,
-            config.parallelism.pipeline_parallel_last_stage_less_layers) == (0, 0)
+    keys = [str(i) for i in range(4)]
+    assert stage_layer_keys(keys, 2, config.parallelism) == [["0"], ["1", "2", "3"]]  # the points, unweighted
     path.write_text('[model]\nflavor = "debugmodel_tiny"\n')
     config = parse_train_args(["--job.config_file", str(path), "--parallelism.pipeline_parallel_degree", "2",
                                "--parallelism.pipeline_parallel_split_points", "layers.1"])
-    assert config.parallelism.pipeline_parallel_last_stage_less_layers == 0
+    assert stage_layer_keys(keys, 2, config.parallelism) == [["0"], ["1", "2", "3"]]
 
 
 def test_the_converter_in_the_file_and_the_recipe_on_the_command_line_combine(tmp_path):
@@ -342,13 +344,15 @@ def test_titan_train_runs_a_torchtitan_job_file(tmp_path):
 def test_modules_per_stage_become_split_points(tmp_path):
     """torchtitan's `module_fqns_per_model_part` (each stage's modules) is titan's split points;
     stages that are not consecutive runs of blocks are refused by name."""
+    from titan.dist.pipeline import stage_layer_keys
+
     path = tmp_path / "job.toml"
     path.write_text('[model]\nflavor = "debugmodel_tiny"\n[parallelism]\npipeline_parallel_degree = 2\n'
                     'module_fqns_per_model_part = [["tok_embeddings", "layers.0"], ["layers.1"], ["layers.2"], '
                     '["layers.3", "norm", "output"]]\npipeline_parallel_schedule = "Interleaved1F1B"\n')
     config = parse_train_args(["--job.config_file", str(path)])
     assert config.parallelism.pipeline_parallel_split_points == ["layers.1", "layers.2", "layers.3"]
-    assert config.parallelism.pipeline_parallel_last_stage_less_layers == 0  # not with split points
+    assert [len(stage) for stage in stage_layer_keys([str(i) for i in range(4)], 4, config.parallelism)] == [1, 1, 1, 1]
     for stages, message in (('[["tok_embeddings", "layers.0"], ["layers.2", "output"]]', "not the next consecutive"),
                             ('[["layers.0"], ["tok_embeddings", "layers.1"]]', "stage 1 holds 'tok_embeddings'"),
                             ('[["layers.0", "layers.1"]]', "at least two")):

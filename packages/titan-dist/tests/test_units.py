@@ -188,8 +188,10 @@ def test_stage_weights_errors():
     assert [len(s) for s in stage_layer_keys([str(i) for i in range(6)], 4, lps)] == [1, 2, 2, 1]
     with pytest.raises(ValueError, match="less_layers -1 must be >= 0|must be >= 0, got -1"):
         ParallelismConfig(pipeline_parallel_last_stage_less_layers=-1)
-    with pytest.raises(ValueError, match="not read with --parallelism.pipeline_parallel_split_points"):
-        ParallelismConfig(pipeline_parallel_split_points=["layers.1"], pipeline_parallel_first_stage_less_layers=1)
+    # Split points name every stage's blocks: the weights are not read there (the command line
+    # refuses the two together, tests/test_cli.py).
+    points = ParallelismConfig(pipeline_parallel_split_points=["layers.1"], pipeline_parallel_first_stage_less_layers=1)
+    assert stage_layer_keys(KEYS, 2, points) == [["0"], ["1", "2", "3"]]
 
 
 @pytest.mark.parametrize("preserve", [True, False])

@@ -123,14 +123,12 @@ JOB_FILE_DEFAULTS: tuple[str, ...] = (
     "--checkpoint.interval", "500", "--checkpoint.last_save_model_only", "--checkpoint.keep_latest_k", "10",
     "--checkpoint.export_dtype", "float32",
     "--validation.steps", "-1",  # torchtitan validates on the whole held-out split by default
-)
-
-JOB_FILE_STAGE_WEIGHTS: tuple[str, ...] = (
-    # torchtitan's even pipeline split counts the embedding and the output as a block each
-    # (its defaults); not with explicit split points, which name every stage's blocks.
+    # Its even pipeline split counts the embedding and the output as a block each (split
+    # points, which name every stage's blocks, leave these unread).
     "--parallelism.pipeline_parallel_first_stage_less_layers", "1",
     "--parallelism.pipeline_parallel_last_stage_less_layers", "1",
 )
+
 SPLIT_POINTS_FLAG = "--parallelism.pipeline_parallel_split_points"
 
 DATASET_FLAGS = {  # torchtitan flag -> (titan's dataset section, what it sets)
@@ -463,10 +461,4 @@ def titan_argv(argv: Sequence[str], *, job_file_defaults: bool = False) -> list[
     path, rest = split_config_file(argv)
     if not path:
         return translate(rest)
-    file_flags = toml_flags(path)
-    defaults: list[str] = []
-    if job_file_defaults:
-        defaults += JOB_FILE_DEFAULTS
-        if not any(token.split("=", 1)[0] == SPLIT_POINTS_FLAG for token in [*file_flags, *rest]):
-            defaults += JOB_FILE_STAGE_WEIGHTS
-    return translate(rest, defaults=[*defaults, *file_flags])
+    return translate(rest, defaults=[*(JOB_FILE_DEFAULTS if job_file_defaults else ()), *toml_flags(path)])

@@ -78,7 +78,8 @@ class ParallelismConfig:
     """Blocks' worth of work the first stage's embedding counts for: the split deals out blocks
     plus this many and plus ``..._last_stage_less_layers`` evenly, and the first stage holds
     this many blocks fewer (torchtitan's flag; its default is 1, titan's 0: an even split of
-    the blocks). Not read with ``pipeline_parallel_split_points``."""
+    the blocks). Not read with ``pipeline_parallel_split_points``, which name every stage's
+    blocks (the command line refuses the two together)."""
     pipeline_parallel_last_stage_less_layers: int = 0
     """Blocks' worth of work the last stage's norm, output projection and loss count for (at a
     large vocabulary they cost more than a block): that stage holds this many blocks fewer.
@@ -111,9 +112,6 @@ class ParallelismConfig:
         for end in ("first", "last"):
             less = getattr(self, f"pipeline_parallel_{end}_stage_less_layers")
             _require(less >= 0, f"--parallelism.pipeline_parallel_{end}_stage_less_layers must be >= 0, got {less}")
-            _require(not (less and self.pipeline_parallel_split_points),
-                     f"--parallelism.pipeline_parallel_{end}_stage_less_layers {less} is not read with "
-                     "--parallelism.pipeline_parallel_split_points (which name every stage's first block); drop one")
 
     def _check_choices(self) -> None:
         _require(self.pipeline_parallel_schedule in PIPELINE_SCHEDULES,
