@@ -123,8 +123,9 @@ def test_sft_resumes_exactly_and_matches_under_fsdp(tmp_path):
 
 
 def test_sft_validation_scores_the_held_out_examples_loss(tmp_path):
-    """`titan sft --validation.enable` scores --sft_data.eval_path: the loss over the held-out
-    completions' tokens (it once scored the pretraining default, a synthetic text corpus).
+    """`titan sft --validation.enable` scores --sft_data.eval_path (its --sft_data.eval_split):
+    the loss over the held-out completions' tokens (it once scored the pretraining default, a
+    synthetic text corpus).
     Checked against a hand loop over the held-out pairs, one by one, with the saved weights;
     and the flags that would be ignored are refused."""
     from titan.models.llama3 import build_llama3
@@ -139,8 +140,13 @@ def test_sft_validation_scores_the_held_out_examples_loss(tmp_path):
 
     train = write("train.jsonl", [(f"q{i}: ", "a" * (i % 5 + 1)) for i in range(40)])
     held_out = [("what is two? ", "two"), ("say hi: ", "hi there"), ("x: ", "y")]
+    # The held-out rows are the `test_sft` split of a downloaded Hub dataset's folder, beside a
+    # `train_sft` split of other rows: only the named split may be scored.
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    write("hub/data/train_sft-00000-of-00001.jsonl", [("decoy: ", "not scored at all")] * 4)
+    write("hub/data/test_sft-00000-of-00001.jsonl", held_out)
     data = ["--sft_data.format", "prompt_completion", "--sft_data.path", train, "--sft_data.eval_path",
-            write("held_out.jsonl", held_out), "--model.flavor", "debugmodel_tiny"]
+            str(tmp_path / "hub"), "--sft_data.eval_split", "test_sft", "--model.flavor", "debugmodel_tiny"]
     run_sft(tmp_path / "run", *data, "--validation.enable", "--validation.freq", "3", "--training.steps", "3",
             "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.export_dtype", "float32")
     scored = [r for r in records(tmp_path / "run") if "validation_loss" in r]

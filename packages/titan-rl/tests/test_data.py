@@ -155,6 +155,36 @@ def test_a_downloaded_hub_dataset_folder_gives_train_prompts_and_held_out_test_p
     assert [p.text for p in held_out] == ["test 0", "test 1"]
 
 
+def test_a_hub_dataset_gives_the_prompts_of_its_configuration_and_named_splits(tmp_path):
+    """A folder laid out as a Hub dataset repository (read by `datasets.load_dataset` exactly
+    as a Hub name, e.g. gsm8k's `main` configuration, is): the configuration and the named
+    splits, checked against the dataset's own lists."""
+    pytest.importorskip("datasets")
+    (tmp_path / "README.md").write_text(
+        "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train-*.jsonl\n"
+        "  - split: dev\n    path: main/dev-*.jsonl\n- config_name: socratic\n  data_files:\n"
+        "  - split: train\n    path: socratic/train-*.jsonl\n---\n")
+    for config, split, n in (("main", "train", 3), ("main", "dev", 2), ("socratic", "train", 5)):
+        (tmp_path / config).mkdir(exist_ok=True)
+        _write_jsonl(tmp_path / config / f"{split}-00000.jsonl",
+                     [{"question": f"{config} {split} {i}", "answer": str(i)} for i in range(n)])
+    cfg = RLDataConfig(format="jsonl", path=str(tmp_path), subset="main", eval_path=str(tmp_path), eval_split="dev",
+                       prompt_field="question")
+    train, held_out = build_prompts(cfg, ByteTokenizer())
+    assert [(p.text, p.answer) for p in train] == [(f"main train {i}", str(i)) for i in range(3)]
+    assert [p.text for p in held_out] == ["main dev 0", "main dev 1"]
+    with pytest.raises(ValueError, match="has the configurations main, socratic: pick one with --rl_data.subset"):
+        build_prompts(RLDataConfig(format="jsonl", path=str(tmp_path), prompt_field="question"), ByteTokenizer())
+    with pytest.raises(ValueError, match="no validation or test split: pick one with --rl_data.eval_split"):
+        build_prompts(RLDataConfig(format="jsonl", path=str(tmp_path), subset="main", eval_path=str(tmp_path),
+                                   prompt_field="question"), ByteTokenizer())
+    with pytest.raises(ValueError, match="--rl_data.split 'test' is not a split of"):
+        build_prompts(RLDataConfig(format="jsonl", path=str(tmp_path), subset="main", split="test",
+                                   prompt_field="question"), ByteTokenizer())
+    with pytest.raises(ValueError, match="--rl_data.subset 'main': not read by --rl_data.format synthetic"):
+        RLDataConfig(subset="main")
+
+
 @pytest.mark.parametrize("flag, value", [("prompt_field", "question"), ("answer_field", "solution"),
                                          ("chat_template", "tokenizer")])
 def test_jsonl_fields_are_refused_for_the_synthetic_task(flag, value):

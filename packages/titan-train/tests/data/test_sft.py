@@ -640,7 +640,7 @@ def test_a_downloaded_hub_dataset_folder_gives_its_train_split_and_holds_out_its
     data/test-*.parquet): training reads the train split only, the held-out path the test
     split (every file of the folder, both splits mixed, was read before)."""
     datasets = pytest.importorskip("datasets")
-    from titan.train.data.sft_config import resolve_record_files
+    from titan.train.data.records import resolve_record_files
 
     (tmp_path / "hub" / "data").mkdir(parents=True)
     for split, n in (("train", 5), ("test", 2)):

@@ -30,16 +30,16 @@ from titan.train.data.chat import (
     encode_prompt,
     resolve_chat_template,
 )
-from titan.train.data.sft_config import SFTDataConfig, SyntheticTaskConfig, resolve_record_files
+from titan.train.data.records import RecordSplitsConfig, load_records
+from titan.train.data.sft_config import SFTDataConfig, SyntheticTaskConfig
 from titan.train.data.sft_sources import SyntheticSFTTask
-from titan.train.data.sources import load_local_files
 from titan.train.data.tokenizer import Tokenizer
 
 logger = logging.getLogger("titan")
 
 
 @dataclass(kw_only=True)
-class RLDataConfig(SyntheticTaskConfig):
+class RLDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     """``--rl_data.*``: the prompts RL samples from (the synthetic task's flags are
     `SyntheticTaskConfig`'s, shared with ``--sft_data.*``)."""
 
@@ -47,7 +47,9 @@ class RLDataConfig(SyntheticTaskConfig):
     """"synthetic": the built-in SFT task (--rl_data.synthetic_*), no file; "jsonl": rows of
     --rl_data.path with a prompt and a reference answer."""
     path: str | None = None
-    """jsonl: a JSONL or Parquet file, a directory of them (one kind), or a glob."""
+    """jsonl: a JSONL or Parquet file, a directory of them (one kind), a glob, or a Hugging Face
+    Hub dataset name (`org/name`, read with `datasets.load_dataset`; see --rl_data.subset and
+    --rl_data.split)."""
     prompt_field: str = "prompt"
     """jsonl: the column holding the prompt: a string, or a list of {role, content} messages
     (TRL's conversational format) rendered with --rl_data.chat_template; a dotted path reads
@@ -65,7 +67,8 @@ class RLDataConfig(SyntheticTaskConfig):
     overlong prompts); "error" stops before training, naming the first one. Either way no
     rollout meets one mid-run."""
     eval_path: str | None = None
-    """jsonl: held-out prompts scored greedily every --rl.eval_freq steps (optional)."""
+    """jsonl: held-out prompts scored greedily every --rl.eval_freq steps (optional), in the
+    layout of --rl_data.path (its --rl_data.eval_split)."""
     sft_demonstrations: int = 0
     """synthetic: the SFT warm-up (--rl.sft_warmup_steps) trains on only the first N training
     prompts with their answers — a small fixed set of demonstrations that teaches the format —
@@ -97,6 +100,7 @@ class RLDataConfig(SyntheticTaskConfig):
             )
         if self.format == "synthetic":
             self.check_synthetic_task("--rl_data")
+        self.check_record_splits("--rl_data", reads_files=self.format == "jsonl")
 
     def sft_config(self, *, demonstrations_only: bool = False) -> SFTDataConfig:
         """The same synthetic task as an SFT data config (for the task's prompts; with
@@ -128,10 +132,10 @@ class Prompt:
 
 def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: str, held_out: bool = False
                   ) -> list[Prompt]:
-    """Prompts of the JSONL or Parquet files at ``path`` (given by ``flag``; a folder in
-    splits gives its train split, or ``held_out`` its validation/test split)."""
-    kind, files = resolve_record_files(path, flag=flag, held_out=held_out)
-    rows = load_local_files(kind, files, flag=flag, split="train")
+    """Prompts of the JSONL or Parquet files or Hub dataset at ``path`` (given by ``flag``):
+    its --rl_data.split, or ``held_out`` its --rl_data.eval_split (default validation, else test)."""
+    rows = load_records(path, flag=flag, held_out=held_out, split=cfg.eval_split if held_out else cfg.split,
+                        subset=cfg.subset)
     for field_flag, dotted in (("prompt_field", cfg.prompt_field), ("answer_field", cfg.answer_field)):
         column = dotted.split(".")[0]
         if column not in rows.column_names and (field_flag == "prompt_field" or "." in dotted):

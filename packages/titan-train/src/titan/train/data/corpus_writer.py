@@ -32,6 +32,7 @@ from titan.train.data.corpus_format import (
     fingerprint_of,
 )
 from titan.train.data.loader import build_stream, load_hf_dataset
+from titan.train.data.records import is_dataset_repository, looks_local
 from titan.train.data.sources import LOCAL_FORMATS, resolve_data_files
 from titan.train.data.streaming import ShardedStream
 from titan.train.data.tokenizer import TokenizerConfig
@@ -47,15 +48,13 @@ DEFAULT_CHUNK_ROWS = 512
 def _infer_format(source: str) -> str | None:
     """The local format of `source` from its files' endings; None if it is a hub dataset name or
     a dataset repository (a folder laid out as on the Hub, which `datasets` reads by its name)."""
-    if _is_dataset_repository(source):
+    if is_dataset_repository(source):
         return None
     exists = os.path.exists(source) or any(ch in source for ch in "*?[")
     if not exists:
         # A hub name is `name` or `org/name`; a path written as one (absolute, ./, ../, ~) or
         # with a data file's ending is a local source that is missing.
-        looks_local = os.path.isabs(source) or source.startswith(("./", "../", "~")) or source.endswith(
-            tuple(e for endings in LOCAL_FORMATS.values() for e in endings))
-        if looks_local:
+        if looks_local(source):
             raise FileNotFoundError(f"SRC {source!r} does not exist; fix the path")
         return None  # a hub dataset name
     matches = []
@@ -72,19 +71,6 @@ def _infer_format(source: str) -> str | None:
             f"{', '.join(matches) or 'none'}); pass --format text, json or parquet"
         )
     return matches[0]
-
-
-def _is_dataset_repository(source: str) -> bool:
-    """Whether `source` is a folder laid out as a Hub dataset repository: a README.md whose YAML
-    header declares its `configs` (the Hub's allenai/c4, downloaded, is one)."""
-    readme = Path(source) / "README.md"
-    if not readme.is_file():
-        return False
-    text = readme.read_text(encoding="utf-8", errors="replace")
-    if not text.startswith("---"):
-        return False
-    header = text[3:].split("\n---", 1)[0]
-    return any(line.startswith("configs:") for line in header.splitlines())
 
 
 # The dataset and tokenizer of a worker process, set once by `_init_worker`.
@@ -270,7 +256,7 @@ def tokenize_corpus(
     built = tokenizer.build()
     fingerprint = {**fingerprint_of(tokenizer), "vocab_size": built.vocab_size}
     plan = {
-        "source": str(Path(source).absolute()) if fmt or _is_dataset_repository(source) else source,
+        "source": str(Path(source).absolute()) if fmt or is_dataset_repository(source) else source,
         "format": fmt or "hub",
         "text_field": text_field,
         "split": split,

@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
-import glob
-import os
 from dataclasses import dataclass
 from typing import Literal
 
-from titan.train.data.sources import LOCAL_FORMATS, files_in_dir
+from titan.train.data.records import RecordSplitsConfig, is_hub_dataset, resolve_local_records
 
 
 @dataclass(kw_only=True)
@@ -78,7 +76,7 @@ class SyntheticTaskConfig:
 
 
 @dataclass(kw_only=True)
-class SFTDataConfig(SyntheticTaskConfig):
+class SFTDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     """`--sft_data.*`: the supervised fine-tuning examples and how they become batches."""
 
     format: Literal["prompt_completion", "chat", "synthetic"] = "synthetic"
@@ -88,11 +86,14 @@ class SFTDataConfig(SyntheticTaskConfig):
     (see --sft_data.synthetic_*), no file needed."""
     path: str | None = None
     """JSONL or Parquet file, directory of .jsonl/.json or .parquet files (one kind), or glob
-    (read with `datasets`' json or parquet loader). Required for prompt_completion and chat."""
+    (read with `datasets`' json or parquet loader), or a Hugging Face Hub dataset name
+    (`org/name`, read with `datasets.load_dataset`; see --sft_data.subset and --sft_data.split).
+    Required for prompt_completion and chat."""
     eval_path: str | None = None
     """Held-out examples in the same layout as --sft_data.path (JSONL or Parquet file,
-    directory or glob), scored by `titan sft --validation.enable`: the loss over their completion tokens.
-    The synthetic format holds out its own strings (--sft_data.synthetic_eval_examples)."""
+    directory, glob or Hub dataset; its --sft_data.eval_split), scored by `titan sft
+    --validation.enable`: the loss over their completion tokens. The synthetic format holds
+    out its own strings (--sft_data.synthetic_eval_examples)."""
     prompt_field: str = "prompt"
     """prompt_completion: the column holding the prompt."""
     completion_field: str = "completion"
@@ -147,6 +148,7 @@ class SFTDataConfig(SyntheticTaskConfig):
             if not getattr(self, flag):
                 raise ValueError(f"--sft_data.{flag} is empty; name the JSONL column to read")
         self._check_unread_fields()
+        self.check_record_splits("--sft_data", reads_files=self.format != "synthetic")
 
     def _check_unread_fields(self) -> None:
         """Column names and the template the format does not read are refused, not ignored."""
@@ -175,71 +177,12 @@ class SFTDataConfig(SyntheticTaskConfig):
                     f"--sft_data.{flag} must be one of {', '.join(allowed)}, got {value!r}"
                 )
 
+
 def validate_sft_data_config(cfg: SFTDataConfig) -> None:
     """Filesystem checks, run before any work starts (like `validate_data_config`):
-    the record files exist. Raises FileNotFoundError naming the flag."""
-    if cfg.format != "synthetic":
-        resolve_record_files(cfg.path)
-    if cfg.eval_path:
-        resolve_record_files(cfg.eval_path, flag="--sft_data.eval_path", held_out=True)
-
-
-HELD_OUT_SPLITS = ("validation", "test")
-"""The splits a held-out path's folder is read from, in this order, when it has splits."""
-
-
-def resolve_record_files(path: str, *, flag: str = "--sft_data.path", held_out: bool = False
-                         ) -> tuple[str, list[str]]:
-    """(`datasets` builder, files) of the record files `path` (given by `flag`) names: a
-    file, a directory or a glob of JSONL (.jsonl/.json, optionally .gz) or Parquet files (as
-    the Hub's datasets ship them), one kind; a one-line error naming the flag otherwise. A
-    directory laid out in splits as a downloaded Hub dataset is (`data/train-*.parquet`,
-    `data/test-*.parquet`) gives its "train" split, or with `held_out` its "validation" (else
-    "test") split, as `datasets` names them: never the splits mixed."""
-    if os.path.isdir(path):
-        split_files = _split_files(path, flag=flag, held_out=held_out)
-        if split_files is not None:
-            kinds = {kind: [f for f in split_files if f.endswith(LOCAL_FORMATS[kind])] for kind in RECORD_FORMATS}
-        else:
-            kinds = {kind: files_in_dir(path, LOCAL_FORMATS[kind]) for kind in RECORD_FORMATS}
-    else:
-        matched = [path] if os.path.isfile(path) else sorted(f for f in glob.glob(path, recursive=True)
-                                                            if os.path.isfile(f))
-        kinds = {kind: [f for f in matched if f.endswith(LOCAL_FORMATS[kind])] for kind in RECORD_FORMATS}
-        if os.path.isfile(path) and not any(kinds.values()):
-            kinds["json"] = [path]  # a file named otherwise: JSON lines, as before
-    found = {kind: files for kind, files in kinds.items() if files}
-    if len(found) > 1:
-        raise ValueError(f"{flag} {path!r} holds both JSONL and Parquet files; point it at one kind")
-    if not found:
-        raise FileNotFoundError(
-            f"{flag} {path!r} matches no JSONL or Parquet file (not a file, a directory with "
-            ".jsonl/.json/.parquet files, or a glob that matches); fix the path"
-        )
-    (kind, files), = found.items()
-    return kind, files
-
-
-def _split_files(directory: str, *, flag: str, held_out: bool) -> list[str] | None:
-    """The files of the wanted split of a directory laid out in splits (`datasets`' own rule
-    for split names in file and folder names), None for a directory without splits."""
-    try:
-        from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
-    except ImportError:  # no `datasets`: the directory as it is
-        return None
-    try:
-        patterns = get_data_patterns(directory)
-    except EmptyDatasetError:  # no data file it recognizes: the directory as it is
-        return None
-    if set(patterns) == {"train"}:
-        return None
-    splits = {str(name): files for name, files in DataFilesDict.from_patterns(patterns, base_path=directory).items()}
-    wanted = next((s for s in HELD_OUT_SPLITS if s in splits), None) if held_out else "train"
-    if wanted not in splits:
-        raise ValueError(f"{flag} {directory!r} is laid out in the splits {', '.join(sorted(splits))} and has no "
-                         f"{'validation or test' if held_out else 'train'} split; point {flag} at the files to read")
-    return sorted(str(f) for f in splits[wanted])
-
-
-RECORD_FORMATS = ("json", "parquet")
-"""The file kinds SFT examples and RL prompts are read from (`datasets` builder names)."""
+    the local record files exist and hold the named split (a Hub dataset is checked when it
+    is read). Raises FileNotFoundError or ValueError naming the flag."""
+    for path, flag, split, held_out in ((cfg.path, "--sft_data.path", cfg.split, False),
+                                        (cfg.eval_path, "--sft_data.eval_path", cfg.eval_split, True)):
+        if path and cfg.format != "synthetic" and not is_hub_dataset(path):
+            resolve_local_records(path, flag=flag, held_out=held_out, split=split, subset=cfg.subset)

@@ -10,8 +10,8 @@ from titan.train.data.chat import (
     encode_prompt_completion,
     resolve_chat_template,
 )
-from titan.train.data.sft_config import SFTDataConfig, resolve_record_files
-from titan.train.data.sources import load_local_files
+from titan.train.data.records import load_records
+from titan.train.data.sft_config import SFTDataConfig
 from titan.train.data.tokenizer import Tokenizer
 
 
@@ -159,10 +159,9 @@ def build_sft_source(cfg: SFTDataConfig, tokenizer: Tokenizer, *, held_out: bool
         return SyntheticSFTTask(cfg, tokenizer, held_out=held_out)
     if held_out and not cfg.eval_path:
         raise ValueError("held-out SFT examples need --sft_data.eval_path (JSONL in the --sft_data.format layout)")
-    kind, files = (resolve_record_files(cfg.eval_path, flag="--sft_data.eval_path", held_out=True) if held_out
-                   else resolve_record_files(cfg.path))
     flag = "--sft_data.eval_path" if held_out else "--sft_data.path"
-    dataset = load_local_files(kind, files, flag=flag, split="train", cache_dir=cfg.cache_dir)
+    dataset = load_records(cfg.eval_path if held_out else cfg.path, flag=flag, held_out=held_out,
+                           split=cfg.eval_split if held_out else cfg.split, subset=cfg.subset, cache_dir=cfg.cache_dir)
     # prompt_completion rows may be conversations too (TRL's conversational prompt-completion)
     template = resolve_chat_template(cfg.chat_template, tokenizer)
     return JSONLSFTSource(dataset, cfg, tokenizer, template, flag=flag)
