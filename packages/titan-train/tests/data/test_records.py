@@ -111,6 +111,18 @@ def test_a_hub_name_is_read_through_datasets_and_an_unreachable_hub_names_the_fl
         build_sft_source(cfg, ByteTokenizer())
 
 
+def test_a_dataset_the_hub_does_not_serve_names_the_flag(monkeypatch):
+    from datasets.exceptions import DatasetNotFoundError
+
+    def not_found(name, *args, **kwargs):  # what `datasets` raises online for a missing or private repository
+        raise DatasetNotFoundError(f"Dataset '{name}' doesn't exist on the Hub or cannot be accessed.")
+
+    monkeypatch.setattr(datasets, "get_dataset_config_names", not_found)
+    with pytest.raises(ValueError, match=r"--rl_data.path 'no-one/nothing' is no local file or folder, nor a dataset "
+                                         r"the Hugging Face Hub serves \(Dataset 'no-one/nothing' doesn't exist"):
+        load_records("no-one/nothing", flag="--rl_data.path", split="train")
+
+
 def test_what_is_a_hub_dataset(repository, tmp_path):
     plain = tmp_path / "plain"
     _write(plain / "a.jsonl", [{"prompt": "p", "completion": "c"}])

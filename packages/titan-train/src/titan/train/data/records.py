@@ -142,6 +142,9 @@ def _load_hub_records(name: str, *, flag: str, section: str, split: str | None, 
             f"not be reached ({err}); download it beforehand (`datasets` cache, {section}.cache_dir) or point "
             f"{flag} at its files"
         ) from err
+    except FileNotFoundError as err:  # `datasets`' DatasetNotFoundError: no such dataset, or a private one
+        raise ValueError(f"{flag} {name!r} is no local file or folder, nor a dataset the Hugging Face Hub "
+                         f"serves ({err}); fix the path or the name") from err
 
 
 def _checked_subset(name: str, subset: str | None, *, flag: str, section: str) -> str | None:
