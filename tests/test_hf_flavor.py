@@ -115,6 +115,82 @@ def test_a_llama_of_no_titan_flavor_trains_from_its_config(tmp_path):
     assert transformers_loss(export) < expected
 
 
+def hub_cache_snapshot(cache: Path, repo_id: str) -> Path:
+    """The snapshot folder of model repository `repo_id` in a Hugging Face cache at `cache`,
+    laid out as huggingface_hub writes one (``refs/main`` names the snapshot's commit)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit
+
+
+def test_a_hub_model_id_starts_the_run_from_its_snapshot_as_transformers_reads_it(tmp_path):
+    """`--checkpoint.initial_load_path org/name` (TRL's model_name_or_path) is read through
+    huggingface_hub's cache, offline here: the first loss is transformers' on the snapshot's
+    weights; a repository neither cached nor reachable is one line naming the flag."""
+    cache = tmp_path / "hf_cache"
+    src = llama_checkpoint(hub_cache_snapshot(cache, "tiny-org/tiny-llama"))
+    env = {**os.environ, **ENV_ONE_THREAD, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    dump = tmp_path / "run"
+    result = run_titan(["train", *FLAGS, "--checkpoint.initial_load_path", "tiny-org/tiny-llama",
+                        "--job.dump_folder", dump], env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"tiny-org/tiny-llama from the Hugging Face Hub: {src}" in result.stderr
+    losses, expected = step_losses(dump), transformers_loss(src)
+    assert abs(losses[1] - expected) <= 1e-5 * expected, (losses[1], expected)
+
+    missing = run_titan(["train", *FLAGS, "--checkpoint.initial_load_path", "tiny-org/not-cached",
+                         "--job.dump_folder", tmp_path / "missing"], env=env, timeout=300)
+    errors = [line for line in missing.stderr.splitlines() if line.startswith("titan train: error: ")]
+    assert missing.returncode == 2 and len(errors) == 1, missing.stderr[-3000:]
+    assert ("--checkpoint.initial_load_path 'tiny-org/not-cached' is no local folder, so it is read from the "
+            "Hugging Face Hub, which could not be reached") in errors[0]
+
+
+def test_a_hub_tokenizer_id_is_its_cached_snapshot(tmp_path, monkeypatch):
+    """`--tokenizer.path org/name` (kind hf) reads the tokenizer of the repository's snapshot."""
+    import huggingface_hub.constants as hub_constants
+
+    from titan.recipes.cli import parse_train_args, resolve_hub_sources
+
+    cache = tmp_path / "hf_cache"
+    snapshot = hub_cache_snapshot(cache, "tiny-org/tiny-tokenizer")
+    snapshot.mkdir(parents=True)
+    tok = with_bpe_tokenizer(snapshot)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    config = resolve_hub_sources(parse_train_args(["--config", "llama3_debug", "--tokenizer.kind", "hf",
+                                                   "--tokenizer.path", "tiny-org/tiny-tokenizer"]))
+    assert config.tokenizer.path == str(snapshot)
+    text = "def f(x):\n    return x + 1\n"
+    assert config.tokenizer.build().encode(text) == tok.encode(text).ids
+
+
+def test_convert_hf_reads_a_hub_model_id_from_the_cache(tmp_path, monkeypatch):
+    """`tools/convert_hf.py from-hf org/name OUT`: the snapshot's weights, under titan's names."""
+    import importlib.util
+
+    import huggingface_hub.constants as hub_constants
+    from safetensors.torch import load_file
+    from titan.ckpt import load_dcp_model
+
+    cache = tmp_path / "hf_cache"
+    src = llama_checkpoint(hub_cache_snapshot(cache, "tiny-org/tiny-llama"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    spec = importlib.util.spec_from_file_location("convert_hf", Path(__file__).parents[1] / "tools" / "convert_hf.py")
+    convert_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert_hf)
+    convert_hf.main(["from-hf", "tiny-org/tiny-llama", str(tmp_path / "dcp"), "--model", "llama3"])
+    hub = load_file(str(src / "model.safetensors"))
+    titan = load_dcp_model(str(tmp_path / "dcp"))
+    assert torch.equal(titan["tok_embeddings.weight"], hub["model.embed_tokens.weight"])
+    assert torch.equal(titan["layers.1.feed_forward.w2.weight"], hub["model.layers.1.mlp.down_proj.weight"])
+    with pytest.raises(SystemExit, match="SRC 'tiny-org/absent' is no local folder"):
+        convert_hf.main(["from-hf", "tiny-org/absent", str(tmp_path / "dcp2"), "--model", "llama3"])
+
+
 def test_a_tied_qwen3_trains_from_its_config_under_fsdp2_as_in_one_process(tmp_path):
     src = qwen3_checkpoint(tmp_path / "hf")
     flags = [*FLAGS, "--model.name", "qwen3", "--checkpoint.initial_load_path", str(src)]

@@ -4,8 +4,10 @@
     python tools/convert_hf.py from-hf HF_DIR OUT --model llama3
 
 CKPT is a DCP step folder or a checkpoint folder (its latest complete step is used), titan's or
-torchtitan's (its names and, for Qwen3, its q/k layout are converted on reading). OUT of
-`from-hf` is a model-only DCP step folder usable as `--checkpoint.initial_load_path`.
+torchtitan's (its names and, for Qwen3, its q/k layout are converted on reading). HF_DIR may
+be a Hub model id (`Qwen/Qwen3-0.6B`): its config, safetensors and tokenizer files are read
+through the Hugging Face cache (downloaded once). OUT of `from-hf` is a model-only DCP step
+folder usable as `--checkpoint.initial_load_path`.
 
 `--model` names a family (llama3, qwen3, qwen3_moe, deepseek_v3); `--adapter module:Class` names any adapter instead. The
 adapter is built as `Adapter(args)`, where args come from `Adapter.args_from_hf_config(...)`
@@ -26,6 +28,7 @@ from typing import Any
 
 from titan.ckpt import hf, load_dcp_model, load_hf, save_dcp_model, save_hf
 from titan.ckpt.convert import resolve_step_folder
+from titan.ckpt.hub import resolve_hub_folder
 
 # Families by short name: (adapter class, flavor table).
 FAMILIES = {
@@ -96,7 +99,12 @@ def to_hf(args: argparse.Namespace) -> None:
 
 
 def from_hf(args: argparse.Namespace) -> None:
-    """Hugging Face safetensors -> a model-only DCP step folder."""
+    """Hugging Face safetensors (a folder, or a Hub model id read through the Hugging Face
+    cache) -> a model-only DCP step folder."""
+    try:
+        args.src = resolve_hub_folder(args.src, flag="SRC")
+    except ValueError as err:
+        raise SystemExit(f"convert_hf.py: error: {err}") from None
     config = args.hf_config
     if config is None and args.flavor is None:
         config = os.path.join(args.src, "config.json")

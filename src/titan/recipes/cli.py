@@ -393,6 +393,41 @@ def parse_train_args(argv: Sequence[str], *, command: str = "train", exempt_flag
     return config
 
 
+def resolve_hub_sources(config: Any, *, weights: bool = True) -> Any:
+    """Hub repository ids given as ``--checkpoint.initial_load_path`` (with
+    ``--checkpoint.initial_load_in_hf``) and ``--tokenizer.path`` (kind hf), as TRL takes
+    ``model_name_or_path``: each is replaced by the local folder of its snapshot in the Hugging
+    Face cache, downloaded if needed (without ``weights``, as a dry run or plan needs it: the
+    configuration and tokenizer only). Local paths are left alone. Returns ``config``."""
+    from titan.ckpt.hub import (
+        CONFIG_FILES,
+        MODEL_FILES,
+        TOKENIZER_FILES,
+        is_hub_repo_id,
+        resolve_hub_folder,
+    )
+
+    checkpoint, tokenizer = getattr(config, "checkpoint", None), getattr(config, "tokenizer", None)
+    resolved = []
+    try:
+        if getattr(checkpoint, "initial_load_in_hf", False) and checkpoint.initial_load_path:
+            source = checkpoint.initial_load_path
+            checkpoint.initial_load_path = resolve_hub_folder(
+                source, flag="--checkpoint.initial_load_path", patterns=MODEL_FILES if weights else CONFIG_FILES)
+            resolved.append((source, checkpoint.initial_load_path))
+        if getattr(tokenizer, "kind", None) == "hf" and tokenizer.path:
+            source = tokenizer.path
+            tokenizer.path = resolve_hub_folder(source, flag="--tokenizer.path", patterns=TOKENIZER_FILES)
+            resolved.append((source, tokenizer.path))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    for source, folder in resolved:
+        if source != folder and is_hub_repo_id(source) and int(os.environ.get("RANK", "0")) == 0:
+            # The snapshot folder's name is the commit: the exact revision this run reads.
+            print(f"titan: {source} from the Hugging Face Hub: {folder}", file=sys.stderr)
+    return config
+
+
 def resolve_hf_flavor(config: Any) -> Any:
     """``--model.flavor hf`` (the commands run this on the parsed config): check that the run
     starts from a Hugging Face checkpoint whose ``config.json`` this family builds, and give the model that checkpoint's vocabulary unless
@@ -481,16 +516,21 @@ def check_tokenizer_of_hf_source(config: Any) -> None:
 
 def check_initial_load_path(config: Any) -> None:
     """A checkpoint to start from must exist (its contents are checked when it is loaded)."""
+    from titan.ckpt.hub import is_hub_repo_id
+
     path = getattr(getattr(config, "checkpoint", None), "initial_load_path", None)
     if path and not os.path.exists(path):
+        hint = (" (a Hugging Face Hub model? add --checkpoint.initial_load_in_hf to read it from the Hub)"
+                if is_hub_repo_id(path) else "")
         raise UsageError(
-            f"--checkpoint.initial_load_path {path} does not exist; fix the path or drop the flag"
+            f"--checkpoint.initial_load_path {path} does not exist{hint}; fix the path or drop the flag"
         )
 
 
 def preflight(config: Any) -> None:
     """Checks of the user's inputs that need this machine, run before any setup or logging
     (so that the error is the only line printed)."""
+    resolve_hub_sources(config)
     resolve_hf_flavor(config)
     check_output_folders(config)
     check_initial_load_path(config)
@@ -512,7 +552,7 @@ def run(argv: Sequence[str], *, command: str = "train") -> int:
     """Run ``titan train`` / ``titan sft`` / ``titan rl``: parse, check, build the recipe's loop and train."""
     config = parse_train_args(argv, command=command)
     if fake_backend_requested():
-        return dry_run_main(config, world_size_from_env())
+        return dry_run_main(resolve_hf_flavor(resolve_hub_sources(config, weights=False)), world_size_from_env())
     preflight(config)
     # Before anything is built: a run that cannot fit never starts.
     memory = check_memory(config) if isinstance(config, RunConfig) else None
@@ -637,7 +677,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
         return run(rest, command=command)
     if command == "dry-run":
         world_size, rest = split_world_size_flag(rest)
-        config = resolve_hf_flavor(parse_train_args(rest))
+        config = resolve_hf_flavor(resolve_hub_sources(parse_train_args(rest), weights=False))
         return dry_run_main(config, world_size or world_size_from_env())
     if command == "plan":
         # The layout and AC flags are the planner's to combine (a schedule without PP picks the
@@ -649,7 +689,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
                   "--parallelism.pipeline_parallel_split_points", "--parallelism.pipeline_parallel_first_stage_less_layers",
                   "--parallelism.pipeline_parallel_last_stage_less_layers", *TP_ONLY_FLAGS)
         def parse(argv: list[str]) -> Any:
-            return resolve_hf_flavor(parse_train_args(argv, exempt_flags=exempt))
+            return resolve_hf_flavor(resolve_hub_sources(parse_train_args(argv, exempt_flags=exempt), weights=False))
 
         return plan(rest, parse)
     if command == "recipes":
