@@ -166,6 +166,17 @@ def test_a_hub_tokenizer_id_is_its_cached_snapshot(tmp_path, monkeypatch):
     text = "def f(x):\n    return x + 1\n"
     assert config.tokenizer.build().encode(text) == tok.encode(text).ids
 
+    # `titan data tokenize` takes the same id.
+    from titan.recipes.cli import main
+    from titan.train.data import TokenizedCorpus
+
+    docs = [f"def f(x):\n    return x + {i}\n" for i in range(5)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    assert main(["data", "tokenize", str(tmp_path / "docs.jsonl"), str(tmp_path / "corpus"), "--no_progress",
+                 "--num_proc", "1", "--tokenizer.kind", "hf", "--tokenizer.path", "tiny-org/tiny-tokenizer"]) == 0
+    corpus = TokenizedCorpus(tmp_path / "corpus")
+    assert [corpus.document(i).tolist() for i in range(5)] == [tok.encode(d).ids for d in docs]
+
 
 def test_convert_hf_reads_a_hub_model_id_from_the_cache(tmp_path, monkeypatch):
     """`tools/convert_hf.py from-hf org/name OUT`: the snapshot's weights, under titan's names."""

@@ -399,33 +399,37 @@ def resolve_hub_sources(config: Any, *, weights: bool = True) -> Any:
     ``model_name_or_path``: each is replaced by the local folder of its snapshot in the Hugging
     Face cache, downloaded if needed (without ``weights``, as a dry run or plan needs it: the
     configuration and tokenizer only). Local paths are left alone. Returns ``config``."""
-    from titan.ckpt.hub import (
-        CONFIG_FILES,
-        MODEL_FILES,
-        TOKENIZER_FILES,
-        is_hub_repo_id,
-        resolve_hub_folder,
-    )
+    from titan.ckpt.hub import CONFIG_FILES, MODEL_FILES
 
-    checkpoint, tokenizer = getattr(config, "checkpoint", None), getattr(config, "tokenizer", None)
-    resolved = []
+    checkpoint = getattr(config, "checkpoint", None)
+    if getattr(checkpoint, "initial_load_in_hf", False) and checkpoint.initial_load_path:
+        checkpoint.initial_load_path = from_hub(checkpoint.initial_load_path, flag="--checkpoint.initial_load_path",
+                                                patterns=MODEL_FILES if weights else CONFIG_FILES)
+    resolve_hub_tokenizer(getattr(config, "tokenizer", None))
+    return config
+
+
+def resolve_hub_tokenizer(tokenizer: Any) -> None:
+    """A Hugging Face tokenizer named by its model's Hub id: its snapshot folder instead."""
+    from titan.ckpt.hub import TOKENIZER_FILES
+
+    if getattr(tokenizer, "kind", None) == "hf" and tokenizer.path:
+        tokenizer.path = from_hub(tokenizer.path, flag="--tokenizer.path", patterns=TOKENIZER_FILES)
+
+
+def from_hub(path: str, *, flag: str, patterns: Sequence[str]) -> str:
+    """`path`, or for a Hub repository id the local folder of its snapshot (`resolve_hub_folder`),
+    said once on rank 0; a UsageError naming `flag` when it cannot be had."""
+    from titan.ckpt.hub import resolve_hub_folder
+
     try:
-        if getattr(checkpoint, "initial_load_in_hf", False) and checkpoint.initial_load_path:
-            source = checkpoint.initial_load_path
-            checkpoint.initial_load_path = resolve_hub_folder(
-                source, flag="--checkpoint.initial_load_path", patterns=MODEL_FILES if weights else CONFIG_FILES)
-            resolved.append((source, checkpoint.initial_load_path))
-        if getattr(tokenizer, "kind", None) == "hf" and tokenizer.path:
-            source = tokenizer.path
-            tokenizer.path = resolve_hub_folder(source, flag="--tokenizer.path", patterns=TOKENIZER_FILES)
-            resolved.append((source, tokenizer.path))
+        folder = resolve_hub_folder(path, flag=flag, patterns=patterns)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    for source, folder in resolved:
-        if source != folder and is_hub_repo_id(source) and int(os.environ.get("RANK", "0")) == 0:
-            # The snapshot folder's name is the commit: the exact revision this run reads.
-            print(f"titan: {source} from the Hugging Face Hub: {folder}", file=sys.stderr)
-    return config
+    if folder != path and int(os.environ.get("RANK", "0")) == 0:
+        # The snapshot folder's name is the commit: the exact revision this run reads.
+        print(f"titan: {path} from the Hugging Face Hub: {folder}", file=sys.stderr)
+    return folder
 
 
 def resolve_hf_flavor(config: Any) -> Any:
@@ -631,7 +635,7 @@ def data(argv: Sequence[str]) -> int:
     p.add_argument("src", help="local file, folder or glob, or a Hugging Face hub dataset name")
     p.add_argument("out", help="the corpus folder to create")
     p.add_argument("--tokenizer.kind", dest="kind", choices=["byte", "hf"], default="byte")
-    p.add_argument("--tokenizer.path", dest="path", help="tokenizer.json or its folder (hf)")
+    p.add_argument("--tokenizer.path", dest="path", help="tokenizer.json, its folder, or a Hub model id (hf)")
     p.add_argument("--text_field", "--text-field", default="text", help="column with the text")
     p.add_argument("--num_proc", "--num-proc", type=int, default=os.cpu_count() or 1,
                    help="tokenizing processes (default: every core)")
@@ -660,8 +664,10 @@ def data(argv: Sequence[str]) -> int:
         import datasets
 
         datasets.disable_progress_bars()
+    tokenizer = TokenizerConfig(kind=args.kind, path=args.path)
+    resolve_hub_tokenizer(tokenizer)
     manifest = tokenize_corpus(
-        args.src, args.out, TokenizerConfig(kind=args.kind, path=args.path),
+        args.src, args.out, tokenizer,
         text_field=args.text_field, format=args.format, split=args.split, subset=args.subset,
         text_sample_by=args.text_sample_by, num_proc=args.num_proc,
         rows_per_shard=args.rows_per_shard or DEFAULT_ROWS_PER_SHARD, cache_dir=args.cache_dir,

@@ -52,7 +52,8 @@ def _check_tokenizer_path(path: str) -> None:
     target = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(target):
         raise FileNotFoundError(
-            f"--tokenizer.path {path!r}: no tokenizer file at {target}; fix the path"
+            f"--tokenizer.path {path!r}: no tokenizer file at {target}; fix the path, or name the model's Hub "
+            "id (--tokenizer.path org/name) to read its tokenizer from the Hugging Face Hub"
         )
 
 
