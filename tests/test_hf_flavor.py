@@ -167,8 +167,9 @@ def test_a_hub_tokenizer_id_is_its_cached_snapshot(tmp_path, monkeypatch):
     assert config.tokenizer.build().encode(text) == tok.encode(text).ids
 
     # `titan data tokenize` takes the same id.
-    from titan.recipes.cli import main
     from titan.train.data import TokenizedCorpus
+
+    from titan.recipes.cli import main
 
     docs = [f"def f(x):\n    return x + {i}\n" for i in range(5)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
