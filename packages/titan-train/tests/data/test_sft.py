@@ -198,6 +198,14 @@ RELEASE_TEMPLATES = {
                "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n'"
                " + m['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
                "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"),
+    # Llama 3.1 and later: a system header with the date transformers' `strftime_now` gives.
+    "llama3_1": ("<|begin_of_text|>", "<|eot_id|>",
+                 "{{ bos_token }}{% if not date_string is defined %}{% if strftime_now is defined %}"
+                 "{% set date_string = strftime_now('%d %b %Y') %}{% else %}{% set date_string = '26 Jul 2024' %}"
+                 "{% endif %}{% endif %}{{ '<|start_header_id|>system<|end_header_id|>\n\nToday Date: ' + date_string"
+                 " + '<|eot_id|>' }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
+                 "'<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"),
     "chatml": ("<s>", "</s>", CHATML),
     "mistral": ("<s>", "</s>",
                 "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + "
@@ -232,11 +240,27 @@ def _gpt4_style_tokenizer(folder):
 
 
 @pytest.mark.parametrize("release", list(RELEASE_TEMPLATES))
-def test_chat_ids_are_transformers_apply_chat_template(tmp_path, release):
+def test_chat_ids_are_transformers_apply_chat_template(tmp_path, monkeypatch, release):
     """A conversation encodes to the ids transformers' `apply_chat_template` gives it, and a
     prompt to its `add_generation_prompt=True` ids (what vLLM and `generate` are fed): the
-    per-turn tokenization that locates the trained spans does not change the tokens."""
+    per-turn tokenization that locates the trained spans does not change the tokens. Both
+    clocks read one fixed time, so the date a template writes is the same (and not 26 Jul
+    2024, its fallback when `strftime_now` is missing)."""
     transformers = pytest.importorskip("transformers")
+    from datetime import datetime
+
+    import titan.train.data.chat as chat_module
+    from transformers.utils import chat_template_utils
+
+    fixed = datetime(2026, 12, 6, 10, 30)
+
+    class FixedClock(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return fixed
+
+    monkeypatch.setattr(chat_template_utils, "datetime", FixedClock)
+    monkeypatch.setattr(chat_module, "_TEMPLATE_CLOCK", fixed)
     bos, eos, source = RELEASE_TEMPLATES[release]
     path = _gpt4_style_tokenizer(tmp_path / "tok")
     (path.parent / "tokenizer_config.json").write_text(
@@ -251,6 +275,8 @@ def test_chat_ids_are_transformers_apply_chat_template(tmp_path, release):
     reference.chat_template = source
     expected = reference.apply_chat_template(chat, tokenize=True, return_dict=False)
     assert ex.ids.tolist() == list(expected)
+    if "strftime_now" in source:
+        assert "Today Date: 06 Dec 2026" in tok.decode(ex.ids.tolist())
     prompt = encode_chat_prompt(chat[:3], tok, template=template)
     assert prompt == list(reference.apply_chat_template(chat[:3], tokenize=True, add_generation_prompt=True,
                                                         return_dict=False))

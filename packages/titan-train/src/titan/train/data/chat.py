@@ -18,7 +18,10 @@ the template marks them itself with transformers' `{% generation %}` tags. The
 rendered conversation is tokenized in one piece, so its ids are those of transformers'
 `apply_chat_template` (whitespace a template puts between turns joins the next word as
 it does there); a token is trained when it holds a character of an assistant turn between
-the turn's first and last non-space characters.
+the turn's first and last non-space characters. A template that writes the date
+(Llama 3.1's and later ones call transformers' `strftime_now` for "Today Date: ...") gets
+the time this process first rendered one (`template_clock`), as transformers renders the
+current time: every example of a run shows the same date.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -159,10 +163,28 @@ def _has_generation_tag(env: Any, source: str) -> bool:
                for (kind, _), nxt in zip(tokens, tokens[1:], strict=False))
 
 
+_TEMPLATE_CLOCK: datetime | None = None
+
+
+def template_clock() -> datetime:
+    """The time chat templates render with `strftime_now`: this process's first call, then
+    the same for the rest of the run (transformers calls `datetime.now()` on every render; a
+    run spanning midnight would render its examples with two dates)."""
+    global _TEMPLATE_CLOCK
+    if _TEMPLATE_CLOCK is None:
+        _TEMPLATE_CLOCK = datetime.now()
+    return _TEMPLATE_CLOCK
+
+
+def _strftime_now(fmt: str) -> str:
+    """transformers' `strftime_now` template global, on the run's clock (`template_clock`)."""
+    return template_clock().strftime(fmt)
+
+
 class ChatTemplate:
     """A Jinja chat template as shipped with Hugging Face tokenizer files, rendered with
     jinja2 in a sandbox as transformers renders it: `bos_token`/`eos_token`,
-    `raise_exception`, its `tojson` and its `{% generation %}` tags."""
+    `raise_exception`, `strftime_now`, its `tojson` and its `{% generation %}` tags."""
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
         try:
@@ -181,6 +203,7 @@ class ChatTemplate:
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _generation_tag_extension()]
         )
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = _strftime_now
         env.filters["tojson"] = _tojson
         self.env = env
         self.template = env.from_string(source)
