@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from forked_cli import run_command
+from forked_cli import run_command, run_script_ranks
 from titan.ckpt import load_dcp_model
 
 TITAN = [sys.executable, "-m", "titan.recipes.cli"]
@@ -177,3 +177,29 @@ def test_sft_validation_scores_the_held_out_examples_loss(tmp_path):
         args = [*TITAN, "sft", "--config", "sft_debug", "--job.dump_folder", str(tmp_path / "bad"), *flags]
         result = run_command(args, timeout=300)
         assert result.returncode == 2 and message in result.stderr, (flags, result.stderr[-2000:])
+
+
+CLOCK_WORKER = """
+import datetime
+import torch.distributed as dist
+import titan.train.data.chat as chat
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+# Rank 1 started two seconds later, on the next day.
+chat._TEMPLATE_CLOCK = datetime.datetime(2026, 12, 6, 23, 59, 59) + datetime.timedelta(seconds=2 * rank)
+shared = chat.share_template_clock()
+print("CLOCK", rank, shared.isoformat(), chat._strftime_now("%d %b %Y"))
+dist.destroy_process_group()
+"""
+
+
+def test_every_rank_renders_chat_templates_with_rank_0s_date(tmp_path):
+    """Ranks pack the same global rows from their own rendering of the examples: a Llama 3.1
+    template's date (strftime_now) is rank 0's on every rank, also across midnight."""
+    script = tmp_path / "clock_worker.py"
+    script.write_text(CLOCK_WORKER)
+    result = run_script_ranks(script, [], 2, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("CLOCK"))
+    assert lines == [f"CLOCK {rank} 2026-12-06T23:59:59 06 Dec 2026" for rank in (0, 1)], result.stdout[-3000:]

@@ -15,6 +15,7 @@ from typing import Any
 
 from titan.train.config import RunConfig, TrainingConfig
 from titan.train.data import DatasetConfig
+from titan.train.data.chat import share_template_clock
 from titan.train.data.sft import (
     SFTDataConfig,
     build_sft_dataloader,
@@ -71,6 +72,9 @@ class SFTTrainer(Trainer):
     def build_dataloader(self):
         """This data-parallel rank's resumable loader of packed SFT examples."""
         cfg = self.config
+        # Every rank packs the same global rows from its own rendering of the examples: a chat
+        # template's date (strftime_now) must be rank 0's on all of them.
+        share_template_clock(self.engine.device if self.engine.device.type == "cuda" else None)
         dp_rank, dp_world_size = self.data_shard
         return build_sft_dataloader(
             cfg.sft_data,

@@ -176,6 +176,21 @@ def template_clock() -> datetime:
     return _TEMPLATE_CLOCK
 
 
+def share_template_clock(device: Any = None) -> datetime:
+    """Give every rank rank 0's `template_clock` (collective: every rank calls it), so that
+    ranks that started on either side of midnight render the same examples alike; returns it.
+    A no-op without an initialized process group. `device`: where NCCL stages the object."""
+    import torch.distributed as dist
+
+    global _TEMPLATE_CLOCK
+    clock = template_clock()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [clock]
+        dist.broadcast_object_list(box, src=0, device=device)
+        _TEMPLATE_CLOCK = clock = box[0]
+    return clock
+
+
 def _strftime_now(fmt: str) -> str:
     """transformers' `strftime_now` template global, on the run's clock (`template_clock`)."""
     return template_clock().strftime(fmt)
