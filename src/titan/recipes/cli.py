@@ -420,13 +420,21 @@ def resolve_hub_tokenizer(tokenizer: Any) -> None:
 def from_hub(path: str, *, flag: str, patterns: Sequence[str]) -> str:
     """`path`, or for a Hub repository id the local folder of its snapshot (`resolve_hub_folder`),
     said once on rank 0; a UsageError naming `flag` when it cannot be had."""
-    from titan.ckpt.hub import resolve_hub_folder
+    from titan.ckpt.hub import is_hub_repo_id, resolve_hub_folder
 
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if is_hub_repo_id(path) and not rank0:
+        try:  # every rank fetches (the cache locks each file); rank 0 shows the progress
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
+        except ImportError:  # resolve_hub_folder names the missing package
+            pass
     try:
         folder = resolve_hub_folder(path, flag=flag, patterns=patterns)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    if folder != path and int(os.environ.get("RANK", "0")) == 0:
+    if folder != path and rank0:
         # The snapshot folder's name is the commit: the exact revision this run reads.
         print(f"titan: {path} from the Hugging Face Hub: {folder}", file=sys.stderr)
     return folder
