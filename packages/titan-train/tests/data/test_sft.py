@@ -285,6 +285,62 @@ def test_chat_ids_are_transformers_apply_chat_template(tmp_path, monkeypatch, re
     assert "USER" not in trained and "?" not in trained
 
 
+# Qwen's shape for agents: reasoning in <think>, tool calls as JSON, tool results as user turns.
+TOOL_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n{% endif %}"
+    "{% if m.content %}{{ m.content }}{% endif %}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}\n<tool_call>\n{{ c.function | tojson }}\n</tool_call>"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+AGENT_CHAT = [
+    {"role": "user", "content": "What is 42 in hex?"},
+    {"role": "assistant", "content": None, "reasoning_content": "I should ask the tool.",
+     "tool_calls": [{"type": "function", "function": {"name": "hex", "arguments": {"n": 42}}}]},
+    {"role": "tool", "name": "hex", "content": "0x2a"},
+    {"role": "assistant", "content": "It is 0x2a.", "reasoning_content": "The tool answered."},
+]
+
+
+def test_tool_calls_reasoning_and_tool_results_render_as_transformers_renders_them(tmp_path):
+    """Every key of a message reaches the template, as transformers passes it: reasoning,
+    tool calls (an assistant turn of calls only has no content) and tool results. Their ids
+    equal `apply_chat_template`'s (before, only role and content were kept: the reasoning and
+    the calls were dropped without a word); the assistant's reasoning and calls are trained,
+    the tool's result is not; the built-in template, which cannot write them, refuses."""
+    transformers = pytest.importorskip("transformers")
+    path = _gpt4_style_tokenizer(tmp_path / "tok")
+    (path.parent / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": TOOL_TEMPLATE, "bos_token": "<s>", "eos_token": "<|im_end|>"}))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="<|im_end|>")
+    reference.chat_template = TOOL_TEMPLATE
+    tok, template = HFTokenizer(path), ChatTemplate.from_tokenizer_files(str(path.parent))
+
+    ex = encode_chat(AGENT_CHAT, tok, template=template)
+    assert ex.ids.tolist() == list(reference.apply_chat_template(AGENT_CHAT, tokenize=True, return_dict=False))
+    trained = tok.decode([i for i, t in zip(ex.ids.tolist(), ex.targets.tolist(), strict=True) if t])
+    assert "I should ask the tool." in trained and '{"name": "hex", "arguments": {"n": 42}}' in trained
+    assert "It is 0x2a." in trained and "<tool_response>" not in trained and "42 in hex" not in trained
+    prompt = AGENT_CHAT[:3]
+    assert encode_chat_prompt(prompt, tok, template=template) == list(
+        reference.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+    with pytest.raises(ValueError, match="message 1 holds the keys reasoning_content, tool_calls, which the built-in "
+                                         "chat template does not render"):
+        encode_chat(AGENT_CHAT, tok)
+    with pytest.raises(ValueError, match="message 2 holds a tool result, which the built-in"):
+        encode_chat_prompt([AGENT_CHAT[0], {**AGENT_CHAT[1], "reasoning_content": None, "tool_calls": None,
+                                            "content": "call"}, {"role": "tool", "content": "0x2a"}], tok)
+    # Keys Arrow fills with None for rows that lack them hold nothing: the built-in template takes the row.
+    plain = [{"role": "user", "content": "hi", "tool_calls": None}, {"role": "assistant", "content": "yo", "name": None}]
+    assert encode_chat(plain, tok).ids.tolist() == encode_chat([{"role": "user", "content": "hi"},
+                                                                {"role": "assistant", "content": "yo"}], tok).ids.tolist()
+
+
 def test_chat_template_choice_errors_for_byte_tokenizer(tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": CHAT}) + "\n")

@@ -36,6 +36,9 @@ import numpy as np
 from titan.train.data.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
+TOOL_ROLES = ("tool", "ipython")
+"""Roles of a tool's result (Llama 3.1's templates call it ipython): context a tokenizer's chat
+template renders, never trained; the built-in template has no form for them."""
 
 
 @dataclass
@@ -103,6 +106,7 @@ def _builtin_chat_segments(
     """The built-in template (module docstring): headers and non-assistant turns are
     context; each assistant turn's content and its closing EOS are targets (those from
     message `trained_from` on)."""
+    _check_builtin_renders(messages)
     segments = _bos(tokenizer)
     for i, message in enumerate(messages):
         role, content = message["role"], message["content"]
@@ -389,7 +393,10 @@ def check_messages(messages: Any) -> list[dict]:
 
 
 def _checked_roles_and_contents(messages: Any) -> list[dict]:
-    """`messages` as plain {role, content} dicts, or a ValueError naming the first bad one."""
+    """`messages` as plain dicts with every key they hold (a template renders `tool_calls`,
+    `reasoning_content` or a tool's `name` as transformers passes them on), or a ValueError
+    naming the first bad one: a role outside `ROLES` and `TOOL_ROLES`, content that is not a
+    string (an assistant turn made only of tool calls may have none)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content}")
     checked = []
@@ -397,12 +404,28 @@ def _checked_roles_and_contents(messages: Any) -> list[dict]:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ValueError(f"message {j} is not a {{role, content}} object")
         role, content = message["role"], message["content"]
-        if role not in ROLES:
-            raise ValueError(f"message {j} has role {role!r}, not one of {', '.join(ROLES)}")
-        if not isinstance(content, str):
+        if role not in ROLES + TOOL_ROLES:
+            raise ValueError(f"message {j} has role {role!r}, not one of {', '.join(ROLES + TOOL_ROLES)}")
+        calls_only = content is None and role == "assistant" and bool(message.get("tool_calls"))
+        if not isinstance(content, str) and not calls_only:
             raise ValueError(f"message {j} has non-string content {content!r}")
-        checked.append({"role": role, "content": content})
+        checked.append(dict(message))
     return checked
+
+
+def _check_builtin_renders(messages: Sequence[dict]) -> None:
+    """The built-in template writes roles and contents only: a message holding more (a tool
+    result, tool calls, reasoning; keys left None, as Arrow fills a column a row lacks, hold
+    nothing) is refused rather than trained without it."""
+    for j, message in enumerate(messages):
+        extra = sorted(key for key, value in message.items() if key not in ("role", "content") and value is not None)
+        if message["role"] in TOOL_ROLES or extra:
+            what = f"the keys {', '.join(extra)}" if extra else f"a {message['role']} result"
+            raise ValueError(
+                f"message {j} holds {what}, which the built-in chat template does not render; use the "
+                "tokenizer's chat template (--sft_data.chat_template / --rl_data.chat_template tokenizer) "
+                "with one that renders it"
+            )
 
 
 def encode_chat(
