@@ -81,6 +81,31 @@ def test_conversational_prompts_are_transformers_apply_chat_template(tmp_path):
     assert train[0].answer == "4"
 
 
+TOOLS_CHATML = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
+                "{% endif %}" + CHATML)
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+def test_a_rows_tools_are_listed_in_its_prompt_as_transformers_lists_them(tmp_path):
+    """TRL's `tools` column (here a JSON string, as datasets often store it) reaches the chat
+    template as `apply_chat_template(tools=...)` gives it; a text prompt cannot list tools and
+    is refused rather than prompted without them."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer_file = _chatml_tokenizer(tmp_path / "tok")
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_CHATML}))
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": CONVERSATION, "answer": "4", "tools": json.dumps(TOOLS)}])
+    train, _ = build_prompts(RLDataConfig(format="jsonl", path=path), HFTokenizer(tokenizer_file))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|im_end|>")
+    reference.chat_template = TOOLS_CHATML
+    expected = reference.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=True, add_generation_prompt=True,
+                                             return_dict=False)
+    assert train[0].ids == list(expected) and train[0].text.startswith('<|im_start|>system\n{"type": "function"')
+    text_row = _write_jsonl(tmp_path / "t.jsonl", [{"prompt": "2+2=", "tools": TOOLS}])
+    with pytest.raises(ValueError, match="row 0: the row lists tools, and a text prompt has no chat template"):
+        build_prompts(RLDataConfig(format="jsonl", path=text_row), HFTokenizer(tokenizer_file))
+
+
 def test_conversational_prompts_with_the_builtin_template(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"q": CONVERSATION}])
     tokenizer = ByteTokenizer()

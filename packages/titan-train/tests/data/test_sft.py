@@ -287,6 +287,8 @@ def test_chat_ids_are_transformers_apply_chat_template(tmp_path, monkeypatch, re
 
 # Qwen's shape for agents: reasoning in <think>, tool calls as JSON, tool results as user turns.
 TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
+    "{% endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'assistant' %}<|im_start|>assistant\n"
     "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n{% endif %}"
@@ -304,6 +306,8 @@ AGENT_CHAT = [
     {"role": "tool", "name": "hex", "content": "0x2a"},
     {"role": "assistant", "content": "It is 0x2a.", "reasoning_content": "The tool answered."},
 ]
+TOOLS = [{"type": "function", "function": {"name": "hex", "description": "n in hexadecimal",
+                                           "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}}]
 
 
 def test_tool_calls_reasoning_and_tool_results_render_as_transformers_renders_them(tmp_path):
@@ -328,6 +332,27 @@ def test_tool_calls_reasoning_and_tool_results_render_as_transformers_renders_th
     prompt = AGENT_CHAT[:3]
     assert encode_chat_prompt(prompt, tok, template=template) == list(
         reference.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+    # The row's function schemas (TRL's `tools` column, a list or its JSON string) are listed
+    # by the template as `apply_chat_template(tools=...)` lists them; they are not trained.
+    with_tools = reference.apply_chat_template(AGENT_CHAT, tools=TOOLS, tokenize=True, return_dict=False)
+    for given in (TOOLS, json.dumps(TOOLS)):
+        ex_tools = encode_chat(AGENT_CHAT, tok, template=template, tools=given)
+        assert ex_tools.ids.tolist() == list(with_tools) and len(with_tools) > len(ex.ids)
+        assert ex_tools.targets.sum() == ex.targets.sum()
+    assert encode_chat_prompt(prompt, tok, template=template, tools=TOOLS) == list(
+        reference.apply_chat_template(prompt, tools=TOOLS, tokenize=True, add_generation_prompt=True,
+                                      return_dict=False))
+    (tmp_path / "agent.jsonl").write_text(json.dumps({"messages": AGENT_CHAT, "tools": json.dumps(TOOLS)}) + "\n")
+    cfg = SFTDataConfig(format="chat", path=str(tmp_path / "agent.jsonl"), chat_template="tokenizer",
+                        cache_dir=str(tmp_path / "cache"))
+    from titan.train.data.sft import build_sft_source
+
+    assert build_sft_source(cfg, tok).example(0).ids.tolist() == list(with_tools)
+    with pytest.raises(ValueError, match="the row lists 1 tools, which the built-in chat template does not render"):
+        encode_chat(AGENT_CHAT[:1] + [{"role": "assistant", "content": "hi"}], tok, tools=TOOLS)
+    with pytest.raises(ValueError, match="tools is a string that is not JSON"):
+        encode_chat(AGENT_CHAT, tok, template=template, tools="[{")
 
     with pytest.raises(ValueError, match="message 1 holds the keys reasoning_content, tool_calls, which the built-in "
                                          "chat template does not render"):

@@ -24,8 +24,10 @@ from typing import Any, Literal
 import numpy as np
 from titan.rl.rewards import RewardContext
 from titan.train.data.chat import (
+    TOOLS_COLUMN,
     ChatTemplate,
     check_prompt_messages,
+    check_tools,
     encode_chat_prompt,
     encode_prompt,
     resolve_chat_template,
@@ -152,11 +154,15 @@ def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: s
         value = _field(row, cfg.prompt_field, where=where, flag="prompt_field")
         messages = None
         if isinstance(value, str):
+            if check_tools(row.get(TOOLS_COLUMN)):
+                raise ValueError(f"{where}: the row lists tools, and a text prompt has no chat template to list "
+                                 "them in; give the prompt as a list of messages")
             text, ids = value, encode_prompt(value, tokenizer)
         elif isinstance(value, list):
             if not templates:
                 templates.append(resolve_chat_template(cfg.chat_template, tokenizer))
-            text, ids, messages = _conversation_prompt(value, tokenizer, templates[0], where=where)
+            text, ids, messages = _conversation_prompt(value, tokenizer, templates[0], where=where,
+                                                       tools=row.get(TOOLS_COLUMN))
         else:
             raise ValueError(f"{where}: --rl_data.prompt_field {cfg.prompt_field!r} holds "
                              f"{type(value).__name__}, not a string or a list of {{role, content}} messages")
@@ -177,17 +183,18 @@ def _field(row: dict, dotted: str, *, where: str, flag: str):
 
 
 def _conversation_prompt(messages: list, tokenizer: Tokenizer, template: ChatTemplate | None,
-                         *, where: str) -> tuple[str, list[int], list[dict]]:
+                         *, where: str, tools: Any = None) -> tuple[str, list[int], list[dict]]:
     """(text, ids, checked messages) of a conversational prompt: the conversation rendered
-    with ``template`` (None: the built-in one) and the assistant header after it. The text is
-    what the rewards' ``prompt`` receives: the rendered conversation (the built-in template's
-    without its BOS)."""
+    with ``template`` (None: the built-in one; with the row's function schemas ``tools``, TRL's
+    column) and the assistant header after it. The text is what the rewards' ``prompt``
+    receives: the rendered conversation (the built-in template's without its BOS)."""
     try:
-        messages = check_prompt_messages(messages)
+        messages, tools = check_prompt_messages(messages), check_tools(tools)
+        ids = encode_chat_prompt(messages, tokenizer, template=template, tools=tools)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
-    ids = encode_chat_prompt(messages, tokenizer, template=template)
-    text = template.render(messages, add_generation_prompt=True) if template is not None else tokenizer.decode(ids)
+    text = (template.render(messages, add_generation_prompt=True, tools=tools) if template is not None
+            else tokenizer.decode(ids))
     return text, ids, messages
 
 

@@ -36,6 +36,8 @@ import numpy as np
 from titan.train.data.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
+TOOLS_COLUMN = "tools"
+"""The column of a row's function schemas (TRL's name), given to the chat template as `tools`."""
 TOOL_ROLES = ("tool", "ipython")
 """Roles of a tool's result (Llama 3.1's templates call it ipython): context a tokenizer's chat
 template renders, never trained; the built-in template has no form for them."""
@@ -101,12 +103,12 @@ def encode_prompt(prompt: str, tokenizer: Tokenizer) -> list[int]:
 
 def _builtin_chat_segments(
     messages: Sequence[dict], tokenizer: Tokenizer, add_generation_prompt: bool = False,
-    trained_from: int = 0,
+    trained_from: int = 0, tools: list | None = None,
 ) -> list[Segment]:
     """The built-in template (module docstring): headers and non-assistant turns are
     context; each assistant turn's content and its closing EOS are targets (those from
-    message `trained_from` on)."""
-    _check_builtin_renders(messages)
+    message `trained_from` on). It has no form for `tools` (refused)."""
+    _check_builtin_renders(messages, tools)
     segments = _bos(tokenizer)
     for i, message in enumerate(messages):
         role, content = message["role"], message["content"]
@@ -229,27 +231,34 @@ class ChatTemplate:
         self.marks_generation = _has_generation_tag(env, source)
         self.bos_token, self.eos_token = bos_token, eos_token
 
-    def _variables(self, messages: Sequence[dict], add_generation_prompt: bool) -> dict[str, Any]:
-        return dict(messages=list(messages), add_generation_prompt=add_generation_prompt,
+    def _variables(self, messages: Sequence[dict], add_generation_prompt: bool,
+                   tools: list | None = None) -> dict[str, Any]:
+        # transformers passes `tools` and `documents` always (None when not given): a template
+        # may test them with `is defined` or `is not none`.
+        return dict(messages=list(messages), tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
                     bos_token=self.bos_token, eos_token=self.eos_token)
 
-    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> str:
-        """The conversation as text, optionally followed by the assistant header."""
-        return self.template.render(**self._variables(messages, add_generation_prompt))
+    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False,
+               tools: list | None = None) -> str:
+        """The conversation as text (with the function schemas `tools` the template lists),
+        optionally followed by the assistant header."""
+        return self.template.render(**self._variables(messages, add_generation_prompt, tools))
 
-    def _generation_segments(self, messages: Sequence[dict], trained_from: int) -> list[Segment]:
+    def _generation_segments(self, messages: Sequence[dict], trained_from: int,
+                             tools: list | None = None) -> list[Segment]:
         """`segments` of a template with `{% generation %}` blocks."""
-        text, spans = self.render_with_generation_spans(messages)
+        text, spans = self.render_with_generation_spans(messages, tools=tools)
         return _generation_segments_of(text, spans, messages, trained_from)
 
-    def render_with_generation_spans(self, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def render_with_generation_spans(self, messages: Sequence[dict], *, tools: list | None = None
+                                     ) -> tuple[str, list[tuple[int, int]]]:
         """The conversation as text and the character ranges of its `{% generation %}`
         blocks, in order."""
         chunks: list[str] = []
         spans: list[tuple[int, int]] = []
         self.env.generation_chunks, self.env.generation_spans = chunks, spans
         try:
-            for chunk in self.template.generate(**self._variables(messages, False)):
+            for chunk in self.template.generate(**self._variables(messages, False, tools)):
                 chunks.append(chunk)
         finally:
             self.env.generation_chunks = self.env.generation_spans = None
@@ -278,7 +287,8 @@ class ChatTemplate:
         )
 
     def segments(
-        self, messages: Sequence[dict], add_generation_prompt: bool = False, trained_from: int = 0
+        self, messages: Sequence[dict], add_generation_prompt: bool = False, trained_from: int = 0,
+        tools: list | None = None,
     ) -> list[Segment]:
         """Split the rendered conversation into context and assistant-turn text (trained
         from message `trained_from` on).
@@ -292,14 +302,14 @@ class ChatTemplate:
         as Qwen3's drops their reasoning, works).
         """
         if self.marks_generation and not add_generation_prompt:
-            return self._generation_segments(messages, trained_from)
+            return self._generation_segments(messages, trained_from, tools)
         segments: list[Segment] = []
         done = ""
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True)
-            after = self.render(messages[: i + 1])
+            before = self.render(messages[:i], add_generation_prompt=True, tools=tools)
+            after = self.render(messages[: i + 1], tools=tools)
             if not before.startswith(done) or not after.startswith(before):
                 raise ValueError(
                     "the tokenizer's chat template does not render a conversation as a prefix of "
@@ -308,7 +318,7 @@ class ChatTemplate:
                 )
             segments += [(before[len(done) :], False), (after[len(before) :], i >= trained_from)]
             done = after
-        full = self.render(messages, add_generation_prompt=add_generation_prompt)
+        full = self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         if not full.startswith(done):
             raise ValueError(
                 "the tokenizer's chat template renders the whole conversation differently from "
@@ -413,10 +423,31 @@ def _checked_roles_and_contents(messages: Any) -> list[dict]:
     return checked
 
 
-def _check_builtin_renders(messages: Sequence[dict]) -> None:
+def check_tools(tools: Any) -> list | None:
+    """A row's function schemas (TRL's `tools` column) as the template takes them: a list of
+    JSON-schema objects, or the same as a JSON string (as datasets often store it); None or
+    empty: none. Raises ValueError naming what is wrong."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"tools is a string that is not JSON ({err})") from None
+    if tools is None or (isinstance(tools, (list, tuple)) and not tools):
+        return None
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError(f"tools must be a list of function schemas (objects), got {type(tools).__name__}")
+    return list(tools)
+
+
+def _check_builtin_renders(messages: Sequence[dict], tools: list | None = None) -> None:
     """The built-in template writes roles and contents only: a message holding more (a tool
     result, tool calls, reasoning; keys left None, as Arrow fills a column a row lacks, hold
-    nothing) is refused rather than trained without it."""
+    nothing) or function schemas are refused rather than trained without them."""
+    if tools:
+        raise ValueError(
+            f"the row lists {len(tools)} tools, which the built-in chat template does not render; use the "
+            "tokenizer's chat template (--sft_data.chat_template / --rl_data.chat_template tokenizer) with one that "
+            "renders them")
     for j, message in enumerate(messages):
         extra = sorted(key for key, value in message.items() if key not in ("role", "content") and value is not None)
         if message["role"] in TOOL_ROLES or extra:
@@ -435,18 +466,20 @@ def encode_chat(
     template: ChatTemplate | None = None,
     train_on: str = "completion",
     trained_from: int = 0,
+    tools: Any = None,
 ) -> SFTExample:
     """A conversation as ids; targets: every assistant turn (and its end marker) from message
     `trained_from` on (a conversational prompt-completion pair: the completion's), other
-    turns and all role headers masked. `template` None is the built-in template."""
-    messages = check_messages(messages)
+    turns and all role headers masked. `template` None is the built-in template. `tools`: the
+    function schemas the template lists (a row's `tools` column, as TRL passes it)."""
+    messages, tools = check_messages(messages), check_tools(tools)
     if not any(m["role"] == "assistant" for m in messages[trained_from:]):
         raise ValueError("the completion holds no assistant message, so nothing to train on")
     if template is None:
-        return _encode_segments(tokenizer, _builtin_chat_segments(messages, tokenizer, trained_from=trained_from),
-                                train_on)
-    return _encode_rendered(tokenizer, template.segments(messages, trained_from=trained_from), train_on,
-                            exact_spans=template.marks_generation)
+        segments = _builtin_chat_segments(messages, tokenizer, trained_from=trained_from, tools=tools)
+        return _encode_segments(tokenizer, segments, train_on)
+    return _encode_rendered(tokenizer, template.segments(messages, trained_from=trained_from, tools=tools),
+                            train_on, exact_spans=template.marks_generation)
 
 
 def _encode_rendered(tokenizer: Tokenizer, segments: Sequence[tuple[str, bool]], train_on: str,
@@ -476,13 +509,14 @@ def _encode_rendered(tokenizer: Tokenizer, segments: Sequence[tuple[str, bool]],
 
 
 def encode_chat_prompt(
-    messages: Sequence[dict], tokenizer: Tokenizer, *, template: ChatTemplate | None = None
+    messages: Sequence[dict], tokenizer: Tokenizer, *, template: ChatTemplate | None = None, tools: Any = None,
 ) -> list[int]:
-    """Ids to generate the next assistant turn from: the conversation and the assistant
-    header, tokenized as in `encode_chat`."""
+    """Ids to generate the next assistant turn from: the conversation (with the function
+    schemas `tools`) and the assistant header, tokenized as in `encode_chat`."""
+    tools = check_tools(tools)
     if template is None:
-        segments = _builtin_chat_segments(messages, tokenizer, add_generation_prompt=True)
+        segments = _builtin_chat_segments(messages, tokenizer, add_generation_prompt=True, tools=tools)
         return [int(i) for i in _encode_segments(tokenizer, segments, "completion").ids]
     # the rendered prompt in one piece: nothing in it is trained, so no turn needs locating
-    prompt = template.render(messages, add_generation_prompt=True)
+    prompt = template.render(messages, add_generation_prompt=True, tools=tools)
     return [int(i) for i in _encode_rendered(tokenizer, [(prompt, False)], "completion").ids]

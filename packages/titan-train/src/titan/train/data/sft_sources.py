@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 from titan.train.data.chat import (
+    TOOLS_COLUMN,
     ChatTemplate,
     SFTExample,
+    check_tools,
     encode_chat,
     encode_prompt_completion,
     resolve_chat_template,
@@ -109,7 +111,10 @@ class JSONLSFTSource(SFTSource):
                     f"{', '.join(dataset.column_names) or 'none'}); --sft_data.format {cfg.format} "
                     f"reads {_format_needs(cfg)}: fix the file, --sft_data.{flag} or --sft_data.format"
                 )
-        self.dataset = dataset.select_columns(list(self.fields.values()))
+        # TRL's `tools` column: the function schemas a row's conversation may call, which the
+        # chat template lists (transformers' `apply_chat_template(tools=...)`).
+        self.tools_column = TOOLS_COLUMN if TOOLS_COLUMN in dataset.column_names else None
+        self.dataset = dataset.select_columns([*self.fields.values(), *([self.tools_column] if self.tools_column else [])])
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -117,14 +122,17 @@ class JSONLSFTSource(SFTSource):
     def example(self, index: int) -> SFTExample:
         """Row `index` rendered and tokenized; a malformed row fails naming its index."""
         row = self.dataset[int(index)]
+        tools = row[self.tools_column] if self.tools_column else None
         try:
             if self.cfg.format == "prompt_completion":
                 prompt, completion = row[self.cfg.prompt_field], row[self.cfg.completion_field]
                 if isinstance(prompt, list) and isinstance(completion, list):  # TRL's conversational pairs
                     return encode_chat([*prompt, *completion], self.tokenizer, template=self.template,
-                                       train_on=self.cfg.train_on, trained_from=len(prompt))
+                                       train_on=self.cfg.train_on, trained_from=len(prompt), tools=tools)
                 if not isinstance(prompt, str) or not isinstance(completion, str):
                     raise ValueError("prompt and completion must both be strings, or both lists of messages")
+                if check_tools(tools):
+                    raise ValueError("the row lists tools, and a text prompt has no chat template to list them in")
                 return encode_prompt_completion(
                     prompt, completion, self.tokenizer, train_on=self.cfg.train_on
                 )
@@ -133,6 +141,7 @@ class JSONLSFTSource(SFTSource):
                 self.tokenizer,
                 template=self.template,
                 train_on=self.cfg.train_on,
+                tools=tools,
             )
         except ValueError as e:
             raise ValueError(
