@@ -106,6 +106,45 @@ def test_a_rows_tools_are_listed_in_its_prompt_as_transformers_lists_them(tmp_pa
         build_prompts(RLDataConfig(format="jsonl", path=text_row), HFTokenizer(tokenizer_file))
 
 
+THINKING_CHATML = CHATML.replace("'<|im_start|>assistant\\n' }}", "'<|im_start|>assistant\\n' }}{% if enable_thinking is "
+                                 "defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(tmp_path):
+    """`--rl_data.chat_template_kwargs '{"enable_thinking": false}'` (Qwen3's switch, as TRL's
+    chat_template_kwargs): the prompts end with the empty think block transformers renders;
+    where no template reads them, the flag is refused."""
+    transformers = pytest.importorskip("transformers")
+    assert "enable_thinking" in THINKING_CHATML
+    tokenizer_file = _chatml_tokenizer(tmp_path / "tok")
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_CHATML}))
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": CONVERSATION, "answer": "4"}])
+    tokenizer = HFTokenizer(tokenizer_file)
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|im_end|>")
+    reference.chat_template = THINKING_CHATML
+    for kwargs in ({"enable_thinking": False}, {}):
+        flags = {"chat_template_kwargs": json.dumps(kwargs)} if kwargs else {}
+        train, _ = build_prompts(RLDataConfig(format="jsonl", path=path, **flags), tokenizer)
+        assert train[0].ids == list(reference.apply_chat_template(
+            CONVERSATION, tokenize=True, add_generation_prompt=True, return_dict=False, **kwargs))
+        assert train[0].text.endswith("<think>\n\n</think>\n\n") == bool(kwargs)
+
+    off = '{"enable_thinking": false}'
+    for flags, message in [
+        ({"chat_template_kwargs": off}, "not read by --rl_data.format synthetic"),
+        ({"format": "jsonl", "path": path, "chat_template": "builtin", "chat_template_kwargs": off},
+         "not read by the built-in chat template"),
+        ({"format": "jsonl", "path": path, "chat_template_kwargs": "enable_thinking=false"}, "is not JSON"),
+        ({"format": "jsonl", "path": path, "chat_template_kwargs": '{"tools": []}'}, "sets tools, which titan gives"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            RLDataConfig(**flags)
+    text = _write_jsonl(tmp_path / "t.jsonl", [{"prompt": "2+2=", "answer": "4"}])
+    with pytest.raises(ValueError, match="the prompts of .* are text, rendered by no template"):
+        build_prompts(RLDataConfig(format="jsonl", path=text, chat_template_kwargs=off), tokenizer)
+
+
 def test_conversational_prompts_with_the_builtin_template(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"q": CONVERSATION}])
     tokenizer = ByteTokenizer()

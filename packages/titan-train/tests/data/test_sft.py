@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -364,6 +365,38 @@ def test_tool_calls_reasoning_and_tool_results_render_as_transformers_renders_th
     plain = [{"role": "user", "content": "hi", "tool_calls": None}, {"role": "assistant", "content": "yo", "name": None}]
     assert encode_chat(plain, tok).ids.tolist() == encode_chat([{"role": "user", "content": "hi"},
                                                                 {"role": "assistant", "content": "yo"}], tok).ids.tolist()
+
+
+def test_chat_template_kwargs_are_template_variables_as_transformers_takes_them(tmp_path):
+    """`--sft_data.chat_template_kwargs` (TRL's chat_template_kwargs): a JSON object of extra
+    variables; the ids equal `apply_chat_template(**kwargs)`'s, and text rows (no template)
+    refuse it."""
+    transformers = pytest.importorskip("transformers")
+    source = "{% if persona is defined %}{{ persona }}\n{% endif %}" + CHATML
+    path = _gpt4_style_tokenizer(tmp_path / "tok")
+    (path.parent / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": source, "bos_token": "<s>", "eos_token": "</s>"}))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="</s>")
+    reference.chat_template = source
+    chat = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "I am fine."}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    from titan.train.data.sft import build_sft_source
+
+    cfg = SFTDataConfig(format="chat", path=str(tmp_path / "chat.jsonl"), cache_dir=str(tmp_path / "cache"),
+                        chat_template_kwargs='{"persona": "Sure!"}')
+    ids = build_sft_source(cfg, HFTokenizer(path)).example(0).ids.tolist()
+    assert ids == list(reference.apply_chat_template(chat, tokenize=True, return_dict=False, persona="Sure!"))
+    assert ids != list(reference.apply_chat_template(chat, tokenize=True, return_dict=False))
+
+    (tmp_path / "pc.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    text_rows = SFTDataConfig(format="prompt_completion", path=str(tmp_path / "pc.jsonl"),
+                              cache_dir=str(tmp_path / "cache"), chat_template_kwargs='{"persona": "x"}')
+    with pytest.raises(ValueError, match="are text prompts and completions, rendered by no template"):
+        build_sft_source(text_rows, HFTokenizer(path))
+    with pytest.raises(ValueError, match="is not read by the built-in chat template"):
+        SFTDataConfig(format="chat", path="x.jsonl", chat_template="builtin", chat_template_kwargs='{"persona": "x"}')
+    with pytest.raises(ValueError, match="renders with the built-in one"):  # auto, and the byte tokenizer has none
+        build_sft_source(dataclasses.replace(cfg), ByteTokenizer())
 
 
 def test_chat_template_choice_errors_for_byte_tokenizer(tmp_path):

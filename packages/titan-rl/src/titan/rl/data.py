@@ -30,10 +30,11 @@ from titan.train.data.chat import (
     check_tools,
     encode_chat_prompt,
     encode_prompt,
+    parse_template_kwargs,
     resolve_chat_template,
 )
 from titan.train.data.records import RecordSplitsConfig, load_records
-from titan.train.data.sft_config import SFTDataConfig, SyntheticTaskConfig
+from titan.train.data.sft_config import SFTDataConfig, SyntheticTaskConfig, check_template_kwargs
 from titan.train.data.sft_sources import SyntheticSFTTask
 from titan.train.data.tokenizer import Tokenizer
 
@@ -60,6 +61,10 @@ class RLDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     """jsonl, conversational prompts: "tokenizer" renders the Jinja chat_template shipped with
     the tokenizer files, "builtin" titan's simple template (titan.train.data.chat), "auto" the
     tokenizer's when its files carry one, else builtin; the assistant header follows."""
+    chat_template_kwargs: str | None = None
+    """jsonl, conversational prompts: extra variables for the tokenizer's chat template, a JSON
+    object as transformers' `apply_chat_template(**kwargs)` takes them (Qwen3's
+    '{"enable_thinking": false}': prompts end with an empty think block)."""
     answer_field: str = "answer"
     """jsonl: the column holding the reference answer (may be missing for rewards that need none);
     a dotted path reads a nested record (verl's ``reward_model.ground_truth``)."""
@@ -95,6 +100,8 @@ class RLDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
             if self.format == "synthetic" and getattr(self, flag) != default:
                 raise ValueError(f"--rl_data.{flag} {getattr(self, flag)!r} is not read by --rl_data.format synthetic "
                                  "(its prompts and answers are the task's own); drop it or set --rl_data.format jsonl")
+        check_template_kwargs(self.chat_template_kwargs, "--rl_data", self.chat_template,
+                              renders_chats=self.format == "jsonl")
         if self.sft_demonstrations < 0 or self.sft_demonstrations > self.synthetic_examples:
             raise ValueError(
                 f"--rl_data.sft_demonstrations must be in [0, --rl_data.synthetic_examples "
@@ -160,7 +167,9 @@ def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: s
             text, ids = value, encode_prompt(value, tokenizer)
         elif isinstance(value, list):
             if not templates:
-                templates.append(resolve_chat_template(cfg.chat_template, tokenizer))
+                templates.append(resolve_chat_template(
+                    cfg.chat_template, tokenizer, section="--rl_data",
+                    variables=parse_template_kwargs(cfg.chat_template_kwargs, "--rl_data.chat_template_kwargs")))
             text, ids, messages = _conversation_prompt(value, tokenizer, templates[0], where=where,
                                                        tools=row.get(TOOLS_COLUMN))
         else:
@@ -168,6 +177,9 @@ def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: s
                              f"{type(value).__name__}, not a string or a list of {{role, content}} messages")
         columns = {name: column for name, column in row.items() if name != cfg.prompt_field.split(".")[0]}
         out.append(Prompt(text, ids, None if answer is None else str(answer), messages=messages, columns=columns))
+    if cfg.chat_template_kwargs and out and not templates:
+        raise ValueError(f"--rl_data.chat_template_kwargs sets chat template variables, and the prompts of {path} are "
+                         "text, rendered by no template: drop it")
     return out
 
 

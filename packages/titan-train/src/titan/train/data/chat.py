@@ -207,7 +207,8 @@ class ChatTemplate:
     jinja2 in a sandbox as transformers renders it: `bos_token`/`eos_token`,
     `raise_exception`, `strftime_now`, its `tojson` and its `{% generation %}` tags."""
 
-    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "",
+                 variables: dict[str, Any] | None = None) -> None:
         try:
             import jinja2.ext
             import jinja2.sandbox
@@ -230,13 +231,14 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.marks_generation = _has_generation_tag(env, source)
         self.bos_token, self.eos_token = bos_token, eos_token
+        self.variables = dict(variables or {})  # --*.chat_template_kwargs (Qwen3's enable_thinking)
 
     def _variables(self, messages: Sequence[dict], add_generation_prompt: bool,
                    tools: list | None = None) -> dict[str, Any]:
         # transformers passes `tools` and `documents` always (None when not given): a template
         # may test them with `is defined` or `is not none`.
-        return dict(messages=list(messages), tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-                    bos_token=self.bos_token, eos_token=self.eos_token)
+        return dict(self.variables, messages=list(messages), tools=tools, documents=None,
+                    add_generation_prompt=add_generation_prompt, bos_token=self.bos_token, eos_token=self.eos_token)
 
     def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False,
                tools: list | None = None) -> str:
@@ -367,20 +369,51 @@ def _token_text(config: dict, role: str) -> str:
     return value if isinstance(value, str) else ""
 
 
-def resolve_chat_template(choice: str, tokenizer: Tokenizer) -> ChatTemplate | None:
-    """The template `--sft_data.chat_template` selects for `tokenizer`; None = builtin."""
-    if choice == "builtin":
-        return None
+def resolve_chat_template(choice: str, tokenizer: Tokenizer, *, variables: dict[str, Any] | None = None,
+                          section: str = "--sft_data") -> ChatTemplate | None:
+    """The template `--sft_data.chat_template` (or ``section``'s) selects for `tokenizer`,
+    rendering with the extra `variables` (``--*.chat_template_kwargs``); None = builtin, which
+    takes no variables (refused when some are given)."""
+    template = None
     path = getattr(tokenizer, "path", None)  # HFTokenizer: its tokenizer.json
-    template = ChatTemplate.from_tokenizer_files(os.path.dirname(path)) if path else None
+    if choice != "builtin":
+        template = ChatTemplate.from_tokenizer_files(os.path.dirname(path)) if path else None
     if template is None and choice == "tokenizer":
         where = f"next to {path}" if path else "for the byte tokenizer"
         raise ValueError(
-            f"--sft_data.chat_template tokenizer: no chat_template {where} (looked for "
-            "chat_template.jinja and tokenizer_config.json); use --sft_data.chat_template "
+            f"{section}.chat_template tokenizer: no chat_template {where} (looked for "
+            f"chat_template.jinja and tokenizer_config.json); use {section}.chat_template "
             "builtin or a tokenizer that ships one"
         )
+    if template is None and variables:
+        raise ValueError(f"{section}.chat_template_kwargs sets {', '.join(sorted(variables))} for a tokenizer's chat "
+                         "template, and this run renders with the built-in one (which has no variables); drop it "
+                         "or use a tokenizer that ships a template")
+    if template is not None:
+        template.variables = dict(variables or {})
     return template
+
+
+TEMPLATE_RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")
+"""The variables titan gives every chat template itself (not settable by chat_template_kwargs)."""
+
+
+def parse_template_kwargs(text: str | None, flag: str) -> dict[str, Any]:
+    """``--*.chat_template_kwargs``: a JSON object of extra template variables, as transformers'
+    ``apply_chat_template(**kwargs)`` takes them (``{"enable_thinking": false}``); {} for None."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{flag} {text!r} is not JSON ({err}); give an object, e.g. "
+                         "'{\"enable_thinking\": false}'") from None
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f"{flag} {text!r} must be a non-empty JSON object of template variables")
+    reserved = sorted(set(value) & set(TEMPLATE_RESERVED))
+    if reserved:
+        raise ValueError(f"{flag} sets {', '.join(reserved)}, which titan gives the template itself; drop it")
+    return value
 
 
 def check_prompt_messages(messages: Any) -> list[dict]:

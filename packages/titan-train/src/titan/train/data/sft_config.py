@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from titan.train.data.chat import parse_template_kwargs
 from titan.train.data.records import RecordSplitsConfig, is_hub_dataset, resolve_local_records
 
 
@@ -106,6 +107,10 @@ class SFTDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     "tokenizer" renders the Jinja chat_template shipped with the tokenizer files;
     "builtin" the simple documented template of titan.train.data.chat; "auto" the
     tokenizer's when its files carry one, else builtin."""
+    chat_template_kwargs: str | None = None
+    """Extra variables for the tokenizer's chat template, a JSON object, as transformers'
+    `apply_chat_template(**kwargs)` (TRL's `chat_template_kwargs`) takes them: Qwen3's
+    '{"enable_thinking": false}'."""
     train_on: Literal["completion", "all"] = "completion"
     """"completion": loss only on completion / assistant tokens and the EOS ending them.
     "all": loss on every token of the example (after the first)."""
@@ -163,6 +168,8 @@ class SFTDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
         if self.format == "synthetic" and self.chat_template != "auto":
             raise ValueError(f"--sft_data.chat_template {self.chat_template} is not read by --sft_data.format "
                              "synthetic (its prompts are plain text): drop it")
+        check_template_kwargs(self.chat_template_kwargs, "--sft_data", self.chat_template,
+                              renders_chats=self.format != "synthetic")
 
     def _check_choices(self) -> None:
         """Literal-typed flags hold one of their values (tyro checks the CLI, not code)."""
@@ -176,6 +183,18 @@ class SFTDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
                 raise ValueError(
                     f"--sft_data.{flag} must be one of {', '.join(allowed)}, got {value!r}"
                 )
+
+
+def check_template_kwargs(text: str | None, section: str, chat_template: str, *, renders_chats: bool) -> None:
+    """``{section}.chat_template_kwargs`` is a JSON object, for a format that renders chats with
+    a tokenizer's template (not the built-in one, which has no variables)."""
+    if text is None:
+        return
+    parse_template_kwargs(text, f"{section}.chat_template_kwargs")
+    if not renders_chats or chat_template == "builtin":
+        what = "the built-in chat template" if renders_chats else f"{section}.format synthetic"
+        raise ValueError(f"{section}.chat_template_kwargs {text!r} is not read by {what}, which has no template "
+                         "variables: drop it")
 
 
 def validate_sft_data_config(cfg: SFTDataConfig) -> None:

@@ -10,6 +10,7 @@ from titan.train.data.chat import (
     check_tools,
     encode_chat,
     encode_prompt_completion,
+    parse_template_kwargs,
     resolve_chat_template,
 )
 from titan.train.data.records import load_records
@@ -172,5 +173,12 @@ def build_sft_source(cfg: SFTDataConfig, tokenizer: Tokenizer, *, held_out: bool
     dataset = load_records(cfg.eval_path if held_out else cfg.path, flag=flag, held_out=held_out,
                            split=cfg.eval_split if held_out else cfg.split, subset=cfg.subset, cache_dir=cfg.cache_dir)
     # prompt_completion rows may be conversations too (TRL's conversational prompt-completion)
-    template = resolve_chat_template(cfg.chat_template, tokenizer)
-    return JSONLSFTSource(dataset, cfg, tokenizer, template, flag=flag)
+    template = resolve_chat_template(
+        cfg.chat_template, tokenizer,
+        variables=parse_template_kwargs(cfg.chat_template_kwargs, "--sft_data.chat_template_kwargs"))
+    source = JSONLSFTSource(dataset, cfg, tokenizer, template, flag=flag)
+    if cfg.chat_template_kwargs and cfg.format == "prompt_completion" and len(dataset) and \
+            isinstance(dataset[0][cfg.prompt_field], str):
+        raise ValueError(f"--sft_data.chat_template_kwargs sets chat template variables, and the rows of {flag} are "
+                         "text prompts and completions, rendered by no template: drop it")
+    return source
