@@ -372,11 +372,13 @@ def test_chat_template_kwargs_are_template_variables_as_transformers_takes_them(
     variables; the ids equal `apply_chat_template(**kwargs)`'s, and text rows (no template)
     refuse it."""
     transformers = pytest.importorskip("transformers")
-    source = "{% if persona is defined %}{{ persona }}\n{% endif %}" + CHATML
+    # The tokenizer's other special tokens are variables too, as transformers passes them.
+    source = "{% if persona is defined %}{{ persona }}\n{% endif %}{{ pad_token }}" + CHATML
     path = _gpt4_style_tokenizer(tmp_path / "tok")
     (path.parent / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": source, "bos_token": "<s>", "eos_token": "</s>"}))
-    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="</s>")
+        json.dumps({"chat_template": source, "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<|eot_id|>"}))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="</s>",
+                                                     pad_token="<|eot_id|>")
     reference.chat_template = source
     chat = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "I am fine."}]
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
@@ -386,6 +388,9 @@ def test_chat_template_kwargs_are_template_variables_as_transformers_takes_them(
                         chat_template_kwargs='{"persona": "Sure!"}')
     ids = build_sft_source(cfg, HFTokenizer(path)).example(0).ids.tolist()
     assert ids == list(reference.apply_chat_template(chat, tokenize=True, return_dict=False, persona="Sure!"))
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(str(path)).token_to_id("<|eot_id|>") in ids  # the pad token was rendered
     assert ids != list(reference.apply_chat_template(chat, tokenize=True, return_dict=False))
 
     (tmp_path / "pc.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")

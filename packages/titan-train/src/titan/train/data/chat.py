@@ -232,12 +232,13 @@ class ChatTemplate:
         self.marks_generation = _has_generation_tag(env, source)
         self.bos_token, self.eos_token = bos_token, eos_token
         self.variables = dict(variables or {})  # --*.chat_template_kwargs (Qwen3's enable_thinking)
+        self.special_tokens: dict[str, str] = {}  # unk_token / pad_token, as the tokenizer files set them
 
     def _variables(self, messages: Sequence[dict], add_generation_prompt: bool,
                    tools: list | None = None) -> dict[str, Any]:
         # transformers passes `tools` and `documents` always (None when not given): a template
         # may test them with `is defined` or `is not none`.
-        return dict(self.variables, messages=list(messages), tools=tools, documents=None,
+        return dict(self.special_tokens, **self.variables, messages=list(messages), tools=tools, documents=None,
                     add_generation_prompt=add_generation_prompt, bos_token=self.bos_token, eos_token=self.eos_token)
 
     def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False,
@@ -284,9 +285,11 @@ class ChatTemplate:
                 source = named.get("default")
         if not isinstance(source, str) or not source:
             return None
-        return cls(
-            source, bos_token=_token_text(config, "bos"), eos_token=_token_text(config, "eos")
-        )
+        template = cls(source, bos_token=_token_text(config, "bos"), eos_token=_token_text(config, "eos"))
+        # transformers gives a template every special token the tokenizer sets, not only BOS/EOS.
+        template.special_tokens = {f"{role}_token": _token_text(config, role) for role in ("unk", "pad")
+                                   if _token_text(config, role)}
+        return template
 
     def segments(
         self, messages: Sequence[dict], add_generation_prompt: bool = False, trained_from: int = 0,
