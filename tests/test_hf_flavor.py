@@ -179,6 +179,25 @@ def test_a_hub_tokenizer_id_is_its_cached_snapshot(tmp_path, monkeypatch):
     assert [corpus.document(i).tolist() for i in range(5)] == [tok.encode(d).ids for d in docs]
 
 
+def test_the_dry_run_sizes_a_hub_model_id_from_its_config_alone(tmp_path, monkeypatch, capsys):
+    """`titan dry-run` on a Hub id needs the config, not the weights: a snapshot holding only
+    `config.json` (what it fetches) sizes the model."""
+    import huggingface_hub.constants as hub_constants
+    from titan.recipes.cli import main
+
+    cache = tmp_path / "hf_cache"
+    snapshot = hub_cache_snapshot(cache, "tiny-org/tiny-llama")
+    llama_checkpoint(tmp_path / "full")
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    rc = main(["dry-run", "--world_size", "2", *FLAGS, "--checkpoint.initial_load_path", "tiny-org/tiny-llama"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out + captured.err
+    assert "llama3 hf: " in captured.out and "(vocab 320 from the checkpoint's config.json)" in captured.out
+
+
 def test_convert_hf_reads_a_hub_model_id_from_the_cache(tmp_path, monkeypatch):
     """`tools/convert_hf.py from-hf org/name OUT`: the snapshot's weights, under titan's names."""
     import importlib.util
