@@ -183,6 +183,7 @@ def test_the_dry_run_sizes_a_hub_model_id_from_its_config_alone(tmp_path, monkey
     """`titan dry-run` on a Hub id needs the config, not the weights: a snapshot holding only
     `config.json` (what it fetches) sizes the model."""
     import huggingface_hub.constants as hub_constants
+
     from titan.recipes.cli import main
 
     cache = tmp_path / "hf_cache"
