@@ -124,6 +124,12 @@ class ParallelDims:
 
     # --- derived sizes -------------------------------------------------------------------
     @property
+    def sequence_multiple(self) -> int:
+        """What every sequence length must divide by: 2 x the context-parallel degree (CP's
+        head-tail load balancing cuts a sequence into that many chunks), 1 without CP."""
+        return 2 * self.cp if self.cp > 1 else 1
+
+    @property
     def dp_enabled(self) -> bool:
         """Any data parallelism (replicate or shard)."""
         return self.dp_replicate * self.dp_shard > 1
@@ -315,9 +321,9 @@ class ParallelDims:
 
     def _batch_problems(self, seq_len: int, global_batch: int, local_batch: int) -> list[str]:
         out = []
-        if self.cp > 1 and seq_len % (2 * self.cp):
+        if seq_len % self.sequence_multiple:
             out.append(f"seq_len={seq_len} must be divisible by 2 x context_parallel_degree = "
-                       f"{2 * self.cp} (head-tail load balancing cuts it into {2 * self.cp} "
+                       f"{self.sequence_multiple} (head-tail load balancing cuts it into {self.sequence_multiple} "
                        f"chunks); change --training.seq_len")
         if local_batch < 1:
             out.append(f"local_batch_size={local_batch} must be >= 1")

@@ -72,13 +72,6 @@ class ValidationConfig:
         return rows, length
 
 
-def _sequence_multiple(engine: TrainingEngine) -> int:
-    """What a sequence length must divide by on this engine's mesh: 2 x the context-parallel
-    degree (its head-tail chunks), as `ParallelDims.validate_model` asks of training's."""
-    cp = engine.parallel_dims.cp
-    return 2 * cp if cp > 1 else 1
-
-
 class Validator:
     """Runs validation passes for a loop: ``due(step)`` says when, ``run()`` returns
     ``{"validation_loss", "validation_perplexity", "validation_tokens"}`` (global values,
@@ -96,7 +89,7 @@ class Validator:
         rows, length = local_batch_size, seq_len
         if config.enable:  # a disabled validator's flags are someone else's defaults (a job file's)
             rows, length = config.shape(local_batch_size, seq_len, pipelined=dims.pp_enabled,
-                                        multiple_of=_sequence_multiple(engine))
+                                        multiple_of=engine.parallel_dims.sequence_multiple)
         self._loader_args = dict(dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
                                  local_batch_size=rows, seq_len=length, seed=seed)
         self._tokenizer = tokenizer
