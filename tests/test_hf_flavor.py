@@ -140,6 +140,14 @@ def test_a_hub_model_id_starts_the_run_from_its_snapshot_as_transformers_reads_i
     losses, expected = step_losses(dump), transformers_loss(src)
     assert abs(losses[1] - expected) <= 1e-5 * expected, (losses[1], expected)
 
+    # A snapshot with the model's own tokenizer is named by its id in the flags to add.
+    with_bpe_tokenizer(src)
+    byte = run_titan(["train", *FLAGS, "--checkpoint.initial_load_path", "tiny-org/tiny-llama",
+                      "--job.dump_folder", tmp_path / "byte"], env=env, timeout=300)
+    assert byte.returncode == 2 and ("tiny-org/tiny-llama holds the model's own tokenizer.json, but this run "
+                                     "tokenizes with the byte tokenizer") in byte.stderr, byte.stderr[-3000:]
+    assert "Add --tokenizer.kind hf --tokenizer.path tiny-org/tiny-llama" in byte.stderr
+
     missing = run_titan(["train", *FLAGS, "--checkpoint.initial_load_path", "tiny-org/not-cached",
                          "--job.dump_folder", tmp_path / "missing"], env=env, timeout=300)
     errors = [line for line in missing.stderr.splitlines() if line.startswith("titan train: error: ")]

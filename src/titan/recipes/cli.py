@@ -417,6 +417,15 @@ def resolve_hub_tokenizer(tokenizer: Any) -> None:
         tokenizer.path = from_hub(tokenizer.path, flag="--tokenizer.path", patterns=TOKENIZER_FILES)
 
 
+HUB_IDS: dict[str, str] = {}
+"""The Hub id each snapshot folder `from_hub` resolved came from, for messages in the user's terms."""
+
+
+def as_typed(path: str) -> str:
+    """`path` as the user typed it: the Hub id of a snapshot folder `from_hub` resolved."""
+    return HUB_IDS.get(path, path)
+
+
 def from_hub(path: str, *, flag: str, patterns: Sequence[str]) -> str:
     """`path`, or for a Hub repository id the local folder of its snapshot (`resolve_hub_folder`),
     said once on rank 0; a UsageError naming `flag` when it cannot be had."""
@@ -434,9 +443,10 @@ def from_hub(path: str, *, flag: str, patterns: Sequence[str]) -> str:
         folder = resolve_hub_folder(path, flag=flag, patterns=patterns)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    if folder != path and rank0:
-        # The snapshot folder's name is the commit: the exact revision this run reads.
-        print(f"titan: {path} from the Hugging Face Hub: {folder}", file=sys.stderr)
+    if folder != path:
+        HUB_IDS[folder] = path
+        if rank0:  # the snapshot folder's name is the commit: the exact revision this run reads
+            print(f"titan: {path} from the Hugging Face Hub: {folder}", file=sys.stderr)
     return folder
 
 
@@ -511,9 +521,9 @@ def check_tokenizer_of_hf_source(config: Any) -> None:
         return
     if tokenizer.kind != "hf":
         raise UsageError(
-            f"{folder} holds the model's own tokenizer.json, but this run tokenizes with the "
+            f"{as_typed(folder)} holds the model's own tokenizer.json, but this run tokenizes with the "
             f"{tokenizer.kind} tokenizer: the pretrained weights would see other token ids. Add "
-            f"--tokenizer.kind hf --tokenizer.path {folder}"
+            f"--tokenizer.kind hf --tokenizer.path {as_typed(folder)}"
         )
     from tokenizers import Tokenizer  # a Hub tokenizer is in use: the library is there
 
