@@ -171,6 +171,20 @@ def test_a_hub_tokenizer_id_is_its_cached_snapshot(tmp_path, monkeypatch):
     config = resolve_hub_sources(parse_train_args(["--config", "llama3_debug", "--tokenizer.kind", "hf",
                                                    "--tokenizer.path", "tiny-org/tiny-tokenizer"]))
     assert config.tokenizer.path == str(snapshot)
+    # --tokenizer.revision reads another snapshot (here a tag naming the same commit), and a
+    # revision for a local path or the byte tokenizer is refused.
+    (snapshot.parents[1] / "refs" / "v1").write_text(snapshot.name)
+    tagged = resolve_hub_sources(parse_train_args(["--config", "llama3_debug", "--tokenizer.kind", "hf", "--tokenizer.path",
+                                                   "tiny-org/tiny-tokenizer", "--tokenizer.revision", "v1"]))
+    assert tagged.tokenizer.path == str(snapshot)
+    from titan.train.data import TokenizerConfig
+
+    with pytest.raises(ValueError, match="--tokenizer.revision 'v1' is only read with --tokenizer.kind hf"):
+        TokenizerConfig(revision="v1")
+    from titan.ckpt import CheckpointConfig
+
+    with pytest.raises(ValueError, match="--checkpoint.initial_load_revision 'v1' picks a revision of a Hub model"):
+        CheckpointConfig(initial_load_path="org/name", initial_load_revision="v1")
     text = "def f(x):\n    return x + 1\n"
     assert config.tokenizer.build().encode(text) == tok.encode(text).ids
 

@@ -53,6 +53,24 @@ def test_a_cached_repository_resolves_to_its_snapshot_offline(offline_cache, tmp
     assert resolve_hub_folder(str(local), flag="--tokenizer.path") == str(local)  # never looked up
 
 
+def test_a_revision_reads_its_own_snapshot(offline_cache, tmp_path):
+    """A tag (or a commit) picks its snapshot, as transformers' `revision` does; main stays the
+    default; a revision for a local path is refused rather than ignored."""
+    main_snapshot = cached_repo(offline_cache, "tiny-org/tiny", {"config.json": '{"v": 2}'})
+    repo = offline_cache / "models--tiny-org--tiny"
+    tagged = "fedcba9876543210fedcba9876543210fedcba98"
+    (repo / "snapshots" / tagged).mkdir()
+    (repo / "snapshots" / tagged / "config.json").write_text('{"v": 1}')
+    (repo / "refs" / "v1").write_text(tagged)
+    flag = "--checkpoint.initial_load_path"
+    assert resolve_hub_folder("tiny-org/tiny", flag=flag) == str(main_snapshot)
+    for revision in ("v1", tagged):
+        assert resolve_hub_folder("tiny-org/tiny", flag=flag, revision=revision) == str(repo / "snapshots" / tagged)
+    with pytest.raises(ValueError, match="--tokenizer.revision 'v1' picks a revision of a Hub repository, and "
+                                         "--tokenizer.path .* is a local path"):
+        resolve_hub_folder(str(tmp_path), flag="--tokenizer.path", revision="v1", revision_flag="--tokenizer.revision")
+
+
 def test_nothing_cached_offline_is_one_line_naming_the_flag(offline_cache):
     with pytest.raises(ValueError, match=r"--tokenizer.path 'tiny-org/absent' is no local folder, so it is read "
                                          r"from the Hugging Face Hub, which could not be reached .* download it "

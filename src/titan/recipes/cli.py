@@ -403,8 +403,10 @@ def resolve_hub_sources(config: Any, *, weights: bool = True) -> Any:
 
     checkpoint = getattr(config, "checkpoint", None)
     if getattr(checkpoint, "initial_load_in_hf", False) and checkpoint.initial_load_path:
-        checkpoint.initial_load_path = from_hub(checkpoint.initial_load_path, flag="--checkpoint.initial_load_path",
-                                                patterns=MODEL_FILES if weights else CONFIG_FILES)
+        checkpoint.initial_load_path = from_hub(
+            checkpoint.initial_load_path, flag="--checkpoint.initial_load_path",
+            patterns=MODEL_FILES if weights else CONFIG_FILES, revision=checkpoint.initial_load_revision,
+            revision_flag="--checkpoint.initial_load_revision")
     resolve_hub_tokenizer(getattr(config, "tokenizer", None))
     return config
 
@@ -414,7 +416,8 @@ def resolve_hub_tokenizer(tokenizer: Any) -> None:
     from titan.ckpt.hub import TOKENIZER_FILES
 
     if getattr(tokenizer, "kind", None) == "hf" and tokenizer.path:
-        tokenizer.path = from_hub(tokenizer.path, flag="--tokenizer.path", patterns=TOKENIZER_FILES)
+        tokenizer.path = from_hub(tokenizer.path, flag="--tokenizer.path", patterns=TOKENIZER_FILES,
+                                  revision=getattr(tokenizer, "revision", None), revision_flag="--tokenizer.revision")
 
 
 HUB_IDS: dict[str, str] = {}
@@ -426,9 +429,11 @@ def as_typed(path: str) -> str:
     return HUB_IDS.get(path, path)
 
 
-def from_hub(path: str, *, flag: str, patterns: Sequence[str]) -> str:
-    """`path`, or for a Hub repository id the local folder of its snapshot (`resolve_hub_folder`),
-    said once on rank 0; a UsageError naming `flag` when it cannot be had."""
+def from_hub(path: str, *, flag: str, patterns: Sequence[str], revision: str | None = None,
+             revision_flag: str = "revision") -> str:
+    """`path`, or for a Hub repository id the local folder of its snapshot at `revision`
+    (`resolve_hub_folder`), said once on rank 0; a UsageError naming the flag when it cannot be
+    had."""
     from titan.ckpt.hub import is_hub_repo_id, resolve_hub_folder
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -440,7 +445,8 @@ def from_hub(path: str, *, flag: str, patterns: Sequence[str]) -> str:
         except ImportError:  # resolve_hub_folder names the missing package
             pass
     try:
-        folder = resolve_hub_folder(path, flag=flag, patterns=patterns)
+        folder = resolve_hub_folder(path, flag=flag, patterns=patterns, revision=revision,
+                                    revision_flag=revision_flag)
     except ValueError as err:
         raise UsageError(str(err)) from None
     if folder != path:
@@ -654,6 +660,7 @@ def data(argv: Sequence[str]) -> int:
     p.add_argument("out", help="the corpus folder to create")
     p.add_argument("--tokenizer.kind", dest="kind", choices=["byte", "hf"], default="byte")
     p.add_argument("--tokenizer.path", dest="path", help="tokenizer.json, its folder, or a Hub model id (hf)")
+    p.add_argument("--tokenizer.revision", dest="revision", help="a Hub id's branch, tag or commit (default main)")
     p.add_argument("--text_field", "--text-field", default="text", help="column with the text")
     p.add_argument("--num_proc", "--num-proc", type=int, default=os.cpu_count() or 1,
                    help="tokenizing processes (default: every core)")
@@ -682,7 +689,7 @@ def data(argv: Sequence[str]) -> int:
         import datasets
 
         datasets.disable_progress_bars()
-    tokenizer = TokenizerConfig(kind=args.kind, path=args.path)
+    tokenizer = TokenizerConfig(kind=args.kind, path=args.path, revision=args.revision)
     resolve_hub_tokenizer(tokenizer)
     manifest = tokenize_corpus(
         args.src, args.out, tokenizer,

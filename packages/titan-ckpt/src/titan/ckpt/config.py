@@ -49,7 +49,12 @@ class CheckpointConfig:
 
     initial_load_path: str | None = None
     """A checkpoint to start from when `folder` holds no step yet (a warm start): a DCP step
-    folder, or a Hugging Face folder when `initial_load_in_hf`."""
+    folder, or a Hugging Face folder when `initial_load_in_hf` (or a Hub model id, `org/name`,
+    read through the Hugging Face cache by the `titan` commands)."""
+
+    initial_load_revision: str | None = None
+    """With a Hub model id as `initial_load_path`: the branch, tag or commit to read (default:
+    the repository's main branch), as transformers' and vLLM's `revision`."""
 
     initial_load_model_only: bool = True
     """Load only the model weights from `initial_load_path` (optimizer and counters start
@@ -92,6 +97,12 @@ class CheckpointConfig:
             raise ValueError(
                 "--checkpoint.initial_load_in_hf needs --checkpoint.initial_load_path "
                 "(the Hugging Face folder to load)"
+            )
+        if self.initial_load_revision is not None and not self.initial_load_in_hf:
+            raise ValueError(
+                f"--checkpoint.initial_load_revision {self.initial_load_revision!r} picks a revision of a Hub model "
+                "read with --checkpoint.initial_load_in_hf; add it (and a Hub id as --checkpoint.initial_load_path) "
+                "or drop the revision"
             )
         if self.initial_load_in_hf and not self.initial_load_model_only:
             raise ValueError(

@@ -40,11 +40,16 @@ def is_hub_repo_id(path: str) -> bool:
             and not path.endswith(_FILE_ENDINGS) and ".." not in path)
 
 
-def resolve_hub_folder(path: str, *, flag: str, patterns: Sequence[str] = MODEL_FILES) -> str:
+def resolve_hub_folder(path: str, *, flag: str, patterns: Sequence[str] = MODEL_FILES,
+                       revision: str | None = None, revision_flag: str = "revision") -> str:
     """`path` itself when it is local (or not shaped as a repository id), else the local folder
-    of Hub model repository `path`'s snapshot holding the files `patterns` match, downloaded
-    into the Hugging Face cache unless already there. Errors name `flag`."""
+    of Hub model repository `path`'s snapshot at `revision` (a branch, tag or commit; None: its
+    main branch) holding the files `patterns` match, downloaded into the Hugging Face cache
+    unless already there. Errors name `flag` (and `revision_flag`)."""
     if not is_hub_repo_id(path):
+        if revision is not None:
+            raise ValueError(f"{revision_flag} {revision!r} picks a revision of a Hub repository, and {flag} "
+                             f"{path!r} is a local path: drop it")
         return path
     try:
         from huggingface_hub import snapshot_download
@@ -58,11 +63,16 @@ def resolve_hub_folder(path: str, *, flag: str, patterns: Sequence[str] = MODEL_
         raise ValueError(f"{flag} {path!r} is no local folder, so it is read from the Hugging Face Hub, which needs "
                          "the huggingface_hub package: pip install 'titan-ckpt[hub]' (or download the folder)") from None
     try:
-        return snapshot_download(path, allow_patterns=list(patterns))
+        if revision is None:
+            return snapshot_download(path, allow_patterns=list(patterns))
+        return snapshot_download(path, allow_patterns=list(patterns), revision=revision)
     except GatedRepoError as err:
         raise ValueError(f"{flag} {path!r} is a gated Hub repository: accept its terms on the Hub and log in "
                          f"(`hf auth login` or HF_TOKEN), then run again ({_first_line(err)})") from err
-    except (RepositoryNotFoundError, RevisionNotFoundError) as err:
+    except RevisionNotFoundError as err:
+        raise ValueError(f"{revision_flag} {revision!r} is no branch, tag or commit of {path!r} "
+                         f"({_first_line(err)})") from err
+    except RepositoryNotFoundError as err:
         raise ValueError(f"{flag} {path!r} is no local folder, nor a model repository the Hugging Face Hub "
                          f"serves ({_first_line(err)}); fix the path or the name") from err
     except (LocalEntryNotFoundError, ConnectionError, OSError) as err:  # offline with nothing cached

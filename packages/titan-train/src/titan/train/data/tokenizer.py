@@ -239,7 +239,11 @@ class TokenizerConfig:
     kind: Literal["byte", "hf"] = "byte"
     """"byte": built-in UTF-8 byte tokenizer (no file). "hf": a tokenizer.json at --tokenizer.path."""
     path: str | None = None
-    """For kind "hf": a tokenizer.json file or a directory containing one."""
+    """For kind "hf": a tokenizer.json file or a directory containing one (or a Hub model id,
+    `org/name`, read through the Hugging Face cache by the `titan` commands)."""
+    revision: str | None = None
+    """For kind "hf" with a Hub model id as --tokenizer.path: the branch, tag or commit to read
+    (default: the repository's main branch)."""
     bos_token: str | None = None
     """For kind "hf": spelling of the BOS token, when it cannot be discovered."""
     eos_token: str | None = None
@@ -254,6 +258,9 @@ class TokenizerConfig:
             raise ValueError(
                 "--tokenizer.kind hf needs --tokenizer.path (a tokenizer.json or its directory)"
             )
+        if self.kind == "byte" and self.revision is not None:
+            raise ValueError(f"--tokenizer.revision {self.revision!r} is only read with --tokenizer.kind hf and a "
+                             "Hub id as --tokenizer.path; drop it")
         if self.kind == "byte" and self.path:
             raise ValueError(
                 f"--tokenizer.path {self.path!r} is only read with --tokenizer.kind hf; "
