@@ -140,10 +140,15 @@ def test_a_hub_model_id_starts_the_run_from_its_snapshot_as_transformers_reads_i
     losses, expected = step_losses(dump), transformers_loss(src)
     assert abs(losses[1] - expected) <= 1e-5 * expected, (losses[1], expected)
 
-    # A snapshot with the model's own tokenizer is named by its id in the flags to add.
+    # A snapshot with the model's own tokenizer: adopted when no tokenizer is named, and named
+    # by its id in the flags to add when the byte tokenizer is typed.
     with_bpe_tokenizer(src)
-    byte = run_titan(["train", *FLAGS, "--checkpoint.initial_load_path", "tiny-org/tiny-llama",
-                      "--job.dump_folder", tmp_path / "byte"], env=env, timeout=300)
+    adopted = run_titan(["train", *FLAGS, "--checkpoint.initial_load_path", "tiny-org/tiny-llama",
+                         "--job.dump_folder", tmp_path / "adopted"], env=env, timeout=300)
+    assert adopted.returncode == 0 and "tokenizing with tiny-org/tiny-llama's own tokenizer" in adopted.stderr, \
+        adopted.stderr[-3000:]
+    byte = run_titan(["train", *FLAGS, "--checkpoint.initial_load_path", "tiny-org/tiny-llama", "--tokenizer.kind",
+                      "byte", "--job.dump_folder", tmp_path / "byte"], env=env, timeout=300)
     assert byte.returncode == 2 and ("tiny-org/tiny-llama holds the model's own tokenizer.json, but this run "
                                      "tokenizes with the byte tokenizer") in byte.stderr, byte.stderr[-3000:]
     assert "Add --tokenizer.kind hf --tokenizer.path tiny-org/tiny-llama" in byte.stderr
@@ -378,13 +383,25 @@ def test_an_export_without_a_source_folder_names_the_run_tokenizer_special_token
 
 
 def test_a_source_folder_with_its_own_tokenizer_is_not_tokenized_otherwise(tmp_path):
-    """The byte tokenizer (the recipes' default) on a Hub model that brings its own tokenizer
-    would train the pretrained weights on other ids without any error: refused, with the
-    flags. A Hub tokenizer of another vocabulary is warned about; the folder's own is quiet."""
+    """A Hub model that brings its own tokenizer is tokenized with it when the command line
+    names none (as TRL loads the tokenizer beside the weights; the recipe's byte tokenizer
+    would train the pretrained weights on other ids). The byte tokenizer typed on purpose is
+    refused, with the flags; a Hub tokenizer of another vocabulary is warned about; the
+    folder's own is quiet."""
     src = llama_checkpoint(tmp_path / "hf")
-    with_bpe_tokenizer(src)
+    tok = with_bpe_tokenizer(src)
     flags = [*FLAGS, "--checkpoint.initial_load_path", str(src), "--training.steps", "1"]
-    byte = run_titan(["train", *flags, "--job.dump_folder", str(tmp_path / "byte")], timeout=120)
+    env = {**os.environ, **ENV_ONE_THREAD}
+    adopted = run_titan(["train", *flags, "--checkpoint.enable", "--checkpoint.last_save_in_hf",
+                         "--job.dump_folder", str(tmp_path / "adopted")], env=env, timeout=300)
+    assert adopted.returncode == 0, adopted.stderr[-3000:]
+    assert f"titan: tokenizing with {src}'s own tokenizer" in adopted.stderr
+    # The export carries the tokenizer it was trained with: the folder's own, not bytes.
+    exported = tmp_path / "adopted" / "checkpoint" / "step-1" / "tokenizer.json"
+    assert json.loads(exported.read_text())["model"]["vocab"] == json.loads(tok.to_str())["model"]["vocab"]
+
+    byte = run_titan(["train", *flags, "--tokenizer.kind", "byte", "--job.dump_folder", str(tmp_path / "byte")],
+                     timeout=120)
     assert byte.returncode == 2 and "Traceback" not in byte.stderr
     assert (f"{src} holds the model's own tokenizer.json, but this run tokenizes with the byte tokenizer: the "
             f"pretrained weights would see other token ids. Add --tokenizer.kind hf --tokenizer.path {src}") in byte.stderr
@@ -393,7 +410,6 @@ def test_a_source_folder_with_its_own_tokenizer_is_not_tokenized_otherwise(tmp_p
     other = tmp_path / "other"
     other.mkdir()
     (other / "tokenizer.json").write_text((src / "tokenizer.json").read_text().replace('"<pad>"', '"<unused>"'))
-    env = {**os.environ, **ENV_ONE_THREAD}
     for tokenizer, warned in ((other, True), (src, False)):
         run = run_titan(["train", *flags, "--tokenizer.kind", "hf", "--tokenizer.path", str(tokenizer),
                          "--job.dump_folder", str(tmp_path / f"run_{warned}")], env=env, timeout=300)

@@ -512,6 +512,30 @@ def check_tokenizer(config: Any) -> None:
         ) from None
 
 
+def adopt_source_tokenizer(config: Any, argv: Sequence[str]) -> None:
+    """Tokenize with the model's own tokenizer when the run starts from a Hugging Face folder
+    (or Hub id) that ships a ``tokenizer.json`` and the command line names no tokenizer (no
+    ``--tokenizer.*`` flag, no job file): as TRL and transformers load the tokenizer beside the
+    weights. Said once on rank 0; a tokenizer the user chose is checked by
+    `check_tokenizer_of_hf_source` instead."""
+    checkpoint, tokenizer = getattr(config, "checkpoint", None), getattr(config, "tokenizer", None)
+    folder = getattr(checkpoint, "initial_load_path", None)
+    if not (folder and getattr(checkpoint, "initial_load_in_hf", False) and tokenizer is not None):
+        return
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        return
+    job_file, cli = split_config_file(argv)
+    if job_file is not None or any(arg.startswith("--tokenizer.") for arg in cli):
+        return
+    if tokenizer.kind == "hf" and tokenizer.path and os.path.exists(tokenizer.path) and \
+            os.path.samefile(tokenizer.hub_files()[0], os.path.join(folder, "tokenizer.json")):
+        return
+    tokenizer.kind, tokenizer.path = "hf", folder
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"titan: tokenizing with {as_typed(folder)}'s own tokenizer (--tokenizer.kind/--tokenizer.path choose "
+              "another)", file=sys.stderr)
+
+
 def check_tokenizer_of_hf_source(config: Any) -> None:
     """A run starting from a Hugging Face folder that holds its own ``tokenizer.json`` must
     tokenize as that model did: the byte tokenizer (the recipes' default) would feed the
@@ -555,10 +579,12 @@ def check_initial_load_path(config: Any) -> None:
         )
 
 
-def preflight(config: Any) -> None:
+def preflight(config: Any, argv: Sequence[str] = ()) -> None:
     """Checks of the user's inputs that need this machine, run before any setup or logging
-    (so that the error is the only line printed)."""
+    (so that the error is the only line printed); `argv`: the command line, to tell what the
+    user named from what the recipe set."""
     resolve_hub_sources(config)
+    adopt_source_tokenizer(config, argv)
     resolve_hf_flavor(config)
     check_output_folders(config)
     check_initial_load_path(config)
@@ -581,7 +607,7 @@ def run(argv: Sequence[str], *, command: str = "train") -> int:
     config = parse_train_args(argv, command=command)
     if fake_backend_requested():
         return dry_run_main(resolve_hf_flavor(resolve_hub_sources(config, weights=False)), world_size_from_env())
-    preflight(config)
+    preflight(config, argv)
     # Before anything is built: a run that cannot fit never starts.
     memory = check_memory(config) if isinstance(config, RunConfig) else None
     loop = runner_for(config).build(config)
