@@ -361,6 +361,15 @@ def test_tool_calls_reasoning_and_tool_results_render_as_transformers_renders_th
     with pytest.raises(ValueError, match="message 2 holds a tool result, which the built-in"):
         encode_chat_prompt([AGENT_CHAT[0], {**AGENT_CHAT[1], "reasoning_content": None, "tool_calls": None,
                                             "content": "call"}, {"role": "tool", "content": "0x2a"}], tok)
+    # A role the template knows (OpenAI's `developer`) is the template's to render; the
+    # built-in template has system, user and assistant only.
+    developer = [{"role": "developer", "content": "Be brief."}, *AGENT_CHAT]
+    assert encode_chat(developer, tok, template=template).ids.tolist() == list(
+        reference.apply_chat_template(developer, tokenize=True, return_dict=False))
+    with pytest.raises(ValueError, match="message 0 holds the role 'developer', which the built-in chat template"):
+        encode_chat([{"role": "developer", "content": "x"}, {"role": "assistant", "content": "y"}], tok)
+    with pytest.raises(ValueError, match="message 0 has role 7, not a name such as system"):
+        encode_chat([{"role": 7, "content": "x"}, {"role": "assistant", "content": "y"}], tok, template=template)
     # Keys Arrow fills with None for rows that lack them hold nothing: the built-in template takes the row.
     plain = [{"role": "user", "content": "hi", "tool_calls": None}, {"role": "assistant", "content": "yo", "name": None}]
     assert encode_chat(plain, tok).ids.tolist() == encode_chat([{"role": "user", "content": "hi"},

@@ -441,8 +441,9 @@ def check_messages(messages: Any) -> list[dict]:
 def _checked_roles_and_contents(messages: Any) -> list[dict]:
     """`messages` as plain dicts with every key they hold (a template renders `tool_calls`,
     `reasoning_content` or a tool's `name` as transformers passes them on), or a ValueError
-    naming the first bad one: a role outside `ROLES` and `TOOL_ROLES`, content that is not a
-    string (an assistant turn made only of tool calls may have none)."""
+    naming the first bad one: a role that is not a non-empty string (which roles a template
+    takes is the template's to say, as in transformers; the built-in one takes `ROLES`),
+    content that is not a string (an assistant turn made only of tool calls may have none)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content}")
     checked = []
@@ -450,8 +451,8 @@ def _checked_roles_and_contents(messages: Any) -> list[dict]:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ValueError(f"message {j} is not a {{role, content}} object")
         role, content = message["role"], message["content"]
-        if role not in ROLES + TOOL_ROLES:
-            raise ValueError(f"message {j} has role {role!r}, not one of {', '.join(ROLES + TOOL_ROLES)}")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"message {j} has role {role!r}, not a name such as {', '.join(ROLES + TOOL_ROLES)}")
         calls_only = content is None and role == "assistant" and bool(message.get("tool_calls"))
         if not isinstance(content, str) and not calls_only:
             raise ValueError(f"message {j} has non-string content {content!r}")
@@ -486,8 +487,9 @@ def _check_builtin_renders(messages: Sequence[dict], tools: list | None = None) 
             "renders them")
     for j, message in enumerate(messages):
         extra = sorted(key for key, value in message.items() if key not in ("role", "content") and value is not None)
-        if message["role"] in TOOL_ROLES or extra:
-            what = f"the keys {', '.join(extra)}" if extra else f"a {message['role']} result"
+        if message["role"] not in ROLES or extra:
+            what = (f"the keys {', '.join(extra)}" if extra else f"a {message['role']} result"
+                    if message["role"] in TOOL_ROLES else f"the role {message['role']!r}")
             raise ValueError(
                 f"message {j} holds {what}, which the built-in chat template does not render; use the "
                 "tokenizer's chat template (--sft_data.chat_template / --rl_data.chat_template tokenizer) "
