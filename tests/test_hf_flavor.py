@@ -208,7 +208,8 @@ def test_a_hub_tokenizer_id_is_its_cached_snapshot(tmp_path, monkeypatch):
 
 def test_the_dry_run_sizes_a_hub_model_id_from_its_config_alone(tmp_path, monkeypatch, capsys):
     """`titan dry-run` on a Hub id needs the config, not the weights: a snapshot holding only
-    `config.json` (what it fetches) sizes the model."""
+    `config.json` and the tokenizer (what it fetches) sizes the model, and the model's own
+    tokenizer is taken as `titan train` takes it."""
     import huggingface_hub.constants as hub_constants
 
     from titan.recipes.cli import main
@@ -218,12 +219,14 @@ def test_the_dry_run_sizes_a_hub_model_id_from_its_config_alone(tmp_path, monkey
     llama_checkpoint(tmp_path / "full")
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
+    with_bpe_tokenizer(snapshot)  # the dry run tokenizes as the run would: with the model's own
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     rc = main(["dry-run", "--world_size", "2", *FLAGS, "--checkpoint.initial_load_path", "tiny-org/tiny-llama"])
     captured = capsys.readouterr()
     assert rc == 0, captured.out + captured.err
     assert "llama3 hf: " in captured.out and "(vocab 320 from the checkpoint's config.json)" in captured.out
+    assert "titan: tokenizing with tiny-org/tiny-llama's own tokenizer" in captured.err
 
 
 def test_convert_hf_reads_a_hub_model_id_from_the_cache(tmp_path, monkeypatch):

@@ -97,4 +97,4 @@ def test_what_the_hub_refuses_is_one_line_naming_the_flag(monkeypatch, status, e
     with pytest.raises(ValueError, match=f"--checkpoint.initial_load_path 'org/name' {message}"):
         resolve_hub_folder("org/name", flag="--checkpoint.initial_load_path")
     # Only the files titan reads are asked for: no *.bin or original/*.pth copies of the weights.
-    assert calls == [{"allow_patterns": list(MODEL_FILES)}]
+    assert calls == [{"allow_patterns": list(MODEL_FILES), "revision": None}]

@@ -411,6 +411,16 @@ def resolve_hub_sources(config: Any, *, weights: bool = True) -> Any:
     return config
 
 
+def resolve_model_sources(config: Any, argv: Sequence[str], *, weights: bool = True) -> Any:
+    """Where the run's model and tokenizer come from, before anything reads them (training, dry
+    runs and plans alike): Hub ids to snapshot folders (`resolve_hub_sources`), the folder's own
+    tokenizer when the command line `argv` names none (`adopt_source_tokenizer`), and
+    ``--model.flavor hf`` from its ``config.json`` (`resolve_hf_flavor`). Returns ``config``."""
+    resolve_hub_sources(config, weights=weights)
+    adopt_source_tokenizer(config, argv)
+    return resolve_hf_flavor(config)
+
+
 def resolve_hub_tokenizer(tokenizer: Any) -> None:
     """A Hugging Face tokenizer named by its model's Hub id: its snapshot folder instead."""
     from titan.ckpt.hub import TOKENIZER_FILES
@@ -583,9 +593,7 @@ def preflight(config: Any, argv: Sequence[str] = ()) -> None:
     """Checks of the user's inputs that need this machine, run before any setup or logging
     (so that the error is the only line printed); `argv`: the command line, to tell what the
     user named from what the recipe set."""
-    resolve_hub_sources(config)
-    adopt_source_tokenizer(config, argv)
-    resolve_hf_flavor(config)
+    resolve_model_sources(config, argv)
     check_output_folders(config)
     check_initial_load_path(config)
     if isinstance(config, TrainerConfig):
@@ -606,7 +614,7 @@ def run(argv: Sequence[str], *, command: str = "train") -> int:
     """Run ``titan train`` / ``titan sft`` / ``titan rl``: parse, check, build the recipe's loop and train."""
     config = parse_train_args(argv, command=command)
     if fake_backend_requested():
-        return dry_run_main(resolve_hf_flavor(resolve_hub_sources(config, weights=False)), world_size_from_env())
+        return dry_run_main(resolve_model_sources(config, argv, weights=False), world_size_from_env())
     preflight(config, argv)
     # Before anything is built: a run that cannot fit never starts.
     memory = check_memory(config) if isinstance(config, RunConfig) else None
@@ -734,7 +742,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
         return run(rest, command=command)
     if command == "dry-run":
         world_size, rest = split_world_size_flag(rest)
-        config = resolve_hf_flavor(resolve_hub_sources(parse_train_args(rest), weights=False))
+        config = resolve_model_sources(parse_train_args(rest), rest, weights=False)
         return dry_run_main(config, world_size or world_size_from_env())
     if command == "plan":
         # The layout and AC flags are the planner's to combine (a schedule without PP picks the
@@ -746,7 +754,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
                   "--parallelism.pipeline_parallel_split_points", "--parallelism.pipeline_parallel_first_stage_less_layers",
                   "--parallelism.pipeline_parallel_last_stage_less_layers", *TP_ONLY_FLAGS)
         def parse(argv: list[str]) -> Any:
-            return resolve_hf_flavor(resolve_hub_sources(parse_train_args(argv, exempt_flags=exempt), weights=False))
+            return resolve_model_sources(parse_train_args(argv, exempt_flags=exempt), argv, weights=False)
 
         return plan(rest, parse)
     if command == "recipes":

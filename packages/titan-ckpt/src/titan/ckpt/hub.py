@@ -63,8 +63,6 @@ def resolve_hub_folder(path: str, *, flag: str, patterns: Sequence[str] = MODEL_
         raise ValueError(f"{flag} {path!r} is no local folder, so it is read from the Hugging Face Hub, which needs "
                          "the huggingface_hub package: pip install 'titan-ckpt[hub]' (or download the folder)") from None
     try:
-        if revision is None:
-            return snapshot_download(path, allow_patterns=list(patterns))
         return snapshot_download(path, allow_patterns=list(patterns), revision=revision)
     except GatedRepoError as err:
         raise ValueError(f"{flag} {path!r} is a gated Hub repository: accept its terms on the Hub and log in "

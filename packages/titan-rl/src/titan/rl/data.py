@@ -26,6 +26,7 @@ from titan.rl.rewards import RewardContext
 from titan.train.data.chat import (
     TOOLS_COLUMN,
     ChatTemplate,
+    check_no_tools,
     check_prompt_messages,
     check_tools,
     encode_chat_prompt,
@@ -161,9 +162,10 @@ def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: s
         value = _field(row, cfg.prompt_field, where=where, flag="prompt_field")
         messages = None
         if isinstance(value, str):
-            if check_tools(row.get(TOOLS_COLUMN)):
-                raise ValueError(f"{where}: the row lists tools, and a text prompt has no chat template to list "
-                                 "them in; give the prompt as a list of messages")
+            try:
+                check_no_tools(row.get(TOOLS_COLUMN))
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
             text, ids = value, encode_prompt(value, tokenizer)
         elif isinstance(value, list):
             if not templates:

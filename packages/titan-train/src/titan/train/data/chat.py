@@ -208,7 +208,7 @@ class ChatTemplate:
     `raise_exception`, `strftime_now`, its `tojson` and its `{% generation %}` tags."""
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "",
-                 variables: dict[str, Any] | None = None) -> None:
+                 special_tokens: dict[str, str] | None = None, variables: dict[str, Any] | None = None) -> None:
         try:
             import jinja2.ext
             import jinja2.sandbox
@@ -231,8 +231,8 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.marks_generation = _has_generation_tag(env, source)
         self.bos_token, self.eos_token = bos_token, eos_token
+        self.special_tokens = dict(special_tokens or {})  # unk_token / pad_token, as the tokenizer files set them
         self.variables = dict(variables or {})  # --*.chat_template_kwargs (Qwen3's enable_thinking)
-        self.special_tokens: dict[str, str] = {}  # unk_token / pad_token, as the tokenizer files set them
 
     def _variables(self, messages: Sequence[dict], add_generation_prompt: bool,
                    tools: list | None = None) -> dict[str, Any]:
@@ -268,7 +268,7 @@ class ChatTemplate:
         return "".join(chunks), spans
 
     @classmethod
-    def from_tokenizer_files(cls, directory: str) -> ChatTemplate | None:
+    def from_tokenizer_files(cls, directory: str, *, variables: dict[str, Any] | None = None) -> ChatTemplate | None:
         """The template next to a tokenizer.json: `chat_template.jinja`, else the
         `chat_template` of `tokenizer_config.json` (a string, or a list of named ones of
         which "default" is taken). None when there is none."""
@@ -285,11 +285,11 @@ class ChatTemplate:
                 source = named.get("default")
         if not isinstance(source, str) or not source:
             return None
-        template = cls(source, bos_token=_token_text(config, "bos"), eos_token=_token_text(config, "eos"))
         # transformers gives a template every special token the tokenizer sets, not only BOS/EOS.
-        template.special_tokens = {f"{role}_token": _token_text(config, role) for role in ("unk", "pad")
-                                   if _token_text(config, role)}
-        return template
+        special_tokens = {f"{role}_token": _token_text(config, role) for role in ("unk", "pad")
+                          if _token_text(config, role)}
+        return cls(source, bos_token=_token_text(config, "bos"), eos_token=_token_text(config, "eos"),
+                   special_tokens=special_tokens, variables=variables)
 
     def segments(
         self, messages: Sequence[dict], add_generation_prompt: bool = False, trained_from: int = 0,
@@ -380,7 +380,7 @@ def resolve_chat_template(choice: str, tokenizer: Tokenizer, *, variables: dict[
     template = None
     path = getattr(tokenizer, "path", None)  # HFTokenizer: its tokenizer.json
     if choice != "builtin":
-        template = ChatTemplate.from_tokenizer_files(os.path.dirname(path)) if path else None
+        template = ChatTemplate.from_tokenizer_files(os.path.dirname(path), variables=variables) if path else None
     if template is None and choice == "tokenizer":
         where = f"next to {path}" if path else "for the byte tokenizer"
         raise ValueError(
@@ -392,8 +392,6 @@ def resolve_chat_template(choice: str, tokenizer: Tokenizer, *, variables: dict[
         raise ValueError(f"{section}.chat_template_kwargs sets {', '.join(sorted(variables))} for a tokenizer's chat "
                          "template, and this run renders with the built-in one (which has no variables); drop it "
                          "or use a tokenizer that ships a template")
-    if template is not None:
-        template.variables = dict(variables or {})
     return template
 
 
@@ -474,6 +472,14 @@ def check_tools(tools: Any) -> list | None:
     if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
         raise ValueError(f"tools must be a list of function schemas (objects), got {type(tools).__name__}")
     return list(tools)
+
+
+def check_no_tools(tools: Any) -> None:
+    """A text prompt (no chat template renders it) whose row lists function schemas is refused
+    rather than trained or prompted without them."""
+    if check_tools(tools):
+        raise ValueError("the row lists tools, and a text prompt has no chat template to list them in; give the "
+                         "prompt as a list of messages")
 
 
 def _check_builtin_renders(messages: Sequence[dict], tools: list | None = None) -> None:

@@ -32,7 +32,7 @@ from titan.train.data.corpus_format import (
     fingerprint_of,
 )
 from titan.train.data.loader import build_stream, load_hf_dataset
-from titan.train.data.records import is_dataset_repository, looks_local
+from titan.train.data.records import is_dataset_repository, is_hub_dataset
 from titan.train.data.sources import LOCAL_FORMATS, resolve_data_files
 from titan.train.data.streaming import ShardedStream
 from titan.train.data.tokenizer import TokenizerConfig
@@ -48,15 +48,11 @@ DEFAULT_CHUNK_ROWS = 512
 def _infer_format(source: str) -> str | None:
     """The local format of `source` from its files' endings; None if it is a hub dataset name or
     a dataset repository (a folder laid out as on the Hub, which `datasets` reads by its name)."""
-    if is_dataset_repository(source):
+    if is_hub_dataset(source):
         return None
-    exists = os.path.exists(source) or any(ch in source for ch in "*?[")
-    if not exists:
-        # A hub name is `name` or `org/name`; a path written as one (absolute, ./, ../, ~) or
-        # with a data file's ending is a local source that is missing.
-        if looks_local(source):
-            raise FileNotFoundError(f"SRC {source!r} does not exist; fix the path")
-        return None  # a hub dataset name
+    # A path written as one (absolute, ./, ../, ~, a data file's ending) that is not there.
+    if not os.path.exists(source) and not any(ch in source for ch in "*?["):
+        raise FileNotFoundError(f"SRC {source!r} does not exist; fix the path")
     matches = []
     for name, endings in LOCAL_FORMATS.items():
         try:

@@ -7,7 +7,7 @@ from titan.train.data.chat import (
     TOOLS_COLUMN,
     ChatTemplate,
     SFTExample,
-    check_tools,
+    check_no_tools,
     encode_chat,
     encode_prompt_completion,
     parse_template_kwargs,
@@ -132,8 +132,7 @@ class JSONLSFTSource(SFTSource):
                                        train_on=self.cfg.train_on, trained_from=len(prompt), tools=tools)
                 if not isinstance(prompt, str) or not isinstance(completion, str):
                     raise ValueError("prompt and completion must both be strings, or both lists of messages")
-                if check_tools(tools):
-                    raise ValueError("the row lists tools, and a text prompt has no chat template to list them in")
+                check_no_tools(tools)
                 return encode_prompt_completion(
                     prompt, completion, self.tokenizer, train_on=self.cfg.train_on
                 )
