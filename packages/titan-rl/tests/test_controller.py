@@ -108,6 +108,10 @@ def test_config_errors_name_the_flag():
         RLSection(max_refill_rounds=2, drop_zero_variance=False)
     with pytest.raises(ValueError, match="--rl.old_logprobs trainer"):
         RLSection(old_logprobs="generator", is_level="sequence")
+    with pytest.raises(ValueError, match="--rl.colocated_generation every_rank is for colocated runs"):
+        RLSection(colocated_generation="every_rank", generator_ranks=1)
+    with pytest.raises(ValueError, match="--rl.colocated_generation must be rank0 or every_rank"):
+        RLSection(colocated_generation="all")
     with pytest.raises(ValueError, match="--rl.minibatches_per_rollout 9 exceeds --rl.group_size 8"):
         RLSection(minibatches_per_rollout=9)
     for estimator in ("grpo", "rloo"):  # a group of one: every advantage 0, nothing ever learned
@@ -329,17 +333,24 @@ def test_logprob_disagreement_is_warned_on_policy_only(caplog):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("generator_ranks", [0, 1], ids=["one_rank", "disaggregated"])
+@pytest.mark.parametrize("generator_ranks", [0, 1, "every_rank"], ids=["one_rank", "disaggregated", "every_rank"])
 def test_rl_resume_continues_the_same_trajectory(tmp_path, generator_ranks):
     """Losses, rewards, gradient norms and KL of the resumed steps equal the uninterrupted
     run's. KL is on: its reference is the policy RL started from (step 2, after the warm-up),
     restored from the checkpoint, not the resumed weights of step 5. Disaggregated: 2 FSDP
-    trainer ranks and a generator rank, whose weights come from the resumed trainer."""
+    trainer ranks and a generator rank, whose weights come from the resumed trainer. Every
+    rank: 2 FSDP ranks each generating half of every rollout, each with its own copy of the
+    reference (stored once in the checkpoint, restored on both)."""
     flags = [*SHORT, "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
              "--debug.deterministic", "--rl.kl_coef", "0.05"]
-    if generator_ranks:
+    if generator_ranks == "every_rank":
+        flags += ["--rl.colocated_generation", "every_rank"]
+        run = functools.partial(run_rl_ranks, 2)
+    elif generator_ranks:
         flags += ["--rl.generator_ranks", str(generator_ranks)]
-    run = run_rl if not generator_ranks else functools.partial(run_rl_ranks, 2 + generator_ranks)
+        run = functools.partial(run_rl_ranks, 2 + generator_ranks)
+    else:
+        run = run_rl
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(straight, *flags)
     (resumed / "checkpoint").mkdir(parents=True)
@@ -588,21 +599,26 @@ def assert_two_pass_runs_match(run: Path, one_rank: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness,generator_ranks", [("0", "0"), ("1", "0"), ("1", "1")],
-                         ids=["on_policy", "async", "disaggregated"])
+@pytest.mark.parametrize("staleness,generator_ranks", [("0", "0"), ("1", "0"), ("1", "1"), ("1", "every_rank")],
+                         ids=["on_policy", "async", "disaggregated", "every_rank"])
 def test_a_failing_reward_stops_every_rank_with_its_message(tmp_path, staleness, generator_ranks):
     """Rank 0 scores the rollouts (in a background thread when async; a generator rank when
     disaggregated): its error must reach every trainer rank, instead of leaving them in the
     rollout broadcast until the collective timeout (10 minutes), and a generator rank must
-    stop too. The subprocess timeout guards against that hang."""
-    ranks = 2 + int(generator_ranks)
-    result = run_rl_ranks(ranks, tmp_path, *SHORT, "--rl.rewards", "function", "--rl.reward_function",
-                          "failing_reward:raises", "--rl.max_policy_staleness", staleness,
-                          "--rl.generator_ranks", generator_ranks, check=False, timeout=300)
+    stop too. With every rank generating, a reward that fails on rank 1 only stops rank 0 as
+    well. The subprocess timeout guards against that hang."""
+    every_rank = generator_ranks == "every_rank"
+    ranks = 2 if every_rank else 2 + int(generator_ranks)
+    layout = (["--rl.colocated_generation", "every_rank", "--rl.reward_function", "failing_reward:raises_on_rank_1"]
+              if every_rank else ["--rl.generator_ranks", generator_ranks, "--rl.reward_function", "failing_reward:raises"])
+    result = run_rl_ranks(ranks, tmp_path, *SHORT, "--rl.rewards", "function", "--rl.max_policy_staleness", staleness,
+                          *layout, check=False, timeout=300)
     assert result.returncode != 0
     output = result.stdout + result.stderr
     error = "RewardError: reward 'function' raised ValueError: the grader is broken"
-    if generator_ranks == "0":
+    if every_rank:
+        assert output.count(f"failed on rank 1: {error}") >= 2, output[-4000:]  # rank 0 stops with it
+    elif generator_ranks == "0":
         assert output.count(f"failed on rank 0: {error}") >= 2, output[-4000:]  # both ranks stop with it
     else:
         assert output.count(f"failed on rank 0: GeneratorError: generator rank 0: {error}") >= 2, output[-4000:]
@@ -748,21 +764,35 @@ def test_one_generator_rank_reproduces_the_colocated_run(tmp_path, two_rank_runs
 
 
 @pytest.mark.slow
-def test_two_generator_ranks_share_each_rollout(tmp_path):
+def test_two_generator_ranks_and_every_rank_generating_share_each_rollout_alike(tmp_path):
     """2 generator ranks + 2 trainer ranks: each generator rank generates half of every
     rollout's prompts (dynamic sampling refills its own half), the trainer merges the halves,
-    held-out prompts are split too; log-probs agree on every step."""
-    result = run_rl_ranks(4, tmp_path, *SHORT, "--rl.generator_ranks", "2", "--rl.max_refill_rounds", "1",
-                          "--rl.eval_freq", "3", "--rl.eval_prompts", "5")
-    rows = records(tmp_path)
+    held-out prompts are split too; log-probs agree on every step. The same 2 trainer ranks
+    each generating their half themselves (--rl.colocated_generation every_rank) reproduce
+    that run record for record: async (each rank's half in its own background thread) with
+    the KL penalty (each rank rescoring its half with its own reference copy). Rank 0 alone
+    would draw the second half with another sampling seed, so the equality shows that both
+    ranks generated."""
+    flags = [*SHORT, "--rl.max_refill_rounds", "1", "--rl.eval_freq", "3", "--rl.eval_prompts", "5",
+             "--debug.deterministic", "--rl.max_policy_staleness", "1", "--rl.kl_coef", "0.05"]
+    result = run_rl_ranks(4, tmp_path / "disaggregated", *flags, "--rl.generator_ranks", "2")
+    every = run_rl_ranks(2, tmp_path / "every_rank", *flags, "--rl.colocated_generation", "every_rank")
+    rows = records(tmp_path / "disaggregated")
     rl = [r for r in rows if r.get("phase") == "rl"]
     assert len(rl) + sum(1 for r in rows if r.get("phase") == "sft_warmup") <= 8 and rl
-    assert max(r["logprob_diff_max"] for r in rl) <= 1e-5
+    assert max(r["logprob_diff_max"] for r in rl if r["staleness"] == 0) <= 1e-5
+    assert any(r["kl"] > 0 for r in rl)
     evals = [r for r in rows if r.get("phase") == "eval"]
     assert evals and all(0 <= e["eval_exact_match"] <= 1 for e in evals)
     # 5 held-out prompts over 2 ranks: 3 + 2; an exact match rate is a multiple of 1/5.
     assert all(abs(e["eval_exact_match"] * 5 - round(e["eval_exact_match"] * 5)) < 1e-9 for e in evals)
     assert "Traceback" not in result.stderr
+    mine = records(tmp_path / "every_rank")
+    assert [r["step"] for r in mine] == [r["step"] for r in rows]
+    for got, want in zip(mine, rows, strict=True):
+        assert {k: got.get(k) for k in (*COMPARED, "eval_reward", "eval_exact_match")} == \
+            {k: want.get(k) for k in (*COMPARED, "eval_reward", "eval_exact_match")}, got["step"]
+    assert "every rank generates: each of the 2 ranks" in every.stdout + every.stderr
 
 
 def test_generator_ranks_need_a_trainer_rank(monkeypatch):

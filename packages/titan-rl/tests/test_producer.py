@@ -61,6 +61,25 @@ def test_shards_draw_the_prompts_of_one_producer_and_merge_in_order():
     assert parts[1].groups[0][0].token_ids[1] != whole.groups[3][0].token_ids[1]
 
 
+def test_parts_keep_their_reference_logprobs_in_order():
+    """Parts rescored by each rank's KL reference (every rank generating) keep those log-probs
+    through the merge, in shard order; a mix of parts with and without them is refused."""
+    a = Rollout(index=1, version=2, groups=[[]], rewards=[[1.0]], ref_logprobs=[[[-0.5]]])
+    b = Rollout(index=1, version=2, groups=[[], []], rewards=[[0.0], [1.0]], ref_logprobs=[[[-1.0]], [[-2.0]]])
+    assert merge_rollouts([a, b]).ref_logprobs == [[[-0.5]], [[-1.0]], [[-2.0]]]
+    assert merge_rollouts([Rollout(index=1, version=2, groups=[], rewards=[])]).ref_logprobs is None
+    with pytest.raises(RuntimeError, match="some carry the KL reference's log-probs"):
+        merge_rollouts([a, Rollout(index=1, version=2, groups=[], rewards=[])])
+
+
+def test_a_share_of_no_prompts_generates_nothing():
+    """More ranks than prompts: the ranks past the last prompt produce an empty part."""
+    part = producer(3, 8).produce(0)  # 5 prompts over 8 shards: shard 3 has 1, shard 6 none
+    assert len(part.groups) == 1
+    empty = producer(6, 8).produce(0)
+    assert (empty.groups, empty.rewards) == ([], [])
+
+
 def test_parts_of_different_rollouts_do_not_merge():
     a = Rollout(index=1, version=2, groups=[], rewards=[])
     b = Rollout(index=2, version=2, groups=[], rewards=[])

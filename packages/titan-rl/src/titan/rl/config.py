@@ -96,6 +96,14 @@ class RLSection:
     N >= 1: disaggregated: the launch's last N ranks generate (each its share of a rollout's
     prompts, with its own model copy) and the engine spans the other ranks; weights reach them
     by broadcast after each update, with a checksum of every tensor."""
+    colocated_generation: Literal["rank0", "every_rank"] = "rank0"
+    """Who generates a colocated run's rollouts (--rl.generator_ranks 0). rank0: the trainer's
+    rank 0, every rollout for all ranks (the rollouts do not depend on the layout: a 1-rank and
+    an 8-rank run generate the same). every_rank: each trainer rank holds a generator (and the
+    KL reference) and generates and scores its contiguous share of each rollout's prompts and
+    held-out prompts, the shares gathered on every rank (as TRL's colocate mode and verl do):
+    N times the generation throughput on N ranks, and the rollouts equal those of N generator
+    ranks (--rl.generator_ranks N)."""
     generator_timeout_s: float = 1800.0
     """Disaggregated runs: how long a generator rank waits for the trainer's next command (the
     trainer may be training, evaluating or saving meanwhile), and any collective between them."""
@@ -150,6 +158,13 @@ class RLSection:
             raise ValueError(
                 "--rl.generator_timeout_s bounds the waits of generator ranks, which this run does not have: "
                 "set --rl.generator_ranks, or drop the flag"
+            )
+        if self.colocated_generation not in ("rank0", "every_rank"):
+            raise ValueError(f"--rl.colocated_generation must be rank0 or every_rank, got {self.colocated_generation!r}")
+        if self.generator_ranks and self.colocated_generation != "rank0":
+            raise ValueError(
+                f"--rl.colocated_generation {self.colocated_generation} is for colocated runs; this run's "
+                f"--rl.generator_ranks {self.generator_ranks} generate instead: drop one of the two flags"
             )
         self._check_importance_sampling()
         self._check_advantages()

@@ -23,6 +23,9 @@ exactly), one single-device model copy suffices, and rewards run once. With
 ``--rl.generator_ranks N`` the launch's last N ranks generate instead (disaggregated,
 ``titan.rl.disaggregated``): rank 0 commands them, broadcasts the weights to them and merges
 their parts of each rollout; with one generator rank the rollouts equal the colocated ones.
+With ``--rl.colocated_generation every_rank`` each trainer rank generates and scores its share
+of every rollout itself (its own model copy, synced from the same full state dict) and the
+shares are gathered on every rank: the rollouts then equal those of as many generator ranks.
 
 **Staleness.** ``--rl.max_policy_staleness 0`` is on-policy: the weights are synced before
 every rollout. With ``k >= 1`` the next rollout is generated in the background while the
@@ -56,7 +59,7 @@ from titan.rl.data import build_prompts
 from titan.rl.disaggregated import TRAINER, GeneratorServer, RemoteGenerators, split_for_generators
 from titan.rl.generate.build import build_generator, check_generator_kind
 from titan.rl.losses import stat_means
-from titan.rl.producer import RolloutProducer, held_out_means
+from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts
 from titan.rl.rollout_loss import MAX_STATS, SUMMED_STATS, RolloutLoss, combine_stats
 from titan.rl.rollouts import (
     Rollout,
@@ -134,7 +137,10 @@ class ReferencePolicy:
 
     Rank 0 holds the model (a generator copy, built up front so a checkpoint of any step
     has the same entries) and a ``taken`` flag; the other ranks hold nothing and save
-    nothing. Before RL starts the weights are placeholders (``taken`` 0)."""
+    nothing, unless every rank generates (``--rl.colocated_generation every_rank``): then
+    every rank holds an equal copy and rescores its own part of each rollout (the checkpoint
+    stores the replicated entries once). Before RL starts the weights are placeholders
+    (``taken`` 0)."""
 
     def __init__(self, model_holder: Any | None) -> None:
         self.holder = model_holder
@@ -206,15 +212,24 @@ class RLTrainer(TrainingLoop):
                                           chunk_tokens=cfg.training.loss_chunk_tokens)
         if cfg.rl.generator_ranks:
             self.remote = RemoteGenerators(current_split())
-        # Colocated: rank 0 generates and scores every rollout for all ranks.
-        self.generator = self._build_generator(cfg.generator.kind) if self.is_rank0 and self.remote is None else None
+        # Colocated: rank 0 generates and scores every rollout for all ranks, or every rank its share.
+        dist_env = self.engine.dist_env
+        self.every_rank = cfg.rl.colocated_generation == "every_rank" and dist_env.world_size > 1
+        generates = self.remote is None and (self.is_rank0 or self.every_rank)
+        self.generator = self._build_generator(cfg.generator.kind) if generates else None
         self.producer = None if self.generator is None else RolloutProducer(
             cfg, generator=self.generator, tokenizer=self.tokenizer, train_prompts=train_prompts,
-            eval_prompts=self.eval_prompts,
+            eval_prompts=self.eval_prompts, shard=dist_env.rank if self.every_rank else 0,
+            shards=dist_env.world_size if self.every_rank else 1,
         )
-        # The frozen KL reference (rank 0), taken when RL starts and checkpointed with the run;
-        # it only rescores, so it is a native model copy whatever generates.
-        self.reference = ReferencePolicy(self._build_generator() if self.is_rank0 and cfg.rl.kl_coef > 0 else None)
+        if self.every_rank and self.is_rank0:
+            logger.info("every rank generates: each of the %d ranks generates and scores its share of the %d "
+                        "prompts of a rollout (--rl.colocated_generation every_rank)",
+                        dist_env.world_size, cfg.rl.prompts_per_step)
+        # The frozen KL reference (rank 0, or every generating rank), taken when RL starts and
+        # checkpointed with the run; it only rescores, so it is a native model copy whatever generates.
+        holds_reference = (self.is_rank0 or self.generator is not None) and cfg.rl.kl_coef > 0
+        self.reference = ReferencePolicy(self._build_generator() if holds_reference else None)
         if cfg.rl.kl_coef > 0:
             self.engine.add_state("rl_reference", self.reference)
         driver = self.remote is not None and self.remote.is_driver
@@ -316,10 +331,13 @@ class RLTrainer(TrainingLoop):
         return rollout
 
     def _broadcast(self, result: Any) -> Any:
-        """Rank 0's ``result`` (a rollout, an evaluation) on every rank. ``result`` may be a
+        """Rank 0's ``result`` (a rollout, an evaluation) on every rank; with every rank
+        generating, every rank's part of the rollout, merged (:meth:`_gather_parts`). ``result`` may be a
         zero-argument callable, run on rank 0 only: when it raises, every rank raises
         :class:`RolloutError` with its message instead of waiting in the broadcast for a
         rollout that never comes (until the collective timeout)."""
+        if self.every_rank:
+            return merge_rollouts(self._gather_parts(result))
         failure = None
         if self.is_rank0 and callable(result):
             try:
@@ -339,6 +357,28 @@ class RLTrainer(TrainingLoop):
             logger.error("%s", message)
             raise RolloutError(message)
         return result
+
+    def _gather_parts(self, part: Any) -> list[Any]:
+        """Every rank's ``part`` (or the result of calling it, when callable), in rank order, on
+        every rank. A part that raised is reported on every rank as :class:`RolloutError`
+        naming the ranks that failed, instead of leaving the others in the gather."""
+        failure = None
+        if callable(part):
+            try:
+                part = part()
+            except Exception as err:  # reported on every rank below
+                logger.error("rank %d failed to produce its part of the rollout", self.engine.dist_env.rank,
+                             exc_info=True)
+                failure, part = f"{type(err).__name__}: {err}", None
+        gathered: list[Any] = [None] * self.engine.dist_env.world_size
+        dist.all_gather_object(gathered, (failure, part))
+        failed = [(rank, error) for rank, (error, _) in enumerate(gathered) if error is not None]
+        if failed:
+            ranks = ", ".join(str(rank) for rank, _ in failed)
+            message = f"generating or scoring a rollout failed on rank {ranks}: {failed[0][1]}"
+            logger.error("%s", message)
+            raise RolloutError(message)
+        return [value for _, value in gathered]
 
     def next_rollout(self) -> Rollout:
         """The rollout for this step, generated under the staleness bound (``titan.rl.schedule``)."""
@@ -548,6 +588,8 @@ class RLTrainer(TrainingLoop):
                 return self.remote.evaluate()
             return held_out_means([self.producer.held_out_totals()])
 
+        if self.every_rank:  # each rank scores its share of the held-out prompts
+            return held_out_means(self._gather_parts(self.producer.held_out_totals))
         return self._broadcast(score_held_out)
 
     def _should_eval(self, before: int, step: int, first_rl_step: bool) -> bool:
@@ -571,7 +613,7 @@ class RLTrainer(TrainingLoop):
                     pass
             return
         self.schedule.sync_to(self.engine.step)
-        if self.is_rank0:
+        if self.generator is not None:
             self.reference.take(self.generator.named_weights())
 
     # ---- the loop -----------------------------------------------------------------------

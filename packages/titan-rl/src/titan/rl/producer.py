@@ -123,6 +123,8 @@ class RolloutProducer:
         """Completions of ``prompts`` (sampling seeded by rollout, refill round and shard),
         their texts, and their rewards (the soft overlong penalty included)."""
         rl, sampling = self.config.rl, self.sampling
+        if not prompts:  # a share of none: more shards than prompts
+            return [], [], []
         if sampling.seed is not None:
             seed = sampling.seed + index + round_ * 2**32 + self.shard * SHARD_SEED_STRIDE
             sampling = dataclasses.replace(sampling, seed=seed)
@@ -176,7 +178,11 @@ def merge_rollouts(parts: list[Rollout]) -> Rollout:
     first = parts[0]
     if any(p.index != first.index or p.version != first.version for p in parts):
         raise RuntimeError(f"rollout parts disagree: {[(p.index, p.version) for p in parts]} (index, version)")
+    with_reference = {p.ref_logprobs is not None for p in parts}
+    if len(with_reference) > 1:
+        raise RuntimeError("rollout parts disagree: some carry the KL reference's log-probs, some do not")
     return Rollout(
+        ref_logprobs=[r for p in parts for r in p.ref_logprobs] if with_reference == {True} else None,
         index=first.index, version=first.version,
         groups=[g for p in parts for g in p.groups], rewards=[r for p in parts for r in p.rewards],
         texts=[t for p in parts for t in p.texts], generation_s=max(p.generation_s for p in parts),
