@@ -125,6 +125,38 @@ def hub_cache_snapshot(cache: Path, repo_id: str) -> Path:
     return repo / "snapshots" / commit
 
 
+def test_a_chat_template_path_hub_id_reads_its_snapshot(tmp_path, monkeypatch):
+    """`--sft_data.chat_template_path org/name` and `--rl_data.chat_template_path org/name`
+    (TRL takes a tokenizer's repository there) become the snapshot folder of its tokenizer
+    files, read offline here; a local template file is left as it is; a repository neither
+    cached nor reachable is refused naming the flag."""
+    hub_constants = pytest.importorskip("huggingface_hub.constants")
+    from titan.rl.config import RLConfig
+    from titan.rl.data import RLDataConfig
+    from titan.train.data import SFTDataConfig
+    from titan.train.sft import SFTConfig
+
+    from titan.recipes.cli import UsageError, resolve_hub_sources
+
+    cache = tmp_path / "hf_cache"
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    snapshot = hub_cache_snapshot(cache, "tiny-org/chat")
+    snapshot.mkdir(parents=True)
+    (snapshot / "chat_template.jinja").write_text("{{ messages }}")
+    sft = SFTConfig(sft_data=SFTDataConfig(format="chat", path="c.jsonl", chat_template_path="tiny-org/chat"))
+    rl = RLConfig(rl_data=RLDataConfig(format="jsonl", path="p.jsonl", chat_template_path="tiny-org/chat"))
+    assert resolve_hub_sources(sft).sft_data.chat_template_path == str(snapshot)
+    assert resolve_hub_sources(rl).rl_data.chat_template_path == str(snapshot)
+    local = tmp_path / "t.jinja"
+    local.write_text("{{ messages }}")
+    sft.sft_data.chat_template_path = str(local)
+    assert resolve_hub_sources(sft).sft_data.chat_template_path == str(local)
+    sft.sft_data.chat_template_path = "tiny-org/not-cached"
+    with pytest.raises(UsageError, match="--sft_data.chat_template_path 'tiny-org/not-cached'"):
+        resolve_hub_sources(sft)
+
+
 def test_a_hub_model_id_starts_the_run_from_its_snapshot_as_transformers_reads_it(tmp_path):
     """`--checkpoint.initial_load_path org/name` (TRL's model_name_or_path) is read through
     huggingface_hub's cache, offline here: the first loss is transformers' on the snapshot's

@@ -145,6 +145,33 @@ def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(tmp
         build_prompts(RLDataConfig(format="jsonl", path=text, chat_template_kwargs=off), tokenizer)
 
 
+def test_chat_template_path_renders_prompts_with_that_template(tmp_path):
+    """`--rl_data.chat_template_path` (TRL's chat_template_path): the prompts are rendered with
+    the named template file instead of the tokenizer's, as transformers renders them with
+    `chat_template=`; text prompts and the synthetic task refuse it."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer_file = _chatml_tokenizer(tmp_path / "tok")  # its own template: CHATML
+    (tmp_path / "thinking.jinja").write_text(THINKING_CHATML)
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": CONVERSATION, "answer": "4"}])
+    tokenizer = HFTokenizer(tokenizer_file)
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|im_end|>")
+    cfg = RLDataConfig(format="jsonl", path=path, chat_template_path=str(tmp_path / "thinking.jinja"),
+                       chat_template_kwargs='{"enable_thinking": false}')
+    train, _ = build_prompts(cfg, tokenizer)
+    assert train[0].ids == list(reference.apply_chat_template(
+        CONVERSATION, chat_template=THINKING_CHATML, tokenize=True, add_generation_prompt=True, return_dict=False,
+        enable_thinking=False))
+    assert train[0].text.endswith("<think>\n\n</think>\n\n")  # the file's template, not the tokenizer's
+    with pytest.raises(ValueError, match="not read by --rl_data.format synthetic"):
+        RLDataConfig(chat_template_path="t.jinja")
+    with pytest.raises(ValueError, match="drop one of the two"):
+        RLDataConfig(format="jsonl", path=path, chat_template="builtin", chat_template_path="t.jinja")
+    text = _write_jsonl(tmp_path / "t.jsonl", [{"prompt": "2+2=", "answer": "4"}])
+    with pytest.raises(ValueError, match="--rl_data.chat_template_path sets a chat template, and the prompts of"):
+        build_prompts(RLDataConfig(format="jsonl", path=text, chat_template_path=str(tmp_path / "thinking.jinja")),
+                      tokenizer)
+
+
 def test_conversational_prompts_with_the_builtin_template(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"q": CONVERSATION}])
     tokenizer = ByteTokenizer()

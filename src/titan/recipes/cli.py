@@ -408,7 +408,20 @@ def resolve_hub_sources(config: Any, *, weights: bool = True) -> Any:
             patterns=MODEL_FILES if weights else CONFIG_FILES, revision=checkpoint.initial_load_revision,
             revision_flag="--checkpoint.initial_load_revision")
     resolve_hub_tokenizer(getattr(config, "tokenizer", None))
+    resolve_hub_templates(config)
     return config
+
+
+def resolve_hub_templates(config: Any) -> None:
+    """``--sft_data.chat_template_path`` / ``--rl_data.chat_template_path`` given as a Hub id
+    (TRL takes a tokenizer's repository there): the snapshot folder of its tokenizer files."""
+    from titan.ckpt.hub import TOKENIZER_FILES
+
+    for section in ("sft_data", "rl_data"):
+        data = getattr(config, section, None)
+        if getattr(data, "chat_template_path", None):
+            data.chat_template_path = from_hub(data.chat_template_path, flag=f"--{section}.chat_template_path",
+                                               patterns=TOKENIZER_FILES)
 
 
 def resolve_model_sources(config: Any, argv: Sequence[str], *, weights: bool = True) -> Any:

@@ -413,6 +413,63 @@ def test_chat_template_kwargs_are_template_variables_as_transformers_takes_them(
         build_sft_source(dataclasses.replace(cfg), ByteTokenizer())
 
 
+def test_chat_template_path_replaces_the_tokenizers_template_as_trl_sets_it(tmp_path, caplog):
+    """`--sft_data.chat_template_path` (TRL's chat_template_path) renders with a template file,
+    or the template of a tokenizer folder, in place of the tokenizer's own, with the run's
+    tokenizer's special tokens: the ids equal transformers' `apply_chat_template` with that
+    template (and differ from the tokenizer's own template's). Special-token spellings the
+    tokenizer lacks are named in a warning; what cannot work is refused with the flag named."""
+    transformers = pytest.importorskip("transformers")
+    own = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    path = _gpt4_style_tokenizer(tmp_path / "tok")
+    (path.parent / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": own, "bos_token": "<s>", "eos_token": "</s>"}))
+    chatml = "{{ bos_token }}" + CHATML  # the run's tokenizer's BOS, as transformers gives it
+    (tmp_path / "chatml.jinja").write_text(chatml)
+    (tmp_path / "other_tok").mkdir()
+    (tmp_path / "other_tok" / "chat_template.jinja").write_text(chatml)
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="</s>")
+    reference.chat_template = own
+    chat = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "I am fine."}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    from titan.train.data.sft import build_sft_source
+
+    expected = list(reference.apply_chat_template(chat, chat_template=chatml, tokenize=True, return_dict=False))
+    assert expected != list(reference.apply_chat_template(chat, tokenize=True, return_dict=False))
+    for template_path in (tmp_path / "chatml.jinja", tmp_path / "other_tok"):
+        cfg = SFTDataConfig(format="chat", path=str(tmp_path / "chat.jsonl"), cache_dir=str(tmp_path / "cache"),
+                            chat_template_path=str(template_path))
+        assert build_sft_source(cfg, HFTokenizer(path)).example(0).ids.tolist() == expected, template_path
+    assert "does not have as one token" not in caplog.text
+
+    (tmp_path / "odd.jinja").write_text("<|user|>{% for m in messages %}{{ m['content'] }}{% endfor %}<|im_end|>")
+    odd = dataclasses.replace(cfg, chat_template_path=str(tmp_path / "odd.jinja"))
+    with caplog.at_level("WARNING", logger="titan"):
+        build_sft_source(odd, HFTokenizer(path))
+    assert "writes <|user|>, which the tokenizer does not have as one token each" in caplog.text
+
+    def refused(message, **kwargs):
+        with pytest.raises(ValueError, match=message) as err:
+            build_sft_source(dataclasses.replace(cfg, **kwargs), HFTokenizer(path))
+        assert "\n" not in str(err.value)
+
+    refused("chat_template_path .*missing.jinja: no such file or folder",
+            chat_template_path=str(tmp_path / "missing.jinja"))
+    (tmp_path / "empty_folder").mkdir()
+    refused("the folder has no chat template", chat_template_path=str(tmp_path / "empty_folder"))
+    with pytest.raises(ValueError, match="needs a Hugging Face tokenizer"):
+        build_sft_source(cfg, ByteTokenizer())
+    with pytest.raises(ValueError, match="drop one of the two"):
+        dataclasses.replace(cfg, chat_template="builtin")
+    with pytest.raises(ValueError, match="not read by --sft_data.format synthetic"):
+        SFTDataConfig(chat_template_path=str(tmp_path / "chatml.jinja"))
+    (tmp_path / "pc.jsonl").write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    text_rows = SFTDataConfig(format="prompt_completion", path=str(tmp_path / "pc.jsonl"),
+                              cache_dir=str(tmp_path / "cache"), chat_template_path=str(tmp_path / "chatml.jinja"))
+    with pytest.raises(ValueError, match="--sft_data.chat_template_path sets a chat template, and the rows"):
+        build_sft_source(text_rows, HFTokenizer(path))
+
+
 def test_chat_template_choice_errors_for_byte_tokenizer(tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": CHAT}) + "\n")

@@ -35,7 +35,12 @@ from titan.train.data.chat import (
     resolve_chat_template,
 )
 from titan.train.data.records import RecordSplitsConfig, load_records
-from titan.train.data.sft_config import SFTDataConfig, SyntheticTaskConfig, check_template_kwargs
+from titan.train.data.sft_config import (
+    SFTDataConfig,
+    SyntheticTaskConfig,
+    check_template_kwargs,
+    check_template_path,
+)
 from titan.train.data.sft_sources import SyntheticSFTTask
 from titan.train.data.tokenizer import Tokenizer
 
@@ -66,6 +71,9 @@ class RLDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     """jsonl, conversational prompts: extra variables for the tokenizer's chat template, a JSON
     object as transformers' `apply_chat_template(**kwargs)` takes them (Qwen3's
     '{"enable_thinking": false}': prompts end with an empty think block)."""
+    chat_template_path: str | None = None
+    """jsonl, conversational prompts: a chat template in place of the tokenizer's (TRL's
+    `chat_template_path`): a Jinja file, or a tokenizer folder or Hub id that ships one."""
     answer_field: str = "answer"
     """jsonl: the column holding the reference answer (may be missing for rewards that need none);
     a dotted path reads a nested record (verl's ``reward_model.ground_truth``)."""
@@ -103,6 +111,8 @@ class RLDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
                                  "(its prompts and answers are the task's own); drop it or set --rl_data.format jsonl")
         check_template_kwargs(self.chat_template_kwargs, "--rl_data", self.chat_template,
                               renders_chats=self.format == "jsonl")
+        check_template_path(self.chat_template_path, "--rl_data", self.chat_template,
+                            renders_chats=self.format == "jsonl")
         if self.sft_demonstrations < 0 or self.sft_demonstrations > self.synthetic_examples:
             raise ValueError(
                 f"--rl_data.sft_demonstrations must be in [0, --rl_data.synthetic_examples "
@@ -170,7 +180,7 @@ def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: s
         elif isinstance(value, list):
             if not templates:
                 templates.append(resolve_chat_template(
-                    cfg.chat_template, tokenizer, section="--rl_data",
+                    cfg.chat_template, tokenizer, section="--rl_data", template_path=cfg.chat_template_path,
                     variables=parse_template_kwargs(cfg.chat_template_kwargs, "--rl_data.chat_template_kwargs")))
             text, ids, messages = _conversation_prompt(value, tokenizer, templates[0], where=where,
                                                        tools=row.get(TOOLS_COLUMN))
@@ -179,9 +189,11 @@ def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: s
                              f"{type(value).__name__}, not a string or a list of {{role, content}} messages")
         columns = {name: column for name, column in row.items() if name != cfg.prompt_field.split(".")[0]}
         out.append(Prompt(text, ids, None if answer is None else str(answer), messages=messages, columns=columns))
-    if cfg.chat_template_kwargs and out and not templates:
-        raise ValueError(f"--rl_data.chat_template_kwargs sets chat template variables, and the prompts of {path} are "
-                         "text, rendered by no template: drop it")
+    for option, what in (("chat_template_kwargs", "sets chat template variables"),
+                         ("chat_template_path", "sets a chat template")):
+        if getattr(cfg, option) and out and not templates:
+            raise ValueError(f"--rl_data.{option} {what}, and the prompts of {path} are text, rendered by no "
+                             "template: drop it")
     return out
 
 

@@ -26,7 +26,9 @@ current time: every example of a run shows the same date.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -34,6 +36,8 @@ from typing import Any
 
 import numpy as np
 from titan.train.data.tokenizer import Tokenizer
+
+logger = logging.getLogger("titan")
 
 ROLES = ("system", "user", "assistant")
 TOOLS_COLUMN = "tools"
@@ -268,23 +272,14 @@ class ChatTemplate:
         return "".join(chunks), spans
 
     @classmethod
-    def from_tokenizer_files(cls, directory: str, *, variables: dict[str, Any] | None = None) -> ChatTemplate | None:
-        """The template next to a tokenizer.json: `chat_template.jinja`, else the
-        `chat_template` of `tokenizer_config.json` (a string, or a list of named ones of
-        which "default" is taken). None when there is none."""
-        config = _read_json(os.path.join(directory, "tokenizer_config.json"))
-        source = None
-        jinja_file = os.path.join(directory, "chat_template.jinja")
-        if os.path.isfile(jinja_file):
-            with open(jinja_file, encoding="utf-8") as f:
-                source = f.read()
-        else:
-            source = config.get("chat_template")
-            if isinstance(source, list):
-                named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-                source = named.get("default")
-        if not isinstance(source, str) or not source:
+    def from_tokenizer_files(cls, directory: str, *, variables: dict[str, Any] | None = None,
+                             source: str | None = None) -> ChatTemplate | None:
+        """The template next to a tokenizer.json (`template_source`), or ``source`` in its
+        place, with that tokenizer's special tokens. None when there is none."""
+        source = template_source(directory) if source is None else source
+        if not source:
             return None
+        config = _read_json(os.path.join(directory, "tokenizer_config.json"))
         # transformers gives a template every special token the tokenizer sets, not only BOS/EOS.
         special_tokens = {f"{role}_token": _token_text(config, role) for role in ("unk", "pad")
                           if _token_text(config, role)}
@@ -352,6 +347,57 @@ def _generation_segments_of(text: str, spans: list[tuple[int, int]], messages: S
     return [(piece, trained) for piece, trained in segments if piece]
 
 
+def template_source(directory: str) -> str | None:
+    """The chat template of the tokenizer files in ``directory``: `chat_template.jinja`, else the
+    `chat_template` of `tokenizer_config.json` (a string, or a list of named ones of which
+    "default" is taken). None when there is none."""
+    jinja_file = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            return f.read() or None
+    source = _read_json(os.path.join(directory, "tokenizer_config.json")).get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    return source if isinstance(source, str) and source else None
+
+
+def read_template_path(path: str, flag: str) -> str:
+    """The Jinja source ``--*.chat_template_path`` names (TRL's ``chat_template_path``): a
+    template file, or a folder of tokenizer files that carries one (a Hub id was replaced by
+    its snapshot folder before this)."""
+    if os.path.isdir(path):
+        source = template_source(path)
+        if source is None:
+            raise ValueError(f"{flag} {path}: the folder has no chat template (looked for chat_template.jinja and "
+                             "the chat_template of tokenizer_config.json); name a template file or a tokenizer "
+                             "folder that ships one")
+        return source
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {path}: no such file or folder; name a Jinja template file (chat_template.jinja) "
+                         "or a tokenizer folder or Hub id that ships one")
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{flag} {path} cannot be read as a Jinja template: {err}") from None
+    if not source.strip():
+        raise ValueError(f"{flag} {path} is empty; name a Jinja chat template")
+    return source
+
+
+# Spellings of special tokens in chat templates: <|im_start|>, <|eot_id|>, <start_of_turn>, </think>.
+_SPECIAL_SPELLING = re.compile(r"<\|[^|<>\s]{1,64}\|>|</?[A-Za-z_][\w-]{0,63}>")
+
+
+def unknown_template_tokens(source: str, tokenizer: Tokenizer) -> list[str]:
+    """The special-token spellings written in a template's text that ``tokenizer`` does not
+    encode as one token: rendered, they become several ordinary tokens, not the marker the
+    template means (TRL asks that such tokens be added to the tokenizer first)."""
+    found = dict.fromkeys(_SPECIAL_SPELLING.findall(source))
+    return [token for token in found if len(tokenizer.encode(token)) != 1]
+
+
 def _read_json(path: str) -> dict:
     """A JSON object from `path`, {} when the file is absent."""
     if not os.path.isfile(path):
@@ -373,12 +419,16 @@ def _token_text(config: dict, role: str) -> str:
 
 
 def resolve_chat_template(choice: str, tokenizer: Tokenizer, *, variables: dict[str, Any] | None = None,
-                          section: str = "--sft_data") -> ChatTemplate | None:
+                          section: str = "--sft_data", template_path: str | None = None) -> ChatTemplate | None:
     """The template `--sft_data.chat_template` (or ``section``'s) selects for `tokenizer`,
     rendering with the extra `variables` (``--*.chat_template_kwargs``); None = builtin, which
-    takes no variables (refused when some are given)."""
-    template = None
+    takes no variables (refused when some are given). ``template_path``
+    (``--*.chat_template_path``) replaces the tokenizer's template with that file's or
+    folder's, rendered with this tokenizer's special tokens."""
     path = getattr(tokenizer, "path", None)  # HFTokenizer: its tokenizer.json
+    if template_path is not None:
+        return _template_from_path(template_path, tokenizer, choice=choice, variables=variables, section=section)
+    template = None
     if choice != "builtin":
         template = ChatTemplate.from_tokenizer_files(os.path.dirname(path), variables=variables) if path else None
     if template is None and choice == "tokenizer":
@@ -393,6 +443,26 @@ def resolve_chat_template(choice: str, tokenizer: Tokenizer, *, variables: dict[
                          "template, and this run renders with the built-in one (which has no variables); drop it "
                          "or use a tokenizer that ships a template")
     return template
+
+
+def _template_from_path(template_path: str, tokenizer: Tokenizer, *, choice: str, variables: dict[str, Any] | None,
+                        section: str) -> ChatTemplate:
+    """``--*.chat_template_path``'s template for ``tokenizer`` (see `resolve_chat_template`)."""
+    flag = f"{section}.chat_template_path"
+    if choice == "builtin":
+        raise ValueError(f"{flag} sets a Jinja template and {section}.chat_template builtin renders titan's own: "
+                         "drop one of the two")
+    path = getattr(tokenizer, "path", None)
+    if not path:
+        raise ValueError(f"{flag} needs a Hugging Face tokenizer (--tokenizer.kind hf --tokenizer.path ...): the "
+                         "byte tokenizer has no special tokens for a template to write")
+    source = read_template_path(template_path, flag)
+    missing = unknown_template_tokens(source, tokenizer)
+    if missing:
+        logger.warning("%s %s writes %s, which the tokenizer does not have as one token each: rendered, each "
+                       "becomes several ordinary tokens (add them to the tokenizer, as TRL requires, or use a "
+                       "template written for it)", flag, template_path, ", ".join(missing))
+    return ChatTemplate.from_tokenizer_files(os.path.dirname(path), variables=variables, source=source)
 
 
 TEMPLATE_RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")

@@ -111,6 +111,10 @@ class SFTDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     """Extra variables for the tokenizer's chat template, a JSON object, as transformers'
     `apply_chat_template(**kwargs)` (TRL's `chat_template_kwargs`) takes them: Qwen3's
     '{"enable_thinking": false}'."""
+    chat_template_path: str | None = None
+    """A chat template in place of the tokenizer's (TRL's `chat_template_path`): a Jinja file,
+    or a tokenizer folder or Hub id that ships one; rendered with the run's tokenizer's special
+    tokens (a warning names the ones the template writes that the tokenizer does not have)."""
     train_on: Literal["completion", "all"] = "completion"
     """"completion": loss only on completion / assistant tokens and the EOS ending them.
     "all": loss on every token of the example (after the first)."""
@@ -170,6 +174,8 @@ class SFTDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
                              "synthetic (its prompts are plain text): drop it")
         check_template_kwargs(self.chat_template_kwargs, "--sft_data", self.chat_template,
                               renders_chats=self.format != "synthetic")
+        check_template_path(self.chat_template_path, "--sft_data", self.chat_template,
+                            renders_chats=self.format != "synthetic")
 
     def _check_choices(self) -> None:
         """Literal-typed flags hold one of their values (tyro checks the CLI, not code)."""
@@ -195,6 +201,21 @@ def check_template_kwargs(text: str | None, section: str, chat_template: str, *,
         what = "the built-in chat template" if renders_chats else f"{section}.format synthetic"
         raise ValueError(f"{section}.chat_template_kwargs {text!r} is not read by {what}, which has no template "
                          "variables: drop it")
+
+
+def check_template_path(path: str | None, section: str, chat_template: str, *, renders_chats: bool) -> None:
+    """``{section}.chat_template_path`` names a template for a format that renders chats, and
+    not beside ``chat_template builtin`` (titan's own template)."""
+    if path is None:
+        return
+    if not path:
+        raise ValueError(f"{section}.chat_template_path is empty; name a Jinja template file, or drop the flag")
+    if not renders_chats:
+        raise ValueError(f"{section}.chat_template_path {path!r} is not read by {section}.format synthetic (its "
+                         "prompts are plain text): drop it")
+    if chat_template == "builtin":
+        raise ValueError(f"{section}.chat_template_path sets a Jinja template and {section}.chat_template builtin "
+                         "renders titan's own: drop one of the two")
 
 
 def validate_sft_data_config(cfg: SFTDataConfig) -> None:

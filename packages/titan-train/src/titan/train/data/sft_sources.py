@@ -173,11 +173,13 @@ def build_sft_source(cfg: SFTDataConfig, tokenizer: Tokenizer, *, held_out: bool
                            split=cfg.eval_split if held_out else cfg.split, subset=cfg.subset, cache_dir=cfg.cache_dir)
     # prompt_completion rows may be conversations too (TRL's conversational prompt-completion)
     template = resolve_chat_template(
-        cfg.chat_template, tokenizer,
+        cfg.chat_template, tokenizer, template_path=cfg.chat_template_path,
         variables=parse_template_kwargs(cfg.chat_template_kwargs, "--sft_data.chat_template_kwargs"))
     source = JSONLSFTSource(dataset, cfg, tokenizer, template, flag=flag)
-    if cfg.chat_template_kwargs and cfg.format == "prompt_completion" and len(dataset) and \
-            isinstance(dataset[0][cfg.prompt_field], str):
-        raise ValueError(f"--sft_data.chat_template_kwargs sets chat template variables, and the rows of {flag} are "
-                         "text prompts and completions, rendered by no template: drop it")
+    if cfg.format == "prompt_completion" and len(dataset) and isinstance(dataset[0][cfg.prompt_field], str):
+        for option, what in (("chat_template_kwargs", "sets chat template variables"),
+                             ("chat_template_path", "sets a chat template")):
+            if getattr(cfg, option):
+                raise ValueError(f"--sft_data.{option} {what}, and the rows of {flag} are text prompts and "
+                                 "completions, rendered by no template: drop it")
     return source
