@@ -172,6 +172,19 @@ def test_chat_template_path_renders_prompts_with_that_template(tmp_path):
                       tokenizer)
 
 
+def test_prompt_content_as_text_parts_reads_as_its_text(tmp_path):
+    """A conversational prompt whose content is a list of text parts (OpenAI's format) gives
+    the ids of the same text as a string, and the rewards see that text."""
+    tokenizer = HFTokenizer(_chatml_tokenizer(tmp_path / "tok"))
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Answer with "}, {"type": "text", "text": "a number."}]},
+             {"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]}]
+    prompts = [build_prompts(RLDataConfig(format="jsonl", path=_write_jsonl(tmp_path / f"{name}.jsonl", [
+        {"prompt": conversation, "answer": "4"}])), tokenizer)[0][0] for name, conversation in
+        (("parts", parts), ("plain", CONVERSATION))]
+    assert prompts[0].ids == prompts[1].ids and prompts[0].text == prompts[1].text
+    assert prompts[0].messages[0]["content"] == "Answer with a number."
+
+
 def test_conversational_prompts_with_the_builtin_template(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"q": CONVERSATION}])
     tokenizer = ByteTokenizer()

@@ -470,6 +470,47 @@ def test_chat_template_path_replaces_the_tokenizers_template_as_trl_sets_it(tmp_
         build_sft_source(text_rows, HFTokenizer(path))
 
 
+PARTS_CHATML = (  # renders content given as a list of parts with its text, as vision-language templates do
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_content_as_a_list_of_text_parts_reads_as_its_text(tmp_path):
+    """OpenAI-style content (`[{"type": "text", "text": ...}]`, as many chat datasets hold it)
+    encodes to the ids transformers' `apply_chat_template` gives with a template that renders
+    such parts, and to the ids of the same text as a string under the built-in template; a
+    part that is not text (an image) or an empty list is refused naming the row."""
+    transformers = pytest.importorskip("transformers")
+    path = _gpt4_style_tokenizer(tmp_path / "tok")
+    (path.parent / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": PARTS_CHATML, "bos_token": "<s>", "eos_token": "</s>"}))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="</s>")
+    reference.chat_template = PARTS_CHATML
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "how are you?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "I am fine."}]}]
+    plain = [{"role": "user", "content": "Hello, how are you?"}, {"role": "assistant", "content": "I am fine."}]
+    from titan.train.data.sft import build_sft_source
+
+    def example(rows, **flags):
+        (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+        cfg = SFTDataConfig(format="chat", path=str(tmp_path / "chat.jsonl"), **flags)
+        return build_sft_source(cfg, HFTokenizer(path)).example(0)
+
+    ex = example([parts])
+    assert ex.ids.tolist() == list(reference.apply_chat_template(parts, tokenize=True, return_dict=False))
+    assert ex.ids.tolist() == list(reference.apply_chat_template(plain, tokenize=True, return_dict=False))
+    builtin = example([parts], chat_template="builtin")
+    want = example([plain], chat_template="builtin")
+    assert builtin.ids.tolist() == want.ids.tolist() and builtin.targets.tolist() == want.targets.tolist()
+    image = [{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "what?"}]}, plain[1]]
+    with pytest.raises(ValueError, match="row 0: message 0's content part 0 is a 'image' part, not"):
+        example([image])
+    with pytest.raises(ValueError, match="message 1 has an empty list of content parts"):
+        example([[plain[0], {"role": "assistant", "content": []}]])
+
+
 def test_chat_template_choice_errors_for_byte_tokenizer(tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": CHAT}) + "\n")

@@ -511,7 +511,9 @@ def _checked_roles_and_contents(messages: Any) -> list[dict]:
     `reasoning_content` or a tool's `name` as transformers passes them on), or a ValueError
     naming the first bad one: a role that is not a non-empty string (which roles a template
     takes is the template's to say, as in transformers; the built-in one takes `ROLES`),
-    content that is not a string (an assistant turn made only of tool calls may have none)."""
+    content that is not a string (an assistant turn made only of tool calls may have none).
+    Content given as a list of text parts (OpenAI's ``[{"type": "text", "text": ...}]``) is
+    their concatenation (`text_of_parts`)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content}")
     checked = []
@@ -521,11 +523,32 @@ def _checked_roles_and_contents(messages: Any) -> list[dict]:
         role, content = message["role"], message["content"]
         if not isinstance(role, str) or not role:
             raise ValueError(f"message {j} has role {role!r}, not a name such as {', '.join(ROLES + TOOL_ROLES)}")
+        if isinstance(content, (list, tuple)):
+            content = text_of_parts(content, f"message {j}")
         calls_only = content is None and role == "assistant" and bool(message.get("tool_calls"))
         if not isinstance(content, str) and not calls_only:
             raise ValueError(f"message {j} has non-string content {content!r}")
-        checked.append(dict(message))
+        checked.append({**message, "content": content})
     return checked
+
+
+def text_of_parts(parts: Sequence[Any], where: str) -> str:
+    """The text of content given as a list of parts (OpenAI's chat format, and datasets built
+    for vision-language models): the ``text`` of its ``{"type": "text"}`` parts, concatenated,
+    as the OpenAI API reads them. Every template then renders it as it renders string content
+    (some render list content with its text, Qwen3's drops it, Llama 3.1's prints the list);
+    a part of another type (an image) is refused: titan trains text models."""
+    if not parts:
+        raise ValueError(f"{where} has an empty list of content parts")
+    texts = []
+    for k, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            shown = f"a {kind!r} part" if kind else f"{part!r}"
+            raise ValueError(f"{where}'s content part {k} is {shown}, not {{\"type\": \"text\", \"text\": ...}}: "
+                             "titan trains text models, so only text parts are read")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def check_tools(tools: Any) -> list | None:
