@@ -211,9 +211,10 @@ def test_vllm_generator_is_refused_on_several_ranks():
     pytest.importorskip("vllm", reason="vLLM is not installed: checked in `make test-vllm`")
     from titan.rl.controller import check_generator_kind
 
-    with pytest.raises(ValueError, match="single-process trainer; this run has 2 ranks"):
+    with pytest.raises(ValueError, match="single-process trainer; this run has 2 ranks. Add --rl.colocated_generation"):
         check_generator_kind("vllm", world_size=2)
     check_generator_kind("vllm", world_size=1)
+    check_generator_kind("vllm", world_size=2, every_rank=True)  # one engine per rank
 
 
 def test_titan_rl_is_a_command_with_its_recipe():

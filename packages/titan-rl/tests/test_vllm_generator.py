@@ -302,3 +302,34 @@ def test_disaggregated_vllm_generator_rank_serves_two_fsdp_trainer_ranks(tmp_pat
     assert [r["step"] for r in rl] == list(range(3, 9))
     assert max(r["logprob_diff_max"] for r in rl) <= 1e-5
     assert [e["step"] for e in evals] == [2, 6, 8] and all("eval_reward" in e for e in evals)
+
+
+def test_every_rank_runs_its_own_vllm_engine_in_the_trainers_group(tmp_path):
+    """`--generator.kind vllm --rl.colocated_generation every_rank` on 2 FSDP ranks (TRL's
+    colocate mode): each rank runs a vLLM engine under the trainer's process group (vLLM's
+    external_launcher executor) and generates half of every rollout and of the held-out
+    prompts; weights reach both engines after every update (trainer and vLLM log-probs agree
+    on every on-policy step), each rank rescores its half with its KL reference, and the run
+    ends without vLLM destroying the trainer's groups twice."""
+    dump = tmp_path / "rl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", "--config", "grpo_debug",
+           "--generator.kind", "vllm", "--rl.colocated_generation", "every_rank", "--job.dump_folder", str(dump),
+           "--metrics.no_enable_progress_bar", "--metrics.log_freq", "1", "--training.steps", "8",
+           "--rl.sft_warmup_steps", "2", "--rl.eval_freq", "6", "--rl.eval_prompts", "5", "--rl.prompts_per_step", "4",
+           "--rl.group_size", "4", "--training.local_batch_size", "8", "--rl.ppo_epochs", "1", "--rl.kl_coef", "0.05",
+           "--rl.no_drop_zero_variance"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    assert "every rank generates: each of the 2 ranks" in output
+    assert "Invalid process group" not in output, output[-3000:]
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r.get("phase") == "rl"]
+    evals = [r for r in rows if r.get("phase") == "eval"]
+    assert [r["step"] for r in rl] == list(range(3, 9))
+    assert max(r["logprob_diff_max"] for r in rl) <= 1e-5
+    assert rl[-1]["kl"] > 0  # each rank's reference rescored its half
+    # 5 held-out prompts over 2 ranks (3 + 2): an exact match rate is a multiple of 1/5.
+    assert [e["step"] for e in evals] == [2, 6, 8]
+    assert all(abs(e["eval_exact_match"] * 5 - round(e["eval_exact_match"] * 5)) < 1e-9 for e in evals)

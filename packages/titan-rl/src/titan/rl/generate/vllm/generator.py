@@ -93,6 +93,7 @@ class VLLMGenerator:
             "enforce_eager": True,
         }
         args.update(engine_args or {})
+        self._in_trainer_group = args.get("distributed_executor_backend") == "external_launcher"
         self.llm = LLM(model=model, **args)
         self._version = 0
 
@@ -130,6 +131,22 @@ class VLLMGenerator:
         self.llm.apply_model(load)
         self.llm.reset_prefix_cache()
         self._version = version
+
+    def close(self) -> None:
+        """Release the process groups vLLM made inside the trainer's (under the
+        ``external_launcher`` executor), before the trainer destroys its own: vLLM would
+        otherwise destroy them again at exit, after they are gone."""
+        import torch.distributed as dist
+
+        if not self._in_trainer_group or not dist.is_initialized():
+            return
+        from vllm.distributed import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        world = getattr(parallel_state, "_WORLD", None)  # vLLM's copy of the world: a group of its own
+        if world is not None:
+            world.destroy()
+            parallel_state._WORLD = None
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The model's weights by titan name (for checks after a sync)."""
