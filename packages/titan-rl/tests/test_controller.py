@@ -628,6 +628,31 @@ def test_a_failing_reward_stops_every_rank_with_its_message(tmp_path, staleness,
 
 
 @pytest.mark.slow
+def test_completions_are_logged_with_the_rewards_the_metrics_average(tmp_path):
+    """--rl.log_completions writes each rollout's 16 completions (4 prompts x 4) with their
+    prompt and answer, at the step its metrics record has; their rewards average to that
+    record's reward_mean; their advantages sum to 0 in every group; a rollout with nothing to
+    learn is logged too, untrained; --rl.num_completions_to_print 2 prints two completions of
+    each trained rollout at its logged step."""
+    result = run_rl(tmp_path, *SHORT, "--rl.log_completions", "--rl.num_completions_to_print", "2")
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    rl = [r for r in records(tmp_path) if r.get("phase") == "rl"]
+    trained = {r["rollout_index"] - 1 for r in rl}  # the record holds the next rollout's index
+    assert rl and {r["rollout"] for r in rows} >= trained
+    assert all(not r["trained"] for r in rows if r["rollout"] not in trained)
+    for record in rl:
+        mine = [r for r in rows if r["rollout"] == record["rollout_index"] - 1]
+        assert {r["step"] for r in mine} == {record["step"]}
+        assert len(mine) == 16 and all(r["prompt"] and r["answer"] is not None and r["tokens"] >= 1 for r in mine)
+        assert sum(r["reward"] for r in mine) / 16 == pytest.approx(record["reward_mean"], abs=1e-12)
+        for group in range(4):
+            # float32 advantages: four of magnitude <= 1.8 sum to 0 within a few float32 ulps
+            assert sum(r["advantage"] for r in mine if r["group"] == group) == pytest.approx(0.0, abs=1e-6)
+    output = result.stdout + result.stderr
+    assert output.count(" of rollout ") == len(rl) and output.count("  group ") == 2 * len(rl)
+
+
+@pytest.mark.slow
 def test_soft_overlong_penalty_lowers_the_first_rollouts_rewards_by_hand(tmp_path):
     """Budget 10, buffer 9: every completion (at least 1 token) pays (length - 1) / 9, so the
     first RL rollout (the same completions in both runs) loses (mean length - 1) / 9."""
@@ -775,7 +800,7 @@ def test_two_generator_ranks_and_every_rank_generating_share_each_rollout_alike(
     would draw the second half with another sampling seed, so the equality shows that both
     ranks generated."""
     flags = [*SHORT, "--rl.max_refill_rounds", "1", "--rl.eval_freq", "3", "--rl.eval_prompts", "5",
-             "--debug.deterministic", "--rl.max_policy_staleness", "1", "--rl.kl_coef", "0.05"]
+             "--debug.deterministic", "--rl.max_policy_staleness", "1", "--rl.kl_coef", "0.05", "--rl.log_completions"]
     result = run_rl_ranks(4, tmp_path / "disaggregated", *flags, "--rl.generator_ranks", "2")
     every = run_rl_ranks(2, tmp_path / "every_rank", *flags, "--rl.colocated_generation", "every_rank")
     rows = records(tmp_path / "disaggregated")
@@ -794,6 +819,10 @@ def test_two_generator_ranks_and_every_rank_generating_share_each_rollout_alike(
         assert {k: got.get(k) for k in (*COMPARED, "eval_reward", "eval_exact_match")} == \
             {k: want.get(k) for k in (*COMPARED, "eval_reward", "eval_exact_match")}, got["step"]
     assert "every rank generates: each of the 2 ranks" in every.stdout + every.stderr
+    # The merged rollouts' completions, with the prompts each share drew (refills included), alike.
+    logged = [(tmp_path / run / "completions.jsonl").read_text().splitlines() for run in ("disaggregated", "every_rank")]
+    assert logged[0] == logged[1]
+    assert {json.loads(line)["step"] for line in logged[0]} >= {r["step"] for r in rl}
 
 
 def test_generator_ranks_need_a_trainer_rank(monkeypatch):

@@ -53,6 +53,8 @@ def test_shards_draw_the_prompts_of_one_producer_and_merge_in_order():
     parts = [producer(s, 2).produce(4) for s in range(2)]
     assert [len(p.groups) for p in parts] == [3, 2]
     merged = merge_rollouts(parts)
+    assert merged.prompts == whole.prompts and merged.answers == whole.answers and len(merged.prompts) == 5
+    assert [g[0].token_ids[0] - 10 for g in merged.groups] == [int(p[1:]) for p in merged.prompts]  # aligned
     first_tokens = lambda r: [g[0].token_ids[0] for g in r.groups]  # noqa: E731 - the prompt of each group
     assert first_tokens(merged) == first_tokens(whole)
     assert (merged.index, merged.version) == (4, 7)

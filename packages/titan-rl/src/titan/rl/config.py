@@ -124,6 +124,13 @@ class RLSection:
     reward_timeout_s: float = 10.0
     """Seconds one reward call may take, in any thread (0: no limit); a call that times out
     scores 0 for that reward and is counted in the metrics' reward_timeouts."""
+    log_completions: bool = False
+    """Append every completion of every rollout to <dump_folder>/completions.jsonl (rank 0): its
+    step, rollout, group, prompt, reference answer, completion text, reward, advantage, whether
+    it trained, length and finish reason (TRL's log_completions; verl's rollout_data_dir)."""
+    num_completions_to_print: int = 0
+    """At each logged step, print this many of the rollout's completions (prompt, completion,
+    reward, advantage) to the log; 0: none."""
     eval_freq: int = 0
     """Score greedy completions of the held-out prompts every this many steps (and at the first
     RL step and the last step); 0: never."""
@@ -135,7 +142,7 @@ class RLSection:
             if getattr(self, flag) < 1:
                 raise ValueError(f"--rl.{flag} must be >= 1, got {getattr(self, flag)}")
         for flag in ("max_policy_staleness", "sft_warmup_steps", "eval_freq", "max_refill_rounds",
-                     "overlong_buffer_len", "generator_ranks"):
+                     "overlong_buffer_len", "generator_ranks", "num_completions_to_print"):
             if getattr(self, flag) < 0:
                 raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
         if self.loss_type not in LOSS_TYPES:

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from titan.dist import current_split, reduce_max
+from titan.rl.completion_log import append_completions, completion_records, format_completion
 from titan.rl.config import RLConfig
 from titan.rl.data import build_prompts
 from titan.rl.disaggregated import TRAINER, GeneratorServer, RemoteGenerators, split_for_generators
@@ -240,6 +241,7 @@ class RLTrainer(TrainingLoop):
             request=self._request if driver else None, background=self.producer is not None,
         )
         self.timings = {"generation_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
+        self._printed_completions: list[dict[str, Any]] = []
         self.log_start()
 
     # ---- construction -------------------------------------------------------------------
@@ -464,6 +466,7 @@ class RLTrainer(TrainingLoop):
         stats = rollout_stats(rollout)
         if not any(r.train and r.token_ids for r in rows):
             self.state.skipped += 1
+            self._record_completions(rollout, engine.step)
             return None
         start = time.perf_counter()
         pre_update_pass = cfg.rl.old_logprobs == "trainer" and updates > 1
@@ -493,6 +496,7 @@ class RLTrainer(TrainingLoop):
                 combine_stats(totals, reduced)
         self.timings["train_s"] += time.perf_counter() - start
         self.timings["generation_s"] += rollout.generation_s
+        self._record_completions(rollout, engine.step)
         record = {
             **stats,
             **self._token_means(totals),
@@ -509,6 +513,24 @@ class RLTrainer(TrainingLoop):
         }
         self._check_logprob_agreement(record)
         return record
+
+    def _record_completions(self, rollout: Rollout, step: int) -> None:
+        """Rank 0: append the rollout's completions to completions.jsonl (--rl.log_completions)
+        and keep them for the next log line (--rl.num_completions_to_print)."""
+        rl = self.config.rl
+        if not self.is_rank0 or not (rl.log_completions or rl.num_completions_to_print):
+            return
+        records = completion_records(rollout, step=step, rl=rl)
+        if rl.log_completions:
+            append_completions(self.config.job.dump_folder, records)
+        self._printed_completions = records[: rl.num_completions_to_print]
+
+    def _print_completions(self, step: int) -> None:
+        """Rank 0: the kept completions of the rollout just trained, in the log."""
+        records, self._printed_completions = self._printed_completions, []
+        if records:
+            logger.info("step %d: %d of rollout %d's completions\n%s", step, len(records), records[0]["rollout"],
+                        "\n".join(format_completion(r) for r in records))
 
     def _token_means(self, totals: Mapping[str, float]) -> dict[str, float]:
         """Per-token means (and maxima) of a rollout's summed stats."""
@@ -693,6 +715,8 @@ class RLTrainer(TrainingLoop):
             )
 
     def _log(self, step: int, record: dict[str, Any]) -> dict[str, Any]:
+        if record.get("phase", "rl") == "rl":
+            self._print_completions(step)
         extra = {k: v for k, v in record.items() if k not in ("loss", "grad_norm", "lr")}
         extra.setdefault("phase", "rl")
         extra["rollout_index"] = self.state.rollout_index

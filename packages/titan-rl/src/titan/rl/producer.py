@@ -36,10 +36,11 @@ def share(count: int, shard: int, shards: int) -> tuple[int, int]:
     return shard * size + min(shard, extra), size + (shard < extra)
 
 
-def _with_variance(groups: list, rewards: list[list[float]], texts: list) -> tuple[list, list, list]:
-    """The groups (with their rewards and texts) whose rewards are not all equal."""
+def _with_variance(groups: list, rewards: list[list[float]], *aligned: list) -> tuple[list, ...]:
+    """The groups (with their rewards and the other lists ``aligned`` with them) whose rewards
+    are not all equal."""
     keep = [i for i, r in enumerate(rewards) if max(r) > min(r)]
-    return [groups[i] for i in keep], [rewards[i] for i in keep], [texts[i] for i in keep]
+    return tuple([values[i] for i in keep] for values in (groups, rewards, *aligned))
 
 
 def hub_stop_token_ids(checkpoint: Any, vocab_size: int) -> tuple[int, ...]:
@@ -105,19 +106,22 @@ class RolloutProducer:
         generated = list(rewards)
         rounds = 0
         if rl.max_refill_rounds:
-            groups, rewards, texts = _with_variance(groups, rewards, texts)
+            groups, rewards, texts, prompts = _with_variance(groups, rewards, texts, prompts)
             while len(groups) < count and rounds < rl.max_refill_rounds:
                 rounds += 1
                 # A stream of its own, positioned by (rollout, round, share): a resumed run refills alike.
                 position = ((index * rl.max_refill_rounds) + rounds - 1) * total + first
-                more = self._generate_scored(self.refill_sampler.window(position, count), index, rounds)
+                fresh = self.refill_sampler.window(position, count)
+                more = self._generate_scored(fresh, index, rounds)
                 generated += more[1]
-                kept = _with_variance(*more)
-                groups, rewards, texts = groups + kept[0], rewards + kept[1], texts + kept[2]
-            groups, rewards, texts = groups[:count], rewards[:count], texts[:count]
+                kept = _with_variance(*more, fresh)
+                groups, rewards, texts, prompts = (a + b for a, b in zip((groups, rewards, texts, prompts), kept,
+                                                                          strict=True))
+            groups, rewards, texts, prompts = groups[:count], rewards[:count], texts[:count], prompts[:count]
         return Rollout(index=index, version=version, groups=groups, rewards=rewards, texts=texts,
                        reward_timeouts=self.reward.timeouts - timeouts_before, generated_rewards=generated,
-                       refill_rounds=rounds, generation_s=time.perf_counter() - start)
+                       refill_rounds=rounds, generation_s=time.perf_counter() - start,
+                       prompts=[p.text for p in prompts], answers=[p.answer for p in prompts])
 
     def _generate_scored(self, prompts: list[Prompt], index: int, round_: int):
         """Completions of ``prompts`` (sampling seeded by rollout, refill round and shard),
@@ -189,6 +193,7 @@ def merge_rollouts(parts: list[Rollout]) -> Rollout:
         reward_timeouts=sum(p.reward_timeouts for p in parts),
         generated_rewards=[r for p in parts for r in (p.generated_rewards or p.rewards)],
         refill_rounds=max(p.refill_rounds for p in parts),
+        prompts=[t for p in parts for t in p.prompts], answers=[a for p in parts for a in p.answers],
     )
 
 

@@ -57,6 +57,10 @@ class Rollout:
     replaced (--rl.max_refill_rounds); None: the same as ``rewards``."""
     refill_rounds: int = 0
     """Extra generation rounds it took to replace groups without reward variance."""
+    prompts: list[str] = field(default_factory=list)
+    """N prompt texts (as the rewards see them), for the completion log; may be empty."""
+    answers: list[str | None] = field(default_factory=list)
+    """N reference answers (None where the row has none), for the completion log; may be empty."""
 
 
 @dataclass
@@ -88,9 +92,8 @@ def rollout_rows(
     has no rows."""
     if not rollout.groups:
         return []
-    rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
-    advantages = group_advantages(rewards, normalize_std=normalize_std, estimator=estimator, std=std)
-    keep = nonzero_variance_groups(rewards) if drop_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
+    advantages, keep = completion_advantages(rollout, normalize_std=normalize_std,
+                                             drop_zero_variance=drop_zero_variance, estimator=estimator, std=std)
     rows = []
     for i, group in enumerate(rollout.groups):
         if not keep[i]:
@@ -105,6 +108,17 @@ def rollout_rows(
                 ref_logprobs=None if rollout.ref_logprobs is None else list(rollout.ref_logprobs[i][j]),
             ))
     return rows
+
+
+def completion_advantages(rollout: Rollout, *, normalize_std: bool = True, drop_zero_variance: bool = True,
+                          estimator: str = "grpo", std: str = "population") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages [N, G], kept groups [N])`` of a rollout with groups: each completion's
+    group advantage (:func:`group_advantages`) and whether its group trains (all do unless
+    ``drop_zero_variance`` leaves out those whose rewards are all equal)."""
+    rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
+    advantages = group_advantages(rewards, normalize_std=normalize_std, estimator=estimator, std=std)
+    keep = nonzero_variance_groups(rewards) if drop_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
+    return advantages, keep
 
 
 def build_batch(rows: Sequence[Row], *, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
