@@ -128,10 +128,10 @@ def hub_cache_snapshot(cache: Path, repo_id: str) -> Path:
 def test_a_chat_template_path_hub_id_reads_its_snapshot(tmp_path, monkeypatch):
     """`--sft_data.chat_template_path org/name` and `--rl_data.chat_template_path org/name`
     (TRL takes a tokenizer's repository there) become the snapshot folder of its tokenizer
-    files, read offline here; a local template file is left as it is; a repository neither
+    files, and `--rl.reward_model org/name` the snapshot of the reward model, read offline here; a local template file is left as it is; a repository neither
     cached nor reachable is refused naming the flag."""
     hub_constants = pytest.importorskip("huggingface_hub.constants")
-    from titan.rl.config import RLConfig
+    from titan.rl.config import RLConfig, RLSection
     from titan.rl.data import RLDataConfig
     from titan.train.data import SFTDataConfig
     from titan.train.sft import SFTConfig
@@ -152,6 +152,11 @@ def test_a_chat_template_path_hub_id_reads_its_snapshot(tmp_path, monkeypatch):
     local.write_text("{{ messages }}")
     sft.sft_data.chat_template_path = str(local)
     assert resolve_hub_sources(sft).sft_data.chat_template_path == str(local)
+    rm = hub_cache_snapshot(cache, "tiny-org/reward")
+    rm.mkdir(parents=True)
+    (rm / "config.json").write_text("{}")
+    scored = RLConfig(rl=RLSection(rewards=("model",), reward_model="tiny-org/reward"))
+    assert resolve_hub_sources(scored).rl.reward_model == str(rm)  # --rl.reward_model too
     sft.sft_data.chat_template_path = "tiny-org/not-cached"
     with pytest.raises(UsageError, match="--sft_data.chat_template_path 'tiny-org/not-cached'"):
         resolve_hub_sources(sft)

@@ -395,8 +395,8 @@ def parse_train_args(argv: Sequence[str], *, command: str = "train", exempt_flag
 
 def resolve_hub_sources(config: Any, *, weights: bool = True) -> Any:
     """Hub repository ids given as ``--checkpoint.initial_load_path`` (with
-    ``--checkpoint.initial_load_in_hf``) and ``--tokenizer.path`` (kind hf), as TRL takes
-    ``model_name_or_path``: each is replaced by the local folder of its snapshot in the Hugging
+    ``--checkpoint.initial_load_in_hf``), ``--tokenizer.path`` (kind hf), the chat template
+    paths and ``--rl.reward_model``, as TRL takes ``model_name_or_path``: each is replaced by the local folder of its snapshot in the Hugging
     Face cache, downloaded if needed (without ``weights``, as a dry run or plan needs it: the
     configuration and tokenizer only). Local paths are left alone. Returns ``config``."""
     from titan.ckpt.hub import CONFIG_FILES, MODEL_FILES
@@ -409,6 +409,9 @@ def resolve_hub_sources(config: Any, *, weights: bool = True) -> Any:
             revision_flag="--checkpoint.initial_load_revision")
     resolve_hub_tokenizer(getattr(config, "tokenizer", None))
     resolve_hub_templates(config)
+    rl = getattr(config, "rl", None)
+    if weights and getattr(rl, "reward_model", None):  # --rl.rewards model: a Hub id as TRL takes one
+        rl.reward_model = from_hub(rl.reward_model, flag="--rl.reward_model", patterns=MODEL_FILES)
     return config
 
 

@@ -119,6 +119,12 @@ class RLSection:
     """The regex of the format reward (re.fullmatch over the completion)."""
     reward_function: str | None = None
     """The function reward: package.module:function(prompt=, completion=, answer=) -> float."""
+    reward_model: str | None = None
+    """The model reward (--rl.rewards model): a Hugging Face sequence-classification model
+    folder or Hub id with its tokenizer, scoring prompt + completion by its one logit (TRL's
+    reward model; needs the titan-rl[reward-model] extra)."""
+    reward_model_batch_size: int = 32
+    """Completions the reward model scores per forward pass."""
     numeric_tolerance: float = 1e-6
     """Tolerance of the numeric reward."""
     reward_timeout_s: float = 10.0
@@ -183,6 +189,13 @@ class RLSection:
         for name in self.rewards:
             if name not in REWARD_NAMES:
                 raise ValueError(f"--rl.rewards {name!r} is not a reward; choose from {', '.join(REWARD_NAMES)}")
+        if ("model" in self.rewards) != bool(self.reward_model):
+            raise ValueError("--rl.rewards model needs --rl.reward_model (a sequence-classification model folder or Hub "
+                             "id)" if not self.reward_model else
+                             f"--rl.reward_model {self.reward_model} is read by --rl.rewards model, which this run does "
+                             "not name: add it (with a --rl.reward_weights entry if weighted) or drop the flag")
+        if self.reward_model_batch_size < 1:
+            raise ValueError(f"--rl.reward_model_batch_size must be >= 1, got {self.reward_model_batch_size}")
         if self.reward_weights and len(self.reward_weights) != len(self.rewards):
             raise ValueError(
                 f"--rl.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} "

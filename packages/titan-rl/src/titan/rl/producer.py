@@ -12,6 +12,7 @@ completions: rollout ``i``'s prompts, refill prompts and sampling seed are funct
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -70,7 +71,7 @@ class RolloutProducer:
     and a ``version``; ``tokenizer`` decodes completions for the rewards."""
 
     def __init__(self, config: Any, *, generator: Any, tokenizer: Any, train_prompts: list[Prompt],
-                 eval_prompts: list[Prompt], shard: int = 0, shards: int = 1) -> None:
+                 eval_prompts: list[Prompt], shard: int = 0, shards: int = 1, device: Any = "cpu") -> None:
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} is not one of {shards} shards")
         self.config, self.generator, self.tokenizer = config, generator, tokenizer
@@ -81,7 +82,8 @@ class RolloutProducer:
         rl = config.rl
         self.reward = build_reward(
             rl.rewards, weights=rl.reward_weights, format_regex=rl.format_regex, function=rl.reward_function,
-            numeric_tolerance=rl.numeric_tolerance, timeout_s=rl.reward_timeout_s,
+            numeric_tolerance=rl.numeric_tolerance, timeout_s=rl.reward_timeout_s, reward_model=rl.reward_model,
+            reward_model_batch_size=rl.reward_model_batch_size, device=device,
         )
         stops = config.sampling.stop_token_ids
         hub_stops = tuple(t for t in hub_stop_token_ids(config.checkpoint, tokenizer.vocab_size)
@@ -134,10 +136,12 @@ class RolloutProducer:
             sampling = dataclasses.replace(sampling, seed=seed)
         groups = self.generator.generate([p.ids for p in prompts], sampling)
         texts = [[self.decode(c.token_ids) for c in group] for group in groups]
-        rewards = [
-            self.reward.score([p.text] * len(g), g, [p.answer] * len(g), [p.reward_context] * len(g))
-            for p, g in zip(prompts, texts, strict=True)
-        ]
+        # Every completion in one call: a reward model scores them in batches across groups.
+        owners = [p for p, g in zip(prompts, texts, strict=True) for _ in g]
+        scores = self.reward.score([p.text for p in owners], [t for g in texts for t in g],
+                                   [p.answer for p in owners], [p.reward_context for p in owners])
+        ends = list(itertools.accumulate(len(g) for g in texts))
+        rewards = [scores[end - len(g) : end] for g, end in zip(texts, ends, strict=True)]
         if rl.overlong_buffer_len:
             for group, scores in zip(groups, rewards, strict=True):
                 for j, completion in enumerate(group):

@@ -17,11 +17,15 @@ reference from the prompt dataset. Built-in ones (``--rl.rewards``):
   ``GRPOTrainer`` (it takes ``completions``: lists in, a list of floats or None out) is
   called as TRL calls it, one completion at a time: ``prompts`` (the conversation when the
   prompt was one), ``completions`` (``[{"role": "assistant", "content": text}]`` then) and
-  every other column of the prompt's row by name (``solution=[...]``); None scores 0.
+  every other column of the prompt's row by name (``solution=[...]``); None scores 0;
+- ``model``: a learned reward, a Hugging Face sequence-classification model's logit for the
+  prompt followed by the completion (``--rl.reward_model``; ``titan.rl.reward_model``), scored
+  a batch at a time.
 
 Every call runs under a timeout (``--rl.reward_timeout_s``) that works in any thread (the
 async schedule scores in a background thread, where signal-based timeouts such as
-math-verify's cannot fire): the call runs in a daemon thread the caller waits on. A call
+math-verify's cannot fire): the call runs in a daemon thread the caller waits on (a reward
+model's batches run without one: a forward pass does not hang). A call
 that times out scores 0 for that reward and is counted (``reward_timeouts`` in the metrics);
 Python cannot stop a thread, so it keeps running in the background, and more than
 :data:`MAX_HUNG_CALLS` such calls stop the run. A reward that raises stops the run with a
@@ -43,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 RewardFn = Callable[..., float]
-REWARD_NAMES: tuple[str, ...] = ("exact_match", "char_match", "numeric", "format", "math_verify", "function")
+REWARD_NAMES: tuple[str, ...] = ("exact_match", "char_match", "numeric", "format", "math_verify", "function", "model")
 
 MAX_HUNG_CALLS = 8
 """Reward calls that may still be running after their timeout before the run is stopped."""
@@ -242,23 +246,34 @@ class CombinedReward:
     def __call__(self, *, prompt: str, completion: str, answer: str | None,
                  context: RewardContext | None = None) -> float:
         """The weighted sum of every term's reward (``context`` reaches TRL-style ones)."""
-        kwargs = {"prompt": prompt, "completion": completion, "answer": answer}
-        total = 0.0
-        for name, fn, weight in self.terms:
-            call = {**kwargs, "context": context} if getattr(fn, "wants_context", False) else kwargs
-            try:
-                value = float(call_with_timeout(fn, call, self.timeout_s))
-            except RewardTimeout:
-                self._timed_out(name, completion)
-                continue
-            except RewardError:
-                raise
-            except Exception as err:
-                raise RewardError(
-                    f"reward {name!r} raised {type(err).__name__}: {err} (on the completion {completion[:80]!r})"
-                ) from err
-            total += weight * value
-        return total
+        return self.score([prompt], [completion], [answer], [context])[0]
+
+    def _one(self, name: str, fn: RewardFn, prompt: str, completion: str, answer: str | None,
+             context: RewardContext | None) -> float | None:
+        """One term's reward of one completion under the timeout (None when it timed out)."""
+        call = {"prompt": prompt, "completion": completion, "answer": answer}
+        if getattr(fn, "wants_context", False):
+            call["context"] = context
+        try:
+            return float(call_with_timeout(fn, call, self.timeout_s))
+        except RewardTimeout:
+            self._timed_out(name, completion)
+            return None
+        except RewardError:
+            raise
+        except Exception as err:
+            raise RewardError(
+                f"reward {name!r} raised {type(err).__name__}: {err} (on the completion {completion[:80]!r})"
+            ) from err
+
+    @staticmethod
+    def _batch(name: str, fn: Any, prompts: Sequence[str], completions: Sequence[str],
+               contexts: Sequence[RewardContext | None]) -> list[float]:
+        """One batched term's rewards (a reward model): all completions in one call."""
+        try:
+            return [float(v) for v in fn.score_batch(prompts, completions, contexts)]
+        except Exception as err:
+            raise RewardError(f"reward {name!r} raised {type(err).__name__}: {err}") from err
 
     def _timed_out(self, name: str, completion: str) -> None:
         self.timeouts += 1
@@ -276,8 +291,17 @@ class CombinedReward:
         """Rewards of aligned prompts, completions and answers (and the prompts' contexts,
         for TRL-style rewards)."""
         contexts = contexts if contexts is not None else [None] * len(prompts)
-        return [self(prompt=p, completion=c, answer=a, context=x)
-                for p, c, a, x in zip(prompts, completions, answers, contexts, strict=True)]
+        totals = [0.0] * len(prompts)
+        for name, fn, weight in self.terms:
+            if getattr(fn, "batched", False):
+                values: list[float | None] = list(self._batch(name, fn, prompts, completions, contexts))
+            else:
+                values = [self._one(name, fn, p, c, a, x)
+                          for p, c, a, x in zip(prompts, completions, answers, contexts, strict=True)]
+            for i, value in enumerate(values):
+                if value is not None:  # a timed-out call scores 0 for this term
+                    totals[i] += weight * value
+        return totals
 
 
 def build_reward(
@@ -288,9 +312,12 @@ def build_reward(
     function: str | None = None,
     numeric_tolerance: float = 1e-6,
     timeout_s: float = 0.0,
+    reward_model: str | None = None,
+    reward_model_batch_size: int = 32,
+    device: Any = "cpu",
 ) -> CombinedReward:
     """A :class:`CombinedReward` from reward names (module docstring) and their weights
-    (default 1 each)."""
+    (default 1 each); ``reward_model`` (a folder) is loaded on ``device`` for ``model``."""
     if not names:
         raise ValueError("--rl.rewards is empty; name at least one reward, e.g. exact_match")
     weights = list(weights) if weights else [1.0] * len(names)
@@ -298,9 +325,21 @@ def build_reward(
         raise ValueError(
             f"--rl.reward_weights has {len(weights)} values for {len(names)} rewards; give one per reward"
         )
+    if reward_model and "model" not in names:
+        raise ValueError(f"--rl.reward_model {reward_model} is read by --rl.rewards model, which this run does not "
+                         "name: add it (with a --rl.reward_weights entry if weighted) or drop the flag")
     terms = []
     for name, weight in zip(names, weights, strict=True):
-        terms.append((name, _one_reward(name, format_regex, function, numeric_tolerance), float(weight)))
+        if name == "model":
+            if not reward_model:
+                raise ValueError("--rl.rewards model needs --rl.reward_model (a sequence-classification model folder "
+                                 "or Hub id)")
+            from titan.rl.reward_model import RewardModel
+
+            fn: RewardFn = RewardModel(reward_model, device=device, batch_size=reward_model_batch_size)
+        else:
+            fn = _one_reward(name, format_regex, function, numeric_tolerance)
+        terms.append((name, fn, float(weight)))
     return CombinedReward(terms, timeout_s=timeout_s)
 
 
