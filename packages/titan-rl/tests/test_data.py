@@ -55,6 +55,15 @@ def _chatml_tokenizer(folder):
     return folder / "tokenizer.json"
 
 
+def test_a_prompt_file_needs_no_format_flag():
+    """--rl_data.format auto: a path (or held-out path) means prompt rows, none the synthetic task."""
+    assert RLDataConfig(path="p.jsonl").resolved_format == "jsonl"
+    assert RLDataConfig(eval_path="e.jsonl", path="p.jsonl").resolved_format == "jsonl"
+    assert RLDataConfig().resolved_format == "synthetic"
+    with pytest.raises(ValueError, match="--rl_data.path / --rl_data.eval_path are not read by --rl_data.format synthetic"):
+        RLDataConfig(format="synthetic", path="p.jsonl")
+
+
 def test_jsonl_text_prompts_are_encoded_as_sft_prompts(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "abc", "answer": 3}, {"prompt": "de"}])
     tokenizer = ByteTokenizer()

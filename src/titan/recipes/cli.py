@@ -318,10 +318,10 @@ DEPENDENT_FLAGS = (
     (("--validation.freq", "--validation.steps", "--validation.local_batch_size", "--validation.seq_len",
       *(f"--validation.dataset.{name}" for name in DATASET_FLAG_NAMES)),
      lambda c: c.validation.enable, "--validation.enable"),
-    (tuple(f"--sft_data.{name}" for name in SYNTHETIC_TASK_FIELDS), lambda c: c.sft_data.format == "synthetic",
+    (tuple(f"--sft_data.{name}" for name in SYNTHETIC_TASK_FIELDS), lambda c: c.sft_data.resolved_format == "synthetic",
      "--sft_data.format synthetic"),
     ((*(f"--rl_data.{name}" for name in SYNTHETIC_TASK_FIELDS), "--rl_data.sft_demonstrations"),
-     lambda c: c.rl_data.format == "synthetic", "--rl_data.format synthetic"),
+     lambda c: c.rl_data.resolved_format == "synthetic", "--rl_data.format synthetic"),
 )
 
 

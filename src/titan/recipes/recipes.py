@@ -256,7 +256,6 @@ def sft_debug() -> SFTConfig:
     cfg.model.name = "llama3"
     cfg.model.flavor = "debugmodel"
     cfg.tokenizer.kind = "byte"
-    cfg.sft_data.format = "synthetic"
     cfg.sft_data.synthetic_task = "reverse"
     cfg.training.seq_len = 64
     cfg.training.local_batch_size = 16
@@ -278,7 +277,6 @@ def grpo_debug() -> RLConfig:
     cfg.model.name = "llama3"
     cfg.model.flavor = "debugmodel_tiny"
     cfg.tokenizer.kind = "byte"
-    cfg.rl_data.format = "synthetic"
     cfg.rl_data.synthetic_task = "sort"
     cfg.training.seq_len = 32
     cfg.training.local_batch_size = 32

@@ -697,6 +697,67 @@ def test_prompt_completion_jsonl_through_datasets(tmp_path):
     assert targets == [t for r in rows for t in tok.encode(r["completion"], eos=True)]
 
 
+def test_text_rows_train_every_token_as_pretraining_frames_a_document(tmp_path):
+    """`--sft_data.format text` (TRL's language-modeling datasets, `dataset_text_field`): each
+    row is `[BOS] text EOS` with every token after BOS a target; templates are refused, and a
+    row whose text is not a string is named."""
+    from titan.train.data.sft import build_sft_source
+
+    path = _write_jsonl(tmp_path / "t.jsonl", [{"text": "hello world"}, {"text": "bye"}])
+    cfg = SFTDataConfig(format="text", path=str(path), cache_dir=str(tmp_path / "c"))
+    ex = build_sft_source(cfg, ByteTokenizer()).example(0)
+    assert ex.ids.tolist() == [BOS, *b"hello world", EOS]
+    assert ex.targets.tolist() == [False] + [True] * (len("hello world") + 1)
+    for flags, message in [({"chat_template": "builtin"}, "not read by --sft_data.format text"),
+                           ({"chat_template_kwargs": '{"a": 1}'}, "not read by --sft_data.format text"),
+                           ({"chat_template_path": "t.jinja"}, "not read by --sft_data.format text"),
+                           ({"messages_field": "conv"}, "--sft_data.messages_field 'conv' is not read")]:
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(cfg, **flags)
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}, {"text": 3}])
+    with pytest.raises(ValueError, match="row 1: 'text' holds int, not a string"):
+        build_sft_source(dataclasses.replace(cfg, path=str(bad)), ByteTokenizer()).example(1)
+
+
+def test_format_auto_reads_the_layout_from_the_columns_as_trl_does(tmp_path, caplog):
+    """Without --sft_data.format, a path's columns name its format (messages: chat; prompt and
+    completion: prompt_completion; text: text), and the examples equal those of the format
+    given by hand; renamed columns count; no known column is one error listing the columns; a
+    flag the told format does not read is refused as if the format were given; no path is the
+    synthetic task."""
+    from titan.train.data.sft import build_sft_source
+
+    layouts = {
+        "chat": ({"messages": CHAT}, {}),
+        "prompt_completion": ({"prompt": "2+2=", "completion": "4"}, {}),
+        "text": ({"text": "plain words"}, {}),
+    }
+    tok = ByteTokenizer()
+    for fmt, (row, flags) in layouts.items():
+        path = _write_jsonl(tmp_path / f"{fmt}.jsonl", [row])
+        auto = SFTDataConfig(path=str(path), cache_dir=str(tmp_path / "c"), **flags)
+        assert auto.format == "auto" and auto.resolved_format == "auto"
+        given = SFTDataConfig(format=fmt, path=str(path), cache_dir=str(tmp_path / "c"), **flags)
+        with caplog.at_level("INFO", logger="titan"):
+            got, want = build_sft_source(auto, tok).example(0), build_sft_source(given, tok).example(0)
+        assert got.ids.tolist() == want.ids.tolist() and got.targets.tolist() == want.targets.tolist(), fmt
+        assert f"--sft_data.format auto reads it as {fmt}" in caplog.text
+    renamed = _write_jsonl(tmp_path / "qa.jsonl", [{"question": "2+2=", "answer": "4"}])
+    qa = SFTDataConfig(path=str(renamed), prompt_field="question", completion_field="answer",
+                       cache_dir=str(tmp_path / "c"))
+    assert build_sft_source(qa, tok).example(0).ids.tolist() == [BOS, *b"2+2=4", EOS]
+    unknown = _write_jsonl(tmp_path / "u.jsonl", [{"question": "q", "response": "r"}])
+    with pytest.raises(ValueError, match="finds no column it knows \\(columns: question, response\\)"):
+        build_sft_source(SFTDataConfig(path=str(unknown), cache_dir=str(tmp_path / "c")), tok)
+    text = _write_jsonl(tmp_path / "t2.jsonl", [{"text": "x"}])
+    with pytest.raises(ValueError, match="chat_template_kwargs .* is not read by --sft_data.format text"):
+        build_sft_source(SFTDataConfig(path=str(text), cache_dir=str(tmp_path / "c"),
+                                       chat_template_kwargs='{"a": 1}'), tok)
+    assert SFTDataConfig().resolved_format == "synthetic"
+    with pytest.raises(ValueError, match="--sft_data.format auto reads JSONL files: set --sft_data.path"):
+        SFTDataConfig(eval_path="held_out.jsonl")
+
+
 def test_conversational_prompt_completion_trains_only_the_completion(tmp_path):
     """TRL's conversational prompt-completion rows (both columns lists of messages): the
     conversation is rendered whole, and only the completion's assistant turn is trained, not

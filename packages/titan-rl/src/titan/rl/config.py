@@ -324,7 +324,7 @@ class RLConfig(RunConfig):
                 "--validation.enable scores a held-out corpus in titan train and titan sft; titan rl scores "
                 "held-out prompts greedily instead (--rl.eval_freq, --rl_data.eval_path)"
             )
-        if self.rl.sft_warmup_steps and self.rl_data.format != "synthetic":
+        if self.rl.sft_warmup_steps and self.rl_data.resolved_format != "synthetic":
             raise ValueError(
                 "--rl.sft_warmup_steps trains on the synthetic task's answers; with --rl_data.format "
                 "jsonl start from an SFT checkpoint instead (--checkpoint.initial_load_path)"

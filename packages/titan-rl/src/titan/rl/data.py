@@ -52,9 +52,10 @@ class RLDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     """``--rl_data.*``: the prompts RL samples from (the synthetic task's flags are
     `SyntheticTaskConfig`'s, shared with ``--sft_data.*``)."""
 
-    format: Literal["synthetic", "jsonl"] = "synthetic"
+    format: Literal["auto", "synthetic", "jsonl"] = "auto"
     """"synthetic": the built-in SFT task (--rl_data.synthetic_*), no file; "jsonl": rows of
-    --rl_data.path with a prompt and a reference answer."""
+    --rl_data.path (JSONL, Parquet or a Hub dataset) with a prompt and a reference answer;
+    "auto": jsonl when --rl_data.path or --rl_data.eval_path is given, else synthetic."""
     path: str | None = None
     """jsonl: a JSONL or Parquet file, a directory of them (one kind), a glob, or a Hugging Face
     Hub dataset name (`org/name`, read with `datasets.load_dataset`; see --rl_data.subset and
@@ -90,37 +91,44 @@ class RLDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     prompts with their answers — a small fixed set of demonstrations that teaches the format —
     while RL samples every training prompt; 0: the warm-up sees every training prompt too."""
 
+    @property
+    def resolved_format(self) -> str:
+        """The format ``auto`` stands for: jsonl with a prompt path, else synthetic."""
+        if self.format == "auto":
+            return "jsonl" if self.path or self.eval_path else "synthetic"
+        return self.format
+
     def __post_init__(self) -> None:
-        if self.format not in ("synthetic", "jsonl"):
-            raise ValueError(f"--rl_data.format must be synthetic or jsonl, got {self.format!r}")
+        if self.format not in ("auto", "synthetic", "jsonl"):
+            raise ValueError(f"--rl_data.format must be auto, synthetic or jsonl, got {self.format!r}")
         if self.overlong not in ("drop", "error"):
             raise ValueError(f"--rl_data.overlong must be drop or error, got {self.overlong!r}")
         if self.chat_template not in ("auto", "tokenizer", "builtin"):
             raise ValueError(f"--rl_data.chat_template must be auto, tokenizer or builtin, got {self.chat_template!r}")
-        if self.format == "jsonl" and not self.path:
+        if self.resolved_format == "jsonl" and not self.path:
             raise ValueError("--rl_data.format jsonl reads prompts from files: set --rl_data.path")
-        if self.format == "synthetic" and (self.path or self.eval_path):
+        if self.resolved_format == "synthetic" and (self.path or self.eval_path):
             raise ValueError(
                 "--rl_data.path / --rl_data.eval_path are not read by --rl_data.format synthetic; "
                 "drop them or set --rl_data.format jsonl"
             )
         unread = {"prompt_field": "prompt", "answer_field": "answer", "chat_template": "auto"}
         for flag, default in unread.items():
-            if self.format == "synthetic" and getattr(self, flag) != default:
+            if self.resolved_format == "synthetic" and getattr(self, flag) != default:
                 raise ValueError(f"--rl_data.{flag} {getattr(self, flag)!r} is not read by --rl_data.format synthetic "
                                  "(its prompts and answers are the task's own); drop it or set --rl_data.format jsonl")
         check_template_kwargs(self.chat_template_kwargs, "--rl_data", self.chat_template,
-                              renders_chats=self.format == "jsonl")
+                              renders_chats=self.resolved_format == "jsonl")
         check_template_path(self.chat_template_path, "--rl_data", self.chat_template,
-                            renders_chats=self.format == "jsonl")
+                            renders_chats=self.resolved_format == "jsonl")
         if self.sft_demonstrations < 0 or self.sft_demonstrations > self.synthetic_examples:
             raise ValueError(
                 f"--rl_data.sft_demonstrations must be in [0, --rl_data.synthetic_examples "
                 f"{self.synthetic_examples}], got {self.sft_demonstrations}"
             )
-        if self.format == "synthetic":
+        if self.resolved_format == "synthetic":
             self.check_synthetic_task("--rl_data")
-        self.check_record_splits("--rl_data", reads_files=self.format == "jsonl")
+        self.check_record_splits("--rl_data", reads_files=self.resolved_format == "jsonl")
 
     def sft_config(self, *, demonstrations_only: bool = False) -> SFTDataConfig:
         """The same synthetic task as an SFT data config (for the task's prompts; with
@@ -228,7 +236,7 @@ def build_prompts(cfg: RLDataConfig, tokenizer: Tokenizer, *, max_prompt_tokens:
                   ) -> tuple[list[Prompt], list[Prompt]]:
     """(training prompts, held-out prompts) of the configured source; with
     ``max_prompt_tokens``, longer prompts are dropped or refused (``--rl_data.overlong``)."""
-    if cfg.format == "jsonl":
+    if cfg.resolved_format == "jsonl":
         start = time.perf_counter()
         train = _file_prompts(cfg.path, cfg, tokenizer, flag="--rl_data.path")
         held_out = (_file_prompts(cfg.eval_path, cfg, tokenizer, flag="--rl_data.eval_path", held_out=True)

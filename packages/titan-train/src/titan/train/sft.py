@@ -57,7 +57,7 @@ class SFTTrainer(Trainer):
         if validation.dataset != DatasetConfig():
             raise ValueError("--validation.dataset.* is titan train's corpus; titan sft scores held-out SFT "
                              "examples: --sft_data.eval_path (or the synthetic task's own)")
-        if validation.enable and data.format != "synthetic" and not data.eval_path:
+        if validation.enable and data.resolved_format != "synthetic" and not data.eval_path:
             raise ValueError("titan sft --validation.enable scores held-out examples: set --sft_data.eval_path "
                              f"(JSONL in the --sft_data.format {data.format} layout)")
         if data.eval_path and not validation.enable:

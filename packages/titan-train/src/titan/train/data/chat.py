@@ -97,6 +97,12 @@ def encode_prompt_completion(
     return _encode_segments(tokenizer, segments, train_on)
 
 
+def encode_text(text: str, tokenizer: Tokenizer) -> SFTExample:
+    """`[BOS] text EOS`, every token after BOS a target: a language-modeling example (TRL's
+    `text` datasets), framed as pretraining frames a document."""
+    return _encode_segments(tokenizer, _bos(tokenizer) + [(text, True), (tokenizer.eos_id, True)], "completion")
+
+
 def encode_prompt(prompt: str, tokenizer: Tokenizer) -> list[int]:
     """Ids to generate a completion from: `[BOS] prompt`, as in `encode_prompt_completion`."""
     return [

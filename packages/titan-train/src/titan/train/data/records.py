@@ -61,7 +61,7 @@ class RecordSplitsConfig:
             ("subset", self.subset, None), ("split", self.split, TRAIN_SPLIT), ("eval_split", self.eval_split, None))
             if value != default]
         if given and not reads_files:
-            raise ValueError(f"{', '.join(given)}: not read by {section}.format {getattr(self, 'format', '')}, "
+            raise ValueError(f"{', '.join(given)}: not read by {section}.format {getattr(self, 'resolved_format', getattr(self, 'format', ''))}, "
                              "which reads no file; drop it")
         if not self.split:
             raise ValueError(f"{section}.split is empty; name the split to train on (default {TRAIN_SPLIT})")

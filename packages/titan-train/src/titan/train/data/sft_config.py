@@ -80,11 +80,13 @@ class SyntheticTaskConfig:
 class SFTDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     """`--sft_data.*`: the supervised fine-tuning examples and how they become batches."""
 
-    format: Literal["prompt_completion", "chat", "synthetic"] = "synthetic"
-    """"prompt_completion": JSONL rows with string `prompt` and `completion` (concatenated
-    as they are, no template). "chat": JSONL rows with `messages`, a list of
-    {role, content} with roles system/user/assistant. "synthetic": a built-in small task
-    (see --sft_data.synthetic_*), no file needed."""
+    format: Literal["auto", "prompt_completion", "chat", "text", "synthetic"] = "auto"
+    """"prompt_completion": rows with `prompt` and `completion` (strings concatenated as they
+    are, or both lists of messages). "chat": rows with `messages`, a list of {role, content}.
+    "text": rows with `text`, trained on every token (TRL's language-modeling datasets).
+    "synthetic": a built-in small task (see --sft_data.synthetic_*), no file needed. "auto":
+    synthetic without --sft_data.path, else told by the columns as TRL tells a dataset's type
+    (messages: chat; prompt and completion: prompt_completion; text: text)."""
     path: str | None = None
     """JSONL or Parquet file, directory of .jsonl/.json or .parquet files (one kind), or glob
     (read with `datasets`' json or parquet loader), or a Hugging Face Hub dataset name
@@ -101,6 +103,8 @@ class SFTDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     """prompt_completion: the column holding the completion."""
     messages_field: str = "messages"
     """chat: the column holding the list of messages."""
+    text_field: str = "text"
+    """text: the column holding each example's text (TRL's `dataset_text_field`)."""
     chat_template: Literal["auto", "tokenizer", "builtin"] = "auto"
     """chat, and prompt_completion rows whose prompt and completion are lists of messages
     (TRL's conversational prompt-completion: the completion's assistant turns are trained):
@@ -132,50 +136,59 @@ class SFTDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
         self._check_choices()
         self.check_synthetic_task("--sft_data")
 
+    @property
+    def resolved_format(self) -> str:
+        """The format as far as the flags tell it: ``synthetic`` for ``auto`` without a path;
+        ``auto`` with one stays auto until the rows' columns tell it (`detect_format`)."""
+        if self.format == "auto" and not self.path and not self.eval_path:
+            return "synthetic"
+        return self.format
+
     def _check_format(self) -> None:
         """format/path combination makes sense."""
-        if self.format not in ("prompt_completion", "chat", "synthetic"):
+        if self.format not in ("auto", "prompt_completion", "chat", "text", "synthetic"):
             raise ValueError(
-                f"--sft_data.format must be prompt_completion, chat or synthetic, got {self.format!r}"
+                f"--sft_data.format must be auto, prompt_completion, chat, text or synthetic, got {self.format!r}"
             )
-        if self.format != "synthetic" and not self.path:
+        if self.resolved_format != "synthetic" and not self.path:
             raise ValueError(
-                f"--sft_data.format {self.format} reads JSONL files: set --sft_data.path to a "
+                f"--sft_data.format {self.resolved_format} reads JSONL files: set --sft_data.path to a "
                 "file, directory or glob"
             )
-        if self.format == "synthetic" and self.eval_path:
+        if self.resolved_format == "synthetic" and self.eval_path:
             raise ValueError(
                 f"--sft_data.eval_path {self.eval_path!r} is not read by --sft_data.format synthetic (its "
-                "held-out strings are scored); drop it or set --sft_data.format prompt_completion or chat"
+                "held-out strings are scored); drop it or set --sft_data.format auto, prompt_completion, chat or text"
             )
-        if self.format == "synthetic" and self.path:
+        if self.resolved_format == "synthetic" and self.path:
             raise ValueError(
                 f"--sft_data.path {self.path!r} is not read by --sft_data.format synthetic; "
-                "drop the path or set --sft_data.format prompt_completion or chat"
+                "drop the path or set --sft_data.format auto, prompt_completion, chat or text"
             )
-        for flag in ("prompt_field", "completion_field", "messages_field"):
+        for flag in ("prompt_field", "completion_field", "messages_field", "text_field"):
             if not getattr(self, flag):
                 raise ValueError(f"--sft_data.{flag} is empty; name the JSONL column to read")
         self._check_unread_fields()
-        self.check_record_splits("--sft_data", reads_files=self.format != "synthetic")
+        self.check_record_splits("--sft_data", reads_files=self.resolved_format != "synthetic")
 
     def _check_unread_fields(self) -> None:
-        """Column names and the template the format does not read are refused, not ignored."""
+        """Column names and the template the format does not read are refused, not ignored
+        (with format auto, once the columns tell the format)."""
         reads = {"prompt_completion": ("prompt_field", "completion_field"), "chat": ("messages_field",),
-                 "synthetic": ()}[self.format]
-        defaults = {"prompt_field": "prompt", "completion_field": "completion", "messages_field": "messages"}
-        for flag, default in defaults.items():
+                 "text": ("text_field",), "synthetic": (), "auto": tuple(FIELD_DEFAULTS)}[self.resolved_format]
+        for flag, default in FIELD_DEFAULTS.items():
             if flag not in reads and getattr(self, flag) != default:
                 raise ValueError(f"--sft_data.{flag} {getattr(self, flag)!r} is not read by --sft_data.format "
-                                 f"{self.format}" + (f" (it reads {', '.join('--sft_data.' + r for r in reads)})"
+                                 f"{self.resolved_format}" + (f" (it reads {', '.join('--sft_data.' + r for r in reads)})"
                                                      if reads else "") + ": drop it")
-        if self.format == "synthetic" and self.chat_template != "auto":
+        renders_chats = self.resolved_format not in ("synthetic", "text")
+        if not renders_chats and self.chat_template != "auto":
             raise ValueError(f"--sft_data.chat_template {self.chat_template} is not read by --sft_data.format "
-                             "synthetic (its prompts are plain text): drop it")
+                             f"{self.resolved_format} (its examples are plain text): drop it")
         check_template_kwargs(self.chat_template_kwargs, "--sft_data", self.chat_template,
-                              renders_chats=self.format != "synthetic")
+                              renders_chats=renders_chats, fmt=self.resolved_format)
         check_template_path(self.chat_template_path, "--sft_data", self.chat_template,
-                            renders_chats=self.format != "synthetic")
+                            renders_chats=renders_chats, fmt=self.resolved_format)
 
     def _check_choices(self) -> None:
         """Literal-typed flags hold one of their values (tyro checks the CLI, not code)."""
@@ -191,28 +204,37 @@ class SFTDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
                 )
 
 
-def check_template_kwargs(text: str | None, section: str, chat_template: str, *, renders_chats: bool) -> None:
+FIELD_DEFAULTS = {"prompt_field": "prompt", "completion_field": "completion", "messages_field": "messages",
+                  "text_field": "text"}
+"""The column flags of --sft_data.* and their defaults."""
+
+
+def check_template_kwargs(text: str | None, section: str, chat_template: str, *, renders_chats: bool,
+                          fmt: str = "synthetic") -> None:
     """``{section}.chat_template_kwargs`` is a JSON object, for a format that renders chats with
-    a tokenizer's template (not the built-in one, which has no variables)."""
+    a tokenizer's template (not the built-in one, which has no variables); ``fmt``: the format
+    named when it renders none."""
     if text is None:
         return
     parse_template_kwargs(text, f"{section}.chat_template_kwargs")
     if not renders_chats or chat_template == "builtin":
-        what = "the built-in chat template" if renders_chats else f"{section}.format synthetic"
+        what = "the built-in chat template" if renders_chats else f"{section}.format {fmt}"
         raise ValueError(f"{section}.chat_template_kwargs {text!r} is not read by {what}, which has no template "
                          "variables: drop it")
 
 
-def check_template_path(path: str | None, section: str, chat_template: str, *, renders_chats: bool) -> None:
+def check_template_path(path: str | None, section: str, chat_template: str, *, renders_chats: bool,
+                        fmt: str = "synthetic") -> None:
     """``{section}.chat_template_path`` names a template for a format that renders chats, and
-    not beside ``chat_template builtin`` (titan's own template)."""
+    not beside ``chat_template builtin`` (titan's own template); ``fmt`` as in
+    `check_template_kwargs`."""
     if path is None:
         return
     if not path:
         raise ValueError(f"{section}.chat_template_path is empty; name a Jinja template file, or drop the flag")
     if not renders_chats:
-        raise ValueError(f"{section}.chat_template_path {path!r} is not read by {section}.format synthetic (its "
-                         "prompts are plain text): drop it")
+        raise ValueError(f"{section}.chat_template_path {path!r} is not read by {section}.format {fmt} (its "
+                         "examples are plain text): drop it")
     if chat_template == "builtin":
         raise ValueError(f"{section}.chat_template_path sets a Jinja template and {section}.chat_template builtin "
                          "renders titan's own: drop one of the two")
@@ -224,5 +246,5 @@ def validate_sft_data_config(cfg: SFTDataConfig) -> None:
     is read). Raises FileNotFoundError or ValueError naming the flag."""
     for path, flag, split, held_out in ((cfg.path, "--sft_data.path", cfg.split, False),
                                         (cfg.eval_path, "--sft_data.eval_path", cfg.eval_split, True)):
-        if path and cfg.format != "synthetic" and not is_hub_dataset(path):
+        if path and cfg.resolved_format != "synthetic" and not is_hub_dataset(path):
             resolve_local_records(path, flag=flag, held_out=held_out, split=split, subset=cfg.subset)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import numpy as np
 from titan.train.data.chat import (
     TOOLS_COLUMN,
@@ -10,12 +13,15 @@ from titan.train.data.chat import (
     check_no_tools,
     encode_chat,
     encode_prompt_completion,
+    encode_text,
     parse_template_kwargs,
     resolve_chat_template,
 )
 from titan.train.data.records import load_records
 from titan.train.data.sft_config import SFTDataConfig
 from titan.train.data.tokenizer import Tokenizer
+
+logger = logging.getLogger("titan")
 
 
 class SFTSource:
@@ -79,7 +85,7 @@ def _distinct_strings(cfg: SFTDataConfig) -> list[str]:
 def synthetic_eval_pairs(cfg: SFTDataConfig) -> list[tuple[str, str]]:
     """Held-out (prompt, answer) pairs of the synthetic task, never trained on: generate
     from `encode_prompt(prompt, tokenizer)` and compare the decoded text before EOS."""
-    if cfg.format != "synthetic":
+    if cfg.resolved_format != "synthetic":
         raise ValueError("held-out pairs exist only for --sft_data.format synthetic")
     strings = _distinct_strings(cfg)[: cfg.synthetic_eval_examples]
     task = cfg.synthetic_task
@@ -103,6 +109,8 @@ class JSONLSFTSource(SFTSource):
                 "prompt_field": cfg.prompt_field,
                 "completion_field": cfg.completion_field,
             }
+        elif cfg.format == "text":
+            self.fields = {"text_field": cfg.text_field}
         else:
             self.fields = {"messages_field": cfg.messages_field}
         for flag, column in self.fields.items():
@@ -136,6 +144,12 @@ class JSONLSFTSource(SFTSource):
                 return encode_prompt_completion(
                     prompt, completion, self.tokenizer, train_on=self.cfg.train_on
                 )
+            if self.cfg.format == "text":
+                text = row[self.cfg.text_field]
+                if not isinstance(text, str):
+                    raise ValueError(f"{self.cfg.text_field!r} holds {type(text).__name__}, not a string")
+                check_no_tools(tools)
+                return encode_text(text, self.tokenizer)
             return encode_chat(
                 row[self.cfg.messages_field],
                 self.tokenizer,
@@ -155,22 +169,49 @@ def _format_needs(cfg: SFTDataConfig) -> str:
     if cfg.format == "prompt_completion":
         return (f"{cfg.prompt_field!r} and {cfg.completion_field!r} per row, both strings or both lists of "
                 "{role, content} messages")
+    if cfg.format == "text":
+        return f"{cfg.text_field!r}: a string per row"
     return (
         f"{cfg.messages_field!r}: a list of {{role, content}} (roles system/user/assistant, "
         "at least one assistant)"
     )
 
 
+def detect_format(cfg: SFTDataConfig, columns: list[str], *, where: str) -> SFTDataConfig:
+    """``cfg`` with ``--sft_data.format auto`` told by the rows' ``columns`` as TRL tells a
+    dataset's type: the messages column makes a chat, prompt and completion columns a
+    prompt-completion pair, a text column a text (checked again as if given: a flag that
+    format does not read is refused). Any other format is returned as it is."""
+    if cfg.format != "auto":
+        return cfg
+    if cfg.messages_field in columns:
+        detected = "chat"
+    elif cfg.prompt_field in columns and cfg.completion_field in columns:
+        detected = "prompt_completion"
+    elif cfg.text_field in columns:
+        detected = "text"
+    else:
+        raise ValueError(
+            f"{where}: --sft_data.format auto finds no column it knows (columns: {', '.join(columns) or 'none'}): "
+            f"{cfg.messages_field!r} (chat), {cfg.prompt_field!r} and {cfg.completion_field!r} (prompt_completion) "
+            f"or {cfg.text_field!r} (text); name the columns with --sft_data.messages_field, .prompt_field and "
+            ".completion_field, or .text_field"
+        )
+    logger.info("%s: --sft_data.format auto reads it as %s (its columns: %s)", where, detected, ", ".join(columns))
+    return dataclasses.replace(cfg, format=detected)
+
+
 def build_sft_source(cfg: SFTDataConfig, tokenizer: Tokenizer, *, held_out: bool = False) -> SFTSource:
     """The example source `cfg` describes; `held_out`: its held-out examples (the synthetic
     task's held-out strings, or the rows of --sft_data.eval_path)."""
-    if cfg.format == "synthetic":
+    if cfg.resolved_format == "synthetic":
         return SyntheticSFTTask(cfg, tokenizer, held_out=held_out)
     if held_out and not cfg.eval_path:
         raise ValueError("held-out SFT examples need --sft_data.eval_path (JSONL in the --sft_data.format layout)")
     flag = "--sft_data.eval_path" if held_out else "--sft_data.path"
     dataset = load_records(cfg.eval_path if held_out else cfg.path, flag=flag, held_out=held_out,
                            split=cfg.eval_split if held_out else cfg.split, subset=cfg.subset, cache_dir=cfg.cache_dir)
+    cfg = detect_format(cfg, dataset.column_names, where=f"{flag} {cfg.eval_path if held_out else cfg.path}")
     # prompt_completion rows may be conversations too (TRL's conversational prompt-completion)
     template = resolve_chat_template(
         cfg.chat_template, tokenizer, template_path=cfg.chat_template_path,
