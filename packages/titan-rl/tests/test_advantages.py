@@ -47,3 +47,24 @@ def test_sample_std_divides_by_group_minus_one():
     adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]), eps=1e-12, std="sample")
     std = (4 * 0.25 / 3) ** 0.5  # sum of squared deviations / (G - 1)
     torch.testing.assert_close(adv, torch.tensor([[0.5, -0.5, -0.5, 0.5]]) / std)
+
+
+def test_batch_std_scope_divides_every_group_by_one_std():
+    """TRL's scale_rewards="batch": group means, one std over all 12 rewards (sum 13, sum of
+    squares 27: squared deviations sum to 27 - 13^2/12 = 155/12; population std
+    sqrt(155/144), sample sqrt(155/132)); the groups keep their relative scale, unlike the
+    per-group std."""
+    centred = torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0] * 4, [2.25, -0.75, -0.75, -0.75]])
+    for std, spread in (("population", (155 / 144) ** 0.5), ("sample", (155 / 132) ** 0.5)):
+        adv = group_advantages(REWARDS, eps=1e-12, std=std, std_scope="batch")
+        torch.testing.assert_close(adv, centred / spread)
+    with pytest.raises(ValueError, match="--rl.advantage_std_scope must be group or batch"):
+        group_advantages(REWARDS, std_scope="global")
+
+
+def test_batch_scope_needs_a_std_to_scale():
+    from titan.rl.config import RLSection
+
+    assert RLSection(advantage_std_scope="batch").advantage_std_scope == "batch"
+    with pytest.raises(ValueError, match="this run divides by none"):
+        RLSection(advantage_std_scope="batch", loss_type="dr_grpo")

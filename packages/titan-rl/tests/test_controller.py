@@ -633,8 +633,11 @@ def test_completions_are_logged_with_the_rewards_the_metrics_average(tmp_path):
     prompt and answer, at the step its metrics record has; their rewards average to that
     record's reward_mean; their advantages sum to 0 in every group; a rollout with nothing to
     learn is logged too, untrained; --rl.num_completions_to_print 2 prints two completions of
-    each trained rollout at its logged step."""
-    result = run_rl(tmp_path, *SHORT, "--rl.log_completions", "--rl.num_completions_to_print", "2")
+    each trained rollout at its logged step. With --rl.advantage_std_scope batch (TRL's
+    scale_rewards="batch") an advantage is its reward minus its group's mean over the std of
+    the rollout's 16 rewards, by hand."""
+    result = run_rl(tmp_path, *SHORT, "--rl.log_completions", "--rl.num_completions_to_print", "2",
+                    "--rl.advantage_std_scope", "batch")
     rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     rl = [r for r in records(tmp_path) if r.get("phase") == "rl"]
     trained = {r["rollout_index"] - 1 for r in rl}  # the record holds the next rollout's index
@@ -645,9 +648,14 @@ def test_completions_are_logged_with_the_rewards_the_metrics_average(tmp_path):
         assert {r["step"] for r in mine} == {record["step"]}
         assert len(mine) == 16 and all(r["prompt"] and r["answer"] is not None and r["tokens"] >= 1 for r in mine)
         assert sum(r["reward"] for r in mine) / 16 == pytest.approx(record["reward_mean"], abs=1e-12)
+        rewards = [r["reward"] for r in mine]
+        batch_std = (sum((x - sum(rewards) / 16) ** 2 for x in rewards) / 16) ** 0.5
         for group in range(4):
-            # float32 advantages: four of magnitude <= 1.8 sum to 0 within a few float32 ulps
-            assert sum(r["advantage"] for r in mine if r["group"] == group) == pytest.approx(0.0, abs=1e-6)
+            members = [r for r in mine if r["group"] == group]
+            mean = sum(r["reward"] for r in members) / len(members)
+            # float32 advantages, against the float64 formula: a few float32 ulps
+            assert [r["advantage"] for r in members] == pytest.approx(
+                [(r["reward"] - mean) / (batch_std + 1e-6) for r in members], rel=1e-5, abs=1e-6)
     output = result.stdout + result.stderr
     assert output.count(" of rollout ") == len(rl) and output.count("  group ") == 2 * len(rl)
 

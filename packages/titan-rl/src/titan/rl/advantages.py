@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
+STD_SCOPES: tuple[str, ...] = ("group", "batch")
 
 
 def group_advantages(
@@ -23,13 +24,17 @@ def group_advantages(
     eps: float = 1e-6,
     estimator: str = "grpo",
     std: str = "population",
+    std_scope: str = "group",
 ) -> torch.Tensor:
     """Advantages ``[N, G]`` of rewards ``[N, G]`` (N prompts, G completions each).
 
     ``estimator="grpo"``: rewards minus their group mean, divided by the group's standard
     deviation plus ``eps`` when ``normalize_std`` (Dr.GRPO: ``normalize_std=False``);
     ``std`` is ``"population"`` (divide by G, the default) or ``"sample"`` (by G - 1, as
-    ``torch.std``'s default, which TRL and verl use). ``estimator="rloo"`` (REINFORCE
+    ``torch.std``'s default, which TRL and verl use); ``std_scope`` is ``"group"`` (each
+    group's own std) or ``"batch"`` (one std over every reward of the batch, TRL's
+    ``scale_rewards="batch"``: a group of nearly equal rewards is not blown up to unit
+    scale). ``estimator="rloo"`` (REINFORCE
     leave-one-out): each reward minus the mean of the *other* G - 1 rewards of its group,
     ``G / (G - 1) * (r - mean)``, never divided by a std (``normalize_std`` must be False).
     """
@@ -39,6 +44,8 @@ def group_advantages(
         raise ValueError(f"--rl.advantage_estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
     if std not in ("population", "sample"):
         raise ValueError(f"--rl.advantage_std must be population or sample, got {std!r}")
+    if std_scope not in STD_SCOPES:
+        raise ValueError(f"--rl.advantage_std_scope must be group or batch, got {std_scope!r}")
     rewards = rewards.double()
     group = rewards.shape[1]
     centred = rewards - rewards.mean(dim=1, keepdim=True)
@@ -49,7 +56,10 @@ def group_advantages(
             raise ValueError("RLOO advantages are not divided by a std: use normalize_std=False")
         return (centred * group / (group - 1)).float()
     if normalize_std:
-        centred = centred / (rewards.std(dim=1, unbiased=std == "sample", keepdim=True) + eps)
+        unbiased = std == "sample"
+        spread = rewards.std(dim=1, unbiased=unbiased, keepdim=True) if std_scope == "group" \
+            else rewards.flatten().std(unbiased=unbiased)
+        centred = centred / (spread + eps)
     return centred.float()
 
 

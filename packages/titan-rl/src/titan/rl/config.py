@@ -61,6 +61,9 @@ class RLSection:
     advantage_std: Literal["population", "sample"] = "population"
     """The group std advantages are divided by: population (divide by G) or sample (by G - 1,
     torch.std's default, which TRL and verl use)."""
+    advantage_std_scope: Literal["group", "batch"] = "group"
+    """Which rewards that std is taken over: group (each prompt's own completions) or batch
+    (every reward of the rollout, TRL's scale_rewards="batch")."""
     drop_zero_variance: bool = True
     """Leave out groups whose completions all got the same reward (no signal)."""
     max_refill_rounds: int = 0
@@ -225,6 +228,11 @@ class RLSection:
             raise ValueError(f"--rl.advantage_estimator must be grpo or rloo, got {self.advantage_estimator!r}")
         if self.advantage_std not in ("population", "sample"):
             raise ValueError(f"--rl.advantage_std must be population or sample, got {self.advantage_std!r}")
+        if self.advantage_std_scope not in ("group", "batch"):
+            raise ValueError(f"--rl.advantage_std_scope must be group or batch, got {self.advantage_std_scope!r}")
+        if self.advantage_std_scope != "group" and not self.use_std:
+            raise ValueError(f"--rl.advantage_std_scope {self.advantage_std_scope} sets the std advantages are divided "
+                             "by, and this run divides by none (--rl.normalize_std off, dr_grpo or rloo): drop it")
         if self.advantage_estimator == "rloo" and self.normalize_std:
             raise ValueError("--rl.advantage_estimator rloo does not divide by a std: drop --rl.normalize_std")
         if self.group_size < 2:

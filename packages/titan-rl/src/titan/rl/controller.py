@@ -462,7 +462,7 @@ class RLTrainer(TrainingLoop):
             )
         rows = rollout_rows(rollout, normalize_std=cfg.rl.use_std, drop_zero_variance=cfg.rl.drop_zero_variance,
                             mask_truncated=cfg.rl.mask_truncated, estimator=cfg.rl.advantage_estimator,
-                            std=cfg.rl.advantage_std)
+                            std=cfg.rl.advantage_std, std_scope=cfg.rl.advantage_std_scope)
         stats = rollout_stats(rollout)
         if not any(r.train and r.token_ids for r in rows):
             self.state.skipped += 1

@@ -85,6 +85,7 @@ def rollout_rows(
     mask_truncated: bool = False,
     estimator: str = "grpo",
     std: str = "population",
+    std_scope: str = "group",
 ) -> list[Row]:
     """One row per completion, with its group advantage (``estimator``, ``std``:
     :func:`group_advantages`); completions of groups whose rewards are all equal are left out
@@ -92,8 +93,8 @@ def rollout_rows(
     has no rows."""
     if not rollout.groups:
         return []
-    advantages, keep = completion_advantages(rollout, normalize_std=normalize_std,
-                                             drop_zero_variance=drop_zero_variance, estimator=estimator, std=std)
+    advantages, keep = completion_advantages(rollout, normalize_std=normalize_std, drop_zero_variance=drop_zero_variance,
+                                             estimator=estimator, std=std, std_scope=std_scope)
     rows = []
     for i, group in enumerate(rollout.groups):
         if not keep[i]:
@@ -111,12 +112,14 @@ def rollout_rows(
 
 
 def completion_advantages(rollout: Rollout, *, normalize_std: bool = True, drop_zero_variance: bool = True,
-                          estimator: str = "grpo", std: str = "population") -> tuple[torch.Tensor, torch.Tensor]:
+                          estimator: str = "grpo", std: str = "population",
+                          std_scope: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages [N, G], kept groups [N])`` of a rollout with groups: each completion's
     group advantage (:func:`group_advantages`) and whether its group trains (all do unless
     ``drop_zero_variance`` leaves out those whose rewards are all equal)."""
     rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
-    advantages = group_advantages(rewards, normalize_std=normalize_std, estimator=estimator, std=std)
+    advantages = group_advantages(rewards, normalize_std=normalize_std, estimator=estimator, std=std,
+                                  std_scope=std_scope)
     keep = nonzero_variance_groups(rewards) if drop_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
     return advantages, keep
 
