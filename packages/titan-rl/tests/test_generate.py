@@ -161,3 +161,51 @@ def test_bad_requests_are_rejected(generator):
 def test_completion_fields():
     c = Completion(prompt_ids=[1], token_ids=[2], logprobs=[-0.1], finish_reason="stop")
     assert c.version == 0
+
+
+def test_min_p_and_repetition_penalty_are_transformers_processors():
+    """min_p and the repetition penalty equal transformers' own logits processors on the same
+    logits (the outside reference), min_p by hand too."""
+    transformers = pytest.importorskip("transformers")
+    from titan.rl.generate.native import penalize_repetitions
+
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = filter_top_k_top_p(probs.log(), 0, 1.0, min_p=0.2).isfinite()  # floor 0.2 x 0.5 = 0.1
+    assert kept.tolist() == [[True, True, True, False]]
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB) * 3
+    reference = transformers.MinPLogitsWarper(min_p=0.1)(torch.zeros(3, 1, dtype=torch.long), logits.clone())
+    assert torch.equal(filter_top_k_top_p(logits, 0, 1.0, min_p=0.1).isfinite(), reference.isfinite())
+    history = torch.randint(0, VOCAB, (3, 7))
+    seen = torch.zeros(3, VOCAB, dtype=torch.bool).scatter(1, history, True)
+    want = transformers.RepetitionPenaltyLogitsProcessor(penalty=1.3)(history, logits.clone())
+    torch.testing.assert_close(penalize_repetitions(logits, seen, 1.3), want, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_greedy_with_repetition_penalty_equals_transformers_processor_step_by_step(model, generator):
+    """Greedy decoding under --sampling.repetition_penalty 1.5: each token is the argmax of the
+    full forward's logits after transformers' repetition-penalty processor over the prompt and
+    the tokens so far; the reported log-probs stay the unpenalized ones (the trainer's)."""
+    transformers = pytest.importorskip("transformers")
+    processor = transformers.RepetitionPenaltyLogitsProcessor(penalty=1.5)
+    sampling = SamplingConfig(temperature=0, max_new_tokens=12, repetition_penalty=1.5)
+    out = generator.generate(PROMPTS, sampling)
+    plain = generator.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=12))
+    assert [g[0].token_ids for g in out] != [g[0].token_ids for g in plain]  # the penalty changed something
+    for prompt, group in zip(PROMPTS, out, strict=True):
+        seq = list(prompt)
+        for _ in range(12):
+            scores = processor(torch.tensor([seq]), model(torch.tensor([seq]))[:, -1].float())
+            seq.append(int(scores.argmax()))
+        assert group[0].token_ids == seq[len(prompt):]
+        ref = torch.log_softmax(full_forward_logits(model, prompt, group[0].token_ids), -1)
+        expected = ref.gather(-1, torch.tensor(group[0].token_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(group[0].logprobs), expected, rtol=0, atol=1e-5)
+
+
+def test_sampling_flags_are_checked():
+    with pytest.raises(ValueError, match="--sampling.min_p must be in"):
+        SamplingConfig(min_p=1.5)
+    with pytest.raises(ValueError, match="--sampling.repetition_penalty must be > 0"):
+        SamplingConfig(repetition_penalty=0)

@@ -107,6 +107,28 @@ def test_greedy_tokens_equal_transformers_and_native(family_setup):
     assert pads == [PADS.get(family, 0)] * len(pads)
 
 
+def test_repetition_penalty_and_min_p_decode_as_native_and_transformers(family_setup):
+    """--sampling.repetition_penalty reaches vLLM: greedy tokens under a penalty of 1.5 equal
+    the native generator's and transformers' `generate(repetition_penalty=1.5)`, and differ
+    from plain greedy; min_p 1.0 keeps only the argmax, so sampling with it is greedy."""
+    family, model, _, folder, generator = family_setup
+    if family != "llama3":
+        pytest.skip("one family suffices: the penalty is the sampler's, not the model's")
+    penalized = SamplingConfig(temperature=0, max_new_tokens=12, repetition_penalty=1.5)
+    got = [g[0].token_ids for g in generator.generate(PROMPTS, penalized)]
+    assert got == [g[0].token_ids for g in NativeGenerator(model, device="cpu").generate(PROMPTS, penalized)]
+    greedy = [g[0].token_ids for g in generator.generate(PROMPTS, SamplingConfig(temperature=0, max_new_tokens=12))]
+    assert got != greedy
+    hf = getattr(transformers, HF_CLASSES[family]).from_pretrained(folder, attn_implementation="eager").eval()
+    for prompt, tokens in zip(PROMPTS, got, strict=True):
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                          repetition_penalty=1.5, eos_token_id=None, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == tokens
+    only_argmax = SamplingConfig(temperature=1.0, min_p=1.0, max_new_tokens=12, n=2, seed=1)
+    assert [[c.token_ids for c in g] for g in generator.generate(PROMPTS, only_argmax)] == [[t, t] for t in greedy]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_logprobs_equal_titans_forward(family_setup, temperature):
     _, model, _, _, generator = family_setup

@@ -5,8 +5,8 @@ every generated token, and accepts new policy weights by name with a version num
 
 Log-probability convention: ``Completion.logprobs[i]`` is ``log_softmax(logits / T)`` of the
 sampled token, with ``T`` the sampling temperature (``T = 1`` when ``temperature == 0``, i.e.
-greedy decoding reports the model's plain log-probabilities). top-k / top-p filtering is *not*
-folded in: the logprob is under the temperature-scaled full distribution, which is what the
+greedy decoding reports the model's plain log-probabilities). top-k / top-p / min-p filtering
+and the repetition penalty are *not* folded in: the logprob is under the temperature-scaled full distribution, which is what the
 trainer recomputes with its own forward, so the two are comparable token for token.
 """
 
@@ -32,6 +32,13 @@ class SamplingConfig:
     this (1.0 keeps all)."""
     top_k: int = 0
     """Keep only the k most likely tokens (0 keeps all)."""
+    min_p: float = 0.0
+    """Keep only the tokens at least this many times as likely as the most likely one (0
+    keeps all), as transformers' and vLLM's min_p."""
+    repetition_penalty: float = 1.0
+    """Make the tokens already in the prompt or the completion less likely before sampling:
+    a positive logit divided by it, a negative one multiplied (transformers' and vLLM's
+    repetition_penalty; 1.0 off)."""
     max_new_tokens: int = 128
     """Most tokens generated per completion; a completion that reaches it ends with
     finish_reason "length"."""
@@ -53,6 +60,10 @@ class SamplingConfig:
             raise ValueError(f"--sampling.top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable")
         if self.top_k < 0:
             raise ValueError(f"--sampling.top_k must be >= 0 (0 disables), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"--sampling.min_p must be in [0, 1], got {self.min_p}; use 0 to disable")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"--sampling.repetition_penalty must be > 0 (1.0 disables), got {self.repetition_penalty}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:

@@ -9,6 +9,7 @@ same prompts and batch size.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -134,9 +135,16 @@ class NativeGenerator:
         logps = torch.zeros(rows, max_new, dtype=torch.float32, device=self.device)
         lengths = torch.full((rows,), max_new, dtype=torch.long, device=self.device)
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        seen = None  # [rows, V]: the tokens of each row's prompt and completion so far
+        if sampling.repetition_penalty != 1.0:
+            seen = torch.zeros(len(prompts), logits.shape[-1], dtype=torch.bool, device=self.device)
+            seen[valid.nonzero(as_tuple=True)[0].to(self.device), ids[valid].to(self.device)] = True
+            seen = seen.repeat_interleave(n, dim=0)
         for step in range(max_new):
-            token, logp = sample_next(logits, sampling, rng)
+            token, logp = sample_next(logits, sampling, rng, seen=seen)
             tokens[:, step], logps[:, step] = token, logp
+            if seen is not None:
+                seen[torch.arange(rows, device=self.device), token] = True
             hit = torch.isin(token, stop) & ~done
             lengths[hit] = step + 1
             done |= hit
@@ -189,25 +197,36 @@ class NativeGenerator:
 
 
 def sample_next(
-    logits: torch.Tensor, sampling: SamplingConfig, rng: torch.Generator
+    logits: torch.Tensor, sampling: SamplingConfig, rng: torch.Generator, *, seen: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from float32 `logits` [B, V]; returns (tokens [B], logprobs [B])
-    with logprob = log_softmax(logits / T)[token] (T = 1 when greedy; top-k/top-p filtering is
-    not folded into the reported logprob)."""
+    with logprob = log_softmax(logits / T)[token] (T = 1 when greedy; the repetition penalty
+    over the `seen` tokens [B, V] and top-k/top-p/min-p filtering are not folded into the
+    reported logprob)."""
+    drawn_from = penalize_repetitions(logits, seen, sampling.repetition_penalty)
     if sampling.temperature == 0:
-        token = logits.argmax(dim=-1)
+        token = drawn_from.argmax(dim=-1)
         return token, token_logprobs(logits, token)
-    scaled = logits / sampling.temperature
-    logp = torch.log_softmax(scaled, dim=-1)
-    filtered = filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
+    logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
+    filtered = filter_top_k_top_p(drawn_from / sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
     probs = torch.softmax(filtered, dim=-1)
     token = torch.multinomial(probs, 1, generator=rng).squeeze(-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set to -inf the logits outside the top `top_k` (0 = all) and outside the smallest set
-    whose probability reaches `top_p` (1.0 = all); the most likely token always stays."""
+def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
+    """`logits` with those of the `seen` tokens made less likely by `penalty` (positive ones
+    divided, negative ones multiplied), as transformers' and vLLM's repetition penalty."""
+    if seen is None or penalty == 1.0:
+        return logits
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Set to -inf the logits outside the top `top_k` (0 = all), outside the smallest set
+    whose probability reaches `top_p` (1.0 = all) and below `min_p` times the most likely
+    token's probability (0 = none); the most likely token always stays."""
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -219,7 +238,11 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         drop_sorted = before >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p): no softmax needed
+        floor = logits.max(dim=-1, keepdim=True).values + math.log(min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     return logits
 
 
-__all__ = ["NativeGenerator", "filter_top_k_top_p", "sample_next"]
+__all__ = ["NativeGenerator", "filter_top_k_top_p", "penalize_repetitions", "sample_next"]

@@ -173,6 +173,8 @@ class VLLMGenerator:
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
+                min_p=sampling.min_p,
+                repetition_penalty=sampling.repetition_penalty,
                 max_tokens=sampling.max_new_tokens,
                 stop_token_ids=sorted(stop),
                 # Only titan's stop tokens end a completion: vLLM would also stop at the eos id
