@@ -635,9 +635,12 @@ def test_completions_are_logged_with_the_rewards_the_metrics_average(tmp_path):
     learn is logged too, untrained; --rl.num_completions_to_print 2 prints two completions of
     each trained rollout at its logged step. With --rl.advantage_std_scope batch (TRL's
     scale_rewards="batch") an advantage is its reward minus its group's mean over the std of
-    the rollout's 16 rewards, by hand."""
+    the rollout's 16 rewards, by hand. Two rewards (exact_match, char_match at weight 0.5):
+    each completion logs both, its reward is their weighted sum, and each step's record has
+    each reward's mean over its completions (TRL's per-reward metrics)."""
     result = run_rl(tmp_path, *SHORT, "--rl.log_completions", "--rl.num_completions_to_print", "2",
-                    "--rl.advantage_std_scope", "batch")
+                    "--rl.advantage_std_scope", "batch", "--rl.rewards", "exact_match", "char_match",
+                    "--rl.reward_weights", "1", "0.5")
     rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     rl = [r for r in records(tmp_path) if r.get("phase") == "rl"]
     trained = {r["rollout_index"] - 1 for r in rl}  # the record holds the next rollout's index
@@ -648,6 +651,10 @@ def test_completions_are_logged_with_the_rewards_the_metrics_average(tmp_path):
         assert {r["step"] for r in mine} == {record["step"]}
         assert len(mine) == 16 and all(r["prompt"] and r["answer"] is not None and r["tokens"] >= 1 for r in mine)
         assert sum(r["reward"] for r in mine) / 16 == pytest.approx(record["reward_mean"], abs=1e-12)
+        for name in ("exact_match", "char_match"):
+            assert record[f"reward_{name}_mean"] == pytest.approx(sum(r["rewards"][name] for r in mine) / 16, abs=1e-12)
+        assert all(r["reward"] == pytest.approx(r["rewards"]["exact_match"] + 0.5 * r["rewards"]["char_match"])
+                   for r in mine)
         rewards = [r["reward"] for r in mine]
         batch_std = (sum((x - sum(rewards) / 16) ** 2 for x in rewards) / 16) ** 0.5
         for group in range(4):

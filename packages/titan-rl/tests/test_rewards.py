@@ -170,3 +170,14 @@ def test_soft_overlong_penalty_by_hand():
     assert [overlong_penalty(n, **kw) for n in (10, 15, 16, 18, 20)] == pytest.approx([0, 0, -0.2, -0.6, -1.0])
     assert overlong_penalty(18, **kw, factor=0.5) == pytest.approx(-0.3)
     assert overlong_penalty(20, max_new_tokens=20, buffer_len=0) == 0.0
+
+
+def test_each_terms_unweighted_values_come_with_the_weighted_sum():
+    """score_terms: the weighted sums as score gives them, and each term's own values by
+    label (a repeated name numbered), for per-reward metrics."""
+    reward = build_reward(["exact_match", "char_match"], weights=[1.0, 2.0])
+    totals, terms = reward.score_terms(["p", "p"], ["ab", "ax"], ["ab", "ab"])
+    assert terms == {"exact_match": [1.0, 0.0], "char_match": [1.0, 0.5]}
+    assert totals == [3.0, 1.0] == reward.score(["p", "p"], ["ab", "ax"], ["ab", "ab"])
+    twice = build_reward(["format", "format"], format_regex="a.*")
+    assert twice.labels == ["format1", "format2"]

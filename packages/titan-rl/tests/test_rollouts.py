@@ -105,3 +105,19 @@ def test_a_rollout_whose_groups_were_all_dropped_has_no_rows():
     not a crash (it raised "rewards must be [prompts, group]")."""
     empty = Rollout(index=3, version=1, groups=[], rewards=[], generated_rewards=[[1.0, 1.0]])
     assert rollout_rows(empty) == []
+
+
+def test_each_reward_term_and_the_lengths_have_their_stats():
+    """reward_<label>_mean / _std over every generated completion (refills included, as
+    reward_mean), by hand; response lengths' min and max."""
+    scored = rollout()
+    scored.reward_terms = [{"exact_match": [1.0, 0.0], "format": [1.0, 1.0]},
+                           {"exact_match": [0.0, 0.0], "format": [1.0, 0.0]}]
+    stats = rollout_stats(scored)
+    assert stats["reward_exact_match_mean"] == pytest.approx(0.25)
+    assert stats["reward_exact_match_std"] == pytest.approx(((0.75**2 + 3 * 0.25**2) / 4) ** 0.5)  # population
+    assert stats["reward_format_mean"] == pytest.approx(0.75)
+    assert (stats["response_length_min"], stats["response_length_max"]) == (1.0, 3.0)
+    scored.generated_reward_terms = [*scored.reward_terms, {"exact_match": [1.0, 1.0], "format": [0.0, 0.0]}]
+    assert rollout_stats(scored)["reward_exact_match_mean"] == pytest.approx(3 / 6)
+    assert "reward_exact_match_mean" not in rollout_stats(rollout())  # no terms recorded: none logged

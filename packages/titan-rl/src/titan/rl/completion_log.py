@@ -40,7 +40,10 @@ def completion_records(rollout: Rollout, *, step: int, rl: Any) -> list[dict[str
                 "prompt": rollout.prompts[i] if rollout.prompts else None,
                 "answer": rollout.answers[i] if rollout.answers else None,
                 "completion": rollout.texts[i][j] if rollout.texts else None,
-                "reward": rollout.rewards[i][j], "advantage": float(advantages[i, j]),
+                "reward": rollout.rewards[i][j],
+                "rewards": {label: values[j] for label, values in rollout.reward_terms[i].items()}
+                if rollout.reward_terms else {},
+                "advantage": float(advantages[i, j]),
                 "trained": bool(keep[i]) and not (rl.mask_truncated and truncated),
                 "tokens": len(completion.token_ids), "finish_reason": completion.finish_reason,
             })

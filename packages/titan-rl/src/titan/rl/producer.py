@@ -104,11 +104,11 @@ class RolloutProducer:
         version = self.generator.version
         timeouts_before = self.reward.timeouts
         prompts = self.sampler.for_rollout(index, total)[first : first + count]
-        groups, rewards, texts = self._generate_scored(prompts, index, 0)
-        generated = list(rewards)
+        groups, rewards, texts, terms = self._generate_scored(prompts, index, 0)
+        generated, generated_terms = list(rewards), list(terms)
         rounds = 0
         if rl.max_refill_rounds:
-            groups, rewards, texts, prompts = _with_variance(groups, rewards, texts, prompts)
+            groups, rewards, texts, terms, prompts = _with_variance(groups, rewards, texts, terms, prompts)
             while len(groups) < count and rounds < rl.max_refill_rounds:
                 rounds += 1
                 # A stream of its own, positioned by (rollout, round, share): a resumed run refills alike.
@@ -116,21 +116,25 @@ class RolloutProducer:
                 fresh = self.refill_sampler.window(position, count)
                 more = self._generate_scored(fresh, index, rounds)
                 generated += more[1]
+                generated_terms += more[3]
                 kept = _with_variance(*more, fresh)
-                groups, rewards, texts, prompts = (a + b for a, b in zip((groups, rewards, texts, prompts), kept,
-                                                                          strict=True))
-            groups, rewards, texts, prompts = groups[:count], rewards[:count], texts[:count], prompts[:count]
+                groups, rewards, texts, terms, prompts = (
+                    a + b for a, b in zip((groups, rewards, texts, terms, prompts), kept, strict=True))
+            groups, rewards, texts, terms, prompts = (
+                values[:count] for values in (groups, rewards, texts, terms, prompts))
         return Rollout(index=index, version=version, groups=groups, rewards=rewards, texts=texts,
                        reward_timeouts=self.reward.timeouts - timeouts_before, generated_rewards=generated,
                        refill_rounds=rounds, generation_s=time.perf_counter() - start,
-                       prompts=[p.text for p in prompts], answers=[p.answer for p in prompts])
+                       prompts=[p.text for p in prompts], answers=[p.answer for p in prompts],
+                       reward_terms=terms, generated_reward_terms=generated_terms)
 
     def _generate_scored(self, prompts: list[Prompt], index: int, round_: int):
         """Completions of ``prompts`` (sampling seeded by rollout, refill round and shard),
-        their texts, and their rewards (the soft overlong penalty included)."""
+        their texts, their rewards (the soft overlong penalty included) and each reward term's
+        values per group."""
         rl, sampling = self.config.rl, self.sampling
         if not prompts:  # a share of none: more shards than prompts
-            return [], [], []
+            return [], [], [], []
         if sampling.seed is not None:
             seed = sampling.seed + index + round_ * 2**32 + self.shard * SHARD_SEED_STRIDE
             sampling = dataclasses.replace(sampling, seed=seed)
@@ -138,16 +142,19 @@ class RolloutProducer:
         texts = [[self.decode(c.token_ids) for c in group] for group in groups]
         # Every completion in one call: a reward model scores them in batches across groups.
         owners = [p for p, g in zip(prompts, texts, strict=True) for _ in g]
-        scores = self.reward.score([p.text for p in owners], [t for g in texts for t in g],
-                                   [p.answer for p in owners], [p.reward_context for p in owners])
-        ends = list(itertools.accumulate(len(g) for g in texts))
-        rewards = [scores[end - len(g) : end] for g, end in zip(texts, ends, strict=True)]
+        scores, by_term = self.reward.score_terms([p.text for p in owners], [t for g in texts for t in g],
+                                                  [p.answer for p in owners], [p.reward_context for p in owners])
         if rl.overlong_buffer_len:
-            for group, scores in zip(groups, rewards, strict=True):
-                for j, completion in enumerate(group):
-                    scores[j] += overlong_penalty(len(completion.token_ids), max_new_tokens=sampling.max_new_tokens,
-                                                  buffer_len=rl.overlong_buffer_len, factor=rl.overlong_penalty_factor)
-        return groups, rewards, texts
+            penalties = [overlong_penalty(len(c.token_ids), max_new_tokens=sampling.max_new_tokens,
+                                          buffer_len=rl.overlong_buffer_len, factor=rl.overlong_penalty_factor)
+                         for group in groups for c in group]
+            scores = [s + p for s, p in zip(scores, penalties, strict=True)]
+            by_term["overlong_penalty"] = penalties
+        ends = list(itertools.accumulate(len(g) for g in texts))
+        spans = [(end - len(g), end) for g, end in zip(texts, ends, strict=True)]
+        rewards = [scores[a:b] for a, b in spans]
+        terms = [{label: values[a:b] for label, values in by_term.items()} for a, b in spans]
+        return groups, rewards, texts, terms
 
     def decode(self, token_ids: list[int]) -> str:
         """A completion's text without its stop token."""
@@ -198,6 +205,10 @@ def merge_rollouts(parts: list[Rollout]) -> Rollout:
         generated_rewards=[r for p in parts for r in (p.generated_rewards or p.rewards)],
         refill_rounds=max(p.refill_rounds for p in parts),
         prompts=[t for p in parts for t in p.prompts], answers=[a for p in parts for a in p.answers],
+        reward_terms=[t for p in parts for t in p.reward_terms],
+        generated_reward_terms=[t for p in parts for t in (p.generated_reward_terms
+                                                           if p.generated_reward_terms is not None
+                                                           else p.reward_terms)],
     )
 
 

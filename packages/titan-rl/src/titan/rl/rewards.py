@@ -286,13 +286,28 @@ class CombinedReward:
                 f"{name!r} hangs; fix it or raise the timeout"
             )
 
+    @property
+    def labels(self) -> list[str]:
+        """One metric label per term: its name, numbered when a name repeats."""
+        names = [name for name, _, _ in self.terms]
+        return [name if names.count(name) == 1 else f"{name}{names[:i].count(name) + 1}"
+                for i, name in enumerate(names)]
+
     def score(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str | None],
               contexts: Sequence[RewardContext | None] | None = None) -> list[float]:
         """Rewards of aligned prompts, completions and answers (and the prompts' contexts,
         for TRL-style rewards)."""
+        return self.score_terms(prompts, completions, answers, contexts)[0]
+
+    def score_terms(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str | None],
+                    contexts: Sequence[RewardContext | None] | None = None
+                    ) -> tuple[list[float], dict[str, list[float]]]:
+        """The weighted sums (as :meth:`score`) and each term's own unweighted values by
+        :attr:`labels` (a timed-out call counts 0), for per-reward metrics as TRL logs them."""
         contexts = contexts if contexts is not None else [None] * len(prompts)
         totals = [0.0] * len(prompts)
-        for name, fn, weight in self.terms:
+        terms: dict[str, list[float]] = {}
+        for label, (name, fn, weight) in zip(self.labels, self.terms, strict=True):
             if getattr(fn, "batched", False):
                 values: list[float | None] = list(self._batch(name, fn, prompts, completions, contexts))
             else:
@@ -301,7 +316,8 @@ class CombinedReward:
             for i, value in enumerate(values):
                 if value is not None:  # a timed-out call scores 0 for this term
                     totals[i] += weight * value
-        return totals
+            terms[label] = [0.0 if value is None else value for value in values]
+        return totals, terms
 
 
 def build_reward(

@@ -61,6 +61,11 @@ class Rollout:
     """N prompt texts (as the rewards see them), for the completion log; may be empty."""
     answers: list[str | None] = field(default_factory=list)
     """N reference answers (None where the row has none), for the completion log; may be empty."""
+    reward_terms: list[dict[str, list[float]]] = field(default_factory=list)
+    """Per group, each reward term's unweighted values of its G completions (by the reward's
+    label; ``overlong_penalty`` too when on); may be empty."""
+    generated_reward_terms: list[dict[str, list[float]]] | None = None
+    """The same for every group generated for it (refills included); None: ``reward_terms``."""
 
 
 @dataclass
@@ -202,6 +207,18 @@ def split_rows(rows: Sequence[Row], *, dp_rank: int, dp_world_size: int, microba
     return [mine[i : i + microbatch_size] for i in range(0, share, microbatch_size)]
 
 
+def reward_term_stats(rollout: Rollout) -> dict[str, float]:
+    """``reward_<label>_mean`` / ``_std`` of each reward term over every completion generated
+    for the rollout (as ``reward_mean``), TRL's per-reward-function metrics."""
+    groups = rollout.generated_reward_terms if rollout.generated_reward_terms is not None else rollout.reward_terms
+    out: dict[str, float] = {}
+    for label in groups[0] if groups else ():
+        values = torch.tensor([v for group in groups for v in group[label]], dtype=torch.float64)
+        out[f"reward_{label}_mean"] = float(values.mean())
+        out[f"reward_{label}_std"] = float(values.std(unbiased=False))
+    return out
+
+
 def rollout_stats(rollout: Rollout) -> dict[str, float]:
     """Reward statistics of every group generated for a rollout (refill rounds included,
     before any filtering), length statistics of the completions it keeps."""
@@ -214,7 +231,10 @@ def rollout_stats(rollout: Rollout) -> dict[str, float]:
     return {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std(unbiased=False)),
+        **reward_term_stats(rollout),
         "response_length_mean": float(lengths.mean()),
+        "response_length_min": float(lengths.min()) if len(lengths) else 0.0,
+        "response_length_max": float(lengths.max()) if len(lengths) else 0.0,
         "truncated_fraction": truncated / max(len(completions), 1),
         "zero_variance_fraction": float((~nonzero_variance_groups(groups)).double().mean()),
         "reward_timeouts": rollout.reward_timeouts,
