@@ -89,7 +89,7 @@ REFERENCE_OF = {"qwen3_moe-pp2_aux_loss": "qwen3_moe_aux_loss_1f1b_stages",
 # importance weights, at temperature 0.7: its log-probs and entropy come from vocab-sharded
 # logits under TP (the entropy's gradient was wrong there until 2026-12-05), and GRPO's
 # per-completion token mean spans CP's sequence shards. name -> --rl.* fields
-RL_LOSSES = {loss: {"loss_type": loss, "entropy_coef": 0.01, "kl_coef": 0.05} for loss in ("grpo", "gspo", "dapo", "dr_grpo")}
+RL_LOSSES = {loss: {"loss_type": loss, "entropy_coef": 0.01, "kl_coef": 0.05} for loss in ("grpo", "gspo", "dapo", "dr_grpo", "cispo")}
 # a sequence's importance weight is the product of its tokens' ratios: CP splits the tokens
 RL_LOSSES["grpo_sequence_is"] = {**RL_LOSSES["grpo"], "is_level": "sequence"}
 RL_LOSSES["gspo_sequence_is"] = {**RL_LOSSES["gspo"], "is_level": "sequence"}
@@ -104,6 +104,7 @@ RL_LAYOUTS: dict[str, tuple[int, str, list[str], int, str]] = {  # name -> (rank
     "rl_grpo-cp2": (2, "llama3", CP2, 1, "grpo"),
     "rl_dapo-cp2": (2, "llama3", CP2, 1, "dapo"),
     "rl_dr_grpo-tp2_sp": (2, "llama3", TP2, 1, "dr_grpo"),
+    "rl_cispo-tp2_sp": (2, "llama3", TP2, 1, "cispo"),
     "rl_grpo_sequence_is-cp2": (2, "llama3", CP2, 1, "grpo_sequence_is"),
     "rl_grpo-pp2": (2, "llama3", [*NO_DP, "--parallelism.pipeline_parallel_degree", "2"], 1, "grpo"),
     "rl_grpo-qwen3_moe-tp2_sp": (2, "qwen3_moe", TP2, 1, "grpo"),

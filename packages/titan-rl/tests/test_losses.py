@@ -59,6 +59,24 @@ def test_dr_grpo_by_hand_has_no_length_normalization():
     assert loss_normalizer("dr_grpo", MASK, max_new_tokens=16).item() == 2 * 16
 
 
+def test_cispo_by_hand_clips_the_weight_never_the_update():
+    """CISPO (MiniMax-M1): each token's loss is -sg(clip(r, 0, 1.28)) A log pi: its value is
+    -clip(r) A, its gradient -clip(r) A on every loss token, the clipped ones included (the
+    1.5 ratio weighs 1.28; grpo gives that token no gradient); tokens weigh alike."""
+    logp, old = inputs()
+    loss, stats = policy_loss(logp, old, ADV, MASK, loss_type="cispo")
+    # Row 0: weights 1.28, 0.9, 1.0, A +1. Row 1: weights 0.5, 1.1 (no lower bound), A -2.
+    assert loss.item() == pytest.approx(-(1.28 + 0.9 + 1.0) + 2 * (0.5 + 1.1), abs=1e-6)
+    assert stats["clipped"].item() == 1 and loss_normalizer("cispo", MASK, max_new_tokens=3).item() == 5
+    loss.backward()
+    want = torch.tensor([[-1.28, -0.9, -1.0], [2 * 0.5, 2 * 1.1, 0.0]])
+    torch.testing.assert_close(logp.grad, want)
+    logp, old = inputs()  # a lower bound, when asked for: 0.5 weighs 0.8
+    bounded, stats = policy_loss(logp, old, ADV, MASK, loss_type="cispo", clip_eps_low=0.2)
+    assert bounded.item() == pytest.approx(-(1.28 + 0.9 + 1.0) + 2 * (0.8 + 1.1), abs=1e-6)
+    assert stats["clipped"].item() == 2
+
+
 def test_gspo_by_hand_sequence_ratio():
     logp, old = inputs()
     loss, stats = policy_loss(logp, old, ADV, MASK, loss_type="gspo")

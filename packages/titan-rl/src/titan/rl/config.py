@@ -21,14 +21,16 @@ class RLSection:
     """Prompts per step over all data-parallel ranks; each gets --rl.group_size completions."""
     group_size: int = 8
     """Completions per prompt (G): advantages compare a completion with its group."""
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo"] = "grpo"
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"] = "grpo"
     """grpo: per-completion token mean; dapo: asymmetric clip, every token weighs the same;
-    dr_grpo: no length or std normalization; gspo: sequence-level importance ratio."""
+    dr_grpo: no length or std normalization; gspo: sequence-level importance ratio; cispo
+    (MiniMax-M1): the importance weight is clipped, never the token's update."""
     clip_eps_low: float | None = None
-    """Lower clip of the ratio (1 - eps_low); None: the loss type's default (0.2; 3e-4 for gspo)."""
+    """Lower clip of the ratio (1 - eps_low; 1: no lower bound); None: the loss type's default
+    (0.2; 3e-4 for gspo; 1 for cispo)."""
     clip_eps_high: float | None = None
-    """Upper clip of the ratio (1 + eps_high); None: the loss type's default (0.2; 0.28 for dapo;
-    4e-4 for gspo)."""
+    """Upper clip of the ratio (1 + eps_high); None: the loss type's default (0.2; 0.28 for dapo
+    and cispo; 4e-4 for gspo)."""
     old_logprobs: Literal["trainer", "generator"] = "trainer"
     """What the PPO ratio pi/pi_old is taken against. trainer: the trainer's own log-probs of
     the rollout before its first update (the detached current ones when a single update uses
@@ -158,8 +160,11 @@ class RLSection:
             raise ValueError(f"--rl.loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"--rl.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
-        if self.clip_eps_low is not None and not 0 <= self.clip_eps_low < 1:
-            raise ValueError(f"--rl.clip_eps_low must be in [0, 1), got {self.clip_eps_low}")
+        if self.clip_eps_low is not None and not 0 <= self.clip_eps_low <= 1:
+            raise ValueError(f"--rl.clip_eps_low must be in [0, 1] (1: no lower bound), got {self.clip_eps_low}")
+        if self.loss_type == "cispo" and self.old_logprobs == "generator" and self.is_cap:
+            raise ValueError("--rl.old_logprobs generator caps the PPO ratio at --rl.is_cap; cispo clips its weight at "
+                             "1 + --rl.clip_eps_high instead: set --rl.is_cap 0")
         if self.clip_eps_high is not None and self.clip_eps_high < 0:
             raise ValueError(f"--rl.clip_eps_high must be >= 0, got {self.clip_eps_high}")
         for flag in ("kl_coef", "entropy_coef", "is_cap", "numeric_tolerance", "max_logprob_diff", "reward_timeout_s",

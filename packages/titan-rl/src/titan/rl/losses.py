@@ -27,7 +27,12 @@ The types (ratio ``r = exp(logprobs - old_logprobs)``, clipped surrogate
   budget (a constant, so long and short completions are not reweighted);
 - ``gspo``: one ratio per sequence, the geometric mean of its token ratios
   ``s_i = exp(mean_t(logprobs - old_logprobs))``, clipped per sequence; normalizer = number of
-  completions.
+  completions;
+- ``cispo`` (MiniMax-M1): no token is dropped from the update; the *weight* is clipped
+  instead: ``l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi``, computed as
+  ``-sg(clip(r) / r) r A`` (the same gradient, with the weighted advantage as its value);
+  every token weighs the same (normalizer = number of loss tokens, as dapo). Its default has
+  no lower bound (``eps_low`` 1, as the paper) and DAPO's upper one.
 
 Two corrections for tokens sampled by a generator that is not exactly the trainer:
 
@@ -58,9 +63,9 @@ from typing import Literal
 import torch
 from titan.rl.logprobs import token_entropy  # noqa: F401 - the entropy bonus's input, importable here too
 
-LossType = Literal["grpo", "dapo", "dr_grpo", "gspo"]
+LossType = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
 KLEstimator = Literal["k1", "k2", "k3"]
-LOSS_TYPES: tuple[str, ...] = ("grpo", "dapo", "dr_grpo", "gspo")
+LOSS_TYPES: tuple[str, ...] = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
 DEFAULT_CLIP: dict[str, tuple[float, float]] = {
@@ -69,6 +74,8 @@ DEFAULT_CLIP: dict[str, tuple[float, float]] = {
     "dr_grpo": (0.2, 0.2),
     # Sequence-level ratios move far less than token ratios: GSPO clips in a narrow band.
     "gspo": (3e-4, 4e-4),
+    # The clipped quantity is the update's weight, not the update: no lower bound (1 - 1 = 0).
+    "cispo": (1.0, 0.28),
 }
 """(eps_low, eps_high) each type uses unless the caller sets them."""
 
@@ -229,6 +236,15 @@ def policy_loss(
     if loss_type == "gspo":
         policy_sum, weights, clipped = _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights,
                                                    sequence_sum)
+    elif loss_type == "cispo":
+        ratio = torch.exp(log_ratio)
+        weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()
+        if is_weights is not None:
+            weight = weight * is_weights.detach()
+        token_loss = -(weight / ratio.detach()) * ratio * adv  # gradient: -weight * A * grad log pi
+        weights = mask
+        policy_sum = (token_loss * weights).sum()
+        clipped = ((ratio.detach() < 1 - eps_low) | (ratio.detach() > 1 + eps_high)).float() * mask
     else:
         token_loss, token_clipped = _clipped_surrogate(torch.exp(log_ratio), adv, eps_low, eps_high, is_cap)
         if is_weights is not None:
@@ -253,12 +269,12 @@ def policy_loss(
 
 def loss_normalizer(loss_type: str, loss_mask: torch.Tensor, *, max_new_tokens: int) -> torch.Tensor:
     """What this microbatch adds to the global divisor of the summed loss: completions with
-    loss tokens (grpo, gspo), loss tokens (dapo), or completions x ``max_new_tokens``
+    loss tokens (grpo, gspo), loss tokens (dapo, cispo), or completions x ``max_new_tokens``
     (dr_grpo). Sum it over every microbatch and data-parallel rank of the step."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"--rl.loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
     mask = loss_mask.float()
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):
         return mask.sum()
     completions = (mask.sum(-1) > 0).float().sum()
     if loss_type == "dr_grpo":
