@@ -334,26 +334,28 @@ def test_logprob_disagreement_is_warned_on_policy_only(caplog):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("generator_ranks", [0, 1, "every_rank"], ids=["one_rank", "disaggregated", "every_rank"])
-def test_rl_resume_continues_the_same_trajectory(tmp_path, generator_ranks):
+@pytest.mark.parametrize("generator_ranks", [0, 1, pytest.param("every_rank", marks=pytest.mark.xdist_group("rl_two_ranks"))],
+                         ids=["one_rank", "disaggregated", "every_rank"])
+def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ranks):
     """Losses, rewards, gradient norms and KL of the resumed steps equal the uninterrupted
     run's. KL is on: its reference is the policy RL started from (step 2, after the warm-up),
     restored from the checkpoint, not the resumed weights of step 5. Disaggregated: 2 FSDP
     trainer ranks and a generator rank, whose weights come from the resumed trainer. Every
     rank: 2 FSDP ranks each generating half of every rollout, each with its own copy of the
     reference (stored once in the checkpoint, restored on both)."""
-    flags = [*SHORT, "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
-             "--debug.deterministic", "--rl.kl_coef", "0.05"]
-    if generator_ranks == "every_rank":
-        flags += ["--rl.colocated_generation", "every_rank"]
+    flags = list(RESUMED)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    if generator_ranks == "every_rank":  # the uninterrupted run is one of the shared 2-rank launch's
+        flags = TWO_RANK_RUNS["resume_every_rank"]
         run = functools.partial(run_rl_ranks, 2)
+        straight = request.getfixturevalue("two_rank_runs") / "resume_every_rank"
     elif generator_ranks:
         flags += ["--rl.generator_ranks", str(generator_ranks)]
         run = functools.partial(run_rl_ranks, 2 + generator_ranks)
     else:
         run = run_rl
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run(straight, *flags)
+    if generator_ranks != "every_rank":
+        run(straight, *flags)
     (resumed / "checkpoint").mkdir(parents=True)
     shutil.copytree(straight / "checkpoint" / "step-5", resumed / "checkpoint" / "step-5")
     log = run(resumed, *flags)
@@ -368,6 +370,12 @@ def test_rl_resume_continues_the_same_trajectory(tmp_path, generator_ranks):
 # With the entropy bonus on, so that its gradient is part of every layout's comparison with one
 # rank (under TP it was wrong until 2026-12-05, and nothing trained with it).
 DETERMINISTIC = [*SHORT, "--debug.deterministic", "--rl.entropy_coef", "0.01"]
+# A run checkpointed at step 5 and resumed from it, with the KL reference to restore.
+RESUMED = [*SHORT, "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
+           "--debug.deterministic", "--rl.kl_coef", "0.05"]
+# Generator ranks' shares, async with KL and dynamic sampling; every rank generating equals them.
+SHARED = [*SHORT, "--rl.max_refill_rounds", "1", "--rl.eval_freq", "3", "--rl.eval_prompts", "5",
+          "--debug.deterministic", "--rl.max_policy_staleness", "1", "--rl.kl_coef", "0.05", "--rl.log_completions"]
 
 
 @pytest.mark.slow
@@ -497,6 +505,8 @@ TWO_RANK_RUNS = {
     "pp_two_passes": [*DETERMINISTIC, "--rl.ppo_epochs", "2", "--parallelism.pipeline_parallel_degree", "2"],
     "tp": [*DETERMINISTIC, "--parallelism.tensor_parallel_degree", "2", "--training.loss_chunk_tokens", "40"],
     "async_kl": ASYNC_KL,
+    "every_rank": [*SHARED, "--rl.colocated_generation", "every_rank"],
+    "resume_every_rank": [*RESUMED, "--rl.colocated_generation", "every_rank"],
     **{f"cp_{loss}": [*DETERMINISTIC, *SEQUENCE_IS, "--rl.loss_type", loss, "--parallelism.context_parallel_degree", "2",
                       "--parallelism.data_parallel_shard_degree", "1"] for loss in ("grpo", "gspo")},
 }
@@ -522,19 +532,14 @@ def one_rank_short(build_once) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("generator_ranks", [pytest.param("0", marks=TWO_RANKS), "1"],
-                         ids=["colocated", "disaggregated"])
-def test_two_fsdp_trainer_ranks_raise_held_out_reward(request, tmp_path, generator_ranks):
-    """FSDP over 2 trainer ranks, rank 0 generating for both (colocated) or a third rank
-    generating (disaggregated, the documented NGPU=3 launch): every sync is checked tensor by
+@TWO_RANKS
+def test_two_fsdp_trainer_ranks_raise_held_out_reward(two_rank_runs):
+    """FSDP over 2 trainer ranks, rank 0 generating for both: every sync is checked tensor by
     tensor (a mismatch stops the run), trainer and generator log-probs agree on every step,
-    and the held-out reward rises over 20 RL steps (0.33 -> 0.49 measured on one rank)."""
-    if generator_ranks == "0":
-        dump = request.getfixturevalue("two_rank_runs") / "learns"
-    else:
-        dump = tmp_path
-        run_rl_ranks(3, dump, *LEARNS, "--rl.generator_ranks", generator_ranks)
-    rows = records(dump)
+    and the held-out reward rises over 20 RL steps (0.33 -> 0.49 measured on one rank). The
+    disaggregated launch (NGPU=3, one generator rank) is not run 80 steps again: it equals
+    this layout record for record (test_one_generator_rank_reproduces_the_colocated_run)."""
+    rows = records(two_rank_runs / "learns")
     rl = [r for r in rows if r.get("phase") == "rl"]
     evals = [r for r in rows if r.get("phase") == "eval"]
     assert len(rl) == 20 and all(r["staleness"] == 0 for r in rl)
@@ -805,7 +810,8 @@ def test_one_generator_rank_reproduces_the_colocated_run(tmp_path, two_rank_runs
 
 
 @pytest.mark.slow
-def test_two_generator_ranks_and_every_rank_generating_share_each_rollout_alike(tmp_path):
+@TWO_RANKS
+def test_two_generator_ranks_and_every_rank_generating_share_each_rollout_alike(tmp_path, two_rank_runs):
     """2 generator ranks + 2 trainer ranks: each generator rank generates half of every
     rollout's prompts (dynamic sampling refills its own half), the trainer merges the halves,
     held-out prompts are split too; log-probs agree on every step. The same 2 trainer ranks
@@ -814,10 +820,8 @@ def test_two_generator_ranks_and_every_rank_generating_share_each_rollout_alike(
     the KL penalty (each rank rescoring its half with its own reference copy). Rank 0 alone
     would draw the second half with another sampling seed, so the equality shows that both
     ranks generated."""
-    flags = [*SHORT, "--rl.max_refill_rounds", "1", "--rl.eval_freq", "3", "--rl.eval_prompts", "5",
-             "--debug.deterministic", "--rl.max_policy_staleness", "1", "--rl.kl_coef", "0.05", "--rl.log_completions"]
-    result = run_rl_ranks(4, tmp_path / "disaggregated", *flags, "--rl.generator_ranks", "2")
-    every = run_rl_ranks(2, tmp_path / "every_rank", *flags, "--rl.colocated_generation", "every_rank")
+    result = run_rl_ranks(4, tmp_path / "disaggregated", *SHARED, "--rl.generator_ranks", "2")
+    every = two_rank_runs / "every_rank"  # the same flags, every rank generating: in the shared 2-rank launch
     rows = records(tmp_path / "disaggregated")
     rl = [r for r in rows if r.get("phase") == "rl"]
     assert len(rl) + sum(1 for r in rows if r.get("phase") == "sft_warmup") <= 8 and rl
@@ -828,14 +832,14 @@ def test_two_generator_ranks_and_every_rank_generating_share_each_rollout_alike(
     # 5 held-out prompts over 2 ranks: 3 + 2; an exact match rate is a multiple of 1/5.
     assert all(abs(e["eval_exact_match"] * 5 - round(e["eval_exact_match"] * 5)) < 1e-9 for e in evals)
     assert "Traceback" not in result.stderr
-    mine = records(tmp_path / "every_rank")
+    mine = records(every)
     assert [r["step"] for r in mine] == [r["step"] for r in rows]
     for got, want in zip(mine, rows, strict=True):
         assert {k: got.get(k) for k in (*COMPARED, "eval_reward", "eval_exact_match")} == \
             {k: want.get(k) for k in (*COMPARED, "eval_reward", "eval_exact_match")}, got["step"]
-    assert "every rank generates: each of the 2 ranks" in every.stdout + every.stderr
+    assert "every rank generates: each of the 2 ranks" in run_output(two_rank_runs / "launch.log", "every_rank")
     # The merged rollouts' completions, with the prompts each share drew (refills included), alike.
-    logged = [(tmp_path / run / "completions.jsonl").read_text().splitlines() for run in ("disaggregated", "every_rank")]
+    logged = [(folder / "completions.jsonl").read_text().splitlines() for folder in (tmp_path / "disaggregated", every)]
     assert logged[0] == logged[1]
     assert {json.loads(line)["step"] for line in logged[0]} >= {r["step"] for r in rl}
 
