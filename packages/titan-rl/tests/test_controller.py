@@ -899,3 +899,45 @@ def test_sigterm_to_a_disaggregated_launch_saves_and_resumes(tmp_path):
     resumed = run_rl_ranks(3, tmp_path, *flags, "--training.steps", str(stopped + 2))
     assert f"resumed from step {stopped}" in resumed.stdout + resumed.stderr
     assert [r["step"] for r in records(tmp_path) if r.get("phase") != "eval"][-1] == stopped + 2
+
+
+def test_the_reference_moves_toward_the_policy_by_hand():
+    """ReferencePolicy.mix: reference <- alpha x policy + (1 - alpha) x reference, by hand; a
+    rank without the reference only iterates the (collective) weights."""
+    import torch
+    from titan.rl.controller import ReferencePolicy
+
+    model = torch.nn.Linear(2, 1, bias=True)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, 2.0]]))
+        model.bias.fill_(4.0)
+    reference = ReferencePolicy(SimpleNamespace(model=model))
+    reference.mix(iter([("weight", torch.tensor([[3.0, 6.0]])), ("bias", torch.tensor([0.0]))]), 0.25)
+    assert model.weight.tolist() == [[1.5, 3.0]] and model.bias.tolist() == [3.0]
+    seen = []
+    ReferencePolicy(None).mix((seen.append(name) or (name, None) for name in ("a", "b")), 0.5)
+    assert seen == ["a", "b"]
+    with pytest.raises(ValueError, match="--rl.ref_sync_steps 4 moves the KL reference"):
+        RLSection(ref_sync_steps=4)
+    with pytest.raises(ValueError, match="--rl.ref_mixup_alpha is read at each --rl.ref_sync_steps"):
+        RLSection(ref_mixup_alpha=0.5, kl_coef=0.1)
+    with pytest.raises(ValueError, match="--rl.ref_mixup_alpha must be in"):
+        RLSection(ref_mixup_alpha=0.0, ref_sync_steps=2, kl_coef=0.1)
+
+
+@pytest.mark.slow
+def test_a_synced_reference_is_the_policy_after_each_sync(tmp_path):
+    """--rl.ref_sync_steps 2 --rl.ref_mixup_alpha 1 (TRL's sync_ref_model): after steps 4 and 6
+    the reference becomes the policy, so the on-policy rollouts trained at steps 5 and 7 have
+    no KL to it (the frozen reference's run has), while steps 4, 6 and 8 do."""
+    flags = [*SHORT, "--debug.deterministic", "--rl.kl_coef", "0.05", "--rl.no_drop_zero_variance"]
+    run_rl(tmp_path / "frozen", *flags)
+    result = run_rl(tmp_path / "synced", *flags, "--rl.ref_sync_steps", "2", "--rl.ref_mixup_alpha", "1")
+    kl = {r["step"]: r["kl"] for r in records(tmp_path / "synced") if r.get("phase") == "rl"}
+    frozen = {r["step"]: r["kl"] for r in records(tmp_path / "frozen") if r.get("phase") == "rl"}
+    assert sorted(kl) == [3, 4, 5, 6, 7, 8]
+    assert kl[5] < 1e-7 and kl[7] < 1e-7 and frozen[5] > 1e-5 and frozen[7] > 1e-5, (kl, frozen)
+    assert all(kl[s] > 1e-5 for s in (4, 6, 8)), kl
+    assert (kl[3], kl[4]) == (frozen[3], frozen[4])  # the same run until the first sync
+    output = result.stdout + result.stderr
+    assert "step 4: KL reference moved toward the policy" in output and "step 6: KL reference" in output

@@ -84,6 +84,13 @@ class RLSection:
     """Weight of the KL penalty to a frozen reference: the weights the run's RL phase started
     from (after the warm-up or the initial load), saved in every checkpoint so a resumed run
     keeps it; 0: off."""
+    ref_sync_steps: int = 0
+    """Move the KL reference toward the policy every this many optimizer steps (TRL's
+    sync_ref_model / ref_model_sync_steps, after TR-DPO): reference = alpha x policy +
+    (1 - alpha) x reference, alpha --rl.ref_mixup_alpha; 0: the reference stays frozen."""
+    ref_mixup_alpha: float = 0.6
+    """The policy's share of the reference at each --rl.ref_sync_steps (1: the reference
+    becomes the policy)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator: k1 log(p/q), k2 (log(p/q))^2/2, k3 q/p - 1 - log(q/p)."""
     entropy_coef: float = 0.0
@@ -153,7 +160,7 @@ class RLSection:
             if getattr(self, flag) < 1:
                 raise ValueError(f"--rl.{flag} must be >= 1, got {getattr(self, flag)}")
         for flag in ("max_policy_staleness", "sft_warmup_steps", "eval_freq", "max_refill_rounds",
-                     "overlong_buffer_len", "generator_ranks", "num_completions_to_print"):
+                     "overlong_buffer_len", "generator_ranks", "num_completions_to_print", "ref_sync_steps"):
             if getattr(self, flag) < 0:
                 raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
         if self.loss_type not in LOSS_TYPES:
@@ -173,6 +180,14 @@ class RLSection:
                 raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
         if self.is_cap and self.is_cap < 1:
             raise ValueError(f"--rl.is_cap {self.is_cap} would cap ratios below 1; use a cap >= 1, or 0 to disable")
+        if not 0 < self.ref_mixup_alpha <= 1:
+            raise ValueError(f"--rl.ref_mixup_alpha must be in (0, 1], got {self.ref_mixup_alpha}")
+        if self.ref_sync_steps and not self.kl_coef:
+            raise ValueError(f"--rl.ref_sync_steps {self.ref_sync_steps} moves the KL reference, and this run has no KL "
+                             "penalty (--rl.kl_coef 0): set --rl.kl_coef or drop the flag")
+        if not self.ref_sync_steps and self.ref_mixup_alpha != RLSection.ref_mixup_alpha:
+            raise ValueError("--rl.ref_mixup_alpha is read at each --rl.ref_sync_steps, which this run does not set: "
+                             "set --rl.ref_sync_steps or drop the flag")
         if self.generator_timeout_s <= 0:
             raise ValueError(f"--rl.generator_timeout_s must be > 0, got {self.generator_timeout_s}")
         if not self.generator_ranks and self.generator_timeout_s != RLSection.generator_timeout_s:

@@ -154,6 +154,23 @@ class ReferencePolicy:
             self.holder.load_weights(weights, version=0)
             self.taken = True
 
+    def mix(self, weights, alpha: float) -> None:
+        """Move the reference toward ``weights`` (named full tensors of the policy, collective
+        to produce: every rank iterates them): ``alpha x policy + (1 - alpha) x reference``.
+        Ranks without the reference only take part in producing the weights."""
+        if self.holder is None:
+            for _ in weights:
+                pass
+            return
+        live = self.holder.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = live[name]
+                if target.is_floating_point():
+                    target.lerp_(tensor.to(device=target.device, dtype=target.dtype), alpha)
+                else:
+                    target.copy_(tensor)
+
     def state_dict(self) -> dict[str, Any]:
         """``taken`` and the weights (a tied alias once) on rank 0; empty elsewhere."""
         if self.holder is None:
@@ -640,6 +657,18 @@ class RLTrainer(TrainingLoop):
         if self.generator is not None:
             self.reference.take(self.generator.named_weights())
 
+    def _sync_reference(self, step: int) -> None:
+        """--rl.ref_sync_steps: move the KL reference toward the current policy (collective).
+        A rollout being generated in the background is rescored with the reference first, so
+        the reference never changes under it (that rollout keeps the previous reference)."""
+        self._wait_pending()
+        start = time.perf_counter()
+        alpha = self.config.rl.ref_mixup_alpha
+        self.reference.mix(self.engine.full_state_dict(dtype=torch.float32), alpha)
+        if self.is_rank0:
+            logger.info("step %d: KL reference moved toward the policy (alpha %g) in %.2fs", step, alpha,
+                        time.perf_counter() - start)
+
     # ---- the loop -----------------------------------------------------------------------
 
     def resume_position(self) -> str:
@@ -695,6 +724,8 @@ class RLTrainer(TrainingLoop):
                 profiler.step()
             if self.metrics.should_log(step) or _crossed(before, step, cfg.metrics.log_freq):
                 records.append(self._log(step, record))
+            if step > warmup and _crossed(before, step, cfg.rl.ref_sync_steps):
+                self._sync_reference(step)
             if step > warmup and self._should_eval(before, step, False):
                 records.append(self._log_eval(step))
             engine.maybe_save(last_step=step == total, since=before)
