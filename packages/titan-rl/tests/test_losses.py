@@ -77,6 +77,25 @@ def test_cispo_by_hand_clips_the_weight_never_the_update():
     assert stats["clipped"].item() == 2
 
 
+def test_dual_clip_bounds_a_negative_advantages_loss_by_hand():
+    """Dual-clip PPO (verl's clip_ratio_c, TRL's delta) at C = 1.05: row 1's ratio-1.1 token
+    (A = -2) would lose 2.2; its loss is held at -C A = 2.1 with no gradient; the positive
+    row and the 0.5 token (already clipped) are unchanged; the grpo loss otherwise equal."""
+    logp, old = inputs()
+    loss, stats = policy_loss(logp, old, ADV, MASK, loss_type="grpo", dual_clip=1.05)
+    assert loss.item() == pytest.approx(-3.1 / 3 + (1.6 + 2.1) / 2, abs=1e-6)
+    assert stats["clipped"].item() == 3
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.9 / 3, -1.0 / 3], [0.0, 0.0, 0.0]]))
+    from titan.rl.config import RLSection
+
+    with pytest.raises(ValueError, match="--rl.dual_clip 1.1 must exceed 1 \\+ --rl.clip_eps_high \\(1.2\\)"):
+        RLSection(dual_clip=1.1)
+    with pytest.raises(ValueError, match="cispo clips its weight"):
+        RLSection(dual_clip=3.0, loss_type="cispo")
+    assert RLSection(dual_clip=3.0).dual_clip == 3.0
+
+
 def test_gspo_by_hand_sequence_ratio():
     logp, old = inputs()
     loss, stats = policy_loss(logp, old, ADV, MASK, loss_type="gspo")

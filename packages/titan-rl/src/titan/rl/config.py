@@ -8,7 +8,7 @@ from typing import Literal
 
 from titan.rl.data import RLDataConfig
 from titan.rl.generate.base import SamplingConfig
-from titan.rl.losses import KL_ESTIMATORS, LOSS_TYPES
+from titan.rl.losses import DEFAULT_CLIP, KL_ESTIMATORS, LOSS_TYPES
 from titan.rl.rewards import REWARD_NAMES
 from titan.train.config import RunConfig, TrainingConfig
 
@@ -31,6 +31,10 @@ class RLSection:
     clip_eps_high: float | None = None
     """Upper clip of the ratio (1 + eps_high); None: the loss type's default (0.2; 0.28 for dapo
     and cispo; 4e-4 for gspo)."""
+    dual_clip: float = 0.0
+    """Dual-clip PPO (verl's clip_ratio_c, TRL's delta): a token with a negative advantage whose
+    ratio exceeds this adds no gradient, its loss held at -dual_clip x A; must exceed 1 +
+    eps_high; 0: off. Not read by cispo (its weight is clipped already)."""
     old_logprobs: Literal["trainer", "generator"] = "trainer"
     """What the PPO ratio pi/pi_old is taken against. trainer: the trainer's own log-probs of
     the rollout before its first update (the detached current ones when a single update uses
@@ -169,12 +173,20 @@ class RLSection:
             raise ValueError(f"--rl.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         if self.clip_eps_low is not None and not 0 <= self.clip_eps_low <= 1:
             raise ValueError(f"--rl.clip_eps_low must be in [0, 1] (1: no lower bound), got {self.clip_eps_low}")
+        if self.dual_clip:
+            if self.loss_type == "cispo":
+                raise ValueError("--rl.dual_clip bounds the PPO surrogate; cispo clips its weight at 1 + "
+                                 "--rl.clip_eps_high instead: drop --rl.dual_clip")
+            high = DEFAULT_CLIP[self.loss_type][1] if self.clip_eps_high is None else self.clip_eps_high
+            if self.dual_clip <= 1 + high:
+                raise ValueError(f"--rl.dual_clip {self.dual_clip} must exceed 1 + --rl.clip_eps_high ({1 + high:g}) "
+                                 "(verl's default is 3), or be 0 (off)")
         if self.loss_type == "cispo" and self.old_logprobs == "generator" and self.is_cap:
             raise ValueError("--rl.old_logprobs generator caps the PPO ratio at --rl.is_cap; cispo clips its weight at "
                              "1 + --rl.clip_eps_high instead: set --rl.is_cap 0")
         if self.clip_eps_high is not None and self.clip_eps_high < 0:
             raise ValueError(f"--rl.clip_eps_high must be >= 0, got {self.clip_eps_high}")
-        for flag in ("kl_coef", "entropy_coef", "is_cap", "numeric_tolerance", "max_logprob_diff", "reward_timeout_s",
+        for flag in ("kl_coef", "entropy_coef", "is_cap", "dual_clip", "numeric_tolerance", "max_logprob_diff", "reward_timeout_s",
                      "overlong_penalty_factor"):
             if getattr(self, flag) < 0:
                 raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")

@@ -49,6 +49,10 @@ Two corrections for tokens sampled by a generator that is not exactly the traine
   *before* the cap, so a cap below ``1 + eps_high`` never turns a clipped token (no gradient)
   into an unclipped one.
 
+Dual-clip PPO (``dual_clip`` C, off by default; verl's ``clip_ratio_c``, TRL's ``delta``): for a
+negative advantage the surrogate leaves the ratio unbounded above; the loss is held at
+``-C A`` once ``r > C``, so such a token adds no gradient.
+
 KL to a frozen reference (``kl_coef > 0``, off by default) adds ``kl_coef * k`` per token
 with the estimator ``k1 = log(p/q)``, ``k2 = (log(p/q))^2 / 2`` or
 ``k3 = q/p - 1 - log(q/p)`` (``p`` the policy, ``q`` the reference), weighted like the policy
@@ -111,14 +115,21 @@ def _per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return advantages
 
 
-def _clipped_surrogate(ratio, advantages, eps_low, eps_high, cap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def _clipped_surrogate(ratio, advantages, eps_low, eps_high, cap: float = 0.0,
+                       dual_clip: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-element PPO loss ``-min(r A, clip(r) A)`` and where clipping took effect; with
     ``cap`` the unclipped branch uses the truncated ratio (the branch is chosen on the raw
-    ratio first: the module docstring)."""
+    ratio first: the module docstring); with ``dual_clip`` C, a negative advantage's loss is
+    at most ``-C A`` (dual-clip PPO: a ratio above C adds no gradient)."""
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
     take_clipped = clipped < unclipped  # the clipped branch is the minimum
     loss = -torch.where(take_clipped, clipped, truncate_ratio(ratio, cap) * advantages)
+    if dual_clip > 0:
+        bound = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        take_clipped = take_clipped | dual
     return loss, take_clipped.float()
 
 
@@ -172,7 +183,7 @@ def importance_weights(
     return weights, stats
 
 
-def _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights, sequence_sum):
+def _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights, sequence_sum, dual_clip=0.0):
     """GSPO's policy sum, the per-token weights of its KL and entropy terms (per-sequence token
     means) and its clipped tokens. Its ratio is a sequence's geometric mean of the token
     ratios: under context parallel (``sequence_sum`` given) each rank holds a share of every
@@ -184,7 +195,7 @@ def _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights, seq
     lengths = row_sum(local_tokens.detach()).clamp(min=1)
     seq_ratio = torch.exp(row_sum(log_ratio.sum(-1, keepdim=True)) / lengths)  # geometric mean
     seq_adv = row_sum((adv * mask).sum(-1, keepdim=True).detach()) / lengths  # the completion's advantage
-    seq_loss, seq_clipped = _clipped_surrogate(seq_ratio, seq_adv, eps_low, eps_high, is_cap)
+    seq_loss, seq_clipped = _clipped_surrogate(seq_ratio, seq_adv, eps_low, eps_high, is_cap, dual_clip)
     if is_weights is not None:  # the sequence's mean token weight (its weight, per sequence)
         seq_loss = seq_loss * row_sum((is_weights.detach() * mask).sum(-1, keepdim=True)) / lengths
     policy_sum = (seq_loss * local_tokens / lengths).sum()  # this rank's share (all of it without CP)
@@ -217,13 +228,16 @@ def policy_loss(
     entropy_coef: float = 0.0,
     sequence_lengths: torch.Tensor | None = None,
     sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    dual_clip: float = 0.0,
 ) -> tuple[torch.Tensor, Stats]:
     """The summed loss of one microbatch for ``loss_type`` and its token-sum stats (module
     docstring). ``sequence_lengths`` (optional, ``[B, S]``): each token's completion length,
     for the ``grpo`` weights when rows are split (context parallel). ``is_weights``
     (optional, ``[B, S]``, detached): per-token importance weights on the policy term.
     ``sequence_sum``: under context parallel, a differentiable sum over the ranks holding
-    the rows' other positions, for ``gspo``'s sequence ratio (:func:`_gspo_terms`)."""
+    the rows' other positions, for ``gspo``'s sequence ratio (:func:`_gspo_terms`).
+    ``dual_clip`` C > 1 (0: off): a negative advantage's loss is at most ``-C A`` (verl's
+    ``clip_ratio_c``, TRL's ``delta``), counted as clipped; cispo has its own weight clip."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"--rl.loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
     default_low, default_high = DEFAULT_CLIP[loss_type]
@@ -235,7 +249,7 @@ def policy_loss(
 
     if loss_type == "gspo":
         policy_sum, weights, clipped = _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights,
-                                                   sequence_sum)
+                                                   sequence_sum, dual_clip)
     elif loss_type == "cispo":
         ratio = torch.exp(log_ratio)
         weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()
@@ -246,7 +260,8 @@ def policy_loss(
         policy_sum = (token_loss * weights).sum()
         clipped = ((ratio.detach() < 1 - eps_low) | (ratio.detach() > 1 + eps_high)).float() * mask
     else:
-        token_loss, token_clipped = _clipped_surrogate(torch.exp(log_ratio), adv, eps_low, eps_high, is_cap)
+        token_loss, token_clipped = _clipped_surrogate(torch.exp(log_ratio), adv, eps_low, eps_high, is_cap,
+                                                       dual_clip)
         if is_weights is not None:
             token_loss = token_loss * is_weights.detach()
         weights = mask / _sequence_lengths(mask, sequence_lengths) if loss_type == "grpo" else mask

@@ -113,7 +113,7 @@ class RolloutLoss:
                 kl_coef=rl.kl_coef if ref is not None else 0.0,
                 kl_estimator=rl.kl_estimator, entropy=entropy, entropy_coef=rl.entropy_coef,
                 sequence_lengths=batch["sequence_lengths"] if rl.loss_type == "grpo" else None,
-                sequence_sum=self.sequence_sum,
+                sequence_sum=self.sequence_sum, dual_clip=rl.dual_clip,
             )
             stats.update(is_stats)
             if measure_mismatch:
