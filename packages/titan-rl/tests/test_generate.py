@@ -209,3 +209,16 @@ def test_sampling_flags_are_checked():
         SamplingConfig(min_p=1.5)
     with pytest.raises(ValueError, match="--sampling.repetition_penalty must be > 0"):
         SamplingConfig(repetition_penalty=0)
+
+
+def test_vllm_claims_only_the_gpu_memory_a_colocated_trainer_left():
+    """vLLM refuses to start when less than gpu_memory_utilization x the device is free (0.9 by
+    default), which a colocated trainer has already taken: the generator asks for 95% of the
+    free share, never more than vLLM's default."""
+    from titan.rl.generate.vllm.generator import utilization_of
+
+    gib = 1 << 30
+    assert utilization_of(40 * gib, 80 * gib) == pytest.approx(0.475)
+    assert utilization_of(80 * gib, 80 * gib) == 0.9
+    with pytest.raises(ValueError, match="no free GPU memory"):
+        utilization_of(0, 80 * gib)

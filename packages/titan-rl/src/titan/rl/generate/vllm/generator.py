@@ -92,6 +92,9 @@ class VLLMGenerator:
             "logprobs_mode": "processed_logprobs",  # after temperature (module docstring)
             "enforce_eager": True,
         }
+        utilization = _gpu_memory_utilization()
+        if utilization is not None:
+            args["gpu_memory_utilization"] = utilization
         args.update(engine_args or {})
         self._in_trainer_group = args.get("distributed_executor_backend") == "external_launcher"
         self.llm = LLM(model=model, **args)
@@ -214,6 +217,26 @@ def _prompt_seed(base: int, index: int) -> int:
     """A seed for prompt `index` of a call seeded `base` (vLLM seeds completion j of a request
     with seed + j, so consecutive integers would make prompts share streams)."""
     return random.Random(f"titan:{base}:{index}").randrange(_MAX_SEED)
+
+
+def _gpu_memory_utilization() -> float | None:
+    """The share of this process's GPU vLLM may claim (None off a GPU): just under what is
+    free now. vLLM refuses to start when the free memory is below ``gpu_memory_utilization``
+    x the device's (0.9 by default), which a trainer sharing the GPU (colocated) has already
+    taken; the KV cache has its own bound (``kv_cache_memory_bytes``), so this only sizes the
+    start-up check to the memory actually left."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return utilization_of(free, total)
+
+
+def utilization_of(free: int, total: int) -> float:
+    """``gpu_memory_utilization`` for ``free`` of ``total`` bytes free: 95% of the free share
+    (a margin for what other threads allocate meanwhile), at most vLLM's default 0.9."""
+    if free <= 0 or total <= 0:
+        raise ValueError(f"no free GPU memory for vLLM ({free} of {total} bytes free)")
+    return min(0.9, 0.95 * free / total)
 
 
 def _require_in_process_engine() -> None:
