@@ -477,7 +477,7 @@ def test_rl_evaluations_reach_tensorboard(tmp_path):
     assert [r["step"] for r in evals] == [2, 4, 8]  # RL's start (after the 2 warm-up steps), every 4th, the last
     acc = EventAccumulator(str(tmp_path / "tb" / "rank0"))
     acc.Reload()
-    for key in ("eval_reward", "eval_exact_match"):
+    for key in ("eval_reward", "eval_exact_match", "eval_reward_char_match"):  # each reward term too
         got = {e.step: e.value for e in acc.Scalars(key)}
         assert got == {r["step"]: pytest.approx(r[key], rel=1e-6, abs=1e-12) for r in evals}, key
 

@@ -95,6 +95,11 @@ def test_held_out_shares_average_like_the_whole():
     assert split == pytest.approx(whole)
     assert [producer(s, 2).held_out_totals()["count"] for s in range(2)] == [2, 1]
     assert held_out_means([{"reward": 0.0, "exact_match": 0.0, "count": 0}]) == {}
+    # Each reward term's mean too (one term here: it is the reward); an empty shard adds nothing.
+    assert whole["eval_reward_char_match"] == pytest.approx(whole["eval_reward"])
+    empty = {"reward": 0.0, "exact_match": 0.0, "count": 0}
+    assert held_out_means([{"reward": 2.0, "exact_match": 1.0, "count": 4, "reward_format": 3.0}, empty]) == {
+        "eval_reward": 0.5, "eval_exact_match": 0.25, "eval_reward_format": 0.75}
 
 
 def test_completions_stop_where_transformers_and_vllm_stop_for_a_hub_start(tmp_path):

@@ -163,7 +163,8 @@ class RolloutProducer:
 
     def held_out_totals(self) -> dict[str, float]:
         """This shard's greedy completions of the held-out prompts (the first
-        --rl.eval_prompts), scored: summed reward, summed exact match, and the count."""
+        --rl.eval_prompts), scored: summed reward, summed exact match, each reward term's sum
+        (``reward_<label>``) and the count."""
         prompts = self.eval_prompts[: self.config.rl.eval_prompts]
         first, count = share(len(prompts), self.shard, self.shards)
         prompts = prompts[first : first + count]
@@ -173,19 +174,23 @@ class RolloutProducer:
                                 stop_token_ids=self.sampling.stop_token_ids, n=1, seed=0)
         groups = self.generator.generate([p.ids for p in prompts], greedy)
         texts = [self.decode(g[0].token_ids) for g in groups]
-        rewards = self.reward.score([p.text for p in prompts], texts, [p.answer for p in prompts],
-                                    [p.reward_context for p in prompts])
+        rewards, terms = self.reward.score_terms([p.text for p in prompts], texts, [p.answer for p in prompts],
+                                                 [p.reward_context for p in prompts])
         exact = [float(t.strip() == (p.answer or "").strip()) for t, p in zip(texts, prompts, strict=True)]
-        return {"reward": sum(rewards), "exact_match": sum(exact), "count": len(prompts)}
+        return {"reward": sum(rewards), "exact_match": sum(exact), "count": len(prompts),
+                **{f"reward_{label}": sum(values) for label, values in terms.items()}}
 
 
 def held_out_means(totals: list[dict[str, float]]) -> dict[str, float]:
-    """Mean held-out reward and exact match over every shard's totals."""
+    """Mean held-out reward, exact match and each reward term (``eval_reward_<label>``) over
+    every shard's totals (a shard without prompts holds no term sums)."""
     count = sum(t["count"] for t in totals)
     if not count:
         return {}
+    keys = dict.fromkeys(k for t in totals for k in t if k.startswith("reward_"))
     return {"eval_reward": sum(t["reward"] for t in totals) / count,
-            "eval_exact_match": sum(t["exact_match"] for t in totals) / count}
+            "eval_exact_match": sum(t["exact_match"] for t in totals) / count,
+            **{f"eval_{key}": sum(t.get(key, 0.0) for t in totals) / count for key in keys}}
 
 
 def merge_rollouts(parts: list[Rollout]) -> Rollout:
