@@ -304,21 +304,30 @@ def test_grpo_debug_with_vllm_raises_held_out_reward(tmp_path):
     assert max(r["logprob_diff_max"] for r in rl) <= 1e-5
 
 
+# A short `titan rl --config grpo_debug --generator.kind vllm` under torchrun: 2 warm-up and 6 RL steps.
+SHORT_VLLM_RL = ["--config", "grpo_debug", "--generator.kind", "vllm", "--metrics.no_enable_progress_bar",
+                 "--metrics.log_freq", "1", "--training.steps", "8", "--rl.sft_warmup_steps", "2", "--rl.eval_freq", "6",
+                 "--rl.prompts_per_step", "4", "--rl.group_size", "4", "--training.local_batch_size", "8",
+                 "--rl.ppo_epochs", "1"]
+
+
+def run_vllm_rl(ranks: int, dump: Path, *flags: str) -> tuple[str, list[dict]]:
+    """``SHORT_VLLM_RL`` then ``flags`` on ``ranks`` gloo processes writing to ``dump``; asserts
+    it succeeded and returns its output and its metrics records."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", *SHORT_VLLM_RL,
+           "--job.dump_folder", str(dump), *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result.stdout + result.stderr, [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_disaggregated_vllm_generator_rank_serves_two_fsdp_trainer_ranks(tmp_path):
     """`--rl.generator_ranks 1 --generator.kind vllm`: vLLM runs on the generator rank (its
     own in-process engine, which needs that rank free of titan's process groups) and the
     engine trains over FSDP 2 on the other two ranks; weights reach vLLM after every update
     (trainer and vLLM log-probs agree on every step), held-out prompts are scored by vLLM."""
-    dump = tmp_path / "rl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", "--config", "grpo_debug",
-           "--generator.kind", "vllm", "--rl.generator_ranks", "1", "--job.dump_folder", str(dump),
-           "--metrics.no_enable_progress_bar", "--metrics.log_freq", "1", "--training.steps", "8",
-           "--rl.sft_warmup_steps", "2", "--rl.eval_freq", "6", "--rl.prompts_per_step", "4", "--rl.group_size", "4",
-           "--training.local_batch_size", "8", "--rl.ppo_epochs", "1", "--rl.kl_coef", "0"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    _, rows = run_vllm_rl(3, tmp_path / "rl", "--rl.generator_ranks", "1", "--rl.kl_coef", "0")
     rl = [r for r in rows if r.get("phase") == "rl"]
     evals = [r for r in rows if r.get("phase") == "eval"]
     assert [r["step"] for r in rl] == list(range(3, 9))
@@ -333,20 +342,10 @@ def test_every_rank_runs_its_own_vllm_engine_in_the_trainers_group(tmp_path):
     prompts; weights reach both engines after every update (trainer and vLLM log-probs agree
     on every on-policy step), each rank rescores its half with its KL reference, and the run
     ends without vLLM destroying the trainer's groups twice."""
-    dump = tmp_path / "rl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", "-m", "titan.recipes.cli", "rl", "--config", "grpo_debug",
-           "--generator.kind", "vllm", "--rl.colocated_generation", "every_rank", "--job.dump_folder", str(dump),
-           "--metrics.no_enable_progress_bar", "--metrics.log_freq", "1", "--training.steps", "8",
-           "--rl.sft_warmup_steps", "2", "--rl.eval_freq", "6", "--rl.eval_prompts", "5", "--rl.prompts_per_step", "4",
-           "--rl.group_size", "4", "--training.local_batch_size", "8", "--rl.ppo_epochs", "1", "--rl.kl_coef", "0.05",
-           "--rl.no_drop_zero_variance"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    output, rows = run_vllm_rl(2, tmp_path / "rl", "--rl.colocated_generation", "every_rank", "--rl.eval_prompts", "5",
+                               "--rl.kl_coef", "0.05", "--rl.no_drop_zero_variance")
     assert "every rank generates: each of the 2 ranks" in output
     assert "Invalid process group" not in output, output[-3000:]
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r.get("phase") == "rl"]
     evals = [r for r in rows if r.get("phase") == "eval"]
     assert [r["step"] for r in rl] == list(range(3, 9))

@@ -240,6 +240,18 @@ def _gpt4_style_tokenizer(folder):
     return folder / "tokenizer.json"
 
 
+def _templated_tokenizer(folder, template: str, **special_tokens: str):
+    """`_gpt4_style_tokenizer` in ``folder`` with ``template`` and the ``special_tokens``
+    (bos_token=..., eos_token=...) in its tokenizer_config.json, and transformers' tokenizer
+    of the same files with that template: (tokenizer.json path, reference)."""
+    transformers = pytest.importorskip("transformers")
+    path = _gpt4_style_tokenizer(folder)
+    (path.parent / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, **special_tokens}))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), **special_tokens)
+    reference.chat_template = template
+    return path, reference
+
+
 @pytest.mark.parametrize("release", list(RELEASE_TEMPLATES))
 def test_chat_ids_are_transformers_apply_chat_template(tmp_path, monkeypatch, release):
     """A conversation encodes to the ids transformers' `apply_chat_template` gives it, and a
@@ -317,12 +329,8 @@ def test_tool_calls_reasoning_and_tool_results_render_as_transformers_renders_th
     equal `apply_chat_template`'s (before, only role and content were kept: the reasoning and
     the calls were dropped without a word); the assistant's reasoning and calls are trained,
     the tool's result is not; the built-in template, which cannot write them, refuses."""
-    transformers = pytest.importorskip("transformers")
-    path = _gpt4_style_tokenizer(tmp_path / "tok")
-    (path.parent / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": TOOL_TEMPLATE, "bos_token": "<s>", "eos_token": "<|im_end|>"}))
-    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="<|im_end|>")
-    reference.chat_template = TOOL_TEMPLATE
+    pytest.importorskip("transformers")
+    path, reference = _templated_tokenizer(tmp_path / "tok", TOOL_TEMPLATE, bos_token="<s>", eos_token="<|im_end|>")
     tok, template = HFTokenizer(path), ChatTemplate.from_tokenizer_files(str(path.parent))
 
     ex = encode_chat(AGENT_CHAT, tok, template=template)
@@ -380,15 +388,11 @@ def test_chat_template_kwargs_are_template_variables_as_transformers_takes_them(
     """`--sft_data.chat_template_kwargs` (TRL's chat_template_kwargs): a JSON object of extra
     variables; the ids equal `apply_chat_template(**kwargs)`'s, and text rows (no template)
     refuse it."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     # The tokenizer's other special tokens are variables too, as transformers passes them.
     source = "{% if persona is defined %}{{ persona }}\n{% endif %}{{ pad_token }}" + CHATML
-    path = _gpt4_style_tokenizer(tmp_path / "tok")
-    (path.parent / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": source, "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<|eot_id|>"}))
-    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="</s>",
-                                                     pad_token="<|eot_id|>")
-    reference.chat_template = source
+    path, reference = _templated_tokenizer(tmp_path / "tok", source, bos_token="<s>", eos_token="</s>",
+                                           pad_token="<|eot_id|>")
     chat = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "I am fine."}]
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
     from titan.train.data.sft import build_sft_source
@@ -419,17 +423,13 @@ def test_chat_template_path_replaces_the_tokenizers_template_as_trl_sets_it(tmp_
     tokenizer's special tokens: the ids equal transformers' `apply_chat_template` with that
     template (and differ from the tokenizer's own template's). Special-token spellings the
     tokenizer lacks are named in a warning; what cannot work is refused with the flag named."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     own = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-    path = _gpt4_style_tokenizer(tmp_path / "tok")
-    (path.parent / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": own, "bos_token": "<s>", "eos_token": "</s>"}))
+    path, reference = _templated_tokenizer(tmp_path / "tok", own, bos_token="<s>", eos_token="</s>")
     chatml = "{{ bos_token }}" + CHATML  # the run's tokenizer's BOS, as transformers gives it
     (tmp_path / "chatml.jinja").write_text(chatml)
     (tmp_path / "other_tok").mkdir()
     (tmp_path / "other_tok" / "chat_template.jinja").write_text(chatml)
-    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="</s>")
-    reference.chat_template = own
     chat = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "I am fine."}]
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
     from titan.train.data.sft import build_sft_source
@@ -482,12 +482,8 @@ def test_content_as_a_list_of_text_parts_reads_as_its_text(tmp_path):
     encodes to the ids transformers' `apply_chat_template` gives with a template that renders
     such parts, and to the ids of the same text as a string under the built-in template; a
     part that is not text (an image) or an empty list is refused naming the row."""
-    transformers = pytest.importorskip("transformers")
-    path = _gpt4_style_tokenizer(tmp_path / "tok")
-    (path.parent / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": PARTS_CHATML, "bos_token": "<s>", "eos_token": "</s>"}))
-    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="</s>")
-    reference.chat_template = PARTS_CHATML
+    pytest.importorskip("transformers")
+    path, reference = _templated_tokenizer(tmp_path / "tok", PARTS_CHATML, bos_token="<s>", eos_token="</s>")
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "how are you?"}]},
              {"role": "assistant", "content": [{"type": "text", "text": "I am fine."}]}]
     plain = [{"role": "user", "content": "Hello, how are you?"}, {"role": "assistant", "content": "I am fine."}]

@@ -104,6 +104,14 @@ class RolloutError(RuntimeError):
     """Rank 0 could not generate or score a rollout (raised on every rank)."""
 
 
+def _raise_rollout_error(ranks: list[int], failure: str) -> None:
+    """Raise :class:`RolloutError` for ``failure`` on ``ranks``, logged first: a launcher may
+    stop this process before its traceback prints."""
+    message = f"generating or scoring a rollout failed on rank {', '.join(map(str, ranks))}: {failure}"
+    logger.error("%s", message)
+    raise RolloutError(message)
+
+
 class StalenessError(RuntimeError):
     """A rollout was about to train on weights older than --rl.max_policy_staleness allows."""
 
@@ -359,46 +367,36 @@ class RLTrainer(TrainingLoop):
         rollout that never comes (until the collective timeout)."""
         if self.every_rank:
             return merge_rollouts(self._gather_parts(result))
-        failure = None
-        if self.is_rank0 and callable(result):
-            try:
-                result = result()
-            except Exception as err:  # reported on every rank below
-                logger.error("rank 0 failed to produce the rollout", exc_info=True)
-                failure = f"{type(err).__name__}: {err}"
-                result = None
+        failure, result = self._produced(result) if self.is_rank0 else (None, result)
         if self.engine.dist_env.world_size > 1 and dist.is_initialized():
             box = [(failure, result)]
             device = self.engine.device if self.engine.device.type == "cuda" else None
             dist.broadcast_object_list(box, src=0, device=device)
             failure, result = box[0]
         if failure is not None:
-            message = f"generating or scoring a rollout failed on rank 0: {failure}"
-            # Logged here on every rank: a launcher may stop this process before its traceback prints.
-            logger.error("%s", message)
-            raise RolloutError(message)
+            _raise_rollout_error([0], failure)
         return result
+
+    def _produced(self, result: Any) -> tuple[str | None, Any]:
+        """``(None, value)``: ``result``, or the result of calling it when callable; ``(error,
+        None)`` when that call raised (logged here, reported on every rank by the caller)."""
+        if not callable(result):
+            return None, result
+        try:
+            return None, result()
+        except Exception as err:  # reported on every rank by the caller
+            logger.error("rank %d failed to produce the rollout", self.engine.dist_env.rank, exc_info=True)
+            return f"{type(err).__name__}: {err}", None
 
     def _gather_parts(self, part: Any) -> list[Any]:
         """Every rank's ``part`` (or the result of calling it, when callable), in rank order, on
         every rank. A part that raised is reported on every rank as :class:`RolloutError`
         naming the ranks that failed, instead of leaving the others in the gather."""
-        failure = None
-        if callable(part):
-            try:
-                part = part()
-            except Exception as err:  # reported on every rank below
-                logger.error("rank %d failed to produce its part of the rollout", self.engine.dist_env.rank,
-                             exc_info=True)
-                failure, part = f"{type(err).__name__}: {err}", None
         gathered: list[Any] = [None] * self.engine.dist_env.world_size
-        dist.all_gather_object(gathered, (failure, part))
+        dist.all_gather_object(gathered, self._produced(part))
         failed = [(rank, error) for rank, (error, _) in enumerate(gathered) if error is not None]
         if failed:
-            ranks = ", ".join(str(rank) for rank, _ in failed)
-            message = f"generating or scoring a rollout failed on rank {ranks}: {failed[0][1]}"
-            logger.error("%s", message)
-            raise RolloutError(message)
+            _raise_rollout_error([rank for rank, _ in failed], failed[0][1])
         return [value for _, value in gathered]
 
     def next_rollout(self) -> Rollout:
