@@ -112,6 +112,9 @@ def test_config_errors_name_the_flag():
         RLSection(colocated_generation="every_rank", generator_ranks=1)
     with pytest.raises(ValueError, match="--rl.colocated_generation must be rank0 or every_rank"):
         RLSection(colocated_generation="all")
+    for quantile in (0.0, 1.5):
+        with pytest.raises(ValueError, match="--rl.top_entropy_quantile must be in \\(0, 1\\]"):
+            RLSection(top_entropy_quantile=quantile)
     with pytest.raises(ValueError, match="--rl.minibatches_per_rollout 9 exceeds --rl.group_size 8"):
         RLSection(minibatches_per_rollout=9)
     for estimator in ("grpo", "rloo"):  # a group of one: every advantage 0, nothing ever learned
@@ -495,6 +498,10 @@ ASYNC_KL = [*DETERMINISTIC, "--rl.max_policy_staleness", "1", "--rl.no_drop_zero
 SEQUENCE_IS = ["--rl.ppo_epochs", "2", "--rl.is_level", "sequence", "--rl.max_policy_staleness", "1",
                "--training.seq_len", "24"]
 
+# CP 2 with grpo also trains on the rollout's top half of tokens by entropy: each rank holds a
+# share of every completion, so the cut is taken over the shares of both ranks.
+CP_EXTRA = {"grpo": ["--rl.top_entropy_quantile", "0.5"], "gspo": []}
+
 # The 2-rank runs of several tests, in one launch (tests/train_runs_worker.py): starting
 # torchrun, importing torch and rendezvousing cost ~11 s of CPU per launch, as much as some of
 # these runs. The full-logits probe (sitecustomize.py) is on for all of them: only the TP run
@@ -507,8 +514,9 @@ TWO_RANK_RUNS = {
     "async_kl": ASYNC_KL,
     "every_rank": [*SHARED, "--rl.colocated_generation", "every_rank"],
     "resume_every_rank": [*RESUMED, "--rl.colocated_generation", "every_rank"],
-    **{f"cp_{loss}": [*DETERMINISTIC, *SEQUENCE_IS, "--rl.loss_type", loss, "--parallelism.context_parallel_degree", "2",
-                      "--parallelism.data_parallel_shard_degree", "1"] for loss in ("grpo", "gspo")},
+    **{f"cp_{loss}": [*DETERMINISTIC, *SEQUENCE_IS, *CP_EXTRA[loss], "--rl.loss_type", loss,
+                      "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+       for loss in ("grpo", "gspo")},
 }
 TWO_RANKS = pytest.mark.xdist_group("rl_two_ranks")
 
@@ -583,9 +591,18 @@ def test_context_parallel_rl_with_sequence_weights_matches_one_rank(tmp_path, tw
     weight (--rl.is_level sequence) is the product of all its tokens' ratios: each rank used
     its own share's (the gradient 17% off, tests/test_gradient_parity.py) until the log-ratio
     sums were added over the CP ranks; GSPO's sequence ratio, the geometric mean of them, was
-    refused under CP. Equal to one rank up to float32 summation order."""
-    run_rl(tmp_path / "one", *DETERMINISTIC, *SEQUENCE_IS, "--rl.loss_type", loss)
+    refused under CP. Equal to one rank up to float32 summation order. With grpo only the top
+    half of the rollout's tokens by entropy train (--rl.top_entropy_quantile 0.5): the cut over
+    both ranks' shares is the one rank's, and so are the tokens it keeps."""
+    run_rl(tmp_path / "one", *DETERMINISTIC, *SEQUENCE_IS, *CP_EXTRA[loss], "--rl.loss_type", loss)
     assert_two_pass_runs_match(two_rank_runs / f"cp_{loss}", tmp_path / "one")
+    if CP_EXTRA[loss]:
+        cp, one = ([r for r in records(folder) if r.get("phase") == "rl"] for folder in (two_rank_runs / "cp_grpo",
+                                                                                           tmp_path / "one"))
+        for mine, theirs in zip(cp, one, strict=True):
+            assert mine["entropy_cut"] == pytest.approx(theirs["entropy_cut"], rel=1e-5)
+            assert mine["policy_token_fraction"] == theirs["policy_token_fraction"]
+            assert 0.5 <= mine["policy_token_fraction"] <= 0.55, mine
 
 
 def assert_two_pass_runs_match(run: Path, one_rank: Path) -> None:
@@ -684,6 +701,21 @@ def test_soft_overlong_penalty_lowers_the_first_rollouts_rewards_by_hand(tmp_pat
     assert penalty["response_length_mean"] == plain["response_length_mean"] > 1
     want = plain["reward_mean"] - (plain["response_length_mean"] - 1) / 9
     assert penalty["reward_mean"] == pytest.approx(want, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_top_entropy_quantile_trains_the_top_share_of_tokens_by_entropy(tmp_path):
+    """--rl.top_entropy_quantile 0.2 with one update per rollout (the entropies come from a pass
+    of their own): the same first rollout as without it, a fifth of its loss tokens carry the
+    policy term (ties aside: at least 20%), and the update is smaller."""
+    flags = [*SHORT, "--training.steps", "3", "--rl.ppo_epochs", "1", "--rl.rewards", "char_match"]  # graded: variance
+    run_rl(tmp_path / "plain", *flags)
+    run_rl(tmp_path / "top", *flags, "--rl.top_entropy_quantile", "0.2")
+    plain, top = ([r for r in records(tmp_path / name) if r.get("phase") == "rl"][0] for name in ("plain", "top"))
+    assert top["reward_mean"] == plain["reward_mean"] and top["entropy"] == pytest.approx(plain["entropy"], rel=1e-6)
+    assert "policy_token_fraction" not in plain and "entropy_cut" not in plain
+    assert 0.2 <= top["policy_token_fraction"] <= 0.25, top
+    assert 0 < top["entropy_cut"] and top["grad_norm"] < plain["grad_norm"]
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from titan.rl.losses import (
+    entropy_threshold,
     importance_weights,
     kl_estimate,
     loss_normalizer,
@@ -255,3 +256,54 @@ def test_unknown_loss_type_names_the_flag():
     logp, old = inputs()
     with pytest.raises(ValueError, match="--rl.loss_type"):
         policy_loss(logp, old, ADV, MASK, loss_type="ppo")
+
+
+def test_entropy_threshold_is_torch_quantile():
+    generator = torch.Generator().manual_seed(0)
+    for values in (torch.tensor([0.7]), torch.tensor([2.0, 1.0]), torch.tensor([1.0, 3.0, 3.0, 3.0, 0.5, 2.0, 2.0]),
+                   torch.rand(1001, generator=generator)):
+        for q in (0.0, 0.2, 0.5, 0.8, 0.95, 1.0):
+            want = torch.quantile(values.double(), q)
+            assert entropy_threshold(values[torch.randperm(len(values), generator=generator)], q).item() == want.item()
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        entropy_threshold(torch.zeros(0), 0.8)
+
+
+def test_policy_mask_drops_masked_tokens_from_the_policy_term_by_hand():
+    """The kept tokens' grpo terms with their rows' full lengths (-1.2 and -1.0 of row 0's
+    three tokens, 2.2 of row 1's two); no gradient reaches a dropped token; the KL term keeps
+    every token."""
+    logp, old = inputs()
+    keep = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])  # row 1's third token has no loss anyway
+    loss, stats = policy_loss(logp, old, ADV, MASK, loss_type="grpo", policy_mask=keep)
+    assert loss.item() == pytest.approx((-1.2 - 1.0) / 3 + 2.2 / 2, abs=1e-6)
+    assert stats["policy_tokens"].item() == 3 and stats["tokens"].item() == 5
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, -1.0 / 3], [0.0, 2 * 1.1 / 2, 0.0]]))
+    ref = old - 0.5
+    with_kl, _ = policy_loss(logp, old, ADV, MASK, loss_type="grpo", policy_mask=keep, ref_logprobs=ref, kl_coef=0.1)
+    base_kl, _ = policy_loss(logp, old, ADV, MASK, loss_type="grpo", ref_logprobs=ref, kl_coef=0.1)
+    base, _ = policy_loss(logp, old, ADV, MASK, loss_type="grpo")
+    assert with_kl.item() - loss.item() == pytest.approx(base_kl.item() - base.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
+def test_policy_mask_of_ones_changes_nothing_and_of_a_row_drops_that_row(loss_type):
+    logp, old = inputs()
+    plain, _ = policy_loss(logp, old, ADV, MASK, loss_type=loss_type)
+    ones, _ = policy_loss(logp, old, ADV, MASK, loss_type=loss_type, policy_mask=torch.ones(2, 3))
+    assert ones.item() == plain.item()
+    row0_only, _ = policy_loss(logp, old, ADV, MASK, loss_type=loss_type,
+                               policy_mask=torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    alone, _ = policy_loss(logp[:1], old[:1], ADV[:1], MASK[:1], loss_type=loss_type)
+    assert row0_only.item() == pytest.approx(alone.item(), abs=1e-6)
+
+
+def test_gspo_policy_mask_keeps_a_share_of_the_sequence_loss():
+    """GSPO spreads a sequence's loss evenly over its tokens: keeping 2 of row 0's 3 tokens
+    keeps 2/3 of its loss (and none of row 1's)."""
+    logp, old = inputs()
+    keep = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    loss, _ = policy_loss(logp, old, ADV, MASK, loss_type="gspo", policy_mask=keep)
+    alone, _ = policy_loss(logp[:1], old[:1], ADV[:1], MASK[:1], loss_type="gspo")
+    assert loss.item() == pytest.approx(2 / 3 * alone.item(), abs=1e-6)

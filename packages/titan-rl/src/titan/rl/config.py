@@ -99,6 +99,14 @@ class RLSection:
     """KL estimator: k1 log(p/q), k2 (log(p/q))^2/2, k3 q/p - 1 - log(q/p)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (0: the entropy is only logged)."""
+    top_entropy_quantile: float = 1.0
+    """The share of completion tokens that carry the policy gradient: the rollout's tokens whose
+    entropy under the policy before the update is in this top fraction (TRL's
+    top_entropy_quantile; 0.2 in "Beyond the 80/20 Rule", Wang et al. 2025). The cut is taken
+    over every loss token of the rollout on every rank, so it does not depend on the layout or
+    microbatching; KL and entropy terms keep every token. Below 1 the rollout takes one more
+    no-grad forward pass (unless --rl.ppo_epochs/--rl.minibatches_per_rollout already make
+    one); 1: every token (off)."""
     max_logprob_diff: float = 0.5
     """Warn when an on-policy step's largest |trainer - generator| token log-prob difference
     (``logprob_diff_max``) exceeds this: the trainer and the generator then compute different
@@ -192,6 +200,9 @@ class RLSection:
                 raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
         if self.is_cap and self.is_cap < 1:
             raise ValueError(f"--rl.is_cap {self.is_cap} would cap ratios below 1; use a cap >= 1, or 0 to disable")
+        if not 0 < self.top_entropy_quantile <= 1:
+            raise ValueError(f"--rl.top_entropy_quantile must be in (0, 1] (the top share of tokens by entropy that "
+                             f"trains; 1: all), got {self.top_entropy_quantile}")
         if not 0 < self.ref_mixup_alpha <= 1:
             raise ValueError(f"--rl.ref_mixup_alpha must be in (0, 1], got {self.ref_mixup_alpha}")
         if self.ref_sync_steps and not self.kl_coef:

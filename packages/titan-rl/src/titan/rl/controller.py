@@ -59,7 +59,7 @@ from titan.rl.config import RLConfig
 from titan.rl.data import build_prompts
 from titan.rl.disaggregated import TRAINER, GeneratorServer, RemoteGenerators, split_for_generators
 from titan.rl.generate.build import build_generator, check_generator_kind
-from titan.rl.losses import stat_means
+from titan.rl.losses import entropy_threshold, stat_means
 from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts
 from titan.rl.rollout_loss import MAX_STATS, SUMMED_STATS, RolloutLoss, combine_stats
 from titan.rl.rollouts import (
@@ -410,29 +410,59 @@ class RLTrainer(TrainingLoop):
     # ---- the RL step ---------------------------------------------------------------------
 
     @torch.no_grad()
-    def _pre_update_logprobs(self, minibatches: list[tuple[float, float, list[dict]]]) -> list[list[torch.Tensor | None]]:
-        """The trainer's log-probs of every microbatch of the rollout before its first update:
-        one no-grad forward each, in evaluation mode (so an MoE router does not count these
-        tokens for its load balancing twice). Each is ``[rows, sequence share]`` by
-        ``row_index``; None on pipeline stages that never run the loss."""
-        out: list[list[torch.Tensor | None]] = []
+    def _pre_update_pass(self, minibatches: list[tuple[float, float, list[dict]]], *, logprobs: bool,
+                         entropy: bool) -> tuple[list[list[torch.Tensor | None]] | None, list[list[torch.Tensor | None]] | None,
+                                                 list[torch.Tensor]]:
+        """The trainer's log-probs (``logprobs``) and token entropies (``entropy``) of every
+        microbatch of the rollout before its first update: one no-grad forward each, in
+        evaluation mode (so an MoE router does not count these tokens for its load balancing
+        twice). Each is ``[rows, sequence share]`` by ``row_index``; None on pipeline stages
+        that never run the loss, and for what was not asked. Third: the entropies of this
+        rank's loss tokens, flat."""
+        old: list[list[torch.Tensor | None]] = []
+        entropies: list[list[torch.Tensor | None]] = []
+        loss_token_entropies: list[torch.Tensor] = []
         self.engine.train(False)
         try:
             for *_, batches in minibatches:
-                out.append([])
+                old.append([])
+                entropies.append([])
                 for batch in batches:
-                    pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+                    logp_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+                    entropy_pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-                    def capture(logits, b, pieces=pieces):
-                        logp = self.loss.label_logprobs(logits, b)[0]
-                        pieces.append((b["row_index"][:, 0], logp))
-                        return torch.zeros((), device=logp.device)
+                    def capture(logits, b, logp_pieces=logp_pieces, entropy_pieces=entropy_pieces):
+                        rows = b["row_index"][:, 0]
+                        if logprobs:
+                            logp_pieces.append((rows, self.loss.label_logprobs(logits, b)[0]))
+                        if entropy:
+                            values = self.loss.token_entropy(logits)
+                            entropy_pieces.append((rows, values))
+                            loss_token_entropies.append(values[b["loss_mask"] > 0])  # this rank's share
+                        return torch.zeros((), device=logits.device)
 
                     self.engine.forward_only(batch, capture)
-                    out[-1].append(_assemble_rows(pieces, len(batch["input_ids"])))
+                    old[-1].append(_assemble_rows(logp_pieces, len(batch["input_ids"])))
+                    entropies[-1].append(_assemble_rows(entropy_pieces, len(batch["input_ids"])))
         finally:
             self.engine.train(True)
-        return out
+        return (old if logprobs else None), (entropies if entropy else None), loss_token_entropies
+
+    def _high_entropy_masks(self, entropies: list[list[torch.Tensor | None]],
+                            loss_token_entropies: list[torch.Tensor]) -> tuple[list[list[torch.Tensor | None]], float]:
+        """--rl.top_entropy_quantile: per microbatch, 1 on the tokens whose pre-update entropy
+        is at or above the rollout's cut, and the cut. The cut is the quantile of every loss
+        token's entropy over all ranks: each token is counted once (by the tensor-parallel
+        rank 0 of its data/context-parallel share, on the last pipeline stage)."""
+        values = loss_token_entropies if self.engine.parallel_dims.coords["tp"] == 0 else []
+        local = torch.cat(values).double().cpu() if values else torch.zeros(0, dtype=torch.float64)
+        if self.engine.dist_env.world_size > 1 and dist.is_initialized():
+            shares: list[Any] = [None] * self.engine.dist_env.world_size
+            dist.all_gather_object(shares, local)
+            local = torch.cat(shares)
+        cut = entropy_threshold(local, 1 - self.config.rl.top_entropy_quantile) if local.numel() else torch.zeros(())
+        masks = [[None if e is None else (e >= cut.to(e.device, e.dtype)).float() for e in row] for row in entropies]
+        return masks, float(cut)
 
     def _minibatches(self, rows, *, row_index: bool) -> list[tuple[float, float, list[dict[str, torch.Tensor]]]]:
         """The rollout's rows in --rl.minibatches_per_rollout contiguous minibatches, each as
@@ -484,9 +514,14 @@ class RLTrainer(TrainingLoop):
             self._record_completions(rollout, engine.step)
             return None
         start = time.perf_counter()
-        pre_update_pass = cfg.rl.old_logprobs == "trainer" and updates > 1
-        minibatches = self._minibatches(rows, row_index=pre_update_pass)
-        trainer_old = self._pre_update_logprobs(minibatches) if pre_update_pass else None
+        needs_old = cfg.rl.old_logprobs == "trainer" and updates > 1
+        high_entropy_only = cfg.rl.top_entropy_quantile < 1
+        minibatches = self._minibatches(rows, row_index=needs_old or high_entropy_only)
+        trainer_old, entropies, loss_token_entropies = (
+            self._pre_update_pass(minibatches, logprobs=needs_old, entropy=high_entropy_only)
+            if needs_old or high_entropy_only else (None, None, []))
+        policy_masks, entropy_cut = (self._high_entropy_masks(entropies, loss_token_entropies) if entropies
+                                     else (None, None))
         lr = engine.lr_schedulers.last_lr()
         totals: dict[str, float] = {}
         losses, norms = [], []
@@ -497,8 +532,11 @@ class RLTrainer(TrainingLoop):
                 for j, batch in enumerate(batches):
                     # The mismatch is measured on pre-update log-probs: every row of the first
                     # pass with the pre-update pass, else the first minibatch (before any step).
-                    loss_fn = self.loss.for_microbatch(accumulator, trainer_old[m][j] if trainer_old is not None else None,
-                                            measure_mismatch=epoch == 0 and (trainer_old is not None or m == 0))
+                    loss_fn = self.loss.for_microbatch(
+                        accumulator, trainer_old[m][j] if trainer_old is not None else None,
+                        measure_mismatch=epoch == 0 and (trainer_old is not None or m == 0),
+                        policy_mask=policy_masks[m][j] if policy_masks is not None else None,
+                    )
                     # The router's aux loss is a mean over completion tokens for every loss type.
                     rank_loss += engine.forward_backward(batch, loss_fn, global_token_count=normalizer,
                                                          aux_token_count=completion_tokens,
@@ -526,6 +564,8 @@ class RLTrainer(TrainingLoop):
             "sync_s": self.timings["sync_s"] - sync_before,
             "train_s": time.perf_counter() - start,
         }
+        if entropy_cut is not None:
+            record["entropy_cut"] = entropy_cut
         self._check_logprob_agreement(record)
         return record
 
@@ -557,6 +597,8 @@ class RLTrainer(TrainingLoop):
             tokens = max(totals["tokens"], 1.0)
             out.update(is_weight_mean=totals["is_weight"] / tokens, is_weight_max=totals["is_weight_max"],
                        is_capped_fraction=totals["is_capped"] / tokens, is_masked_fraction=totals["is_masked"] / tokens)
+        if self.config.rl.top_entropy_quantile < 1:
+            out["policy_token_fraction"] = totals["policy_tokens"] / max(totals["tokens"], 1.0)
         return out
 
     def _check_logprob_agreement(self, record: Mapping[str, Any]) -> None:

@@ -57,6 +57,11 @@ KL to a frozen reference (``kl_coef > 0``, off by default) adds ``kl_coef * k`` 
 with the estimator ``k1 = log(p/q)``, ``k2 = (log(p/q))^2 / 2`` or
 ``k3 = q/p - 1 - log(q/p)`` (``p`` the policy, ``q`` the reference), weighted like the policy
 term. An entropy bonus (``entropy_coef > 0``) subtracts ``entropy_coef * H`` per token.
+
+High-entropy tokens only (``policy_mask``, TRL's ``top_entropy_quantile``, after Wang et al.
+2025, "Beyond the 80/20 Rule"): a 0/1 mask per token multiplies the policy term alone, so only
+the "forking" tokens where the policy is least certain carry the policy gradient; the KL and
+entropy terms and the normalizer are unchanged. :func:`entropy_threshold` gives the cut.
 """
 
 from __future__ import annotations
@@ -183,7 +188,23 @@ def importance_weights(
     return weights, stats
 
 
-def _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights, sequence_sum, dual_clip=0.0):
+def entropy_threshold(entropies: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The ``quantile`` of ``entropies`` (1-D, any order) with linear interpolation between
+    the two nearest values, as ``torch.quantile`` computes it but without its 16M-element
+    limit: the tokens at or above it are the top ``1 - quantile`` by entropy."""
+    if entropies.dim() != 1 or not entropies.numel():
+        raise ValueError(f"entropy_threshold needs a non-empty 1-D tensor, got shape {tuple(entropies.shape)}")
+    if not 0 <= quantile <= 1:
+        raise ValueError(f"quantile must be in [0, 1], got {quantile}")
+    ordered = entropies.double().sort().values
+    position = quantile * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (position - low) * (ordered[high] - ordered[low])
+
+
+def _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights, sequence_sum, dual_clip=0.0,
+                policy_mask=None):
     """GSPO's policy sum, the per-token weights of its KL and entropy terms (per-sequence token
     means) and its clipped tokens. Its ratio is a sequence's geometric mean of the token
     ratios: under context parallel (``sequence_sum`` given) each rank holds a share of every
@@ -198,8 +219,16 @@ def _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights, seq
     seq_loss, seq_clipped = _clipped_surrogate(seq_ratio, seq_adv, eps_low, eps_high, is_cap, dual_clip)
     if is_weights is not None:  # the sequence's mean token weight (its weight, per sequence)
         seq_loss = seq_loss * row_sum((is_weights.detach() * mask).sum(-1, keepdim=True)) / lengths
-    policy_sum = (seq_loss * local_tokens / lengths).sum()  # this rank's share (all of it without CP)
+    # Each token carries its sequence's loss / length: this rank's share (all of it without CP),
+    # less the tokens --rl.top_entropy_quantile leaves out.
+    carrying = local_tokens if policy_mask is None else (mask * policy_mask).sum(-1, keepdim=True)
+    policy_sum = (seq_loss * carrying / lengths).sum()
     return policy_sum, mask / lengths, seq_clipped.expand_as(mask) * mask
+
+
+def _kept(weights: torch.Tensor, policy_mask: torch.Tensor | None) -> torch.Tensor:
+    """The policy term's per-token weights with the tokens ``policy_mask`` leaves out at 0."""
+    return weights if policy_mask is None else weights * policy_mask.to(weights.dtype)
 
 
 def _sequence_lengths(loss_mask: torch.Tensor, sequence_lengths: torch.Tensor | None) -> torch.Tensor:
@@ -229,6 +258,7 @@ def policy_loss(
     sequence_lengths: torch.Tensor | None = None,
     sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
     dual_clip: float = 0.0,
+    policy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """The summed loss of one microbatch for ``loss_type`` and its token-sum stats (module
     docstring). ``sequence_lengths`` (optional, ``[B, S]``): each token's completion length,
@@ -237,7 +267,9 @@ def policy_loss(
     ``sequence_sum``: under context parallel, a differentiable sum over the ranks holding
     the rows' other positions, for ``gspo``'s sequence ratio (:func:`_gspo_terms`).
     ``dual_clip`` C > 1 (0: off): a negative advantage's loss is at most ``-C A`` (verl's
-    ``clip_ratio_c``, TRL's ``delta``), counted as clipped; cispo has its own weight clip."""
+    ``clip_ratio_c``, TRL's ``delta``), counted as clipped; cispo has its own weight clip.
+    ``policy_mask`` (optional, ``[B, S]`` of 0/1): the tokens that carry the policy term
+    (high-entropy tokens); the stat ``policy_tokens`` counts them."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"--rl.loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
     default_low, default_high = DEFAULT_CLIP[loss_type]
@@ -249,7 +281,7 @@ def policy_loss(
 
     if loss_type == "gspo":
         policy_sum, weights, clipped = _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights,
-                                                   sequence_sum, dual_clip)
+                                                   sequence_sum, dual_clip, policy_mask)
     elif loss_type == "cispo":
         ratio = torch.exp(log_ratio)
         weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()
@@ -257,7 +289,7 @@ def policy_loss(
             weight = weight * is_weights.detach()
         token_loss = -(weight / ratio.detach()) * ratio * adv  # gradient: -weight * A * grad log pi
         weights = mask
-        policy_sum = (token_loss * weights).sum()
+        policy_sum = (token_loss * _kept(weights, policy_mask)).sum()
         clipped = ((ratio.detach() < 1 - eps_low) | (ratio.detach() > 1 + eps_high)).float() * mask
     else:
         token_loss, token_clipped = _clipped_surrogate(torch.exp(log_ratio), adv, eps_low, eps_high, is_cap,
@@ -265,11 +297,13 @@ def policy_loss(
         if is_weights is not None:
             token_loss = token_loss * is_weights.detach()
         weights = mask / _sequence_lengths(mask, sequence_lengths) if loss_type == "grpo" else mask
-        policy_sum = (token_loss * weights).sum()
+        policy_sum = (token_loss * _kept(weights, policy_mask)).sum()
         clipped = token_clipped * mask
 
     total = policy_sum
     stats: Stats = {"tokens": mask.sum().detach(), "clipped": clipped.sum().detach()}
+    if policy_mask is not None:
+        stats["policy_tokens"] = (mask * policy_mask).sum().detach()
     if ref_logprobs is not None:
         kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
         if kl_coef > 0:

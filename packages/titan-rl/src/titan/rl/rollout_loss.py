@@ -20,7 +20,7 @@ from titan.rl.losses import importance_weights, policy_loss
 
 SUMMED_STATS: tuple[str, ...] = (
     "tokens", "clipped", "kl", "entropy", "completion_tokens", "logprob_diff_sum", "is_weight", "is_capped",
-    "is_masked",
+    "is_masked", "policy_tokens",
 )
 """The loss's stats that add over microbatches and ranks."""
 MAX_STATS: tuple[str, ...] = ("logprob_diff_max", "is_weight_max")
@@ -70,6 +70,11 @@ class RolloutLoss:
         logp = token_logprobs(logits, labels.clamp(min=0), self.temperature, chunk_tokens=self.chunk_tokens)
         return logp * valid, valid
 
+    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each position's entropy of the policy at the sampling temperature (fp32, in chunks;
+        vocab-sharded logits are never gathered)."""
+        return token_entropy(logits, self.temperature, chunk_tokens=self.chunk_tokens)
+
     def ratio_terms(self, before_update: torch.Tensor, generator: torch.Tensor, loss_mask: torch.Tensor):
         """What the PPO ratio is taken against, the importance weights, the ratio cap and the
         weights' stats, for --rl.old_logprobs (trainer: decoupled; generator: bypass)."""
@@ -85,7 +90,8 @@ class RolloutLoss:
         return before_update, weights, 0.0, stats
 
     def for_microbatch(self, accumulator: dict[str, torch.Tensor], trainer_old: torch.Tensor | None, *,
-                       measure_mismatch: bool) -> Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]:
+                       measure_mismatch: bool, policy_mask: torch.Tensor | None = None,
+                       ) -> Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]:
         """``loss_fn(logits, batch)`` for the engine: policy log-probs of the labels (fp32),
         the configured policy loss, and token-sum stats added to ``accumulator``.
 
@@ -93,16 +99,18 @@ class RolloutLoss:
         update (``[rows, this rank's sequence share]``, looked up by ``row_index``: a pipeline
         schedule hands the loss a subset of rows at a time), or None when the current
         log-probs are those (one update per rollout). ``measure_mismatch``: record how far the
-        trainer's pre-update log-probs are from the generator's (the first pass)."""
+        trainer's pre-update log-probs are from the generator's (the first pass).
+        ``policy_mask``: the tokens that carry the policy term (--rl.top_entropy_quantile), laid
+        out and looked up like ``trainer_old``; None: every token."""
         rl = self.rl
 
         def loss_fn(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
             logp, valid = self.label_logprobs(logits, batch)
             with torch.set_grad_enabled(torch.is_grad_enabled() and rl.entropy_coef > 0):  # else only logged
-                # Vocab-sharded logits (loss parallel) are never gathered; both in chunks.
-                entropy = token_entropy(logits, self.temperature, chunk_tokens=self.chunk_tokens)
+                entropy = self.token_entropy(logits)
             generator = batch["old_logprobs"]
-            before_update = trainer_old[batch["row_index"][:, 0]] if trainer_old is not None else logp.detach()
+            rows = batch["row_index"][:, 0] if "row_index" in batch else None
+            before_update = trainer_old[rows] if trainer_old is not None else logp.detach()
             old, is_weights, is_cap, is_stats = self.ratio_terms(before_update, generator, batch["loss_mask"])
             ref = batch.get("ref_logprobs")
             loss, stats = policy_loss(
@@ -114,6 +122,7 @@ class RolloutLoss:
                 kl_estimator=rl.kl_estimator, entropy=entropy, entropy_coef=rl.entropy_coef,
                 sequence_lengths=batch["sequence_lengths"] if rl.loss_type == "grpo" else None,
                 sequence_sum=self.sequence_sum, dual_clip=rl.dual_clip,
+                policy_mask=policy_mask[rows] if policy_mask is not None else None,
             )
             stats.update(is_stats)
             if measure_mismatch:
