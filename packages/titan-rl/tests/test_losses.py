@@ -12,6 +12,7 @@ from titan.rl.losses import (
     importance_weights,
     kl_estimate,
     loss_normalizer,
+    off_policy_mask,
     policy_loss,
     stat_means,
     token_entropy,
@@ -307,3 +308,51 @@ def test_gspo_policy_mask_keeps_a_share_of_the_sequence_loss():
     loss, _ = policy_loss(logp, old, ADV, MASK, loss_type="gspo", policy_mask=keep)
     alone, _ = policy_loss(logp[:1], old[:1], ADV[:1], MASK[:1], loss_type="gspo")
     assert loss.item() == pytest.approx(2 / 3 * alone.item(), abs=1e-6)
+
+
+def test_off_policy_mask_by_hand():
+    """Row 0 (advantage +1) drifted far and is kept: only bad samples are masked. Row 1
+    (advantage -2): its two loss tokens' sampling-minus-current log-probs 0.3 and 0.5 average
+    0.4 (the masked third token's 9 is not counted): masked above a 0.39 threshold, kept at 0.4."""
+    current = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
+    sampling = current + torch.tensor([[5.0, 5.0, 5.0], [0.3, 0.5, 9.0]])
+    masked = off_policy_mask(current, sampling, ADV, MASK, 0.39)
+    torch.testing.assert_close(masked, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(off_policy_mask(current, sampling, ADV, MASK, 0.4001), torch.ones(2, 3))
+    # Context parallel: each rank holds some positions of each row; the drift is the whole row's.
+    mine, theirs = [0, 2], [1]
+    theirs_drift = ((sampling - current)[:, theirs] * MASK[:, theirs]).sum(-1, keepdim=True)
+    calls = iter([theirs_drift, MASK[:, theirs].sum(-1, keepdim=True)])  # the sums it takes: drift, tokens
+    shard = off_policy_mask(current[:, mine], sampling[:, mine], ADV, MASK[:, mine], 0.39,
+                            sequence_sum=lambda row: row + next(calls))
+    torch.testing.assert_close(shard, masked[:, mine])
+
+
+def test_off_policy_mask_drops_the_policy_term_of_its_sequences():
+    logp, old = inputs()
+    sampling = logp.detach() + torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    keep = off_policy_mask(logp, sampling, ADV, MASK, 0.5)
+    loss, stats = policy_loss(logp, old, ADV, MASK, loss_type="dapo", policy_mask=keep)
+    assert loss.item() == pytest.approx(-(1.28 + 0.9 + 1.0), abs=1e-6) and stats["policy_tokens"].item() == 3
+
+
+def test_kl_bias_correction_weights_each_tokens_kl_by_its_ratio():
+    """k3 to a reference 0.5 nats below every token, times the token's ratio r (1.5, 0.9, 1.0 |
+    0.5, 1.1), grpo's per-row token means; the gradient also flows through r."""
+    logp, old = inputs()
+    ref = logp.detach() - 0.5
+    k3 = math.exp(-0.5) - 1 + 0.5
+    base, _ = policy_loss(logp, old, ADV, MASK, loss_type="grpo")
+    plain, _ = policy_loss(logp, old, ADV, MASK, loss_type="grpo", ref_logprobs=ref, kl_coef=0.1)
+    corrected, stats = policy_loss(logp, old, ADV, MASK, loss_type="grpo", ref_logprobs=ref, kl_coef=0.1,
+                                   kl_bias_correction=True)
+    assert plain.item() - base.item() == pytest.approx(0.1 * k3 * 2, abs=1e-6)  # each row's mean k3 is k3
+    assert corrected.item() - base.item() == pytest.approx(0.1 * k3 * ((1.5 + 0.9 + 1.0) / 3 + (0.5 + 1.1) / 2), abs=1e-6)
+    assert stats["kl"].item() == pytest.approx(k3 * (1.5 + 0.9 + 1.0 + 0.5 + 1.1), abs=1e-6)
+    (grad_plain,) = torch.autograd.grad(plain - base, logp, retain_graph=True)
+    (grad_corrected,) = torch.autograd.grad(corrected - base, logp)
+    # d(r k3)/dlogp = r (dk3/dlogp + k3), with dk3/dlogp = 1 - exp(ref - logp) = 1 - e^-0.5.
+    ratio = torch.tensor(RATIOS) * MASK
+    weights = MASK / MASK.sum(-1, keepdim=True)
+    torch.testing.assert_close(grad_plain, 0.1 * weights * (1 - math.exp(-0.5)))
+    torch.testing.assert_close(grad_corrected, 0.1 * weights * ratio * (1 - math.exp(-0.5) + k3))

@@ -99,6 +99,15 @@ class RLSection:
     """KL estimator: k1 log(p/q), k2 (log(p/q))^2/2, k3 q/p - 1 - log(q/p)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (0: the entropy is only logged)."""
+    off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2's off-policy sequence masking (TRL's off_policy_mask_threshold): a
+    completion with a negative advantage whose tokens the generator found, on average, more
+    than this many nats per token likelier than the policy being trained does, trains no policy
+    term (the KL term keeps it). None: off."""
+    kl_bias_correction: bool = False
+    """DeepSeek-V3.2's unbiased KL estimate (TRL's use_bias_correction_kl): each token's KL
+    estimate is weighted by its ratio to the policy it was sampled from (the PPO ratio's
+    denominator), with its gradient. Needs --rl.kl_coef."""
     top_entropy_quantile: float = 1.0
     """The share of completion tokens that carry the policy gradient: the rollout's tokens whose
     entropy under the policy before the update is in this top fraction (TRL's
@@ -200,6 +209,12 @@ class RLSection:
                 raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
         if self.is_cap and self.is_cap < 1:
             raise ValueError(f"--rl.is_cap {self.is_cap} would cap ratios below 1; use a cap >= 1, or 0 to disable")
+        if self.off_policy_mask_threshold is not None and self.off_policy_mask_threshold < 0:
+            raise ValueError(f"--rl.off_policy_mask_threshold must be >= 0 (nats per token), got "
+                             f"{self.off_policy_mask_threshold}")
+        if self.kl_bias_correction and not self.kl_coef:
+            raise ValueError("--rl.kl_bias_correction weights the KL penalty, which this run does not have "
+                             "(--rl.kl_coef 0): set --rl.kl_coef or drop the flag")
         if not 0 < self.top_entropy_quantile <= 1:
             raise ValueError(f"--rl.top_entropy_quantile must be in (0, 1] (the top share of tokens by entropy that "
                              f"trains; 1: all), got {self.top_entropy_quantile}")

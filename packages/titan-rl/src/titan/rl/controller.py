@@ -597,8 +597,10 @@ class RLTrainer(TrainingLoop):
             tokens = max(totals["tokens"], 1.0)
             out.update(is_weight_mean=totals["is_weight"] / tokens, is_weight_max=totals["is_weight_max"],
                        is_capped_fraction=totals["is_capped"] / tokens, is_masked_fraction=totals["is_masked"] / tokens)
-        if self.config.rl.top_entropy_quantile < 1:
+        if self.config.rl.top_entropy_quantile < 1 or self.config.rl.off_policy_mask_threshold is not None:
             out["policy_token_fraction"] = totals["policy_tokens"] / max(totals["tokens"], 1.0)
+        if self.config.rl.off_policy_mask_threshold is not None:
+            out["off_policy_masked_fraction"] = totals["off_policy_masked"] / max(totals["tokens"], 1.0)
         return out
 
     def _check_logprob_agreement(self, record: Mapping[str, Any]) -> None:

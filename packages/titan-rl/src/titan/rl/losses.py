@@ -62,6 +62,15 @@ High-entropy tokens only (``policy_mask``, TRL's ``top_entropy_quantile``, after
 2025, "Beyond the 80/20 Rule"): a 0/1 mask per token multiplies the policy term alone, so only
 the "forking" tokens where the policy is least certain carry the policy gradient; the KL and
 entropy terms and the normalizer are unchanged. :func:`entropy_threshold` gives the cut.
+The same mask carries DeepSeek-V3.2's off-policy sequence masking (:func:`off_policy_mask`,
+TRL's ``off_policy_mask_threshold``): a completion with a negative advantage whose tokens the
+sampling policy found, on average, more than ``delta`` nats likelier than the policy does
+now trains no policy term.
+
+``kl_bias_correction`` (DeepSeek-V3.2's unbiased KL estimate, TRL's
+``use_bias_correction_kl``): the tokens were sampled from the policy the ratio is taken
+against, not from the current one, so each token's KL estimate is multiplied by the ratio
+``r`` (with its gradient), which makes it an unbiased estimate of KL(policy || reference).
 """
 
 from __future__ import annotations
@@ -203,6 +212,22 @@ def entropy_threshold(entropies: torch.Tensor, quantile: float) -> torch.Tensor:
     return ordered[low] + (position - low) * (ordered[high] - ordered[low])
 
 
+def off_policy_mask(logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, advantages: torch.Tensor,
+                    loss_mask: torch.Tensor, threshold: float, *,
+                    sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask, ``[B, S]`` of 0/1: 0 on a token whose
+    advantage is negative when its completion's mean ``log pi_sampling - log pi`` over the
+    loss tokens exceeds ``threshold`` (the policy has moved away from what it sampled and
+    the sample is a bad one), 1 elsewhere. Detached. ``sequence_sum``: under context parallel,
+    the sum over the ranks holding the rows' other positions."""
+    row_sum = sequence_sum if sequence_sum is not None else (lambda x: x)
+    mask = loss_mask.to(logprobs.dtype)
+    drift = ((sampling_logprobs - logprobs.detach()) * mask).sum(-1, keepdim=True)
+    mean_drift = row_sum(drift) / row_sum(mask.sum(-1, keepdim=True)).clamp(min=1)
+    adv = _per_token(advantages.to(logprobs.dtype), logprobs)
+    return 1.0 - ((adv < 0) & (mean_drift > threshold)).to(logprobs.dtype)
+
+
 def _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights, sequence_sum, dual_clip=0.0,
                 policy_mask=None):
     """GSPO's policy sum, the per-token weights of its KL and entropy terms (per-sequence token
@@ -259,6 +284,7 @@ def policy_loss(
     sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
     dual_clip: float = 0.0,
     policy_mask: torch.Tensor | None = None,
+    kl_bias_correction: bool = False,
 ) -> tuple[torch.Tensor, Stats]:
     """The summed loss of one microbatch for ``loss_type`` and its token-sum stats (module
     docstring). ``sequence_lengths`` (optional, ``[B, S]``): each token's completion length,
@@ -269,7 +295,9 @@ def policy_loss(
     ``dual_clip`` C > 1 (0: off): a negative advantage's loss is at most ``-C A`` (verl's
     ``clip_ratio_c``, TRL's ``delta``), counted as clipped; cispo has its own weight clip.
     ``policy_mask`` (optional, ``[B, S]`` of 0/1): the tokens that carry the policy term
-    (high-entropy tokens); the stat ``policy_tokens`` counts them."""
+    (high-entropy tokens, :func:`off_policy_mask`); the stat ``policy_tokens`` counts them.
+    ``kl_bias_correction``: multiply each token's KL estimate by its ratio to ``old_logprobs``
+    (module docstring)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"--rl.loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
     default_low, default_high = DEFAULT_CLIP[loss_type]
@@ -306,6 +334,8 @@ def policy_loss(
         stats["policy_tokens"] = (mask * policy_mask).sum().detach()
     if ref_logprobs is not None:
         kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+        if kl_bias_correction:
+            kl = kl * torch.exp(log_ratio)  # the sampled tokens' importance ratio, with its gradient
         if kl_coef > 0:
             total = total + kl_coef * (kl * weights).sum()
         stats["kl"] = (kl.detach() * mask).sum()

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from titan.rl.config import RLSection
 from titan.rl.logprobs import token_entropy, token_logprobs
-from titan.rl.losses import importance_weights, policy_loss
+from titan.rl.losses import importance_weights, off_policy_mask, policy_loss
 
 SUMMED_STATS: tuple[str, ...] = (
     "tokens", "clipped", "kl", "entropy", "completion_tokens", "logprob_diff_sum", "is_weight", "is_capped",
-    "is_masked", "policy_tokens",
+    "is_masked", "policy_tokens", "off_policy_masked",
 )
 """The loss's stats that add over microbatches and ranks."""
 MAX_STATS: tuple[str, ...] = ("logprob_diff_max", "is_weight_max")
@@ -75,6 +75,20 @@ class RolloutLoss:
         vocab-sharded logits are never gathered)."""
         return token_entropy(logits, self.temperature, chunk_tokens=self.chunk_tokens)
 
+    def policy_mask(self, logp: torch.Tensor, batch: Mapping[str, torch.Tensor], high_entropy: torch.Tensor | None,
+                    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The tokens that carry the policy term: the high-entropy ones (``high_entropy``,
+        --rl.top_entropy_quantile) less those --rl.off_policy_mask_threshold masks (against
+        the generator's log-probs, the policy that sampled them), and the count it masked;
+        None: every token."""
+        threshold = self.rl.off_policy_mask_threshold
+        if threshold is None:
+            return high_entropy, {}
+        keep = off_policy_mask(logp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"], threshold,
+                               sequence_sum=self.sequence_sum)
+        masked = ((1 - keep) * batch["loss_mask"].to(keep.dtype)).sum()
+        return (keep if high_entropy is None else keep * high_entropy), {"off_policy_masked": masked}
+
     def ratio_terms(self, before_update: torch.Tensor, generator: torch.Tensor, loss_mask: torch.Tensor):
         """What the PPO ratio is taken against, the importance weights, the ratio cap and the
         weights' stats, for --rl.old_logprobs (trainer: decoupled; generator: bypass)."""
@@ -113,6 +127,7 @@ class RolloutLoss:
             before_update = trainer_old[rows] if trainer_old is not None else logp.detach()
             old, is_weights, is_cap, is_stats = self.ratio_terms(before_update, generator, batch["loss_mask"])
             ref = batch.get("ref_logprobs")
+            keep, keep_stats = self.policy_mask(logp, batch, policy_mask[rows] if policy_mask is not None else None)
             loss, stats = policy_loss(
                 logp, old, batch["advantages"], batch["loss_mask"], loss_type=rl.loss_type,
                 clip_eps_low=rl.clip_eps_low, clip_eps_high=rl.clip_eps_high, is_cap=is_cap, is_weights=is_weights,
@@ -122,9 +137,10 @@ class RolloutLoss:
                 kl_estimator=rl.kl_estimator, entropy=entropy, entropy_coef=rl.entropy_coef,
                 sequence_lengths=batch["sequence_lengths"] if rl.loss_type == "grpo" else None,
                 sequence_sum=self.sequence_sum, dual_clip=rl.dual_clip,
-                policy_mask=policy_mask[rows] if policy_mask is not None else None,
+                policy_mask=keep, kl_bias_correction=rl.kl_bias_correction,
             )
             stats.update(is_stats)
+            stats.update(keep_stats)
             if measure_mismatch:
                 diff = (before_update - generator).abs() * valid
                 stats["completion_tokens"] = valid.sum()
