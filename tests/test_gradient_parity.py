@@ -93,6 +93,11 @@ RL_LOSSES = {loss: {"loss_type": loss, "entropy_coef": 0.01, "kl_coef": 0.05} fo
 # a sequence's importance weight is the product of its tokens' ratios: CP splits the tokens
 RL_LOSSES["grpo_sequence_is"] = {**RL_LOSSES["grpo"], "is_level": "sequence"}
 RL_LOSSES["gspo_sequence_is"] = {**RL_LOSSES["gspo"], "is_level": "sequence"}
+# luspo's length-weighted sequence ratio, with the KL weighted by each token's ratio; sapo's
+# per-completion means; the off-policy mask's per-completion mean drift: all span CP's shards
+RL_LOSSES["luspo_kl_bias_correction"] = {**RL_LOSSES["grpo"], "loss_type": "luspo", "kl_bias_correction": True}
+RL_LOSSES["sapo"] = {**RL_LOSSES["grpo"], "loss_type": "sapo"}
+RL_LOSSES["grpo_off_policy_mask"] = {**RL_LOSSES["grpo"], "off_policy_mask_threshold": 0.0}
 CP2 = [*NO_DP, "--parallelism.context_parallel_degree", "2"]
 RL_LAYOUTS: dict[str, tuple[int, str, list[str], int, str]] = {  # name -> (ranks, family, flags, microbatches, loss)
     "rl_grpo-fsdp2_accumulate2": (2, "llama3", [], 2, "grpo"),
@@ -106,6 +111,9 @@ RL_LAYOUTS: dict[str, tuple[int, str, list[str], int, str]] = {  # name -> (rank
     "rl_dr_grpo-tp2_sp": (2, "llama3", TP2, 1, "dr_grpo"),
     "rl_cispo-tp2_sp": (2, "llama3", TP2, 1, "cispo"),
     "rl_grpo_sequence_is-cp2": (2, "llama3", CP2, 1, "grpo_sequence_is"),
+    "rl_luspo_kl_bias_correction-cp2": (2, "llama3", CP2, 1, "luspo_kl_bias_correction"),
+    "rl_sapo-cp2": (2, "llama3", CP2, 1, "sapo"),
+    "rl_grpo_off_policy_mask-cp2": (2, "llama3", CP2, 1, "grpo_off_policy_mask"),
     "rl_grpo-pp2": (2, "llama3", [*NO_DP, "--parallelism.pipeline_parallel_degree", "2"], 1, "grpo"),
     "rl_grpo-qwen3_moe-tp2_sp": (2, "qwen3_moe", TP2, 1, "grpo"),
 }

@@ -112,6 +112,12 @@ def test_config_errors_name_the_flag():
         RLSection(colocated_generation="every_rank", generator_ranks=1)
     with pytest.raises(ValueError, match="--rl.colocated_generation must be rank0 or every_rank"):
         RLSection(colocated_generation="all")
+    with pytest.raises(ValueError, match="--rl.sapo_temperature_neg shape the gate of --rl.loss_type sapo"):
+        RLSection(sapo_temperature_neg=2.0)
+    with pytest.raises(ValueError, match="sapo has no hard clip .*: drop --rl.clip_eps_high, --rl.dual_clip"):
+        RLSection(loss_type="sapo", clip_eps_high=0.28, dual_clip=3.0)
+    with pytest.raises(ValueError, match="--rl.sapo_temperature_pos must be > 0"):
+        RLSection(loss_type="sapo", sapo_temperature_pos=0.0)
     with pytest.raises(ValueError, match="--rl.off_policy_mask_threshold must be >= 0"):
         RLSection(off_policy_mask_threshold=-0.1)
     with pytest.raises(ValueError, match="--rl.kl_bias_correction weights the KL penalty"):
@@ -720,6 +726,25 @@ def test_top_entropy_quantile_trains_the_top_share_of_tokens_by_entropy(tmp_path
     assert "policy_token_fraction" not in plain and "entropy_cut" not in plain
     assert 0.2 <= top["policy_token_fraction"] <= 0.25, top
     assert 0 < top["entropy_cut"] and top["grad_norm"] < plain["grad_norm"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["luspo", "sapo"])
+def test_newer_loss_types_train_through_titan_rl(tmp_path, loss_type):
+    """The flag reaches the loss (their values and gradients by hand: test_losses.py; under CP:
+    tests/test_gradient_parity.py). On policy (ratio 1) luspo's length weights change the
+    gradient; sapo's gate has grpo's gradient there by design, and its value 2 / tau A (tau
+    1 or 1.05 by the advantage's sign) no longer cancels to ~0 as grpo's does."""
+    flags = [*SHORT, "--training.steps", "3", "--rl.ppo_epochs", "1", "--rl.rewards", "char_match"]
+    run_rl(tmp_path / "grpo", *flags)
+    run_rl(tmp_path / loss_type, *flags, "--rl.loss_type", loss_type)
+    grpo, other = ([r for r in records(tmp_path / name) if r.get("phase") == "rl"][0] for name in ("grpo", loss_type))
+    assert other["reward_mean"] == grpo["reward_mean"] and other["grad_norm"] > 0
+    if loss_type == "sapo":
+        assert other["grad_norm"] == pytest.approx(grpo["grad_norm"], rel=1e-5)
+        assert abs(grpo["loss"]) < 1e-6 < abs(other["loss"])
+    else:
+        assert other["grad_norm"] != pytest.approx(grpo["grad_norm"], rel=1e-3)
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from titan.rl.losses import (
+    LOSS_TYPES,
     entropy_threshold,
     importance_weights,
     kl_estimate,
@@ -288,7 +289,7 @@ def test_policy_mask_drops_masked_tokens_from_the_policy_term_by_hand():
     assert with_kl.item() - loss.item() == pytest.approx(base_kl.item() - base.item(), abs=1e-6)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_policy_mask_of_ones_changes_nothing_and_of_a_row_drops_that_row(loss_type):
     logp, old = inputs()
     plain, _ = policy_loss(logp, old, ADV, MASK, loss_type=loss_type)
@@ -356,3 +357,53 @@ def test_kl_bias_correction_weights_each_tokens_kl_by_its_ratio():
     weights = MASK / MASK.sum(-1, keepdim=True)
     torch.testing.assert_close(grad_plain, 0.1 * weights * (1 - math.exp(-0.5)))
     torch.testing.assert_close(grad_corrected, 0.1 * weights * ratio * (1 - math.exp(-0.5) + k3))
+
+
+def _sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def gate(r: float, tau: float) -> float:
+    """sapo's gate by hand."""
+    return _sigmoid(tau * (r - 1)) * 4 / tau
+
+
+def slope(r: float, tau: float) -> float:
+    """d gate(exp(logp - old)) / d logp by hand: r x 4 s (1 - s)."""
+    return r * 4 * _sigmoid(tau * (r - 1)) * (1 - _sigmoid(tau * (r - 1)))
+
+
+def test_sapo_by_hand_soft_gate_with_asymmetric_temperatures():
+    """Each token's -sigmoid(tau (r - 1)) 4 / tau A, tau 1 for row 0 (A +1) and 1.05 for row 1
+    (A -2), grpo's per-completion token means; at r = 1 the gradient is the surrogate's (-A w),
+    elsewhere -A w r 4 s (1 - s) with s the sigmoid; nothing counts as clipped."""
+    logp, old = inputs()
+    loss, stats = policy_loss(logp, old, ADV, MASK, loss_type="sapo")
+    row0 = [-gate(r, 1.0) for r in (1.5, 0.9, 1.0)]
+    row1 = [2 * gate(r, 1.05) for r in (0.5, 1.1)]
+    assert loss.item() == pytest.approx(sum(row0) / 3 + sum(row1) / 2, abs=1e-6)
+    assert stats["clipped"].item() == 0 and loss_normalizer("sapo", MASK, max_new_tokens=3).item() == 2
+    loss.backward()
+    want = torch.tensor([[-slope(1.5, 1.0) / 3, -slope(0.9, 1.0) / 3, -1 / 3],
+                         [2 * slope(0.5, 1.05) / 2, 2 * slope(1.1, 1.05) / 2, 0.0]])
+    torch.testing.assert_close(logp.grad, want)
+    other, _ = policy_loss(logp.detach(), old, ADV, MASK, loss_type="sapo", sapo_temperatures=(2.0, 3.0))
+    assert other.item() == pytest.approx(-sum(gate(r, 2.0) for r in (1.5, 0.9, 1.0)) / 3
+                                         + sum(2 * gate(r, 3.0) for r in (0.5, 1.1)) / 2, abs=1e-6)
+
+
+def test_luspo_by_hand_weighs_each_sequence_by_its_length():
+    """GSPO's sequence ratios (1.35^(1/3) and 0.55^(1/2)) clipped at 1 - 2e-3 / 1 + 2.5e-3: row 0
+    (A +1) loses -1.0025 per token over 3 tokens, row 1 (A -2) 2 x 0.998 over 2; mean over
+    completions. GSPO with the same clip takes each row's loss once."""
+    logp, old = inputs()
+    loss, stats = policy_loss(logp, old, ADV, MASK, loss_type="luspo")
+    assert loss.item() == pytest.approx(-1.0025 * 3 + 1.996 * 2, abs=1e-5)
+    assert stats["clipped"].item() == 5 and loss_normalizer("luspo", MASK, max_new_tokens=3).item() == 2
+    gspo, _ = policy_loss(logp, old, ADV, MASK, loss_type="gspo", clip_eps_low=2e-3, clip_eps_high=2.5e-3)
+    assert gspo.item() == pytest.approx(-1.0025 + 1.996, abs=1e-5)
+    # The KL term is weighed alike: per token, not per token over the length.
+    ref = old - 0.5
+    with_kl, _ = policy_loss(logp, old, ADV, MASK, loss_type="luspo", ref_logprobs=ref, kl_coef=0.1, kl_estimator="k1")
+    log_pq = torch.log(torch.tensor(RATIOS)) + 0.5
+    assert with_kl.item() - loss.item() == pytest.approx(0.1 * float((log_pq * MASK).sum()), abs=1e-5)

@@ -8,7 +8,7 @@ from typing import Literal
 
 from titan.rl.data import RLDataConfig
 from titan.rl.generate.base import SamplingConfig
-from titan.rl.losses import DEFAULT_CLIP, KL_ESTIMATORS, LOSS_TYPES
+from titan.rl.losses import DEFAULT_CLIP, KL_ESTIMATORS, LOSS_TYPES, SAPO_TEMPERATURES
 from titan.rl.rewards import REWARD_NAMES
 from titan.train.config import RunConfig, TrainingConfig
 
@@ -21,16 +21,23 @@ class RLSection:
     """Prompts per step over all data-parallel ranks; each gets --rl.group_size completions."""
     group_size: int = 8
     """Completions per prompt (G): advantages compare a completion with its group."""
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"] = "grpo"
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo", "luspo", "sapo"] = "grpo"
     """grpo: per-completion token mean; dapo: asymmetric clip, every token weighs the same;
     dr_grpo: no length or std normalization; gspo: sequence-level importance ratio; cispo
-    (MiniMax-M1): the importance weight is clipped, never the token's update."""
+    (MiniMax-M1): the importance weight is clipped, never the token's update; luspo: gspo with
+    each sequence weighed by its length; sapo: a soft gate instead of the hard clip
+    (--rl.sapo_temperature_pos/neg)."""
     clip_eps_low: float | None = None
     """Lower clip of the ratio (1 - eps_low; 1: no lower bound); None: the loss type's default
-    (0.2; 3e-4 for gspo; 1 for cispo)."""
+    (0.2; 3e-4 for gspo; 2e-3 for luspo; 1 for cispo). sapo has no clip."""
     clip_eps_high: float | None = None
     """Upper clip of the ratio (1 + eps_high); None: the loss type's default (0.2; 0.28 for dapo
-    and cispo; 4e-4 for gspo)."""
+    and cispo; 4e-4 for gspo; 2.5e-3 for luspo). sapo has no clip."""
+    sapo_temperature_pos: float = SAPO_TEMPERATURES[0]
+    """sapo's gate temperature for tokens with a positive advantage (TRL's
+    sapo_temperature_pos): larger fades a token's gradient faster as its ratio leaves 1."""
+    sapo_temperature_neg: float = SAPO_TEMPERATURES[1]
+    """sapo's gate temperature for the other tokens (TRL's sapo_temperature_neg)."""
     dual_clip: float = 0.0
     """Dual-clip PPO (verl's clip_ratio_c, TRL's delta): a token with a negative advantage whose
     ratio exceeds this adds no gradient, its loss held at -dual_clip x A; must exceed 1 +
@@ -190,6 +197,7 @@ class RLSection:
             raise ValueError(f"--rl.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         if self.clip_eps_low is not None and not 0 <= self.clip_eps_low <= 1:
             raise ValueError(f"--rl.clip_eps_low must be in [0, 1] (1: no lower bound), got {self.clip_eps_low}")
+        self._check_sapo()
         if self.dual_clip:
             if self.loss_type == "cispo":
                 raise ValueError("--rl.dual_clip bounds the PPO surrogate; cispo clips its weight at 1 + "
@@ -262,6 +270,27 @@ class RLSection:
                 f"--rl.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} "
                 "--rl.rewards; give one weight per reward"
             )
+
+    def _check_sapo(self) -> None:
+        """sapo's gate replaces the clip: the clip flags are refused with it, its temperatures
+        without it."""
+        temperatures = ("sapo_temperature_pos", "sapo_temperature_neg")
+        if self.loss_type != "sapo":
+            changed = [f"--rl.{f}" for f, default in zip(temperatures, SAPO_TEMPERATURES, strict=True)
+                       if getattr(self, f) != default]
+            if changed:
+                raise ValueError(f"{' and '.join(changed)} shape the gate of --rl.loss_type sapo, and this run's "
+                                 f"loss is {self.loss_type}: set --rl.loss_type sapo or drop the flag")
+            return
+        for flag in temperatures:
+            if getattr(self, flag) <= 0:
+                raise ValueError(f"--rl.{flag} must be > 0, got {getattr(self, flag)}")
+        clips = [f"--rl.{f}" for f in ("clip_eps_low", "clip_eps_high") if getattr(self, f) is not None]
+        clips += ["--rl.dual_clip"] if self.dual_clip else []
+        clips += ["--rl.is_cap (with --rl.old_logprobs generator)"] if self.old_logprobs == "generator" and self.is_cap else []
+        if clips:
+            raise ValueError(f"--rl.loss_type sapo has no hard clip (its gate fades the gradient instead): drop "
+                             f"{', '.join(clips)}, or tune --rl.sapo_temperature_pos/neg")
 
     def _check_importance_sampling(self) -> None:
         if self.old_logprobs not in ("trainer", "generator"):

@@ -32,7 +32,15 @@ The types (ratio ``r = exp(logprobs - old_logprobs)``, clipped surrogate
   instead: ``l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi``, computed as
   ``-sg(clip(r) / r) r A`` (the same gradient, with the weighted advantage as its value);
   every token weighs the same (normalizer = number of loss tokens, as dapo). Its default has
-  no lower bound (``eps_low`` 1, as the paper) and DAPO's upper one.
+  no lower bound (``eps_low`` 1, as the paper) and DAPO's upper one;
+- ``luspo`` (length-unbiased GSPO): GSPO's clipped sequence ratio, each sequence's loss
+  weighed by its length (a sum over its tokens, not a mean), so GSPO's bias against long
+  completions goes; normalizer = number of completions; the paper's clip 2e-3 / 2.5e-3;
+- ``sapo`` (soft adaptive policy optimization): no hard clip; a soft gate
+  ``l = -sigmoid(tau (r - 1)) 4 / tau A`` whose gradient is the surrogate's at ``r = 1`` and
+  fades smoothly as the ratio leaves 1, faster for negative advantages (``tau`` is
+  ``sapo_temperature_pos`` when ``A > 0``, ``sapo_temperature_neg`` otherwise); weights and
+  normalizer as grpo.
 
 Two corrections for tokens sampled by a generator that is not exactly the trainer:
 
@@ -81,9 +89,11 @@ from typing import Literal
 import torch
 from titan.rl.logprobs import token_entropy  # noqa: F401 - the entropy bonus's input, importable here too
 
-LossType = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
+LossType = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo", "luspo", "sapo"]
 KLEstimator = Literal["k1", "k2", "k3"]
-LOSS_TYPES: tuple[str, ...] = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
+LOSS_TYPES: tuple[str, ...] = ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "luspo", "sapo")
+SAPO_TEMPERATURES: tuple[float, float] = (1.0, 1.05)
+"""sapo's default gate temperatures for positive and for other advantages (the paper's)."""
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
 DEFAULT_CLIP: dict[str, tuple[float, float]] = {
@@ -94,6 +104,8 @@ DEFAULT_CLIP: dict[str, tuple[float, float]] = {
     "gspo": (3e-4, 4e-4),
     # The clipped quantity is the update's weight, not the update: no lower bound (1 - 1 = 0).
     "cispo": (1.0, 0.28),
+    "luspo": (2e-3, 2.5e-3),
+    "sapo": (0.0, 0.0),  # not read: sapo has no hard clip
 }
 """(eps_low, eps_high) each type uses unless the caller sets them."""
 
@@ -228,14 +240,23 @@ def off_policy_mask(logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, adv
     return 1.0 - ((adv < 0) & (mean_drift > threshold)).to(logprobs.dtype)
 
 
+def sapo_gate(ratio: torch.Tensor, advantages: torch.Tensor, temperatures: tuple[float, float]) -> torch.Tensor:
+    """sapo's soft gate ``sigmoid(tau (r - 1)) 4 / tau`` per token (``tau`` the first
+    temperature where the advantage is positive, the second elsewhere): 2 / tau at r = 1,
+    with slope 1 there, as the unclipped surrogate's."""
+    tau = torch.where(advantages > 0, temperatures[0], temperatures[1]).to(ratio.dtype)
+    return torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+
+
 def _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights, sequence_sum, dual_clip=0.0,
-                policy_mask=None):
+                policy_mask=None, length_weighted=False):
     """GSPO's policy sum, the per-token weights of its KL and entropy terms (per-sequence token
     means) and its clipped tokens. Its ratio is a sequence's geometric mean of the token
     ratios: under context parallel (``sequence_sum`` given) each rank holds a share of every
     row's tokens, so the row sums are summed over the CP ranks (differentiably: the backward
     sums the gradient back), and each rank counts its token share of each sequence's loss,
-    which sums to the whole over the ranks."""
+    which sums to the whole over the ranks. ``length_weighted`` (luspo): a sequence's loss
+    counts once per token instead of once in all."""
     row_sum = sequence_sum if sequence_sum is not None else (lambda x: x)
     local_tokens = mask.sum(-1, keepdim=True)
     lengths = row_sum(local_tokens.detach()).clamp(min=1)
@@ -247,8 +268,9 @@ def _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights, seq
     # Each token carries its sequence's loss / length: this rank's share (all of it without CP),
     # less the tokens --rl.top_entropy_quantile leaves out.
     carrying = local_tokens if policy_mask is None else (mask * policy_mask).sum(-1, keepdim=True)
-    policy_sum = (seq_loss * carrying / lengths).sum()
-    return policy_sum, mask / lengths, seq_clipped.expand_as(mask) * mask
+    per_token = 1 if length_weighted else 1 / lengths
+    policy_sum = (seq_loss * carrying * per_token).sum()
+    return policy_sum, mask * per_token, seq_clipped.expand_as(mask) * mask
 
 
 def _kept(weights: torch.Tensor, policy_mask: torch.Tensor | None) -> torch.Tensor:
@@ -285,6 +307,7 @@ def policy_loss(
     dual_clip: float = 0.0,
     policy_mask: torch.Tensor | None = None,
     kl_bias_correction: bool = False,
+    sapo_temperatures: tuple[float, float] = SAPO_TEMPERATURES,
 ) -> tuple[torch.Tensor, Stats]:
     """The summed loss of one microbatch for ``loss_type`` and its token-sum stats (module
     docstring). ``sequence_lengths`` (optional, ``[B, S]``): each token's completion length,
@@ -297,7 +320,8 @@ def policy_loss(
     ``policy_mask`` (optional, ``[B, S]`` of 0/1): the tokens that carry the policy term
     (high-entropy tokens, :func:`off_policy_mask`); the stat ``policy_tokens`` counts them.
     ``kl_bias_correction``: multiply each token's KL estimate by its ratio to ``old_logprobs``
-    (module docstring)."""
+    (module docstring). ``sapo_temperatures``: sapo's gate temperatures for positive and
+    other advantages."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"--rl.loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
     default_low, default_high = DEFAULT_CLIP[loss_type]
@@ -307,9 +331,10 @@ def policy_loss(
     adv = _per_token(advantages.to(logprobs.dtype), logprobs)
     log_ratio = (logprobs - old_logprobs) * mask  # masked tokens contribute 0 (exp -> 1)
 
-    if loss_type == "gspo":
+    if loss_type in ("gspo", "luspo"):
         policy_sum, weights, clipped = _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights,
-                                                   sequence_sum, dual_clip, policy_mask)
+                                                   sequence_sum, dual_clip, policy_mask,
+                                                   length_weighted=loss_type == "luspo")
     elif loss_type == "cispo":
         ratio = torch.exp(log_ratio)
         weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()
@@ -320,11 +345,15 @@ def policy_loss(
         policy_sum = (token_loss * _kept(weights, policy_mask)).sum()
         clipped = ((ratio.detach() < 1 - eps_low) | (ratio.detach() > 1 + eps_high)).float() * mask
     else:
-        token_loss, token_clipped = _clipped_surrogate(torch.exp(log_ratio), adv, eps_low, eps_high, is_cap,
-                                                       dual_clip)
+        if loss_type == "sapo":  # a soft gate, nothing clipped
+            token_loss = -sapo_gate(torch.exp(log_ratio), adv, sapo_temperatures) * adv
+            token_clipped = torch.zeros_like(token_loss)
+        else:
+            token_loss, token_clipped = _clipped_surrogate(torch.exp(log_ratio), adv, eps_low, eps_high, is_cap,
+                                                           dual_clip)
         if is_weights is not None:
             token_loss = token_loss * is_weights.detach()
-        weights = mask / _sequence_lengths(mask, sequence_lengths) if loss_type == "grpo" else mask
+        weights = mask / _sequence_lengths(mask, sequence_lengths) if loss_type in ("grpo", "sapo") else mask
         policy_sum = (token_loss * _kept(weights, policy_mask)).sum()
         clipped = token_clipped * mask
 
@@ -348,8 +377,8 @@ def policy_loss(
 
 def loss_normalizer(loss_type: str, loss_mask: torch.Tensor, *, max_new_tokens: int) -> torch.Tensor:
     """What this microbatch adds to the global divisor of the summed loss: completions with
-    loss tokens (grpo, gspo), loss tokens (dapo, cispo), or completions x ``max_new_tokens``
-    (dr_grpo). Sum it over every microbatch and data-parallel rank of the step."""
+    loss tokens (grpo, gspo, luspo, sapo), loss tokens (dapo, cispo), or completions x
+    ``max_new_tokens`` (dr_grpo). Sum it over every microbatch and data-parallel rank of the step."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"--rl.loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
     mask = loss_mask.float()

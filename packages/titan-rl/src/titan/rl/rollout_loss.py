@@ -135,9 +135,10 @@ class RolloutLoss:
                 ref_logprobs=ref if ref is not None else generator,
                 kl_coef=rl.kl_coef if ref is not None else 0.0,
                 kl_estimator=rl.kl_estimator, entropy=entropy, entropy_coef=rl.entropy_coef,
-                sequence_lengths=batch["sequence_lengths"] if rl.loss_type == "grpo" else None,
+                sequence_lengths=batch["sequence_lengths"] if rl.loss_type in ("grpo", "sapo") else None,
                 sequence_sum=self.sequence_sum, dual_clip=rl.dual_clip,
                 policy_mask=keep, kl_bias_correction=rl.kl_bias_correction,
+                sapo_temperatures=(rl.sapo_temperature_pos, rl.sapo_temperature_neg),
             )
             stats.update(is_stats)
             stats.update(keep_stats)
