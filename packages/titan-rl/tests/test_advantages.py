@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from titan.rl.advantages import group_advantages, nonzero_variance_groups
+from titan.rl.advantages import decoupled_advantages, group_advantages, nonzero_variance_groups
 
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0], [3.0, 0.0, 0.0, 0.0]])
 
@@ -68,3 +68,24 @@ def test_batch_scope_needs_a_std_to_scale():
     assert RLSection(advantage_std_scope="batch").advantage_std_scope == "batch"
     with pytest.raises(ValueError, match="this run divides by none"):
         RLSection(advantage_std_scope="batch", loss_type="dr_grpo")
+
+
+def test_gdpo_normalizes_each_reward_in_its_group_before_the_weighted_sum():
+    """Reward a favours completion 0 of group 0, reward b (weight 0.5) completion 1 with a ten
+    times wider spread. Each normalized in its group: a [1, -1] | [0, 0] (no spread), b [-1, 1]
+    | [-1, 1]; weighted sum [0.5, -0.5] | [-0.5, 0.5]; over the batch (mean 0, std 0.5)
+    [1, -1] | [-1, 1]. Summed first instead, b's spread decides group 0 alone: [-1, 1]."""
+    terms = {"a": torch.tensor([[1.0, 0.0], [1.0, 1.0]]), "b": torch.tensor([[0.0, 10.0], [0.0, 4.0]])}
+    weights = {"a": 1.0, "b": 0.5}
+    adv = decoupled_advantages(terms, weights, eps=1e-12)
+    torch.testing.assert_close(adv, torch.tensor([[1.0, -1.0], [-1.0, 1.0]]))
+    summed = group_advantages(terms["a"] + 0.5 * terms["b"], eps=1e-12)
+    torch.testing.assert_close(summed[0], torch.tensor([-1.0, 1.0]))
+    # Only the groups that train make the batch: group 1 left out gets 0, group 0 alone [1, -1].
+    kept = decoupled_advantages(terms, weights, keep=torch.tensor([True, False]), eps=1e-12)
+    torch.testing.assert_close(kept, torch.tensor([[1.0, -1.0], [0.0, 0.0]]))
+    # Sample std (G - 1) in both places: group 0's a is [0.7071, -0.7071] before the batch step.
+    sample = decoupled_advantages(terms, weights, eps=1e-12, std="sample")
+    torch.testing.assert_close(sample, torch.tensor([[1.0, -1.0], [-1.0, 1.0]]) * (0.75**0.5))
+    with pytest.raises(ValueError, match=r"no weight for reward terms \['b'\]"):
+        decoupled_advantages(terms, {"a": 1.0})

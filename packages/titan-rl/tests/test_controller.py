@@ -118,6 +118,8 @@ def test_config_errors_name_the_flag():
         RLSection(loss_type="sapo", clip_eps_high=0.28, dual_clip=3.0)
     with pytest.raises(ValueError, match="--rl.sapo_temperature_pos must be > 0"):
         RLSection(loss_type="sapo", sapo_temperature_pos=0.0)
+    with pytest.raises(ValueError, match="normalize_then_sum divides each reward by its group std"):
+        RLSection(multi_objective_aggregation="normalize_then_sum", loss_type="dr_grpo")
     with pytest.raises(ValueError, match="--rl.off_policy_mask_threshold must be >= 0"):
         RLSection(off_policy_mask_threshold=-0.1)
     with pytest.raises(ValueError, match="--rl.kl_bias_correction weights the KL penalty"):
@@ -697,6 +699,54 @@ def test_completions_are_logged_with_the_rewards_the_metrics_average(tmp_path):
                 [(r["reward"] - mean) / (batch_std + 1e-6) for r in members], rel=1e-5, abs=1e-6)
     output = result.stdout + result.stderr
     assert output.count(" of rollout ") == len(rl) and output.count("  group ") == 2 * len(rl)
+
+
+def _gdpo_by_hand(groups: list[list[dict]], weights: dict[str, float]) -> list[list[float]]:
+    """GDPO's advantages of the kept groups' logged completions: each reward normalized within
+    its group (population std + 1e-6), weighted, summed; the sums normalized over them all."""
+    def normalized(values: list[float]) -> list[float]:
+        mean = sum(values) / len(values)
+        std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+        return [(v - mean) / (std + 1e-6) for v in values]
+
+    sums = [[0.0] * len(group) for group in groups]
+    for label, weight in weights.items():
+        for g, group in enumerate(groups):
+            for j, value in enumerate(normalized([r["rewards"][label] for r in group])):
+                sums[g][j] += weight * value
+    flat = [v for group in sums for v in group]
+    mean = sum(flat) / len(flat)
+    std = (sum((v - mean) ** 2 for v in flat) / len(flat)) ** 0.5
+    return [[(v - mean) / (std + 1e-6) for v in group] for group in sums]
+
+
+@pytest.mark.slow
+def test_gdpo_advantages_normalize_each_reward_first_by_hand(tmp_path):
+    """--rl.multi_objective_aggregation normalize_then_sum with exact_match, char_match (weight
+    0.5) and the soft overlong penalty (weight 1): each logged completion's advantage is GDPO's,
+    recomputed from the logged per-reward values (the groups that train make the batch; the
+    others get 0), and the update is not the summed rewards' one."""
+    flags = [*SHORT, "--training.steps", "5", "--rl.log_completions", "--rl.rewards", "exact_match", "char_match",
+             "--rl.reward_weights", "1", "0.5", "--rl.overlong_buffer_len", "4"]
+    run_rl(tmp_path / "summed", *flags)
+    run_rl(tmp_path / "gdpo", *flags, "--rl.multi_objective_aggregation", "normalize_then_sum")
+    rows = [json.loads(line) for line in (tmp_path / "gdpo" / "completions.jsonl").read_text().splitlines()]
+    weights = {"exact_match": 1.0, "char_match": 0.5, "overlong_penalty": 1.0}
+    checked = 0
+    for rollout in sorted({r["rollout"] for r in rows}):
+        groups = [[r for r in rows if r["rollout"] == rollout and r["group"] == g]
+                  for g in sorted({r["group"] for r in rows if r["rollout"] == rollout})]
+        assert all(set(r["rewards"]) == set(weights) for group in groups for r in group)
+        kept = [group for group in groups if len({r["reward"] for r in group}) > 1]
+        assert all(r["advantage"] == 0 for group in groups if group not in kept for r in group)
+        if kept:
+            want = _gdpo_by_hand(kept, weights)
+            for group, advantages in zip(kept, want, strict=True):
+                assert [r["advantage"] for r in group] == pytest.approx(advantages, rel=1e-5, abs=1e-6)
+            checked += 1
+    assert checked >= 2
+    summed, gdpo = ([r for r in records(tmp_path / name) if r.get("phase") == "rl"] for name in ("summed", "gdpo"))
+    assert summed[0]["reward_mean"] == gdpo[0]["reward_mean"] and summed[0]["grad_norm"] != gdpo[0]["grad_norm"]
 
 
 @pytest.mark.slow

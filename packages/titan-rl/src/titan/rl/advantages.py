@@ -7,13 +7,21 @@ standard deviation (it overweights prompts that are almost always or almost neve
 (every advantage is 0) and only dilutes the batch; :func:`nonzero_variance_groups` finds the
 ones to keep (DAPO's dynamic sampling filter). RLOO (:func:`group_advantages` with
 ``estimator="rloo"``) compares each completion with the mean of the others instead.
+
+With several rewards, GRPO normalizes their weighted sum; GDPO (:func:`decoupled_advantages`,
+TRL's ``multi_objective_aggregation="normalize_then_sum"``) normalizes each reward within its
+group first, so a reward with a wide spread cannot drown the others, then sums them with their
+weights and normalizes the sum over the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
+AGGREGATIONS: tuple[str, ...] = ("sum_then_normalize", "normalize_then_sum")
 STD_SCOPES: tuple[str, ...] = ("group", "batch")
 
 
@@ -66,3 +74,37 @@ def group_advantages(
 def nonzero_variance_groups(rewards: torch.Tensor, *, tol: float = 0.0) -> torch.Tensor:
     """Bool ``[N]``: groups whose rewards are not all equal (max - min > ``tol``)."""
     return (rewards.max(dim=1).values - rewards.min(dim=1).values) > tol
+
+
+def decoupled_advantages(
+    terms: Mapping[str, torch.Tensor],
+    weights: Mapping[str, float],
+    *,
+    keep: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    std: str = "population",
+) -> torch.Tensor:
+    """GDPO's advantages ``[N, G]`` of several rewards, each ``[N, G]`` by label in ``terms``:
+    each reward minus its group mean over its group std (``std``: population or sample) plus
+    ``eps``, summed with ``weights`` (by label), then the sum minus its mean over the batch,
+    over its batch std plus ``eps``. The batch is the groups in ``keep`` (bool ``[N]``; all by
+    default): the groups that train; the others' advantages are 0."""
+    if not terms:
+        raise ValueError("decoupled advantages need each reward's own values (none were given)")
+    missing = set(terms) - set(weights)
+    if missing:
+        raise ValueError(f"no weight for reward terms {sorted(missing)}")
+    unbiased = std == "sample"
+    total = None
+    for label, values in terms.items():
+        values = values.double()
+        spread = values.std(dim=1, unbiased=unbiased, keepdim=True)
+        normalized = (values - values.mean(dim=1, keepdim=True)) / (spread + eps) * weights[label]
+        total = normalized if total is None else total + normalized
+    keep = torch.ones(len(total), dtype=torch.bool) if keep is None else keep
+    out = torch.zeros_like(total)
+    if keep.any():
+        kept = total[keep]
+        out[keep] = (kept - kept.mean()) / (kept.flatten().std(unbiased=unbiased) + eps) if kept.numel() > 1 \
+            else kept - kept.mean()
+    return out.float()

@@ -28,9 +28,7 @@ def completion_records(rollout: Rollout, *, step: int, rl: Any) -> list[dict[str
     ``--rl.*`` section, whose advantage settings the records' advantages follow."""
     if not rollout.groups:
         return []
-    advantages, keep = completion_advantages(
-        rollout, normalize_std=rl.use_std, drop_zero_variance=rl.drop_zero_variance,
-        estimator=rl.advantage_estimator, std=rl.advantage_std, std_scope=rl.advantage_std_scope)
+    advantages, keep = completion_advantages(rollout, **rl.advantage_options())
     records = []
     for i, group in enumerate(rollout.groups):
         for j, completion in enumerate(group):

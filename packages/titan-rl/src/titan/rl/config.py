@@ -9,7 +9,7 @@ from typing import Literal
 from titan.rl.data import RLDataConfig
 from titan.rl.generate.base import SamplingConfig
 from titan.rl.losses import DEFAULT_CLIP, KL_ESTIMATORS, LOSS_TYPES, SAPO_TEMPERATURES
-from titan.rl.rewards import REWARD_NAMES
+from titan.rl.rewards import REWARD_NAMES, reward_labels
 from titan.train.config import RunConfig, TrainingConfig
 
 
@@ -77,6 +77,11 @@ class RLSection:
     advantage_std_scope: Literal["group", "batch"] = "group"
     """Which rewards that std is taken over: group (each prompt's own completions) or batch
     (every reward of the rollout, TRL's scale_rewards="batch")."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """How several --rl.rewards become one advantage (TRL's multi_objective_aggregation).
+    sum_then_normalize: the weighted sum's group advantage; normalize_then_sum (GDPO): each
+    reward normalized within its group first (so a reward with a wide spread cannot drown the
+    others), summed with --rl.reward_weights, the sum normalized over the groups that train."""
     drop_zero_variance: bool = True
     """Leave out groups whose completions all got the same reward (no signal)."""
     max_refill_rounds: int = 0
@@ -330,6 +335,13 @@ class RLSection:
                 "compares each completion with its group, so every advantage of a group of one is 0; "
                 "use --rl.group_size >= 2"
             )
+        if self.multi_objective_aggregation == "normalize_then_sum" and (
+                not self.use_std or self.advantage_std_scope != "group"):
+            raise ValueError(
+                "--rl.multi_objective_aggregation normalize_then_sum divides each reward by its group std and the sum "
+                "by the batch's: it cannot run with --rl.no_normalize_std, dr_grpo's or rloo's default, or "
+                "--rl.advantage_std_scope batch"
+            )
         if self.max_refill_rounds and not self.drop_zero_variance:
             raise ValueError(
                 "--rl.max_refill_rounds replaces the groups --rl.drop_zero_variance drops; it needs "
@@ -340,6 +352,21 @@ class RLSection:
     def updates_per_rollout(self) -> int:
         """Optimizer steps each rollout trains (--rl.ppo_epochs x --rl.minibatches_per_rollout)."""
         return self.ppo_epochs * self.minibatches_per_rollout
+
+    def advantage_options(self) -> dict[str, object]:
+        """The keyword arguments of ``titan.rl.rollouts.completion_advantages`` (and
+        ``rollout_rows``) for this run's advantage flags."""
+        options: dict[str, object] = dict(
+            normalize_std=self.use_std, drop_zero_variance=self.drop_zero_variance,
+            estimator=self.advantage_estimator, std=self.advantage_std, std_scope=self.advantage_std_scope,
+            aggregation=self.multi_objective_aggregation,
+        )
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            weights = self.reward_weights or (1.0,) * len(self.rewards)
+            # The soft overlong penalty is a term of its own, added unweighted to the reward.
+            options["term_weights"] = {**dict(zip(reward_labels(self.rewards), weights, strict=True)),
+                                       "overlong_penalty": 1.0}
+        return options
 
     @property
     def use_std(self) -> bool:

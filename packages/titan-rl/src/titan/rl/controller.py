@@ -505,9 +505,7 @@ class RLTrainer(TrainingLoop):
                 f"version {engine.step}: {behind} optimizer steps behind, outside [0, --rl.max_policy_staleness "
                 f"{cfg.rl.max_policy_staleness} rollouts x {updates} steps]"
             )
-        rows = rollout_rows(rollout, normalize_std=cfg.rl.use_std, drop_zero_variance=cfg.rl.drop_zero_variance,
-                            mask_truncated=cfg.rl.mask_truncated, estimator=cfg.rl.advantage_estimator,
-                            std=cfg.rl.advantage_std, std_scope=cfg.rl.advantage_std_scope)
+        rows = rollout_rows(rollout, mask_truncated=cfg.rl.mask_truncated, **cfg.rl.advantage_options())
         stats = rollout_stats(rollout)
         if not any(r.train and r.token_ids for r in rows):
             self.state.skipped += 1

@@ -288,10 +288,8 @@ class CombinedReward:
 
     @property
     def labels(self) -> list[str]:
-        """One metric label per term: its name, numbered when a name repeats."""
-        names = [name for name, _, _ in self.terms]
-        return [name if names.count(name) == 1 else f"{name}{names[:i].count(name) + 1}"
-                for i, name in enumerate(names)]
+        """One metric label per term (:func:`reward_labels`)."""
+        return reward_labels([name for name, _, _ in self.terms])
 
     def score(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str | None],
               contexts: Sequence[RewardContext | None] | None = None) -> list[float]:
@@ -318,6 +316,12 @@ class CombinedReward:
                     totals[i] += weight * value
             terms[label] = [0.0 if value is None else value for value in values]
         return totals, terms
+
+
+def reward_labels(names: Sequence[str]) -> list[str]:
+    """One label per reward name (metrics, completions.jsonl, GDPO's weights): the name,
+    numbered when a name repeats."""
+    return [name if names.count(name) == 1 else f"{name}{names[:i].count(name) + 1}" for i, name in enumerate(names)]
 
 
 def build_reward(

@@ -22,11 +22,16 @@ completion, and :func:`build_batch` lays rows out as the engine's batch: a dict 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from titan.rl.advantages import group_advantages, nonzero_variance_groups
+from titan.rl.advantages import (
+    AGGREGATIONS,
+    decoupled_advantages,
+    group_advantages,
+    nonzero_variance_groups,
+)
 from titan.rl.generate.base import Completion
 from titan.rl.losses import loss_normalizer
 from titan.train.loss import IGNORE_INDEX
@@ -91,15 +96,18 @@ def rollout_rows(
     estimator: str = "grpo",
     std: str = "population",
     std_scope: str = "group",
+    aggregation: str = "sum_then_normalize",
+    term_weights: Mapping[str, float] | None = None,
 ) -> list[Row]:
-    """One row per completion, with its group advantage (``estimator``, ``std``:
-    :func:`group_advantages`); completions of groups whose rewards are all equal are left out
-    when ``drop_zero_variance``. A rollout without groups (dynamic sampling dropped every one)
-    has no rows."""
+    """One row per completion, with its group advantage (:func:`completion_advantages`);
+    completions of groups whose rewards are all equal are left out when
+    ``drop_zero_variance``. A rollout without groups (dynamic sampling dropped every one) has
+    no rows."""
     if not rollout.groups:
         return []
     advantages, keep = completion_advantages(rollout, normalize_std=normalize_std, drop_zero_variance=drop_zero_variance,
-                                             estimator=estimator, std=std, std_scope=std_scope)
+                                             estimator=estimator, std=std, std_scope=std_scope,
+                                             aggregation=aggregation, term_weights=term_weights)
     rows = []
     for i, group in enumerate(rollout.groups):
         if not keep[i]:
@@ -117,15 +125,27 @@ def rollout_rows(
 
 
 def completion_advantages(rollout: Rollout, *, normalize_std: bool = True, drop_zero_variance: bool = True,
-                          estimator: str = "grpo", std: str = "population",
-                          std_scope: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
+                          estimator: str = "grpo", std: str = "population", std_scope: str = "group",
+                          aggregation: str = "sum_then_normalize", term_weights: Mapping[str, float] | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages [N, G], kept groups [N])`` of a rollout with groups: each completion's
-    group advantage (:func:`group_advantages`) and whether its group trains (all do unless
-    ``drop_zero_variance`` leaves out those whose rewards are all equal)."""
+    group advantage and whether its group trains (all do unless ``drop_zero_variance`` leaves
+    out those whose summed rewards are all equal). ``aggregation``: ``sum_then_normalize``
+    (:func:`group_advantages` of the summed rewards) or ``normalize_then_sum`` (GDPO,
+    :func:`decoupled_advantages` of the rollout's reward terms with ``term_weights``)."""
     rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
+    keep = nonzero_variance_groups(rewards) if drop_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
+    if aggregation == "normalize_then_sum":
+        if not rollout.reward_terms:
+            raise ValueError("--rl.multi_objective_aggregation normalize_then_sum needs each reward's own values, "
+                             f"and rollout {rollout.index} has none")
+        terms = {label: torch.tensor([group[label] for group in rollout.reward_terms], dtype=torch.float64)
+                 for label in rollout.reward_terms[0]}
+        return decoupled_advantages(terms, term_weights or {}, keep=keep, std=std), keep
+    if aggregation != "sum_then_normalize":
+        raise ValueError(f"--rl.multi_objective_aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
     advantages = group_advantages(rewards, normalize_std=normalize_std, estimator=estimator, std=std,
                                   std_scope=std_scope)
-    keep = nonzero_variance_groups(rewards) if drop_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
     return advantages, keep
 
 
