@@ -5,6 +5,7 @@ prompts, trainer and generator log-probs agree, a resumed run continues the same
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -120,6 +121,10 @@ def test_config_errors_name_the_flag():
         RLSection(loss_type="sapo", sapo_temperature_pos=0.0)
     with pytest.raises(ValueError, match="normalize_then_sum divides each reward by its group std"):
         RLSection(multi_objective_aggregation="normalize_then_sum", loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="--rl.entropy_target steer --rl.adaptive_entropy"):
+        RLSection(entropy_target=1.0)
+    with pytest.raises(ValueError, match=r"--rl.entropy_coef 2.0 is where --rl.adaptive_entropy starts"):
+        RLSection(adaptive_entropy=True, entropy_coef=2.0)
     with pytest.raises(ValueError, match="--rl.off_policy_mask_threshold must be >= 0"):
         RLSection(off_policy_mask_threshold=-0.1)
     with pytest.raises(ValueError, match="--rl.kl_bias_correction weights the KL penalty"):
@@ -357,7 +362,9 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
     restored from the checkpoint, not the resumed weights of step 5. Disaggregated: 2 FSDP
     trainer ranks and a generator rank, whose weights come from the resumed trainer. Every
     rank: 2 FSDP ranks each generating half of every rollout, each with its own copy of the
-    reference (stored once in the checkpoint, restored on both)."""
+    reference (stored once in the checkpoint, restored on both). The adaptive entropy
+    coefficient climbs 0.005 per update (every step's entropy is below the target) and resumes
+    where it was (restarting from 0 changes the resumed losses)."""
     flags = list(RESUMED)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     if generator_ranks == "every_rank":  # the uninterrupted run is one of the shared 2-rank launch's
@@ -375,8 +382,11 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
     shutil.copytree(straight / "checkpoint" / "step-5", resumed / "checkpoint" / "step-5")
     log = run(resumed, *flags)
     assert "resumed from step 5" in log.stderr + log.stdout
-    keys = ("loss", "reward_mean", "grad_norm", "logprob_diff_max", "kl")
-    want = {r["step"]: [r[k] for k in keys] for r in records(straight) if r.get("phase") == "rl"}
+    keys = ("loss", "reward_mean", "grad_norm", "logprob_diff_max", "kl", "entropy_coef")
+    straight_rl = [r for r in records(straight) if r.get("phase") == "rl"]
+    updates = list(itertools.accumulate(r["updates"] for r in straight_rl))
+    assert [r["entropy_coef"] for r in straight_rl] == pytest.approx([0.005 * n for n in updates], abs=1e-12)
+    want = {r["step"]: [r[k] for k in keys] for r in straight_rl}
     got = {r["step"]: [r[k] for k in keys] for r in records(resumed) if r.get("phase") == "rl"}
     assert sorted(got) == [6, 7, 8] and all(got[s] == want[s] for s in got), (got, want)
     assert got[6][keys.index("kl")] > 0  # the policy has moved away from its reference by step 6
@@ -386,8 +396,10 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
 # rank (under TP it was wrong until 2026-12-05, and nothing trained with it).
 DETERMINISTIC = [*SHORT, "--debug.deterministic", "--rl.entropy_coef", "0.01"]
 # A run checkpointed at step 5 and resumed from it, with the KL reference to restore.
+# Adaptive entropy control with a target every step is below: its coefficient climbs by 0.005
+# per update, and a resume must restore it.
 RESUMED = [*SHORT, "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
-           "--debug.deterministic", "--rl.kl_coef", "0.05"]
+           "--debug.deterministic", "--rl.kl_coef", "0.05", "--rl.adaptive_entropy", "--rl.entropy_target", "100"]
 # Generator ranks' shares, async with KL and dynamic sampling; every rank generating equals them.
 SHARED = [*SHORT, "--rl.max_refill_rounds", "1", "--rl.eval_freq", "3", "--rl.eval_prompts", "5",
           "--debug.deterministic", "--rl.max_policy_staleness", "1", "--rl.kl_coef", "0.05", "--rl.log_completions"]

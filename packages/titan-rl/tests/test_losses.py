@@ -9,6 +9,7 @@ import pytest
 import torch
 from titan.rl.losses import (
     LOSS_TYPES,
+    adapted_entropy_coef,
     entropy_threshold,
     importance_weights,
     kl_estimate,
@@ -407,3 +408,12 @@ def test_luspo_by_hand_weighs_each_sequence_by_its_length():
     with_kl, _ = policy_loss(logp, old, ADV, MASK, loss_type="luspo", ref_logprobs=ref, kl_coef=0.1, kl_estimator="k1")
     log_pq = torch.log(torch.tensor(RATIOS)) + 0.5
     assert with_kl.item() - loss.item() == pytest.approx(0.1 * float((log_pq * MASK).sum()), abs=1e-5)
+
+
+def test_adaptive_entropy_coefficient_by_hand():
+    """Up by delta at or below the target (capped at high), down above it (floored at low)."""
+    step = dict(target=0.2, delta=0.05, low=0.0, high=0.12)
+    assert adapted_entropy_coef(0.1, 0.1, **step) == pytest.approx(0.12)
+    assert adapted_entropy_coef(0.05, 0.2, **step) == pytest.approx(0.1)  # at the target: up
+    assert adapted_entropy_coef(0.1, 0.3, **step) == pytest.approx(0.05)
+    assert adapted_entropy_coef(0.02, 0.3, **step) == 0.0

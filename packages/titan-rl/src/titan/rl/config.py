@@ -120,6 +120,20 @@ class RLSection:
     """DeepSeek-V3.2's unbiased KL estimate (TRL's use_bias_correction_kl): each token's KL
     estimate is weighted by its ratio to the policy it was sampled from (the PPO ratio's
     denominator), with its gradient. Needs --rl.kl_coef."""
+    adaptive_entropy: bool = False
+    """Adaptive entropy control (TRL's use_adaptive_entropy): after every optimizer step the
+    entropy bonus's coefficient (starting at --rl.entropy_coef) rises by --rl.entropy_coef_delta
+    when the step's mean token entropy is at or below --rl.entropy_target and falls by it
+    otherwise, within [--rl.entropy_coef_min, --rl.entropy_coef_max]; checkpointed; logged as
+    entropy_coef."""
+    entropy_target: float = 0.2
+    """The mean token entropy (nats) --rl.adaptive_entropy holds the policy at or above."""
+    entropy_coef_delta: float = 0.005
+    """The step of --rl.adaptive_entropy's coefficient per optimizer step."""
+    entropy_coef_min: float = 0.0
+    """The lowest coefficient --rl.adaptive_entropy moves to."""
+    entropy_coef_max: float = 1.0
+    """The highest coefficient --rl.adaptive_entropy moves to."""
     top_entropy_quantile: float = 1.0
     """The share of completion tokens that carry the policy gradient: the rollout's tokens whose
     entropy under the policy before the update is in this top fraction (TRL's
@@ -228,6 +242,7 @@ class RLSection:
         if self.kl_bias_correction and not self.kl_coef:
             raise ValueError("--rl.kl_bias_correction weights the KL penalty, which this run does not have "
                              "(--rl.kl_coef 0): set --rl.kl_coef or drop the flag")
+        self._check_adaptive_entropy()
         if not 0 < self.top_entropy_quantile <= 1:
             raise ValueError(f"--rl.top_entropy_quantile must be in (0, 1] (the top share of tokens by entropy that "
                              f"trains; 1: all), got {self.top_entropy_quantile}")
@@ -275,6 +290,26 @@ class RLSection:
                 f"--rl.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} "
                 "--rl.rewards; give one weight per reward"
             )
+
+    def _check_adaptive_entropy(self) -> None:
+        """The controller's flags are read only with it; its bounds must hold the start."""
+        flags = ("entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")
+        if not self.adaptive_entropy:
+            changed = [f"--rl.{f}" for f in flags if getattr(self, f) != getattr(RLSection, f)]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} steer --rl.adaptive_entropy, which this run does not set: "
+                                 "add --rl.adaptive_entropy or drop the flag")
+            return
+        for flag in flags:
+            if getattr(self, flag) < 0:
+                raise ValueError(f"--rl.{flag} must be >= 0, got {getattr(self, flag)}")
+        if not self.entropy_coef_delta:
+            raise ValueError("--rl.entropy_coef_delta 0 never moves the coefficient: give a step, or drop "
+                             "--rl.adaptive_entropy")
+        if not self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max:
+            raise ValueError(f"--rl.entropy_coef {self.entropy_coef} is where --rl.adaptive_entropy starts; it must lie "
+                             f"in [--rl.entropy_coef_min {self.entropy_coef_min}, --rl.entropy_coef_max "
+                             f"{self.entropy_coef_max}]")
 
     def _check_sapo(self) -> None:
         """sapo's gate replaces the clip: the clip flags are refused with it, its temperatures

@@ -59,7 +59,7 @@ from titan.rl.config import RLConfig
 from titan.rl.data import build_prompts
 from titan.rl.disaggregated import TRAINER, GeneratorServer, RemoteGenerators, split_for_generators
 from titan.rl.generate.build import build_generator, check_generator_kind
-from titan.rl.losses import entropy_threshold, stat_means
+from titan.rl.losses import adapted_entropy_coef, entropy_threshold, stat_means
 from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts
 from titan.rl.rollout_loss import MAX_STATS, SUMMED_STATS, RolloutLoss, combine_stats
 from titan.rl.rollouts import (
@@ -119,15 +119,19 @@ class StalenessError(RuntimeError):
 class ControllerState:
     """The controller's checkpointed position: the next rollout to train on."""
 
-    def __init__(self, *, prompts_per_step: int, num_prompts: int) -> None:
+    def __init__(self, *, prompts_per_step: int, num_prompts: int, entropy_coef: float = 0.0,
+                 adaptive_entropy: bool = False) -> None:
         self.rollout_index = 0
         self.skipped = 0
         self.prompts_per_step, self.num_prompts = prompts_per_step, num_prompts
+        self.entropy_coef, self.adaptive_entropy = entropy_coef, adaptive_entropy
 
     def state_dict(self) -> dict[str, Any]:
-        """Next rollout index, rollouts skipped so far, and the sizes they are relative to."""
+        """Next rollout index, rollouts skipped so far, the sizes they are relative to, and the
+        entropy bonus's coefficient (moved by --rl.adaptive_entropy)."""
         return {"rollout_index": self.rollout_index, "skipped": self.skipped,
-                "prompts_per_step": self.prompts_per_step, "num_prompts": self.num_prompts}
+                "prompts_per_step": self.prompts_per_step, "num_prompts": self.num_prompts,
+                "entropy_coef": self.entropy_coef}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at a saved position (with the same prompts and prompts per step)."""
@@ -138,6 +142,8 @@ class ControllerState:
                     f"{getattr(self, key)}; resume with the same {flag}"
                 )
         self.rollout_index, self.skipped = int(state["rollout_index"]), int(state["skipped"])
+        if self.adaptive_entropy and "entropy_coef" in state:  # else the flag's value holds
+            self.entropy_coef = float(state["entropy_coef"])
 
 
 class ReferencePolicy:
@@ -231,7 +237,8 @@ class RLTrainer(TrainingLoop):
                                                          max_prompt_tokens=cfg.max_prompt_tokens)
         if cfg.rl.eval_freq > 0 and not self.eval_prompts:
             logger.info("no held-out prompts (--rl_data.eval_path): the run is not evaluated")
-        self.state = ControllerState(prompts_per_step=cfg.rl.prompts_per_step, num_prompts=len(train_prompts))
+        self.state = ControllerState(prompts_per_step=cfg.rl.prompts_per_step, num_prompts=len(train_prompts),
+                                     entropy_coef=cfg.rl.entropy_coef, adaptive_entropy=cfg.rl.adaptive_entropy)
         self.engine.add_state("rl_controller", self.state)
         self.warmup_loader = self._build_warmup_loader()
         self.sampling = dataclasses.replace(cfg.sampling, n=cfg.rl.group_size)
@@ -497,6 +504,7 @@ class RLTrainer(TrainingLoop):
         sync_before = self.timings["sync_s"]
         rollout = self.next_rollout()
         self.state.rollout_index += 1
+        self.loss.entropy_coef = self.state.entropy_coef  # restored by a resume when adaptive
         updates = cfg.rl.updates_per_rollout
         behind = engine.step - rollout.version  # in optimizer steps
         if behind > cfg.rl.max_policy_staleness * updates or behind < 0 or behind % updates:
@@ -543,6 +551,7 @@ class RLTrainer(TrainingLoop):
                 self.metrics.record_tokens(sum(b["input_ids"].numel() for b in batches)
                                            // engine.parallel_dims.non_data_parallel_size)
                 reduced = self._reduce(accumulator, rank_loss)
+                self._adapt_entropy_coef(reduced)
                 losses.append(reduced.pop("loss"))
                 combine_stats(totals, reduced)
         self.timings["train_s"] += time.perf_counter() - start
@@ -564,8 +573,23 @@ class RLTrainer(TrainingLoop):
         }
         if entropy_cut is not None:
             record["entropy_cut"] = entropy_cut
+        if cfg.rl.adaptive_entropy:
+            record["entropy_coef"] = self.state.entropy_coef  # what the next update uses
         self._check_logprob_agreement(record)
         return record
+
+    def _adapt_entropy_coef(self, reduced: Mapping[str, float]) -> None:
+        """--rl.adaptive_entropy: after each optimizer step, move the entropy bonus's
+        coefficient toward keeping the mean token entropy at --rl.entropy_target
+        (:func:`titan.rl.losses.adapted_entropy_coef`; every rank sees the same reduced stats)."""
+        rl = self.config.rl
+        if not rl.adaptive_entropy:
+            return
+        entropy = reduced["entropy"] / max(reduced["tokens"], 1.0)
+        self.state.entropy_coef = adapted_entropy_coef(
+            self.state.entropy_coef, entropy, target=rl.entropy_target, delta=rl.entropy_coef_delta,
+            low=rl.entropy_coef_min, high=rl.entropy_coef_max)
+        self.loss.entropy_coef = self.state.entropy_coef
 
     def _record_completions(self, rollout: Rollout, step: int) -> None:
         """Rank 0: append the rollout's completions to completions.jsonl (--rl.log_completions)

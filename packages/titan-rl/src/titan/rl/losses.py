@@ -375,6 +375,15 @@ def policy_loss(
     return total, stats
 
 
+def adapted_entropy_coef(coef: float, entropy: float, *, target: float, delta: float, low: float,
+                         high: float) -> float:
+    """The entropy bonus's next coefficient under adaptive entropy control (TRL's
+    use_adaptive_entropy): ``delta`` up (at most ``high``) when the step's mean token entropy
+    is at or below ``target`` (the policy is collapsing: push it to explore), ``delta`` down (at
+    least ``low``) when above."""
+    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
+
+
 def loss_normalizer(loss_type: str, loss_mask: torch.Tensor, *, max_new_tokens: int) -> torch.Tensor:
     """What this microbatch adds to the global divisor of the summed loss: completions with
     loss tokens (grpo, gspo, luspo, sapo), loss tokens (dapo, cispo), or completions x

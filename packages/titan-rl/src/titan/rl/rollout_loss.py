@@ -54,6 +54,7 @@ class RolloutLoss:
                  sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.rl, self.temperature, self.chunk_tokens = rl, temperature, chunk_tokens
         self.sequence_sum = sequence_sum
+        self.entropy_coef = rl.entropy_coef  # the controller moves it under --rl.adaptive_entropy
 
     @classmethod
     def on_engine(cls, engine: Any, rl: RLSection, *, temperature: float, chunk_tokens: int) -> RolloutLoss:
@@ -120,7 +121,8 @@ class RolloutLoss:
 
         def loss_fn(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
             logp, valid = self.label_logprobs(logits, batch)
-            with torch.set_grad_enabled(torch.is_grad_enabled() and rl.entropy_coef > 0):  # else only logged
+            entropy_coef = self.entropy_coef
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_coef > 0):  # else only logged
                 entropy = self.token_entropy(logits)
             generator = batch["old_logprobs"]
             rows = batch["row_index"][:, 0] if "row_index" in batch else None
@@ -134,7 +136,7 @@ class RolloutLoss:
                 # Without a reference, "kl" measures the trainer's drift from the generator.
                 ref_logprobs=ref if ref is not None else generator,
                 kl_coef=rl.kl_coef if ref is not None else 0.0,
-                kl_estimator=rl.kl_estimator, entropy=entropy, entropy_coef=rl.entropy_coef,
+                kl_estimator=rl.kl_estimator, entropy=entropy, entropy_coef=entropy_coef,
                 sequence_lengths=batch["sequence_lengths"] if rl.loss_type in ("grpo", "sapo") else None,
                 sequence_sum=self.sequence_sum, dual_clip=rl.dual_clip,
                 policy_mask=keep, kl_bias_correction=rl.kl_bias_correction,
