@@ -86,7 +86,8 @@ def lm_microbatches(engine: TrainingEngine, cfg: TrainerConfig, microbatches: in
     local = BATCH // dims.dp_world_size
     mine = tokens[dims.dp_rank * local : (dims.dp_rank + 1) * local]
     batches = [{"input_ids": rows[:, :-1], "labels": rows[:, 1:]} for rows in mine.tensor_split(microbatches)]
-    return batches, supervised_loss(chunk_tokens=cfg.training.loss_chunk_tokens), BATCH * SEQ, None
+    loss = supervised_loss(chunk_tokens=cfg.training.loss_chunk_tokens, loss_type=cfg.training.loss_type)
+    return batches, loss, BATCH * SEQ, None
 
 
 def full_gradients(engine: TrainingEngine) -> dict[str, torch.Tensor]:

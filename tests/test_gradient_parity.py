@@ -71,18 +71,22 @@ LAYOUTS["qwen3_moe-tp2_sp_aux_loss"] = (2, "qwen3_moe", [*AUX, *TP2])
 # Under CP each rank routes a share of every sequence: the loss's statistics are the whole
 # microbatch's, summed over the CP ranks (the router's gradient was 60% off before 2026-12-05).
 LAYOUTS["qwen3_moe-cp2_aux_loss"] = (2, "qwen3_moe", [*AUX, *NO_DP, "--parallelism.context_parallel_degree", "2"])
+# DFT weighs each token's vocab-parallel cross-entropy by its probability, 40 positions at a time
+DFT = ["--training.loss_type", "dft"]
+LAYOUTS["llama3_dft-tp2_sp_chunked_loss"] = (2, "llama3", [*DFT, *TP2, "--training.loss_chunk_tokens", "40"])
 # name -> (family, flags, microbatches); a layout's reference is its family's unless named here
 REFERENCES = {**{family: (family, [], 1) for family in FAMILIES},
               "qwen3_moe_aux_loss_1f1b_stages": ("qwen3_moe", [*AUX, "--test.aux_loss_stages", "1|2,3"], 8),
               "qwen3_moe_aux_loss_layer_stages": ("qwen3_moe", [*AUX, "--test.aux_loss_stages", "1|2|3"], 8),
               "qwen3_moe_aux_loss_whole": ("qwen3_moe", AUX, 1),
               "deepseek_v3_aux_loss": ("deepseek_v3", DSV3_AUX, 8), "deepseek_v3_aux_loss_whole": ("deepseek_v3", DSV3_AUX, 1),
-              "llama3_tied": ("llama3", TIED, 1)}
+              "llama3_tied": ("llama3", TIED, 1), "llama3_dft": ("llama3", DFT, 1)}
 REFERENCE_OF = {"qwen3_moe-pp2_aux_loss": "qwen3_moe_aux_loss_1f1b_stages",
                 "qwen3_moe-interleaved_pp2_aux_loss": "qwen3_moe_aux_loss_layer_stages",
                 "qwen3_moe-tp2_sp_aux_loss": "qwen3_moe_aux_loss_whole", "qwen3_moe-cp2_aux_loss": "qwen3_moe_aux_loss_whole",
                 "deepseek_v3-pp2_aux_loss": "deepseek_v3_aux_loss", "deepseek_v3-cp2_aux_loss": "deepseek_v3_aux_loss_whole",
-                **{layout: "llama3_tied" for layout in LAYOUTS if layout.startswith("llama3_tied")}}
+                **{layout: "llama3_tied" for layout in LAYOUTS if layout.startswith("llama3_tied")},
+                "llama3_dft-tp2_sp_chunked_loss": "llama3_dft"}
 
 # The RL policy loss of a fixed rollout (titan.rl's, built and normalized as its controller
 # does), with its KL penalty against reference log-probs, the entropy bonus and token

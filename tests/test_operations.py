@@ -5,6 +5,7 @@ resumes), the resolved config saved in the run folder and the closing summary.""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -44,7 +45,9 @@ def records(dump: Path) -> list[dict]:
 
 def test_validation_loss_is_the_mean_cross_entropy_of_held_out_batches(tmp_path):
     """In process: the logged validation loss equals a hand-written evaluation of the same
-    batches with the trained weights; passes run at steps 2 and 4, logged on those steps."""
+    batches with the trained weights; passes run at steps 2 and 4, logged on those steps.
+    Training with --training.loss_type dft, validation still reports the NLL, while the
+    training loss is DFT's: each token's p (-log p) is at most 1/e."""
     import tyro
     from titan.train.config import TrainerConfig
     from titan.train.trainer import Trainer
@@ -53,7 +56,8 @@ def test_validation_loss_is_the_mean_cross_entropy_of_held_out_batches(tmp_path)
     from titan.recipes.recipes import recipe
 
     cfg = tyro.cli(TrainerConfig, default=recipe("llama3_debug_synthetic"),
-                   args=[*TINY[2:], *VALIDATION, "--job.dump_folder", str(tmp_path)], use_underscores=True)
+                   args=[*TINY[2:], *VALIDATION, "--training.loss_type", "dft", "--job.dump_folder", str(tmp_path)],
+                   use_underscores=True)
     trainer = Trainer(cfg, model_spec=model_spec("llama3"))
     try:
         logged = trainer.train()
@@ -70,6 +74,7 @@ def test_validation_loss_is_the_mean_cross_entropy_of_held_out_batches(tmp_path)
     assert validated[-1]["validation_loss"] == pytest.approx(expected, rel=1e-6)
     assert validated[-1]["validation_perplexity"] == pytest.approx(torch.tensor(expected).exp().item(), rel=1e-6)
     assert validated[0]["validation_loss"] != validated[-1]["validation_loss"]  # weights changed in between
+    assert all(r["loss"] <= math.exp(-1) for r in logged) and expected > 1  # the NLL is log(vocab)-ish
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["type"] == "TrainerConfig" and saved["validation"]["freq"] == 2
 

@@ -91,3 +91,30 @@ def test_compiled_loss_equals_eager_with_its_gradient_and_really_compiles(chunk_
     assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
     assert compiled.detach() == pytest.approx(eager.item(), rel=1e-6)
     torch.testing.assert_close(logits.grad, eager_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_dft_weighs_each_tokens_nll_by_its_detached_probability_by_hand():
+    """DFT's value is sum_t p_t (-log p_t) over valid labels, and its gradient w.r.t. the logits
+    is p_t times NLL's (the weight is detached): checked against a hand computation, whole,
+    chunked and compiled; an unknown loss type names the flag."""
+    logits, labels = _inputs(torch.float32)
+    flat, target = logits.detach().flatten(0, 1).double(), labels.flatten()
+    valid = target != IGNORE_INDEX
+    nll = flat.logsumexp(-1) - flat.gather(1, target.clamp(min=0)[:, None])[:, 0]
+    prob = torch.exp(-nll)
+    loss = cross_entropy_sum(logits, labels, loss_type="dft")
+    torch.testing.assert_close(loss.double(), (prob * nll)[valid].sum(), rtol=1e-6, atol=0)
+    loss.backward()
+    dft_grad = logits.grad.clone()
+    logits.grad = None
+    cross_entropy_sum(logits, labels).backward()
+    weights = torch.where(valid, prob, 0.0).float().view(2, 40, 1)
+    torch.testing.assert_close(dft_grad, logits.grad * weights, rtol=1e-5, atol=1e-8)
+    for chunk_tokens, compiled in ((24, False), (0, True), (24, True)):
+        logits.grad = None
+        other = cross_entropy_sum(logits, labels, loss_type="dft", chunk_tokens=chunk_tokens, compiled=compiled)
+        other.backward()
+        assert other.item() == pytest.approx(loss.item(), rel=1e-6)
+        torch.testing.assert_close(logits.grad, dft_grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="--training.loss_type must be one of nll, dft"):
+        cross_entropy_sum(logits, labels, loss_type="focal")

@@ -7,6 +7,7 @@ Each component owns its ``Config`` dataclass next to its code; this module compo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from titan.ckpt import CheckpointConfig
 from titan.dist import ActivationCheckpointConfig, CommConfig, CompileConfig, ParallelismConfig
@@ -126,6 +127,11 @@ class TrainingConfig:
     whole microbatch (pretraining, SFT, validation, RL's SFT warm-up, and the RL policy loss's
     token log-probs and entropy); 0 computes it in one piece. Saves the most memory with large vocabularies (e.g. 4096 with Llama 3's 128K);
     costs one recomputed softmax."""
+    loss_type: Literal["nll", "dft"] = "nll"
+    """The token loss of training (pretraining, SFT, RL's SFT warm-up): nll, the negative
+    log-likelihood; dft (Dynamic Fine-Tuning, TRL's SFT loss_type "dft"): each token's NLL
+    weighted by its detached probability, so tokens the model finds very unlikely no longer
+    dominate the gradient. The logged loss is that loss; validation always reports NLL."""
     document_mask: bool = False
     """Attend only within each packed document (causal AND same document), with RoPE
     positions restarting at 0 per document, so a sample's outputs do not depend on what it
@@ -146,6 +152,8 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         if self.gc_freq < 0:
             raise ValueError(f"--training.gc_freq must be >= 0 (0: Python's automatic collection), got {self.gc_freq}")
+        if self.loss_type not in ("nll", "dft"):
+            raise ValueError(f"--training.loss_type must be nll or dft, got {self.loss_type!r}")
         if self.loss_chunk_tokens < 0:
             raise ValueError(f"--training.loss_chunk_tokens must be >= 0 (0 = one piece), got {self.loss_chunk_tokens}")
         for flag in ("steps", "local_batch_size", "seq_len"):

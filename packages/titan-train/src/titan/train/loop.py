@@ -131,7 +131,8 @@ class TrainingLoop:
         self.is_rank0 = self.engine.dist_env.rank == 0
         self.grad_accum_steps = grad_accum_steps(config.training, self.parallel_dims.dp_world_size)
         self._supervised_loss = supervised_loss(chunk_tokens=config.training.loss_chunk_tokens,
-                                                compiled=config.compile.compiles_loss)
+                                                compiled=config.compile.compiles_loss,
+                                                loss_type=config.training.loss_type)
         self.metrics = MetricsLogger(
             config.metrics,
             dump_folder=Path(config.job.dump_folder),
