@@ -125,6 +125,14 @@ def test_config_errors_name_the_flag():
         RLSection(entropy_target=1.0)
     with pytest.raises(ValueError, match=r"--rl.entropy_coef 2.0 is where --rl.adaptive_entropy starts"):
         RLSection(adaptive_entropy=True, entropy_coef=2.0)
+    from titan.recipes.cli import parse_train_args
+
+    def parsed(*flags: str) -> RLSection:  # the flags reach RLSection (its use: test_losses, gradient parity)
+        return parse_train_args(["--config", "grpo_debug", *flags], command="rl").rl
+
+    assert parsed("--rl.loss_type", "luspo").loss_type == "luspo"
+    assert parsed("--rl.loss_type", "sapo", "--rl.sapo_temperature_neg", "2").sapo_temperature_neg == 2.0
+    assert parsed("--rl.kl_coef", "0.1", "--rl.kl_bias_correction").kl_bias_correction
     with pytest.raises(ValueError, match="--rl.off_policy_mask_threshold must be >= 0"):
         RLSection(off_policy_mask_threshold=-0.1)
     with pytest.raises(ValueError, match="--rl.kl_bias_correction weights the KL penalty"):
@@ -791,56 +799,22 @@ def test_top_entropy_quantile_trains_the_top_share_of_tokens_by_entropy(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["luspo", "sapo"])
-def test_newer_loss_types_train_through_titan_rl(tmp_path, loss_type):
-    """The flag reaches the loss (their values and gradients by hand: test_losses.py; under CP:
-    tests/test_gradient_parity.py). On policy (ratio 1) luspo's length weights change the
-    gradient; sapo's gate has grpo's gradient there by design, and its value 2 / tau A (tau
-    1 or 1.05 by the advantage's sign) no longer cancels to ~0 as grpo's does."""
-    flags = [*SHORT, "--training.steps", "3", "--rl.ppo_epochs", "1", "--rl.rewards", "char_match"]
-    run_rl(tmp_path / "grpo", *flags)
-    run_rl(tmp_path / loss_type, *flags, "--rl.loss_type", loss_type)
-    grpo, other = ([r for r in records(tmp_path / name) if r.get("phase") == "rl"][0] for name in ("grpo", loss_type))
-    assert other["reward_mean"] == grpo["reward_mean"] and other["grad_norm"] > 0
-    if loss_type == "sapo":
-        assert other["grad_norm"] == pytest.approx(grpo["grad_norm"], rel=1e-5)
-        assert abs(grpo["loss"]) < 1e-6 < abs(other["loss"])
-    else:
-        assert other["grad_norm"] != pytest.approx(grpo["grad_norm"], rel=1e-3)
-
-
-@pytest.mark.slow
 def test_off_policy_masking_drops_drifted_bad_samples_of_an_async_run(tmp_path):
     """One rollout behind (--rl.max_policy_staleness 1) the policy has moved from the one that
     sampled: a threshold of 0 nats masks the negative-advantage completions it now finds less
-    likely (some, not all tokens); a threshold no drift reaches changes nothing."""
+    likely (some, not all tokens), and the update changes (a mask of ones changes nothing:
+    test_losses.py)."""
     flags = [*SHORT, "--training.steps", "6", "--rl.rewards", "char_match", "--rl.max_policy_staleness", "1",
              "--debug.deterministic"]
     run_rl(tmp_path / "plain", *flags)
-    run_rl(tmp_path / "far", *flags, "--rl.off_policy_mask_threshold", "1000")
     run_rl(tmp_path / "zero", *flags, "--rl.off_policy_mask_threshold", "0")
-    plain, far, zero = ([r for r in records(tmp_path / name) if r.get("phase") == "rl"] for name in ("plain", "far", "zero"))
-    assert [r["loss"] for r in far] == [r["loss"] for r in plain] and all(r["off_policy_masked_fraction"] == 0 for r in far)
+    plain, zero = ([r for r in records(tmp_path / name) if r.get("phase") == "rl"] for name in ("plain", "zero"))
     stale = [r for r in zero if r["staleness"] == 1]
     assert stale and all(0 < r["off_policy_masked_fraction"] < 1 for r in stale), stale
     assert all(r["policy_token_fraction"] == 1 - r["off_policy_masked_fraction"] for r in zero)
-
-
-@pytest.mark.slow
-def test_kl_bias_correction_keeps_the_on_policy_loss_and_changes_its_gradient(tmp_path):
-    """On policy with one update the ratio to the sampling policy is 1: the corrected KL has the
-    same value, and its gradient gains the score-function term (k3 x grad log pi). The first
-    RL step is the same in both (the policy is still the reference: KL 0); the second differs."""
-    flags = [*SHORT, "--training.steps", "4", "--rl.ppo_epochs", "1", "--rl.rewards", "char_match", "--rl.kl_coef", "0.5",
-             "--debug.deterministic"]
-    run_rl(tmp_path / "plain", *flags)
-    run_rl(tmp_path / "corrected", *flags, "--rl.kl_bias_correction")
-    plain, corrected = ([r for r in records(tmp_path / name) if r.get("phase") == "rl"] for name in ("plain", "corrected"))
-    assert [r["grad_norm"] for r in corrected[:1]] == [r["grad_norm"] for r in plain[:1]] and plain[0]["kl"] == 0
-    assert corrected[1]["kl"] == plain[1]["kl"] > 0 and corrected[1]["loss"] == pytest.approx(plain[1]["loss"], rel=1e-6)
-    # KL is ~1e-4 after one update, so is the new term (measured: 1.5e-5 of the norm); the runs
-    # are deterministic, bitwise equal up to here (the first step's norms above).
-    assert abs(corrected[1]["grad_norm"] / plain[1]["grad_norm"] - 1) > 1e-6
+    first = next(i for i, r in enumerate(zero) if r["off_policy_masked_fraction"] > 0)
+    assert zero[first]["reward_mean"] == plain[first]["reward_mean"]  # the same rollout ...
+    assert zero[first]["grad_norm"] != plain[first]["grad_norm"]  # ... trained on fewer tokens
 
 
 @pytest.mark.slow
