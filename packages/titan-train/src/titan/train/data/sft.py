@@ -39,8 +39,9 @@ importable from here too.
 
 from __future__ import annotations
 
+import bisect
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,14 +90,42 @@ __all__ = [
 ]
 
 
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of indices into ``lengths``, each bin's lengths summing to at most ``capacity``:
+    the longest item first, each into the bin it fills best (the least room left that still
+    takes it; the earliest such bin), a new bin when none does. Bins in the order they were
+    opened, indices in the order they were placed. Every length must be at most ``capacity``."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (room left, bin), sorted: the best fit is the first that takes it
+    for i in order:
+        n = lengths[i]
+        if n > capacity:
+            raise ValueError(f"an item of length {n} does not fit a bin of {capacity}")
+        k = bisect.bisect_left(room, (n, -1))
+        if k == len(room):
+            bins.append([i])
+            bisect.insort(room, (capacity - n, len(bins) - 1))
+        else:
+            left, b = room.pop(k)
+            bins[b].append(i)
+            bisect.insort(room, (left - n, b))
+    return bins
+
+
 class SFTPacker:
-    """Fills rows of `seq_len` positions with whole examples, greedily, in a seeded order.
+    """Fills rows of `seq_len` positions with whole examples, in a seeded order.
 
     Epoch e visits the examples in a permutation seeded by (seed, e) (the same seeding as
-    the pretraining `DocumentPacker`), else in index order. A row takes examples while
-    they fit (one with packing off); the example that does not fit starts the next row.
-    So the position between rows is (epoch, cursor of the next unplaced example) plus a
-    count of dropped examples: plain ints.
+    the pretraining `DocumentPacker`), else in index order. ``greedy`` packing: a row takes
+    examples while they fit (one with packing off); the example that does not fit starts the
+    next row. So the position between rows is (epoch, cursor of the next unplaced example)
+    plus a count of dropped examples: plain ints. ``bfd`` (best-fit decreasing, TRL's default
+    packing strategy): the order is cut into windows of ``window`` examples, each window's
+    examples are packed by :func:`best_fit_decreasing` (far less padding: rows are filled
+    with the short examples that fit the gaps), and the rows are emitted in the order the
+    packing opened them; the position is (epoch, first example of the window, rows of it
+    emitted, dropped before it), and a resumed packer rebuilds the window's rows.
     """
 
     def __init__(
@@ -109,13 +138,21 @@ class SFTPacker:
         overlong: str,
         shuffle: bool,
         seed: int,
+        strategy: str = "greedy",
+        window: int = 1000,
     ) -> None:
         self.source, self.num_examples = source, len(source)
         if self.num_examples == 0:
             raise ValueError("the SFT dataset has no examples; check --sft_data.path")
+        if strategy not in ("greedy", "bfd") or (strategy == "bfd" and not packing) or window < 1:
+            raise ValueError(f"packing strategy {strategy!r} (packing {packing}, window {window}) is not one of "
+                             "greedy, or bfd with packing and a window >= 1")
         self.seq_len, self.pad_id = seq_len, pad_id
         self.packing, self.overlong, self.shuffle, self.seed = packing, overlong, shuffle, seed
+        self.strategy, self.window = strategy, window
         self.epoch = self.cursor = self.dropped = 0
+        self.emitted = 0  # bfd: rows of the current window already emitted
+        self._window_rows: tuple[tuple[int, int], list[list[SFTExample]], int] | None = None
         self.single_pass = False  # held-out scoring: no example after the first epoch
         self._order: tuple[int, np.ndarray] | None = None
         self._pending: tuple[tuple[int, int], SFTExample | None] | None = None
@@ -126,23 +163,35 @@ class SFTPacker:
         Positions and ids come from the pretraining loader's `document_layout`, given where
         each example (and the padding tail, a segment of its own) starts.
         """
-        input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
-        labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
-        starts = np.zeros(self.seq_len, dtype=bool)
-        used = placed = 0
+        if self.strategy == "bfd":
+            return self._row(self._next_bin())
+        examples: list[SFTExample] = []
+        used = 0
         while True:
             example = self._current_example()
             if example is None:  # a single pass is over: the rest of the row is padding
                 break
             n = len(example) - 1  # positions after the in-example shift
-            if used + n > self.seq_len or (placed > 0 and not self.packing):
+            if used + n > self.seq_len or (examples and not self.packing):
                 break
+            examples.append(example)
+            used += n
+            self._advance()
+        return self._row(examples)
+
+    def _row(self, examples: Sequence[SFTExample]) -> dict[str, np.ndarray]:
+        """A row of ``examples`` end to end (they fit), then padding."""
+        input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
+        starts = np.zeros(self.seq_len, dtype=bool)
+        used = 0
+        for example in examples:
+            n = len(example) - 1  # positions after the in-example shift
             ids, targets = example.ids, example.targets
             input_ids[used : used + n] = ids[:-1]
             labels[used : used + n] = np.where(targets[1:], ids[1:], IGNORE_INDEX)
             starts[used] = True
-            used, placed = used + n, placed + 1
-            self._advance()
+            used += n
         if used < self.seq_len:
             starts[used] = True  # the padding tail: its own segment, positions from 0
         positions, document_ids = document_layout(starts[None])
@@ -182,6 +231,50 @@ class SFTPacker:
                 )
             self._advance()
 
+    def _next_bin(self) -> list[SFTExample]:
+        """bfd: the examples of the next row (none once a single pass is over), moving to the
+        next window once this one's rows are all out."""
+        empty_run = 0
+        while not self.exhausted:
+            _, rows, _ = self._window_plan()
+            if self.emitted < len(rows):
+                chosen = rows[self.emitted]
+                self.emitted += 1
+                if self.emitted == len(rows):
+                    self._next_window()
+                return chosen
+            empty_run += self.window  # every example of the window was dropped
+            if empty_run > self.num_examples:
+                raise ValueError(
+                    f"no SFT example fits in seq_len {self.seq_len} with a token to train on "
+                    f"({self.dropped} dropped); raise --training.seq_len or use --sft_data.overlong truncate"
+                )
+            self._next_window()
+        return []
+
+    def _window_plan(self) -> tuple[tuple[int, int], list[list[SFTExample]], int]:
+        """bfd: the current window's rows (best-fit decreasing of its usable examples) and how
+        many of its examples were dropped; built once per window."""
+        key = (self.epoch, self.cursor)
+        if self._window_rows is None or self._window_rows[0] != key:
+            self._order_of_epoch()
+            end = min(self.cursor + self.window, self.num_examples)
+            prepared = [self._prepare(self.source.example(int(i))) for i in self._order[1][self.cursor : end]]
+            usable = [e for e in prepared if e is not None]
+            bins = best_fit_decreasing([len(e) - 1 for e in usable], self.seq_len)
+            self._window_rows = (key, [[usable[i] for i in b] for b in bins], len(prepared) - len(usable))
+        return self._window_rows
+
+    def _next_window(self) -> None:
+        """bfd: count the finished window's drops and move to the next window (the next epoch
+        after the last)."""
+        self.dropped += self._window_plan()[2]
+        self.cursor = min(self.cursor + self.window, self.num_examples)
+        self.emitted = 0
+        if self.cursor == self.num_examples:
+            self.cursor = 0
+            self.epoch += 1
+
     def _prepare(self, example: SFTExample) -> SFTExample | None:
         """Apply the overlong policy; None if the example cannot be used."""
         if len(example) - 1 > self.seq_len:
@@ -195,12 +288,16 @@ class SFTPacker:
 
     def _example_index(self) -> int:
         """Index in the source of the example under the cursor, this epoch."""
+        self._order_of_epoch()
+        return int(self._order[1][self.cursor])
+
+    def _order_of_epoch(self) -> None:
+        """This epoch's order of the examples (seeded permutation when shuffling), cached."""
         if self._order is None or self._order[0] != self.epoch:
             order = np.arange(self.num_examples, dtype=np.int64)
             if self.shuffle:
                 order = np.random.default_rng([self.seed, self.epoch]).permutation(order)
             self._order = (self.epoch, order)
-        return int(self._order[1][self.cursor])
 
     def _advance(self) -> None:
         """Move past the example under the cursor, wrapping into the next epoch."""
@@ -210,19 +307,22 @@ class SFTPacker:
             self.epoch += 1
 
     def state_dict(self) -> dict[str, int]:
-        """The position between rows: plain ints."""
+        """The position between rows: plain ints (bfd: the window's first example, and the
+        rows of it emitted)."""
         return {
             "epoch": self.epoch,
             "cursor": self.cursor,
             "dropped": self.dropped,
             "seed": self.seed,
+            "emitted": self.emitted,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Jump to a saved position; the next row is the one the saved packer would build."""
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.dropped, self.seed = int(state["dropped"]), int(state["seed"])
-        self._order = self._pending = None
+        self.emitted = int(state.get("emitted", 0))
+        self._order = self._pending = self._window_rows = None
 
 
 class SFTBatches(IterableDataset):
@@ -253,7 +353,7 @@ def _packer(cfg: SFTDataConfig, source: SFTSource, tokenizer: Tokenizer, *, seq_
             seed: int) -> SFTPacker:
     """A packer of `source`'s examples with `cfg`'s packing and overlong policy."""
     return SFTPacker(source, seq_len=seq_len, pad_id=tokenizer.pad_id, packing=cfg.packing, overlong=cfg.overlong,
-                     shuffle=shuffle, seed=seed)
+                     shuffle=shuffle, seed=seed, strategy=cfg.packing_strategy, window=cfg.packing_window)
 
 
 def held_out_sft_batches(
@@ -335,7 +435,16 @@ class SFTDataLoader(ResumableLoader):
             "num_examples": (self.num_examples, "data (--sft_data.path, --sft_data.format, --sft_data.synthetic_*)"),
             "shuffle": (self.packer.shuffle, "--sft_data.shuffle / --sft_data.no_shuffle"),
             "packing": (self.packer.packing, "--sft_data.packing / --sft_data.no_packing"),
+            "packing_strategy": (self.packer.strategy, "--sft_data.packing_strategy"),
+            "packing_window": (self.packer.window, "--sft_data.packing_window"),
         }
+
+    def check_compatible(self, state: dict[str, Any]) -> None:
+        """As :class:`ResumableLoader`'s; a state saved before packing strategies existed was
+        greedy (its window is not read)."""
+        if "packing_strategy" not in state:
+            state = {**state, "packing_strategy": "greedy", "packing_window": self.packer.window}
+        super().check_compatible(state)
 
 
 def build_sft_dataloader(

@@ -124,6 +124,15 @@ class SFTDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     "all": loss on every token of the example (after the first)."""
     packing: bool = True
     """Pack several whole examples per row (with document boundaries); off: one per row."""
+    packing_strategy: Literal["greedy", "bfd"] = "greedy"
+    """How --sft_data.packing fills rows. greedy: examples in order, a row closed at the first
+    one that does not fit; bfd (best-fit decreasing, TRL's default packing_strategy): each
+    window of --sft_data.packing_window examples packed longest first, each into the row it
+    fills best, so short examples fill the gaps (much less padding; an example keeps its own
+    attention and positions either way)."""
+    packing_window: int = 1000
+    """Examples --sft_data.packing_strategy bfd packs together (in the epoch's order): larger
+    packs tighter; their tokens are held in memory."""
     overlong: Literal["drop", "truncate"] = "drop"
     """An example longer than seq_len + 1 tokens: "drop" it (counted), or "truncate" it
     to its first seq_len + 1 tokens (dropped anyway if no target token is left)."""
@@ -192,10 +201,19 @@ class SFTDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
 
     def _check_choices(self) -> None:
         """Literal-typed flags hold one of their values (tyro checks the CLI, not code)."""
+        if self.packing_strategy == "bfd" and not self.packing:
+            raise ValueError("--sft_data.packing_strategy bfd packs several examples per row, and this run puts one per "
+                             "row (--sft_data.no_packing): drop one of the two flags")
+        if self.packing_strategy != "bfd" and self.packing_window != SFTDataConfig.packing_window:
+            raise ValueError(f"--sft_data.packing_window {self.packing_window} is read by --sft_data.packing_strategy "
+                             "bfd only: set it, or drop the flag")
+        if self.packing_window < 1:
+            raise ValueError(f"--sft_data.packing_window must be >= 1, got {self.packing_window}")
         for flag, allowed in (
             ("chat_template", ("auto", "tokenizer", "builtin")),
             ("train_on", ("completion", "all")),
             ("overlong", ("drop", "truncate")),
+            ("packing_strategy", ("greedy", "bfd")),
         ):
             value = getattr(self, flag)
             if value not in allowed:
