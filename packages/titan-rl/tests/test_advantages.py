@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from titan.rl.advantages import decoupled_advantages, group_advantages, nonzero_variance_groups
+from titan.rl.advantages import (
+    decoupled_advantages,
+    discounted_returns,
+    group_advantages,
+    nonzero_variance_groups,
+    reinforce_pp_advantages,
+    whiten_over_tokens,
+)
 
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0], [3.0, 0.0, 0.0, 0.0]])
 
@@ -89,3 +96,19 @@ def test_gdpo_normalizes_each_reward_in_its_group_before_the_weighted_sum():
     torch.testing.assert_close(sample, torch.tensor([[1.0, -1.0], [-1.0, 1.0]]) * (0.75**0.5))
     with pytest.raises(ValueError, match=r"no weight for reward terms \['b'\]"):
         decoupled_advantages(terms, {"a": 1.0})
+
+
+def test_reinforce_pp_returns_and_token_whitening_by_hand():
+    """Scores 1 and 0, KL penalties 0.1, 0.2 | 0.3 per token: token rewards -0.1, 0.8 | -0.3,
+    returns (gamma 1) 0.7, 0.8 | -0.3, whitened over the 3 tokens (mean 0.4, population std
+    sqrt(0.74 / 3)); gamma 0.5 makes the first return -0.1 + 0.5 x 0.8 = 0.3."""
+    penalties = [torch.tensor([0.1, 0.2]), torch.tensor([0.3])]
+    std = (0.74 / 3) ** 0.5
+    got = reinforce_pp_advantages([1.0, 0.0], penalties, eps=0.0)
+    torch.testing.assert_close(torch.cat(got), torch.tensor([0.3, 0.4, -0.7], dtype=torch.float64) / std)
+    torch.testing.assert_close(discounted_returns(torch.tensor([-0.1, 0.8]), 0.5), torch.tensor([0.3, 0.8], dtype=torch.float64))
+    # A long completion weighs for its length: one value over 3 tokens against one over 1.
+    whitened = whiten_over_tokens([torch.full((3,), 1.0), torch.full((1,), 0.0)], eps=0.0, std="sample")
+    mean, spread = 0.75, (3 * 0.25**2 + 0.75**2) ** 0.5 / 3**0.5
+    torch.testing.assert_close(whitened[0], torch.full((3,), 0.25 / spread, dtype=torch.float64))
+    torch.testing.assert_close(whitened[1], torch.tensor([-mean / spread], dtype=torch.float64))

@@ -133,6 +133,15 @@ def test_config_errors_name_the_flag():
     assert parsed("--rl.loss_type", "luspo").loss_type == "luspo"
     assert parsed("--rl.loss_type", "sapo", "--rl.sapo_temperature_neg", "2").sapo_temperature_neg == 2.0
     assert parsed("--rl.kl_coef", "0.1", "--rl.kl_bias_correction").kl_bias_correction
+    with pytest.raises(ValueError, match="--rl.gamma discounts reinforce_plus_plus's per-token returns"):
+        RLSection(gamma=0.9)
+    with pytest.raises(ValueError, match="--rl.kl_in_reward_estimator is read with --rl.kl_in_reward_coef"):
+        RLSection(kl_in_reward_estimator="k3")
+    with pytest.raises(ValueError, match="whitens over the rollout's tokens, never by a group std"):
+        RLSection(advantage_estimator="reinforce_plus_plus", normalize_std=True)
+    with pytest.raises(ValueError, match="--rl.drop_zero_variance would drop every group"):
+        RLSection(advantage_estimator="reinforce_plus_plus", group_size=1)
+    assert RLSection(kl_in_reward_coef=0.1).uses_reference and not RLSection().uses_reference
     with pytest.raises(ValueError, match="--rl.off_policy_mask_threshold must be >= 0"):
         RLSection(off_policy_mask_threshold=-0.1)
     with pytest.raises(ValueError, match="--rl.kl_bias_correction weights the KL penalty"):
@@ -767,6 +776,36 @@ def test_gdpo_advantages_normalize_each_reward_first_by_hand(tmp_path):
     assert checked >= 2
     summed, gdpo = ([r for r in records(tmp_path / name) if r.get("phase") == "rl"] for name in ("summed", "gdpo"))
     assert summed[0]["reward_mean"] == gdpo[0]["reward_mean"] and summed[0]["grad_norm"] != gdpo[0]["grad_norm"]
+
+
+@pytest.mark.slow
+def test_reinforce_pp_baseline_advantages_by_hand_and_kl_in_the_reward(tmp_path):
+    """--rl.advantage_estimator reinforce_plus_plus_baseline: each logged advantage is its
+    reward less its group's mean, whitened over every token of the rollout (each completion
+    counted for its length), recomputed from completions.jsonl. reinforce_plus_plus with
+    --rl.kl_in_reward_coef: a reference is kept for the reward alone (no KL term in the loss),
+    nothing is taken at the first RL step (the policy is the reference), then a positive
+    KL (k3) is, and the steps train."""
+    flags = [*SHORT, "--training.steps", "5", "--rl.rewards", "char_match", "--rl.no_drop_zero_variance"]
+    run_rl(tmp_path / "baseline", *flags, "--rl.advantage_estimator", "reinforce_plus_plus_baseline",
+           "--rl.log_completions")
+    rows = [json.loads(line) for line in (tmp_path / "baseline" / "completions.jsonl").read_text().splitlines()]
+    for rollout in sorted({r["rollout"] for r in rows}):
+        mine = [r for r in rows if r["rollout"] == rollout]
+        means = {g: sum(r["reward"] for r in mine if r["group"] == g) / sum(r["group"] == g for r in mine)
+                 for g in {r["group"] for r in mine}}
+        tokens = [(r["reward"] - means[r["group"]], r["tokens"]) for r in mine]
+        total = sum(n for _, n in tokens)
+        mean = sum(x * n for x, n in tokens) / total
+        std = (sum((x - mean) ** 2 * n for x, n in tokens) / total) ** 0.5
+        assert [r["advantage"] for r in mine] == pytest.approx([(x - mean) / (std + 1e-6) for x, _ in tokens],
+                                                              rel=1e-5, abs=1e-6)
+    run_rl(tmp_path / "kl", *flags, "--rl.advantage_estimator", "reinforce_plus_plus", "--rl.kl_in_reward_coef", "0.5",
+           "--rl.kl_in_reward_estimator", "k3")
+    rl = [r for r in records(tmp_path / "kl") if r.get("phase") == "rl"]
+    # k3 >= 0 per token; at the first step generator and reference agree up to float32 (~1e-7)
+    assert abs(rl[0]["kl_in_reward"]) < 1e-5 and all(r["kl_in_reward"] > 1e-5 for r in rl[1:]) and len(rl) >= 2
+    assert all(r["grad_norm"] > 0 for r in rl)
 
 
 @pytest.mark.slow

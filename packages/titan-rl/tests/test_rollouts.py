@@ -121,3 +121,44 @@ def test_each_reward_term_and_the_lengths_have_their_stats():
     scored.generated_reward_terms = [*scored.reward_terms, {"exact_match": [1.0, 1.0], "format": [0.0, 0.0]}]
     assert rollout_stats(scored)["reward_exact_match_mean"] == pytest.approx(3 / 6)
     assert "reward_exact_match_mean" not in rollout_stats(rollout())  # no terms recorded: none logged
+
+
+def with_reference(r: Rollout, shift: float) -> Rollout:
+    """``r`` with reference log-probs ``shift`` below the generator's on every token (k1 KL
+    ``shift`` per token)."""
+    r.ref_logprobs = [[[lp - shift for lp in c.logprobs] for c in group] for group in r.groups]
+    return r
+
+
+def test_kl_in_reward_lowers_each_reward_by_its_summed_kl_by_hand():
+    """k1 KL 0.25 per token, coefficient 0.4: completions of 2, 3 | 1, 2 tokens lose 0.2, 0.3 |
+    0.1, 0.2 of their reward; the equal-reward group is still dropped (judged on rewards),
+    and the kept group's centred rewards are (1 - 0.2) - (0 - 0.3) = 1.1 apart (dr_grpo: no std)."""
+    rows = rollout_rows(with_reference(rollout(), 0.25), normalize_std=False, kl_in_reward_coef=0.4)
+    assert [r.advantage for r in rows] == pytest.approx([0.55, -0.55])
+    kept = rollout_rows(with_reference(rollout(), 0.25), normalize_std=False, kl_in_reward_coef=0.4,
+                        drop_zero_variance=False)
+    assert [r.advantage for r in kept][2:] == pytest.approx([0.05, -0.05])  # 0.5 - 0.1 vs 0.5 - 0.2
+
+
+def test_reinforce_pp_rows_carry_per_token_advantages_into_the_batch():
+    """reinforce_plus_plus with KL in the reward (k1 0.25 x 0.4 = 0.1 per token) and no
+    dropping: each token's return, whitened over the rollout's 8 tokens, is the batch's
+    advantage at that token; the baseline variant gives one value per completion."""
+    r = with_reference(rollout(), 0.25)
+    rows = rollout_rows(r, estimator="reinforce_plus_plus", kl_in_reward_coef=0.4, drop_zero_variance=False)
+    returns = [[0.8, 0.9], [-0.3, -0.2, -0.1], [0.4], [0.3, 0.4]]  # score at the end, -0.1 per token after
+    flat = torch.tensor([v for c in returns for v in c], dtype=torch.float64)
+    want = (flat - flat.mean()) / (flat.std(unbiased=False) + 1e-6)
+    got = torch.tensor([v for row in rows for v in row.token_advantages], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert [row.advantage for row in rows] == pytest.approx([float(want[0]), float(want[2]), float(want[5]),
+                                                             float(want[6])], abs=1e-6)
+    batch = build_batch(rows[:1], seq_len=6, pad_id=PAD)
+    torch.testing.assert_close(batch["advantages"][0, 2:4], want[:2].float(), rtol=1e-5, atol=1e-6)
+    baseline = rollout_rows(rollout(), estimator="reinforce_plus_plus_baseline", drop_zero_variance=False)
+    centred = torch.tensor([0.5] * 2 + [-0.5] * 3 + [0.0] * 3, dtype=torch.float64)  # reward - group mean, per token
+    values = (centred - centred.mean()) / (centred.std(unbiased=False) + 1e-6)
+    assert [row.advantage for row in baseline] == pytest.approx([float(values[0]), float(values[2]), float(values[5]),
+                                                                 float(values[6])], abs=1e-6)
+    assert all(row.token_advantages is None for row in baseline)

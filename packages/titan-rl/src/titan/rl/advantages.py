@@ -12,6 +12,12 @@ With several rewards, GRPO normalizes their weighted sum; GDPO (:func:`decoupled
 TRL's ``multi_objective_aggregation="normalize_then_sum"``) normalizes each reward within its
 group first, so a reward with a wide spread cannot drown the others, then sums them with their
 weights and normalizes the sum over the batch.
+
+REINFORCE++ (verl's ``reinforce_plus_plus``; Hu 2025) has no group baseline: each token's
+return (the reward at the completion's end, discounted by ``gamma`` per token, plus any
+per-token KL penalty after it) is whitened over every token of the batch
+(:func:`reinforce_pp_advantages`); ``reinforce_plus_plus_baseline`` subtracts the group mean
+first and whitens the result over the batch's tokens (:func:`whiten_over_tokens`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from collections.abc import Mapping
 
 import torch
 
-ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
+ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
+"""The estimators :func:`group_advantages` computes (the others: :func:`reinforce_pp_advantages`,
+:func:`whiten_over_tokens`)."""
 AGGREGATIONS: tuple[str, ...] = ("sum_then_normalize", "normalize_then_sum")
 STD_SCOPES: tuple[str, ...] = ("group", "batch")
 
@@ -48,8 +57,8 @@ def group_advantages(
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [prompts, group], got shape {tuple(rewards.shape)}")
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"--rl.advantage_estimator must be one of {', '.join(ESTIMATORS)}, got {estimator!r}")
+    if estimator not in GROUP_ESTIMATORS:
+        raise ValueError(f"group advantages are one of {', '.join(GROUP_ESTIMATORS)}, got {estimator!r}")
     if std not in ("population", "sample"):
         raise ValueError(f"--rl.advantage_std must be population or sample, got {std!r}")
     if std_scope not in STD_SCOPES:
@@ -108,3 +117,40 @@ def decoupled_advantages(
         out[keep] = (kept - kept.mean()) / (kept.flatten().std(unbiased=unbiased) + eps) if kept.numel() > 1 \
             else kept - kept.mean()
     return out.float()
+
+
+def whiten_over_tokens(values: list[torch.Tensor], *, std: str = "population", eps: float = 1e-6) -> list[torch.Tensor]:
+    """Per-token values (one 1-D tensor per completion) minus their mean over every token of
+    all of them, over their std (``std``: population or sample) plus ``eps``: each token
+    weighs the same, so a long completion counts for its length."""
+    flat = torch.cat([v.double() for v in values]) if values else torch.zeros(0, dtype=torch.float64)
+    if flat.numel() == 0:
+        return [v.double() for v in values]
+    mean = flat.mean()
+    spread = flat.std(unbiased=std == "sample") if flat.numel() > 1 else torch.zeros((), dtype=torch.float64)
+    return [(v.double() - mean) / (spread + eps) for v in values]
+
+
+def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Each token's return: its reward plus ``gamma`` times the next token's return."""
+    returns = torch.zeros_like(token_rewards, dtype=torch.float64)
+    running = torch.zeros((), dtype=torch.float64)
+    for t in range(len(token_rewards) - 1, -1, -1):
+        running = token_rewards[t].double() + gamma * running
+        returns[t] = running
+    return returns
+
+
+def reinforce_pp_advantages(scores: list[float], token_penalties: list[torch.Tensor], *, gamma: float = 1.0,
+                            std: str = "population", eps: float = 1e-6) -> list[torch.Tensor]:
+    """REINFORCE++'s per-token advantages of completions with outcome ``scores`` and per-token
+    ``token_penalties`` (e.g. ``kl_coef x KL``, subtracted at each token): the token rewards
+    ``-penalty_t`` plus the score at the last token, their ``gamma``-discounted returns, whitened
+    over every token (:func:`whiten_over_tokens`). A completion without tokens gets none."""
+    returns = []
+    for score, penalty in zip(scores, token_penalties, strict=True):
+        rewards = -penalty.double()
+        if len(rewards):
+            rewards[-1] += score
+        returns.append(discounted_returns(rewards, gamma))
+    return whiten_over_tokens(returns, std=std, eps=eps)

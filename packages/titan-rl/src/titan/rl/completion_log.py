@@ -4,7 +4,8 @@ and a few of them in the log at each logged step (``--rl.num_completions_to_prin
 A line of ``<dump_folder>/completions.jsonl`` holds the step the rollout trained at (the
 ``step`` of its metrics record; a rollout with nothing to learn keeps the step before it), the
 rollout's index and policy version, the group (prompt) index, the prompt text as the rewards
-see it, the reference answer, the completion text, its reward and group advantage, whether it
+see it, the reference answer, the completion text, its reward and advantage (REINFORCE++'s:
+its first token's), whether it
 trained (its group kept, not masked as truncated), its length in tokens and its finish reason.
 A resumed run appends the redone steps again, as ``metrics.jsonl`` does.
 """
@@ -28,7 +29,7 @@ def completion_records(rollout: Rollout, *, step: int, rl: Any) -> list[dict[str
     ``--rl.*`` section, whose advantage settings the records' advantages follow."""
     if not rollout.groups:
         return []
-    advantages, keep = completion_advantages(rollout, **rl.advantage_options())
+    advantages, keep, _ = completion_advantages(rollout, **rl.advantage_options())
     records = []
     for i, group in enumerate(rollout.groups):
         for j, completion in enumerate(group):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from titan.rl.advantages import ESTIMATORS
 from titan.rl.data import RLDataConfig
 from titan.rl.generate.base import SamplingConfig
 from titan.rl.losses import DEFAULT_CLIP, KL_ESTIMATORS, LOSS_TYPES, SAPO_TEMPERATURES
@@ -66,9 +67,13 @@ class RLSection:
     minibatches_per_rollout: int = 1
     """Optimizer steps per pass over a rollout (its rows split into this many minibatches, in
     the same order every pass); at most --rl.group_size."""
-    advantage_estimator: Literal["grpo", "rloo"] = "grpo"
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
     """grpo: reward minus the group mean (divided by the group std, --rl.normalize_std);
-    rloo: reward minus the mean of the other completions of the group (never std-divided)."""
+    rloo: reward minus the mean of the other completions of the group (never std-divided);
+    reinforce_plus_plus (verl's name): each token's return (the reward at the end, less the
+    KL in the reward after it, discounted by --rl.gamma) whitened over every token of the
+    rollout, no group baseline; reinforce_plus_plus_baseline: the reward less its group mean,
+    whitened over the rollout's tokens."""
     normalize_std: bool | None = None
     """Divide advantages by their group's std; None: on, except for dr_grpo and rloo."""
     advantage_std: Literal["population", "sample"] = "population"
@@ -83,7 +88,9 @@ class RLSection:
     reward normalized within its group first (so a reward with a wide spread cannot drown the
     others), summed with --rl.reward_weights, the sum normalized over the groups that train."""
     drop_zero_variance: bool = True
-    """Leave out groups whose completions all got the same reward (no signal)."""
+    """Leave out groups whose completions all got the same reward (no signal against their
+    group). reinforce_plus_plus has no group baseline: there such a group still has a signal
+    against the rest of the rollout; --rl.no_drop_zero_variance keeps it (verl does not drop)."""
     max_refill_rounds: int = 0
     """DAPO's dynamic sampling: when groups are dropped for zero variance, generate up to this
     many more rounds of --rl.prompts_per_step fresh prompts to fill the step with groups that
@@ -107,6 +114,16 @@ class RLSection:
     ref_mixup_alpha: float = 0.6
     """The policy's share of the reference at each --rl.ref_sync_steps (1: the reference
     becomes the policy)."""
+    kl_in_reward_coef: float = 0.0
+    """verl's KL in the reward (algorithm.use_kl_in_reward with kl_ctrl.kl_coef): each
+    completion's reward loses this times its summed per-token KL to the frozen reference
+    (the generator's log-probs against the reference's), per token under reinforce_plus_plus;
+    0: off. Independent of --rl.kl_coef (the KL term of the loss)."""
+    kl_in_reward_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """The per-token KL estimator of --rl.kl_in_reward_coef (verl's algorithm.kl_penalty: kl is
+    k1, mse k2, low_var_kl k3)."""
+    gamma: float = 1.0
+    """reinforce_plus_plus's discount of a token's return per token (verl's algorithm.gamma)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator: k1 log(p/q), k2 (log(p/q))^2/2, k3 q/p - 1 - log(q/p)."""
     entropy_coef: float = 0.0
@@ -248,9 +265,9 @@ class RLSection:
                              f"trains; 1: all), got {self.top_entropy_quantile}")
         if not 0 < self.ref_mixup_alpha <= 1:
             raise ValueError(f"--rl.ref_mixup_alpha must be in (0, 1], got {self.ref_mixup_alpha}")
-        if self.ref_sync_steps and not self.kl_coef:
+        if self.ref_sync_steps and not self.uses_reference:
             raise ValueError(f"--rl.ref_sync_steps {self.ref_sync_steps} moves the KL reference, and this run has no KL "
-                             "penalty (--rl.kl_coef 0): set --rl.kl_coef or drop the flag")
+                             "penalty (--rl.kl_coef and --rl.kl_in_reward_coef 0): set one or drop the flag")
         if not self.ref_sync_steps and self.ref_mixup_alpha != RLSection.ref_mixup_alpha:
             raise ValueError("--rl.ref_mixup_alpha is read at each --rl.ref_sync_steps, which this run does not set: "
                              "set --rl.ref_sync_steps or drop the flag")
@@ -351,18 +368,21 @@ class RLSection:
             )
 
     def _check_advantages(self) -> None:
-        if self.advantage_estimator not in ("grpo", "rloo"):
-            raise ValueError(f"--rl.advantage_estimator must be grpo or rloo, got {self.advantage_estimator!r}")
+        if self.advantage_estimator not in ESTIMATORS:
+            raise ValueError(f"--rl.advantage_estimator must be one of {', '.join(ESTIMATORS)}, got "
+                             f"{self.advantage_estimator!r}")
+        self._check_reinforce_pp()
         if self.advantage_std not in ("population", "sample"):
             raise ValueError(f"--rl.advantage_std must be population or sample, got {self.advantage_std!r}")
         if self.advantage_std_scope not in ("group", "batch"):
             raise ValueError(f"--rl.advantage_std_scope must be group or batch, got {self.advantage_std_scope!r}")
         if self.advantage_std_scope != "group" and not self.use_std:
             raise ValueError(f"--rl.advantage_std_scope {self.advantage_std_scope} sets the std advantages are divided "
-                             "by, and this run divides by none (--rl.normalize_std off, dr_grpo or rloo): drop it")
+                             "by, and this run divides by none (--rl.normalize_std off, dr_grpo, rloo or reinforce_plus_plus*, "
+                             "which whiten over tokens): drop it")
         if self.advantage_estimator == "rloo" and self.normalize_std:
             raise ValueError("--rl.advantage_estimator rloo does not divide by a std: drop --rl.normalize_std")
-        if self.group_size < 2:
+        if self.group_size < 2 and self.advantage_estimator != "reinforce_plus_plus":
             # Both estimators compare a completion with the rest of its group: alone in it,
             # every advantage is 0 and no step would ever change the policy.
             raise ValueError(
@@ -377,11 +397,38 @@ class RLSection:
                 "by the batch's: it cannot run with --rl.no_normalize_std, dr_grpo's or rloo's default, or "
                 "--rl.advantage_std_scope batch"
             )
+        if self.group_size < 2 and self.drop_zero_variance:
+            raise ValueError(f"--rl.group_size {self.group_size}: a group of one has no reward variance, and "
+                             "--rl.drop_zero_variance would drop every group: add --rl.no_drop_zero_variance")
         if self.max_refill_rounds and not self.drop_zero_variance:
             raise ValueError(
                 "--rl.max_refill_rounds replaces the groups --rl.drop_zero_variance drops; it needs "
                 "--rl.drop_zero_variance"
             )
+
+    def _check_reinforce_pp(self) -> None:
+        """REINFORCE++ whitens over tokens (no group std to switch); its discount and the KL in
+        the reward's estimator are read only where they apply."""
+        reinforce = self.advantage_estimator.startswith("reinforce_plus_plus")
+        if reinforce and self.normalize_std is not None:
+            raise ValueError(f"--rl.advantage_estimator {self.advantage_estimator} whitens over the rollout's tokens, "
+                             "never by a group std: drop --rl.normalize_std")
+        if not 0 < self.gamma <= 1:
+            raise ValueError(f"--rl.gamma must be in (0, 1], got {self.gamma}")
+        if self.gamma != 1 and self.advantage_estimator != "reinforce_plus_plus":
+            raise ValueError(f"--rl.gamma discounts reinforce_plus_plus's per-token returns; --rl.advantage_estimator "
+                             f"{self.advantage_estimator} scores whole completions: drop it")
+        if self.kl_in_reward_coef < 0:
+            raise ValueError(f"--rl.kl_in_reward_coef must be >= 0, got {self.kl_in_reward_coef}")
+        if not self.kl_in_reward_coef and self.kl_in_reward_estimator != RLSection.kl_in_reward_estimator:
+            raise ValueError("--rl.kl_in_reward_estimator is read with --rl.kl_in_reward_coef, which this run does not "
+                             "set: set it or drop the flag")
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run keeps a frozen reference policy: for the KL term of the loss or the
+        KL in the reward."""
+        return self.kl_coef > 0 or self.kl_in_reward_coef > 0
 
     @property
     def updates_per_rollout(self) -> int:
@@ -394,7 +441,8 @@ class RLSection:
         options: dict[str, object] = dict(
             normalize_std=self.use_std, drop_zero_variance=self.drop_zero_variance,
             estimator=self.advantage_estimator, std=self.advantage_std, std_scope=self.advantage_std_scope,
-            aggregation=self.multi_objective_aggregation,
+            aggregation=self.multi_objective_aggregation, kl_in_reward_coef=self.kl_in_reward_coef,
+            kl_in_reward_estimator=self.kl_in_reward_estimator, gamma=self.gamma,
         )
         if self.multi_objective_aggregation == "normalize_then_sum":
             weights = self.reward_weights or (1.0,) * len(self.rewards)
@@ -405,7 +453,10 @@ class RLSection:
 
     @property
     def use_std(self) -> bool:
-        """Whether advantages are divided by the group std (default: not for dr_grpo or rloo)."""
+        """Whether advantages are divided by the group std (default: not for dr_grpo or rloo;
+        never for reinforce_plus_plus*, which whiten over tokens)."""
+        if self.advantage_estimator.startswith("reinforce_plus_plus"):
+            return False
         if self.normalize_std is not None:
             return self.normalize_std
         return self.loss_type != "dr_grpo" and self.advantage_estimator != "rloo"

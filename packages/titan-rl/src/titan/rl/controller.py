@@ -65,6 +65,7 @@ from titan.rl.rollout_loss import MAX_STATS, SUMMED_STATS, RolloutLoss, combine_
 from titan.rl.rollouts import (
     Rollout,
     build_batch,
+    kl_in_reward_penalties,
     rollout_rows,
     rollout_stats,
     rows_loss_normalizer,
@@ -262,9 +263,9 @@ class RLTrainer(TrainingLoop):
                         dist_env.world_size, cfg.rl.prompts_per_step)
         # The frozen KL reference (rank 0, or every generating rank), taken when RL starts and
         # checkpointed with the run; it only rescores, so it is a native model copy whatever generates.
-        holds_reference = (self.is_rank0 or self.generator is not None) and cfg.rl.kl_coef > 0
+        holds_reference = (self.is_rank0 or self.generator is not None) and cfg.rl.uses_reference
         self.reference = ReferencePolicy(self._build_generator() if holds_reference else None)
-        if cfg.rl.kl_coef > 0:
+        if cfg.rl.uses_reference:
             self.engine.add_state("rl_reference", self.reference)
         driver = self.remote is not None and self.remote.is_driver
         self.schedule = RolloutSchedule(
@@ -571,6 +572,10 @@ class RLTrainer(TrainingLoop):
             "sync_s": self.timings["sync_s"] - sync_before,
             "train_s": time.perf_counter() - start,
         }
+        if cfg.rl.kl_in_reward_coef:  # what the KL in the reward took from a completion's reward, on average
+            penalties = [float(p.sum()) for group in kl_in_reward_penalties(
+                rollout, cfg.rl.kl_in_reward_coef, cfg.rl.kl_in_reward_estimator) for p in group]
+            record["kl_in_reward"] = sum(penalties) / max(len(penalties), 1)
         if entropy_cut is not None:
             record["entropy_cut"] = entropy_cut
         if cfg.rl.adaptive_entropy:
@@ -707,7 +712,7 @@ class RLTrainer(TrainingLoop):
     def _start_reference(self) -> None:
         """Freeze the weights RL starts from as the KL reference (rank 0), when KL is on; a
         resumed run keeps the reference its checkpoint restored."""
-        if self.config.rl.kl_coef <= 0:
+        if not self.config.rl.uses_reference:
             return
         if self.remote is not None:  # no generator on rank 0: the weights come from the engine
             weights = self.engine.full_state_dict(dtype=torch.float32)  # collective: every rank iterates it
