@@ -162,3 +162,26 @@ def test_reinforce_pp_rows_carry_per_token_advantages_into_the_batch():
     assert [row.advantage for row in baseline] == pytest.approx([float(values[0]), float(values[2]), float(values[5]),
                                                                  float(values[6])], abs=1e-6)
     assert all(row.token_advantages is None for row in baseline)
+
+
+def test_packed_rows_lay_each_completion_out_as_its_own_document_by_hand():
+    """--rl.padding_free: 1 2 3 | 7 8 (4 positions) and 4 5 | 6 (2 positions) share a row of 8:
+    each keeps its labels, log-probs and advantage, positions restart per completion, the
+    padding is a document of its own. Best-fit decreasing of the 4, 5, 2 and 3-position
+    completions fills a row with 5 + 3, a second with 4 + 2."""
+    from titan.rl.rollouts import build_packed_batch, pack_rows
+
+    rows = rollout_rows(rollout(), drop_zero_variance=False)  # positions: 4, 5, 2, 3
+    batch = build_packed_batch([[rows[0], rows[2]]], seq_len=8, pad_id=PAD)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 7, 4, 5, PAD, PAD]]
+    assert batch["labels"].tolist() == [[-100, -100, 7, 8, -100, 6, -100, -100]]
+    assert batch["positions"].tolist() == [[0, 1, 2, 3, 0, 1, 0, 1]]
+    assert batch["document_ids"].tolist() == [[0, 0, 0, 0, 1, 1, -1, -1]]
+    torch.testing.assert_close(batch["old_logprobs"], torch.tensor([[0.0, 0.0, -0.1, -0.2, 0.0, -0.1, 0.0, 0.0]]))
+    assert batch["advantages"][0].tolist() == pytest.approx([0, 0, rows[0].advantage, rows[0].advantage, 0,
+                                                             rows[2].advantage, 0, 0], abs=1e-6)
+    assert batch["sequence_lengths"].tolist() == [[0.0, 0.0, 2.0, 2.0, 0.0, 1.0, 0.0, 0.0]]
+    packed = pack_rows(rows, seq_len=8)
+    assert [[len(r.prompt_ids) + len(r.token_ids) - 1 for r in row] for row in packed] == [[5, 3], [4, 2]]
+    with pytest.raises(ValueError, match="does not fit --training.seq_len 4"):
+        pack_rows(rows, seq_len=4)

@@ -60,12 +60,15 @@ from titan.rl.data import build_prompts
 from titan.rl.disaggregated import TRAINER, GeneratorServer, RemoteGenerators, split_for_generators
 from titan.rl.generate.build import build_generator, check_generator_kind
 from titan.rl.losses import adapted_entropy_coef, entropy_threshold, stat_means
-from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts
+from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts, share
 from titan.rl.rollout_loss import MAX_STATS, SUMMED_STATS, RolloutLoss, combine_stats
 from titan.rl.rollouts import (
     Rollout,
     build_batch,
+    build_packed_batch,
     kl_in_reward_penalties,
+    pack_rows,
+    padding_fraction,
     rollout_rows,
     rollout_stats,
     rows_loss_normalizer,
@@ -294,6 +297,10 @@ class RLTrainer(TrainingLoop):
                 "titan.rl.controller.build_rl_loop (the titan rl command does): it splits the launch into "
                 "trainer and generator ranks before the engine is built"
             )
+        if cfg.rl.padding_free and (cfg.parallelism.pipeline_parallel_degree > 1
+                                    or cfg.parallelism.context_parallel_degree > 1):
+            raise ValueError("--rl.padding_free is not supported with pipeline or context parallel yet (packed rows "
+                             "would need a pipeline microbatch count or a document-aware CP split): drop it")
         # RL steps train on the rollout, so a global batch without a warm-up is refused, not ignored.
         if cfg.training.global_batch_size != -1 and not cfg.rl.sft_warmup_steps:
             raise ValueError(
@@ -484,11 +491,14 @@ class RLTrainer(TrainingLoop):
         for m in range(count):
             chunk = rows[start : start + size + (m < extra)]
             start += len(chunk)
-            batches = [
-                build_batch(microbatch, seq_len=cfg.training.seq_len, pad_id=self.tokenizer.pad_id)
-                for microbatch in split_rows(chunk, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
-                                             microbatch_size=cfg.training.local_batch_size)
-            ]
+            if cfg.rl.padding_free:
+                batches = self._packed_batches(chunk)
+            else:
+                batches = [
+                    build_batch(microbatch, seq_len=cfg.training.seq_len, pad_id=self.tokenizer.pad_id)
+                    for microbatch in split_rows(chunk, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
+                                                 microbatch_size=cfg.training.local_batch_size)
+                ]
             completion_tokens = max(float(sum(len(r.token_ids) for r in chunk)), 1.0)
             for batch in batches if row_index else ():
                 batch_rows, seq = batch["input_ids"].shape
@@ -496,6 +506,26 @@ class RLTrainer(TrainingLoop):
             normalizer = rows_loss_normalizer(chunk, cfg.rl.loss_type, max_new_tokens=self.sampling.max_new_tokens)
             out.append((normalizer, completion_tokens, batches))
         return out
+
+    def _packed_batches(self, rows: list) -> list[dict[str, torch.Tensor]]:
+        """--rl.padding_free: this data-parallel rank's contiguous share of ``rows``, packed
+        several completions to a row (``pack_rows``), in microbatches of
+        --training.local_batch_size packed rows (the last one as many as are left); every rank
+        runs as many microbatches as the rank with the most (the others add one row of padding
+        each), so all run the same collectives."""
+        cfg, dims = self.config, self.engine.parallel_dims
+        first, count = share(len(rows), dims.dp_rank, dims.dp_world_size)
+        packed = pack_rows(rows[first : first + count], seq_len=cfg.training.seq_len)
+        size = cfg.training.local_batch_size
+        microbatches = -(-len(packed) // size)
+        if self.engine.dist_env.world_size > 1 and dist.is_initialized():
+            most = torch.tensor([microbatches], device=self.engine.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            microbatches = int(most.item())
+        groups = [packed[i : i + size] for i in range(0, len(packed), size)]  # the last one may be short
+        groups += [[[]]] * (max(microbatches, 1) - len(groups))  # a row of padding only, for the collectives
+        return [build_packed_batch(group, seq_len=cfg.training.seq_len, pad_id=self.tokenizer.pad_id)
+                for group in groups]
 
     def rl_step(self) -> dict[str, Any] | None:
         """One RL step: one rollout, trained for --rl.ppo_epochs passes of
@@ -572,6 +602,7 @@ class RLTrainer(TrainingLoop):
             "sync_s": self.timings["sync_s"] - sync_before,
             "train_s": time.perf_counter() - start,
         }
+        record["padding_fraction"] = padding_fraction([b for *_, batches in minibatches for b in batches])
         if cfg.rl.kl_in_reward_coef:  # what the KL in the reward took from a completion's reward, on average
             penalties = [float(p.sum()) for group in kl_in_reward_penalties(
                 rollout, cfg.rl.kl_in_reward_coef, cfg.rl.kl_in_reward_estimator) for p in group]

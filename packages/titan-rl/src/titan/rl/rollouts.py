@@ -226,8 +226,48 @@ def _reinforce_pp(rollout: Rollout, penalties: list[list[torch.Tensor]], keep: t
 
 
 def build_batch(rows: Sequence[Row], *, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """The engine batch of ``rows`` (module docstring), ``[len(rows), seq_len]``."""
-    batch_size = len(rows)
+    """The engine batch of ``rows`` (module docstring), ``[len(rows), seq_len]``: one
+    completion per row."""
+    return build_packed_batch([[row] for row in rows], seq_len=seq_len, pad_id=pad_id)
+
+
+def pack_rows(rows: Sequence[Row], *, seq_len: int) -> list[list[Row]]:
+    """``rows`` packed several to a batch row (``--rl.padding_free``): best-fit decreasing by
+    sequence length (prompt + completion - 1 positions), so short completions fill the gaps."""
+    from titan.train.data.sft import best_fit_decreasing
+
+    lengths = [len(r.prompt_ids) + len(r.token_ids) - 1 for r in rows]
+    for row, n in zip(rows, lengths, strict=True):
+        if n > seq_len:
+            _raise_too_long(row, seq_len)
+    return [[rows[i] for i in packed] for packed in best_fit_decreasing(lengths, seq_len)]
+
+
+def padding_fraction(batches: Sequence[Mapping[str, torch.Tensor]]) -> float:
+    """The share of the batches' positions outside every sequence with a completion token
+    (padding, and the prompts of the rows that only fill a microbatch)."""
+    filled = total = 0
+    for batch in batches:
+        for docs, labels in zip(batch["document_ids"], batch["labels"], strict=True):
+            completed = docs[(labels != IGNORE_INDEX) & (docs >= 0)].unique()
+            filled += int(torch.isin(docs, completed).sum())
+            total += docs.numel()
+    return 1.0 - filled / max(total, 1)
+
+
+def _raise_too_long(row: Row, seq_len: int) -> None:
+    raise ValueError(
+        f"a prompt of {len(row.prompt_ids)} tokens plus {len(row.token_ids)} generated ones does not "
+        f"fit --training.seq_len {seq_len}; raise it to at least {len(row.prompt_ids) + len(row.token_ids) - 1} or "
+        "lower --sampling.max_new_tokens"
+    )
+
+
+def build_packed_batch(packed: Sequence[Sequence[Row]], *, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """The engine batch of ``packed`` rows, ``[len(packed), seq_len]``: each batch row holds
+    its completions end to end, each a document of its own (positions restart, attention stays
+    inside it), then padding (a document of its own, positions from 0)."""
+    batch_size = len(packed)
     input_ids = torch.full((batch_size, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
     positions = torch.arange(seq_len).repeat(batch_size, 1)
@@ -236,31 +276,32 @@ def build_batch(rows: Sequence[Row], *, seq_len: int, pad_id: int) -> dict[str, 
     advantages = torch.zeros((batch_size, seq_len), dtype=torch.float32)
     loss_mask = torch.zeros((batch_size, seq_len), dtype=torch.float32)
     lengths = torch.zeros((batch_size, seq_len), dtype=torch.float32)
-    with_ref = any(row.ref_logprobs is not None for row in rows)
+    with_ref = any(row.ref_logprobs is not None for rows in packed for row in rows)
     ref_logprobs = torch.zeros((batch_size, seq_len), dtype=torch.float32)
-    for r, row in enumerate(rows):
-        sequence = row.prompt_ids + row.token_ids
-        if len(sequence) - 1 > seq_len:
-            raise ValueError(
-                f"a prompt of {len(row.prompt_ids)} tokens plus {len(row.token_ids)} generated ones does not "
-                f"fit --training.seq_len {seq_len}; raise it to at least {len(sequence) - 1} or lower "
-                "--sampling.max_new_tokens"
-            )
-        n = len(sequence) - 1
-        input_ids[r, :n] = torch.tensor(sequence[:-1])
-        first = len(row.prompt_ids) - 1  # the position that predicts the first generated token
-        completion = slice(first, n)
-        labels[r, completion] = torch.tensor(row.token_ids)
-        document_ids[r, :n] = 0
-        positions[r, n:] = torch.arange(seq_len - n)  # padding restarts, as its own document
-        old_logprobs[r, completion] = torch.tensor(row.logprobs, dtype=torch.float32)
-        advantages[r, completion] = (row.advantage if row.token_advantages is None
-                                     else torch.tensor(row.token_advantages, dtype=torch.float32))
-        if row.ref_logprobs:
-            ref_logprobs[r, completion] = torch.tensor(row.ref_logprobs, dtype=torch.float32)
-        if row.train:
-            loss_mask[r, completion] = 1.0
-            lengths[r, completion] = float(len(row.token_ids))
+    for r, rows in enumerate(packed):
+        start = 0
+        for doc, row in enumerate(rows):
+            sequence = row.prompt_ids + row.token_ids
+            n = len(sequence) - 1
+            if start + n > seq_len:
+                _raise_too_long(row, seq_len - start)
+            end = start + n
+            input_ids[r, start:end] = torch.tensor(sequence[:-1])
+            positions[r, start:end] = torch.arange(n)
+            document_ids[r, start:end] = doc
+            first = start + len(row.prompt_ids) - 1  # the position that predicts the first generated token
+            completion = slice(first, end)
+            labels[r, completion] = torch.tensor(row.token_ids)
+            old_logprobs[r, completion] = torch.tensor(row.logprobs, dtype=torch.float32)
+            advantages[r, completion] = (row.advantage if row.token_advantages is None
+                                         else torch.tensor(row.token_advantages, dtype=torch.float32))
+            if row.ref_logprobs:
+                ref_logprobs[r, completion] = torch.tensor(row.ref_logprobs, dtype=torch.float32)
+            if row.train:
+                loss_mask[r, completion] = 1.0
+                lengths[r, completion] = float(len(row.token_ids))
+            start = end
+        positions[r, start:] = torch.arange(seq_len - start)  # padding restarts, as its own document
     batch = {
         "input_ids": input_ids,
         "labels": labels,
