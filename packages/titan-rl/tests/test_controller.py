@@ -556,8 +556,8 @@ TWO_RANK_RUNS = {
     # Groups of 3 split unevenly over the 2 ranks; rows of 40 positions hold up to 2
     # completions, one row per microbatch: the ranks' packed shares come to different
     # microbatch counts (the shorter runs a row of padding).
-    **{name: [*DETERMINISTIC, "--rl.group_size", "3", "--training.seq_len", "40", "--training.local_batch_size", "1",
-              *flags] for name, flags in (("fsdp", []), ("padding_free", ["--rl.padding_free"]))},
+    **{name: [*DETERMINISTIC, "--training.steps", "6", "--rl.group_size", "3", "--training.seq_len", "40",
+              "--training.local_batch_size", "1", *flags] for name, flags in (("fsdp", []), ("padding_free", ["--rl.padding_free"]))},
     "every_rank": [*SHARED, "--rl.colocated_generation", "every_rank"],
     "resume_every_rank": [*RESUMED, "--rl.colocated_generation", "every_rank"],
     **{f"cp_{loss}": [*DETERMINISTIC, *SEQUENCE_IS, *CP_EXTRA[loss], "--rl.loss_type", loss,
@@ -623,7 +623,7 @@ def test_pipeline_parallel_rl_steps_run_and_match_one_rank(two_rank_runs, one_ra
 def test_padding_free_under_fsdp_matches_one_completion_per_row(two_rank_runs):
     """--rl.padding_free on 2 FSDP ranks: each packs its own share of the rollout, so the ranks
     may hold different numbers of microbatches (the shorter adds rows of padding to run the
-    same collectives: checked once by logging each rank's count, 1 against 2 on four steps);
+    same collectives: checked once by logging each rank's count, 1 against 2);
     the RL steps equal the same layout's unpacked run up to float32 summation order (measured:
     6e-7 relative; FSDP 2 itself is 1e-5 from one rank after a few steps, so the comparison
     stays within the layout)."""
@@ -781,7 +781,7 @@ def test_gdpo_advantages_normalize_each_reward_first_by_hand(tmp_path):
     others get 0), and the update is not the summed rewards' one."""
     flags = [*SHORT, "--training.steps", "5", "--rl.log_completions", "--rl.rewards", "exact_match", "char_match",
              "--rl.reward_weights", "1", "0.5", "--rl.overlong_buffer_len", "4"]
-    run_rl(tmp_path / "summed", *flags)
+    run_rl(tmp_path / "summed", *flags, "--training.steps", "3")  # its first RL step only
     run_rl(tmp_path / "gdpo", *flags, "--rl.multi_objective_aggregation", "normalize_then_sum")
     rows = [json.loads(line) for line in (tmp_path / "gdpo" / "completions.jsonl").read_text().splitlines()]
     weights = {"exact_match": 1.0, "char_match": 0.5, "overlong_penalty": 1.0}
@@ -833,7 +833,7 @@ def test_reinforce_pp_baseline_advantages_by_hand_and_kl_in_the_reward(tmp_path)
     --rl.kl_in_reward_coef: a reference is kept for the reward alone (no KL term in the loss),
     nothing is taken at the first RL step (the policy is the reference), then a positive
     KL (k3) is, and the steps train."""
-    flags = [*SHORT, "--training.steps", "5", "--rl.rewards", "char_match", "--rl.no_drop_zero_variance"]
+    flags = [*SHORT, "--training.steps", "4", "--rl.rewards", "char_match", "--rl.no_drop_zero_variance"]
     run_rl(tmp_path / "baseline", *flags, "--rl.advantage_estimator", "reinforce_plus_plus_baseline",
            "--rl.log_completions")
     rows = [json.loads(line) for line in (tmp_path / "baseline" / "completions.jsonl").read_text().splitlines()]

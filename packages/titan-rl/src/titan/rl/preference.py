@@ -1,0 +1,72 @@
+"""Preference-optimization losses (DPO and its variants) as pure functions of sequence log-probs.
+
+Each example is a prompt with a ``chosen`` and a ``rejected`` completion. The losses compare
+the policy's and a frozen reference's log-probability of each completion (summed over its
+tokens): with ``h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r))``, the log-ratio margin,
+
+- ``sigmoid`` (DPO, Rafailov et al. 2023): ``-log sigmoid(beta h)``; with label smoothing
+  ``eps`` (cDPO: the preference label is wrong with probability ``eps``)
+  ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``;
+- ``robust`` (rDPO, Chowdhury et al. 2024): the unbiased form under that label noise,
+  ``(-(1 - eps) log sigmoid(beta h) + eps log sigmoid(-beta h)) / (1 - 2 eps)``;
+- ``hinge`` (SLiC): ``max(0, 1 - beta h)``;
+- ``ipo`` (Azar et al. 2023): ``(h - 1 / (2 beta))^2``, on log-probs averaged over each
+  completion's tokens (the caller passes means for it, as TRL does).
+
+Each returns the per-example losses (the caller averages them over the global batch) and the
+implicit rewards ``beta (log pi - log ref)`` of both completions, whose difference's sign is
+the preference accuracy. Names follow TRL's ``DPOConfig.loss_type``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+PREFERENCE_LOSSES: tuple[str, ...] = ("sigmoid", "robust", "hinge", "ipo")
+
+
+def preference_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-example losses ``[B]`` of ``loss_type`` (module docstring) from the policy's and
+    the reference's sequence log-probs of the chosen and rejected completions (each ``[B]``),
+    and ``{"chosen_rewards", "rejected_rewards"}`` (``[B]`` each, detached)."""
+    if loss_type not in PREFERENCE_LOSSES:
+        raise ValueError(f"the DPO loss_type must be one of {', '.join(PREFERENCE_LOSSES)}, got {loss_type!r}")
+    if beta <= 0:
+        raise ValueError(f"the DPO beta must be > 0, got {beta}")
+    if not 0 <= label_smoothing < 0.5:
+        raise ValueError(f"the DPO label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    chosen_ratio = policy_chosen - reference_chosen
+    rejected_ratio = policy_rejected - reference_rejected
+    margin = chosen_ratio - rejected_ratio
+    eps = label_smoothing
+    if loss_type == "sigmoid":
+        losses = -(1 - eps) * F.logsigmoid(beta * margin) - eps * F.logsigmoid(-beta * margin)
+    elif loss_type == "robust":
+        losses = (-(1 - eps) * F.logsigmoid(beta * margin) + eps * F.logsigmoid(-beta * margin)) / (1 - 2 * eps)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * margin)
+    else:  # ipo
+        losses = (margin - 1 / (2 * beta)) ** 2
+    rewards = {"chosen_rewards": (beta * chosen_ratio).detach(), "rejected_rewards": (beta * rejected_ratio).detach()}
+    return losses, rewards
+
+
+def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, *, mean: bool = False) -> torch.Tensor:
+    """Each row's log-probability of its completion ``[B]``: the masked sum of its tokens'
+    log-probs ``[B, S]`` (their mean with ``mean``, for ipo)."""
+    mask = mask.to(token_logprobs.dtype)
+    summed = (token_logprobs * mask).sum(-1)
+    return summed / mask.sum(-1).clamp(min=1) if mean else summed
+
+
+__all__ = ["PREFERENCE_LOSSES", "preference_loss", "sequence_logprobs"]
