@@ -99,3 +99,11 @@ def test_bench_accumulation_checks_both_sides_and_prints_a_ratio(capsys, monkeyp
     out = capsys.readouterr().out
     assert "ratio every microbatch/deferred seconds" in out, out
     assert {name: len(s) for name, s in seconds.items()} == {"deferred": 2, "every microbatch": 2}
+
+
+def test_bench_rl_packing_checks_both_sides_and_prints_a_ratio(capsys):
+    seconds = load("bench_rl_packing").main(
+        "--flavor debugmodel_tiny --seq-len 64 --completions 16 --max-prompt 16 --max-completion 24 --rounds 2".split())
+    out = capsys.readouterr().out
+    assert "gradients agree" in out and "ratio padded/packed seconds" in out, out
+    assert {name: len(s) for name, s in seconds.items()} == {"padded": 2, "packed": 2}
