@@ -398,7 +398,7 @@ class RLSection:
             raise ValueError(f"--rl.advantage_std_scope must be group or batch, got {self.advantage_std_scope!r}")
         if self.advantage_std_scope != "group" and not self.use_std:
             raise ValueError(f"--rl.advantage_std_scope {self.advantage_std_scope} sets the std advantages are divided "
-                             "by, and this run divides by none (--rl.normalize_std off, dr_grpo, rloo or reinforce_plus_plus*, "
+                             "by, and this run divides by none (--rl.normalize_std False, dr_grpo, rloo or reinforce_plus_plus*, "
                              "which whiten over tokens): drop it")
         if self.advantage_estimator == "rloo" and self.normalize_std:
             raise ValueError("--rl.advantage_estimator rloo does not divide by a std: drop --rl.normalize_std")
@@ -414,7 +414,7 @@ class RLSection:
                 not self.use_std or self.advantage_std_scope != "group"):
             raise ValueError(
                 "--rl.multi_objective_aggregation normalize_then_sum divides each reward by its group std and the sum "
-                "by the batch's: it cannot run with --rl.no_normalize_std, dr_grpo's or rloo's default, or "
+                "by the batch's: it cannot run with --rl.normalize_std False, dr_grpo's or rloo's default, or "
                 "--rl.advantage_std_scope batch"
             )
         if self.group_size < 2 and self.drop_zero_variance:
