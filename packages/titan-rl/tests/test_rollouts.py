@@ -169,7 +169,7 @@ def test_packed_rows_lay_each_completion_out_as_its_own_document_by_hand():
     each keeps its labels, log-probs and advantage, positions restart per completion, the
     padding is a document of its own. Best-fit decreasing of the 4, 5, 2 and 3-position
     completions fills a row with 5 + 3, a second with 4 + 2."""
-    from titan.rl.rollouts import build_packed_batch, pack_rows
+    from titan.rl.rollouts import build_packed_batch, pack_rows, padding_fraction, padding_row
 
     rows = rollout_rows(rollout(), drop_zero_variance=False)  # positions: 4, 5, 2, 3
     batch = build_packed_batch([[rows[0], rows[2]]], seq_len=8, pad_id=PAD)
@@ -181,6 +181,10 @@ def test_packed_rows_lay_each_completion_out_as_its_own_document_by_hand():
     assert batch["advantages"][0].tolist() == pytest.approx([0, 0, rows[0].advantage, rows[0].advantage, 0,
                                                              rows[2].advantage, 0, 0], abs=1e-6)
     assert batch["sequence_lengths"].tolist() == [[0.0, 0.0, 2.0, 2.0, 0.0, 1.0, 0.0, 0.0]]
+    # 6 of 8 positions belong to completions; a filler row's prompt (no label) fills none.
+    filler = build_packed_batch([[padding_row([4, 5, 6])]], seq_len=8, pad_id=PAD)
+    assert padding_fraction([batch]) == pytest.approx(0.25)
+    assert padding_fraction([batch, filler]) == pytest.approx(1 - 6 / 16)
     packed = pack_rows(rows, seq_len=8)
     assert [[len(r.prompt_ids) + len(r.token_ids) - 1 for r in row] for row in packed] == [[5, 3], [4, 2]]
     with pytest.raises(ValueError, match="does not fit --training.seq_len 4"):

@@ -994,7 +994,7 @@ def test_best_fit_decreasing_by_hand():
     (in order, greedily: [5], [5, 3], [3]); [5, 4, 3, 3, 2, 2, 1]: 5 opens row 0, 4 row 1, the
     first 3 fills row 0 (room 3), the second goes to row 1 (room 4), the 2s open row 2, the 1
     fills row 1's last cell."""
-    from titan.train.data.sft import best_fit_decreasing
+    from titan.train.data.packing import best_fit_decreasing
 
     assert best_fit_decreasing([5, 5, 3, 3], 8) == [[0, 2], [1, 3]]
     assert best_fit_decreasing([5, 4, 3, 3, 2, 2, 1], 8) == [[0, 2], [1, 3, 6], [4, 5]]

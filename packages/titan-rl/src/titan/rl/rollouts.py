@@ -37,6 +37,7 @@ from titan.rl.advantages import (
 )
 from titan.rl.generate.base import Completion
 from titan.rl.losses import kl_estimate, loss_normalizer
+from titan.train.data.packing import best_fit_decreasing
 from titan.train.loss import IGNORE_INDEX
 
 
@@ -179,10 +180,12 @@ def completion_advantages(rollout: Rollout, *, normalize_std: bool = True, drop_
     returns); the groups dropped for zero variance are judged on the rewards alone."""
     rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
     keep = nonzero_variance_groups(rewards) if drop_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
-    penalties = kl_in_reward_penalties(rollout, kl_in_reward_coef, kl_in_reward_estimator)
     if estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        penalties = kl_in_reward_penalties(rollout, kl_in_reward_coef, kl_in_reward_estimator)
         return _reinforce_pp(rollout, penalties, keep, baseline=estimator.endswith("baseline"), std=std, gamma=gamma)
-    rewards = rewards - torch.tensor([[float(p.sum()) for p in row] for row in penalties], dtype=torch.float64)
+    if kl_in_reward_coef:
+        penalties = kl_in_reward_penalties(rollout, kl_in_reward_coef, kl_in_reward_estimator)
+        rewards = rewards - torch.tensor([[float(p.sum()) for p in row] for row in penalties], dtype=torch.float64)
     if aggregation == "normalize_then_sum":
         if not rollout.reward_terms:
             raise ValueError("--rl.multi_objective_aggregation normalize_then_sum needs each reward's own values, "
@@ -234,8 +237,6 @@ def build_batch(rows: Sequence[Row], *, seq_len: int, pad_id: int) -> dict[str, 
 def pack_rows(rows: Sequence[Row], *, seq_len: int) -> list[list[Row]]:
     """``rows`` packed several to a batch row (``--rl.padding_free``): best-fit decreasing by
     sequence length (prompt + completion - 1 positions), so short completions fill the gaps."""
-    from titan.train.data.sft import best_fit_decreasing
-
     lengths = [len(r.prompt_ids) + len(r.token_ids) - 1 for r in rows]
     for row, n in zip(rows, lengths, strict=True):
         if n > seq_len:
@@ -248,10 +249,13 @@ def padding_fraction(batches: Sequence[Mapping[str, torch.Tensor]]) -> float:
     (padding, and the prompts of the rows that only fill a microbatch)."""
     filled = total = 0
     for batch in batches:
-        for docs, labels in zip(batch["document_ids"], batch["labels"], strict=True):
-            completed = docs[(labels != IGNORE_INDEX) & (docs >= 0)].unique()
-            filled += int(torch.isin(docs, completed).sum())
-            total += docs.numel()
+        docs, labels = batch["document_ids"], batch["labels"]
+        # One key per (row, document); a position is filled when its document has a label.
+        keys = torch.arange(len(docs))[:, None] * (docs.shape[1] + 1) + docs
+        inside = docs >= 0
+        completed = keys[inside & (labels != IGNORE_INDEX)].unique()
+        filled += int((torch.isin(keys, completed) & inside).sum())
+        total += docs.numel()
     return 1.0 - filled / max(total, 1)
 
 
@@ -283,8 +287,10 @@ def build_packed_batch(packed: Sequence[Sequence[Row]], *, seq_len: int, pad_id:
         for doc, row in enumerate(rows):
             sequence = row.prompt_ids + row.token_ids
             n = len(sequence) - 1
+            if n > seq_len:
+                _raise_too_long(row, seq_len)
             if start + n > seq_len:
-                _raise_too_long(row, seq_len - start)
+                raise ValueError(f"packed row {r} holds {start + n} positions, more than --training.seq_len {seq_len}")
             end = start + n
             input_ids[r, start:end] = torch.tensor(sequence[:-1])
             positions[r, start:end] = torch.arange(n)

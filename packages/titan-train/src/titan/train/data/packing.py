@@ -1,4 +1,6 @@
-"""Packing documents into fixed windows, with a resumable position.
+"""Packing documents into fixed windows, with a resumable position; and
+`best_fit_decreasing`, the bin packing of whole sequences into rows (SFT's ``bfd`` packing,
+RL's padding-free rows).
 
 Each document becomes ``BOS tokens EOS`` (just ``tokens EOS`` when the
 tokenizer's BOS and EOS are one token, so separators are never doubled);
@@ -19,10 +21,13 @@ re-tokenizes one document, whatever the corpus size.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
+
 import numpy as np
 from titan.train.data.sources import DocumentSource
 
-__all__ = ["DocumentPacker"]
+__all__ = ["DocumentPacker", "best_fit_decreasing"]
 
 # Documents announced to the source at a time (`DocumentSource.prefetch`), so a source that
 # reads in blocks (datasets' Arrow tables) pays one read per block, not one per document.
@@ -168,3 +173,26 @@ class DocumentPacker:
         # The saved seed wins: the data order is part of the run being resumed.
         self.seed = int(state["seed"])
         self._order = self._doc = self._prefetched = None
+
+
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of indices into ``lengths``, each bin's lengths summing to at most ``capacity``:
+    the longest item first, each into the bin it fills best (the least room left that still
+    takes it; the earliest such bin), a new bin when none does. Bins in the order they were
+    opened, indices in the order they were placed. Every length must be at most ``capacity``."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (room left, bin), sorted: the best fit is the first that takes it
+    for i in order:
+        n = lengths[i]
+        if n > capacity:
+            raise ValueError(f"an item of length {n} does not fit a bin of {capacity}")
+        k = bisect.bisect_left(room, (n, -1))
+        if k == len(room):
+            bins.append([i])
+            bisect.insort(room, (capacity - n, len(bins) - 1))
+        else:
+            left, b = room.pop(k)
+            bins[b].append(i)
+            bisect.insort(room, (left - n, b))
+    return bins

@@ -39,7 +39,6 @@ importable from here too.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -55,6 +54,7 @@ from titan.train.data.chat import (
     encode_prompt_completion,
 )
 from titan.train.data.loader import document_layout
+from titan.train.data.packing import best_fit_decreasing
 from titan.train.data.resumable import ResumableLoader, check_loader_args
 from titan.train.data.sft_config import SFTDataConfig, SyntheticTaskConfig, validate_sft_data_config
 from titan.train.data.sft_sources import (
@@ -88,29 +88,6 @@ __all__ = [
     "synthetic_eval_pairs",
     "validate_sft_data_config",
 ]
-
-
-def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Bins of indices into ``lengths``, each bin's lengths summing to at most ``capacity``:
-    the longest item first, each into the bin it fills best (the least room left that still
-    takes it; the earliest such bin), a new bin when none does. Bins in the order they were
-    opened, indices in the order they were placed. Every length must be at most ``capacity``."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    room: list[tuple[int, int]] = []  # (room left, bin), sorted: the best fit is the first that takes it
-    for i in order:
-        n = lengths[i]
-        if n > capacity:
-            raise ValueError(f"an item of length {n} does not fit a bin of {capacity}")
-        k = bisect.bisect_left(room, (n, -1))
-        if k == len(room):
-            bins.append([i])
-            bisect.insort(room, (capacity - n, len(bins) - 1))
-        else:
-            left, b = room.pop(k)
-            bins[b].append(i)
-            bisect.insort(room, (left - n, b))
-    return bins
 
 
 class SFTPacker:
