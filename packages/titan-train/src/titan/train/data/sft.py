@@ -201,11 +201,7 @@ class SFTPacker:
             self.dropped += 1
             skipped_run += 1
             if skipped_run > self.num_examples:
-                raise ValueError(
-                    f"no SFT example fits in seq_len {self.seq_len} with a token to train on "
-                    f"({self.dropped} dropped); raise --training.seq_len or use "
-                    "--sft_data.overlong truncate"
-                )
+                raise self._nothing_fits()
             self._advance()
 
     def _next_bin(self) -> list[SFTExample]:
@@ -222,10 +218,7 @@ class SFTPacker:
                 return chosen
             empty_run += self.window  # every example of the window was dropped
             if empty_run > self.num_examples:
-                raise ValueError(
-                    f"no SFT example fits in seq_len {self.seq_len} with a token to train on "
-                    f"({self.dropped} dropped); raise --training.seq_len or use --sft_data.overlong truncate"
-                )
+                raise self._nothing_fits()
             self._next_window()
         return []
 
@@ -251,6 +244,11 @@ class SFTPacker:
         if self.cursor == self.num_examples:
             self.cursor = 0
             self.epoch += 1
+
+    def _nothing_fits(self) -> ValueError:
+        """The error of a pass over every example that placed none."""
+        return ValueError(f"no SFT example fits in seq_len {self.seq_len} with a token to train on ({self.dropped} "
+                          "dropped); raise --training.seq_len or use --sft_data.overlong truncate")
 
     def _prepare(self, example: SFTExample) -> SFTExample | None:
         """Apply the overlong policy; None if the example cannot be used."""
