@@ -1,0 +1,362 @@
+"""Preference data for DPO: prompt/chosen/rejected rows, packed in pairs, resumable.
+
+Rows follow TRL's preference datasets (``--dpo_data.*``):
+
+- explicit prompt, text: ``{"prompt": str, "chosen": str, "rejected": str}``; each side is
+  encoded as SFT encodes a prompt/completion pair (``[BOS] prompt completion EOS``, the
+  completion and EOS trained);
+- explicit prompt, conversational: ``prompt`` a list of messages, ``chosen`` and ``rejected``
+  lists of (assistant) messages; each side is the conversation ``prompt + side`` rendered with
+  the chat template, its own messages trained;
+- implicit prompt: no prompt column, ``chosen`` and ``rejected`` whole conversations; the
+  prompt is the messages they share from the start (TRL's ``extract_prompt``), each side the
+  rest;
+- ``synthetic``: the SFT synthetic task (``--dpo_data.synthetic_*``), its right answer chosen
+  and a near miss (the last letter changed) rejected; no file needed.
+
+A pair is placed whole: its chosen and its rejected sequence are two consecutive documents of
+one row (document ``2k`` chosen, ``2k + 1`` rejected, in the ``document_ids`` SFT rows carry),
+so a row's pairs are scored inside it under any microbatch, pipeline or context-parallel split.
+``pair_index`` carries each pair's row index in the data on all its tokens (-1 on padding): the
+key of its reference log-probs. Rows are filled as SFT fills them (greedy in a seeded order, or
+one pair per row with ``--dpo_data.no_packing``); a pair longer than the row is dropped and
+counted (cutting one side would compare a finished answer with an unfinished one).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from titan.train.data.chat import (
+    ChatTemplate,
+    SFTExample,
+    encode_chat,
+    encode_prompt_completion,
+    parse_template_kwargs,
+    resolve_chat_template,
+)
+from titan.train.data.loader import document_layout
+from titan.train.data.records import TRAIN_SPLIT, load_records
+from titan.train.data.resumable import ResumableLoader, check_loader_args
+from titan.train.data.sft import SFTBatches, SFTDataLoader, SFTPacker
+from titan.train.data.sft_config import SyntheticTaskConfig, check_template_kwargs, check_template_path
+from titan.train.data.sft_sources import SyntheticSFTTask
+from titan.train.data.tokenizer import Tokenizer
+from titan.train.loss import IGNORE_INDEX
+
+logger = logging.getLogger("titan")
+
+
+@dataclass(kw_only=True)
+class PreferenceDataConfig(SyntheticTaskConfig):
+    """``--dpo_data.*``: the preference pairs (prompt, chosen, rejected) and how they become
+    rows."""
+
+    format: Literal["auto", "preference", "synthetic"] = "auto"
+    """"preference": rows with ``chosen`` and ``rejected`` (and ``prompt``, unless both sides
+    are whole conversations sharing it; see the module docstring). "synthetic": the built-in
+    task (``--dpo_data.synthetic_*``). "auto": synthetic without --dpo_data.path, else
+    preference."""
+    path: str | None = None
+    """JSONL or Parquet file, directory or glob, or a Hugging Face Hub dataset name
+    (``org/name``, see --dpo_data.subset and --dpo_data.split)."""
+    subset: str | None = None
+    """The Hub dataset's configuration (``datasets.load_dataset(name, subset)``)."""
+    split: str = TRAIN_SPLIT
+    """The split the pairs are read from."""
+    prompt_field: str = "prompt"
+    """The column holding the prompt (absent: an implicit prompt)."""
+    chosen_field: str = "chosen"
+    """The column holding the preferred completion."""
+    rejected_field: str = "rejected"
+    """The column holding the dispreferred completion."""
+    chat_template: Literal["auto", "tokenizer", "builtin"] = "auto"
+    """Conversational rows: "tokenizer" renders the tokenizer's Jinja chat template, "builtin"
+    titan's simple one, "auto" the tokenizer's when its files carry one, else builtin."""
+    chat_template_kwargs: str | None = None
+    """Extra variables for the tokenizer's chat template, a JSON object (TRL's
+    ``chat_template_kwargs``)."""
+    chat_template_path: str | None = None
+    """A chat template in place of the tokenizer's: a Jinja file, or a tokenizer folder that
+    ships one."""
+    packing: bool = True
+    """Pack several whole pairs per row (with document boundaries); off: one pair per row."""
+    shuffle: bool = True
+    """Visit the pairs in a fresh seeded order every epoch."""
+    cache_dir: str | None = None
+    """Where ``datasets`` caches the parsed files (default: its own cache)."""
+
+    def __post_init__(self) -> None:
+        if self.format not in ("auto", "preference", "synthetic"):
+            raise ValueError(f"--dpo_data.format must be auto, preference or synthetic, got {self.format!r}")
+        if self.resolved_format == "preference" and not self.path:
+            raise ValueError("--dpo_data.format preference reads files: set --dpo_data.path to a JSONL or Parquet "
+                             "file, directory, glob or Hub dataset")
+        if self.resolved_format == "synthetic":
+            if self.path:
+                raise ValueError(f"--dpo_data.path {self.path!r} is not read by --dpo_data.format synthetic: drop it "
+                                 "or set --dpo_data.format preference")
+            given = [f"--dpo_data.{name}" for name, default in _FILE_FLAGS.items() if getattr(self, name) != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} describe preference files, and --dpo_data.format synthetic "
+                                 "reads none: drop them")
+        for flag in ("prompt_field", "chosen_field", "rejected_field"):
+            if not getattr(self, flag):
+                raise ValueError(f"--dpo_data.{flag} is empty; name the column to read")
+        if self.chat_template not in ("auto", "tokenizer", "builtin"):
+            raise ValueError(f"--dpo_data.chat_template must be auto, tokenizer or builtin, got {self.chat_template!r}")
+        renders_chats = self.resolved_format == "preference"
+        check_template_kwargs(self.chat_template_kwargs, "--dpo_data", self.chat_template,
+                              renders_chats=renders_chats, fmt=self.resolved_format)
+        check_template_path(self.chat_template_path, "--dpo_data", self.chat_template,
+                            renders_chats=renders_chats, fmt=self.resolved_format)
+        self.check_synthetic_task("--dpo_data")
+
+    @property
+    def resolved_format(self) -> str:
+        """``synthetic`` for ``auto`` without a path, ``preference`` for ``auto`` with one."""
+        if self.format == "auto":
+            return "preference" if self.path else "synthetic"
+        return self.format
+
+
+_FILE_FLAGS = {"subset": None, "split": TRAIN_SPLIT, "prompt_field": "prompt", "chosen_field": "chosen",
+               "rejected_field": "rejected", "chat_template": "auto", "chat_template_kwargs": None,
+               "chat_template_path": None}
+"""The flags only a preference file reads, and their defaults."""
+
+
+@dataclass
+class PreferencePair:
+    """One pair, tokenized: the ``chosen`` and ``rejected`` sequences (each an
+    :class:`SFTExample`: the prompt untrained, the completion trained) and its ``index`` in
+    the data. ``len(pair) - 1`` is the row positions it takes (each side shifted by one), so
+    the SFT packer places a pair as it places an example."""
+
+    chosen: SFTExample
+    rejected: SFTExample
+    index: int
+
+    def __len__(self) -> int:
+        return len(self.chosen) - 1 + len(self.rejected) - 1 + 1
+
+    @property
+    def sides(self) -> tuple[SFTExample, SFTExample]:
+        """(chosen, rejected), in the order they are placed in a row."""
+        return self.chosen, self.rejected
+
+
+def near_miss(answer: str) -> str:
+    """The synthetic task's rejected answer: ``answer`` with its last letter moved one letter on
+    (z wraps to a), so it differs from the right answer in exactly one place."""
+    last = answer[-1]
+    return answer[:-1] + ("a" if last == "z" else chr(ord(last) + 1))
+
+
+class PreferenceSource:
+    """Map-style pairs: ``len(source)``, ``example(i)`` (a :class:`PreferencePair`, tokenized on
+    access), as an SFT source serves examples to the packer."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def example(self, index: int) -> PreferencePair:
+        """Pair ``index``, tokenized."""
+        raise NotImplementedError
+
+
+class SyntheticPreferenceTask(PreferenceSource):
+    """The SFT synthetic task as preference pairs: prompt "sort: cab\\n", chosen "abc",
+    rejected its :func:`near_miss` ("abd")."""
+
+    def __init__(self, cfg: PreferenceDataConfig, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.pairs = SyntheticSFTTask(_as_sft_task(cfg), tokenizer).train_pairs
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def example(self, index: int) -> PreferencePair:
+        """Pair ``index``: the right answer chosen, the near miss rejected."""
+        prompt, answer = self.pairs[index]
+        return PreferencePair(encode_prompt_completion(prompt, answer, self.tokenizer),
+                              encode_prompt_completion(prompt, near_miss(answer), self.tokenizer), index)
+
+
+def _as_sft_task(cfg: PreferenceDataConfig):
+    """An SFT data config of the same synthetic task (what ``SyntheticSFTTask`` reads)."""
+    from titan.train.data.sft_config import SFTDataConfig
+
+    return SFTDataConfig(**cfg.synthetic_task_fields())
+
+
+def split_shared_prompt(chosen: Sequence[dict], rejected: Sequence[dict]) -> tuple[list, list, list]:
+    """(prompt, chosen rest, rejected rest) of two whole conversations: the prompt is the
+    messages they share from the start (TRL's implicit prompt)."""
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    return list(chosen[:shared]), list(chosen[shared:]), list(rejected[shared:])
+
+
+class FilePreferenceSource(PreferenceSource):
+    """The rows of a preference file (or Hub dataset), encoded as the module docstring says."""
+
+    def __init__(self, dataset, cfg: PreferenceDataConfig, tokenizer: Tokenizer, template: ChatTemplate | None) -> None:
+        self.cfg, self.tokenizer, self.template = cfg, tokenizer, template
+        self.where = f"--dpo_data.path {cfg.path!r}"
+        columns = dataset.column_names
+        missing = [f"{name!r} (--dpo_data.{flag})" for flag, name in
+                   (("chosen_field", cfg.chosen_field), ("rejected_field", cfg.rejected_field)) if name not in columns]
+        if missing:
+            raise ValueError(f"{self.where}: rows have no {' or '.join(missing)} column (columns: "
+                             f"{', '.join(columns) or 'none'}); preference rows hold a chosen and a rejected "
+                             "completion: fix the file or name the columns")
+        self.has_prompt = cfg.prompt_field in columns
+        if not self.has_prompt and cfg.prompt_field != "prompt":
+            raise ValueError(f"{self.where}: rows have no {cfg.prompt_field!r} column (--dpo_data.prompt_field; "
+                             f"columns: {', '.join(columns)})")
+        keep = [cfg.prompt_field] * self.has_prompt + [cfg.chosen_field, cfg.rejected_field]
+        self.dataset = dataset.select_columns(keep)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def example(self, index: int) -> PreferencePair:
+        """Row ``index`` encoded; a malformed row fails naming its index and what it needs."""
+        row = self.dataset[int(index)]
+        cfg = self.cfg
+        try:
+            prompt = row[cfg.prompt_field] if self.has_prompt else None
+            chosen, rejected = row[cfg.chosen_field], row[cfg.rejected_field]
+            if prompt is None:
+                if not isinstance(chosen, list) or not isinstance(rejected, list):
+                    raise ValueError("without a prompt column, chosen and rejected must be whole conversations "
+                                     "(lists of messages) that share the prompt")
+                prompt, chosen, rejected = split_shared_prompt(chosen, rejected)
+                if not prompt:
+                    raise ValueError("chosen and rejected share no first message, so no prompt")
+            sides = [self._encode(prompt, side) for side in (chosen, rejected)]
+        except ValueError as e:
+            raise ValueError(f"{self.where}: row {index}: {e}; preference rows hold {cfg.prompt_field!r}, "
+                             f"{cfg.chosen_field!r} and {cfg.rejected_field!r}: all strings, or all lists of "
+                             "{role, content} messages") from None
+        return PreferencePair(sides[0], sides[1], int(index))
+
+    def _encode(self, prompt, completion) -> SFTExample:
+        """One side: prompt/completion text, or the conversation prompt + completion."""
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return encode_prompt_completion(prompt, completion, self.tokenizer)
+        if isinstance(prompt, list) and isinstance(completion, list):
+            return encode_chat([*prompt, *completion], self.tokenizer, template=self.template,
+                               trained_from=len(prompt))
+        raise ValueError("prompt and completions must be all strings or all lists of messages")
+
+
+def build_preference_source(cfg: PreferenceDataConfig, tokenizer: Tokenizer) -> PreferenceSource:
+    """The pairs ``cfg`` describes."""
+    if cfg.resolved_format == "synthetic":
+        return SyntheticPreferenceTask(cfg, tokenizer)
+    dataset = load_records(cfg.path, flag="--dpo_data.path", split=cfg.split, subset=cfg.subset,
+                           cache_dir=cfg.cache_dir)
+    template = resolve_chat_template(
+        cfg.chat_template, tokenizer, template_path=cfg.chat_template_path,
+        variables=parse_template_kwargs(cfg.chat_template_kwargs, "--dpo_data.chat_template_kwargs"))
+    return FilePreferenceSource(dataset, cfg, tokenizer, template)
+
+
+class PreferencePacker(SFTPacker):
+    """:class:`SFTPacker` over pairs: a pair is placed whole (its two sequences, chosen first,
+    as two documents), and one that does not fit a row, or has a side without a trained token,
+    is dropped and counted."""
+
+    def _prepare(self, pair: PreferencePair) -> PreferencePair | None:
+        if len(pair) - 1 > self.seq_len:
+            return None
+        if any(len(side) < 2 or not side.targets[1:].any() for side in pair.sides):
+            return None
+        return pair
+
+    def _nothing_fits(self) -> ValueError:
+        return ValueError(f"no preference pair fits in seq_len {self.seq_len} (chosen and rejected together, "
+                          f"{self.dropped} dropped): raise --training.seq_len")
+
+    def _row(self, pairs: Sequence[PreferencePair]) -> dict[str, np.ndarray]:
+        """A row of ``pairs`` end to end (each its chosen then its rejected sequence), then
+        padding; ``pair_index`` names each token's pair (-1 on padding)."""
+        input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
+        pair_index = np.full(self.seq_len, -1, dtype=np.int64)
+        starts = np.zeros(self.seq_len, dtype=bool)
+        used = 0
+        for pair in pairs:
+            for side in pair.sides:
+                n = len(side) - 1
+                input_ids[used : used + n] = side.ids[:-1]
+                labels[used : used + n] = np.where(side.targets[1:], side.ids[1:], IGNORE_INDEX)
+                pair_index[used : used + n] = pair.index
+                starts[used] = True
+                used += n
+        if used < self.seq_len:
+            starts[used] = True  # the padding tail: its own segment
+        positions, document_ids = document_layout(starts[None])
+        document_ids[0, used:] = -1
+        return {"input_ids": input_ids, "labels": labels, "positions": positions[0],
+                "document_ids": document_ids[0], "pair_index": pair_index}
+
+
+class PreferenceDataLoader(SFTDataLoader):
+    """An endless, resumable loader of packed preference pairs for one data-parallel rank
+    (:class:`SFTDataLoader`'s position and resume rules); ``dropped_examples`` counts the
+    pairs left out."""
+
+    KIND = "preference data loader"
+
+    def measured_against(self) -> dict[str, tuple[object, str]]:
+        """The rows' length, the pairs, their order and packing."""
+        return {
+            "seq_len": (self.packer.seq_len, "--training.seq_len"),
+            "num_examples": (self.num_examples, "data (--dpo_data.path, --dpo_data.synthetic_*)"),
+            "shuffle": (self.packer.shuffle, "--dpo_data.shuffle / --dpo_data.no_shuffle"),
+            "packing": (self.packer.packing, "--dpo_data.packing / --dpo_data.no_packing"),
+        }
+
+    def check_compatible(self, state: dict[str, object]) -> None:
+        """:class:`ResumableLoader`'s check (there are no older preference states to read)."""
+        ResumableLoader.check_compatible(self, state)
+
+
+def build_preference_dataloader(
+    cfg: PreferenceDataConfig, tokenizer: Tokenizer, *, dp_rank: int, dp_world_size: int, local_batch_size: int,
+    seq_len: int, seed: int, single_pass: bool = False,
+) -> PreferenceDataLoader:
+    """A loader of ``{"input_ids", "labels", "positions", "document_ids", "pair_index"}``
+    LongTensors ``[B, seq_len]`` for one data-parallel rank; ``single_pass``: one pass in file
+    order (the last batches padding rows once the pairs are out: ``packer.exhausted`` says
+    when)."""
+    check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
+    source = build_preference_source(cfg, tokenizer)
+    packer = PreferencePacker(source, seq_len=seq_len, pad_id=tokenizer.pad_id, packing=cfg.packing, overlong="drop",
+                              shuffle=cfg.shuffle and not single_pass, seed=seed)
+    packer.single_pass = single_pass
+    batches = SFTBatches(packer, local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
+    return PreferenceDataLoader(batches, dp_rank=dp_rank, dp_world_size=dp_world_size, num_examples=len(source))
+
+
+__all__ = [
+    "FilePreferenceSource",
+    "PreferenceDataConfig",
+    "PreferenceDataLoader",
+    "PreferencePacker",
+    "PreferencePair",
+    "PreferenceSource",
+    "SyntheticPreferenceTask",
+    "build_preference_dataloader",
+    "build_preference_source",
+    "near_miss",
+    "split_shared_prompt",
+]
