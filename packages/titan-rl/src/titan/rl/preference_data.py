@@ -43,7 +43,11 @@ from titan.train.data.loader import document_layout
 from titan.train.data.records import TRAIN_SPLIT, load_records
 from titan.train.data.resumable import ResumableLoader, check_loader_args
 from titan.train.data.sft import SFTBatches, SFTDataLoader, SFTPacker
-from titan.train.data.sft_config import SyntheticTaskConfig, check_template_kwargs, check_template_path
+from titan.train.data.sft_config import (
+    SyntheticTaskConfig,
+    check_template_kwargs,
+    check_template_path,
+)
 from titan.train.data.sft_sources import SyntheticSFTTask
 from titan.train.data.tokenizer import Tokenizer
 from titan.train.loss import IGNORE_INDEX
