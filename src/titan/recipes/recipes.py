@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from titan.rl.config import RLConfig
+from titan.rl.dpo import DPOConfig
 from titan.train.config import TrainerConfig
 from titan.train.sft import SFTConfig
 
@@ -302,7 +303,27 @@ def grpo_debug() -> RLConfig:
     return cfg
 
 
-RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig | RLConfig]] = {
+def dpo_debug() -> DPOConfig:
+    """DPO of the tiny debug model on the synthetic sort task (no download): the right answer
+    chosen over a near miss (its last letter changed), the reference the starting weights
+    (start from an SFT checkpoint with --checkpoint.initial_load_path); rewards_accuracies
+    climbs from 0 toward 1."""
+    cfg = DPOConfig()
+    cfg.model.name = "llama3"
+    cfg.model.flavor = "debugmodel_tiny"
+    cfg.tokenizer.kind = "byte"
+    cfg.dpo_data.synthetic_task = "sort"
+    cfg.training.seq_len = 128
+    cfg.training.local_batch_size = 8
+    cfg.training.steps = 60
+    cfg.optimizer.lr = 1e-3
+    cfg.lr_scheduler.warmup_steps = 5
+    cfg.metrics.log_freq = 10
+    cfg.job.dump_folder = "./outputs/dpo_debug"
+    return cfg
+
+
+RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig | RLConfig | DPOConfig]] = {
     "llama3_debug": llama3_debug,
     "llama3_debug_synthetic": llama3_debug_synthetic,
     "llama3_1b": llama3_1b,
@@ -324,11 +345,12 @@ RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig | RLConfig]] = {
     "deepseek_v3_671b": deepseek_v3_671b,
     "sft_debug": sft_debug,
     "grpo_debug": grpo_debug,
+    "dpo_debug": dpo_debug,
 }
 DEFAULT_RECIPE = "llama3_debug"
 
 
-def recipe(name: str) -> TrainerConfig | SFTConfig | RLConfig:
+def recipe(name: str) -> TrainerConfig | SFTConfig | RLConfig | DPOConfig:
     """The config of recipe ``name``; a ValueError lists the recipes otherwise."""
     try:
         return RECIPES[name]()

@@ -45,7 +45,7 @@ class Runner:
 RUNNERS: dict[type, Runner] = {}
 """Config type -> runner; extended with :func:`register_runner`."""
 
-DEFAULT_RECIPES: dict[str, str] = {"train": DEFAULT_RECIPE, "sft": "sft_debug", "rl": "grpo_debug"}
+DEFAULT_RECIPES: dict[str, str] = {"train": DEFAULT_RECIPE, "sft": "sft_debug", "rl": "grpo_debug", "dpo": "dpo_debug"}
 """The recipe each subcommand starts from when ``--config`` is not given."""
 
 
@@ -110,3 +110,20 @@ def _register_rl() -> None:
 
 
 _register_rl()
+
+
+def _build_dpo(config) -> Loop:
+    from titan.rl.dpo import DPOTrainer  # imported late: --help stays fast
+
+    from titan.recipes.families import model_spec_for
+
+    return DPOTrainer(config, model_spec=model_spec_for(config))
+
+
+def _register_dpo() -> None:
+    from titan.rl.dpo import DPOConfig
+
+    register_runner(DPOConfig, _build_dpo, command="dpo")
+
+
+_register_dpo()

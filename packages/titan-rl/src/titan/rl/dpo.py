@@ -1,0 +1,425 @@
+"""Direct preference optimization (``titan dpo``): the SFT loop's engine over preference pairs.
+
+DPO trains the policy to raise a chosen completion's log-probability over a rejected one's,
+measured against a frozen reference (the weights the run starts from; the losses are in
+:mod:`titan.rl.preference`). This loop is :class:`~titan.train.trainer.Trainer` with:
+
+- **the data** of :mod:`titan.rl.preference_data`: each pair placed whole in one row, its chosen
+  and rejected sequences as two documents (document masking is required: neither may see the
+  other), so any microbatch, pipeline or context-parallel split scores pairs where they lie;
+- **the reference without a second model**: before the first step, the starting weights score
+  every pair the run will train on, on the same engine and layout (one no-grad forward per
+  microbatch of the run; TRL's ``precompute_ref_log_probs``), and the per-pair log-probs are
+  checkpointed. No reference copy is held, so the reference costs no memory at any scale, and
+  at step 1 the policy's log-probs equal the reference's exactly (the sigmoid loss is log 2);
+- **the step**: each microbatch's pairs' sequence log-probs (a scatter over document ids;
+  summed over the context-parallel ranks, differentiably), the loss per pair, summed and
+  divided by the pairs of the whole global batch; ``--dpo.rpo_alpha`` adds the chosen
+  completions' NLL (RPO), per token over the global batch;
+- **metrics** under TRL's names with ``_`` for ``/``: ``rewards_chosen``, ``rewards_rejected``,
+  ``rewards_accuracies``, ``rewards_margins`` (the implicit rewards ``beta (log pi - log ref)``,
+  means over the step's pairs), ``logps_chosen``, ``logps_rejected`` and ``pairs``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from titan.dist import reduce_max
+from titan.rl.logprobs import token_logprobs
+from titan.rl.preference import PREFERENCE_LOSSES, preference_loss
+from titan.rl.preference_data import PreferenceDataConfig, build_preference_dataloader
+from titan.train.config import RunConfig, TrainingConfig
+from titan.train.data import DatasetConfig
+from titan.train.loop import StepResult
+from titan.train.loss import count_valid_tokens
+from titan.train.trainer import Trainer
+
+logger = logging.getLogger("titan")
+
+STATS = ("pairs", "rewards_chosen", "rewards_rejected", "rewards_accuracies", "rewards_margins", "logps_chosen",
+         "logps_rejected")
+"""The step statistics, summed over pairs (``pairs`` counts them); logged as means."""
+
+
+@dataclass(kw_only=True)
+class DPOSection:
+    """``--dpo.*``: the preference loss (names as TRL's ``DPOConfig``)."""
+
+    beta: float = 0.1
+    """How far the policy may move from the reference: the implicit reward is
+    ``beta (log pi - log ref)`` (for ipo, the margin's target is ``1 / (2 beta)``)."""
+    loss_type: Literal["sigmoid", "robust", "hinge", "ipo"] = "sigmoid"
+    """sigmoid (DPO), robust (rDPO), hinge (SLiC) or ipo (on per-token mean log-probs); see
+    titan.rl.preference."""
+    label_smoothing: float = 0.0
+    """The probability that a pair's preference is wrong (cDPO with sigmoid, rDPO with robust);
+    in [0, 0.5)."""
+    reference_free: bool = False
+    """Compare against a uniform reference (log ref = 0) instead of the starting weights: no
+    reference pass."""
+    rpo_alpha: float = 0.0
+    """Add this times the chosen completions' NLL (mean over their tokens in the global batch;
+    RPO, TRL's ``rpo_alpha``): keeps the chosen answers likely."""
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in PREFERENCE_LOSSES:
+            raise ValueError(f"--dpo.loss_type must be one of {', '.join(PREFERENCE_LOSSES)}, got {self.loss_type!r}")
+        if not self.beta > 0:
+            raise ValueError(f"--dpo.beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"--dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
+            raise ValueError(f"--dpo.label_smoothing is read by --dpo.loss_type sigmoid and robust, not "
+                             f"{self.loss_type}: drop it")
+        if self.rpo_alpha < 0:
+            raise ValueError(f"--dpo.rpo_alpha must be >= 0, got {self.rpo_alpha}")
+
+    @property
+    def uses_means(self) -> bool:
+        """The loss compares per-token mean log-probs (ipo) rather than sums."""
+        return self.loss_type == "ipo"
+
+
+def _dpo_training() -> TrainingConfig:
+    return TrainingConfig(document_mask=True)
+
+
+@dataclass(kw_only=True)
+class DPOConfig(RunConfig):
+    """A complete DPO run: the shared sections, the loss (``--dpo.*``) and the pairs
+    (``--dpo_data.*``); document masking on (required)."""
+
+    training: TrainingConfig = field(default_factory=_dpo_training)
+    dpo: DPOSection = field(default_factory=DPOSection)
+    dpo_data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+
+
+class ReferenceLogprobs:
+    """The reference's sequence log-probs of every pair (``[pairs, 2]``: chosen, rejected;
+    float64) and which pairs were scored: identical on every rank, checkpointed."""
+
+    def __init__(self, num_pairs: int) -> None:
+        self.logprobs = torch.zeros(num_pairs, 2, dtype=torch.float64)
+        self.known = torch.zeros(num_pairs, dtype=torch.bool)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The table and its mask (replicated: stored once)."""
+        return {"logprobs": self.logprobs, "known": self.known}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore the table (DCP loads in place; copied for a loader that does not)."""
+        if state["logprobs"].shape != self.logprobs.shape:
+            raise ValueError(f"the checkpoint's reference log-probs cover {state['logprobs'].shape[0]} pairs and this "
+                             f"run's data has {self.logprobs.shape[0]}: resume with the same --dpo_data.*")
+        self.logprobs.copy_(state["logprobs"])
+        self.known.copy_(state["known"])
+
+
+def pair_slots(batch: dict[str, torch.Tensor], slots: int) -> torch.Tensor:
+    """``[B, slots]`` int64: the data index of the pair in each pair slot of each row (slot k
+    holds documents 2k and 2k + 1), -1 for empty slots."""
+    docs, pairs = batch["document_ids"], batch["pair_index"]
+    out = torch.full((docs.shape[0], slots), -1, dtype=torch.int64)
+    rows, positions = torch.nonzero(docs >= 0, as_tuple=True)
+    out[rows, docs[rows, positions] // 2] = pairs[rows, positions]
+    return out
+
+
+class DPOTrainer(Trainer):
+    """DPO on :class:`Trainer`'s loop (see the module docstring). Start from the SFT model with
+    ``--checkpoint.initial_load_path`` (titan) or with ``--checkpoint.initial_load_in_hf``
+    (Hugging Face safetensors): those weights are the reference."""
+
+    Config = DPOConfig
+
+    def __init__(self, config: DPOConfig, *, model_spec) -> None:
+        super().__init__(config, model_spec=model_spec)
+        self.slots = (config.training.seq_len + 1) // 2  # pair slots per row: at most one per two positions
+        self.reference = ReferenceLogprobs(self.dataloader.num_examples)
+        self.engine.add_state("dpo_reference", self.reference)
+        self._stats = torch.zeros(len(STATS), dtype=torch.float64, device=self.engine.device)
+        self._step_pairs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ---- flags and data -----------------------------------------------------------------
+
+    def check_config(self) -> None:
+        """Refuse the flags DPO cannot honour, naming them."""
+        cfg = self.config
+        training = cfg.training
+        if not training.document_mask:
+            raise ValueError("titan dpo packs a pair's chosen and rejected completions in one row, which must not "
+                             "see each other: drop --training.no_document_mask")
+        if training.loss_type != "nll":
+            raise ValueError(f"--training.loss_type {training.loss_type} is an SFT token loss; titan dpo's loss is "
+                             "--dpo.loss_type: drop it")
+        if cfg.validation.enable or cfg.validation.dataset != DatasetConfig():
+            raise ValueError("titan dpo has no held-out evaluation yet: drop --validation.*")
+        if cfg.compile.enable and cfg.compile.components == ["loss"]:
+            raise ValueError("--compile.components loss compiles the cross-entropy, which titan dpo does not use: "
+                             "add model to the components, or drop --compile.enable")
+
+    def build_dataloader(self):
+        """This data-parallel rank's resumable loader of packed preference pairs."""
+        return self._preference_loader(*self.data_shard)
+
+    def _preference_loader(self, dp_rank: int, dp_world_size: int, local_batch_size: int | None = None):
+        cfg = self.config
+        return build_preference_dataloader(
+            cfg.dpo_data, self.tokenizer, dp_rank=dp_rank, dp_world_size=dp_world_size,
+            local_batch_size=local_batch_size or cfg.training.local_batch_size, seq_len=cfg.training.seq_len,
+            seed=cfg.debug.seed)
+
+    def next_microbatches(self, data_iter) -> list[dict[str, torch.Tensor]]:
+        """The step's microbatches, each with the row of every token (``row_index``, so a
+        pipeline's last stage knows which rows it scores) and, on each document's first token,
+        its reference log-prob (``reference_logprobs``)."""
+        return [self._with_reference(self._with_rows(next(data_iter))) for _ in range(self.grad_accum_steps)]
+
+    @staticmethod
+    def _with_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows = torch.arange(batch["input_ids"].shape[0]).unsqueeze(1).expand_as(batch["input_ids"])
+        return {**batch, "row_index": rows.contiguous()}
+
+    def _with_reference(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        values = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        if not self.config.dpo.reference_free:
+            docs = batch["document_ids"]
+            slots = pair_slots(batch, self.slots)
+            first = (batch["positions"] == 0) & (docs >= 0)
+            rows, positions = torch.nonzero(first, as_tuple=True)
+            doc = docs[rows, positions]
+            pairs = slots[rows, doc // 2]
+            if not bool(self.reference.known[pairs].all()):
+                missing = sorted({int(p) for p in pairs[~self.reference.known[pairs]]})[:5]
+                raise RuntimeError(f"step {self.step + 1}: pairs {missing} have no reference log-probs")
+            values[rows, positions] = self.reference.logprobs[pairs, doc % 2].float()
+        return {**batch, "reference_logprobs": values}
+
+    # ---- sequence log-probs -------------------------------------------------------------
+
+    def _document_sums(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row and document slot (``[B, 2 * slots, 3]``, document d in slot d): the sums over
+        the document's tokens of (policy log-prob of its labels, labelled tokens, reference
+        log-prob), whole (summed over the context-parallel ranks, differentiably), and the same
+        sums over this rank's own tokens."""
+        labels = batch["labels"]
+        valid = (labels >= 0).float()
+        logp = token_logprobs(logits, labels.clamp(min=0), chunk_tokens=self.config.training.loss_chunk_tokens) * valid
+        values = torch.stack([logp, valid, batch["reference_logprobs"].to(logp.dtype)], dim=-1)
+        index = batch["document_ids"].clamp(min=0).unsqueeze(-1).expand_as(values)
+        local = torch.zeros(labels.shape[0], 2 * self.slots, 3, dtype=values.dtype, device=values.device)
+        local = local.scatter_add(1, index, values * (batch["document_ids"] >= 0).unsqueeze(-1))
+        sequence_sum = self.engine.sequence_sum
+        return (sequence_sum(local) if sequence_sum is not None else local), local
+
+    def _pair_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], *, global_pairs: torch.Tensor,
+                   global_chosen_tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the microbatch's summed pair losses (plus its RPO term scaled to
+        the global pair count), and the step statistics of its pairs."""
+        dpo = self.config.dpo
+        sums, local = self._document_sums(logits, batch)
+        chosen, rejected = sums[:, 0::2], sums[:, 1::2]
+        chosen_tokens, rejected_tokens = chosen[..., 1], rejected[..., 1]
+        valid = (chosen_tokens > 0) & (rejected_tokens > 0)
+        policy = [side[..., 0] for side in (chosen, rejected)]
+        reference = [side[..., 2] for side in (chosen, rejected)]
+        if dpo.uses_means:  # ipo: per-token means
+            counts = [chosen_tokens.clamp(min=1), rejected_tokens.clamp(min=1)]
+            policy = [value / n for value, n in zip(policy, counts, strict=True)]
+            reference = [value / n for value, n in zip(reference, counts, strict=True)]
+        losses, rewards = preference_loss(policy[0][valid], policy[1][valid], reference[0][valid], reference[1][valid],
+                                          beta=dpo.beta, loss_type=dpo.loss_type, label_smoothing=dpo.label_smoothing)
+        # Under context parallel each rank carries its token share of a pair's loss (the shares
+        # sum to one pair loss; the sequence sum's backward brings every rank's gradient back).
+        local_tokens = local[..., 1].detach()
+        share = (local_tokens[:, 0::2] + local_tokens[:, 1::2])[valid] / (chosen_tokens + rejected_tokens)[valid]
+        loss = (losses * share.detach()).sum()
+        if dpo.rpo_alpha:  # this rank's chosen tokens' NLL, a mean over the global batch's chosen tokens
+            chosen_nll = -local[:, 0::2, 0].sum()
+            loss = loss + dpo.rpo_alpha * chosen_nll * global_pairs / global_chosen_tokens.clamp(min=1)
+        self._accumulate(rewards, policy[0][valid].detach(), policy[1][valid].detach())
+        return loss
+
+    def _accumulate(self, rewards: dict[str, torch.Tensor], logps_chosen: torch.Tensor,
+                    logps_rejected: torch.Tensor) -> None:
+        """Add a microbatch's pairs to the step statistics (every tensor- and context-parallel
+        rank holds the same pairs; the log step sums over data-parallel ranks only)."""
+        chosen_r, rejected_r = rewards["chosen_rewards"], rewards["rejected_rewards"]
+        values = [torch.tensor(float(len(chosen_r)), device=chosen_r.device), chosen_r.sum(), rejected_r.sum(),
+                  (chosen_r > rejected_r).float().sum(), (chosen_r - rejected_r).sum(), logps_chosen.sum(),
+                  logps_rejected.sum()]
+        self._stats += torch.stack([v.double() for v in values])
+
+    # ---- the step -----------------------------------------------------------------------
+
+    @staticmethod
+    def _pair_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Pairs in a microbatch of whole rows: half its documents."""
+        return ((batch["document_ids"].amax(dim=1) + 1) // 2).sum()
+
+    def _train_step(self, microbatches: list[dict[str, torch.Tensor]], *, sync: bool) -> StepResult:
+        """One optimizer step: every microbatch's pair losses divided by the pairs of the whole
+        global batch (``StepResult.tokens`` stays the label tokens, for ``tokens_seen``)."""
+        self.engine.start_step()
+        microbatches = [self.engine.to_device(mb) for mb in microbatches]
+        counts = torch.stack([torch.stack([self._pair_count(mb).float(), count_valid_tokens(mb["labels"]).float(),
+                                           count_valid_tokens(torch.where(mb["document_ids"] % 2 == 0, mb["labels"], -100)
+                                                              ).float()])
+                              for mb in microbatches]).sum(0)
+        global_counts = self.engine.sum_over(counts.clone(), "dp")
+        global_pairs, global_tokens, global_chosen_tokens = global_counts.unbind()
+        self._step_pairs = (counts[0], global_pairs)
+
+        def loss_fn(logits, batch):
+            return self._pair_loss(logits, batch, global_pairs=global_pairs, global_chosen_tokens=global_chosen_tokens)
+
+        rank_loss = torch.zeros((), device=self.engine.device)
+        for i, mb in enumerate(microbatches):
+            rank_loss += self.engine.forward_backward(mb, loss_fn, global_token_count=global_pairs.clamp(min=1),
+                                                      aux_token_count=global_tokens,
+                                                      last_microbatch=i == len(microbatches) - 1)
+        if sync:
+            self._check_finite(float(rank_loss))
+        lr = self.engine.lr_schedulers.last_lr()
+        grad_norm = self.engine.optimizer_step(sync=sync)
+        return StepResult(rank_loss=rank_loss, rank_tokens=counts[1], tokens=global_tokens, grad_norm=grad_norm, lr=lr,
+                          rank_aux_loss=self.engine.aux_loss_share())
+
+    def global_loss(self, result: StepResult) -> tuple[float, float]:
+        """(mean over the global batch's pairs, max over data-parallel ranks of their own pairs'
+        mean) of the step's loss."""
+        rank_loss = result.rank_loss
+        if self.parallel_dims.pp_enabled:
+            rank_loss = self.engine.sum_over(rank_loss.clone(), "pp")
+        mean = float(self.engine.sum_over(rank_loss.clone(), "dp_cp"))
+        local_pairs, global_pairs = self._step_pairs
+        rank_mean = self.engine.sum_over(rank_loss.clone(), "cp") * global_pairs / local_pairs.clamp(min=1)
+        return mean, float(reduce_max(rank_mean, self.parallel_dims.mesh("dp_cp")))
+
+    def log_extras(self) -> dict[str, Any]:
+        """The step's pair statistics since the last log (means over its pairs; collective)."""
+        stats = self._stats.clone()
+        self._stats.zero_()
+        if self.parallel_dims.pp_enabled:
+            stats = self.engine.sum_over(stats, "pp")  # only the last stage scored the pairs
+        stats = self.engine.sum_over(stats, "dp").tolist()
+        pairs = stats[0]
+        means = {name: value / max(pairs, 1) for name, value in zip(STATS[1:], stats[1:], strict=True)}
+        return {**super().log_extras(), "pairs": int(pairs), **means}
+
+    # ---- the reference pass -------------------------------------------------------------
+
+    def run_steps(self, guard, profiler, records) -> bool:
+        """Score the pairs with the reference first (a fresh run), or check that the restored
+        scores cover the steps left (a resumed one); then :class:`Trainer`'s steps."""
+        if not self.config.dpo.reference_free:
+            if self.step == 0 and not bool(self.reference.known.any()):
+                self.score_reference()
+            else:
+                self._check_reference_covers_run()
+        return super().run_steps(guard, profiler, records)
+
+    def _remaining_microbatches(self) -> int:
+        return (self.config.training.steps - self.step) * self.grad_accum_steps
+
+    def score_reference(self) -> None:
+        """The starting weights' log-probs of every pair the run's steps will read: the
+        training loader's own microbatches from its current position (so the same layouts),
+        one no-grad forward each, skipping those whose pairs are all scored (later epochs).
+        The table is then summed over all ranks, so every rank holds all of it."""
+        started = time.perf_counter()
+        loader = self._preference_loader(*self.data_shard)
+        loader.load_state_dict(self.dataloader.state_dict())
+        totals = torch.zeros(len(self.reference.known), 2, dtype=torch.float64)
+        times = torch.zeros(len(self.reference.known), dtype=torch.float64)
+        counted = self._counts_pairs()
+        forwards = 0
+        self.engine.train(False)  # no MoE balancing statistics from this pass
+        try:
+            for _ in range(self._remaining_microbatches()):
+                batch = self._with_rows(next(loader))
+                slots = pair_slots(batch, self.slots)
+                needed = torch.tensor([float(bool(((slots >= 0) & (times[slots.clamp(min=0)] == 0)).any()))],
+                                      device=self.engine.device)
+                if not self._any_rank(needed):
+                    continue
+                forwards += 1
+                sums = self._score(batch)
+                if sums is not None and counted:
+                    valid = slots >= 0
+                    pairs = slots[valid]
+                    totals[pairs] += sums.view(sums.shape[0], -1, 2)[valid].double()
+                    times[pairs] += 1
+        finally:
+            self.engine.train(True)
+        if dist.is_initialized() and self.engine.dist_env.world_size > 1:
+            packed = torch.cat([totals, times.unsqueeze(1)], dim=1).to(self.engine.device)
+            dist.all_reduce(packed)
+            totals, times = packed[:, :2].cpu(), packed[:, 2].cpu()
+        known = times > 0
+        self.reference.logprobs[known] = totals[known] / times[known].unsqueeze(1)
+        self.reference.known |= known
+        logger.info("reference log-probs of %d pairs from the starting weights: %d forwards in %.1fs", int(known.sum()),
+                    forwards, time.perf_counter() - started)
+
+    def _counts_pairs(self) -> bool:
+        """Whether this rank adds its scores to the table: one rank of each tensor- and
+        context-parallel group (they hold the same whole-sequence sums) on the last stage."""
+        coords = self.parallel_dims.coords
+        return self.engine.pp_has_last and coords.get("tp", 0) == 0 and coords.get("cp", 0) == 0
+
+    def _any_rank(self, flag: torch.Tensor) -> bool:
+        """Whether ``flag`` is set on any rank (collective)."""
+        if dist.is_initialized() and self.engine.dist_env.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """``[B, 2 * slots]`` the policy's whole-sequence log-prob of every document of
+        ``batch`` (no grad); None on pipeline stages without the output."""
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        batch = {**batch, "reference_logprobs": torch.zeros(batch["input_ids"].shape)}
+
+        def capture(logits, b):
+            sums, _ = self._document_sums(logits, b)
+            pieces.append((b["row_index"][:, 0], sums[..., 0].detach()))
+            return torch.zeros((), device=logits.device)
+
+        self.engine.forward_only(self.engine.to_device(batch), capture)
+        if not pieces:
+            return None
+        out = torch.zeros(batch["input_ids"].shape[0], 2 * self.slots, dtype=torch.float32)
+        for rows, values in pieces:
+            out[rows.cpu()] = values.float().cpu()
+        return out
+
+    def _check_reference_covers_run(self) -> None:
+        """A resumed run: every pair its remaining steps read has restored reference
+        log-probs (a run resumed with more --training.steps than it started with may reach
+        pairs the starting weights never scored, and the weights have moved since)."""
+        dp_world_size = self.data_shard[1]
+        loader = self._preference_loader(0, 1, self.config.training.local_batch_size * dp_world_size)
+        loader.load_state_dict(self.dataloader.state_dict())
+        for _ in range(self._remaining_microbatches()):
+            pairs = next(loader)["pair_index"].unique()
+            pairs = pairs[pairs >= 0]
+            if not bool(self.reference.known[pairs].all()):
+                raise ValueError(
+                    f"resuming at step {self.step}: --training.steps {self.config.training.steps} reaches pairs the "
+                    "starting weights did not score (the run started with fewer steps, and the reference is the "
+                    "weights it started from); resume with the original --training.steps, or start a new run from "
+                    "this checkpoint with --checkpoint.initial_load_path (a new reference)")
+
+
+def build_dpo_trainer(config: DPOConfig, *, model_spec) -> DPOTrainer:
+    """The DPO loop of ``config`` (what ``titan dpo`` runs)."""
+    return DPOTrainer(config, model_spec=model_spec)
+
+
+__all__ = ["DPOConfig", "DPOSection", "DPOTrainer", "ReferenceLogprobs", "build_dpo_trainer", "pair_slots"]

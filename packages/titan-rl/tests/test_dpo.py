@@ -1,0 +1,177 @@
+"""`titan dpo`'s loop in one process, against a hand computation on unpacked sequences.
+
+The reference table must be the starting weights' log-probs of each pair's two completions,
+computed here one sequence at a time with a plain forward (no packing, no document mask), and
+a batch's loss must be the hand-written DPO / IPO / RPO formula over those sequences.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from titan.rl.dpo import DPOConfig, DPOSection, DPOTrainer
+from titan.rl.preference_data import build_preference_source
+
+from titan.recipes.families import model_spec
+
+
+def _config(tmp_path, *, steps=2, **dpo) -> DPOConfig:
+    cfg = DPOConfig()
+    cfg.model.name, cfg.model.flavor = "llama3", "debugmodel_tiny"
+    cfg.tokenizer.kind = "byte"
+    cfg.dpo_data.synthetic_examples = 256
+    cfg.training.seq_len = 96
+    cfg.training.local_batch_size = 4
+    cfg.training.steps = steps
+    cfg.optimizer.lr = 3e-3
+    cfg.lr_scheduler.warmup_steps = 0
+    cfg.metrics.log_freq = 1
+    cfg.metrics.enable_progress_bar = False
+    cfg.job.dump_folder = str(tmp_path / "run")
+    for key, value in dpo.items():
+        setattr(cfg.dpo, key, value)
+    return cfg
+
+
+def _trainer(cfg: DPOConfig) -> DPOTrainer:
+    return DPOTrainer(cfg, model_spec=model_spec("llama3"))
+
+
+def _sequence_logprob(model, example) -> tuple[float, int]:
+    """(sum, count) of the log-probs of ``example``'s target tokens, from one plain forward of
+    the sequence alone."""
+    ids = torch.as_tensor(example.ids)[None]
+    with torch.no_grad():
+        logits = model(ids[:, :-1]).float()
+    logp = F.log_softmax(logits, dim=-1)[0].gather(-1, ids[0, 1:, None])[:, 0]
+    targets = torch.as_tensor(example.targets[1:])
+    return float(logp[targets].sum()), int(targets.sum())
+
+
+def _hand_loss(policy, reference, pairs, source, dpo: DPOSection) -> float:
+    """The batch's mean DPO-family loss over ``pairs``, written out from the papers' formulas."""
+    losses, chosen_nll, chosen_tokens = [], 0.0, 0
+    for index in pairs:
+        pair = source.example(index)
+        (pc, nc), (pr, nr) = (_sequence_logprob(policy, side) for side in pair.sides)
+        (rc, _), (rr, _) = (_sequence_logprob(reference, side) for side in pair.sides)
+        chosen_nll, chosen_tokens = chosen_nll - pc, chosen_tokens + nc
+        if dpo.loss_type == "ipo":
+            h = (pc / nc - rc / nc) - (pr / nr - rr / nr)
+            losses.append((h - 1 / (2 * dpo.beta)) ** 2)
+        else:
+            h = (pc - rc) - (pr - rr)
+            losses.append(-math.log(1 / (1 + math.exp(-dpo.beta * h))))
+    return sum(losses) / len(losses) + dpo.rpo_alpha * chosen_nll / chosen_tokens
+
+
+@pytest.mark.parametrize("dpo", [{}, {"loss_type": "ipo", "beta": 0.5}, {"rpo_alpha": 0.5}],
+                         ids=["sigmoid", "ipo", "rpo"])
+def test_reference_and_loss_match_a_hand_computation(tmp_path, dpo):
+    cfg = _config(tmp_path, **dpo)
+    trainer = _trainer(cfg)
+    try:
+        start = copy.deepcopy(trainer.model_parts[0]).eval()
+        records = trainer.train()
+        source = build_preference_source(cfg.dpo_data, trainer.tokenizer)
+        # The table: the starting weights' log-probs, pair by pair.
+        known = trainer.reference.known.nonzero()[:, 0].tolist()
+        assert len(known) >= 2 * cfg.training.local_batch_size
+        for index in known[:6]:
+            for side, column in zip(source.example(index).sides, range(2), strict=True):
+                want, _ = _sequence_logprob(start, side)
+                assert float(trainer.reference.logprobs[index, column]) == pytest.approx(want, abs=2e-4)
+        # Step 1: the policy is the reference, so every margin is 0.
+        assert records[0]["rewards_margins"] == pytest.approx(0, abs=1e-5)
+        if not dpo:
+            assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert records[-1]["rewards_margins"] > 0  # and the update moved them
+        # The next batch's loss from the trainer's packed rows = the hand computation (its
+        # pairs are past the run's steps, so their reference values are written in by hand).
+        rows = trainer._with_rows(next(trainer.dataloader))
+        pairs = sorted({int(i) for i in rows["pair_index"].unique() if i >= 0})
+        for index in pairs:
+            for column, side in enumerate(source.example(index).sides):
+                trainer.reference.logprobs[index, column] = _sequence_logprob(start, side)[0]
+            trainer.reference.known[index] = True
+        batch = trainer._with_reference(rows)
+        count = torch.tensor(float(len(pairs)))
+        chosen_tokens = (batch["labels"][batch["document_ids"] % 2 == 0] >= 0).sum().float()
+        trainer.engine.train(False)
+        total = trainer.engine.forward_only(trainer.engine.to_device(batch), lambda logits, b: trainer._pair_loss(
+            logits, b, global_pairs=count, global_chosen_tokens=chosen_tokens))
+        policy = trainer.model_parts[0]
+        want = _hand_loss(policy, start, pairs, source, cfg.dpo)
+        assert float(total) / len(pairs) == pytest.approx(want, rel=1e-4)
+    finally:
+        trainer.close()
+
+
+def test_resume_continues_exactly_and_refuses_steps_the_reference_never_scored(tmp_path):
+    cfg = _config(tmp_path, steps=4)
+    cfg.checkpoint.enable = True
+    cfg.checkpoint.interval = 2
+    trainer = _trainer(cfg)
+    try:
+        full = trainer.train()
+    finally:
+        trainer.close()
+    folder = tmp_path / "run" / "checkpoint"
+    shutil.rmtree(folder / "step-4")
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    trainer = _trainer(cfg)
+    try:
+        resumed = trainer.train()
+        assert not trainer.reference.known.all()  # the table of the first run, not a new pass
+    finally:
+        trainer.close()
+    assert [r["step"] for r in resumed] == [3, 4]
+    for got, want in zip(resumed, full[2:], strict=True):
+        assert got["loss"] == want["loss"] and got["rewards_margins"] == want["rewards_margins"]
+    longer = _config(tmp_path, steps=40)
+    longer.checkpoint.enable = True
+    trainer = _trainer(longer)
+    try:
+        with pytest.raises(ValueError, match="did not score"):
+            trainer.train()
+    finally:
+        trainer.close()
+
+
+def test_flags_dpo_cannot_honour_are_refused(tmp_path):
+    for change, match in ((lambda c: setattr(c.training, "document_mask", False), "no_document_mask"),
+                          (lambda c: setattr(c.training, "loss_type", "dft"), "loss_type"),
+                          (lambda c: setattr(c.validation, "enable", True), "validation")):
+        cfg = _config(tmp_path)
+        change(cfg)
+        with pytest.raises(ValueError, match=match):
+            _trainer(cfg)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        DPOSection(loss_type="hinge", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="beta"):
+        DPOSection(beta=0)
+
+
+def test_reference_free_compares_against_a_uniform_reference(tmp_path):
+    cfg = _config(tmp_path, steps=1, reference_free=True)
+    trainer = _trainer(cfg)
+    try:
+        start = copy.deepcopy(trainer.model_parts[0]).eval()
+        batch = trainer.next_microbatches(iter(trainer._preference_loader(0, 1)))[0]
+        records = trainer.train()
+        assert not trainer.reference.known.any()  # no reference pass
+        source = build_preference_source(cfg.dpo_data, trainer.tokenizer)
+        pairs = sorted({int(i) for i in batch["pair_index"].unique() if i >= 0})
+        beta = cfg.dpo.beta
+        margins = []
+        for index in pairs:
+            (pc, _), (pr, _) = (_sequence_logprob(start, side) for side in source.example(index).sides)
+            margins.append(beta * (pc - pr))
+        assert records[0]["rewards_margins"] == pytest.approx(sum(margins) / len(margins), rel=1e-4)
+    finally:
+        trainer.close()
