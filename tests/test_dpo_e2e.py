@@ -1,0 +1,81 @@
+"""`titan dpo` end to end, from the command line: every parallel layout trains like one process.
+
+A pair's two sequences lie in one row, so they are scored wherever the row goes: sharded
+parameters (FSDP), a sequence split over context-parallel ranks (the per-document sums are
+summed across them, with their gradient), a vocabulary split over tensor-parallel ranks, and
+pipeline stages (the last one scores each pipeline microbatch's rows). Each layout also scores
+its own reference pass. All must log the one-process run's losses and reward statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from launching import launch_train_runs, run_output
+
+STEPS = 4
+COMMON = [
+    "--config", "dpo_debug",
+    "--training.steps", str(STEPS),
+    "--training.seq_len", "64",
+    "--training.global_batch_size", "4",
+    "--dpo_data.synthetic_examples", "128",
+    "--dpo.rpo_alpha", "0.2",  # the NLL term's own normalization too
+    "--optimizer.lr", "3e-3",
+    "--lr_scheduler.warmup_steps", "0",
+    "--debug.deterministic",
+    "--metrics.log_freq", "1",
+    "--metrics.no_enable_progress_bar",
+]
+LAYOUTS = {
+    "fsdp2": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"],
+    "cp2": ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "4"],
+    "tp2": ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+            "--training.local_batch_size", "4"],
+}
+COMPARED = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margins", "logps_chosen", "logps_rejected")
+
+
+def _records(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(build_once):
+    """The one-process run and every two-rank layout, each launch once per session."""
+
+    def one(folder: Path) -> None:
+        launch_train_runs(1, [("one", [*COMMON, "--training.local_batch_size", "4", "--job.dump_folder",
+                                       str(folder / "one")])], folder / "launch.log", command="dpo")
+
+    def two(folder: Path) -> None:
+        launch_train_runs(2, [(name, [*COMMON, *flags, "--job.dump_folder", str(folder / name)])
+                              for name, flags in LAYOUTS.items()], folder / "launch.log", command="dpo")
+
+    return build_once("dpo_one_process", one), build_once("dpo_two_ranks", two)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("dpo_two_ranks")
+def test_every_layout_trains_like_one_process(runs):
+    one_folder, two_folder = runs
+    want = _records(one_folder / "one")
+    assert [r["step"] for r in want] == list(range(1, STEPS + 1))
+    # Step 1: log 2 (the policy is the reference) plus 0.2 x the chosen tokens' mean NLL (a
+    # synthetic pair's answers are equally long: half the step's label tokens are chosen).
+    first = want[0]
+    chosen_nll = -first["logps_chosen"] * first["pairs"] / (first["tokens_seen"] / 2)
+    assert first["loss"] == pytest.approx(math.log(2) + 0.2 * chosen_nll, rel=1e-5)
+    assert want[-1]["rewards_margins"] > 0 and want[-1]["loss"] < want[0]["loss"]
+    for layout in LAYOUTS:
+        got = _records(two_folder / layout)
+        assert [r["step"] for r in got] == [r["step"] for r in want], layout
+        for g, w in zip(got, want, strict=True):
+            assert g["pairs"] == w["pairs"], layout
+            for key in COMPARED:
+                assert g[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (layout, g["step"], key)
+        assert "reference log-probs of" in run_output(two_folder / "launch.log", layout)
