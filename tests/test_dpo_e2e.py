@@ -24,6 +24,8 @@ COMMON = [
     "--training.global_batch_size", "4",
     "--dpo_data.synthetic_examples", "128",
     "--dpo.rpo_alpha", "0.2",  # the NLL term's own normalization too
+    "--dpo_data.synthetic_eval_examples", "10",  # held-out pairs scored at steps 2 and 4
+    "--validation.enable", "--validation.freq", "2", "--validation.steps", "-1",
     "--optimizer.lr", "3e-3",
     "--lr_scheduler.warmup_steps", "0",
     "--debug.deterministic",
@@ -38,6 +40,7 @@ LAYOUTS = {
             "--training.local_batch_size", "4"],
 }
 COMPARED = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margins", "logps_chosen", "logps_rejected")
+HELD_OUT = ("validation_loss", "validation_rewards_margins", "validation_logps_chosen")
 
 
 def _records(dump: Path) -> list[dict]:
@@ -71,11 +74,12 @@ def test_every_layout_trains_like_one_process(runs):
     chosen_nll = -first["logps_chosen"] * first["pairs"] / (first["tokens_seen"] / 2)
     assert first["loss"] == pytest.approx(math.log(2) + 0.2 * chosen_nll, rel=1e-5)
     assert want[-1]["rewards_margins"] > 0 and want[-1]["loss"] < want[0]["loss"]
+    assert [r["validation_pairs"] for r in want if "validation_loss" in r] == [10, 10]
     for layout in LAYOUTS:
         got = _records(two_folder / layout)
         assert [r["step"] for r in got] == [r["step"] for r in want], layout
         for g, w in zip(got, want, strict=True):
             assert g["pairs"] == w["pairs"], layout
-            for key in COMPARED:
+            for key in COMPARED + (HELD_OUT if "validation_loss" in w else ()):
                 assert g[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (layout, g["step"], key)
         assert "reference log-probs of" in run_output(two_folder / "launch.log", layout)

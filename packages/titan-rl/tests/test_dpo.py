@@ -99,7 +99,7 @@ def test_reference_and_loss_match_a_hand_computation(tmp_path, dpo):
             for column, side in enumerate(source.example(index).sides):
                 trainer.reference.logprobs[index, column] = _sequence_logprob(start, side)[0]
             trainer.reference.known[index] = True
-        batch = trainer._with_reference(rows)
+        batch = trainer._with_reference(rows, trainer.reference)
         count = torch.tensor(float(len(pairs)))
         chosen_tokens = (batch["labels"][batch["document_ids"] % 2 == 0] >= 0).sum().float()
         trainer.engine.train(False)
@@ -146,7 +146,7 @@ def test_resume_continues_exactly_and_refuses_steps_the_reference_never_scored(t
 def test_flags_dpo_cannot_honour_are_refused(tmp_path):
     for change, match in ((lambda c: setattr(c.training, "document_mask", False), "no_document_mask"),
                           (lambda c: setattr(c.training, "loss_type", "dft"), "loss_type"),
-                          (lambda c: setattr(c.validation, "enable", True), "validation")):
+                          (lambda c: setattr(c.validation.dataset, "path", "corpus.txt"), "--dpo_data.eval_path")):
         cfg = _config(tmp_path)
         change(cfg)
         with pytest.raises(ValueError, match=match):
@@ -173,5 +173,26 @@ def test_reference_free_compares_against_a_uniform_reference(tmp_path):
             (pc, _), (pr, _) = (_sequence_logprob(start, side) for side in source.example(index).sides)
             margins.append(beta * (pc - pr))
         assert records[0]["rewards_margins"] == pytest.approx(sum(margins) / len(margins), rel=1e-4)
+    finally:
+        trainer.close()
+
+
+def test_validation_scores_held_out_pairs_against_the_starting_reference(tmp_path):
+    cfg = _config(tmp_path, steps=2, rpo_alpha=0.3)
+    cfg.dpo_data.synthetic_eval_examples = 12
+    cfg.validation.enable = True
+    cfg.validation.steps = -1  # every held-out pair
+    trainer = _trainer(cfg)
+    try:
+        start = copy.deepcopy(trainer.model_parts[0]).eval()
+        records = trainer.train()
+        held_out = build_preference_source(cfg.dpo_data, trainer.tokenizer, held_out=True)
+        assert len(held_out) == 12 and bool(trainer.eval_reference.known.all())
+        scored = [r for r in records if "validation_loss" in r]
+        assert [r["step"] for r in scored] == [2]
+        assert scored[0]["validation_pairs"] == 12
+        want = _hand_loss(trainer.model_parts[0], start, range(12), held_out, cfg.dpo)
+        assert scored[0]["validation_loss"] == pytest.approx(want, rel=1e-4)
+        assert 0 <= scored[0]["validation_rewards_accuracies"] <= 1
     finally:
         trainer.close()

@@ -23,6 +23,7 @@ measured against a frozen reference (the weights the run starts from; the losses
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,12 @@ import torch.distributed as dist
 from titan.dist import reduce_max
 from titan.rl.logprobs import token_logprobs
 from titan.rl.preference import PREFERENCE_LOSSES, preference_loss
-from titan.rl.preference_data import PreferenceDataConfig, build_preference_dataloader
+from titan.rl.preference_data import (
+    PreferenceDataConfig,
+    build_preference_dataloader,
+    build_preference_source,
+    held_out_preference_batches,
+)
 from titan.train.config import RunConfig, TrainingConfig
 from titan.train.data import DatasetConfig
 from titan.train.loop import StepResult
@@ -143,8 +149,17 @@ class DPOTrainer(Trainer):
         self.slots = (config.training.seq_len + 1) // 2  # pair slots per row: at most one per two positions
         self.reference = ReferenceLogprobs(self.dataloader.num_examples)
         self.engine.add_state("dpo_reference", self.reference)
-        self._stats = torch.zeros(len(STATS), dtype=torch.float64, device=self.engine.device)
+        self._stats = self._new_stats()
         self._step_pairs: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Held-out pairs (--validation.enable): their own reference table, scored with the rest.
+        self.eval_reference: ReferenceLogprobs | None = None
+        if config.validation.enable:
+            self.validator = DPOValidator(self.validator, self)
+            self.eval_reference = ReferenceLogprobs(self.validator.num_pairs())
+            self.engine.add_state("dpo_eval_reference", self.eval_reference)
+
+    def _new_stats(self) -> torch.Tensor:
+        return torch.zeros(len(STATS), dtype=torch.float64, device=self.engine.device)
 
     # ---- flags and data -----------------------------------------------------------------
 
@@ -158,11 +173,22 @@ class DPOTrainer(Trainer):
         if training.loss_type != "nll":
             raise ValueError(f"--training.loss_type {training.loss_type} is an SFT token loss; titan dpo's loss is "
                              "--dpo.loss_type: drop it")
-        if cfg.validation.enable or cfg.validation.dataset != DatasetConfig():
-            raise ValueError("titan dpo has no held-out evaluation yet: drop --validation.*")
+        if cfg.validation.dataset != DatasetConfig():
+            raise ValueError("--validation.dataset.* is titan train's corpus; titan dpo scores held-out pairs: "
+                             "--dpo_data.eval_path (or the synthetic task's own)")
+        data = cfg.dpo_data
+        if cfg.validation.enable and data.resolved_format != "synthetic" and not data.eval_path:
+            raise ValueError("titan dpo --validation.enable scores held-out pairs: set --dpo_data.eval_path")
+        if data.eval_path and not cfg.validation.enable:
+            raise ValueError("--dpo_data.eval_path is scored by --validation.enable (every --validation.freq steps); "
+                             "add it, or drop the path")
         if cfg.compile.enable and cfg.compile.components == ["loss"]:
             raise ValueError("--compile.components loss compiles the cross-entropy, which titan dpo does not use: "
                              "add model to the components, or drop --compile.enable")
+
+    def validation_loader(self):
+        """One pass over the held-out pairs per validation."""
+        return functools.partial(held_out_preference_batches, self.config.dpo_data, self.tokenizer)
 
     def build_dataloader(self):
         """This data-parallel rank's resumable loader of packed preference pairs."""
@@ -179,14 +205,15 @@ class DPOTrainer(Trainer):
         """The step's microbatches, each with the row of every token (``row_index``, so a
         pipeline's last stage knows which rows it scores) and, on each document's first token,
         its reference log-prob (``reference_logprobs``)."""
-        return [self._with_reference(self._with_rows(next(data_iter))) for _ in range(self.grad_accum_steps)]
+        return [self._with_reference(self._with_rows(next(data_iter)), self.reference)
+                for _ in range(self.grad_accum_steps)]
 
     @staticmethod
     def _with_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         rows = torch.arange(batch["input_ids"].shape[0]).unsqueeze(1).expand_as(batch["input_ids"])
         return {**batch, "row_index": rows.contiguous()}
 
-    def _with_reference(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _with_reference(self, batch: dict[str, torch.Tensor], table: ReferenceLogprobs) -> dict[str, torch.Tensor]:
         values = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         if not self.config.dpo.reference_free:
             docs = batch["document_ids"]
@@ -195,10 +222,10 @@ class DPOTrainer(Trainer):
             rows, positions = torch.nonzero(first, as_tuple=True)
             doc = docs[rows, positions]
             pairs = slots[rows, doc // 2]
-            if not bool(self.reference.known[pairs].all()):
-                missing = sorted({int(p) for p in pairs[~self.reference.known[pairs]]})[:5]
+            if not bool(table.known[pairs].all()):
+                missing = sorted({int(p) for p in pairs[~table.known[pairs]]})[:5]
                 raise RuntimeError(f"step {self.step + 1}: pairs {missing} have no reference log-probs")
-            values[rows, positions] = self.reference.logprobs[pairs, doc % 2].float()
+            values[rows, positions] = table.logprobs[pairs, doc % 2].float()
         return {**batch, "reference_logprobs": values}
 
     # ---- sequence log-probs -------------------------------------------------------------
@@ -219,7 +246,7 @@ class DPOTrainer(Trainer):
         return (sequence_sum(local) if sequence_sum is not None else local), local
 
     def _pair_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], *, global_pairs: torch.Tensor,
-                   global_chosen_tokens: torch.Tensor) -> torch.Tensor:
+                   global_chosen_tokens: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's share of the microbatch's summed pair losses (plus its RPO term scaled to
         the global pair count), and the step statistics of its pairs."""
         dpo = self.config.dpo
@@ -243,10 +270,12 @@ class DPOTrainer(Trainer):
         if dpo.rpo_alpha:  # this rank's chosen tokens' NLL, a mean over the global batch's chosen tokens
             chosen_nll = -local[:, 0::2, 0].sum()
             loss = loss + dpo.rpo_alpha * chosen_nll * global_pairs / global_chosen_tokens.clamp(min=1)
-        self._accumulate(rewards, policy[0][valid].detach(), policy[1][valid].detach())
+        self._accumulate(self._stats if stats is None else stats, rewards, policy[0][valid].detach(),
+                         policy[1][valid].detach())
         return loss
 
-    def _accumulate(self, rewards: dict[str, torch.Tensor], logps_chosen: torch.Tensor,
+    @staticmethod
+    def _accumulate(stats: torch.Tensor, rewards: dict[str, torch.Tensor], logps_chosen: torch.Tensor,
                     logps_rejected: torch.Tensor) -> None:
         """Add a microbatch's pairs to the step statistics (every tensor- and context-parallel
         rank holds the same pairs; the log step sums over data-parallel ranks only)."""
@@ -254,7 +283,7 @@ class DPOTrainer(Trainer):
         values = [torch.tensor(float(len(chosen_r)), device=chosen_r.device), chosen_r.sum(), rejected_r.sum(),
                   (chosen_r > rejected_r).float().sum(), (chosen_r - rejected_r).sum(), logps_chosen.sum(),
                   logps_rejected.sum()]
-        self._stats += torch.stack([v.double() for v in values])
+        stats += torch.stack([v.double() for v in values])
 
     # ---- the step -----------------------------------------------------------------------
 
@@ -303,15 +332,22 @@ class DPOTrainer(Trainer):
         return mean, float(reduce_max(rank_mean, self.parallel_dims.mesh("dp_cp")))
 
     def log_extras(self) -> dict[str, Any]:
-        """The step's pair statistics since the last log (means over its pairs; collective)."""
+        """The pair statistics of the steps since the last log (means over their pairs;
+        collective)."""
         stats = self._stats.clone()
         self._stats.zero_()
+        return {**super().log_extras(), **self.reduce_stats(stats)}
+
+    def reduce_stats(self, stats: torch.Tensor, prefix: str = "") -> dict[str, float]:
+        """``stats`` (this rank's sums) summed over the mesh, as means over the pairs
+        (``pairs``: their count). Collective."""
         if self.parallel_dims.pp_enabled:
             stats = self.engine.sum_over(stats, "pp")  # only the last stage scored the pairs
-        stats = self.engine.sum_over(stats, "dp").tolist()
-        pairs = stats[0]
-        means = {name: value / max(pairs, 1) for name, value in zip(STATS[1:], stats[1:], strict=True)}
-        return {**super().log_extras(), "pairs": int(pairs), **means}
+        # Tensor- and context-parallel peers hold the same pairs: data-parallel ranks only.
+        totals = self.engine.sum_over(stats, "dp").tolist()
+        pairs = totals[0]
+        means = {f"{prefix}{name}": value / max(pairs, 1) for name, value in zip(STATS[1:], totals[1:], strict=True)}
+        return {f"{prefix}pairs": int(pairs), **means}
 
     # ---- the reference pass -------------------------------------------------------------
 
@@ -325,6 +361,11 @@ class DPOTrainer(Trainer):
                 self._check_reference_covers_run()
         return super().run_steps(guard, profiler, records)
 
+    def held_out_batches(self):
+        """The held-out microbatches of a validation pass, with rows and reference log-probs."""
+        for batch in self.validator.batches():
+            yield self._with_reference(self._with_rows(batch), self.eval_reference)
+
     def _remaining_microbatches(self) -> int:
         return (self.config.training.steps - self.step) * self.grad_accum_steps
 
@@ -336,14 +377,26 @@ class DPOTrainer(Trainer):
         started = time.perf_counter()
         loader = self._preference_loader(*self.data_shard)
         loader.load_state_dict(self.dataloader.state_dict())
-        totals = torch.zeros(len(self.reference.known), 2, dtype=torch.float64)
-        times = torch.zeros(len(self.reference.known), dtype=torch.float64)
+        training = (next(loader) for _ in range(self._remaining_microbatches()))
+        forwards = self._score_into(self.reference, training)
+        message = f"reference log-probs of {int(self.reference.known.sum())} pairs"
+        if self.eval_reference is not None:
+            forwards += self._score_into(self.eval_reference, self.validator.batches())
+            message += f" and {int(self.eval_reference.known.sum())} held-out ones"
+        logger.info("%s from the starting weights: %d forwards in %.1fs", message, forwards,
+                    time.perf_counter() - started)
+
+    def _score_into(self, table: ReferenceLogprobs, batches) -> int:
+        """Fill ``table`` with the current weights' log-probs of the pairs of ``batches`` (this
+        rank's microbatches, as many on every rank); returns the forwards run."""
+        totals = torch.zeros(len(table.known), 2, dtype=torch.float64)
+        times = torch.zeros(len(table.known), dtype=torch.float64)
         counted = self._counts_pairs()
         forwards = 0
         self.engine.train(False)  # no MoE balancing statistics from this pass
         try:
-            for _ in range(self._remaining_microbatches()):
-                batch = self._with_rows(next(loader))
+            for batch in batches:
+                batch = self._with_rows(batch)
                 slots = pair_slots(batch, self.slots)
                 needed = torch.tensor([float(bool(((slots >= 0) & (times[slots.clamp(min=0)] == 0)).any()))],
                                       device=self.engine.device)
@@ -363,10 +416,9 @@ class DPOTrainer(Trainer):
             dist.all_reduce(packed)
             totals, times = packed[:, :2].cpu(), packed[:, 2].cpu()
         known = times > 0
-        self.reference.logprobs[known] = totals[known] / times[known].unsqueeze(1)
-        self.reference.known |= known
-        logger.info("reference log-probs of %d pairs from the starting weights: %d forwards in %.1fs", int(known.sum()),
-                    forwards, time.perf_counter() - started)
+        table.logprobs[known] = totals[known] / times[known].unsqueeze(1)
+        table.known |= known
+        return forwards
 
     def _counts_pairs(self) -> bool:
         """Whether this rank adds its scores to the table: one rank of each tensor- and
@@ -415,6 +467,50 @@ class DPOTrainer(Trainer):
                     "starting weights did not score (the run started with fewer steps, and the reference is the "
                     "weights it started from); resume with the original --training.steps, or start a new run from "
                     "this checkpoint with --checkpoint.initial_load_path (a new reference)")
+
+
+class DPOValidator:
+    """``--validation.enable`` for DPO: every ``--validation.freq`` steps, the held-out pairs'
+    loss and reward statistics (``validation_loss``, ``validation_rewards_accuracies``, ...)
+    against the reference the run started from. Wraps the loop's :class:`Validator` for its
+    schedule and held-out batches (``--validation.steps`` microbatches, or -1: all)."""
+
+    def __init__(self, validator: Any, trainer: DPOTrainer) -> None:
+        self.inner, self.trainer = validator, trainer
+
+    def due(self, step: int, *, last_step: bool) -> bool:
+        """Whether a pass runs after optimizer step ``step``."""
+        return self.inner.due(step, last_step=last_step)
+
+    def batches(self):
+        """The held-out microbatches of one pass (the same ones every pass)."""
+        return iter(self.inner._fixed_batches())
+
+    def num_pairs(self) -> int:
+        """How many held-out pairs the data holds (the size of their reference table)."""
+        cfg = self.trainer.config
+        return len(build_preference_source(cfg.dpo_data, self.trainer.tokenizer, held_out=True))
+
+    def run(self) -> dict[str, float]:
+        """One pass in eval mode: the mean pair loss and statistics over the held-out pairs."""
+        trainer, engine = self.trainer, self.trainer.engine
+        stats = trainer._new_stats()
+        batches = [engine.to_device(batch) for batch in trainer.held_out_batches()]
+        counts = torch.stack([torch.stack([trainer._pair_count(b).float(), count_valid_tokens(
+            torch.where(b["document_ids"] % 2 == 0, b["labels"], -100)).float()]) for b in batches]).sum(0)
+        pairs, chosen_tokens = engine.sum_over(counts, "dp").unbind()
+        loss_sum = torch.zeros((), device=engine.device)
+        engine.train(False)
+        try:
+            for batch in batches:
+                loss_sum += engine.forward_only(batch, functools.partial(
+                    trainer._pair_loss, global_pairs=pairs, global_chosen_tokens=chosen_tokens, stats=stats))
+        finally:
+            engine.train(True)
+        if engine.parallel_dims.pp_enabled:
+            loss_sum = engine.sum_over(loss_sum, "pp")
+        loss = float(engine.sum_over(loss_sum, "dp_cp")) / max(float(pairs), 1.0)
+        return {"validation_loss": loss, **trainer.reduce_stats(stats, prefix="validation_")}
 
 
 def build_dpo_trainer(config: DPOConfig, *, model_spec) -> DPOTrainer:

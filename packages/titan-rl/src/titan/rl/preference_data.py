@@ -26,11 +26,12 @@ counted (cutting one side would compare a finished answer with an unfinished one
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+import torch
 from titan.train.data.chat import (
     ChatTemplate,
     SFTExample,
@@ -40,7 +41,7 @@ from titan.train.data.chat import (
     resolve_chat_template,
 )
 from titan.train.data.loader import document_layout
-from titan.train.data.records import TRAIN_SPLIT, load_records
+from titan.train.data.records import RecordSplitsConfig, load_records
 from titan.train.data.resumable import ResumableLoader, check_loader_args
 from titan.train.data.sft import SFTBatches, SFTDataLoader, SFTPacker
 from titan.train.data.sft_config import (
@@ -56,7 +57,7 @@ logger = logging.getLogger("titan")
 
 
 @dataclass(kw_only=True)
-class PreferenceDataConfig(SyntheticTaskConfig):
+class PreferenceDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     """``--dpo_data.*``: the preference pairs (prompt, chosen, rejected) and how they become
     rows."""
 
@@ -68,10 +69,10 @@ class PreferenceDataConfig(SyntheticTaskConfig):
     path: str | None = None
     """JSONL or Parquet file, directory or glob, or a Hugging Face Hub dataset name
     (``org/name``, see --dpo_data.subset and --dpo_data.split)."""
-    subset: str | None = None
-    """The Hub dataset's configuration (``datasets.load_dataset(name, subset)``)."""
-    split: str = TRAIN_SPLIT
-    """The split the pairs are read from."""
+    eval_path: str | None = None
+    """Held-out pairs in the same layout (its --dpo_data.eval_split), scored by ``titan dpo
+    --validation.enable``: their loss and reward accuracy against the same reference. The
+    synthetic format holds out its own strings (--dpo_data.synthetic_eval_examples)."""
     prompt_field: str = "prompt"
     """The column holding the prompt (absent: an implicit prompt)."""
     chosen_field: str = "chosen"
@@ -101,9 +102,10 @@ class PreferenceDataConfig(SyntheticTaskConfig):
             raise ValueError("--dpo_data.format preference reads files: set --dpo_data.path to a JSONL or Parquet "
                              "file, directory, glob or Hub dataset")
         if self.resolved_format == "synthetic":
-            if self.path:
-                raise ValueError(f"--dpo_data.path {self.path!r} is not read by --dpo_data.format synthetic: drop it "
-                                 "or set --dpo_data.format preference")
+            for flag in ("path", "eval_path"):
+                if getattr(self, flag):
+                    raise ValueError(f"--dpo_data.{flag} {getattr(self, flag)!r} is not read by --dpo_data.format "
+                                     "synthetic: drop it or set --dpo_data.format preference")
             given = [f"--dpo_data.{name}" for name, default in _FILE_FLAGS.items() if getattr(self, name) != default]
             if given:
                 raise ValueError(f"{', '.join(given)} describe preference files, and --dpo_data.format synthetic "
@@ -119,6 +121,7 @@ class PreferenceDataConfig(SyntheticTaskConfig):
         check_template_path(self.chat_template_path, "--dpo_data", self.chat_template,
                             renders_chats=renders_chats, fmt=self.resolved_format)
         self.check_synthetic_task("--dpo_data")
+        self.check_record_splits("--dpo_data", reads_files=self.resolved_format == "preference")
 
     @property
     def resolved_format(self) -> str:
@@ -128,7 +131,7 @@ class PreferenceDataConfig(SyntheticTaskConfig):
         return self.format
 
 
-_FILE_FLAGS = {"subset": None, "split": TRAIN_SPLIT, "prompt_field": "prompt", "chosen_field": "chosen",
+_FILE_FLAGS = {"prompt_field": "prompt", "chosen_field": "chosen",
                "rejected_field": "rejected", "chat_template": "auto", "chat_template_kwargs": None,
                "chat_template_path": None}
 """The flags only a preference file reads, and their defaults."""
@@ -177,9 +180,10 @@ class SyntheticPreferenceTask(PreferenceSource):
     """The SFT synthetic task as preference pairs: prompt "sort: cab\\n", chosen "abc",
     rejected its :func:`near_miss` ("abd")."""
 
-    def __init__(self, cfg: PreferenceDataConfig, tokenizer: Tokenizer) -> None:
+    def __init__(self, cfg: PreferenceDataConfig, tokenizer: Tokenizer, *, held_out: bool = False) -> None:
         self.tokenizer = tokenizer
-        self.pairs = SyntheticSFTTask(_as_sft_task(cfg), tokenizer).train_pairs
+        task = SyntheticSFTTask(_as_sft_task(cfg), tokenizer)
+        self.pairs = task.eval_pairs if held_out else task.train_pairs
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -210,9 +214,10 @@ def split_shared_prompt(chosen: Sequence[dict], rejected: Sequence[dict]) -> tup
 class FilePreferenceSource(PreferenceSource):
     """The rows of a preference file (or Hub dataset), encoded as the module docstring says."""
 
-    def __init__(self, dataset, cfg: PreferenceDataConfig, tokenizer: Tokenizer, template: ChatTemplate | None) -> None:
+    def __init__(self, dataset, cfg: PreferenceDataConfig, tokenizer: Tokenizer, template: ChatTemplate | None,
+                 *, flag: str = "--dpo_data.path") -> None:
         self.cfg, self.tokenizer, self.template = cfg, tokenizer, template
-        self.where = f"--dpo_data.path {cfg.path!r}"
+        self.where = f"{flag} {(cfg.eval_path if flag.endswith('eval_path') else cfg.path)!r}"
         columns = dataset.column_names
         missing = [f"{name!r} (--dpo_data.{flag})" for flag, name in
                    (("chosen_field", cfg.chosen_field), ("rejected_field", cfg.rejected_field)) if name not in columns]
@@ -261,16 +266,20 @@ class FilePreferenceSource(PreferenceSource):
         raise ValueError("prompt and completions must be all strings or all lists of messages")
 
 
-def build_preference_source(cfg: PreferenceDataConfig, tokenizer: Tokenizer) -> PreferenceSource:
-    """The pairs ``cfg`` describes."""
+def build_preference_source(cfg: PreferenceDataConfig, tokenizer: Tokenizer, *, held_out: bool = False
+                            ) -> PreferenceSource:
+    """The pairs ``cfg`` describes (``held_out``: its held-out pairs)."""
     if cfg.resolved_format == "synthetic":
-        return SyntheticPreferenceTask(cfg, tokenizer)
-    dataset = load_records(cfg.path, flag="--dpo_data.path", split=cfg.split, subset=cfg.subset,
-                           cache_dir=cfg.cache_dir)
+        return SyntheticPreferenceTask(cfg, tokenizer, held_out=held_out)
+    if held_out and not cfg.eval_path:
+        raise ValueError("held-out preference pairs need --dpo_data.eval_path")
+    flag = "--dpo_data.eval_path" if held_out else "--dpo_data.path"
+    dataset = load_records(cfg.eval_path if held_out else cfg.path, flag=flag, held_out=held_out,
+                           split=cfg.eval_split if held_out else cfg.split, subset=cfg.subset, cache_dir=cfg.cache_dir)
     template = resolve_chat_template(
         cfg.chat_template, tokenizer, template_path=cfg.chat_template_path,
         variables=parse_template_kwargs(cfg.chat_template_kwargs, "--dpo_data.chat_template_kwargs"))
-    return FilePreferenceSource(dataset, cfg, tokenizer, template)
+    return FilePreferenceSource(dataset, cfg, tokenizer, template, flag=flag)
 
 
 class PreferencePacker(SFTPacker):
@@ -336,19 +345,37 @@ class PreferenceDataLoader(SFTDataLoader):
 
 def build_preference_dataloader(
     cfg: PreferenceDataConfig, tokenizer: Tokenizer, *, dp_rank: int, dp_world_size: int, local_batch_size: int,
-    seq_len: int, seed: int, single_pass: bool = False,
+    seq_len: int, seed: int,
 ) -> PreferenceDataLoader:
-    """A loader of ``{"input_ids", "labels", "positions", "document_ids", "pair_index"}``
-    LongTensors ``[B, seq_len]`` for one data-parallel rank; ``single_pass``: one pass in file
-    order (the last batches padding rows once the pairs are out: ``packer.exhausted`` says
-    when)."""
+    """An endless loader of ``{"input_ids", "labels", "positions", "document_ids",
+    "pair_index"}`` LongTensors ``[B, seq_len]`` for one data-parallel rank."""
     check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
     source = build_preference_source(cfg, tokenizer)
     packer = PreferencePacker(source, seq_len=seq_len, pad_id=tokenizer.pad_id, packing=cfg.packing, overlong="drop",
-                              shuffle=cfg.shuffle and not single_pass, seed=seed)
-    packer.single_pass = single_pass
+                              shuffle=cfg.shuffle, seed=seed)
     batches = SFTBatches(packer, local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
     return PreferenceDataLoader(batches, dp_rank=dp_rank, dp_world_size=dp_world_size, num_examples=len(source))
+
+
+def held_out_preference_batches(
+    cfg: PreferenceDataConfig, tokenizer: Tokenizer, *, dp_rank: int, dp_world_size: int, local_batch_size: int,
+    seq_len: int, seed: int = 0,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """One pass over the held-out pairs in file order, packed as training packs them: this
+    rank's rows of each global microbatch, the last filled up with padding rows, so every rank
+    yields as many."""
+    del seed  # one pass in file order
+    check_loader_args(dp_rank, dp_world_size, local_batch_size, seq_len)
+    source = build_preference_source(cfg, tokenizer, held_out=True)
+    packer = PreferencePacker(source, seq_len=seq_len, pad_id=tokenizer.pad_id, packing=cfg.packing, overlong="drop",
+                              shuffle=False, seed=0)
+    packer.single_pass = True
+    batches = SFTBatches(packer, local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
+    while not packer.exhausted:
+        yield batches.next_batch()
+    if packer.dropped:
+        logger.warning("validation: %d of the %d held-out preference pairs do not fit --training.seq_len %d and are "
+                       "left out", packer.dropped, packer.num_examples, seq_len)
 
 
 __all__ = [
@@ -361,6 +388,7 @@ __all__ = [
     "SyntheticPreferenceTask",
     "build_preference_dataloader",
     "build_preference_source",
+    "held_out_preference_batches",
     "near_miss",
     "split_shared_prompt",
 ]
