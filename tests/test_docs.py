@@ -264,7 +264,7 @@ def test_a_stale_readme_command_is_caught():
     assert all(check_readme_command(command, args) for command, args, _ in commands)
 
 
-POST_TRAINING_FLAG = re.compile(r"--((?:rl|rl_data|sft_data|sampling|generator)\.[a-z0-9_]+)")
+POST_TRAINING_FLAG = re.compile(r"--((?:rl|rl_data|sft_data|sampling|generator|dpo|dpo_data)\.[a-z0-9_]+)")
 
 
 def post_training_flags_in_docs() -> dict[str, set[str]]:
@@ -279,7 +279,7 @@ def post_training_flags_in_docs() -> dict[str, set[str]]:
 
 
 def test_every_post_training_flag_the_docs_name_exists():
-    """The docs name only flags `titan sft` or `titan rl` accept (their --help lists each,
+    """The docs name only flags `titan sft`, `titan rl` or `titan dpo` accept (their --help lists each,
     with tyro's ``no_`` form for switches): a renamed or never-existing flag in prose (the
     README once said --rl.no_normalize_std, which tyro does not make for an optional bool)
     fails here."""
@@ -289,10 +289,11 @@ def test_every_post_training_flag_the_docs_name_exists():
     from titan.recipes.cli import parse_train_args
 
     out = io.StringIO()
-    for command in ("sft", "rl"):
+    for command in ("sft", "rl", "dpo"):
         with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             parse_train_args(["--help"], command=command)
     accepted = set(POST_TRAINING_FLAG.findall(out.getvalue()))
-    assert {"rl.padding_free", "rl.no_drop_zero_variance", "sft_data.no_packing"} <= accepted
+    assert {"rl.padding_free", "rl.no_drop_zero_variance", "sft_data.no_packing", "dpo.rpo_alpha",
+            "dpo_data.no_packing"} <= accepted
     unknown = {flag: files for flag, files in post_training_flags_in_docs().items() if flag not in accepted}
     assert not unknown, unknown
