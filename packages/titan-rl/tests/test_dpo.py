@@ -133,6 +133,17 @@ def test_resume_continues_exactly_and_refuses_steps_the_reference_never_scored(t
     assert [r["step"] for r in resumed] == [3, 4]
     for got, want in zip(resumed, full[2:], strict=True):
         assert got["loss"] == want["loss"] and got["rewards_margins"] == want["rewards_margins"]
+    validating = _config(tmp_path, steps=4)
+    validating.checkpoint.enable = True
+    validating.validation.enable = True
+    validating.checkpoint.exclude_from_loading = ["dpo_eval_reference"]  # the first run saved none
+    shutil.rmtree(folder / "step-4")
+    trainer = _trainer(validating)
+    try:
+        with pytest.raises(ValueError, match="held-out pairs were not scored"):
+            trainer.train()
+    finally:
+        trainer.close()
     longer = _config(tmp_path, steps=40)
     longer.checkpoint.enable = True
     trainer = _trainer(longer)

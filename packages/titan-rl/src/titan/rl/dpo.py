@@ -361,6 +361,14 @@ class DPOTrainer(Trainer):
                 self._check_reference_covers_run()
         return super().run_steps(guard, profiler, records)
 
+    def _check_held_out_scored(self) -> None:
+        """A resumed run validates only held-out pairs the starting weights scored."""
+        if self.eval_reference is not None and not bool(self.eval_reference.known.any()):
+            raise ValueError(f"resuming at step {self.step} with --validation.enable: the held-out pairs were not "
+                             "scored by the starting weights (the run started without validation), and the weights "
+                             "have moved since; resume without --validation.enable, or start a new run from this "
+                             "checkpoint with --checkpoint.initial_load_path")
+
     def held_out_batches(self):
         """The held-out microbatches of a validation pass, with rows and reference log-probs."""
         for batch in self.validator.batches():
@@ -455,18 +463,24 @@ class DPOTrainer(Trainer):
         """A resumed run: every pair its remaining steps read has restored reference
         log-probs (a run resumed with more --training.steps than it started with may reach
         pairs the starting weights never scored, and the weights have moved since)."""
-        dp_world_size = self.data_shard[1]
-        loader = self._preference_loader(0, 1, self.config.training.local_batch_size * dp_world_size)
+        self._check_held_out_scored()
+        # Each rank checks its own rows (a replica group's table holds its own shard's pairs),
+        # and every rank raises if any rank found one missing.
+        loader = self._preference_loader(*self.data_shard)
         loader.load_state_dict(self.dataloader.state_dict())
+        missing = False
         for _ in range(self._remaining_microbatches()):
             pairs = next(loader)["pair_index"].unique()
             pairs = pairs[pairs >= 0]
             if not bool(self.reference.known[pairs].all()):
-                raise ValueError(
-                    f"resuming at step {self.step}: --training.steps {self.config.training.steps} reaches pairs the "
-                    "starting weights did not score (the run started with fewer steps, and the reference is the "
-                    "weights it started from); resume with the original --training.steps, or start a new run from "
-                    "this checkpoint with --checkpoint.initial_load_path (a new reference)")
+                missing = True
+                break
+        if self._any_rank(torch.tensor([float(missing)], device=self.engine.device)):
+            raise ValueError(
+                f"resuming at step {self.step}: --training.steps {self.config.training.steps} reaches pairs the "
+                "starting weights did not score (the run started with fewer steps, and the reference is the "
+                "weights it started from); resume with the original --training.steps, or start a new run from "
+                "this checkpoint with --checkpoint.initial_load_path (a new reference)")
 
 
 class DPOValidator:
