@@ -53,6 +53,10 @@ def _sequence_logprob(model, example) -> tuple[float, int]:
     return float(logp[targets].sum()), int(targets.sum())
 
 
+def _log_sigmoid(x: float) -> float:
+    return -math.log1p(math.exp(-x))
+
+
 def _hand_loss(policy, reference, pairs, source, dpo: DPOSection) -> float:
     """The batch's mean DPO-family loss over ``pairs``, written out from the papers' formulas."""
     losses, chosen_nll, chosen_tokens = [], 0.0, 0
@@ -64,14 +68,17 @@ def _hand_loss(policy, reference, pairs, source, dpo: DPOSection) -> float:
         if dpo.loss_type == "ipo":
             h = (pc / nc - rc / nc) - (pr / nr - rr / nr)
             losses.append((h - 1 / (2 * dpo.beta)) ** 2)
+        elif dpo.loss_type == "nca_pair":  # absolute implicit rewards, not only their margin
+            chosen, rejected = dpo.beta * (pc - rc), dpo.beta * (pr - rr)
+            losses.append(-_log_sigmoid(chosen) - 0.5 * _log_sigmoid(-chosen) - 0.5 * _log_sigmoid(-rejected))
         else:
             h = (pc - rc) - (pr - rr)
-            losses.append(-math.log(1 / (1 + math.exp(-dpo.beta * h))))
+            losses.append(-_log_sigmoid(dpo.beta * h))
     return sum(losses) / len(losses) + dpo.rpo_alpha * chosen_nll / chosen_tokens
 
 
-@pytest.mark.parametrize("dpo", [{}, {"loss_type": "ipo", "beta": 0.5}, {"rpo_alpha": 0.5}],
-                         ids=["sigmoid", "ipo", "rpo"])
+@pytest.mark.parametrize("dpo", [{}, {"loss_type": "ipo", "beta": 0.5}, {"rpo_alpha": 0.5},
+                                 {"loss_type": "nca_pair", "beta": 0.5}], ids=["sigmoid", "ipo", "rpo", "nca_pair"])
 def test_reference_and_loss_match_a_hand_computation(tmp_path, dpo):
     cfg = _config(tmp_path, **dpo)
     trainer = _trainer(cfg)

@@ -45,6 +45,33 @@ def test_label_smoothing_ipo_hinge_and_robust_by_hand():
     assert grad == pytest.approx([2 * (0.7 - 5.0), -2 * (0.7 - 5.0)])
 
 
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def test_the_other_trl_losses_by_hand():
+    # log-ratios: chosen lc = 0.5, rejected lr = -0.2, margin h = 0.7; beta 0.1
+    z = 0.07
+    eps = 1e-3  # EXO's own smoothing when none is given
+    assert loss_of("exo_pair")[0] == pytest.approx(
+        sigmoid(z) * (-softplus(-z) - math.log(1 - eps)) + sigmoid(-z) * (-softplus(z) - math.log(eps)))
+    assert loss_of("exo_pair", label_smoothing=0.2)[0] == pytest.approx(
+        sigmoid(z) * (-softplus(-z) - math.log(0.8)) + sigmoid(-z) * (-softplus(z) - math.log(0.2)))
+    assert loss_of("nca_pair")[0] == pytest.approx(softplus(-0.05) + 0.5 * softplus(0.05) + 0.5 * softplus(-0.02))
+    value, grad, _ = loss_of("sppo_hard")
+    assert value == pytest.approx((0.5 - 5) ** 2 + (-0.2 + 5) ** 2)
+    assert grad == pytest.approx([2 * (0.5 - 5), 2 * (-0.2 + 5)])
+    assert loss_of("apo_zero")[0] == pytest.approx(1 - sigmoid(0.05) + sigmoid(-0.02))
+    value, grad, _ = loss_of("apo_down")
+    assert value == pytest.approx(sigmoid(0.05) + 1 - sigmoid(0.07))
+    # d/dlog pi(r) = beta sigmoid'(beta h): only the margin term reads the rejected side
+    assert grad[1] == pytest.approx(0.1 * sigmoid(0.07) * (1 - sigmoid(0.07)))
+    weight = sigmoid(z / 0.05)
+    assert loss_of("discopop")[0] == pytest.approx(softplus(-z) * (1 - weight) + math.exp(-z) * weight)
+    assert loss_of("discopop", discopop_tau=1.0)[0] == pytest.approx(
+        softplus(-z) * (1 - sigmoid(z)) + math.exp(-z) * sigmoid(z))
+
+
 def test_sequence_logprobs_sum_or_average_the_completion_tokens():
     token = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -9.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
@@ -53,7 +80,8 @@ def test_sequence_logprobs_sum_or_average_the_completion_tokens():
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(loss_type="kto"), "the DPO loss_type must be one of sigmoid, robust, hinge, ipo"),
+    (dict(loss_type="kto"), "the DPO loss_type must be one of sigmoid, robust, hinge, ipo, exo_pair"),
+    (dict(loss_type="hinge", label_smoothing=0.1), "label_smoothing is read by sigmoid, robust, exo_pair"),
     (dict(beta=0.0), "the DPO beta must be > 0"),
     (dict(label_smoothing=0.5), r"the DPO label_smoothing must be in \[0, 0.5\)"),
 ])

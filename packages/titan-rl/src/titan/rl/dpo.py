@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from titan.dist import reduce_max
 from titan.rl.logprobs import token_logprobs
-from titan.rl.preference import PREFERENCE_LOSSES, preference_loss
+from titan.rl.preference import LABEL_SMOOTHING_LOSSES, PREFERENCE_LOSSES, preference_loss
 from titan.rl.preference_data import (
     PreferenceDataConfig,
     build_preference_dataloader,
@@ -60,12 +60,16 @@ class DPOSection:
     beta: float = 0.1
     """How far the policy may move from the reference: the implicit reward is
     ``beta (log pi - log ref)`` (for ipo, the margin's target is ``1 / (2 beta)``)."""
-    loss_type: Literal["sigmoid", "robust", "hinge", "ipo"] = "sigmoid"
-    """sigmoid (DPO), robust (rDPO), hinge (SLiC) or ipo (on per-token mean log-probs); see
-    titan.rl.preference."""
+    loss_type: Literal["sigmoid", "robust", "hinge", "ipo", "exo_pair", "nca_pair", "sppo_hard", "apo_zero",
+                       "apo_down", "discopop"] = "sigmoid"
+    """sigmoid (DPO), robust (rDPO), hinge (SLiC), ipo (on per-token mean log-probs), exo_pair
+    (EXO), nca_pair (NCA), sppo_hard (SPPO), apo_zero / apo_down (APO), discopop (DiscoPOP);
+    TRL's names, formulas in titan.rl.preference."""
     label_smoothing: float = 0.0
-    """The probability that a pair's preference is wrong (cDPO with sigmoid, rDPO with robust);
-    in [0, 0.5)."""
+    """The probability that a pair's preference is wrong (cDPO with sigmoid, rDPO with robust,
+    EXO's label distribution with exo_pair); in [0, 0.5)."""
+    discopop_tau: float = 0.05
+    """discopop: the temperature of the blend between its logistic and exponential parts."""
     reference_free: bool = False
     """Compare against a uniform reference (log ref = 0) instead of the starting weights: no
     reference pass."""
@@ -80,9 +84,13 @@ class DPOSection:
             raise ValueError(f"--dpo.beta must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"--dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
-        if self.label_smoothing and self.loss_type not in ("sigmoid", "robust"):
-            raise ValueError(f"--dpo.label_smoothing is read by --dpo.loss_type sigmoid and robust, not "
-                             f"{self.loss_type}: drop it")
+        if self.label_smoothing and self.loss_type not in LABEL_SMOOTHING_LOSSES:
+            raise ValueError(f"--dpo.label_smoothing is read by --dpo.loss_type {', '.join(LABEL_SMOOTHING_LOSSES)}, "
+                             f"not {self.loss_type}: drop it")
+        if self.discopop_tau != DPOSection.discopop_tau and self.loss_type != "discopop":
+            raise ValueError(f"--dpo.discopop_tau is read by --dpo.loss_type discopop, not {self.loss_type}: drop it")
+        if not self.discopop_tau > 0:
+            raise ValueError(f"--dpo.discopop_tau must be > 0, got {self.discopop_tau}")
         if self.rpo_alpha < 0:
             raise ValueError(f"--dpo.rpo_alpha must be >= 0, got {self.rpo_alpha}")
 
@@ -261,7 +269,8 @@ class DPOTrainer(Trainer):
             policy = [value / n for value, n in zip(policy, counts, strict=True)]
             reference = [value / n for value, n in zip(reference, counts, strict=True)]
         losses, rewards = preference_loss(policy[0][valid], policy[1][valid], reference[0][valid], reference[1][valid],
-                                          beta=dpo.beta, loss_type=dpo.loss_type, label_smoothing=dpo.label_smoothing)
+                                          beta=dpo.beta, loss_type=dpo.loss_type, label_smoothing=dpo.label_smoothing,
+                                          discopop_tau=dpo.discopop_tau)
         # Under context parallel each rank carries its token share of a pair's loss (the shares
         # sum to one pair loss; the sequence sum's backward brings every rank's gradient back).
         local_tokens = local[..., 1].detach()

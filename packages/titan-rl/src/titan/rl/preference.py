@@ -11,7 +11,22 @@ tokens): with ``h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r))``, the l
   ``(-(1 - eps) log sigmoid(beta h) + eps log sigmoid(-beta h)) / (1 - 2 eps)``;
 - ``hinge`` (SLiC): ``max(0, 1 - beta h)``;
 - ``ipo`` (Azar et al. 2023): ``(h - 1 / (2 beta))^2``, on log-probs averaged over each
-  completion's tokens (the caller passes means for it, as TRL does).
+  completion's tokens (the caller passes means for it, as TRL does);
+- ``exo_pair`` (EXO, Ji et al. 2024): the reverse KL from the label distribution
+  ``(1 - eps, eps)`` to the policy's ``(sigmoid(beta h), sigmoid(-beta h))``, with
+  ``eps = label_smoothing`` (1e-3 when 0, as the KL needs it above zero);
+- ``nca_pair`` (NCA, Chen et al. 2024): with the implicit rewards ``rc = beta (log pi(c) -
+  log ref(c))`` and ``rr`` alike, ``-log sigmoid(rc) - (log sigmoid(-rc) + log sigmoid(-rr)) / 2``:
+  absolute rewards, so the chosen likelihood is pushed up, not only the margin;
+- ``sppo_hard`` (SPPO with hard labels, Wu et al. 2024): the chosen log-ratio regressed to
+  ``1 / (2 beta)`` and the rejected one to ``-1 / (2 beta)`` (squared errors, summed);
+- ``apo_zero`` / ``apo_down`` (APO, D'Oosterlinck et al. 2024): ``apo_zero`` raises the chosen
+  log-ratio and lowers the rejected one, each through a sigmoid: ``(1 - sigmoid(beta lc)) +
+  sigmoid(beta lr)`` (for chosen answers better than the model's own); ``apo_down``
+  ``sigmoid(beta lc) + (1 - sigmoid(beta h))`` lowers both, the rejected more (chosen answers
+  worse than the model's own);
+- ``discopop`` (DiscoPOP, Chris Lu et al. 2024): a blend of the logistic and the exponential
+  loss of ``beta h``, weighted by ``sigmoid(beta h / tau)`` (``discopop_tau``).
 
 Each returns the per-example losses (the caller averages them over the global batch) and the
 implicit rewards ``beta (log pi - log ref)`` of both completions, whose difference's sign is
@@ -20,10 +35,17 @@ the preference accuracy. Names follow TRL's ``DPOConfig.loss_type``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-PREFERENCE_LOSSES: tuple[str, ...] = ("sigmoid", "robust", "hinge", "ipo")
+PREFERENCE_LOSSES: tuple[str, ...] = ("sigmoid", "robust", "hinge", "ipo", "exo_pair", "nca_pair", "sppo_hard",
+                                      "apo_zero", "apo_down", "discopop")
+LABEL_SMOOTHING_LOSSES: tuple[str, ...] = ("sigmoid", "robust", "exo_pair")
+"""The losses that read ``label_smoothing``."""
+EXO_DEFAULT_EPS = 1e-3
+"""EXO's label smoothing when none is given (its KL needs both labels above zero)."""
 
 
 def preference_loss(
@@ -35,6 +57,7 @@ def preference_loss(
     beta: float = 0.1,
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
+    discopop_tau: float = 0.05,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-example losses ``[B]`` of ``loss_type`` (module docstring) from the policy's and
     the reference's sequence log-probs of the chosen and rejected completions (each ``[B]``),
@@ -45,6 +68,8 @@ def preference_loss(
         raise ValueError(f"the DPO beta must be > 0, got {beta}")
     if not 0 <= label_smoothing < 0.5:
         raise ValueError(f"the DPO label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if label_smoothing and loss_type not in LABEL_SMOOTHING_LOSSES:
+        raise ValueError(f"the DPO label_smoothing is read by {', '.join(LABEL_SMOOTHING_LOSSES)}, not {loss_type}")
     chosen_ratio = policy_chosen - reference_chosen
     rejected_ratio = policy_rejected - reference_rejected
     margin = chosen_ratio - rejected_ratio
@@ -55,8 +80,28 @@ def preference_loss(
         losses = (-(1 - eps) * F.logsigmoid(beta * margin) + eps * F.logsigmoid(-beta * margin)) / (1 - 2 * eps)
     elif loss_type == "hinge":
         losses = torch.relu(1 - beta * margin)
-    else:  # ipo
+    elif loss_type == "ipo":
         losses = (margin - 1 / (2 * beta)) ** 2
+    elif loss_type == "exo_pair":
+        eps = eps or EXO_DEFAULT_EPS
+        z = beta * margin
+        losses = (torch.sigmoid(z) * (F.logsigmoid(z) - math.log(1 - eps))
+                  + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(eps)))
+    elif loss_type == "nca_pair":
+        rc, rr = beta * chosen_ratio, beta * rejected_ratio
+        losses = -F.logsigmoid(rc) - 0.5 * F.logsigmoid(-rc) - 0.5 * F.logsigmoid(-rr)
+    elif loss_type == "sppo_hard":
+        losses = (chosen_ratio - 0.5 / beta) ** 2 + (rejected_ratio + 0.5 / beta) ** 2
+    elif loss_type == "apo_zero":
+        losses = (1 - torch.sigmoid(beta * chosen_ratio)) + torch.sigmoid(beta * rejected_ratio)
+    elif loss_type == "apo_down":
+        losses = torch.sigmoid(beta * chosen_ratio) + (1 - torch.sigmoid(beta * margin))
+    else:  # discopop
+        if discopop_tau <= 0:
+            raise ValueError(f"the DiscoPOP tau must be > 0, got {discopop_tau}")
+        z = beta * margin
+        weight = torch.sigmoid(z / discopop_tau)
+        losses = -F.logsigmoid(z) * (1 - weight) + torch.exp(-z) * weight
     rewards = {"chosen_rewards": (beta * chosen_ratio).detach(), "rejected_rewards": (beta * rejected_ratio).detach()}
     return losses, rewards
 
@@ -69,4 +114,4 @@ def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, *, mean:
     return summed / mask.sum(-1).clamp(min=1) if mean else summed
 
 
-__all__ = ["PREFERENCE_LOSSES", "preference_loss", "sequence_logprobs"]
+__all__ = ["LABEL_SMOOTHING_LOSSES", "PREFERENCE_LOSSES", "preference_loss", "sequence_logprobs"]
