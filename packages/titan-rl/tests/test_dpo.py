@@ -68,17 +68,23 @@ def _hand_loss(policy, reference, pairs, source, dpo: DPOSection) -> float:
         if dpo.loss_type == "ipo":
             h = (pc / nc - rc / nc) - (pr / nr - rr / nr)
             losses.append((h - 1 / (2 * dpo.beta)) ** 2)
+        elif dpo.loss_type == "orpo":  # mean log-probs, no reference
+            mc, mr = pc / nc, pr / nr
+            log_odds = (mc - math.log(1 - math.exp(mc))) - (mr - math.log(1 - math.exp(mr)))
+            losses.append(-dpo.beta * _log_sigmoid(log_odds))
         elif dpo.loss_type == "nca_pair":  # absolute implicit rewards, not only their margin
             chosen, rejected = dpo.beta * (pc - rc), dpo.beta * (pr - rr)
             losses.append(-_log_sigmoid(chosen) - 0.5 * _log_sigmoid(-chosen) - 0.5 * _log_sigmoid(-rejected))
         else:
             h = (pc - rc) - (pr - rr)
             losses.append(-_log_sigmoid(dpo.beta * h))
-    return sum(losses) / len(losses) + dpo.rpo_alpha * chosen_nll / chosen_tokens
+    nll_weight = 1.0 if dpo.loss_type == "orpo" else dpo.rpo_alpha  # ORPO's objective has the NLL
+    return sum(losses) / len(losses) + nll_weight * chosen_nll / chosen_tokens
 
 
 @pytest.mark.parametrize("dpo", [{}, {"loss_type": "ipo", "beta": 0.5}, {"rpo_alpha": 0.5},
-                                 {"loss_type": "nca_pair", "beta": 0.5}], ids=["sigmoid", "ipo", "rpo", "nca_pair"])
+                                 {"loss_type": "nca_pair", "beta": 0.5}, {"loss_type": "orpo", "beta": 0.5}],
+                         ids=["sigmoid", "ipo", "rpo", "nca_pair", "orpo"])
 def test_reference_and_loss_match_a_hand_computation(tmp_path, dpo):
     cfg = _config(tmp_path, **dpo)
     trainer = _trainer(cfg)
@@ -86,18 +92,21 @@ def test_reference_and_loss_match_a_hand_computation(tmp_path, dpo):
         start = copy.deepcopy(trainer.model_parts[0]).eval()
         records = trainer.train()
         source = build_preference_source(cfg.dpo_data, trainer.tokenizer)
-        # The table: the starting weights' log-probs, pair by pair.
         known = trainer.reference.known.nonzero()[:, 0].tolist()
-        assert len(known) >= 2 * cfg.training.local_batch_size
-        for index in known[:6]:
-            for side, column in zip(source.example(index).sides, range(2), strict=True):
-                want, _ = _sequence_logprob(start, side)
-                assert float(trainer.reference.logprobs[index, column]) == pytest.approx(want, abs=2e-4)
-        # Step 1: the policy is the reference, so every margin is 0.
-        assert records[0]["rewards_margins"] == pytest.approx(0, abs=1e-5)
+        if cfg.dpo.uses_reference:
+            # The table: the starting weights' log-probs, pair by pair.
+            assert len(known) >= 2 * cfg.training.local_batch_size
+            for index in known[:6]:
+                for side, column in zip(source.example(index).sides, range(2), strict=True):
+                    want, _ = _sequence_logprob(start, side)
+                    assert float(trainer.reference.logprobs[index, column]) == pytest.approx(want, abs=2e-4)
+            # Step 1: the policy is the reference, so every margin is 0.
+            assert records[0]["rewards_margins"] == pytest.approx(0, abs=1e-5)
+            assert records[-1]["rewards_margins"] > 0  # and the update moved them
+        else:
+            assert not known  # no reference pass
         if not dpo:
             assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
-        assert records[-1]["rewards_margins"] > 0  # and the update moved them
         # The next batch's loss from the trainer's packed rows = the hand computation (its
         # pairs are past the run's steps, so their reference values are written in by hand).
         rows = trainer._with_rows(next(trainer.dataloader))

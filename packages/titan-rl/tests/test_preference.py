@@ -72,6 +72,23 @@ def test_the_other_trl_losses_by_hand():
         softplus(-z) * (1 - sigmoid(z)) + math.exp(-z) * sigmoid(z))
 
 
+def test_reference_free_simpo_and_orpo_by_hand():
+    # mean log-probs: chosen -1.0, rejected -2.0 (the references are ignored)
+    z = 0.1 * 1.0 - 0.5
+    value, grad, rewards = loss_of("simpo")
+    assert value == pytest.approx(softplus(-z))
+    assert grad == pytest.approx([-0.1 * sigmoid(-z), 0.1 * sigmoid(-z)])
+    assert rewards["chosen_rewards"].item() == pytest.approx(-0.1)  # beta x the policy's own log-prob
+    assert loss_of("simpo", simpo_gamma=0.0, label_smoothing=0.1)[0] == pytest.approx(
+        0.9 * softplus(-0.1) + 0.1 * softplus(0.1))
+    log_odds = (-1.0 - math.log(1 - math.exp(-1.0))) - (-2.0 - math.log(1 - math.exp(-2.0)))
+    value, grad, _ = loss_of("orpo")
+    assert value == pytest.approx(0.1 * softplus(-log_odds))
+    # d log odds / dm = 1 / (1 - exp(m)); the loss's slope in log odds is -beta sigmoid(-log odds)
+    slope = -0.1 * sigmoid(-log_odds)
+    assert grad == pytest.approx([slope / (1 - math.exp(-1.0)), -slope / (1 - math.exp(-2.0))])
+
+
 def test_sequence_logprobs_sum_or_average_the_completion_tokens():
     token = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -9.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])

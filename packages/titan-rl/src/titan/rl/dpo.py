@@ -33,7 +33,13 @@ import torch
 import torch.distributed as dist
 from titan.dist import reduce_max
 from titan.rl.logprobs import token_logprobs
-from titan.rl.preference import LABEL_SMOOTHING_LOSSES, PREFERENCE_LOSSES, preference_loss
+from titan.rl.preference import (
+    LABEL_SMOOTHING_LOSSES,
+    MEAN_LOGPROB_LOSSES,
+    PREFERENCE_LOSSES,
+    REFERENCE_FREE_LOSSES,
+    preference_loss,
+)
 from titan.rl.preference_data import (
     PreferenceDataConfig,
     build_preference_dataloader,
@@ -61,15 +67,19 @@ class DPOSection:
     """How far the policy may move from the reference: the implicit reward is
     ``beta (log pi - log ref)`` (for ipo, the margin's target is ``1 / (2 beta)``)."""
     loss_type: Literal["sigmoid", "robust", "hinge", "ipo", "exo_pair", "nca_pair", "sppo_hard", "apo_zero",
-                       "apo_down", "discopop"] = "sigmoid"
+                       "apo_down", "discopop", "simpo", "orpo"] = "sigmoid"
     """sigmoid (DPO), robust (rDPO), hinge (SLiC), ipo (on per-token mean log-probs), exo_pair
     (EXO), nca_pair (NCA), sppo_hard (SPPO), apo_zero / apo_down (APO), discopop (DiscoPOP);
-    TRL's names, formulas in titan.rl.preference."""
+    without a reference (no reference pass), on mean log-probs: simpo (SimPO, TRL's CPO
+    trainer) and orpo (ORPO: the chosen NLL plus beta x its odds-ratio term). TRL's names,
+    formulas in titan.rl.preference."""
     label_smoothing: float = 0.0
     """The probability that a pair's preference is wrong (cDPO with sigmoid, rDPO with robust,
     EXO's label distribution with exo_pair); in [0, 0.5)."""
     discopop_tau: float = 0.05
     """discopop: the temperature of the blend between its logistic and exponential parts."""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin gamma (TRL's ``CPOConfig.simpo_gamma``)."""
     reference_free: bool = False
     """Compare against a uniform reference (log ref = 0) instead of the starting weights: no
     reference pass."""
@@ -91,13 +101,28 @@ class DPOSection:
             raise ValueError(f"--dpo.discopop_tau is read by --dpo.loss_type discopop, not {self.loss_type}: drop it")
         if not self.discopop_tau > 0:
             raise ValueError(f"--dpo.discopop_tau must be > 0, got {self.discopop_tau}")
+        if self.simpo_gamma != DPOSection.simpo_gamma and self.loss_type != "simpo":
+            raise ValueError(f"--dpo.simpo_gamma is read by --dpo.loss_type simpo, not {self.loss_type}: drop it")
+        if self.loss_type == "orpo" and self.rpo_alpha:
+            raise ValueError("--dpo.loss_type orpo already adds the chosen completions' NLL (weight 1, ORPO's "
+                             "objective): drop --dpo.rpo_alpha")
         if self.rpo_alpha < 0:
             raise ValueError(f"--dpo.rpo_alpha must be >= 0, got {self.rpo_alpha}")
 
     @property
     def uses_means(self) -> bool:
-        """The loss compares per-token mean log-probs (ipo) rather than sums."""
-        return self.loss_type == "ipo"
+        """The loss compares per-token mean log-probs (ipo, simpo, orpo) rather than sums."""
+        return self.loss_type in MEAN_LOGPROB_LOSSES
+
+    @property
+    def uses_reference(self) -> bool:
+        """The loss compares against the starting weights (they score the pairs first)."""
+        return not self.reference_free and self.loss_type not in REFERENCE_FREE_LOSSES
+
+    @property
+    def nll_weight(self) -> float:
+        """The weight of the chosen completions' NLL in the loss: ``rpo_alpha``, or 1 for orpo."""
+        return 1.0 if self.loss_type == "orpo" else self.rpo_alpha
 
 
 def _dpo_training() -> TrainingConfig:
@@ -223,7 +248,7 @@ class DPOTrainer(Trainer):
 
     def _with_reference(self, batch: dict[str, torch.Tensor], table: ReferenceLogprobs) -> dict[str, torch.Tensor]:
         values = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-        if not self.config.dpo.reference_free:
+        if self.config.dpo.uses_reference:
             docs = batch["document_ids"]
             slots = pair_slots(batch, self.slots)
             first = (batch["positions"] == 0) & (docs >= 0)
@@ -270,15 +295,15 @@ class DPOTrainer(Trainer):
             reference = [value / n for value, n in zip(reference, counts, strict=True)]
         losses, rewards = preference_loss(policy[0][valid], policy[1][valid], reference[0][valid], reference[1][valid],
                                           beta=dpo.beta, loss_type=dpo.loss_type, label_smoothing=dpo.label_smoothing,
-                                          discopop_tau=dpo.discopop_tau)
+                                          discopop_tau=dpo.discopop_tau, simpo_gamma=dpo.simpo_gamma)
         # Under context parallel each rank carries its token share of a pair's loss (the shares
         # sum to one pair loss; the sequence sum's backward brings every rank's gradient back).
         local_tokens = local[..., 1].detach()
         share = (local_tokens[:, 0::2] + local_tokens[:, 1::2])[valid] / (chosen_tokens + rejected_tokens)[valid]
         loss = (losses * share.detach()).sum()
-        if dpo.rpo_alpha:  # this rank's chosen tokens' NLL, a mean over the global batch's chosen tokens
+        if dpo.nll_weight:  # this rank's chosen tokens' NLL, a mean over the global batch's chosen tokens
             chosen_nll = -local[:, 0::2, 0].sum()
-            loss = loss + dpo.rpo_alpha * chosen_nll * global_pairs / global_chosen_tokens.clamp(min=1)
+            loss = loss + dpo.nll_weight * chosen_nll * global_pairs / global_chosen_tokens.clamp(min=1)
         self._accumulate(self._stats if stats is None else stats, rewards, policy[0][valid].detach(),
                          policy[1][valid].detach())
         return loss
@@ -363,7 +388,7 @@ class DPOTrainer(Trainer):
     def run_steps(self, guard, profiler, records) -> bool:
         """Score the pairs with the reference first (a fresh run), or check that the restored
         scores cover the steps left (a resumed one); then :class:`Trainer`'s steps."""
-        if not self.config.dpo.reference_free:
+        if self.config.dpo.uses_reference:
             if self.step == 0 and not bool(self.reference.known.any()):
                 self.score_reference()
             else:

@@ -28,6 +28,16 @@ tokens): with ``h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r))``, the l
 - ``discopop`` (DiscoPOP, Chris Lu et al. 2024): a blend of the logistic and the exponential
   loss of ``beta h``, weighted by ``sigmoid(beta h / tau)`` (``discopop_tau``).
 
+Two losses need no reference (the reference arguments are ignored; pass zeros) and compare
+log-probs averaged over each completion's tokens, as their papers do:
+
+- ``simpo`` (SimPO, Meng et al. 2024): ``-log sigmoid(beta (mc - mr) - gamma)`` of the mean
+  log-probs ``mc``, ``mr``, with the target margin ``gamma`` (``simpo_gamma``; cDPO's label
+  smoothing applies as for ``sigmoid``);
+- ``orpo`` (ORPO, Hong et al. 2024): the odds-ratio term ``-beta log sigmoid(log odds(c) - log
+  odds(r))`` with ``log odds(y) = m - log(1 - exp(m))``; ORPO's objective adds the chosen
+  completions' NLL, which the caller owns (it is a token mean over the batch).
+
 Each returns the per-example losses (the caller averages them over the global batch) and the
 implicit rewards ``beta (log pi - log ref)`` of both completions, whose difference's sign is
 the preference accuracy. Names follow TRL's ``DPOConfig.loss_type``.
@@ -41,8 +51,12 @@ import torch
 import torch.nn.functional as F
 
 PREFERENCE_LOSSES: tuple[str, ...] = ("sigmoid", "robust", "hinge", "ipo", "exo_pair", "nca_pair", "sppo_hard",
-                                      "apo_zero", "apo_down", "discopop")
-LABEL_SMOOTHING_LOSSES: tuple[str, ...] = ("sigmoid", "robust", "exo_pair")
+                                      "apo_zero", "apo_down", "discopop", "simpo", "orpo")
+REFERENCE_FREE_LOSSES: tuple[str, ...] = ("simpo", "orpo")
+"""The losses that read no reference."""
+MEAN_LOGPROB_LOSSES: tuple[str, ...] = ("ipo", "simpo", "orpo")
+"""The losses of log-probs averaged over each completion's tokens (not summed)."""
+LABEL_SMOOTHING_LOSSES: tuple[str, ...] = ("sigmoid", "robust", "exo_pair", "simpo")
 """The losses that read ``label_smoothing``."""
 EXO_DEFAULT_EPS = 1e-3
 """EXO's label smoothing when none is given (its KL needs both labels above zero)."""
@@ -58,6 +72,7 @@ def preference_loss(
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
     discopop_tau: float = 0.05,
+    simpo_gamma: float = 0.5,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-example losses ``[B]`` of ``loss_type`` (module docstring) from the policy's and
     the reference's sequence log-probs of the chosen and rejected completions (each ``[B]``),
@@ -70,6 +85,8 @@ def preference_loss(
         raise ValueError(f"the DPO label_smoothing must be in [0, 0.5), got {label_smoothing}")
     if label_smoothing and loss_type not in LABEL_SMOOTHING_LOSSES:
         raise ValueError(f"the DPO label_smoothing is read by {', '.join(LABEL_SMOOTHING_LOSSES)}, not {loss_type}")
+    if loss_type in REFERENCE_FREE_LOSSES:  # the policy's own log-probs are the "ratios"
+        reference_chosen, reference_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
     chosen_ratio = policy_chosen - reference_chosen
     rejected_ratio = policy_rejected - reference_rejected
     margin = chosen_ratio - rejected_ratio
@@ -96,6 +113,12 @@ def preference_loss(
         losses = (1 - torch.sigmoid(beta * chosen_ratio)) + torch.sigmoid(beta * rejected_ratio)
     elif loss_type == "apo_down":
         losses = torch.sigmoid(beta * chosen_ratio) + (1 - torch.sigmoid(beta * margin))
+    elif loss_type == "simpo":
+        z = beta * margin - simpo_gamma
+        losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+    elif loss_type == "orpo":
+        log_odds = margin - (_log1m_exp(policy_chosen) - _log1m_exp(policy_rejected))
+        losses = -beta * F.logsigmoid(log_odds)
     else:  # discopop
         if discopop_tau <= 0:
             raise ValueError(f"the DiscoPOP tau must be > 0, got {discopop_tau}")
@@ -106,6 +129,12 @@ def preference_loss(
     return losses, rewards
 
 
+def _log1m_exp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for log-probs ``x < 0``, stable near 0 (through ``expm1``); a mean
+    log-prob of exactly 0 (probability 1) is held a hair below it."""
+    return torch.log(-torch.expm1(x.clamp(max=-1e-6)))
+
+
 def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, *, mean: bool = False) -> torch.Tensor:
     """Each row's log-probability of its completion ``[B]``: the masked sum of its tokens'
     log-probs ``[B, S]`` (their mean with ``mean``, for ipo)."""
@@ -114,4 +143,5 @@ def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, *, mean:
     return summed / mask.sum(-1).clamp(min=1) if mean else summed
 
 
-__all__ = ["LABEL_SMOOTHING_LOSSES", "PREFERENCE_LOSSES", "preference_loss", "sequence_logprobs"]
+__all__ = ["LABEL_SMOOTHING_LOSSES", "MEAN_LOGPROB_LOSSES", "PREFERENCE_LOSSES", "REFERENCE_FREE_LOSSES",
+           "preference_loss", "sequence_logprobs"]
