@@ -83,3 +83,54 @@ def test_every_layout_trains_like_one_process(runs):
             for key in COMPARED + (HELD_OUT if "validation_loss" in w else ()):
                 assert g[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (layout, g["step"], key)
         assert "reference log-probs of" in run_output(two_folder / "launch.log", layout)
+
+
+@pytest.mark.slow
+def test_a_transformers_llama_starts_dpo_with_transformers_log_probs(tmp_path):
+    """Start from a Hugging Face Llama: step 1's log-probs of its pairs (packed, document-masked,
+    the policy equal to the reference) are what transformers computes for each sequence alone."""
+    import os
+
+    import torch
+    from forked_cli import run_titan
+    from titan.rl.preference_data import (
+        PreferenceDataConfig,
+        build_preference_dataloader,
+        build_preference_source,
+    )
+    from titan.train.data import TokenizerConfig
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0,
+                                      rms_norm_eps=1e-6, max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    src = tmp_path / "hf"
+    transformers.LlamaForCausalLM(config).save_pretrained(str(src))
+    dump = tmp_path / "run"
+    result = run_titan(["dpo", "--config", "dpo_debug", "--model.flavor", "hf", "--checkpoint.initial_load_in_hf",
+                        "--checkpoint.initial_load_path", src, "--training.steps", "1", "--training.seq_len", "64",
+                        "--training.local_batch_size", "2", "--dpo_data.synthetic_examples", "32",
+                        "--metrics.no_enable_progress_bar", "--job.dump_folder", dump],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    first = _records(dump)[0]
+
+    tokenizer = TokenizerConfig(kind="byte").build()
+    data = PreferenceDataConfig(synthetic_task="sort", synthetic_examples=32)
+    batch = next(build_preference_dataloader(data, tokenizer, dp_rank=0, dp_world_size=1, local_batch_size=2,
+                                             seq_len=64, seed=0))
+    pairs = sorted({int(i) for i in batch["pair_index"].unique() if i >= 0})
+    model = transformers.LlamaForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    source = build_preference_source(data, tokenizer)
+    sums = []
+    for index in pairs:
+        for side in source.example(index).sides:
+            ids = torch.as_tensor(side.ids)[None]
+            with torch.no_grad():
+                logp = model(ids[:, :-1]).logits.float().log_softmax(-1)[0].gather(-1, ids[0, 1:, None])[:, 0]
+            sums.append(float(logp[torch.as_tensor(side.targets[1:])].sum()))
+    assert first["pairs"] == len(pairs)
+    assert first["logps_chosen"] == pytest.approx(sum(sums[0::2]) / len(pairs), rel=1e-5)
+    assert first["logps_rejected"] == pytest.approx(sum(sums[1::2]) / len(pairs), rel=1e-5)
+    assert first["rewards_margins"] == pytest.approx(0, abs=1e-6)
