@@ -65,13 +65,24 @@ def rl_microbatches(engine: TrainingEngine, cfg: TrainerConfig, rl_fields: dict,
     as the RL controller builds them (``RLController._minibatches`` and its loss)."""
     from titan.rl.config import RLSection
     from titan.rl.rollout_loss import RolloutLoss
-    from titan.rl.rollouts import build_batch, rows_loss_normalizer, split_rows
+    from titan.rl.rollouts import (
+        build_batch,
+        build_packed_batch,
+        pack_rows,
+        rows_loss_normalizer,
+        split_rows,
+    )
 
     rl, dims, rows = RLSection(**rl_fields), engine.parallel_dims, rollout_rows()
     normalizer = rows_loss_normalizer(rows, rl.loss_type, max_new_tokens=SEQ)
-    batches = [build_batch(mine, seq_len=SEQ, pad_id=0) for mine in split_rows(
-        rows, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
-        microbatch_size=BATCH // dims.dp_world_size // microbatches)]
+    size = BATCH // dims.dp_world_size // microbatches
+    mine = split_rows(rows, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size, microbatch_size=size)
+    if rl.padding_free:  # this rank's completions packed (each its own document), in full microbatches
+        packed = pack_rows([row for microbatch in mine for row in microbatch], seq_len=SEQ)
+        groups = [packed[i : i + size] for i in range(0, len(packed), size)]
+        batches = [build_packed_batch(group + [[]] * (size - len(group)), seq_len=SEQ, pad_id=0) for group in groups]
+    else:
+        batches = [build_batch(microbatch, seq_len=SEQ, pad_id=0) for microbatch in mine]
     loss_fn = RolloutLoss.on_engine(engine, rl, temperature=0.7, chunk_tokens=cfg.training.loss_chunk_tokens)\
         .for_microbatch({}, None, measure_mismatch=False)
     return batches, loss_fn, normalizer, float(sum(len(r.token_ids) for r in rows))
@@ -129,9 +140,10 @@ def run(out: Path, family: str, flags: list[str], accumulate: int = 1, rl: dict 
     if AUX_LOSS_STAGES in flags:
         at = flags.index(AUX_LOSS_STAGES)
         stages, flags = flags[at + 1], flags[:at] + flags[at + 2:]
+    packed = ["--training.document_mask"] if rl and rl.get("padding_free") else []  # as titan rl's default
     cfg = tyro.cli(TrainerConfig, default=recipe(RECIPES[family]), args=[
         "--model.flavor", "debugmodel_tiny", "--training.seq_len", str(SEQ), "--debug.seed", "3",
-        "--job.dump_folder", str(out), *flags,
+        "--job.dump_folder", str(out), *packed, *flags,
     ], use_underscores=True)
     engine = TrainingEngine.from_config(cfg, model_spec=model_spec(family), vocab_size=VOCAB)
     dims = engine.parallel_dims

@@ -102,6 +102,14 @@ RL_LOSSES["gspo_sequence_is"] = {**RL_LOSSES["gspo"], "is_level": "sequence"}
 RL_LOSSES["luspo_kl_bias_correction"] = {**RL_LOSSES["grpo"], "loss_type": "luspo", "kl_bias_correction": True}
 RL_LOSSES["sapo"] = {**RL_LOSSES["grpo"], "loss_type": "sapo"}
 RL_LOSSES["grpo_off_policy_mask"] = {**RL_LOSSES["grpo"], "off_policy_mask_threshold": 0.0}
+# --rl.padding_free: several completions per row, each a document; every per-completion sum
+# (GSPO's ratio, a sequence's importance weight, the off-policy mask's drift) is taken per
+# document, over CP's shards and pipeline microbatches, and must equal one completion per row.
+RL_LOSSES["gspo_sequence_sums"] = {**RL_LOSSES["gspo_sequence_is"], "off_policy_mask_threshold": 0.0}
+RL_LOSSES["gspo_sequence_sums_packed"] = {**RL_LOSSES["gspo_sequence_sums"], "padding_free": True}
+RL_LOSSES["grpo_packed"] = {**RL_LOSSES["grpo"], "padding_free": True}
+UNPACKED = {"gspo_sequence_sums_packed": "gspo_sequence_sums", "grpo_packed": "grpo"}
+"""A packed loss's reference: the same loss, one completion per row, in one process."""
 CP2 = [*NO_DP, "--parallelism.context_parallel_degree", "2"]
 RL_LAYOUTS: dict[str, tuple[int, str, list[str], int, str]] = {  # name -> (ranks, family, flags, microbatches, loss)
     "rl_grpo-fsdp2_accumulate2": (2, "llama3", [], 2, "grpo"),
@@ -119,17 +127,21 @@ RL_LAYOUTS: dict[str, tuple[int, str, list[str], int, str]] = {  # name -> (rank
     "rl_sapo-cp2": (2, "llama3", CP2, 1, "sapo"),
     "rl_grpo_off_policy_mask-cp2": (2, "llama3", CP2, 1, "grpo_off_policy_mask"),
     "rl_grpo-pp2": (2, "llama3", [*NO_DP, "--parallelism.pipeline_parallel_degree", "2"], 1, "grpo"),
+    "rl_gspo_sequence_sums_packed-cp2": (2, "llama3", CP2, 1, "gspo_sequence_sums_packed"),
+    "rl_gspo_sequence_sums_packed-fsdp2": (2, "llama3", [], 1, "gspo_sequence_sums_packed"),
+    "rl_grpo_packed-pp2": (2, "llama3", [*NO_DP, "--parallelism.pipeline_parallel_degree", "2"], 1, "grpo_packed"),
     "rl_grpo-qwen3_moe-tp2_sp": (2, "qwen3_moe", TP2, 1, "grpo"),
 }
 
 
 def rl_reference(layout: str) -> str:
-    """The one-process run an RL layout is compared with."""
+    """The one-process run an RL layout is compared with (a packed loss: unpacked)."""
     _, family, _, _, loss = RL_LAYOUTS[layout]
-    return f"rl_{loss}-{family}"
+    return f"rl_{UNPACKED.get(loss, loss)}-{family}"
 
 
-RL_REFERENCES = {rl_reference(layout): (family, loss) for layout, (_, family, _, _, loss) in RL_LAYOUTS.items()}
+RL_REFERENCES = {rl_reference(layout): (family, UNPACKED.get(loss, loss))
+                 for layout, (_, family, _, _, loss) in RL_LAYOUTS.items()}
 RTOL = 1e-5
 """fp32 sums taken in another order across ranks: measured up to 7e-7 of a tensor's norm; the
 bug above was 8e-3 at this size."""

@@ -821,8 +821,17 @@ def test_padding_free_rows_train_as_one_completion_per_row(tmp_path, one_rank_sh
     # Measured: 0.31 vs 0.31 at step 3 (8 completions of 17+ positions: no two share a row of
     # 32), 0.28 vs 0.64 after (4 completions: one microbatch of fewer rows, no filler rows).
     assert any(m["padding_fraction"] < t["padding_fraction"] for m, t in zip(packed, plain, strict=True))
-    with pytest.raises(ValueError, match="--rl.padding_free packs several completions into a row, and --rl.loss_type gspo"):
-        RLSection(padding_free=True, loss_type="gspo")
+    # Sequence-level terms sum each completion's own document (tests/test_gradient_parity.py:
+    # CP 2, FSDP 2 and PP 2 packed equal one process unpacked); packing without document
+    # masking would let completions see each other: refused.
+    RLSection(padding_free=True, loss_type="gspo", is_level="sequence", off_policy_mask_threshold=0.1)
+    from titan.recipes.cli import parse_train_args
+    from titan.recipes.families import model_spec
+
+    config = parse_train_args(["--config", "grpo_debug", "--rl.padding_free", "--training.no_document_mask",
+                               "--job.dump_folder", str(tmp_path / "unmasked")], command="rl")
+    with pytest.raises(ValueError, match="drop --training.no_document_mask"):
+        RLTrainer(config, model_spec=model_spec("llama3"))
 
 
 @pytest.mark.slow

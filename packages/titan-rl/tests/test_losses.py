@@ -10,12 +10,14 @@ import torch
 from titan.rl.losses import (
     LOSS_TYPES,
     adapted_entropy_coef,
+    document_totals,
     entropy_threshold,
     importance_weights,
     kl_estimate,
     loss_normalizer,
     off_policy_mask,
     policy_loss,
+    row_totals,
     stat_means,
     token_entropy,
 )
@@ -417,3 +419,53 @@ def test_adaptive_entropy_coefficient_by_hand():
     assert adapted_entropy_coef(0.05, 0.2, **step) == pytest.approx(0.1)  # at the target: up
     assert adapted_entropy_coef(0.1, 0.3, **step) == pytest.approx(0.05)
     assert adapted_entropy_coef(0.02, 0.3, **step) == 0.0
+
+
+def test_document_totals_score_packed_completions_as_one_per_row():
+    """Two completions packed in one row (documents 0 and 1, then padding) get the same
+    sequence-level loss, gradients and masks as the same completions one per row: GSPO's
+    ratio, a sequence's importance weight and the off-policy mask's drift are each taken over
+    the completion's own tokens."""
+    g = torch.Generator().manual_seed(0)
+    lengths = (3, 5)
+    logp = [(-1.0 + 0.3 * torch.randn(n, generator=g)) for n in lengths]
+    old = [x + 0.05 * torch.randn(len(x), generator=g) for x in logp]
+    gen = [x + 0.05 * torch.randn(len(x), generator=g) for x in logp]
+    advantages = (0.7, -1.2)
+
+    def unpacked():
+        rows = torch.zeros(2, 6)
+        rows_old, rows_gen, mask, adv = torch.zeros(2, 6), torch.zeros(2, 6), torch.zeros(2, 6), torch.zeros(2, 6)
+        for i, n in enumerate(lengths):
+            rows[i, :n], rows_old[i, :n], rows_gen[i, :n], mask[i, :n] = logp[i], old[i], gen[i], 1
+            adv[i] = advantages[i]
+        return rows.requires_grad_(), rows_old, rows_gen, mask, adv, row_totals()
+
+    def packed():
+        row, row_old, row_gen, mask, adv = (torch.zeros(1, 10) for _ in range(5))
+        docs = torch.full((1, 10), -1)
+        start = 0
+        for i, n in enumerate(lengths):
+            span = slice(start, start + n)
+            row[0, span], row_old[0, span], row_gen[0, span], mask[0, span], adv[0, span] = (
+                logp[i], old[i], gen[i], 1, advantages[i])
+            docs[0, span] = i
+            start += n
+        return row.requires_grad_(), row_old, row_gen, mask, adv, document_totals(docs, slots=10)
+
+    results = []
+    for layout in (unpacked, packed):
+        x, x_old, x_gen, mask, adv, totals = layout()
+        weights, _ = importance_weights(x_old, x_gen, mask, level="sequence", cap=2.0, totals=totals)
+        keep = off_policy_mask(x, x_gen, adv, mask, 0.0, totals=totals)
+        loss, _ = policy_loss(x, x_old, adv, mask, loss_type="gspo", is_weights=weights, policy_mask=keep, totals=totals)
+        loss.backward()
+        on = mask > 0
+        results.append((loss, x.grad[on], weights[on], keep[on]))
+    (loss_a, grad_a, w_a, keep_a), (loss_b, grad_b, w_b, keep_b) = results
+    assert torch.equal(keep_a, keep_b) and 0 < keep_a.sum() < keep_a.numel()  # one completion masked
+    torch.testing.assert_close(w_b, w_a, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad_b, grad_a, rtol=1e-6, atol=1e-9)
+    # and the weights are per completion: each completion's tokens share one weight
+    assert len(set(w_b[:3].tolist())) == 1 and len(set(w_b[3:].tolist())) == 1 and w_b[0] != w_b[3]

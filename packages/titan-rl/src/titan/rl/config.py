@@ -156,8 +156,8 @@ class RLSection:
     document: attention and positions stay inside it), instead of one per row padded to
     --training.seq_len (TRL's padding_free, verl's use_remove_padding): fewer rows to run for
     the same tokens; the loss is the same up to float summation order. --training.local_batch_size
-    counts packed rows. Not with sequence-level terms (gspo, luspo, --rl.is_level sequence,
-    --rl.off_policy_mask_threshold), whose sums run over a row."""
+    counts packed rows. Sequence-level terms (gspo, luspo, --rl.is_level sequence,
+    --rl.off_policy_mask_threshold) sum over each completion's own document."""
     top_entropy_quantile: float = 1.0
     """The share of completion tokens that carry the policy gradient: the rollout's tokens whose
     entropy under the policy before the update is in this top fraction (TRL's
@@ -266,7 +266,6 @@ class RLSection:
         if self.kl_bias_correction and not self.kl_coef:
             raise ValueError("--rl.kl_bias_correction weights the KL penalty, which this run does not have "
                              "(--rl.kl_coef 0): set --rl.kl_coef or drop the flag")
-        self._check_padding_free()
         self._check_adaptive_entropy()
         if not 0 < self.top_entropy_quantile <= 1:
             raise ValueError(f"--rl.top_entropy_quantile must be in (0, 1] (the top share of tokens by entropy that "
@@ -315,18 +314,6 @@ class RLSection:
                 f"--rl.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} "
                 "--rl.rewards; give one weight per reward"
             )
-
-    def _check_padding_free(self) -> None:
-        """Packed rows hold several completions: a term that sums over a row's tokens would mix them."""
-        if not self.padding_free:
-            return
-        row_sums = [flag for flag, on in (
-            (f"--rl.loss_type {self.loss_type}", self.loss_type in ("gspo", "luspo")),
-            ("--rl.is_level sequence", self.is_level == "sequence"),
-            ("--rl.off_policy_mask_threshold", self.off_policy_mask_threshold is not None)) if on]
-        if row_sums:
-            raise ValueError(f"--rl.padding_free packs several completions into a row, and {', '.join(row_sums)} "
-                             "sums over a row's tokens (one completion's without packing): drop one of them")
 
     def _check_adaptive_entropy(self) -> None:
         """The controller's flags are read only with it; its bounds must hold the start."""

@@ -297,10 +297,9 @@ class RLTrainer(TrainingLoop):
                 "titan.rl.controller.build_rl_loop (the titan rl command does): it splits the launch into "
                 "trainer and generator ranks before the engine is built"
             )
-        if cfg.rl.padding_free and (cfg.parallelism.pipeline_parallel_degree > 1
-                                    or cfg.parallelism.context_parallel_degree > 1):
-            raise ValueError("--rl.padding_free is not supported with pipeline or context parallel yet (packed rows "
-                             "would need a pipeline microbatch count or a document-aware CP split): drop it")
+        if cfg.rl.padding_free and not cfg.training.document_mask:
+            raise ValueError("--rl.padding_free packs several completions into a row, which must not see each other: "
+                             "drop --training.no_document_mask")
         # RL steps train on the rollout, so a global batch without a warm-up is refused, not ignored.
         if cfg.training.global_batch_size != -1 and not cfg.rl.sft_warmup_steps:
             raise ValueError(
@@ -512,7 +511,9 @@ class RLTrainer(TrainingLoop):
         several completions to a row (``pack_rows``), in microbatches of
         --training.local_batch_size packed rows (the last one as many as are left); every rank
         runs as many microbatches as the rank with the most (the others add one row of padding
-        each), so all run the same collectives."""
+        each), so all run the same collectives. Under pipeline parallel every microbatch has
+        exactly --training.local_batch_size rows (the stages' shapes are fixed), padding rows
+        filling the short ones."""
         cfg, dims = self.config, self.engine.parallel_dims
         first, count = share(len(rows), dims.dp_rank, dims.dp_world_size)
         packed = pack_rows(rows[first : first + count], seq_len=cfg.training.seq_len)
@@ -524,6 +525,8 @@ class RLTrainer(TrainingLoop):
             microbatches = int(most.item())
         groups = [packed[i : i + size] for i in range(0, len(packed), size)]  # the last one may be short
         groups += [[[]]] * (max(microbatches, 1) - len(groups))  # a row of padding only, for the collectives
+        if dims.pp_enabled:
+            groups = [group + [[]] * (size - len(group)) for group in groups]
         return [build_packed_batch(group, seq_len=cfg.training.seq_len, pad_id=self.tokenizer.pad_id)
                 for group in groups]
 

@@ -111,6 +111,41 @@ DEFAULT_CLIP: dict[str, tuple[float, float]] = {
 
 Stats = dict[str, torch.Tensor]
 
+Totals = Callable[[torch.Tensor], torch.Tensor]
+"""``totals(x)``: for a per-token ``[B, S]`` tensor, each token's total of ``x`` over its whole
+completion, broadcastable to ``[B, S]``: ``[B, 1]`` row sums when each row holds one
+completion (:func:`row_totals`), ``[B, S]`` per-token document sums when rows are packed
+(:func:`document_totals`). Differentiable; under context parallel summed over the ranks that
+hold the completion's other positions."""
+
+
+def row_totals(sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Totals:
+    """:data:`Totals` of rows holding one completion each: ``x.sum(-1, keepdim=True)``, summed
+    over the context-parallel ranks by ``sequence_sum`` when given."""
+    def totals(x: torch.Tensor) -> torch.Tensor:
+        row = x.sum(-1, keepdim=True)
+        return sequence_sum(row) if sequence_sum is not None else row
+
+    return totals
+
+
+def document_totals(document_ids: torch.Tensor, slots: int,
+                    sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Totals:
+    """:data:`Totals` of packed rows (``--rl.padding_free``): each token gets the sum over the
+    tokens of its own document (``document_ids`` ``[B, S]``, -1 on padding, which gets 0);
+    ``slots``: at least the documents a whole row can hold (its length), the same on every
+    context-parallel rank, whose shares are summed by ``sequence_sum``."""
+    inside = (document_ids >= 0)
+    index = document_ids.clamp(min=0)
+
+    def totals(x: torch.Tensor) -> torch.Tensor:
+        sums = x.new_zeros(x.shape[0], slots).scatter_add(1, index, x * inside.to(x.dtype))
+        if sequence_sum is not None:
+            sums = sequence_sum(sums)
+        return sums.gather(1, index) * inside.to(x.dtype)
+
+    return totals
+
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs."""
@@ -169,6 +204,7 @@ def importance_weights(
     mask_low: float = 0.0,
     mask_high: float = 0.0,
     sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    totals: Totals | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Detached weights ``[B, S]`` correcting the trainer/generator mismatch, and their stats.
 
@@ -181,16 +217,15 @@ def importance_weights(
     ``is_weight_max`` (the largest raw weight, a max not a sum). ``sequence_sum``: adds a
     ``[B, 1]`` per-row value over the ranks holding the rows' other positions (context
     parallel splits each row's tokens; a sequence's weight needs all of them); None: whole
-    rows are here."""
+    rows are here. ``totals`` (:data:`Totals`, in its place): a completion's sums, for packed
+    rows."""
     if level not in ("token", "sequence"):
         raise ValueError(f"--rl.is_level must be token, sequence or off, got {level!r}")
     mask = loss_mask.to(torch.float32)
     log_w = (old_logprobs.detach().float() - generator_logprobs.float()) * mask
     if level == "sequence":
-        row_log_w = log_w.sum(-1, keepdim=True)
-        if sequence_sum is not None:
-            row_log_w = sequence_sum(row_log_w)
-        log_w = row_log_w.expand_as(mask)
+        totals = totals or row_totals(sequence_sum)
+        log_w = totals(log_w).expand_as(mask)
     raw = torch.exp(log_w)
     keep = torch.ones_like(mask, dtype=torch.bool)
     if mask_low > 0:
@@ -226,16 +261,18 @@ def entropy_threshold(entropies: torch.Tensor, quantile: float) -> torch.Tensor:
 
 def off_policy_mask(logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, advantages: torch.Tensor,
                     loss_mask: torch.Tensor, threshold: float, *,
-                    sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                    sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    totals: Totals | None = None) -> torch.Tensor:
     """DeepSeek-V3.2's off-policy sequence mask, ``[B, S]`` of 0/1: 0 on a token whose
     advantage is negative when its completion's mean ``log pi_sampling - log pi`` over the
     loss tokens exceeds ``threshold`` (the policy has moved away from what it sampled and
     the sample is a bad one), 1 elsewhere. Detached. ``sequence_sum``: under context parallel,
-    the sum over the ranks holding the rows' other positions."""
-    row_sum = sequence_sum if sequence_sum is not None else (lambda x: x)
+    the sum over the ranks holding the rows' other positions. ``totals``: a completion's sums
+    (:data:`Totals`; packed rows)."""
+    totals = totals or row_totals(sequence_sum)
     mask = loss_mask.to(logprobs.dtype)
-    drift = ((sampling_logprobs - logprobs.detach()) * mask).sum(-1, keepdim=True)
-    mean_drift = row_sum(drift) / row_sum(mask.sum(-1, keepdim=True)).clamp(min=1)
+    drift = (sampling_logprobs - logprobs.detach()) * mask
+    mean_drift = totals(drift) / totals(mask).clamp(min=1)
     adv = _per_token(advantages.to(logprobs.dtype), logprobs)
     return 1.0 - ((adv < 0) & (mean_drift > threshold)).to(logprobs.dtype)
 
@@ -248,26 +285,25 @@ def sapo_gate(ratio: torch.Tensor, advantages: torch.Tensor, temperatures: tuple
     return torch.sigmoid(tau * (ratio - 1)) * 4 / tau
 
 
-def _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights, sequence_sum, dual_clip=0.0,
+def _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights, totals, dual_clip=0.0,
                 policy_mask=None, length_weighted=False):
     """GSPO's policy sum, the per-token weights of its KL and entropy terms (per-sequence token
     means) and its clipped tokens. Its ratio is a sequence's geometric mean of the token
-    ratios: under context parallel (``sequence_sum`` given) each rank holds a share of every
-    row's tokens, so the row sums are summed over the CP ranks (differentiably: the backward
-    sums the gradient back), and each rank counts its token share of each sequence's loss,
-    which sums to the whole over the ranks. ``length_weighted`` (luspo): a sequence's loss
-    counts once per token instead of once in all."""
-    row_sum = sequence_sum if sequence_sum is not None else (lambda x: x)
-    local_tokens = mask.sum(-1, keepdim=True)
-    lengths = row_sum(local_tokens.detach()).clamp(min=1)
-    seq_ratio = torch.exp(row_sum(log_ratio.sum(-1, keepdim=True)) / lengths)  # geometric mean
-    seq_adv = row_sum((adv * mask).sum(-1, keepdim=True).detach()) / lengths  # the completion's advantage
+    ratios: ``totals`` (:data:`Totals`) gives each completion's sums, whole under context
+    parallel (each rank holds a share of every row's tokens: the shares are summed
+    differentiably, the backward sums the gradient back) and per document in packed rows; each
+    rank counts its token share of each sequence's loss, which sums to the whole over the
+    ranks. ``length_weighted`` (luspo): a sequence's loss counts once per token instead of once
+    in all."""
+    lengths = totals(mask.detach()).clamp(min=1)
+    seq_ratio = torch.exp(totals(log_ratio) / lengths)  # geometric mean
+    seq_adv = totals((adv * mask).detach()) / lengths  # the completion's advantage
     seq_loss, seq_clipped = _clipped_surrogate(seq_ratio, seq_adv, eps_low, eps_high, is_cap, dual_clip)
     if is_weights is not None:  # the sequence's mean token weight (its weight, per sequence)
-        seq_loss = seq_loss * row_sum((is_weights.detach() * mask).sum(-1, keepdim=True)) / lengths
+        seq_loss = seq_loss * totals(is_weights.detach() * mask) / lengths
     # Each token carries its sequence's loss / length: this rank's share (all of it without CP),
     # less the tokens --rl.top_entropy_quantile leaves out.
-    carrying = local_tokens if policy_mask is None else (mask * policy_mask).sum(-1, keepdim=True)
+    carrying = mask if policy_mask is None else mask * policy_mask
     per_token = 1 if length_weighted else 1 / lengths
     policy_sum = (seq_loss * carrying * per_token).sum()
     return policy_sum, mask * per_token, seq_clipped.expand_as(mask) * mask
@@ -304,6 +340,7 @@ def policy_loss(
     entropy_coef: float = 0.0,
     sequence_lengths: torch.Tensor | None = None,
     sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    totals: Totals | None = None,
     dual_clip: float = 0.0,
     policy_mask: torch.Tensor | None = None,
     kl_bias_correction: bool = False,
@@ -314,7 +351,8 @@ def policy_loss(
     for the ``grpo`` weights when rows are split (context parallel). ``is_weights``
     (optional, ``[B, S]``, detached): per-token importance weights on the policy term.
     ``sequence_sum``: under context parallel, a differentiable sum over the ranks holding
-    the rows' other positions, for ``gspo``'s sequence ratio (:func:`_gspo_terms`).
+    the rows' other positions, for ``gspo``'s sequence ratio (:func:`_gspo_terms`);
+    ``totals`` (:data:`Totals`, in its place): a completion's sums, for packed rows.
     ``dual_clip`` C > 1 (0: off): a negative advantage's loss is at most ``-C A`` (verl's
     ``clip_ratio_c``, TRL's ``delta``), counted as clipped; cispo has its own weight clip.
     ``policy_mask`` (optional, ``[B, S]`` of 0/1): the tokens that carry the policy term
@@ -333,7 +371,7 @@ def policy_loss(
 
     if loss_type in ("gspo", "luspo"):
         policy_sum, weights, clipped = _gspo_terms(log_ratio, adv, mask, eps_low, eps_high, is_cap, is_weights,
-                                                   sequence_sum, dual_clip, policy_mask,
+                                                   totals or row_totals(sequence_sum), dual_clip, policy_mask,
                                                    length_weighted=loss_type == "luspo")
     elif loss_type == "cispo":
         ratio = torch.exp(log_ratio)

@@ -16,7 +16,14 @@ from typing import Any
 import torch
 from titan.rl.config import RLSection
 from titan.rl.logprobs import token_entropy, token_logprobs
-from titan.rl.losses import importance_weights, off_policy_mask, policy_loss
+from titan.rl.losses import (
+    Totals,
+    document_totals,
+    importance_weights,
+    off_policy_mask,
+    policy_loss,
+    row_totals,
+)
 
 SUMMED_STATS: tuple[str, ...] = (
     "tokens", "clipped", "kl", "entropy", "completion_tokens", "logprob_diff_sum", "is_weight", "is_capped",
@@ -48,19 +55,30 @@ class RolloutLoss:
     generator's log-probs were taken at, and ``--training.loss_chunk_tokens``.
     ``sequence_sum``: a differentiable sum of a per-row value over the context-parallel ranks
     (each holds a share of every row's tokens), for a sequence's importance weight
-    (``--rl.is_level sequence``) and GSPO's sequence ratio; None without context parallel."""
+    (``--rl.is_level sequence``) and GSPO's sequence ratio; None without context parallel.
+    ``slots``: the most completions a row can hold (its length): with ``--rl.padding_free`` a
+    completion's sums are taken per document (:func:`document_totals`) in that many slots."""
 
     def __init__(self, rl: RLSection, *, temperature: float, chunk_tokens: int,
-                 sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None, slots: int = 0) -> None:
         self.rl, self.temperature, self.chunk_tokens = rl, temperature, chunk_tokens
-        self.sequence_sum = sequence_sum
+        self.sequence_sum, self.slots = sequence_sum, slots
         self.entropy_coef = rl.entropy_coef  # the controller moves it under --rl.adaptive_entropy
 
     @classmethod
     def on_engine(cls, engine: Any, rl: RLSection, *, temperature: float, chunk_tokens: int) -> RolloutLoss:
         """The loss of a run on ``engine`` (a ``TrainingEngine``): under context parallel a
         sequence's importance weight and GSPO's sequence ratio sum over the CP ranks."""
-        return cls(rl, temperature=temperature, chunk_tokens=chunk_tokens, sequence_sum=engine.sequence_sum)
+        return cls(rl, temperature=temperature, chunk_tokens=chunk_tokens, sequence_sum=engine.sequence_sum,
+                   slots=engine.seq_len)
+
+    def totals(self, batch: Mapping[str, torch.Tensor]) -> Totals:
+        """Each completion's sums (:data:`~titan.rl.losses.Totals`) in ``batch``: per document
+        of its packed rows with ``--rl.padding_free``, else per row."""
+        if self.rl.padding_free:
+            document_ids = batch["document_ids"]
+            return document_totals(document_ids, max(self.slots, document_ids.shape[-1]), self.sequence_sum)
+        return row_totals(self.sequence_sum)
 
     def label_logprobs(self, logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs (fp32, 0 off the labels) of the label tokens, and the label mask. Logits
@@ -86,13 +104,15 @@ class RolloutLoss:
         if threshold is None:
             return high_entropy, {}
         keep = off_policy_mask(logp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"], threshold,
-                               sequence_sum=self.sequence_sum)
+                               totals=self.totals(batch))
         masked = ((1 - keep) * batch["loss_mask"].to(keep.dtype)).sum()
         return (keep if high_entropy is None else keep * high_entropy), {"off_policy_masked": masked}
 
-    def ratio_terms(self, before_update: torch.Tensor, generator: torch.Tensor, loss_mask: torch.Tensor):
+    def ratio_terms(self, before_update: torch.Tensor, generator: torch.Tensor, loss_mask: torch.Tensor,
+                    totals: Totals | None = None):
         """What the PPO ratio is taken against, the importance weights, the ratio cap and the
-        weights' stats, for --rl.old_logprobs (trainer: decoupled; generator: bypass)."""
+        weights' stats, for --rl.old_logprobs (trainer: decoupled; generator: bypass).
+        ``totals``: the batch's completion sums (default: one completion per row)."""
         rl = self.rl
         if rl.old_logprobs == "generator":
             return generator, None, rl.is_cap if rl.is_level == "token" else 0.0, {}
@@ -100,7 +120,7 @@ class RolloutLoss:
             return before_update, None, 0.0, {}
         weights, stats = importance_weights(
             before_update, generator, loss_mask, level=rl.is_level, cap=rl.is_cap,
-            mask_low=rl.is_mask_low, mask_high=rl.is_mask_high, sequence_sum=self.sequence_sum,
+            mask_low=rl.is_mask_low, mask_high=rl.is_mask_high, totals=totals or row_totals(self.sequence_sum),
         )
         return before_update, weights, 0.0, stats
 
@@ -127,7 +147,8 @@ class RolloutLoss:
             generator = batch["old_logprobs"]
             rows = batch["row_index"][:, 0] if "row_index" in batch else None
             before_update = trainer_old[rows] if trainer_old is not None else logp.detach()
-            old, is_weights, is_cap, is_stats = self.ratio_terms(before_update, generator, batch["loss_mask"])
+            totals = self.totals(batch)
+            old, is_weights, is_cap, is_stats = self.ratio_terms(before_update, generator, batch["loss_mask"], totals)
             ref = batch.get("ref_logprobs")
             keep, keep_stats = self.policy_mask(logp, batch, policy_mask[rows] if policy_mask is not None else None)
             loss, stats = policy_loss(
@@ -138,7 +159,7 @@ class RolloutLoss:
                 kl_coef=rl.kl_coef if ref is not None else 0.0,
                 kl_estimator=rl.kl_estimator, entropy=entropy, entropy_coef=entropy_coef,
                 sequence_lengths=batch["sequence_lengths"] if rl.loss_type in ("grpo", "sapo") else None,
-                sequence_sum=self.sequence_sum, dual_clip=rl.dual_clip,
+                totals=totals, dual_clip=rl.dual_clip,
                 policy_mask=keep, kl_bias_correction=rl.kl_bias_correction,
                 sapo_temperatures=(rl.sapo_temperature_pos, rl.sapo_temperature_neg),
             )
