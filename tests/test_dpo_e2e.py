@@ -39,6 +39,11 @@ LAYOUTS = {
     "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
             "--training.local_batch_size", "4"],
 }
+ONE_PROCESS = {
+    "one": ["--training.local_batch_size", "4"],
+    # two microbatches of 2 rows per step: the pairs' normalizer spans them
+    "accumulate2": ["--training.local_batch_size", "2"],
+}
 COMPARED = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margins", "logps_chosen", "logps_rejected")
 HELD_OUT = ("validation_loss", "validation_rewards_margins", "validation_logps_chosen")
 
@@ -52,8 +57,8 @@ def runs(build_once):
     """The one-process run and every two-rank layout, each launch once per session."""
 
     def one(folder: Path) -> None:
-        launch_train_runs(1, [("one", [*COMMON, "--training.local_batch_size", "4", "--job.dump_folder",
-                                       str(folder / "one")])], folder / "launch.log", command="dpo")
+        launch_train_runs(1, [(name, [*COMMON, *flags, "--job.dump_folder", str(folder / name)])
+                              for name, flags in ONE_PROCESS.items()], folder / "launch.log", command="dpo")
 
     def two(folder: Path) -> None:
         launch_train_runs(2, [(name, [*COMMON, *flags, "--job.dump_folder", str(folder / name)])
@@ -75,14 +80,17 @@ def test_every_layout_trains_like_one_process(runs):
     assert first["loss"] == pytest.approx(math.log(2) + 0.2 * chosen_nll, rel=1e-5)
     assert want[-1]["rewards_margins"] > 0 and want[-1]["loss"] < want[0]["loss"]
     assert [r["validation_pairs"] for r in want if "validation_loss" in r] == [10, 10]
-    for layout in LAYOUTS:
-        got = _records(two_folder / layout)
+    runs = {layout: two_folder / layout for layout in LAYOUTS} | {"accumulate2": one_folder / "accumulate2"}
+    for layout, folder in runs.items():
+        got = _records(folder)
         assert [r["step"] for r in got] == [r["step"] for r in want], layout
         for g, w in zip(got, want, strict=True):
             assert g["pairs"] == w["pairs"], layout
             for key in COMPARED + (HELD_OUT if "validation_loss" in w else ()):
                 assert g[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (layout, g["step"], key)
-        assert "reference log-probs of" in run_output(two_folder / "launch.log", layout)
+        launch = (two_folder if layout in LAYOUTS else one_folder) / "launch.log"
+        assert "reference log-probs of" in run_output(launch, layout)
+        assert "reward accuracy" in run_output(launch, layout)
 
 
 @pytest.mark.slow

@@ -372,6 +372,19 @@ class DPOTrainer(Trainer):
         self._stats.zero_()
         return {**super().log_extras(), **self.reduce_stats(stats)}
 
+    def _log(self, result: StepResult, validation: dict[str, float] | None = None) -> dict[str, Any]:
+        """The step's record, and on the console a line of its pair statistics (the progress
+        line shows the loss only)."""
+        record = super()._log(result, validation)
+        if self.is_rank0:
+            held_out = ("" if "validation_loss" not in record else
+                        f" | held-out: loss {record['validation_loss']:.4f}  reward accuracy "
+                        f"{record['validation_rewards_accuracies']:.3f}  margin {record['validation_rewards_margins']:.3f}")
+            logger.info("step %d: reward accuracy %.3f  margin %.3f  chosen %.3f  rejected %.3f (%d pairs)%s",
+                        record["step"], record["rewards_accuracies"], record["rewards_margins"],
+                        record["rewards_chosen"], record["rewards_rejected"], record["pairs"], held_out)
+        return record
+
     def reduce_stats(self, stats: torch.Tensor, prefix: str = "") -> dict[str, float]:
         """``stats`` (this rank's sums) summed over the mesh, as means over the pairs
         (``pairs``: their count). Collective."""
