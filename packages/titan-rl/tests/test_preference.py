@@ -106,3 +106,22 @@ def test_bad_settings_name_the_flag(kwargs, needle):
     one = torch.zeros(1)
     with pytest.raises(ValueError, match=needle):
         preference_loss(one, one, one, one, **kwargs)
+
+
+def test_kto_by_hand_each_side_of_the_reference_point():
+    from titan.rl.preference import kto_loss
+
+    policy = torch.tensor([-1.0, -2.0], requires_grad=True)
+    reference = torch.tensor([-1.5, -1.8])  # log-ratios 0.5 (desirable) and -0.2 (undesirable)
+    kl = torch.tensor(0.1)
+    losses, rewards = kto_loss(policy, reference, torch.tensor([True, False]), kl, beta=0.1,
+                               desirable_weight=1.0, undesirable_weight=1.5)
+    assert losses.tolist() == pytest.approx([1 - sigmoid(0.1 * (0.5 - 0.1)), 1.5 * (1 - sigmoid(0.1 * (0.1 + 0.2)))])
+    assert rewards.tolist() == pytest.approx([0.05, -0.02])
+    losses.sum().backward()
+    # d/dr of 1 - sigmoid(beta (r - kl)) is -beta s(1 - s): the desirable log-prob rises; the
+    # undesirable's loss rises with r, so its gradient is positive (the log-prob falls)
+    s_d, s_u = sigmoid(0.04), sigmoid(0.03)
+    assert policy.grad.tolist() == pytest.approx([-0.1 * s_d * (1 - s_d), 1.5 * 0.1 * s_u * (1 - s_u)])
+    with pytest.raises(ValueError, match="KTO weights"):
+        kto_loss(policy, reference, torch.tensor([True, False]), kl, undesirable_weight=0.0)

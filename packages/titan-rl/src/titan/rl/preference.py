@@ -143,5 +143,36 @@ def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, *, mean:
     return summed / mask.sum(-1).clamp(min=1) if mean else summed
 
 
-__all__ = ["LABEL_SMOOTHING_LOSSES", "MEAN_LOGPROB_LOSSES", "PREFERENCE_LOSSES", "REFERENCE_FREE_LOSSES",
+
+def kto_loss(
+    policy: torch.Tensor,
+    reference: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KTO (Ethayarajh et al. 2024) per-example losses ``[B]`` of unpaired completions, and
+    their implicit rewards ``beta (log pi - log ref)`` (detached). With the log-ratio
+    ``r = log pi(y) - log ref(y)`` and the reference point ``kl`` (a detached scalar: the
+    policy's KL from the reference, estimated on mismatched prompt/completion pairs and
+    clamped at 0), a desirable completion (``desirable`` true) costs
+    ``desirable_weight (1 - sigmoid(beta (r - kl)))``, an undesirable one
+    ``undesirable_weight (1 - sigmoid(beta (kl - r)))``: each is pushed away from the
+    reference point on its own side. TRL's ``KTOConfig`` names."""
+    if beta <= 0:
+        raise ValueError(f"the KTO beta must be > 0, got {beta}")
+    if desirable_weight <= 0 or undesirable_weight <= 0:
+        raise ValueError(f"the KTO weights must be > 0, got {desirable_weight} and {undesirable_weight}")
+    ratio = policy - reference
+    kl = kl.detach()
+    desirable = desirable.bool()
+    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
+    return losses, (beta * ratio).detach()
+
+
+__all__ = ["LABEL_SMOOTHING_LOSSES", "MEAN_LOGPROB_LOSSES", "PREFERENCE_LOSSES", "REFERENCE_FREE_LOSSES", "kto_loss",
            "preference_loss", "sequence_logprobs"]
