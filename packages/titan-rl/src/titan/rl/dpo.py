@@ -176,6 +176,20 @@ class DPOTrainer(Trainer):
     (Hugging Face safetensors): those weights are the reference."""
 
     Config = DPOConfig
+    command = "dpo"
+    """The ``titan`` subcommand, for messages."""
+    method_section, data_section = "dpo", "dpo_data"
+    """The config sections of the loss (``--dpo.*``) and of the data (``--dpo_data.*``)."""
+
+    @property
+    def method(self) -> Any:
+        """The loss's section (``--dpo.*``)."""
+        return getattr(self.config, self.method_section)
+
+    @property
+    def data(self) -> PreferenceDataConfig:
+        """The data's section (``--dpo_data.*``)."""
+        return getattr(self.config, self.data_section)
 
     def __init__(self, config: DPOConfig, *, model_spec) -> None:
         super().__init__(config, model_spec=model_spec)
@@ -200,28 +214,29 @@ class DPOTrainer(Trainer):
         """Refuse the flags DPO cannot honour, naming them."""
         cfg = self.config
         training = cfg.training
+        command, data_flag = f"titan {self.command}", f"--{self.data_section}"
         if not training.document_mask:
-            raise ValueError("titan dpo packs a pair's chosen and rejected completions in one row, which must not "
-                             "see each other: drop --training.no_document_mask")
+            raise ValueError(f"{command} packs two sequences of an example in one row, which must not see each other: "
+                             "drop --training.no_document_mask")
         if training.loss_type != "nll":
-            raise ValueError(f"--training.loss_type {training.loss_type} is an SFT token loss; titan dpo's loss is "
-                             "--dpo.loss_type: drop it")
+            raise ValueError(f"--training.loss_type {training.loss_type} is an SFT token loss; {command} has its own "
+                             f"(--{self.method_section}.*): drop it")
         if cfg.validation.dataset != DatasetConfig():
-            raise ValueError("--validation.dataset.* is titan train's corpus; titan dpo scores held-out pairs: "
-                             "--dpo_data.eval_path (or the synthetic task's own)")
-        data = cfg.dpo_data
+            raise ValueError(f"--validation.dataset.* is titan train's corpus; {command} scores held-out examples: "
+                             f"{data_flag}.eval_path (or the synthetic task's own)")
+        data = self.data
         if cfg.validation.enable and data.resolved_format != "synthetic" and not data.eval_path:
-            raise ValueError("titan dpo --validation.enable scores held-out pairs: set --dpo_data.eval_path")
+            raise ValueError(f"{command} --validation.enable scores held-out examples: set {data_flag}.eval_path")
         if data.eval_path and not cfg.validation.enable:
-            raise ValueError("--dpo_data.eval_path is scored by --validation.enable (every --validation.freq steps); "
-                             "add it, or drop the path")
+            raise ValueError(f"{data_flag}.eval_path is scored by --validation.enable (every --validation.freq "
+                             "steps); add it, or drop the path")
         if cfg.compile.enable and cfg.compile.components == ["loss"]:
-            raise ValueError("--compile.components loss compiles the cross-entropy, which titan dpo does not use: "
+            raise ValueError(f"--compile.components loss compiles the cross-entropy, which {command} does not use: "
                              "add model to the components, or drop --compile.enable")
 
     def validation_loader(self):
         """One pass over the held-out pairs per validation."""
-        return functools.partial(held_out_preference_batches, self.config.dpo_data, self.tokenizer)
+        return functools.partial(held_out_preference_batches, self.data, self.tokenizer)
 
     def build_dataloader(self):
         """This data-parallel rank's resumable loader of packed preference pairs."""
@@ -230,7 +245,7 @@ class DPOTrainer(Trainer):
     def _preference_loader(self, dp_rank: int, dp_world_size: int, local_batch_size: int | None = None):
         cfg = self.config
         return build_preference_dataloader(
-            cfg.dpo_data, self.tokenizer, dp_rank=dp_rank, dp_world_size=dp_world_size,
+            self.data, self.tokenizer, dp_rank=dp_rank, dp_world_size=dp_world_size,
             local_batch_size=local_batch_size or cfg.training.local_batch_size, seq_len=cfg.training.seq_len,
             seed=cfg.debug.seed)
 
@@ -248,7 +263,7 @@ class DPOTrainer(Trainer):
 
     def _with_reference(self, batch: dict[str, torch.Tensor], table: ReferenceLogprobs) -> dict[str, torch.Tensor]:
         values = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-        if self.config.dpo.uses_reference:
+        if self.method.uses_reference:
             docs = batch["document_ids"]
             slots = pair_slots(batch, self.slots)
             first = (batch["positions"] == 0) & (docs >= 0)
@@ -401,7 +416,7 @@ class DPOTrainer(Trainer):
     def run_steps(self, guard, profiler, records) -> bool:
         """Score the pairs with the reference first (a fresh run), or check that the restored
         scores cover the steps left (a resumed one); then :class:`Trainer`'s steps."""
-        if self.config.dpo.uses_reference:
+        if self.method.uses_reference:
             if self.step == 0 and not bool(self.reference.known.any()):
                 self.score_reference()
             else:
@@ -549,8 +564,7 @@ class DPOValidator:
 
     def num_pairs(self) -> int:
         """How many held-out pairs the data holds (the size of their reference table)."""
-        cfg = self.trainer.config
-        return len(build_preference_source(cfg.dpo_data, self.trainer.tokenizer, held_out=True))
+        return len(build_preference_source(self.trainer.data, self.trainer.tokenizer, held_out=True))
 
     def run(self) -> dict[str, float]:
         """One pass in eval mode: the mean pair loss and statistics over the held-out pairs."""
