@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -60,6 +60,11 @@ logger = logging.getLogger("titan")
 class PreferenceDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     """``--dpo_data.*``: the preference pairs (prompt, chosen, rejected) and how they become
     rows."""
+
+    SECTION: ClassVar[str] = "--dpo_data"
+    """The flags' section, for messages."""
+    FORMATS: ClassVar[tuple[str, ...]] = ("auto", "preference", "synthetic")
+    """The formats this data reads (the second: its file format)."""
 
     format: Literal["auto", "preference", "synthetic"] = "auto"
     """"preference": rows with ``chosen`` and ``rejected`` (and ``prompt``, unless both sides
@@ -96,32 +101,38 @@ class PreferenceDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     """Where ``datasets`` caches the parsed files (default: its own cache)."""
 
     def __post_init__(self) -> None:
-        if self.format not in ("auto", "preference", "synthetic"):
-            raise ValueError(f"--dpo_data.format must be auto, preference or synthetic, got {self.format!r}")
-        if self.resolved_format == "preference" and not self.path:
-            raise ValueError("--dpo_data.format preference reads files: set --dpo_data.path to a JSONL or Parquet "
-                             "file, directory, glob or Hub dataset")
-        if self.resolved_format == "synthetic":
+        section = self.SECTION
+        if self.format not in self.FORMATS:
+            raise ValueError(f"{section}.format must be one of {', '.join(self.FORMATS)}, got {self.format!r}")
+        reads_files = self.resolved_format != "synthetic"
+        if reads_files and not self.path:
+            raise ValueError(f"{section}.format {self.resolved_format} reads files: set {section}.path to a JSONL or "
+                             "Parquet file, directory, glob or Hub dataset")
+        if not reads_files:
             for flag in ("path", "eval_path"):
                 if getattr(self, flag):
-                    raise ValueError(f"--dpo_data.{flag} {getattr(self, flag)!r} is not read by --dpo_data.format "
-                                     "synthetic: drop it or set --dpo_data.format preference")
-            given = [f"--dpo_data.{name}" for name, default in _FILE_FLAGS.items() if getattr(self, name) != default]
+                    raise ValueError(f"{section}.{flag} {getattr(self, flag)!r} is not read by {section}.format "
+                                     f"synthetic: drop it or set {section}.format {self.FORMATS[1]}")
+            given = [f"{section}.{name}" for name, default in self.file_flags().items() if getattr(self, name) != default]
             if given:
-                raise ValueError(f"{', '.join(given)} describe preference files, and --dpo_data.format synthetic "
-                                 "reads none: drop them")
-        for flag in ("prompt_field", "chosen_field", "rejected_field"):
-            if not getattr(self, flag):
-                raise ValueError(f"--dpo_data.{flag} is empty; name the column to read")
+                raise ValueError(f"{', '.join(given)} describe data files, and {section}.format synthetic reads "
+                                 "none: drop them")
+        for flag in self.file_flags():
+            if flag.endswith("_field") and not getattr(self, flag):
+                raise ValueError(f"{section}.{flag} is empty; name the column to read")
         if self.chat_template not in ("auto", "tokenizer", "builtin"):
-            raise ValueError(f"--dpo_data.chat_template must be auto, tokenizer or builtin, got {self.chat_template!r}")
-        renders_chats = self.resolved_format == "preference"
-        check_template_kwargs(self.chat_template_kwargs, "--dpo_data", self.chat_template,
-                              renders_chats=renders_chats, fmt=self.resolved_format)
-        check_template_path(self.chat_template_path, "--dpo_data", self.chat_template,
-                            renders_chats=renders_chats, fmt=self.resolved_format)
-        self.check_synthetic_task("--dpo_data")
-        self.check_record_splits("--dpo_data", reads_files=self.resolved_format == "preference")
+            raise ValueError(f"{section}.chat_template must be auto, tokenizer or builtin, got {self.chat_template!r}")
+        check_template_kwargs(self.chat_template_kwargs, section, self.chat_template,
+                              renders_chats=reads_files, fmt=self.resolved_format)
+        check_template_path(self.chat_template_path, section, self.chat_template,
+                            renders_chats=reads_files, fmt=self.resolved_format)
+        self.check_synthetic_task(section)
+        self.check_record_splits(section, reads_files=reads_files)
+
+    @classmethod
+    def file_flags(cls) -> dict[str, object]:
+        """The flags only a data file reads, and their defaults."""
+        return dict(_FILE_FLAGS)
 
     @property
     def resolved_format(self) -> str:
@@ -215,11 +226,12 @@ class FilePreferenceSource(PreferenceSource):
     """The rows of a preference file (or Hub dataset), encoded as the module docstring says."""
 
     def __init__(self, dataset, cfg: PreferenceDataConfig, tokenizer: Tokenizer, template: ChatTemplate | None,
-                 *, flag: str = "--dpo_data.path") -> None:
+                 *, flag: str | None = None) -> None:
         self.cfg, self.tokenizer, self.template = cfg, tokenizer, template
+        flag = flag or f"{cfg.SECTION}.path"
         self.where = f"{flag} {(cfg.eval_path if flag.endswith('eval_path') else cfg.path)!r}"
         columns = dataset.column_names
-        missing = [f"{name!r} (--dpo_data.{flag})" for flag, name in
+        missing = [f"{name!r} ({cfg.SECTION}.{flag})" for flag, name in
                    (("chosen_field", cfg.chosen_field), ("rejected_field", cfg.rejected_field)) if name not in columns]
         if missing:
             raise ValueError(f"{self.where}: rows have no {' or '.join(missing)} column (columns: "
@@ -227,7 +239,7 @@ class FilePreferenceSource(PreferenceSource):
                              "completion: fix the file or name the columns")
         self.has_prompt = cfg.prompt_field in columns
         if not self.has_prompt and cfg.prompt_field != "prompt":
-            raise ValueError(f"{self.where}: rows have no {cfg.prompt_field!r} column (--dpo_data.prompt_field; "
+            raise ValueError(f"{self.where}: rows have no {cfg.prompt_field!r} column ({cfg.SECTION}.prompt_field; "
                              f"columns: {', '.join(columns)})")
         keep = [cfg.prompt_field] * self.has_prompt + [cfg.chosen_field, cfg.rejected_field]
         self.dataset = dataset.select_columns(keep)
@@ -272,13 +284,13 @@ def build_preference_source(cfg: PreferenceDataConfig, tokenizer: Tokenizer, *, 
     if cfg.resolved_format == "synthetic":
         return SyntheticPreferenceTask(cfg, tokenizer, held_out=held_out)
     if held_out and not cfg.eval_path:
-        raise ValueError("held-out preference pairs need --dpo_data.eval_path")
-    flag = "--dpo_data.eval_path" if held_out else "--dpo_data.path"
+        raise ValueError(f"held-out examples need {cfg.SECTION}.eval_path")
+    flag = f"{cfg.SECTION}.eval_path" if held_out else f"{cfg.SECTION}.path"
     dataset = load_records(cfg.eval_path if held_out else cfg.path, flag=flag, held_out=held_out,
                            split=cfg.eval_split if held_out else cfg.split, subset=cfg.subset, cache_dir=cfg.cache_dir)
     template = resolve_chat_template(
         cfg.chat_template, tokenizer, template_path=cfg.chat_template_path,
-        variables=parse_template_kwargs(cfg.chat_template_kwargs, "--dpo_data.chat_template_kwargs"))
+        variables=parse_template_kwargs(cfg.chat_template_kwargs, f"{cfg.SECTION}.chat_template_kwargs"))
     return FilePreferenceSource(dataset, cfg, tokenizer, template, flag=flag)
 
 
@@ -328,14 +340,16 @@ class PreferenceDataLoader(SFTDataLoader):
     pairs left out."""
 
     KIND = "preference data loader"
+    section = "--dpo_data"
+    """The data flags' section, for messages."""
 
     def measured_against(self) -> dict[str, tuple[object, str]]:
         """The rows' length, the pairs, their order and packing."""
         return {
             "seq_len": (self.packer.seq_len, "--training.seq_len"),
-            "num_examples": (self.num_examples, "data (--dpo_data.path, --dpo_data.synthetic_*)"),
-            "shuffle": (self.packer.shuffle, "--dpo_data.shuffle / --dpo_data.no_shuffle"),
-            "packing": (self.packer.packing, "--dpo_data.packing / --dpo_data.no_packing"),
+            "num_examples": (self.num_examples, f"data ({self.section}.path, {self.section}.synthetic_*)"),
+            "shuffle": (self.packer.shuffle, f"{self.section}.shuffle / {self.section}.no_shuffle"),
+            "packing": (self.packer.packing, f"{self.section}.packing / {self.section}.no_packing"),
         }
 
     def check_compatible(self, state: dict[str, object]) -> None:
@@ -354,7 +368,9 @@ def build_preference_dataloader(
     packer = PreferencePacker(source, seq_len=seq_len, pad_id=tokenizer.pad_id, packing=cfg.packing, overlong="drop",
                               shuffle=cfg.shuffle, seed=seed)
     batches = SFTBatches(packer, local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
-    return PreferenceDataLoader(batches, dp_rank=dp_rank, dp_world_size=dp_world_size, num_examples=len(source))
+    loader = PreferenceDataLoader(batches, dp_rank=dp_rank, dp_world_size=dp_world_size, num_examples=len(source))
+    loader.section = cfg.SECTION
+    return loader
 
 
 def held_out_preference_batches(
