@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from titan.rl.config import RLConfig
 from titan.rl.dpo import DPOConfig
+from titan.rl.kto import KTOConfig
 from titan.train.config import TrainerConfig
 from titan.train.sft import SFTConfig
 
@@ -323,7 +324,27 @@ def dpo_debug() -> DPOConfig:
     return cfg
 
 
-RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig | RLConfig | DPOConfig]] = {
+def kto_debug() -> KTOConfig:
+    """KTO of the tiny debug model on the synthetic sort task (no download): right answers
+    labelled desirable, near misses (the last letter changed) undesirable, unpaired; the
+    reference the starting weights. rewards_margins grows from 0 (and kl, the reference point,
+    with the policy's drift)."""
+    cfg = KTOConfig()
+    cfg.model.name = "llama3"
+    cfg.model.flavor = "debugmodel_tiny"
+    cfg.tokenizer.kind = "byte"
+    cfg.kto_data.synthetic_task = "sort"
+    cfg.training.seq_len = 128
+    cfg.training.local_batch_size = 8
+    cfg.training.steps = 60
+    cfg.optimizer.lr = 1e-3
+    cfg.lr_scheduler.warmup_steps = 5
+    cfg.metrics.log_freq = 10
+    cfg.job.dump_folder = "./outputs/kto_debug"
+    return cfg
+
+
+RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig | RLConfig | DPOConfig | KTOConfig]] = {
     "llama3_debug": llama3_debug,
     "llama3_debug_synthetic": llama3_debug_synthetic,
     "llama3_1b": llama3_1b,
@@ -346,11 +367,12 @@ RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig | RLConfig | DPOConfig
     "sft_debug": sft_debug,
     "grpo_debug": grpo_debug,
     "dpo_debug": dpo_debug,
+    "kto_debug": kto_debug,
 }
 DEFAULT_RECIPE = "llama3_debug"
 
 
-def recipe(name: str) -> TrainerConfig | SFTConfig | RLConfig | DPOConfig:
+def recipe(name: str) -> TrainerConfig | SFTConfig | RLConfig | DPOConfig | KTOConfig:
     """The config of recipe ``name``; a ValueError lists the recipes otherwise."""
     try:
         return RECIPES[name]()

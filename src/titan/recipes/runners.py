@@ -45,7 +45,8 @@ class Runner:
 RUNNERS: dict[type, Runner] = {}
 """Config type -> runner; extended with :func:`register_runner`."""
 
-DEFAULT_RECIPES: dict[str, str] = {"train": DEFAULT_RECIPE, "sft": "sft_debug", "rl": "grpo_debug", "dpo": "dpo_debug"}
+DEFAULT_RECIPES: dict[str, str] = {"train": DEFAULT_RECIPE, "sft": "sft_debug", "rl": "grpo_debug", "dpo": "dpo_debug",
+                                  "kto": "kto_debug"}
 """The recipe each subcommand starts from when ``--config`` is not given."""
 
 
@@ -127,3 +128,20 @@ def _register_dpo() -> None:
 
 
 _register_dpo()
+
+
+def _build_kto(config) -> Loop:
+    from titan.rl.kto import KTOTrainer  # imported late: --help stays fast
+
+    from titan.recipes.families import model_spec_for
+
+    return KTOTrainer(config, model_spec=model_spec_for(config))
+
+
+def _register_kto() -> None:
+    from titan.rl.kto import KTOConfig
+
+    register_runner(KTOConfig, _build_kto, command="kto")
+
+
+_register_kto()

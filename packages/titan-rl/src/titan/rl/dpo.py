@@ -180,6 +180,8 @@ class DPOTrainer(Trainer):
     """The ``titan`` subcommand, for messages."""
     method_section, data_section = "dpo", "dpo_data"
     """The config sections of the loss (``--dpo.*``) and of the data (``--dpo_data.*``)."""
+    unit = "pairs"
+    """What the data's items are called in messages."""
 
     @property
     def method(self) -> Any:
@@ -278,17 +280,21 @@ class DPOTrainer(Trainer):
 
     # ---- sequence log-probs -------------------------------------------------------------
 
-    def _document_sums(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row and document slot (``[B, 2 * slots, 3]``, document d in slot d): the sums over
+    def _document_sums(self, logits: torch.Tensor, batch: dict[str, torch.Tensor],
+                       extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row and document slot (``[B, 2 * slots, C]``, document d in slot d): the sums over
         the document's tokens of (policy log-prob of its labels, labelled tokens, reference
-        log-prob), whole (summed over the context-parallel ranks, differentiably), and the same
-        sums over this rank's own tokens."""
+        log-prob[, ``extra``: a per-token value of the caller's]), whole (summed over the
+        context-parallel ranks, differentiably), and the same sums over this rank's own tokens."""
         labels = batch["labels"]
         valid = (labels >= 0).float()
         logp = token_logprobs(logits, labels.clamp(min=0), chunk_tokens=self.config.training.loss_chunk_tokens) * valid
-        values = torch.stack([logp, valid, batch["reference_logprobs"].to(logp.dtype)], dim=-1)
+        columns = [logp, valid, batch["reference_logprobs"].to(logp.dtype)]
+        if extra is not None:
+            columns.append(extra.to(logp.dtype))
+        values = torch.stack(columns, dim=-1)
         index = batch["document_ids"].clamp(min=0).unsqueeze(-1).expand_as(values)
-        local = torch.zeros(labels.shape[0], 2 * self.slots, 3, dtype=values.dtype, device=values.device)
+        local = torch.zeros(labels.shape[0], 2 * self.slots, len(columns), dtype=values.dtype, device=values.device)
         local = local.scatter_add(1, index, values * (batch["document_ids"] >= 0).unsqueeze(-1))
         sequence_sum = self.engine.sequence_sum
         return (sequence_sum(local) if sequence_sum is not None else local), local
@@ -449,7 +455,7 @@ class DPOTrainer(Trainer):
         loader.load_state_dict(self.dataloader.state_dict())
         training = (next(loader) for _ in range(self._remaining_microbatches()))
         forwards = self._score_into(self.reference, training)
-        message = f"reference log-probs of {int(self.reference.known.sum())} pairs"
+        message = f"reference log-probs of {int(self.reference.known.sum())} {self.unit}"
         if self.eval_reference is not None:
             forwards += self._score_into(self.eval_reference, self.validator.batches())
             message += f" and {int(self.eval_reference.known.sum())} held-out ones"

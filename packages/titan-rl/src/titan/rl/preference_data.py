@@ -25,10 +25,11 @@ counted (cutting one side would compare a finished answer with an unfinished one
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -65,6 +66,8 @@ class PreferenceDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
     """The flags' section, for messages."""
     FORMATS: ClassVar[tuple[str, ...]] = ("auto", "preference", "synthetic")
     """The formats this data reads (the second: its file format)."""
+    LABELLED: ClassVar[bool] = False
+    """Examples carry a desirable/undesirable label (KTO), batches a ``desirable`` key."""
 
     format: Literal["auto", "preference", "synthetic"] = "auto"
     """"preference": rows with ``chosen`` and ``rejected`` (and ``prompt``, unless both sides
@@ -158,6 +161,8 @@ class PreferencePair:
     chosen: SFTExample
     rejected: SFTExample
     index: int
+    label: bool | None = None
+    """KTO's examples: whether the first sequence is desirable (None for preference pairs)."""
 
     def __len__(self) -> int:
         return len(self.chosen) - 1 + len(self.rejected) - 1 + 1
@@ -201,9 +206,17 @@ class SyntheticPreferenceTask(PreferenceSource):
 
     def example(self, index: int) -> PreferencePair:
         """Pair ``index``: the right answer chosen, the near miss rejected."""
+        prompt, chosen, rejected = self.raw_pair(index)
+        return PreferencePair(self.encode(prompt, chosen), self.encode(prompt, rejected), index)
+
+    def raw_pair(self, index: int) -> tuple[str, str, str]:
+        """(prompt, chosen, rejected) of pair ``index``, as text."""
         prompt, answer = self.pairs[index]
-        return PreferencePair(encode_prompt_completion(prompt, answer, self.tokenizer),
-                              encode_prompt_completion(prompt, near_miss(answer), self.tokenizer), index)
+        return prompt, answer, near_miss(answer)
+
+    def encode(self, prompt: str, completion: str) -> SFTExample:
+        """One side, as SFT encodes a prompt/completion pair."""
+        return encode_prompt_completion(prompt, completion, self.tokenizer)
 
 
 def _as_sft_task(cfg: PreferenceDataConfig):
@@ -249,40 +262,69 @@ class FilePreferenceSource(PreferenceSource):
 
     def example(self, index: int) -> PreferencePair:
         """Row ``index`` encoded; a malformed row fails naming its index and what it needs."""
-        row = self.dataset[int(index)]
+        with self.naming_row(index):
+            prompt, chosen, rejected = self.raw_pair(index)
+            sides = [self.encode(prompt, side) for side in (chosen, rejected)]
+        return PreferencePair(sides[0], sides[1], int(index))
+
+    @contextlib.contextmanager
+    def naming_row(self, index: int):
+        """A ValueError inside names the row and what preference rows hold."""
         cfg = self.cfg
         try:
-            prompt = row[cfg.prompt_field] if self.has_prompt else None
-            chosen, rejected = row[cfg.chosen_field], row[cfg.rejected_field]
-            if prompt is None:
-                if not isinstance(chosen, list) or not isinstance(rejected, list):
-                    raise ValueError("without a prompt column, chosen and rejected must be whole conversations "
-                                     "(lists of messages) that share the prompt")
-                prompt, chosen, rejected = split_shared_prompt(chosen, rejected)
-                if not prompt:
-                    raise ValueError("chosen and rejected share no first message, so no prompt")
-            sides = [self._encode(prompt, side) for side in (chosen, rejected)]
+            yield
         except ValueError as e:
             raise ValueError(f"{self.where}: row {index}: {e}; preference rows hold {cfg.prompt_field!r}, "
                              f"{cfg.chosen_field!r} and {cfg.rejected_field!r}: all strings, or all lists of "
                              "{role, content} messages") from None
-        return PreferencePair(sides[0], sides[1], int(index))
 
-    def _encode(self, prompt, completion) -> SFTExample:
-        """One side: prompt/completion text, or the conversation prompt + completion."""
-        if isinstance(prompt, str) and isinstance(completion, str):
-            return encode_prompt_completion(prompt, completion, self.tokenizer)
-        if isinstance(prompt, list) and isinstance(completion, list):
-            return encode_chat([*prompt, *completion], self.tokenizer, template=self.template,
-                               trained_from=len(prompt))
-        raise ValueError("prompt and completions must be all strings or all lists of messages")
+    def raw_pair(self, index: int) -> tuple[Any, Any, Any]:
+        """(prompt, chosen, rejected) of row ``index`` as the file holds them (an implicit prompt
+        split off the two conversations)."""
+        cfg = self.cfg
+        row = self.dataset[int(index)]
+        prompt = row[cfg.prompt_field] if self.has_prompt else None
+        chosen, rejected = row[cfg.chosen_field], row[cfg.rejected_field]
+        if prompt is None:
+            if not isinstance(chosen, list) or not isinstance(rejected, list):
+                raise ValueError("without a prompt column, chosen and rejected must be whole conversations "
+                                 "(lists of messages) that share the prompt")
+            prompt, chosen, rejected = split_shared_prompt(chosen, rejected)
+            if not prompt:
+                raise ValueError("chosen and rejected share no first message, so no prompt")
+        return prompt, chosen, rejected
+
+    def encode(self, prompt, completion) -> SFTExample:
+        """One side (:func:`encode_completion`)."""
+        return encode_completion(prompt, completion, self.tokenizer, self.template)
+
+
+def encode_completion(prompt, completion, tokenizer: Tokenizer, template: ChatTemplate | None) -> SFTExample:
+    """A prompt and one completion: text as SFT encodes a prompt/completion pair, or the
+    conversation prompt + completion rendered with ``template``, the completion's turns trained."""
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return encode_prompt_completion(prompt, completion, tokenizer)
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return encode_chat([*prompt, *completion], tokenizer, template=template, trained_from=len(prompt))
+    raise ValueError("prompt and completions must be all strings or all lists of messages")
 
 
 def build_preference_source(cfg: PreferenceDataConfig, tokenizer: Tokenizer, *, held_out: bool = False
                             ) -> PreferenceSource:
     """The pairs ``cfg`` describes (``held_out``: its held-out pairs)."""
+    if cfg.LABELLED:  # KTO's examples (titan.rl.kto_data)
+        from titan.rl.kto_data import build_kto_source
+
+        return build_kto_source(cfg, tokenizer, held_out=held_out)
     if cfg.resolved_format == "synthetic":
         return SyntheticPreferenceTask(cfg, tokenizer, held_out=held_out)
+    dataset, template, flag = open_rows(cfg, tokenizer, held_out=held_out)
+    return FilePreferenceSource(dataset, cfg, tokenizer, template, flag=flag)
+
+
+def open_rows(cfg: PreferenceDataConfig, tokenizer: Tokenizer, *, held_out: bool = False):
+    """(the rows as a ``datasets.Dataset``, the chat template, the flag naming them) of the
+    data file ``cfg`` names (``held_out``: its eval_path)."""
     if held_out and not cfg.eval_path:
         raise ValueError(f"held-out examples need {cfg.SECTION}.eval_path")
     flag = f"{cfg.SECTION}.eval_path" if held_out else f"{cfg.SECTION}.path"
@@ -291,13 +333,16 @@ def build_preference_source(cfg: PreferenceDataConfig, tokenizer: Tokenizer, *, 
     template = resolve_chat_template(
         cfg.chat_template, tokenizer, template_path=cfg.chat_template_path,
         variables=parse_template_kwargs(cfg.chat_template_kwargs, f"{cfg.SECTION}.chat_template_kwargs"))
-    return FilePreferenceSource(dataset, cfg, tokenizer, template, flag=flag)
+    return dataset, template, flag
 
 
 class PreferencePacker(SFTPacker):
     """:class:`SFTPacker` over pairs: a pair is placed whole (its two sequences, chosen first,
     as two documents), and one that does not fit a row, or has a side without a trained token,
     is dropped and counted."""
+
+    labelled = False
+    """Rows carry ``desirable`` (1 on the tokens of an example labelled desirable): KTO's."""
 
     def _prepare(self, pair: PreferencePair) -> PreferencePair | None:
         if len(pair) - 1 > self.seq_len:
@@ -316,9 +361,11 @@ class PreferencePacker(SFTPacker):
         input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
         labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
         pair_index = np.full(self.seq_len, -1, dtype=np.int64)
+        desirable = np.zeros(self.seq_len, dtype=np.float32)
         starts = np.zeros(self.seq_len, dtype=bool)
         used = 0
         for pair in pairs:
+            start = used
             for side in pair.sides:
                 n = len(side) - 1
                 input_ids[used : used + n] = side.ids[:-1]
@@ -326,12 +373,16 @@ class PreferencePacker(SFTPacker):
                 pair_index[used : used + n] = pair.index
                 starts[used] = True
                 used += n
+            desirable[start:used] = float(bool(pair.label))
         if used < self.seq_len:
             starts[used] = True  # the padding tail: its own segment
         positions, document_ids = document_layout(starts[None])
         document_ids[0, used:] = -1
-        return {"input_ids": input_ids, "labels": labels, "positions": positions[0],
-                "document_ids": document_ids[0], "pair_index": pair_index}
+        row = {"input_ids": input_ids, "labels": labels, "positions": positions[0],
+               "document_ids": document_ids[0], "pair_index": pair_index}
+        if self.labelled:
+            row["desirable"] = desirable
+        return row
 
 
 class PreferenceDataLoader(SFTDataLoader):
@@ -367,6 +418,7 @@ def build_preference_dataloader(
     source = build_preference_source(cfg, tokenizer)
     packer = PreferencePacker(source, seq_len=seq_len, pad_id=tokenizer.pad_id, packing=cfg.packing, overlong="drop",
                               shuffle=cfg.shuffle, seed=seed)
+    packer.labelled = cfg.LABELLED
     batches = SFTBatches(packer, local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
     loader = PreferenceDataLoader(batches, dp_rank=dp_rank, dp_world_size=dp_world_size, num_examples=len(source))
     loader.section = cfg.SECTION
@@ -385,6 +437,7 @@ def held_out_preference_batches(
     source = build_preference_source(cfg, tokenizer, held_out=True)
     packer = PreferencePacker(source, seq_len=seq_len, pad_id=tokenizer.pad_id, packing=cfg.packing, overlong="drop",
                               shuffle=False, seed=0)
+    packer.labelled = cfg.LABELLED
     packer.single_pass = True
     batches = SFTBatches(packer, local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
     while not packer.exhausted:
@@ -404,6 +457,7 @@ __all__ = [
     "SyntheticPreferenceTask",
     "build_preference_dataloader",
     "build_preference_source",
+    "encode_completion",
     "held_out_preference_batches",
     "near_miss",
     "split_shared_prompt",

@@ -1,0 +1,152 @@
+"""KTO (``titan kto``): :class:`~titan.rl.dpo.DPOTrainer`'s loop on unpaired, labelled completions.
+
+Each example is a completion labelled desirable or not (:mod:`titan.rl.kto_data`), placed with
+a twin: its prompt followed by another example's completion. The loss
+(:func:`titan.rl.preference.kto_loss`) pushes a desirable completion's log-ratio to the
+reference above the reference point ``z0`` and an undesirable one's below it, where ``z0`` is
+the policy's KL from the reference estimated on the twins: the mean over the microbatch's
+twins on every data-parallel rank of ``log pi - log ref``, clamped at 0 and detached (as TRL
+computes it per batch, over its processes). Everything else is DPO's: the reference is the
+starting weights' log-probs of both sequences of every example, scored once before step 1 on
+the same layout and checkpointed; the loss is divided by the examples of the global batch.
+
+Metrics, TRL's names with ``_`` for ``/``: ``kl`` (``z0``, averaged over the microbatches),
+``rewards_chosen`` / ``rewards_rejected`` (mean implicit reward ``beta (log pi - log ref)`` of
+the desirable / undesirable examples), ``rewards_margins`` (their difference), ``logps_chosen``
+/ ``logps_rejected``, ``count_chosen`` / ``count_rejected`` and ``pairs`` (the examples).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from titan.rl.dpo import DPOTrainer
+from titan.rl.kto_data import KTODataConfig
+from titan.rl.preference import kto_loss
+from titan.train.config import RunConfig, TrainingConfig
+from titan.train.loop import StepResult
+
+logger = logging.getLogger("titan")
+
+KTO_STATS = ("examples", "count_chosen", "count_rejected", "rewards_chosen", "rewards_rejected", "logps_chosen",
+             "logps_rejected", "kl", "kl_batches")
+"""The step statistics: sums over examples (``kl``: over microbatches, ``kl_batches`` counts them)."""
+
+
+@dataclass(kw_only=True)
+class KTOSection:
+    """``--kto.*``: the KTO loss (TRL's ``KTOConfig`` names)."""
+
+    beta: float = 0.1
+    """The implicit reward's scale, ``beta (log pi - log ref)``."""
+    desirable_weight: float = 1.0
+    """The weight of a desirable example's loss (raise it when desirable examples are fewer)."""
+    undesirable_weight: float = 1.0
+    """The weight of an undesirable example's loss."""
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ValueError(f"--kto.beta must be > 0, got {self.beta}")
+        for flag in ("desirable_weight", "undesirable_weight"):
+            if not getattr(self, flag) > 0:
+                raise ValueError(f"--kto.{flag} must be > 0, got {getattr(self, flag)}")
+
+    uses_reference = True
+    """KTO always compares against the starting weights."""
+
+
+def _kto_training() -> TrainingConfig:
+    return TrainingConfig(document_mask=True)
+
+
+@dataclass(kw_only=True)
+class KTOConfig(RunConfig):
+    """A complete KTO run: the shared sections, the loss (``--kto.*``) and the labelled
+    completions (``--kto_data.*``); document masking on (required)."""
+
+    training: TrainingConfig = field(default_factory=_kto_training)
+    kto: KTOSection = field(default_factory=KTOSection)
+    kto_data: KTODataConfig = field(default_factory=KTODataConfig)
+
+
+class KTOTrainer(DPOTrainer):
+    """KTO on the DPO loop (module docstring): the examples and their twins are DPO's pairs,
+    the loss and statistics KTO's."""
+
+    Config = KTOConfig
+    command = "kto"
+    method_section, data_section = "kto", "kto_data"
+    unit = "examples (each with its twin)"
+
+    def _new_stats(self) -> torch.Tensor:
+        return torch.zeros(len(KTO_STATS), dtype=torch.float64, device=self.engine.device)
+
+    def _pair_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], *, global_pairs: torch.Tensor,
+                   global_chosen_tokens: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's share of the microbatch's summed example losses, and its statistics.
+        Collective over the data-parallel ranks (the reference point spans them)."""
+        del global_chosen_tokens  # no NLL term
+        kto = self.method
+        sums, local = self._document_sums(logits, batch, extra=batch["desirable"])
+        example, twin = sums[:, 0::2], sums[:, 1::2]
+        example_tokens, twin_tokens = example[..., 1], twin[..., 1]
+        valid = (example_tokens > 0) & (twin_tokens > 0)
+        z0 = self._reference_point((twin[..., 0] - twin[..., 2]).detach()[valid])
+        policy, reference = example[..., 0][valid], example[..., 2][valid]
+        desirable = example[..., 3][valid] > 0
+        losses, rewards = kto_loss(policy, reference, desirable, z0, beta=kto.beta,
+                                   desirable_weight=kto.desirable_weight, undesirable_weight=kto.undesirable_weight)
+        # Under context parallel each rank carries its token share of an example's loss.
+        local_tokens = local[..., 1].detach()
+        share = (local_tokens[:, 0::2] + local_tokens[:, 1::2])[valid] / (example_tokens + twin_tokens)[valid]
+        loss = (losses * share.detach()).sum()
+        self._add_stats(self._stats if stats is None else stats, rewards, policy.detach(), desirable, z0)
+        return loss
+
+    def _reference_point(self, twin_ratios: torch.Tensor) -> torch.Tensor:
+        """``z0``: the mean of the twins' log-ratios over this microbatch on every data-parallel
+        rank, clamped at 0 (collective; tensor- and context-parallel peers hold the same)."""
+        totals = torch.stack([twin_ratios.sum(), torch.tensor(float(twin_ratios.numel()), device=twin_ratios.device)])
+        totals = self.engine.sum_over(totals.double(), "dp")
+        return (totals[0] / totals[1].clamp(min=1)).clamp(min=0).to(twin_ratios.dtype)
+
+    @staticmethod
+    def _add_stats(stats: torch.Tensor, rewards: torch.Tensor, logps: torch.Tensor, desirable: torch.Tensor,
+                   z0: torch.Tensor) -> None:
+        good, bad = desirable, ~desirable
+        values = [torch.tensor(float(len(rewards)), device=rewards.device), good.sum(), bad.sum(), rewards[good].sum(),
+                  rewards[bad].sum(), logps[good].sum(), logps[bad].sum(), z0, torch.ones((), device=rewards.device)]
+        stats += torch.stack([v.double() for v in values])
+
+    def reduce_stats(self, stats: torch.Tensor, prefix: str = "") -> dict[str, float]:
+        """``stats`` summed over the mesh: means per kind of example, the mean ``kl``."""
+        if self.parallel_dims.pp_enabled:
+            stats = self.engine.sum_over(stats, "pp")
+        total = dict(zip(KTO_STATS, self.engine.sum_over(stats, "dp").tolist(), strict=True))
+        good, bad = max(total["count_chosen"], 1), max(total["count_rejected"], 1)
+        means = {"rewards_chosen": total["rewards_chosen"] / good, "rewards_rejected": total["rewards_rejected"] / bad,
+                 "logps_chosen": total["logps_chosen"] / good, "logps_rejected": total["logps_rejected"] / bad}
+        means["rewards_margins"] = means["rewards_chosen"] - means["rewards_rejected"]
+        # z0 is the same on every data-parallel rank: their mean over microbatches
+        means["kl"] = total["kl"] / max(total["kl_batches"], 1)
+        counts = {"pairs": int(total["examples"]), "count_chosen": int(total["count_chosen"]),
+                  "count_rejected": int(total["count_rejected"])}
+        return {f"{prefix}{name}": value for name, value in {**counts, **means}.items()}
+
+    def _log(self, result: StepResult, validation: dict[str, float] | None = None) -> dict[str, Any]:
+        """The step's record, and a console line of its KTO statistics."""
+        record = super(DPOTrainer, self)._log(result, validation)
+        if self.is_rank0:
+            held_out = ("" if "validation_loss" not in record else
+                        f" | held-out: loss {record['validation_loss']:.4f}  margin "
+                        f"{record['validation_rewards_margins']:.3f}")
+            logger.info("step %d: kl %.4f  reward chosen %.3f  rejected %.3f  margin %.3f (%d + %d examples)%s",
+                        record["step"], record["kl"], record["rewards_chosen"], record["rewards_rejected"],
+                        record["rewards_margins"], record["count_chosen"], record["count_rejected"], held_out)
+        return record
+
+
+__all__ = ["KTOConfig", "KTOSection", "KTOTrainer", "KTO_STATS"]

@@ -1,0 +1,144 @@
+"""`titan kto`: its data (unpaired rows, pairs unpaired, twins) and its loss through the loop,
+against a hand computation on unpacked sequences."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from titan.rl.kto import KTOConfig, KTOSection, KTOTrainer
+from titan.rl.kto_data import KL_SHIFT, KTODataConfig, build_kto_source
+from titan.rl.preference_data import build_preference_dataloader
+from titan.train.data.chat import encode_prompt_completion
+from titan.train.data.tokenizer import ByteTokenizer
+
+from titan.recipes.families import model_spec
+
+TOK = ByteTokenizer()
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_unpaired_rows_get_a_twin_from_another_prompt(tmp_path):
+    rows = [{"prompt": f"q{i}=", "completion": f"a{i}", "label": i % 2 == 0} for i in range(4)]
+    source = build_kto_source(KTODataConfig(path=_write(tmp_path / "u.jsonl", rows)), TOK)
+    assert len(source) == 4
+    example = source.example(1)
+    assert example.label is False
+    np.testing.assert_array_equal(example.chosen.ids, encode_prompt_completion("q1=", "a1", TOK).ids)
+    # the twin: this prompt, the completion of example 1 + KL_SHIFT
+    np.testing.assert_array_equal(example.rejected.ids, encode_prompt_completion("q1=", f"a{1 + KL_SHIFT}", TOK).ids)
+
+
+def test_preference_rows_are_unpaired_chosen_desirable_rejected_not(tmp_path):
+    rows = [{"prompt": f"q{i}=", "chosen": f"good{i}", "rejected": f"bad{i}"} for i in range(3)]
+    source = build_kto_source(KTODataConfig(path=_write(tmp_path / "p.jsonl", rows)), TOK)
+    assert len(source) == 6
+    texts = [(source.example(i).label, TOK.decode(source.example(i).chosen.ids.tolist()),
+              TOK.decode(source.example(i).rejected.ids.tolist())) for i in range(6)]
+    assert texts[0][0] is True and texts[0][1].endswith("q0=good0")
+    assert texts[1][0] is False and texts[1][1].endswith("q0=bad0")
+    # a twin never pairs a prompt with its own completions
+    assert texts[0][2].endswith("q0=good1") and texts[1][2].endswith("q0=bad1")
+
+
+def test_bad_unpaired_rows_and_flags_are_refused(tmp_path):
+    path = _write(tmp_path / "b.jsonl", [{"prompt": "p", "completion": "c", "label": "yes"}] * 3)
+    with pytest.raises(ValueError, match="row 0.*not true or false"):
+        build_kto_source(KTODataConfig(path=path), TOK).example(0)
+    with pytest.raises(ValueError, match="--kto_data.label_field"):
+        KTODataConfig(label_field="ok")  # the synthetic task reads no file
+    with pytest.raises(ValueError, match="--kto.undesirable_weight"):
+        KTOSection(undesirable_weight=0)
+
+
+def test_rows_carry_the_label_on_the_example_and_its_twin():
+    cfg = KTODataConfig(synthetic_examples=20)
+    batch = next(build_preference_dataloader(cfg, TOK, dp_rank=0, dp_world_size=1, local_batch_size=2, seq_len=128,
+                                             seed=0))
+    source = build_kto_source(cfg, TOK)
+    docs = batch["document_ids"]
+    for index in {int(i) for i in batch["pair_index"].unique() if i >= 0}:
+        tokens = batch["pair_index"] == index
+        assert (batch["desirable"][tokens] == float(source.example(index).label)).all()
+    assert (batch["desirable"][docs < 0] == 0).all()
+
+
+def _config(tmp_path, steps=2) -> KTOConfig:
+    cfg = KTOConfig()
+    cfg.model.name, cfg.model.flavor = "llama3", "debugmodel_tiny"
+    cfg.tokenizer.kind = "byte"
+    cfg.kto_data.synthetic_examples = 128
+    cfg.training.seq_len = 96
+    cfg.training.local_batch_size = 4
+    cfg.training.steps = steps
+    cfg.optimizer.lr = 3e-3
+    cfg.lr_scheduler.warmup_steps = 0
+    cfg.metrics.log_freq = 1
+    cfg.metrics.enable_progress_bar = False
+    cfg.job.dump_folder = str(tmp_path / "run")
+    cfg.kto.beta, cfg.kto.undesirable_weight = 0.5, 1.5
+    return cfg
+
+
+def _logprobs(model, pair) -> list[float]:
+    """The summed target log-probs of the example and of its twin, each from a plain forward
+    of the sequence alone."""
+    out = []
+    for side in pair.sides:
+        ids = torch.as_tensor(side.ids)[None]
+        with torch.no_grad():
+            logp = model(ids[:, :-1]).float().log_softmax(-1)[0].gather(-1, ids[0, 1:, None])[:, 0]
+        out.append(float(logp[torch.as_tensor(side.targets[1:])].sum()))
+    return out
+
+
+def _sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def test_kto_loss_of_a_batch_matches_a_hand_computation(tmp_path):
+    cfg = _config(tmp_path)
+    trainer = KTOTrainer(cfg, model_spec=model_spec("llama3"))
+    try:
+        start = copy.deepcopy(trainer.model_parts[0]).eval()
+        records = trainer.train()
+        # Step 1: the policy is the reference: every log-ratio and z0 are 0, each loss 1/2 x its weight.
+        first = records[0]
+        weights = (first["count_chosen"] * 1.0 + first["count_rejected"] * 1.5) / first["pairs"]
+        assert first["loss"] == pytest.approx(0.5 * weights, rel=1e-6) and first["kl"] == 0.0
+        source = build_kto_source(cfg.kto_data, trainer.tokenizer)
+        rows = trainer._with_rows(next(trainer.dataloader))
+        examples = sorted({int(i) for i in rows["pair_index"].unique() if i >= 0})
+        ref = {}
+        for index in examples:  # past the run's steps: the reference written in by hand, the
+            # twins' 2 nats lower, so that their mean log-ratio z0 is positive (not clamped)
+            ref[index] = [a - b for a, b in zip(_logprobs(start, source.example(index)), (0.0, 2.0), strict=True)]
+            trainer.reference.logprobs[index] = torch.tensor(ref[index], dtype=torch.float64)
+            trainer.reference.known[index] = True
+        batch = trainer._with_reference(rows, trainer.reference)
+        trainer.engine.train(False)
+        count = torch.tensor(float(len(examples)))
+        total = trainer.engine.forward_only(trainer.engine.to_device(batch), lambda logits, b: trainer._pair_loss(
+            logits, b, global_pairs=count, global_chosen_tokens=count))
+        policy = trainer.model_parts[0]
+        logps = {i: _logprobs(policy, source.example(i)) for i in examples}
+        z0 = max(0.0, sum(logps[i][1] - ref[i][1] for i in examples) / len(examples))
+        losses = []
+        for i in examples:
+            r = logps[i][0] - ref[i][0]
+            if source.example(i).label:
+                losses.append(1.0 * (1 - _sigmoid(0.5 * (r - z0))))
+            else:
+                losses.append(1.5 * (1 - _sigmoid(0.5 * (z0 - r))))
+        assert float(total) / len(examples) == pytest.approx(sum(losses) / len(losses), rel=1e-4)
+        assert z0 > 0  # the twins moved: the reference point is in play
+    finally:
+        trainer.close()
