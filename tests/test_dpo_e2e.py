@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 import pytest
-from launching import launch_train_runs, run_output
+from launching import RUNS_WORKER, launch_runs, run_output
 
 STEPS = 4
 COMMON = [
@@ -44,6 +44,21 @@ ONE_PROCESS = {
     # two microbatches of 2 rows per step: the pairs' normalizer spans them
     "accumulate2": ["--training.local_batch_size", "2"],
 }
+# KTO on the same loop: its reference point z0 (the twins' mean log-ratio) is reduced over the
+# data-parallel ranks inside the loss; the recipe's warm-up keeps it positive from step 2.
+KTO_COMMON = [
+    "--config", "kto_debug",
+    "--training.steps", str(STEPS),
+    "--training.seq_len", "64",
+    "--training.global_batch_size", "4",
+    "--kto_data.synthetic_eval_examples", "5",  # 10 held-out examples, scored at steps 2 and 4
+    "--kto.undesirable_weight", "1.5",
+    "--validation.enable", "--validation.freq", "2", "--validation.steps", "-1",
+    "--debug.deterministic",
+    "--metrics.log_freq", "1",
+    "--metrics.no_enable_progress_bar",
+]
+KTO_COMPARED = ("loss", "kl", "rewards_chosen", "rewards_rejected", "logps_chosen", "logps_rejected")
 COMPARED = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margins", "logps_chosen", "logps_rejected")
 HELD_OUT = ("validation_loss", "validation_rewards_margins", "validation_logps_chosen")
 
@@ -56,13 +71,16 @@ def _records(dump: Path) -> list[dict]:
 def runs(build_once):
     """The one-process run and every two-rank layout, each launch once per session."""
 
+    def launch(ranks: int, layouts: dict[str, list[str]], folder: Path) -> None:
+        runs = [[f"{command}_{name}", [*common, *flags, "--job.dump_folder", str(folder / f"{command}_{name}")], command]
+                for command, common in (("dpo", COMMON), ("kto", KTO_COMMON)) for name, flags in layouts.items()]
+        launch_runs(ranks, RUNS_WORKER, runs, folder / "launch.log")
+
     def one(folder: Path) -> None:
-        launch_train_runs(1, [(name, [*COMMON, *flags, "--job.dump_folder", str(folder / name)])
-                              for name, flags in ONE_PROCESS.items()], folder / "launch.log", command="dpo")
+        launch(1, ONE_PROCESS, folder)
 
     def two(folder: Path) -> None:
-        launch_train_runs(2, [(name, [*COMMON, *flags, "--job.dump_folder", str(folder / name)])
-                              for name, flags in LAYOUTS.items()], folder / "launch.log", command="dpo")
+        launch(2, LAYOUTS, folder)
 
     return build_once("dpo_one_process", one), build_once("dpo_two_ranks", two)
 
@@ -71,7 +89,7 @@ def runs(build_once):
 @pytest.mark.xdist_group("dpo_two_ranks")
 def test_every_layout_trains_like_one_process(runs):
     one_folder, two_folder = runs
-    want = _records(one_folder / "one")
+    want = _records(one_folder / "dpo_one")
     assert [r["step"] for r in want] == list(range(1, STEPS + 1))
     # Step 1: log 2 (the policy is the reference) plus 0.2 x the chosen tokens' mean NLL (a
     # synthetic pair's answers are equally long: half the step's label tokens are chosen).
@@ -80,7 +98,8 @@ def test_every_layout_trains_like_one_process(runs):
     assert first["loss"] == pytest.approx(math.log(2) + 0.2 * chosen_nll, rel=1e-5)
     assert want[-1]["rewards_margins"] > 0 and want[-1]["loss"] < want[0]["loss"]
     assert [r["validation_pairs"] for r in want if "validation_loss" in r] == [10, 10]
-    runs = {layout: two_folder / layout for layout in LAYOUTS} | {"accumulate2": one_folder / "accumulate2"}
+    runs = {f"dpo_{layout}": two_folder / f"dpo_{layout}" for layout in LAYOUTS}
+    runs["dpo_accumulate2"] = one_folder / "dpo_accumulate2"
     for layout, folder in runs.items():
         got = _records(folder)
         assert [r["step"] for r in got] == [r["step"] for r in want], layout
@@ -88,7 +107,7 @@ def test_every_layout_trains_like_one_process(runs):
             assert g["pairs"] == w["pairs"], layout
             for key in COMPARED + (HELD_OUT if "validation_loss" in w else ()):
                 assert g[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (layout, g["step"], key)
-        launch = (two_folder if layout in LAYOUTS else one_folder) / "launch.log"
+        launch = (one_folder if layout == "dpo_accumulate2" else two_folder) / "launch.log"
         assert "reference log-probs of" in run_output(launch, layout)
         assert "reward accuracy" in run_output(launch, layout)
 
@@ -142,3 +161,28 @@ def test_a_transformers_llama_starts_dpo_with_transformers_log_probs(tmp_path):
     assert first["logps_chosen"] == pytest.approx(sum(sums[0::2]) / len(pairs), rel=1e-5)
     assert first["logps_rejected"] == pytest.approx(sum(sums[1::2]) / len(pairs), rel=1e-5)
     assert first["rewards_margins"] == pytest.approx(0, abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("dpo_two_ranks")
+def test_kto_trains_like_one_process_in_every_layout(runs):
+    one_folder, two_folder = runs
+    want = _records(one_folder / "kto_one")
+    first = want[0]
+    # Step 1: every log-ratio and z0 are 0, so each loss is 1/2 x its weight
+    weighted = (first["count_chosen"] + 1.5 * first["count_rejected"]) / first["pairs"]
+    assert first["loss"] == pytest.approx(0.5 * weighted, rel=1e-6) and first["kl"] == 0
+    assert all(r["kl"] > 0 for r in want[1:])  # the reference point is in play from step 2
+    assert [r["validation_pairs"] for r in want if "validation_loss" in r] == [10, 10]
+    runs = {f"kto_{layout}": two_folder / f"kto_{layout}" for layout in LAYOUTS}
+    runs["kto_accumulate2"] = one_folder / "kto_accumulate2"
+    for layout, folder in runs.items():
+        got = _records(folder)
+        assert [r["step"] for r in got] == [r["step"] for r in want], layout
+        for g, w in zip(got, want, strict=True):
+            assert (g["count_chosen"], g["count_rejected"]) == (w["count_chosen"], w["count_rejected"]), layout
+            keys = KTO_COMPARED + (("validation_loss", "validation_kl") if "validation_loss" in w else ())
+            for key in keys:
+                # kl is a mean of differences of two ~40-nat float32 sums (a log-prob and its
+                # reference): their rounding (~4e-6) shows in it, not relative to its size
+                assert g[key] == pytest.approx(w[key], rel=2e-5, abs=1e-5), (layout, g["step"], key)

@@ -123,10 +123,11 @@ def test_kto_loss_of_a_batch_matches_a_hand_computation(tmp_path):
             ref[index] = [a - b for a, b in zip(_logprobs(start, source.example(index)), (0.0, 2.0), strict=True)]
             trainer.reference.logprobs[index] = torch.tensor(ref[index], dtype=torch.float64)
             trainer.reference.known[index] = True
-        batch = trainer._with_reference(rows, trainer.reference)
+        batch = trainer.engine.to_device(trainer._with_reference(rows, trainer.reference))
+        trainer.before_pass([batch])  # the reference point of this batch
         trainer.engine.train(False)
         count = torch.tensor(float(len(examples)))
-        total = trainer.engine.forward_only(trainer.engine.to_device(batch), lambda logits, b: trainer._pair_loss(
+        total = trainer.engine.forward_only(batch, lambda logits, b: trainer._pair_loss(
             logits, b, global_pairs=count, global_chosen_tokens=count))
         policy = trainer.model_parts[0]
         logps = {i: _logprobs(policy, source.example(i)) for i in examples}
@@ -139,6 +140,6 @@ def test_kto_loss_of_a_batch_matches_a_hand_computation(tmp_path):
             else:
                 losses.append(1.5 * (1 - _sigmoid(0.5 * (z0 - r))))
         assert float(total) / len(examples) == pytest.approx(sum(losses) / len(losses), rel=1e-4)
-        assert z0 > 0  # the twins moved: the reference point is in play
+        assert z0 > 0 and float(trainer._z0) == pytest.approx(z0, rel=1e-4)  # the reference point is in play
     finally:
         trainer.close()

@@ -342,6 +342,10 @@ class DPOTrainer(Trainer):
 
     # ---- the step -----------------------------------------------------------------------
 
+    def before_pass(self, microbatches: list[dict[str, torch.Tensor]]) -> None:
+        """What a loss needs from all of a step's (or a validation pass's) microbatches before
+        the first one's loss: nothing for DPO; KTO's reference point. Collective."""
+
     @staticmethod
     def _pair_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Pairs in a microbatch of whole rows: half its documents."""
@@ -359,6 +363,7 @@ class DPOTrainer(Trainer):
         global_counts = self.engine.sum_over(counts.clone(), "dp")
         global_pairs, global_tokens, global_chosen_tokens = global_counts.unbind()
         self._step_pairs = (counts[0], global_pairs)
+        self.before_pass(microbatches)
 
         def loss_fn(logits, batch):
             return self._pair_loss(logits, batch, global_pairs=global_pairs, global_chosen_tokens=global_chosen_tokens)
@@ -577,6 +582,7 @@ class DPOValidator:
         trainer, engine = self.trainer, self.trainer.engine
         stats = trainer._new_stats()
         batches = [engine.to_device(batch) for batch in trainer.held_out_batches()]
+        trainer.before_pass(batches)
         counts = torch.stack([torch.stack([trainer._pair_count(b).float(), count_valid_tokens(
             torch.where(b["document_ids"] % 2 == 0, b["labels"], -100)).float()]) for b in batches]).sum(0)
         pairs, chosen_tokens = engine.sum_over(counts, "dp").unbind()

@@ -4,13 +4,15 @@ Each example is a completion labelled desirable or not (:mod:`titan.rl.kto_data`
 a twin: its prompt followed by another example's completion. The loss
 (:func:`titan.rl.preference.kto_loss`) pushes a desirable completion's log-ratio to the
 reference above the reference point ``z0`` and an undesirable one's below it, where ``z0`` is
-the policy's KL from the reference estimated on the twins: the mean over the microbatch's
-twins on every data-parallel rank of ``log pi - log ref``, clamped at 0 and detached (as TRL
-computes it per batch, over its processes). Everything else is DPO's: the reference is the
+the policy's KL from the reference estimated on the twins: the mean over the step's twins on
+every data-parallel rank of ``log pi - log ref``, clamped at 0 and detached, from one no-grad
+forward of the step's microbatches before its update (TRL computes it per batch over its
+processes, in a forward of its own; here it is the whole global batch's, so it does not
+change with the microbatch, pipeline or rank split). Everything else is DPO's: the reference is the
 starting weights' log-probs of both sequences of every example, scored once before step 1 on
 the same layout and checkpointed; the loss is divided by the examples of the global batch.
 
-Metrics, TRL's names with ``_`` for ``/``: ``kl`` (``z0``, averaged over the microbatches),
+Metrics, TRL's names with ``_`` for ``/``: ``kl`` (``z0``, averaged over the logged steps),
 ``rewards_chosen`` / ``rewards_rejected`` (mean implicit reward ``beta (log pi - log ref)`` of
 the desirable / undesirable examples), ``rewards_margins`` (their difference), ``logps_chosen``
 / ``logps_rejected``, ``count_chosen`` / ``count_rejected`` and ``pairs`` (the examples).
@@ -81,20 +83,23 @@ class KTOTrainer(DPOTrainer):
     method_section, data_section = "kto", "kto_data"
     unit = "examples (each with its twin)"
 
+    _z0 = torch.zeros(())
+    """The reference point of the microbatches being trained or scored (``before_pass``)."""
+
     def _new_stats(self) -> torch.Tensor:
         return torch.zeros(len(KTO_STATS), dtype=torch.float64, device=self.engine.device)
 
     def _pair_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], *, global_pairs: torch.Tensor,
                    global_chosen_tokens: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's share of the microbatch's summed example losses, and its statistics.
-        Collective over the data-parallel ranks (the reference point spans them)."""
+        """This rank's share of the microbatch's summed example losses (against the reference
+        point ``before_pass`` set), and its statistics."""
         del global_chosen_tokens  # no NLL term
         kto = self.method
         sums, local = self._document_sums(logits, batch, extra=batch["desirable"])
         example, twin = sums[:, 0::2], sums[:, 1::2]
         example_tokens, twin_tokens = example[..., 1], twin[..., 1]
         valid = (example_tokens > 0) & (twin_tokens > 0)
-        z0 = self._reference_point((twin[..., 0] - twin[..., 2]).detach()[valid])
+        z0 = self._z0.to(example.dtype)
         policy, reference = example[..., 0][valid], example[..., 2][valid]
         desirable = example[..., 3][valid] > 0
         losses, rewards = kto_loss(policy, reference, desirable, z0, beta=kto.beta,
@@ -106,12 +111,35 @@ class KTOTrainer(DPOTrainer):
         self._add_stats(self._stats if stats is None else stats, rewards, policy.detach(), desirable, z0)
         return loss
 
-    def _reference_point(self, twin_ratios: torch.Tensor) -> torch.Tensor:
-        """``z0``: the mean of the twins' log-ratios over this microbatch on every data-parallel
-        rank, clamped at 0 (collective; tensor- and context-parallel peers hold the same)."""
-        totals = torch.stack([twin_ratios.sum(), torch.tensor(float(twin_ratios.numel()), device=twin_ratios.device)])
-        totals = self.engine.sum_over(totals.double(), "dp")
-        return (totals[0] / totals[1].clamp(min=1)).clamp(min=0).to(twin_ratios.dtype)
+    def before_pass(self, microbatches: list[dict[str, torch.Tensor]]) -> None:
+        """``z0`` for the microbatches about to train (or be scored): the mean over all of
+        them, on every data-parallel rank, of the twins' log-ratio to the reference, clamped at
+        0. One no-grad forward per microbatch (TRL runs its KL batch through the model too); a
+        whole step's, so it does not depend on how the step is split into microbatches,
+        pipeline microbatches or ranks. Collective."""
+        totals = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
+
+        def capture(logits, b):
+            sums, _ = self._document_sums(logits, b)
+            example, twin = sums[:, 0::2], sums[:, 1::2]
+            valid = (example[..., 1] > 0) & (twin[..., 1] > 0)
+            ratios = (twin[..., 0] - twin[..., 2])[valid]
+            totals.add_(torch.stack([ratios.sum().double(), torch.tensor(float(ratios.numel()), dtype=torch.float64,
+                                                                          device=ratios.device)]))
+            return torch.zeros((), device=logits.device)
+
+        training = self.engine.model_parts[0].training
+        self.engine.train(False)
+        try:
+            for batch in microbatches:
+                self.engine.forward_only(batch, capture)
+        finally:
+            self.engine.train(training)
+        if self.parallel_dims.pp_enabled:
+            totals = self.engine.sum_over(totals, "pp")  # only the last stage scored the twins
+        # Tensor- and context-parallel peers hold the same sums: data-parallel ranks only.
+        totals = self.engine.sum_over(totals, "dp")
+        self._z0 = (totals[0] / totals[1].clamp(min=1)).clamp(min=0).float()
 
     @staticmethod
     def _add_stats(stats: torch.Tensor, rewards: torch.Tensor, logps: torch.Tensor, desirable: torch.Tensor,
