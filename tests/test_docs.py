@@ -264,7 +264,7 @@ def test_a_stale_readme_command_is_caught():
     assert all(check_readme_command(command, args) for command, args, _ in commands)
 
 
-POST_TRAINING_FLAG = re.compile(r"--((?:rl|rl_data|sft_data|sampling|generator|dpo|dpo_data)\.[a-z0-9_]+)")
+POST_TRAINING_FLAG = re.compile(r"--((?:rl|rl_data|sft_data|sampling|generator|dpo|dpo_data|kto|kto_data)\.[a-z0-9_]+)")
 
 
 def post_training_flags_in_docs() -> dict[str, set[str]]:
@@ -289,11 +289,11 @@ def test_every_post_training_flag_the_docs_name_exists():
     from titan.recipes.cli import parse_train_args
 
     out = io.StringIO()
-    for command in ("sft", "rl", "dpo"):
+    for command in ("sft", "rl", "dpo", "kto"):
         with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             parse_train_args(["--help"], command=command)
     accepted = set(POST_TRAINING_FLAG.findall(out.getvalue()))
     assert {"rl.padding_free", "rl.no_drop_zero_variance", "sft_data.no_packing", "dpo.rpo_alpha",
-            "dpo_data.no_packing"} <= accepted
+            "dpo_data.no_packing", "kto.undesirable_weight", "kto_data.label_field"} <= accepted
     unknown = {flag: files for flag, files in post_training_flags_in_docs().items() if flag not in accepted}
     assert not unknown, unknown
