@@ -70,6 +70,10 @@ class KTODataConfig(PreferenceDataConfig):
         """The flags only a data file reads, and their defaults."""
         return {**_FILE_FLAGS, "completion_field": "completion", "label_field": "label"}
 
+    def source(self, tokenizer: Tokenizer, *, held_out: bool = False) -> KTOSource:
+        """KTO's examples (:func:`build_kto_source`)."""
+        return build_kto_source(self, tokenizer, held_out=held_out)
+
 
 class KTOSource(PreferenceSource):
     """Example ``i`` of a labelled source: its sequence and its twin (module docstring) as a

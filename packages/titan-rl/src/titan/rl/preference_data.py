@@ -137,6 +137,10 @@ class PreferenceDataConfig(SyntheticTaskConfig, RecordSplitsConfig):
         """The flags only a data file reads, and their defaults."""
         return dict(_FILE_FLAGS)
 
+    def source(self, tokenizer: Tokenizer, *, held_out: bool = False) -> PreferenceSource:
+        """The examples these flags describe (``held_out``: the held-out ones)."""
+        return preference_pairs(self, tokenizer, held_out=held_out)
+
     @property
     def resolved_format(self) -> str:
         """``synthetic`` for ``auto`` without a path, ``preference`` for ``auto`` with one."""
@@ -311,11 +315,13 @@ def encode_completion(prompt, completion, tokenizer: Tokenizer, template: ChatTe
 
 def build_preference_source(cfg: PreferenceDataConfig, tokenizer: Tokenizer, *, held_out: bool = False
                             ) -> PreferenceSource:
-    """The pairs ``cfg`` describes (``held_out``: its held-out pairs)."""
-    if cfg.LABELLED:  # KTO's examples (titan.rl.kto_data)
-        from titan.rl.kto_data import build_kto_source
+    """The pairs ``cfg`` describes (``held_out``: its held-out pairs): ``cfg.source``, which a
+    data config that extends this one (KTO's) overrides."""
+    return cfg.source(tokenizer, held_out=held_out)
 
-        return build_kto_source(cfg, tokenizer, held_out=held_out)
+
+def preference_pairs(cfg: PreferenceDataConfig, tokenizer: Tokenizer, *, held_out: bool = False) -> PreferenceSource:
+    """The preference pairs of ``cfg`` (the synthetic task's, or a file's)."""
     if cfg.resolved_format == "synthetic":
         return SyntheticPreferenceTask(cfg, tokenizer, held_out=held_out)
     dataset, template, flag = open_rows(cfg, tokenizer, held_out=held_out)
