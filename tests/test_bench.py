@@ -107,3 +107,11 @@ def test_bench_rl_packing_checks_both_sides_and_prints_a_ratio(capsys):
     out = capsys.readouterr().out
     assert "gradients agree" in out and "ratio padded/packed seconds" in out, out
     assert {name: len(s) for name, s in seconds.items()} == {"padded": 2, "packed": 2}
+
+
+def test_bench_dpo_packing_checks_both_sides_and_prints_a_ratio(capsys):
+    seconds = load("bench_dpo_packing").main(
+        "--flavor debugmodel_tiny --seq-len 96 --pairs 12 --max-len 8 --batch-size 4 --rounds 2".split())
+    out = capsys.readouterr().out
+    assert "gradients agree" in out and "ratio unpacked/packed seconds" in out, out
+    assert {name: len(s) for name, s in seconds.items()} == {"one pair per row": 2, "packed": 2}
