@@ -54,6 +54,9 @@ from titan.train.trainer import Trainer
 
 logger = logging.getLogger("titan")
 
+REFERENCE_PROGRESS_S = 30.0
+"""Seconds between the reference pass's progress lines (a long dataset's pass takes a while)."""
+
 STATS = ("pairs", "rewards_chosen", "rewards_rejected", "rewards_accuracies", "rewards_margins", "logps_chosen",
          "logps_rejected")
 """The step statistics, summed over pairs (``pairs`` counts them); logged as means."""
@@ -474,9 +477,14 @@ class DPOTrainer(Trainer):
         times = torch.zeros(len(table.known), dtype=torch.float64)
         counted = self._counts_pairs()
         forwards = 0
+        started = last_report = time.perf_counter()
         self.engine.train(False)  # no MoE balancing statistics from this pass
         try:
-            for batch in batches:
+            for read, batch in enumerate(batches, start=1):
+                if self.is_rank0 and time.perf_counter() - last_report > REFERENCE_PROGRESS_S:
+                    last_report = time.perf_counter()
+                    logger.info("reference pass: %d microbatches read, %d scored, %.1f s", read - 1, forwards,
+                                last_report - started)
                 batch = self._with_rows(batch)
                 slots = pair_slots(batch, self.slots)
                 needed = torch.tensor([float(bool(((slots >= 0) & (times[slots.clamp(min=0)] == 0)).any()))],
