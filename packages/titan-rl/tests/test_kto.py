@@ -55,6 +55,9 @@ def test_bad_unpaired_rows_and_flags_are_refused(tmp_path):
         build_kto_source(KTODataConfig(path=path), TOK).example(0)
     with pytest.raises(ValueError, match="--kto_data.label_field"):
         KTODataConfig(label_field="ok")  # the synthetic task reads no file
+    pairs = _write(tmp_path / "p.jsonl", [{"prompt": "p", "chosen": "c", "rejected": "r"}] * 3)
+    with pytest.raises(ValueError, match="--kto_data.completion_field 'answer' is read by --kto_data.format unpaired"):
+        build_kto_source(KTODataConfig(path=pairs, completion_field="answer"), TOK)
     with pytest.raises(ValueError, match="--kto.undesirable_weight"):
         KTOSection(undesirable_weight=0)
 

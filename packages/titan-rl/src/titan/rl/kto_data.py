@@ -141,6 +141,7 @@ def build_kto_source(cfg: KTODataConfig, tokenizer: Tokenizer, *, held_out: bool
     fmt = cfg.resolved_format
     if fmt == "auto":
         fmt = "unpaired" if cfg.label_field in dataset.column_names else "preference"
+    _refuse_unread_columns(cfg, fmt)
     if fmt == "preference":
         pairs = FilePreferenceSource(dataset, cfg, tokenizer, template, flag=flag)
         return KTOSource(2 * len(pairs), _unpaired(pairs), pairs.encode, lambda i: pairs.naming_row(i // 2))
@@ -148,6 +149,19 @@ def build_kto_source(cfg: KTODataConfig, tokenizer: Tokenizer, *, held_out: bool
     rows = UnpairedRows(dataset, cfg, where)
     return KTOSource(len(rows), rows.raw, functools.partial(encode_completion, tokenizer=tokenizer, template=template),
                      functools.partial(_naming, where, cfg=cfg))
+
+
+_READ_BY = {"unpaired": ("completion_field", "label_field"), "preference": ("chosen_field", "rejected_field")}
+"""The column flags only one file format reads."""
+
+
+def _refuse_unread_columns(cfg: KTODataConfig, fmt: str) -> None:
+    """A column flag of the other file format is refused, not ignored."""
+    for other, flags in _READ_BY.items():
+        for flag in flags:
+            if other != fmt and getattr(cfg, flag) != KTODataConfig.file_flags()[flag]:
+                raise ValueError(f"{cfg.SECTION}.{flag} {getattr(cfg, flag)!r} is read by {cfg.SECTION}.format {other}, "
+                                 f"and these rows are {fmt}: drop it")
 
 
 @contextlib.contextmanager
