@@ -61,6 +61,15 @@ def test_bad_rows_and_flags_are_refused_naming_what_to_fix(tmp_path):
                                                                                       "content": "x"}]}])
     with pytest.raises(ValueError, match="row 0"):
         build_preference_source(PreferenceDataConfig(path=mixed), TOK).example(0)
+    text = _write(tmp_path / "t.jsonl", [{"prompt": "p", "chosen": "c", "rejected": "r"}])
+    with pytest.raises(ValueError, match="--dpo_data.chat_template_kwargs sets a for a tokenizer's chat template"):
+        build_preference_source(PreferenceDataConfig(path=text, chat_template_kwargs='{"a": 1}'), TOK)
+    # (a template the tokenizer can render; the byte tokenizer cannot, so the check alone)
+    from titan.rl.preference_data import refuse_template_flags_for_text
+
+    with pytest.raises(ValueError, match="--dpo_data.chat_template_path sets a chat template, and the rows of x are"):
+        refuse_template_flags_for_text(PreferenceDataConfig(path=text, chat_template_path="t.jinja"), "text", "x")
+    refuse_template_flags_for_text(PreferenceDataConfig(path=text, chat_template_path="t.jinja"), [{}], "x")
     with pytest.raises(ValueError, match="--dpo_data.prompt_field"):
         PreferenceDataConfig(prompt_field="question")  # synthetic reads no file
     with pytest.raises(ValueError, match="--dpo_data.path"):

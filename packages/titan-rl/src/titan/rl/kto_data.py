@@ -32,6 +32,7 @@ from titan.rl.preference_data import (
     SyntheticPreferenceTask,
     encode_completion,
     open_rows,
+    refuse_template_flags_for_text,
 )
 from titan.train.data.tokenizer import Tokenizer
 
@@ -119,6 +120,8 @@ class UnpairedRows:
                              "completion and a boolean label: fix the file or name the columns")
         self.cfg, self.where = cfg, where
         self.dataset = dataset.select_columns([cfg.prompt_field, cfg.completion_field, cfg.label_field])
+        if len(self.dataset):
+            refuse_template_flags_for_text(cfg, self.dataset[0][cfg.completion_field], where)
 
     def __len__(self) -> int:
         return len(self.dataset)

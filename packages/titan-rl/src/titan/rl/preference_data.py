@@ -260,6 +260,9 @@ class FilePreferenceSource(PreferenceSource):
                              f"columns: {', '.join(columns)})")
         keep = [cfg.prompt_field] * self.has_prompt + [cfg.chosen_field, cfg.rejected_field]
         self.dataset = dataset.select_columns(keep)
+        if len(self.dataset):
+            first = self.dataset[0]
+            refuse_template_flags_for_text(cfg, first[cfg.chosen_field], self.where)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -303,6 +306,18 @@ class FilePreferenceSource(PreferenceSource):
         return encode_completion(prompt, completion, self.tokenizer, self.template)
 
 
+def refuse_template_flags_for_text(cfg: PreferenceDataConfig, completion: Any, where: str) -> None:
+    """Rows of text (a string ``completion``) are rendered by no chat template: the flags that
+    set one are refused, not ignored."""
+    if not isinstance(completion, str):
+        return
+    for option, what in (("chat_template_kwargs", "sets chat template variables"),
+                         ("chat_template_path", "sets a chat template")):
+        if getattr(cfg, option):
+            raise ValueError(f"{cfg.SECTION}.{option} {what}, and the rows of {where} are text, rendered by no "
+                             "template: drop it")
+
+
 def encode_completion(prompt, completion, tokenizer: Tokenizer, template: ChatTemplate | None) -> SFTExample:
     """A prompt and one completion: text as SFT encodes a prompt/completion pair, or the
     conversation prompt + completion rendered with ``template``, the completion's turns trained."""
@@ -337,7 +352,7 @@ def open_rows(cfg: PreferenceDataConfig, tokenizer: Tokenizer, *, held_out: bool
     dataset = load_records(cfg.eval_path if held_out else cfg.path, flag=flag, held_out=held_out,
                            split=cfg.eval_split if held_out else cfg.split, subset=cfg.subset, cache_dir=cfg.cache_dir)
     template = resolve_chat_template(
-        cfg.chat_template, tokenizer, template_path=cfg.chat_template_path,
+        cfg.chat_template, tokenizer, template_path=cfg.chat_template_path, section=cfg.SECTION,
         variables=parse_template_kwargs(cfg.chat_template_kwargs, f"{cfg.SECTION}.chat_template_kwargs"))
     return dataset, template, flag
 
