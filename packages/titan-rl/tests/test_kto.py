@@ -107,8 +107,10 @@ def _sigmoid(x: float) -> float:
     return 1 / (1 + math.exp(-x))
 
 
-def test_kto_loss_of_a_batch_matches_a_hand_computation(tmp_path):
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_kto_loss_of_a_batch_matches_a_hand_computation(tmp_path, loss_type):
     cfg = _config(tmp_path)
+    cfg.kto.loss_type = loss_type
     trainer = KTOTrainer(cfg, model_spec=model_spec("llama3"))
     try:
         start = copy.deepcopy(trainer.model_parts[0]).eval()
@@ -138,11 +140,16 @@ def test_kto_loss_of_a_batch_matches_a_hand_computation(tmp_path):
         losses = []
         for i in examples:
             r = logps[i][0] - ref[i][0]
-            if source.example(i).label:
+            if loss_type == "apo_zero_unpaired":  # no reference point
+                losses.append(1 - _sigmoid(0.5 * r) if source.example(i).label else 1.5 * _sigmoid(0.5 * r))
+            elif source.example(i).label:
                 losses.append(1.0 * (1 - _sigmoid(0.5 * (r - z0))))
             else:
                 losses.append(1.5 * (1 - _sigmoid(0.5 * (z0 - r))))
         assert float(total) / len(examples) == pytest.approx(sum(losses) / len(losses), rel=1e-4)
-        assert z0 > 0 and float(trainer._z0) == pytest.approx(z0, rel=1e-4)  # the reference point is in play
+        if loss_type == "kto":
+            assert z0 > 0 and float(trainer._z0) == pytest.approx(z0, rel=1e-4)  # the reference point is in play
+        else:
+            assert float(trainer._z0) == 0 and all(r["kl"] == 0 for r in records)
     finally:
         trainer.close()

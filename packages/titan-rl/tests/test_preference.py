@@ -123,5 +123,9 @@ def test_kto_by_hand_each_side_of_the_reference_point():
     # undesirable's loss rises with r, so its gradient is positive (the log-prob falls)
     s_d, s_u = sigmoid(0.04), sigmoid(0.03)
     assert policy.grad.tolist() == pytest.approx([-0.1 * s_d * (1 - s_d), 1.5 * 0.1 * s_u * (1 - s_u)])
+    # APO-zero, unpaired: no reference point (kl unread)
+    apo, _ = kto_loss(policy.detach(), reference, torch.tensor([True, False]), torch.tensor(9.0), beta=0.1,
+                      undesirable_weight=1.5, loss_type="apo_zero_unpaired")
+    assert apo.tolist() == pytest.approx([1 - sigmoid(0.05), 1.5 * sigmoid(-0.02)])
     with pytest.raises(ValueError, match="KTO weights"):
         kto_loss(policy, reference, torch.tensor([True, False]), kl, undesirable_weight=0.0)

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from titan.rl.dpo import DPOTrainer
 from titan.rl.kto_data import KTODataConfig
-from titan.rl.preference import kto_loss
+from titan.rl.preference import KTO_LOSSES, kto_loss
 from titan.train.config import RunConfig, TrainingConfig
 from titan.train.loop import StepResult
 
@@ -42,6 +42,10 @@ KTO_STATS = ("examples", "count_chosen", "count_rejected", "rewards_chosen", "re
 class KTOSection:
     """``--kto.*``: the KTO loss (TRL's ``KTOConfig`` names)."""
 
+    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
+    """kto: around the reference point (the policy's KL from the reference, from the twins);
+    apo_zero_unpaired: desirable log-ratios pushed up and undesirable ones down with no
+    reference point (no twin pass). TRL's names."""
     beta: float = 0.1
     """The implicit reward's scale, ``beta (log pi - log ref)``."""
     desirable_weight: float = 1.0
@@ -50,6 +54,8 @@ class KTOSection:
     """The weight of an undesirable example's loss."""
 
     def __post_init__(self) -> None:
+        if self.loss_type not in KTO_LOSSES:
+            raise ValueError(f"--kto.loss_type must be one of {', '.join(KTO_LOSSES)}, got {self.loss_type!r}")
         if not self.beta > 0:
             raise ValueError(f"--kto.beta must be > 0, got {self.beta}")
         for flag in ("desirable_weight", "undesirable_weight"):
@@ -58,6 +64,11 @@ class KTOSection:
 
     uses_reference = True
     """KTO always compares against the starting weights."""
+
+    @property
+    def uses_reference_point(self) -> bool:
+        """The loss reads the reference point (the twins' pass runs before each update)."""
+        return self.loss_type == "kto"
 
 
 def _kto_training() -> TrainingConfig:
@@ -102,7 +113,7 @@ class KTOTrainer(DPOTrainer):
         z0 = self._z0.to(example.dtype)
         policy, reference = example[..., 0][valid], example[..., 2][valid]
         desirable = example[..., 3][valid] > 0
-        losses, rewards = kto_loss(policy, reference, desirable, z0, beta=kto.beta,
+        losses, rewards = kto_loss(policy, reference, desirable, z0, beta=kto.beta, loss_type=kto.loss_type,
                                    desirable_weight=kto.desirable_weight, undesirable_weight=kto.undesirable_weight)
         # Under context parallel each rank carries its token share of an example's loss.
         local_tokens = local[..., 1].detach()
@@ -116,7 +127,10 @@ class KTOTrainer(DPOTrainer):
         them, on every data-parallel rank, of the twins' log-ratio to the reference, clamped at
         0. One no-grad forward per microbatch (TRL runs its KL batch through the model too); a
         whole step's, so it does not depend on how the step is split into microbatches,
-        pipeline microbatches or ranks. Collective."""
+        pipeline microbatches or ranks. Collective. Nothing (z0 = 0) for a loss without it."""
+        if not self.method.uses_reference_point:
+            self._z0 = torch.zeros((), device=self.engine.device)
+            return
         totals = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
 
         def capture(logits, b):

@@ -144,6 +144,10 @@ def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, *, mean:
 
 
 
+KTO_LOSSES: tuple[str, ...] = ("kto", "apo_zero_unpaired")
+"""The unpaired losses :func:`kto_loss` computes (TRL's ``KTOConfig.loss_type``)."""
+
+
 def kto_loss(
     policy: torch.Tensor,
     reference: torch.Tensor,
@@ -153,6 +157,7 @@ def kto_loss(
     beta: float = 0.1,
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
+    loss_type: str = "kto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KTO (Ethayarajh et al. 2024) per-example losses ``[B]`` of unpaired completions, and
     their implicit rewards ``beta (log pi - log ref)`` (detached). With the log-ratio
@@ -161,18 +166,26 @@ def kto_loss(
     clamped at 0), a desirable completion (``desirable`` true) costs
     ``desirable_weight (1 - sigmoid(beta (r - kl)))``, an undesirable one
     ``undesirable_weight (1 - sigmoid(beta (kl - r)))``: each is pushed away from the
-    reference point on its own side. TRL's ``KTOConfig`` names."""
+    reference point on its own side. ``loss_type="apo_zero_unpaired"`` (APO-zero, unpaired):
+    ``1 - sigmoid(beta r)`` and ``sigmoid(beta r)``, no reference point (``kl`` unread). TRL's
+    ``KTOConfig`` names."""
+    if loss_type not in KTO_LOSSES:
+        raise ValueError(f"the KTO loss_type must be one of {', '.join(KTO_LOSSES)}, got {loss_type!r}")
     if beta <= 0:
         raise ValueError(f"the KTO beta must be > 0, got {beta}")
     if desirable_weight <= 0 or undesirable_weight <= 0:
         raise ValueError(f"the KTO weights must be > 0, got {desirable_weight} and {undesirable_weight}")
     ratio = policy - reference
-    kl = kl.detach()
+    kl = kl.detach() if loss_type == "kto" else torch.zeros_like(kl)
     desirable = desirable.bool()
+    if loss_type == "apo_zero_unpaired":
+        losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * ratio)),
+                             undesirable_weight * torch.sigmoid(beta * ratio))
+        return losses, (beta * ratio).detach()
     losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
                          undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
     return losses, (beta * ratio).detach()
 
 
-__all__ = ["LABEL_SMOOTHING_LOSSES", "MEAN_LOGPROB_LOSSES", "PREFERENCE_LOSSES", "REFERENCE_FREE_LOSSES", "kto_loss",
+__all__ = ["LABEL_SMOOTHING_LOSSES", "MEAN_LOGPROB_LOSSES", "PREFERENCE_LOSSES", "REFERENCE_FREE_LOSSES", "KTO_LOSSES", "kto_loss",
            "preference_loss", "sequence_logprobs"]
