@@ -57,34 +57,42 @@ def _log_sigmoid(x: float) -> float:
     return -math.log1p(math.exp(-x))
 
 
+def _one_loss(loss_type: str, beta: float, pc, nc, pr, nr, rc, rr) -> float:
+    """One pair's loss of ``loss_type`` from its summed log-probs and token counts."""
+    if loss_type == "ipo":
+        h = (pc / nc - rc / nc) - (pr / nr - rr / nr)
+        return (h - 1 / (2 * beta)) ** 2
+    if loss_type == "orpo":  # mean log-probs, no reference
+        mc, mr = pc / nc, pr / nr
+        log_odds = (mc - math.log(1 - math.exp(mc))) - (mr - math.log(1 - math.exp(mr)))
+        return -beta * _log_sigmoid(log_odds)
+    if loss_type == "nca_pair":  # absolute implicit rewards, not only their margin
+        chosen, rejected = beta * (pc - rc), beta * (pr - rr)
+        return -_log_sigmoid(chosen) - 0.5 * _log_sigmoid(-chosen) - 0.5 * _log_sigmoid(-rejected)
+    assert loss_type == "sigmoid"
+    return -_log_sigmoid(beta * ((pc - rc) - (pr - rr)))
+
+
 def _hand_loss(policy, reference, pairs, source, dpo: DPOSection) -> float:
-    """The batch's mean DPO-family loss over ``pairs``, written out from the papers' formulas."""
+    """The batch's mean DPO-family loss over ``pairs``, written out from the papers' formulas
+    (several loss types: their weighted sum)."""
+    types = (dpo.loss_type,) if isinstance(dpo.loss_type, str) else tuple(dpo.loss_type)
+    weights = dpo.loss_weights or (1.0,) * len(types)
     losses, chosen_nll, chosen_tokens = [], 0.0, 0
     for index in pairs:
         pair = source.example(index)
         (pc, nc), (pr, nr) = (_sequence_logprob(policy, side) for side in pair.sides)
         (rc, _), (rr, _) = (_sequence_logprob(reference, side) for side in pair.sides)
         chosen_nll, chosen_tokens = chosen_nll - pc, chosen_tokens + nc
-        if dpo.loss_type == "ipo":
-            h = (pc / nc - rc / nc) - (pr / nr - rr / nr)
-            losses.append((h - 1 / (2 * dpo.beta)) ** 2)
-        elif dpo.loss_type == "orpo":  # mean log-probs, no reference
-            mc, mr = pc / nc, pr / nr
-            log_odds = (mc - math.log(1 - math.exp(mc))) - (mr - math.log(1 - math.exp(mr)))
-            losses.append(-dpo.beta * _log_sigmoid(log_odds))
-        elif dpo.loss_type == "nca_pair":  # absolute implicit rewards, not only their margin
-            chosen, rejected = dpo.beta * (pc - rc), dpo.beta * (pr - rr)
-            losses.append(-_log_sigmoid(chosen) - 0.5 * _log_sigmoid(-chosen) - 0.5 * _log_sigmoid(-rejected))
-        else:
-            h = (pc - rc) - (pr - rr)
-            losses.append(-_log_sigmoid(dpo.beta * h))
-    nll_weight = 1.0 if dpo.loss_type == "orpo" else dpo.rpo_alpha  # ORPO's objective has the NLL
+        losses.append(sum(w * _one_loss(t, dpo.beta, pc, nc, pr, nr, rc, rr) for t, w in zip(types, weights, strict=True)))
+    nll_weight = dpo.rpo_alpha + sum(w for t, w in zip(types, weights, strict=True) if t == "orpo")  # ORPO's NLL
     return sum(losses) / len(losses) + nll_weight * chosen_nll / chosen_tokens
 
 
 @pytest.mark.parametrize("dpo", [{}, {"loss_type": "ipo", "beta": 0.5}, {"rpo_alpha": 0.5},
-                                 {"loss_type": "nca_pair", "beta": 0.5}, {"loss_type": "orpo", "beta": 0.5}],
-                         ids=["sigmoid", "ipo", "rpo", "nca_pair", "orpo"])
+                                 {"loss_type": "nca_pair", "beta": 0.5}, {"loss_type": "orpo", "beta": 0.5},
+                                 {"loss_type": ("sigmoid", "ipo"), "loss_weights": (0.8, 0.2), "rpo_alpha": 0.3}],
+                         ids=["sigmoid", "ipo", "rpo", "nca_pair", "orpo", "weighted_sum"])
 def test_reference_and_loss_match_a_hand_computation(tmp_path, dpo):
     cfg = _config(tmp_path, **dpo)
     trainer = _trainer(cfg)
@@ -179,7 +187,14 @@ def test_flags_dpo_cannot_honour_are_refused(tmp_path):
         with pytest.raises(ValueError, match=match):
             _trainer(cfg)
     with pytest.raises(ValueError, match="label_smoothing"):
-        DPOSection(loss_type="hinge", label_smoothing=0.1)
+        DPOSection(loss_type=("hinge",), label_smoothing=0.1)
+    DPOSection(loss_type=("hinge", "sigmoid"), label_smoothing=0.1)  # sigmoid reads it
+    with pytest.raises(ValueError, match="one positive weight per --dpo.loss_type"):
+        DPOSection(loss_type=("sigmoid", "ipo"), loss_weights=(1.0,))
+    with pytest.raises(ValueError, match="at most once"):
+        DPOSection(loss_type=("sigmoid", "sigmoid"))
+    with pytest.raises(ValueError, match="simpo_gamma is read by --dpo.loss_type simpo"):
+        DPOSection(loss_type=("sigmoid", "ipo"), simpo_gamma=1.0)
     with pytest.raises(ValueError, match="beta"):
         DPOSection(beta=0)
 

@@ -69,13 +69,17 @@ class DPOSection:
     beta: float = 0.1
     """How far the policy may move from the reference: the implicit reward is
     ``beta (log pi - log ref)`` (for ipo, the margin's target is ``1 / (2 beta)``)."""
-    loss_type: Literal["sigmoid", "robust", "hinge", "ipo", "exo_pair", "nca_pair", "sppo_hard", "apo_zero",
-                       "apo_down", "discopop", "simpo", "orpo"] = "sigmoid"
+    loss_type: tuple[Literal["sigmoid", "robust", "hinge", "ipo", "exo_pair", "nca_pair", "sppo_hard", "apo_zero",
+                             "apo_down", "discopop", "simpo", "orpo"], ...] = ("sigmoid",)
     """sigmoid (DPO), robust (rDPO), hinge (SLiC), ipo (on per-token mean log-probs), exo_pair
     (EXO), nca_pair (NCA), sppo_hard (SPPO), apo_zero / apo_down (APO), discopop (DiscoPOP);
     without a reference (no reference pass), on mean log-probs: simpo (SimPO, TRL's CPO
-    trainer) and orpo (ORPO: the chosen NLL plus beta x its odds-ratio term). TRL's names,
-    formulas in titan.rl.preference."""
+    trainer) and orpo (ORPO: the chosen NLL plus beta x its odds-ratio term). Several
+    (TRL's list, e.g. ``sigmoid ipo``): their sum, weighted by --dpo.loss_weights (the logged
+    log-probs and rewards are the first one's). TRL's names, formulas in
+    titan.rl.preference."""
+    loss_weights: tuple[float, ...] | None = None
+    """One weight per --dpo.loss_type (None: 1 each), as TRL's ``loss_weights``."""
     label_smoothing: float = 0.0
     """The probability that a pair's preference is wrong (cDPO with sigmoid, rDPO with robust,
     EXO's label distribution with exo_pair); in [0, 0.5)."""
@@ -91,41 +95,67 @@ class DPOSection:
     RPO, TRL's ``rpo_alpha``): keeps the chosen answers likely."""
 
     def __post_init__(self) -> None:
-        if self.loss_type not in PREFERENCE_LOSSES:
-            raise ValueError(f"--dpo.loss_type must be one of {', '.join(PREFERENCE_LOSSES)}, got {self.loss_type!r}")
+        self.check()
+
+    def check(self) -> None:
+        """Refuse bad values and flags no chosen loss reads (also for a section changed after
+        it was built)."""
+        types = self.loss_types
+        unknown = [t for t in types if t not in PREFERENCE_LOSSES]
+        if not types or unknown or len(set(types)) != len(types):
+            raise ValueError(f"--dpo.loss_type must name each of {', '.join(PREFERENCE_LOSSES)} at most once (at least "
+                             f"one), got {' '.join(types)}")
+        if self.loss_weights is not None and (len(self.loss_weights) != len(types)
+                                              or any(w <= 0 for w in self.loss_weights)):
+            raise ValueError(f"--dpo.loss_weights {' '.join(map(str, self.loss_weights))} must be one positive weight "
+                             f"per --dpo.loss_type ({' '.join(types)})")
         if not self.beta > 0:
             raise ValueError(f"--dpo.beta must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"--dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
-        if self.label_smoothing and self.loss_type not in LABEL_SMOOTHING_LOSSES:
-            raise ValueError(f"--dpo.label_smoothing is read by --dpo.loss_type {', '.join(LABEL_SMOOTHING_LOSSES)}, "
-                             f"not {self.loss_type}: drop it")
-        if self.discopop_tau != DPOSection.discopop_tau and self.loss_type != "discopop":
-            raise ValueError(f"--dpo.discopop_tau is read by --dpo.loss_type discopop, not {self.loss_type}: drop it")
+        for flag, readers, changed in (
+            ("label_smoothing", LABEL_SMOOTHING_LOSSES, self.label_smoothing != 0),
+            ("discopop_tau", ("discopop",), self.discopop_tau != DPOSection.discopop_tau),
+            ("simpo_gamma", ("simpo",), self.simpo_gamma != DPOSection.simpo_gamma),
+        ):
+            if changed and not set(types) & set(readers):
+                raise ValueError(f"--dpo.{flag} is read by --dpo.loss_type {', '.join(readers)}, not "
+                                 f"{' '.join(types)}: drop it")
         if not self.discopop_tau > 0:
             raise ValueError(f"--dpo.discopop_tau must be > 0, got {self.discopop_tau}")
-        if self.simpo_gamma != DPOSection.simpo_gamma and self.loss_type != "simpo":
-            raise ValueError(f"--dpo.simpo_gamma is read by --dpo.loss_type simpo, not {self.loss_type}: drop it")
-        if self.loss_type == "orpo" and self.rpo_alpha:
+        if "orpo" in types and self.rpo_alpha:
             raise ValueError("--dpo.loss_type orpo already adds the chosen completions' NLL (weight 1, ORPO's "
                              "objective): drop --dpo.rpo_alpha")
         if self.rpo_alpha < 0:
             raise ValueError(f"--dpo.rpo_alpha must be >= 0, got {self.rpo_alpha}")
 
     @property
+    def loss_types(self) -> tuple[str, ...]:
+        """The loss types, a tuple (one given as a string counts as one)."""
+        return (self.loss_type,) if isinstance(self.loss_type, str) else tuple(self.loss_type)
+
+    @property
+    def weighted_losses(self) -> list[tuple[str, float]]:
+        """(loss type, weight) of each loss of the sum."""
+        weights = self.loss_weights or (1.0,) * len(self.loss_types)
+        return list(zip(self.loss_types, weights, strict=True))
+
+    @property
     def uses_means(self) -> bool:
-        """The loss compares per-token mean log-probs (ipo, simpo, orpo) rather than sums."""
-        return self.loss_type in MEAN_LOGPROB_LOSSES
+        """The first loss compares per-token mean log-probs (ipo, simpo, orpo) rather than sums:
+        the logged log-probs and rewards are means then."""
+        return self.loss_types[0] in MEAN_LOGPROB_LOSSES
 
     @property
     def uses_reference(self) -> bool:
-        """The loss compares against the starting weights (they score the pairs first)."""
-        return not self.reference_free and self.loss_type not in REFERENCE_FREE_LOSSES
+        """A loss compares against the starting weights (they score the pairs first)."""
+        return not self.reference_free and any(t not in REFERENCE_FREE_LOSSES for t in self.loss_types)
 
     @property
     def nll_weight(self) -> float:
-        """The weight of the chosen completions' NLL in the loss: ``rpo_alpha``, or 1 for orpo."""
-        return 1.0 if self.loss_type == "orpo" else self.rpo_alpha
+        """The weight of the chosen completions' NLL in the loss: ``rpo_alpha``, plus orpo's
+        (its weight in the sum)."""
+        return self.rpo_alpha + sum(weight for t, weight in self.weighted_losses if t == "orpo")
 
 
 def _dpo_training() -> TrainingConfig:
@@ -311,15 +341,18 @@ class DPOTrainer(Trainer):
         chosen, rejected = sums[:, 0::2], sums[:, 1::2]
         chosen_tokens, rejected_tokens = chosen[..., 1], rejected[..., 1]
         valid = (chosen_tokens > 0) & (rejected_tokens > 0)
-        policy = [side[..., 0] for side in (chosen, rejected)]
-        reference = [side[..., 2] for side in (chosen, rejected)]
-        if dpo.uses_means:  # ipo: per-token means
-            counts = [chosen_tokens.clamp(min=1), rejected_tokens.clamp(min=1)]
-            policy = [value / n for value, n in zip(policy, counts, strict=True)]
-            reference = [value / n for value, n in zip(reference, counts, strict=True)]
-        losses, rewards = preference_loss(policy[0][valid], policy[1][valid], reference[0][valid], reference[1][valid],
-                                          beta=dpo.beta, loss_type=dpo.loss_type, label_smoothing=dpo.label_smoothing,
-                                          discopop_tau=dpo.discopop_tau, simpo_gamma=dpo.simpo_gamma)
+        summed = [side[..., column][valid] for column in (0, 2) for side in (chosen, rejected)]
+        counts = [chosen_tokens[valid].clamp(min=1), rejected_tokens[valid].clamp(min=1)] * 2
+        means = [value / n for value, n in zip(summed, counts, strict=True)]  # ipo, simpo, orpo: per-token means
+        losses, rewards = 0, None
+        for loss_type, weight in dpo.weighted_losses:
+            values = means if loss_type in MEAN_LOGPROB_LOSSES else summed
+            part, part_rewards = preference_loss(
+                *values, beta=dpo.beta, loss_type=loss_type, discopop_tau=dpo.discopop_tau, simpo_gamma=dpo.simpo_gamma,
+                label_smoothing=dpo.label_smoothing if loss_type in LABEL_SMOOTHING_LOSSES else 0.0)
+            losses = losses + weight * part
+            rewards = part_rewards if rewards is None else rewards  # the first loss's
+        policy = means[:2] if dpo.uses_means else summed[:2]
         # Under context parallel each rank carries its token share of a pair's loss (the shares
         # sum to one pair loss; the sequence sum's backward brings every rank's gradient back).
         local_tokens = local[..., 1].detach()
@@ -328,8 +361,7 @@ class DPOTrainer(Trainer):
         if dpo.nll_weight:  # this rank's chosen tokens' NLL, a mean over the global batch's chosen tokens
             chosen_nll = -local[:, 0::2, 0].sum()
             loss = loss + dpo.nll_weight * chosen_nll * global_pairs / global_chosen_tokens.clamp(min=1)
-        self._accumulate(self._stats if stats is None else stats, rewards, policy[0][valid].detach(),
-                         policy[1][valid].detach())
+        self._accumulate(self._stats if stats is None else stats, rewards, policy[0].detach(), policy[1].detach())
         return loss
 
     @staticmethod
