@@ -11,14 +11,15 @@ measured against a frozen reference (the weights the run starts from; the losses
   every pair the run will train on, on the same engine and layout (one no-grad forward per
   microbatch of the run; TRL's ``precompute_ref_log_probs``), and the per-pair log-probs are
   checkpointed. No reference copy is held, so the reference costs no memory at any scale, and
-  at step 1 the policy's log-probs equal the reference's exactly (the sigmoid loss is log 2);
+  at step 1 the policy's log-probs equal the reference's up to summation order (the sigmoid
+  loss is log 2);
 - **the step**: each microbatch's pairs' sequence log-probs (a scatter over document ids;
   summed over the context-parallel ranks, differentiably), the loss per pair, summed and
   divided by the pairs of the whole global batch; ``--dpo.rpo_alpha`` adds the chosen
   completions' NLL (RPO), per token over the global batch;
 - **metrics** under TRL's names with ``_`` for ``/``: ``rewards_chosen``, ``rewards_rejected``,
   ``rewards_accuracies``, ``rewards_margins`` (the implicit rewards ``beta (log pi - log ref)``,
-  means over the step's pairs), ``logps_chosen``, ``logps_rejected`` and ``pairs``.
+  means over the pairs since the last log), ``logps_chosen``, ``logps_rejected`` and ``pairs``.
 """
 
 from __future__ import annotations
