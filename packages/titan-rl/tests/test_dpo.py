@@ -84,15 +84,18 @@ def _hand_loss(policy, reference, pairs, source, dpo: DPOSection) -> float:
         (pc, nc), (pr, nr) = (_sequence_logprob(policy, side) for side in pair.sides)
         (rc, _), (rr, _) = (_sequence_logprob(reference, side) for side in pair.sides)
         chosen_nll, chosen_tokens = chosen_nll - pc, chosen_tokens + nc
-        losses.append(sum(w * _one_loss(t, dpo.beta, pc, nc, pr, nr, rc, rr) for t, w in zip(types, weights, strict=True)))
-    nll_weight = dpo.rpo_alpha + sum(w for t, w in zip(types, weights, strict=True) if t == "orpo")  # ORPO's NLL
+        losses.append(sum(w * _one_loss(t, dpo.beta, pc, nc, pr, nr, rc, rr)
+                          for t, w in zip(types, weights, strict=True) if t != "sft"))
+    # the chosen NLL: rpo_alpha, ORPO's own, and sft's weight in a list
+    nll_weight = dpo.rpo_alpha + sum(w for t, w in zip(types, weights, strict=True) if t in ("orpo", "sft"))
     return sum(losses) / len(losses) + nll_weight * chosen_nll / chosen_tokens
 
 
 @pytest.mark.parametrize("dpo", [{}, {"loss_type": "ipo", "beta": 0.5}, {"rpo_alpha": 0.5},
                                  {"loss_type": "nca_pair", "beta": 0.5}, {"loss_type": "orpo", "beta": 0.5},
-                                 {"loss_type": ("sigmoid", "ipo"), "loss_weights": (0.8, 0.2), "rpo_alpha": 0.3}],
-                         ids=["sigmoid", "ipo", "rpo", "nca_pair", "orpo", "weighted_sum"])
+                                 {"loss_type": ("sigmoid", "ipo"), "loss_weights": (0.8, 0.2), "rpo_alpha": 0.3},
+                                 {"loss_type": ("ipo", "sft"), "loss_weights": (0.6, 0.4)}],
+                         ids=["sigmoid", "ipo", "rpo", "nca_pair", "orpo", "weighted_sum", "with_sft"])
 def test_reference_and_loss_match_a_hand_computation(tmp_path, dpo):
     cfg = _config(tmp_path, **dpo)
     trainer = _trainer(cfg)
@@ -191,6 +194,10 @@ def test_flags_dpo_cannot_honour_are_refused(tmp_path):
     DPOSection(loss_type=("hinge", "sigmoid"), label_smoothing=0.1)  # sigmoid reads it
     with pytest.raises(ValueError, match="one positive weight per --dpo.loss_type"):
         DPOSection(loss_type=("sigmoid", "ipo"), loss_weights=(1.0,))
+    with pytest.raises(ValueError, match="sft alone is supervised fine-tuning"):
+        DPOSection(loss_type=("sft",))
+    with pytest.raises(ValueError, match="add the same term"):
+        DPOSection(loss_type=("sigmoid", "sft"), rpo_alpha=0.5)
     with pytest.raises(ValueError, match="at most once"):
         DPOSection(loss_type=("sigmoid", "sigmoid"))
     with pytest.raises(ValueError, match="simpo_gamma is read by --dpo.loss_type simpo"):

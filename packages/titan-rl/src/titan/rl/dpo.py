@@ -71,14 +71,15 @@ class DPOSection:
     """How far the policy may move from the reference: the implicit reward is
     ``beta (log pi - log ref)`` (for ipo, the margin's target is ``1 / (2 beta)``)."""
     loss_type: tuple[Literal["sigmoid", "robust", "hinge", "ipo", "exo_pair", "nca_pair", "sppo_hard", "apo_zero",
-                             "apo_down", "discopop", "simpo", "orpo"], ...] = ("sigmoid",)
+                             "apo_down", "discopop", "simpo", "orpo", "sft"], ...] = ("sigmoid",)
     """sigmoid (DPO), robust (rDPO), hinge (SLiC), ipo (on per-token mean log-probs), exo_pair
     (EXO), nca_pair (NCA), sppo_hard (SPPO), apo_zero / apo_down (APO), discopop (DiscoPOP);
     without a reference (no reference pass), on mean log-probs: simpo (SimPO, TRL's CPO
     trainer) and orpo (ORPO: the chosen NLL plus beta x its odds-ratio term). Several
     (TRL's list, e.g. ``sigmoid ipo``): their sum, weighted by --dpo.loss_weights (the logged
-    log-probs and rewards are the first one's). TRL's names, formulas in
-    titan.rl.preference."""
+    log-probs and rewards are the first one's); ``sft`` in the list adds the chosen
+    completions' NLL with its weight (as MPO uses it; --dpo.rpo_alpha is the same term). TRL's
+    names, formulas in titan.rl.preference."""
     loss_weights: tuple[float, ...] | None = None
     """One weight per --dpo.loss_type (None: 1 each), as TRL's ``loss_weights``."""
     label_smoothing: float = 0.0
@@ -102,10 +103,16 @@ class DPOSection:
         """Refuse bad values and flags no chosen loss reads (also for a section changed after
         it was built)."""
         types = self.loss_types
-        unknown = [t for t in types if t not in PREFERENCE_LOSSES]
+        known = (*PREFERENCE_LOSSES, "sft")
+        unknown = [t for t in types if t not in known]
         if not types or unknown or len(set(types)) != len(types):
-            raise ValueError(f"--dpo.loss_type must name each of {', '.join(PREFERENCE_LOSSES)} at most once (at least "
-                             f"one), got {' '.join(types)}")
+            raise ValueError(f"--dpo.loss_type must name each of {', '.join(known)} at most once (at least one), got "
+                             f"{' '.join(types)}")
+        if types == ("sft",):
+            raise ValueError("--dpo.loss_type sft alone is supervised fine-tuning on the chosen answers: add a "
+                             "preference loss (e.g. sigmoid), or use titan sft")
+        if "sft" in types and self.rpo_alpha:
+            raise ValueError("--dpo.loss_type sft and --dpo.rpo_alpha add the same term (the chosen NLL): keep one")
         if self.loss_weights is not None and (len(self.loss_weights) != len(types)
                                               or any(w <= 0 for w in self.loss_weights)):
             raise ValueError(f"--dpo.loss_weights {' '.join(map(str, self.loss_weights))} must be one positive weight "
@@ -142,21 +149,26 @@ class DPOSection:
         return list(zip(self.loss_types, weights, strict=True))
 
     @property
+    def preference_losses(self) -> list[tuple[str, float]]:
+        """(loss type, weight) of the pair losses of the sum (``sft`` is the NLL term)."""
+        return [(t, weight) for t, weight in self.weighted_losses if t != "sft"]
+
+    @property
     def uses_means(self) -> bool:
-        """The first loss compares per-token mean log-probs (ipo, simpo, orpo) rather than sums:
-        the logged log-probs and rewards are means then."""
-        return self.loss_types[0] in MEAN_LOGPROB_LOSSES
+        """The first pair loss compares per-token mean log-probs (ipo, simpo, orpo) rather
+        than sums: the logged log-probs and rewards are means then."""
+        return self.preference_losses[0][0] in MEAN_LOGPROB_LOSSES
 
     @property
     def uses_reference(self) -> bool:
         """A loss compares against the starting weights (they score the pairs first)."""
-        return not self.reference_free and any(t not in REFERENCE_FREE_LOSSES for t in self.loss_types)
+        return not self.reference_free and any(t not in REFERENCE_FREE_LOSSES for t, _ in self.preference_losses)
 
     @property
     def nll_weight(self) -> float:
-        """The weight of the chosen completions' NLL in the loss: ``rpo_alpha``, plus orpo's
-        (its weight in the sum)."""
-        return self.rpo_alpha + sum(weight for t, weight in self.weighted_losses if t == "orpo")
+        """The weight of the chosen completions' NLL in the loss: ``rpo_alpha``, or sft's and
+        orpo's weights in the sum (ORPO's objective has it)."""
+        return self.rpo_alpha + sum(weight for t, weight in self.weighted_losses if t in ("orpo", "sft"))
 
 
 def _dpo_training() -> TrainingConfig:
@@ -346,7 +358,7 @@ class DPOTrainer(Trainer):
         counts = [chosen_tokens[valid].clamp(min=1), rejected_tokens[valid].clamp(min=1)] * 2
         means = [value / n for value, n in zip(summed, counts, strict=True)]  # ipo, simpo, orpo: per-token means
         losses, rewards = 0, None
-        for loss_type, weight in dpo.weighted_losses:
+        for loss_type, weight in dpo.preference_losses:
             values = means if loss_type in MEAN_LOGPROB_LOSSES else summed
             part, part_rewards = preference_loss(
                 *values, beta=dpo.beta, loss_type=loss_type, discopop_tau=dpo.discopop_tau, simpo_gamma=dpo.simpo_gamma,
