@@ -309,19 +309,7 @@ def dpo_debug() -> DPOConfig:
     chosen over a near miss (its last letter changed), the reference the starting weights
     (start from an SFT checkpoint with --checkpoint.initial_load_path); rewards_accuracies
     climbs from 0 toward 1."""
-    cfg = DPOConfig()
-    cfg.model.name = "llama3"
-    cfg.model.flavor = "debugmodel_tiny"
-    cfg.tokenizer.kind = "byte"
-    cfg.dpo_data.synthetic_task = "sort"
-    cfg.training.seq_len = 128
-    cfg.training.local_batch_size = 8
-    cfg.training.steps = 60
-    cfg.optimizer.lr = 1e-3
-    cfg.lr_scheduler.warmup_steps = 5
-    cfg.metrics.log_freq = 10
-    cfg.job.dump_folder = "./outputs/dpo_debug"
-    return cfg
+    return _preference_debug(DPOConfig(), "dpo_debug")
 
 
 def kto_debug() -> KTOConfig:
@@ -329,18 +317,22 @@ def kto_debug() -> KTOConfig:
     labelled desirable, near misses (the last letter changed) undesirable, unpaired; the
     reference the starting weights. rewards_margins grows from 0 (and kl, the reference point,
     with the policy's drift)."""
-    cfg = KTOConfig()
+    return _preference_debug(KTOConfig(), "kto_debug")
+
+
+def _preference_debug(cfg: DPOConfig | KTOConfig, name: str) -> DPOConfig | KTOConfig:
+    """``cfg`` (a DPO or KTO config) set up as the debug recipe ``name``: the tiny debug model
+    on the synthetic task (sort, the default), 60 steps on a CPU."""
     cfg.model.name = "llama3"
     cfg.model.flavor = "debugmodel_tiny"
     cfg.tokenizer.kind = "byte"
-    cfg.kto_data.synthetic_task = "sort"
     cfg.training.seq_len = 128
     cfg.training.local_batch_size = 8
     cfg.training.steps = 60
     cfg.optimizer.lr = 1e-3
     cfg.lr_scheduler.warmup_steps = 5
     cfg.metrics.log_freq = 10
-    cfg.job.dump_folder = "./outputs/kto_debug"
+    cfg.job.dump_folder = f"./outputs/{name}"
     return cfg
 
 

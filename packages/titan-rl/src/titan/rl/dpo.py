@@ -32,8 +32,8 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from titan.dist import reduce_max
 from titan.rl.logprobs import token_logprobs
+from titan.rl.losses import document_sums
 from titan.rl.preference import (
     LABEL_SMOOTHING_LOSSES,
     MEAN_LOGPROB_LOSSES,
@@ -338,10 +338,7 @@ class DPOTrainer(Trainer):
         columns = [logp, valid, batch["reference_logprobs"].to(logp.dtype)]
         if extra is not None:
             columns.append(extra.to(logp.dtype))
-        values = torch.stack(columns, dim=-1)
-        index = batch["document_ids"].clamp(min=0).unsqueeze(-1).expand_as(values)
-        local = torch.zeros(labels.shape[0], 2 * self.slots, len(columns), dtype=values.dtype, device=values.device)
-        local = local.scatter_add(1, index, values * (batch["document_ids"] >= 0).unsqueeze(-1))
+        local = document_sums(torch.stack(columns, dim=-1), batch["document_ids"], 2 * self.slots)
         sequence_sum = self.engine.sequence_sum
         return (sequence_sum(local) if sequence_sum is not None else local), local
 
@@ -428,16 +425,9 @@ class DPOTrainer(Trainer):
         return StepResult(rank_loss=rank_loss, rank_tokens=counts[1], tokens=global_tokens, grad_norm=grad_norm, lr=lr,
                           rank_aux_loss=self.engine.aux_loss_share())
 
-    def global_loss(self, result: StepResult) -> tuple[float, float]:
-        """(mean over the global batch's pairs, max over data-parallel ranks of their own pairs'
-        mean) of the step's loss."""
-        rank_loss = result.rank_loss
-        if self.parallel_dims.pp_enabled:
-            rank_loss = self.engine.sum_over(rank_loss.clone(), "pp")
-        mean = float(self.engine.sum_over(rank_loss.clone(), "dp_cp"))
-        local_pairs, global_pairs = self._step_pairs
-        rank_mean = self.engine.sum_over(rank_loss.clone(), "cp") * global_pairs / local_pairs.clamp(min=1)
-        return mean, float(reduce_max(rank_mean, self.parallel_dims.mesh("dp_cp")))
+    def loss_counts(self, result: StepResult) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's loss is a mean over pairs: (this rank's, the global batch's)."""
+        return self._step_pairs
 
     def log_extras(self) -> dict[str, Any]:
         """The pair statistics of the steps since the last log (means over their pairs;
@@ -451,13 +441,17 @@ class DPOTrainer(Trainer):
         line shows the loss only)."""
         record = super()._log(result, validation)
         if self.is_rank0:
-            held_out = ("" if "validation_loss" not in record else
-                        f" | held-out: loss {record['validation_loss']:.4f}  reward accuracy "
-                        f"{record['validation_rewards_accuracies']:.3f}  margin {record['validation_rewards_margins']:.3f}")
-            logger.info("step %d: reward accuracy %.3f  margin %.3f  chosen %.3f  rejected %.3f (%d pairs)%s",
-                        record["step"], record["rewards_accuracies"], record["rewards_margins"],
-                        record["rewards_chosen"], record["rewards_rejected"], record["pairs"], held_out)
+            logger.info("step %d: %s", record["step"], self.summary_line(record))
         return record
+
+    def summary_line(self, record: dict[str, Any]) -> str:
+        """The console line of a logged record's statistics (and its held-out ones)."""
+        held_out = ("" if "validation_loss" not in record else
+                    f" | held-out: loss {record['validation_loss']:.4f}  reward accuracy "
+                    f"{record['validation_rewards_accuracies']:.3f}  margin {record['validation_rewards_margins']:.3f}")
+        return (f"reward accuracy {record['rewards_accuracies']:.3f}  margin {record['rewards_margins']:.3f}  "
+                f"chosen {record['rewards_chosen']:.3f}  rejected {record['rewards_rejected']:.3f} "
+                f"({record['pairs']} pairs){held_out}")
 
     def reduce_stats(self, stats: torch.Tensor, prefix: str = "") -> dict[str, float]:
         """``stats`` (this rank's sums) summed over the mesh, as means over the pairs

@@ -20,7 +20,6 @@ the desirable / undesirable examples), ``rewards_margins`` (their difference), `
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -29,9 +28,6 @@ from titan.rl.dpo import DPOTrainer
 from titan.rl.kto_data import KTODataConfig
 from titan.rl.preference import KTO_LOSSES, kto_loss
 from titan.train.config import RunConfig, TrainingConfig
-from titan.train.loop import StepResult
-
-logger = logging.getLogger("titan")
 
 KTO_STATS = ("examples", "count_chosen", "count_rejected", "rewards_chosen", "rewards_rejected", "logps_chosen",
              "logps_rejected", "kl", "kl_batches")
@@ -178,17 +174,13 @@ class KTOTrainer(DPOTrainer):
                   "count_rejected": int(total["count_rejected"])}
         return {f"{prefix}{name}": value for name, value in {**counts, **means}.items()}
 
-    def _log(self, result: StepResult, validation: dict[str, float] | None = None) -> dict[str, Any]:
-        """The step's record, and a console line of its KTO statistics."""
-        record = super(DPOTrainer, self)._log(result, validation)
-        if self.is_rank0:
-            held_out = ("" if "validation_loss" not in record else
-                        f" | held-out: loss {record['validation_loss']:.4f}  margin "
-                        f"{record['validation_rewards_margins']:.3f}")
-            logger.info("step %d: kl %.4f  reward chosen %.3f  rejected %.3f  margin %.3f (%d + %d examples)%s",
-                        record["step"], record["kl"], record["rewards_chosen"], record["rewards_rejected"],
-                        record["rewards_margins"], record["count_chosen"], record["count_rejected"], held_out)
-        return record
+    def summary_line(self, record: dict[str, Any]) -> str:
+        """The console line of a logged record's KTO statistics (and its held-out ones)."""
+        held_out = ("" if "validation_loss" not in record else
+                    f" | held-out: loss {record['validation_loss']:.4f}  margin {record['validation_rewards_margins']:.3f}")
+        return (f"kl {record['kl']:.4f}  reward chosen {record['rewards_chosen']:.3f}  rejected "
+                f"{record['rewards_rejected']:.3f}  margin {record['rewards_margins']:.3f} ({record['count_chosen']} + "
+                f"{record['count_rejected']} examples){held_out}")
 
 
 __all__ = ["KTOConfig", "KTOSection", "KTOTrainer", "KTO_STATS"]

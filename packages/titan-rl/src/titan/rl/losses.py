@@ -129,6 +129,18 @@ def row_totals(sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = Non
     return totals
 
 
+def document_sums(values: torch.Tensor, document_ids: torch.Tensor, slots: int) -> torch.Tensor:
+    """Per row and document slot, the sums of ``values`` (``[B, S]`` or ``[B, S, C]``) over each
+    document's tokens (``document_ids`` ``[B, S]``, document d in slot d; -1, padding, counts
+    nowhere): ``[B, slots]`` (or ``[B, slots, C]``). Differentiable in ``values``."""
+    inside = (document_ids >= 0).to(values.dtype)
+    index = document_ids.clamp(min=0)
+    if values.dim() == 3:
+        inside, index = inside.unsqueeze(-1), index.unsqueeze(-1).expand_as(values)
+    sums = values.new_zeros(values.shape[0], slots, *values.shape[2:])
+    return sums.scatter_add(1, index, values * inside)
+
+
 def document_totals(document_ids: torch.Tensor, slots: int,
                     sequence_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Totals:
     """:data:`Totals` of packed rows (``--rl.padding_free``): each token gets the sum over the
@@ -139,7 +151,7 @@ def document_totals(document_ids: torch.Tensor, slots: int,
     index = document_ids.clamp(min=0)
 
     def totals(x: torch.Tensor) -> torch.Tensor:
-        sums = x.new_zeros(x.shape[0], slots).scatter_add(1, index, x * inside.to(x.dtype))
+        sums = document_sums(x, document_ids, slots)
         if sequence_sum is not None:
             sums = sequence_sum(sums)
         return sums.gather(1, index) * inside.to(x.dtype)

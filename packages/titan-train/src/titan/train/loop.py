@@ -304,8 +304,14 @@ class TrainingLoop:
             rank_loss = self.engine.sum_over(rank_loss.clone(), "pp")  # only the last stage computed it
         # Context-parallel peers each hold part of a sequence's loss: their sum is the rank's.
         mean = float(self.engine.sum_over(rank_loss.clone(), "dp_cp"))
-        rank_mean = self.engine.sum_over(rank_loss.clone(), "cp") * result.tokens / result.rank_tokens.clamp(min=1)
+        rank_count, global_count = self.loss_counts(result)
+        rank_mean = self.engine.sum_over(rank_loss.clone(), "cp") * global_count / rank_count.clamp(min=1)
         return mean, float(reduce_max(rank_mean, self.parallel_dims.mesh("dp_cp")))
+
+    def loss_counts(self, result: StepResult) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's, the global batch's) count of what the step's loss is a mean over: its
+        label tokens (a loop whose loss is a mean over something else, DPO's pairs, says so)."""
+        return result.rank_tokens, result.tokens
 
     def global_aux_loss(self, result: StepResult) -> float:
         """The part of the step's global loss that is auxiliary (summed as the loss is).
