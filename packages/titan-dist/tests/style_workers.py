@@ -88,3 +88,65 @@ def tp_grads(rank: int, world: int) -> dict[str, torch.Tensor]:
                             enable_loss_parallel=False)
     block = apply_tensor_parallel(make_block(), mesh, cfg)
     return grads(block)
+
+
+@dataclass(frozen=True)
+class ScorePlan:
+    """Duck-typed ShardingPlan of `ScoreModel`: a sharded pair of linears, a norm, a score head."""
+
+    tensor_parallel: dict = field(default_factory=lambda: {
+        "up": "colwise", "down": "rowwise", "norm": "norm", "score": "score",
+    })
+    fsdp_units: tuple = ()
+
+
+class ScoreModel(nn.Module):
+    """A residual stream ending in a one-column score head (a reward model's end):
+    `score(norm(down(up x)))`, [B, S, 1]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, 4 * DIM, bias=False)
+        self.down = nn.Linear(4 * DIM, DIM, bias=False)
+        self.norm = nn.RMSNorm(DIM, eps=1e-6)
+        self.score = nn.Linear(DIM, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.score(self.norm(self.down(torch.relu(self.up(x)))))
+
+    def sharding_plan(self) -> ScorePlan:
+        return ScorePlan()
+
+
+def make_score_model() -> ScoreModel:
+    torch.manual_seed(0)
+    model = ScoreModel()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def score_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Loss and full gradients of one backward of a loss on the scores; the scores themselves."""
+    x, _ = batch()
+    scores = model(x)
+    out = {"scores": scores.detach()}
+    target = torch.linspace(-1, 1, scores.numel()).view_as(scores)
+    loss = ((scores - target) ** 2).mean()
+    loss.backward()
+    out["loss"] = loss.detach()
+    for name, p in model.named_parameters():
+        g = p.grad
+        out[name] = g.full_tensor() if hasattr(g, "full_tensor") else g
+    return out
+
+
+def tp_score_grads(rank: int, world: int, sequence_parallel: bool) -> dict[str, torch.Tensor]:
+    """`ScoreModel` under tensor parallel over all ranks, with or without sequence parallel."""
+    from titan.dist import ParallelismConfig, apply_tensor_parallel
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    cfg = ParallelismConfig(tensor_parallel_degree=world, enable_sequence_parallel=sequence_parallel,
+                            enable_loss_parallel=False)
+    return score_grads(apply_tensor_parallel(make_score_model(), mesh, cfg))

@@ -10,6 +10,8 @@ Plan styles (docs/contracts.md) and what they become:
                  weights computing on the plain replicated activations
 - "block_input": first positional input gathered from sequence shards to replicated (SP only)
 - "output":      final projection; vocab-sharded logits kept as a DTensor for loss parallel
+- "score":       a small final head (a reward model's scores): replicated weights reading the
+                 whole sequence (gathered from sequence shards with SP); plain scores out
 - "replicate":   replicated weights on plain replicated activations (a router, a low-rank
                  projection)
 - "head_norm":   replicated weights on activations sharded by heads (a per-head norm)
@@ -48,7 +50,7 @@ from torch.distributed.tensor.parallel import (
 
 from titan.dist.plan import match_modules, sharding_plan, tied_parameter_groups
 
-STYLES = ("embedding", "colwise", "rowwise", "norm", "block_input", "output", "replicate", "head_norm",
+STYLES = ("embedding", "colwise", "rowwise", "norm", "block_input", "output", "score", "replicate", "head_norm",
           "shared_by_heads", "replicated_block")
 
 
@@ -69,6 +71,8 @@ def _style(name: str, *, sp: bool, lp: bool):
     if name == "output":
         return ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(),
                                use_local_output=not lp)
+    if name == "score":
+        return ReplicatedHead()
     if name == "replicate":
         return ReplicatedNorm()
     if name == "head_norm":
@@ -127,6 +131,20 @@ class SumGradientOverRanks(ReplicatedNorm):
         # The gradient coming back is this rank's partial sum; from_local's backward then
         # reduces it to the replicated input's placement.
         return output.to_local(grad_placements=[Partial()]) if isinstance(output, DTensor) else output
+
+
+class ReplicatedHead(ReplicatedNorm):
+    """A final head too narrow to split (a sequence-classification score): replicated weights,
+    the input gathered whole from sequence shards under SP (its gradient cut back to this
+    rank's shard), plain tensors out, identical on every TP rank."""
+
+    def _to_dtensor(self, _module, inputs, device_mesh):
+        x, *rest = inputs
+        if isinstance(x, DTensor):
+            x = x.redistribute(device_mesh, [Replicate()])
+        else:
+            x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+        return (x, *rest)
 
 
 def _gather_first_input(module: nn.Module, mesh: DeviceMesh, cast: Callable | None = None) -> None:

@@ -43,7 +43,7 @@ from titan.dist.plan import match_modules, sharding_plan
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # Plan styles whose linears are never converted: the logits' projection, and the linears the
 # plan keeps whole on every tensor-parallel rank (routers, low-rank projections).
-_SKIPPED_PLAN_STYLES = ("output", "replicate")
+_SKIPPED_PLAN_STYLES = ("output", "score", "replicate")
 _FLOAT8_DIM_MULTIPLE = 16
 _INSTALL_HINT = "pip install 'titan-train[float8]' (torchao>=0.18)"
 MX_RECIPES = ("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", "mxfp8_emulated_rceil")

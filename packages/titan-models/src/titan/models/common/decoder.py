@@ -118,18 +118,35 @@ class Decoder(nn.Module):
 
     With `args.tie_word_embeddings`, `output.weight` IS `tok_embeddings.weight` (one Parameter,
     named `tok_embeddings.weight` by `named_parameters`; `state_dict` lists it under both names).
+
+    With `args.num_labels` n >= 1 (a family whose args have the field), `output` is a score
+    head, `Linear(dim, n)`: the forward returns n scores per position, and a sequence's score is
+    the one at its last token (Hugging Face's `...ForSequenceClassification`; a reward model
+    has n = 1). The head is never tied: `tie_word_embeddings` then has no effect.
     """
 
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
         self.args = args
+        if self.num_labels < 0:
+            raise ValueError(f"num_labels must be >= 0 (0: a language model), got {self.num_labels}")
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output: nn.Linear | None = nn.Linear(args.dim, self.num_labels or args.vocab_size, bias=False)
         self._tie_output()
         # Not persistent: it is derived from args, so checkpoints need not carry it.
         self.register_buffer("rope_cache", self._make_rope_cache(None), persistent=False)
+
+    @property
+    def num_labels(self) -> int:
+        """Scores per position of a sequence-classification head; 0 for a language model."""
+        return int(getattr(self.args, "num_labels", 0))
+
+    @property
+    def ties_output(self) -> bool:
+        """Whether the output projection shares the embedding's matrix (never a score head)."""
+        return bool(self.args.tie_word_embeddings) and not self.num_labels
 
     def build_block(self, layer_id: int) -> nn.Module:
         """Block `layer_id` (families override this to change the block, e.g. per layer)."""
@@ -137,7 +154,7 @@ class Decoder(nn.Module):
 
     def _tie_output(self) -> None:
         """Make the output projection use the embedding's Parameter (tied models only)."""
-        if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
+        if self.ties_output and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's signature)
@@ -237,7 +254,7 @@ class Decoder(nn.Module):
     def _check_tie(self) -> bool:
         """Whether this module holds a tied embedding/output pair; raises when the args ask
         for a tie that a transformation broke (two different Parameters would train apart)."""
-        if not (self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None):
+        if not (self.ties_output and self.tok_embeddings is not None and self.output is not None):
             return False
         if self.output.weight is not self.tok_embeddings.weight:
             raise RuntimeError(
@@ -292,14 +309,15 @@ class Decoder(nn.Module):
                 "layers.*.feed_forward.w2": "rowwise",
                 "layers.*.feed_forward.w3": "colwise",
                 "norm": "norm",
-                "output": "output",
+                # A score head's few columns are not split: each rank reads the whole sequence.
+                "output": "score" if self.num_labels else "output",
             },
             # Embedding and output are separate units: each is a vocab x dim matrix as large
             # as several blocks, and separate units let FSDP prefetch them independently. A
             # tied matrix cannot be in two units: it stays in the root unit (gathered for the
             # whole forward, which needs it at both ends anyway).
             fsdp_units=("layers.*",)
-            if self.args.tie_word_embeddings
+            if self.ties_output
             else ("tok_embeddings", "layers.*", "output"),
             tensor_parallel_divisible={
                 "n_heads": self.args.n_heads,
@@ -308,6 +326,6 @@ class Decoder(nn.Module):
                 "vocab_size": self.args.vocab_size,
             },
             tied_parameters=(("tok_embeddings.weight", "output.weight"),)
-            if self.args.tie_word_embeddings
+            if self.ties_output
             else (),
         )

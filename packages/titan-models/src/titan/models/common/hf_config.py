@@ -7,7 +7,9 @@ from typing import Any
 
 # Fields of a family's args that a run sets for itself rather than inherit from a checkpoint:
 # the context it trains at (RoPE tables are built to it) and its balancing-loss settings.
-RUN_SETTINGS = frozenset({"max_seq_len", "router_aux_loss_coef", "load_balance_coeff", "moe_force_load_balance"})
+# A score head (num_labels) is also the run's: a reward model starts from a language model's body.
+RUN_SETTINGS = frozenset({"max_seq_len", "router_aux_loss_coef", "load_balance_coeff", "moe_force_load_balance",
+                          "num_labels"})
 # Llama's inputs to its FFN width rule: compared through the width they give (ffn_hidden_dim).
 _FFN_RULE = frozenset({"multiple_of", "ffn_dim_multiplier", "ffn_dim"})
 # config.json keys that change the function but are not fields of the args (the adapters
@@ -23,7 +25,7 @@ def decoder_hf_config(args: Any, *, architecture: str, model_type: str, torch_dt
     written when the vocabulary holds them. A family adds its own keys to the result."""
     rope = {"rope_type": "default"} if rope_scaling is None else dict(rope_scaling)
     cfg: dict[str, Any] = {
-        "architectures": [architecture],
+        "architectures": [hf_architecture(args, architecture)],
         "model_type": model_type,
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim,
@@ -45,7 +47,28 @@ def decoder_hf_config(args: Any, *, architecture: str, model_type: str, torch_dt
     bos, eos = special_ids
     if args.vocab_size > max(bos, eos):
         cfg.update(bos_token_id=bos, eos_token_id=eos)
+    num_labels = getattr(args, "num_labels", 0)
+    if num_labels:  # transformers derives num_labels from these, as its own configs write them
+        cfg["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+        cfg["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
     return cfg
+
+
+def hf_architecture(args: Any, causal_lm: str) -> str:
+    """The transformers class of a model with ``args``: ``causal_lm`` (``LlamaForCausalLM``), or
+    its ``...ForSequenceClassification`` twin when the model has a score head (``num_labels``)."""
+    if getattr(args, "num_labels", 0):
+        return causal_lm.removesuffix("ForCausalLM") + "ForSequenceClassification"
+    return causal_lm
+
+
+def hf_num_labels(cfg: dict[str, Any]) -> int:
+    """The score head's width a ``config.json`` describes: 0 for a language model; for a
+    ``...ForSequenceClassification`` its labels (``id2label``, else ``num_labels``; transformers'
+    default 2)."""
+    if not any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or ()):
+        return 0
+    return len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))
 
 
 def hf_config_differences(adapter: Any, checkpoint_config: dict[str, Any]) -> list[str]:
@@ -79,4 +102,4 @@ def hf_config_differences(adapter: Any, checkpoint_config: dict[str, Any]) -> li
     return lines
 
 
-__all__ = ["RUN_SETTINGS", "decoder_hf_config", "hf_config_differences"]
+__all__ = ["RUN_SETTINGS", "decoder_hf_config", "hf_architecture", "hf_config_differences", "hf_num_labels"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 TP_STYLES = frozenset(
-    {"embedding", "colwise", "rowwise", "norm", "block_input", "output", "replicate", "head_norm",
+    {"embedding", "colwise", "rowwise", "norm", "block_input", "output", "score", "replicate", "head_norm",
      "shared_by_heads", "replicated_block"}
 )
 """Tensor-parallel styles a plan may name (see `ShardingPlan.tensor_parallel`)."""
@@ -25,6 +25,8 @@ class ShardingPlan:
     """Module glob -> TP style: "embedding" (vocab-sharded), "colwise", "rowwise", "norm"
     (sequence-parallel region when SP is on), "block_input" (first positional input gathered
     from sequence shards when SP is on), "output" (vocab-sharded logits for loss parallel),
+    "score" (a final head too narrow to split, e.g. a reward model's: replicated, reading the
+    whole sequence),
     "replicate" (kept whole on every TP rank: routers, low-rank projections), "head_norm" (a
     norm over the last dim of [B, S, H, Dh] activations whose heads are TP-sharded),
     "shared_by_heads" (a parameter-free module whose output every head reads whole, e.g.

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 import torch
-from titan.models.common.hf_config import decoder_hf_config, hf_config_differences
+from titan.models.common.hf_config import decoder_hf_config, hf_config_differences, hf_num_labels
 from titan.models.common.rope import RopeScaling
 from titan.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 
@@ -31,6 +31,7 @@ _IN_BLOCK = {
 }
 _ROTATED = ("attention.wq.weight", "attention.wk.weight")  # rows follow the RoPE layout
 _EMBED, _OUTPUT, _NORM = "tok_embeddings.weight", "output.weight", "norm.weight"
+_HF_SCORE, _HF_LM_HEAD = "score.weight", "lm_head.weight"  # a ...ForSequenceClassification head; an LM's
 _TITAN_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Buffers some older HF checkpoints saved; they are recomputed, never loaded.
@@ -63,16 +64,41 @@ class Llama3StateDictAdapter:
     as `model.embed_tokens.weight`, with no `lm_head.weight`; `to_hf` writes that layout and
     `from_hf` gives `output.weight` the embedding's tensor. A checkpoint without `lm_head.weight`
     for an untied model is an error, never a silently random output projection.
+
+    A model with a score head (`args.num_labels`) maps to `LlamaForSequenceClassification`:
+    `output.weight` is its `score.weight`. Loading a language model's checkpoint into it
+    reads the body and leaves the head at its initialization (`keeps_init_when_absent`): the
+    checkpoint's `lm_head.weight` has no place in it and is skipped, as transformers does.
     """
 
     def __init__(self, args: Llama3Args) -> None:
         self.args = args
+        self.skipped: list[str] = []
+        """Checkpoint keys the last `from_hf` had no place for (a language model's head)."""
+
+    @property
+    def _tied(self) -> bool:
+        """Whether the output projection is the embedding (never for a score head)."""
+        return bool(self.args.tie_word_embeddings) and not getattr(self.args, "num_labels", 0)
+
+    @property
+    def _scores(self) -> bool:
+        """Whether the model has a sequence-classification head (``num_labels``)."""
+        return bool(getattr(self.args, "num_labels", 0))
+
+    def keeps_init_when_absent(self, key: str) -> bool:
+        """Whether titan entry ``key`` may stay at its initialization when a checkpoint lacks
+        it (or holds it in another shape): the score head, when starting from a language model."""
+        return self._scores and key == _OUTPUT
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """titan names/layout -> HF names/layout."""
         out = {}
         for key, value in state_dict.items():
-            if self.args.tie_word_embeddings and key == _OUTPUT:
+            if self._scores and key == _OUTPUT:
+                out[_HF_SCORE] = value
+                continue
+            if self._tied and key == _OUTPUT:
                 if _EMBED in state_dict:
                     continue  # the same matrix, written once as the embedding
                 key = _EMBED  # a piece holding only the output still carries the shared matrix
@@ -84,8 +110,18 @@ class Llama3StateDictAdapter:
     def from_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """HF names/layout -> titan names/layout (derived buffers like `inv_freq` are dropped)."""
         out = {}
+        self.skipped = []
         for key, value in state_dict.items():
             if _HF_DERIVED.fullmatch(key):
+                continue
+            if key == _HF_SCORE or (key == _HF_LM_HEAD and self._scores):
+                if not self._scores:
+                    raise ValueError(f"{key!r} is the score head of a sequence-classification model (a reward model); "
+                                     "this model is a language model: build it with num_labels to load it")
+                if key == _HF_LM_HEAD:
+                    self.skipped.append(key)  # a language model's head: the score head keeps its init
+                    continue
+                out[_OUTPUT] = value
                 continue
             titan_key = self._titan_key(key)
             if is_rope_rotated(titan_key):
@@ -100,7 +136,9 @@ class Llama3StateDictAdapter:
         The final norm and the output live on the same (last) pipeline stage, so a state dict
         holding `norm.weight` without `output.weight` is a tied checkpoint, never a partial one.
         """
-        tied = self.args.tie_word_embeddings
+        tied = self._tied
+        if self._scores:
+            return  # a score head is never the embedding; a checkpoint without one leaves it at init
         if tied and _OUTPUT in out and _EMBED in out and not _same_values(out[_OUTPUT], out[_EMBED]):
             raise ValueError(
                 "this model ties the output projection to the embedding (tie_word_embeddings), "
@@ -193,6 +231,7 @@ class Llama3StateDictAdapter:
             max_seq_len=cfg.get("max_position_embeddings", 2048),
             # LlamaConfig's default is untied; Llama 3.2 1B/3B configs say true.
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_labels=hf_num_labels(cfg),
             **_ffn_fields(dim, cfg["intermediate_size"]),
         )
 

@@ -40,6 +40,10 @@ class Llama3Args:
     """Share one [vocab, dim] matrix between the token embedding and the output projection
     (Llama 3.2 1B/3B; `tie_word_embeddings` in a Hugging Face config). Pipeline parallel cannot
     split a tied model (first and last stage would need the same parameter)."""
+    num_labels: int = 0
+    """0: a language model (the output projection gives `vocab_size` logits). n >= 1: a
+    sequence-classification model, the output a head of n scores per position (Hugging Face's
+    `...ForSequenceClassification` `score`; 1 for a reward model), never tied to the embedding."""
 
     def __post_init__(self) -> None:
         for name in (

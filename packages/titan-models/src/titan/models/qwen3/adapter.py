@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from titan.models.common.hf_config import decoder_hf_config
+from titan.models.common.hf_config import decoder_hf_config, hf_num_labels
 from titan.models.llama3.adapter import (
     Llama3StateDictAdapter,
     half_split_to_interleaved,
@@ -109,6 +109,7 @@ class Qwen3StateDictAdapter(Llama3StateDictAdapter):
             max_seq_len=cfg.get("max_position_embeddings", 32768),
             # Qwen3Config's default ties; 8B and larger say false.
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            num_labels=hf_num_labels(cfg),
         )
         return Qwen3Args(**fields)
 

@@ -39,6 +39,10 @@ class Qwen3Args:
     tie_word_embeddings: bool = True
     """Share one [vocab, dim] matrix between the token embedding and the output projection
     (0.6B, 1.7B and 4B as published). Pipeline parallel cannot split a tied model."""
+    num_labels: int = 0
+    """0: a language model (the output projection gives `vocab_size` logits). n >= 1: a
+    sequence-classification model, the output a head of n scores per position (Hugging Face's
+    `...ForSequenceClassification` `score`; 1 for a reward model), never tied to the embedding."""
 
     rope_scaling: RopeScaling | None = None
     """Always None: the published Qwen3 sizes use plain RoPE (the shared decoder reads it)."""

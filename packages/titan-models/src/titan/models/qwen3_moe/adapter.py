@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 import torch
+from titan.models.common.hf_config import hf_architecture
 from titan.models.common.hub_experts import ExpertStacker, split_experts
 from titan.models.qwen3.adapter import Qwen3StateDictAdapter
 from titan.models.qwen3_moe.args import Qwen3MoeArgs
@@ -79,7 +80,7 @@ class Qwen3MoeStateDictAdapter(Qwen3StateDictAdapter):
         a = self.args
         cfg = super().hf_config(torch_dtype)
         cfg.update(
-            architectures=["Qwen3MoeForCausalLM"],
+            architectures=[hf_architecture(a, "Qwen3MoeForCausalLM")],
             model_type="qwen3_moe",
             moe_intermediate_size=a.moe_intermediate_size,
             num_experts=a.num_experts,
