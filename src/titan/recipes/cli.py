@@ -1,4 +1,4 @@
-"""The ``titan`` command: ``titan train|sft|rl|dpo|kto --config <recipe> [--section.field value ...]``.
+"""The ``titan`` command: ``titan train|sft|rl|dpo|kto|reward --config <recipe> [--section.field value ...]``.
 
 The recipe decides the command line: the flag sections are the fields of the config type the
 recipe returns, and the loop that runs it is the one registered for that type in
@@ -62,6 +62,7 @@ USAGE = """usage: titan train [--config RECIPE] [--section.field VALUE ...] [--d
        titan rl [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
        titan dpo [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
        titan kto [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
+       titan reward [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
        titan dry-run --world_size N [--config RECIPE] [--section.field VALUE ...]
        titan plan --gpus <N>x<DEVICE> [--config RECIPE] [--json] [--top K] [--section.field VALUE ...]
        titan recipes
@@ -77,6 +78,8 @@ Commands:
             starting from the DPO recipes
   kto       KTO on completions labelled desirable or not (or on pairs): like train,
             starting from the KTO recipes
+  reward    train a reward model (a score head) on chosen/rejected pairs: like train,
+            starting from the reward recipes; export it for `titan rl --rl.rewards model`
   dry-run   validate and parallelize the config for N ranks on this CPU (fake process
             group, meta device); print each pipeline rank's params and memory estimate
   plan      rank every valid parallel layout of the config's model for N devices (H100,
@@ -760,7 +763,7 @@ def data(argv: Sequence[str]) -> int:
 
 
 def _dispatch(command: str, rest: list[str]) -> int:
-    if command in ("train", "sft", "rl", "dpo", "kto"):
+    if command in ("train", "sft", "rl", "dpo", "kto", "reward"):
         return run(rest, command=command)
     if command == "dry-run":
         world_size, rest = split_world_size_flag(rest)

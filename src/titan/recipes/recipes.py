@@ -12,6 +12,7 @@ from collections.abc import Callable
 from titan.rl.config import RLConfig
 from titan.rl.dpo import DPOConfig
 from titan.rl.kto import KTOConfig
+from titan.rl.reward_trainer import RewardConfig
 from titan.train.config import TrainerConfig
 from titan.train.sft import SFTConfig
 
@@ -320,7 +321,16 @@ def kto_debug() -> KTOConfig:
     return _preference_debug(KTOConfig(), "kto_debug")
 
 
-def _preference_debug(cfg: DPOConfig | KTOConfig, name: str) -> DPOConfig | KTOConfig:
+def reward_debug() -> RewardConfig:
+    """A reward model from the tiny debug model on the synthetic sort task (no download): a score
+    head ranks the right answer over a near miss (its last letter changed); rewards_accuracies
+    climbs from chance toward 1. Start from a language model with
+    --checkpoint.initial_load_path (its body loads, the head starts fresh); export for
+    titan rl --rl.rewards model with --checkpoint.last_save_in_hf."""
+    return _preference_debug(RewardConfig(), "reward_debug")
+
+
+def _preference_debug(cfg: DPOConfig | KTOConfig | RewardConfig, name: str) -> DPOConfig | KTOConfig | RewardConfig:
     """``cfg`` (a DPO or KTO config) set up as the debug recipe ``name``: the tiny debug model
     on the synthetic task (sort, the default), 60 steps on a CPU."""
     cfg.model.name = "llama3"
@@ -336,7 +346,7 @@ def _preference_debug(cfg: DPOConfig | KTOConfig, name: str) -> DPOConfig | KTOC
     return cfg
 
 
-RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig | RLConfig | DPOConfig | KTOConfig]] = {
+RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig | RLConfig | DPOConfig | KTOConfig | RewardConfig]] = {
     "llama3_debug": llama3_debug,
     "llama3_debug_synthetic": llama3_debug_synthetic,
     "llama3_1b": llama3_1b,
@@ -360,11 +370,12 @@ RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig | RLConfig | DPOConfig
     "grpo_debug": grpo_debug,
     "dpo_debug": dpo_debug,
     "kto_debug": kto_debug,
+    "reward_debug": reward_debug,
 }
 DEFAULT_RECIPE = "llama3_debug"
 
 
-def recipe(name: str) -> TrainerConfig | SFTConfig | RLConfig | DPOConfig | KTOConfig:
+def recipe(name: str) -> TrainerConfig | SFTConfig | RLConfig | DPOConfig | KTOConfig | RewardConfig:
     """The config of recipe ``name``; a ValueError lists the recipes otherwise."""
     try:
         return RECIPES[name]()

@@ -46,7 +46,7 @@ RUNNERS: dict[type, Runner] = {}
 """Config type -> runner; extended with :func:`register_runner`."""
 
 DEFAULT_RECIPES: dict[str, str] = {"train": DEFAULT_RECIPE, "sft": "sft_debug", "rl": "grpo_debug", "dpo": "dpo_debug",
-                                  "kto": "kto_debug"}
+                                  "kto": "kto_debug", "reward": "reward_debug"}
 """The recipe each subcommand starts from when ``--config`` is not given."""
 
 
@@ -145,3 +145,20 @@ def _register_kto() -> None:
 
 
 _register_kto()
+
+
+def _build_reward(config) -> Loop:
+    from titan.rl.reward_trainer import RewardTrainer  # imported late: --help stays fast
+
+    from titan.recipes.families import model_spec_for
+
+    return RewardTrainer(config, model_spec=model_spec_for(config))
+
+
+def _register_reward() -> None:
+    from titan.rl.reward_trainer import RewardConfig
+
+    register_runner(RewardConfig, _build_reward, command="reward")
+
+
+_register_reward()

@@ -303,7 +303,7 @@ class CheckpointManager:
                 self._load_torchtitan_model(path, reader, saved)
                 return
         names = ["model"] if self.config.initial_load_model_only else self._names_to_load()
-        self._dcp_load(path, names)
+        self._dcp_load(path, names, warm_start=True)
         logger.info("initial load of %s from %s", names, path)
 
     def _load_torchtitan_model(self, path: str, reader: FileSystemReader, saved: Any) -> None:
@@ -366,8 +366,10 @@ class CheckpointManager:
             )
         return [n for n in self.states if n not in self.config.exclude_from_loading]
 
-    def _dcp_load(self, path: str, names: list[str]) -> None:
-        """Load the named states from a DCP step folder, checking them against its metadata."""
+    def _dcp_load(self, path: str, names: list[str], *, warm_start: bool = False) -> None:
+        """Load the named states from a DCP step folder, checking them against its metadata.
+        A ``warm_start`` (``--checkpoint.initial_load_path``) leaves the model entries the family
+        lets keep their initialization (a new score head) when the checkpoint's differ."""
         if not os.path.isfile(os.path.join(path, DCP_METADATA)):
             raise CheckpointError(
                 f"{path} is not a DCP checkpoint (no {DCP_METADATA} file). Point at a step "
@@ -379,6 +381,8 @@ class CheckpointManager:
         to_load, problem = {}, None
         for name in names:
             value = self.states[name].state_dict()
+            if warm_start and name == "model":
+                self._drop_fresh_entries(path, value, saved)
             expected = flatten_state(name, value)
             if name in self._rank_local and not expected.keys() <= saved.keys():
                 # Another world size wrote this checkpoint: this rank has no state of its own.
@@ -439,12 +443,14 @@ class CheckpointManager:
         template = self.model.state_dict()
         wanted = {hf.layer_of(key) for key in template}
         loaded: set[str] = set()
+        skipped: list[str] = []
         problem, nbytes = None, 0
         progress = _Progress(f"loading Hugging Face weights from {path}", total=len(wanted))
         try:
             hf.check_hf_config(path, self.hf_adapter)
             for _, hf_block in hf.read_hf_layers(path, wanted):
                 block = {k: v for k, v in self.hf_adapter.from_hf(hf_block).items() if k in template}
+                skipped += getattr(self.hf_adapter, "skipped", [])
                 check_state_matches("model", {k: template[k] for k in block}, block, where=path)  # shapes
                 # Loading has no collectives (the values become this rank's shards locally), so
                 # a rank that stops on a problem leaves no other waiting.
@@ -452,12 +458,44 @@ class CheckpointManager:
                 loaded.update(block)
                 nbytes += hf._nbytes(hf_block.values())
                 progress.advance(nbytes)
-            check_state_matches("model", template, dict.fromkeys(loaded), where=path)  # completeness
+            fresh = self._kept_at_init(k for k in template if k not in loaded)
+            needed = {k: v for k, v in template.items() if k not in fresh}
+            check_state_matches("model", needed, dict.fromkeys(loaded), where=path)  # completeness
+            self._log_fresh_head(path, fresh, skipped)
         except (CheckpointError, ValueError) as err:  # ValueError: the adapter's unknown key
             problem = str(err)
         self._raise_if_any(problem)
         logger.info("loaded Hugging Face weights from %s: %d tensors, %.2f GiB read, in %.1fs", path,
                     len(loaded), nbytes / 2**30, time.monotonic() - progress.start)
+
+    def _drop_fresh_entries(self, path: str, value: dict[str, Any], saved: Any) -> None:
+        """Remove from the model's state ``value`` (titan names) the entries a warm start
+        leaves at their initialization: the ones the family allows whose saved entry is absent
+        or of another shape (a language model's ``[vocab, dim]`` output under a score head)."""
+        def differs(key: str) -> bool:
+            entry = saved.get(f"model.{key}")
+            size = getattr(entry, "size", None)
+            return entry is None or (size is not None and tuple(size) != tuple(value[key].shape))
+
+        fresh = self._kept_at_init(k for k in value if differs(k))
+        for key in fresh:
+            del value[key]
+        self._log_fresh_head(path, fresh, [f"model.{k}" for k in fresh if f"model.{k}" in saved])
+
+    def _kept_at_init(self, keys: Iterable[str]) -> set[str]:
+        """Those of ``keys`` (model entries a warm start's source lacks, or holds in another
+        shape) the model family lets keep their initialization: a new score head on a
+        language model's body (the adapter's ``keeps_init_when_absent``)."""
+        keeps = getattr(self.hf_adapter, "keeps_init_when_absent", None)
+        return {k for k in keys if keeps is not None and keeps(k)}
+
+    def _log_fresh_head(self, path: str, fresh: set[str], skipped: Iterable[str]) -> None:
+        """Say which entries start from their initialization, and which of the source's were
+        not read (a language model's head under a score head): nothing is dropped in silence."""
+        if fresh:
+            unread = sorted(set(skipped))
+            logger.info("%s holds no %s for this model's head: it starts from its initialization%s", path,
+                        _shown(sorted(fresh)), f" ({_shown(unread)} of the checkpoint not read)" if unread else "")
 
     # ----------------------------------------------------------------------------- save
 

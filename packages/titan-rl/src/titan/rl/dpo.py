@@ -228,6 +228,10 @@ class DPOTrainer(Trainer):
     """The config sections of the loss (``--dpo.*``) and of the data (``--dpo_data.*``)."""
     unit = "pairs"
     """What the data's items are called in messages."""
+    STATS = STATS
+    """The step statistics' names (:meth:`reduce_stats`), the first the count of pairs."""
+    reference_table = True
+    """Whether the loop keeps (and checkpoints) the reference log-prob tables."""
 
     @property
     def method(self) -> Any:
@@ -242,19 +246,21 @@ class DPOTrainer(Trainer):
     def __init__(self, config: DPOConfig, *, model_spec) -> None:
         super().__init__(config, model_spec=model_spec)
         self.slots = (config.training.seq_len + 1) // 2  # pair slots per row: at most one per two positions
-        self.reference = ReferenceLogprobs(self.dataloader.num_examples)
-        self.engine.add_state("dpo_reference", self.reference)
+        self.reference = ReferenceLogprobs(self.dataloader.num_examples if self.reference_table else 0)
+        if self.reference_table:
+            self.engine.add_state("dpo_reference", self.reference)
         self._stats = self._new_stats()
         self._step_pairs: tuple[torch.Tensor, torch.Tensor] | None = None
         # Held-out pairs (--validation.enable): their own reference table, scored with the rest.
         self.eval_reference: ReferenceLogprobs | None = None
         if config.validation.enable:
             self.validator = DPOValidator(self.validator, self)
-            self.eval_reference = ReferenceLogprobs(self.validator.num_pairs())
-            self.engine.add_state("dpo_eval_reference", self.eval_reference)
+            if self.reference_table:
+                self.eval_reference = ReferenceLogprobs(self.validator.num_pairs())
+                self.engine.add_state("dpo_eval_reference", self.eval_reference)
 
     def _new_stats(self) -> torch.Tensor:
-        return torch.zeros(len(STATS), dtype=torch.float64, device=self.engine.device)
+        return torch.zeros(len(self.STATS), dtype=torch.float64, device=self.engine.device)
 
     # ---- flags and data -----------------------------------------------------------------
 
@@ -301,8 +307,12 @@ class DPOTrainer(Trainer):
         """The step's microbatches, each with the row of every token (``row_index``, so a
         pipeline's last stage knows which rows it scores) and, on each document's first token,
         its reference log-prob (``reference_logprobs``)."""
-        return [self._with_reference(self._with_rows(next(data_iter)), self.reference)
-                for _ in range(self.grad_accum_steps)]
+        return [self.prepare_rows(next(data_iter), self.reference) for _ in range(self.grad_accum_steps)]
+
+    def prepare_rows(self, batch: dict[str, torch.Tensor], table: ReferenceLogprobs | None) -> dict[str, torch.Tensor]:
+        """A microbatch as the loss reads it: each token's row, and each document's reference
+        log-prob from ``table`` (training's or the held-out one's)."""
+        return self._with_reference(self._with_rows(batch), table)
 
     @staticmethod
     def _with_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -461,7 +471,8 @@ class DPOTrainer(Trainer):
         # Tensor- and context-parallel peers hold the same pairs: data-parallel ranks only.
         totals = self.engine.sum_over(stats, "dp").tolist()
         pairs = totals[0]
-        means = {f"{prefix}{name}": value / max(pairs, 1) for name, value in zip(STATS[1:], totals[1:], strict=True)}
+        means = {f"{prefix}{name}": value / max(pairs, 1)
+                 for name, value in zip(self.STATS[1:], totals[1:], strict=True)}
         return {f"{prefix}pairs": int(pairs), **means}
 
     # ---- the reference pass -------------------------------------------------------------
@@ -487,7 +498,7 @@ class DPOTrainer(Trainer):
     def held_out_batches(self):
         """The held-out microbatches of a validation pass, with rows and reference log-probs."""
         for batch in self.validator.batches():
-            yield self._with_reference(self._with_rows(batch), self.eval_reference)
+            yield self.prepare_rows(batch, self.eval_reference)
 
     def _remaining_microbatches(self) -> int:
         return (self.config.training.steps - self.step) * self.grad_accum_steps

@@ -1,0 +1,172 @@
+"""Reward modeling (``titan reward``): a score head trained to rank chosen over rejected.
+
+The model is the run's family with a one-column score head in place of its output projection
+(``num_labels = 1``: a Hugging Face ``...ForSequenceClassification``, as TRL's ``RewardTrainer``
+trains one). Start from a language model (``--checkpoint.initial_load_path``, titan's or Hugging
+Face's): its body loads and the head starts from its initialization.
+
+The loop is :class:`~titan.rl.dpo.DPOTrainer`'s (pairs packed whole, two documents a pair, any
+layout) without a reference: the data (:mod:`titan.rl.reward_data`) encodes each side as the
+reward model will be asked to score it, a sequence's reward ``r`` is the score at its last token,
+and the loss per pair is the Bradley-Terry one,
+
+    -log sigmoid(r_chosen - r_rejected)  [+ c (r_chosen + r_rejected)^2 with
+                                            --reward.center_rewards_coefficient c]
+
+summed and divided by the pairs of the global batch. Under context parallel a document's last
+token is on one rank: each rank scatters the scores of the last tokens it holds into per-pair
+sums, summed over the ranks differentiably.
+
+Metrics (TRL's ``accuracy`` and ``margin`` under DPO's names, so the two compare): ``pairs``,
+``rewards_chosen``, ``rewards_rejected``, ``rewards_accuracies`` (the share of pairs ranked
+right) and ``rewards_margins``, means over the pairs since the last log; with
+``--validation.enable`` the same on held-out pairs. Export with
+``--checkpoint.last_save_in_hf``: transformers loads the folder as
+``AutoModelForSequenceClassification``, and ``titan rl --rl.rewards model --rl.reward_model
+FOLDER`` scores with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from titan.rl.dpo import DPOTrainer
+from titan.rl.losses import document_sums
+from titan.rl.reward_data import RewardDataConfig
+from titan.train.config import RunConfig, TrainingConfig
+
+REWARD_STATS = ("pairs", "rewards_chosen", "rewards_rejected", "rewards_accuracies", "rewards_margins")
+"""The step statistics, summed over pairs (``pairs`` counts them); logged as means."""
+
+
+@dataclass(kw_only=True)
+class RewardSection:
+    """``--reward.*``: the reward model's loss (TRL's ``RewardConfig`` names)."""
+
+    center_rewards_coefficient: float = 0.0
+    """Add this times ``(r_chosen + r_rejected)^2`` per pair, pulling the rewards' mean to 0
+    (TRL's ``center_rewards_coefficient``, after Eisenstein et al. 2023); 0: off."""
+
+    uses_reference = False
+    """A reward model compares its own scores: no reference pass."""
+
+    def __post_init__(self) -> None:
+        if not self.center_rewards_coefficient >= 0:
+            raise ValueError(f"--reward.center_rewards_coefficient must be >= 0, got {self.center_rewards_coefficient}")
+
+
+def _reward_training() -> TrainingConfig:
+    return TrainingConfig(document_mask=True)
+
+
+@dataclass(kw_only=True)
+class RewardConfig(RunConfig):
+    """A complete reward-model run: the shared sections, the loss (``--reward.*``) and the pairs
+    (``--reward_data.*``); document masking on (required)."""
+
+    training: TrainingConfig = field(default_factory=_reward_training)
+    reward: RewardSection = field(default_factory=RewardSection)
+    reward_data: RewardDataConfig = field(default_factory=RewardDataConfig)
+
+
+def with_score_head(model_spec: Any, flavor: str) -> Any:
+    """``model_spec`` building every model with a one-column score head (``num_labels=1``);
+    a family without score heads is refused by name."""
+    args = model_spec.flavors.get(flavor)
+    if args is not None and not hasattr(args, "num_labels"):
+        raise ValueError(f"titan reward trains a score head, which the {model_spec.name} family does not have "
+                         "(llama3, qwen3 and qwen3_moe do): choose another --model.name")
+    family_build = model_spec.build
+
+    def build(name: str, **overrides: Any):
+        return family_build(name, **{**overrides, "num_labels": 1})
+
+    return dataclasses.replace(model_spec, build=build)
+
+
+def last_tokens(document_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` float: 1 on each document's last token (a document ends where the next
+    position holds another document, or at the row's end), 0 elsewhere and on padding."""
+    following = torch.cat([document_ids[:, 1:], torch.full_like(document_ids[:, :1], -1)], dim=1)
+    return ((document_ids >= 0) & (following != document_ids)).float()
+
+
+class RewardTrainer(DPOTrainer):
+    """Reward modeling on the DPO loop (module docstring)."""
+
+    Config = RewardConfig
+    command = "reward"
+    method_section, data_section = "reward", "reward_data"
+    unit = "pairs"
+    STATS = REWARD_STATS
+    reference_table = False
+
+    def _build(self, config: Any, model_spec: Any) -> None:
+        super()._build(config, with_score_head(model_spec, config.model.flavor))
+
+    def prepare_rows(self, batch: dict[str, torch.Tensor], table: Any) -> dict[str, torch.Tensor]:
+        """A microbatch as the loss reads it: each token's row and, on each document's last
+        token, a 1 (``last_token``; marked on whole rows, before any context-parallel split)."""
+        del table  # no reference
+        return {**self._with_rows(batch), "last_token": last_tokens(batch["document_ids"])}
+
+    def pair_rewards(self, scores: torch.Tensor, batch: dict[str, torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per row and pair slot: (chosen reward, rejected reward, whether the slot holds a
+        pair, this rank's share of the pair's tokens) from ``scores`` ``[B, S]``, each reward
+        the score at its document's last token, summed over the context-parallel ranks."""
+        last = batch["last_token"].to(scores.dtype)
+        columns = torch.stack([scores * last, last, (batch["document_ids"] >= 0).to(scores.dtype)], dim=-1)
+        local = document_sums(columns, batch["document_ids"], 2 * self.slots)
+        sequence_sum = self.engine.sequence_sum
+        sums = sequence_sum(local) if sequence_sum is not None else local
+        chosen, rejected = sums[:, 0::2], sums[:, 1::2]
+        valid = (chosen[..., 1] > 0) & (rejected[..., 1] > 0)
+        tokens = chosen[..., 2] + rejected[..., 2]
+        share = (local[:, 0::2, 2] + local[:, 1::2, 2]).detach() / tokens.detach().clamp(min=1)
+        return chosen[..., 0], rejected[..., 0], valid, share
+
+    def _pair_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], *, global_pairs: torch.Tensor,
+                   global_chosen_tokens: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's share of the microbatch's summed pair losses, and the step statistics of
+        its pairs."""
+        del global_pairs, global_chosen_tokens  # the engine divides by the pairs; no token term
+        chosen, rejected, valid, share = self.pair_rewards(logits[..., 0].float(), batch)
+        chosen, rejected = chosen[valid], rejected[valid]
+        losses = -F.logsigmoid(chosen - rejected)
+        coefficient = self.config.reward.center_rewards_coefficient
+        if coefficient:
+            losses = losses + coefficient * (chosen + rejected) ** 2
+        # Under context parallel each rank carries its token share of a pair's loss (the shares
+        # sum to one pair loss; the sequence sum's backward brings every rank's gradient back).
+        loss = (losses * share[valid]).sum()
+        chosen, rejected = chosen.detach(), rejected.detach()
+        values = [torch.tensor(float(len(chosen)), device=chosen.device), chosen.sum(), rejected.sum(),
+                  (chosen > rejected).float().sum(), (chosen - rejected).sum()]
+        (self._stats if stats is None else stats).add_(torch.stack([v.double() for v in values]))
+        return loss
+
+    def score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """``[B, 2 * slots]`` the reward of every document of ``batch`` (a loader's rows; no
+        grad, the model as it is now); None on pipeline stages without the head."""
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def capture(logits, b):
+            chosen, rejected, _, _ = self.pair_rewards(logits[..., 0].float(), b)
+            pieces.append((b["row_index"][:, 0], torch.stack([chosen, rejected], dim=-1).flatten(1).detach()))
+            return torch.zeros((), device=logits.device)
+
+        self.engine.forward_only(self.engine.to_device(self.prepare_rows(batch, None)), capture)
+        if not pieces:
+            return None
+        out = torch.zeros(batch["input_ids"].shape[0], 2 * self.slots, dtype=torch.float32)
+        for rows, values in pieces:
+            out[rows.cpu()] = values.float().cpu()
+        return out
+
+
+__all__ = ["REWARD_STATS", "RewardConfig", "RewardSection", "RewardTrainer", "last_tokens", "with_score_head"]

@@ -1,0 +1,123 @@
+"""`titan reward`: a score head ranks chosen over rejected. The rows hold what the reward model
+will score, a sequence's reward is the score at its last token, and the loss is the
+Bradley-Terry one by hand."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from titan.rl.reward_data import RewardDataConfig, encode_scored
+from titan.rl.reward_trainer import (
+    RewardConfig,
+    RewardSection,
+    RewardTrainer,
+    last_tokens,
+    with_score_head,
+)
+from titan.train.data import TokenizerConfig
+from titan.train.data.chat import encode_chat
+
+from titan.recipes.families import model_spec
+
+
+def _config(tmp_path, *, steps=3, **reward) -> RewardConfig:
+    cfg = RewardConfig()
+    cfg.model.name, cfg.model.flavor = "llama3", "debugmodel_tiny"
+    cfg.tokenizer.kind = "byte"
+    cfg.reward_data.synthetic_examples = 256
+    cfg.training.seq_len = 96
+    cfg.training.local_batch_size = 4
+    cfg.training.steps = steps
+    cfg.optimizer.lr = 3e-3
+    cfg.lr_scheduler.warmup_steps = 0
+    cfg.metrics.log_freq = 1
+    cfg.metrics.enable_progress_bar = False
+    cfg.job.dump_folder = str(tmp_path / "run")
+    for key, value in reward.items():
+        setattr(cfg.reward, key, value)
+    return cfg
+
+
+def _sequence_reward(model, example) -> float:
+    """The score of ``example``'s sequence alone (the ids the rows feed: all but the closing
+    token) at its last token, from one plain forward."""
+    ids = torch.as_tensor(example.ids[:-1])[None]
+    with torch.no_grad():
+        return float(model(ids)[0, -1, 0])
+
+
+def test_last_tokens_mark_each_documents_end():
+    docs = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1], [0, 1, 1, 1, 1, 1, 1, 1]])
+    want = [[0, 0, 1, 0, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0, 0, 1]]
+    assert last_tokens(docs).tolist() == want
+
+
+def test_a_side_is_what_the_reward_model_reads():
+    tokenizer = TokenizerConfig(kind="byte").build()
+    text = encode_scored("sort: cab\n", "abc", tokenizer, None)
+    # prompt + completion as one text, no special tokens; one closing token the rows do not feed
+    assert text.ids[:-1].tolist() == tokenizer.encode("sort: cab\nabc") and text.targets.all()
+    prompt = [{"role": "user", "content": "hi"}]
+    chat = encode_scored(prompt, [{"role": "assistant", "content": "hello"}], tokenizer, None)
+    rendered = encode_chat([*prompt, {"role": "assistant", "content": "hello"}], tokenizer, trained_from=1)
+    assert np.array_equal(chat.ids[:-1], rendered.ids)  # the whole rendering, its last token included
+    with pytest.raises(ValueError, match="all strings or all lists"):
+        encode_scored("p", [{"role": "assistant", "content": "x"}], tokenizer, None)
+
+
+@pytest.mark.parametrize("reward", [{}, {"center_rewards_coefficient": 0.1}], ids=["bradley_terry", "centered"])
+def test_loss_and_rewards_match_a_hand_computation(tmp_path, reward):
+    cfg = _config(tmp_path, **reward)
+    trainer = RewardTrainer(cfg, model_spec=model_spec("llama3"))
+    try:
+        model = trainer.model_parts[0]
+        assert model.output.weight.shape == (1, model.args.dim)  # the score head
+        records = trainer.train()
+        assert records[-1]["pairs"] > 0 and not trainer.checkpointer.states.keys() & {"dpo_reference"}
+        source = RewardDataConfig(synthetic_examples=256).source(trainer.tokenizer)
+        # The next batch's loss and rewards from the trainer's packed rows = the hand
+        # computation over each sequence alone.
+        rows = trainer.prepare_rows(next(trainer.dataloader), None)
+        pairs = sorted({int(i) for i in rows["pair_index"].unique() if i >= 0})
+        model.eval()
+        hand = [[_sequence_reward(model, side) for side in source.example(i).sides] for i in pairs]
+        coefficient = cfg.reward.center_rewards_coefficient
+        want = sum(-math.log(1 / (1 + math.exp(-(c - r)))) + coefficient * (c + r) ** 2 for c, r in hand) / len(pairs)
+        stats = trainer._new_stats()
+        total = trainer.engine.forward_only(trainer.engine.to_device(rows), lambda logits, b: trainer._pair_loss(
+            logits, b, global_pairs=torch.tensor(1.0), global_chosen_tokens=torch.tensor(1.0), stats=stats))
+        assert float(total) / len(pairs) == pytest.approx(want, rel=1e-5)
+        got = trainer.reduce_stats(stats)
+        assert got["pairs"] == len(pairs)
+        assert got["rewards_chosen"] == pytest.approx(sum(c for c, _ in hand) / len(pairs), rel=1e-5, abs=1e-6)
+        assert got["rewards_accuracies"] == pytest.approx(sum(c > r for c, r in hand) / len(pairs))
+        # score(): every document's reward, chosen then rejected in each pair slot
+        scores = trainer.score({k: v for k, v in rows.items() if k not in ("row_index", "last_token")})
+        flat = [s for pair in hand for s in pair]
+        assert sorted(scores[scores != 0].tolist()) == pytest.approx(sorted(flat), rel=1e-5)
+    finally:
+        trainer.close()
+
+
+def test_training_ranks_chosen_over_rejected(tmp_path):
+    trainer = RewardTrainer(_config(tmp_path, steps=30), model_spec=model_spec("llama3"))
+    try:
+        records = trainer.train()
+    finally:
+        trainer.close()
+    first, last = records[0], records[-1]
+    assert last["loss"] < first["loss"] * 0.5
+    assert last["rewards_margins"] > first["rewards_margins"] + 1 and last["rewards_accuracies"] > 0.9
+
+
+def test_what_titan_reward_cannot_do_is_refused():
+    with pytest.raises(ValueError, match="center_rewards_coefficient must be >= 0"):
+        RewardSection(center_rewards_coefficient=-1.0)
+    with pytest.raises(ValueError, match="deepseek_v3 family does not have"):
+        with_score_head(model_spec("deepseek_v3"), "debugmodel")
+    spec = with_score_head(model_spec("qwen3"), "debugmodel")
+    with torch.device("meta"):
+        assert spec.build("debugmodel").output.weight.shape[0] == 1
