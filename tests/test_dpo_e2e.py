@@ -58,6 +58,24 @@ KTO_COMMON = [
     "--metrics.log_freq", "1",
     "--metrics.no_enable_progress_bar",
 ]
+# A reward model on the same loop: a score head, each sequence's reward at its last token (under
+# context parallel on one rank only), the centering term on.
+REWARD_COMMON = [
+    "--config", "reward_debug",
+    "--training.steps", str(STEPS),
+    "--training.seq_len", "64",
+    "--training.global_batch_size", "4",
+    "--reward_data.synthetic_examples", "128",
+    "--reward.center_rewards_coefficient", "0.05",
+    "--reward_data.synthetic_eval_examples", "10",
+    "--validation.enable", "--validation.freq", "2", "--validation.steps", "-1",
+    "--optimizer.lr", "3e-3",
+    "--lr_scheduler.warmup_steps", "0",
+    "--debug.deterministic",
+    "--metrics.log_freq", "1",
+    "--metrics.no_enable_progress_bar",
+]
+REWARD_COMPARED = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies")
 KTO_COMPARED = ("loss", "kl", "rewards_chosen", "rewards_rejected", "logps_chosen", "logps_rejected")
 COMPARED = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margins", "logps_chosen", "logps_rejected")
 HELD_OUT = ("validation_loss", "validation_rewards_margins", "validation_logps_chosen")
@@ -73,7 +91,8 @@ def runs(build_once):
 
     def launch(ranks: int, layouts: dict[str, list[str]], folder: Path) -> None:
         runs = [[f"{command}_{name}", [*common, *flags, "--job.dump_folder", str(folder / f"{command}_{name}")], command]
-                for command, common in (("dpo", COMMON), ("kto", KTO_COMMON)) for name, flags in layouts.items()]
+                for command, common in (("dpo", COMMON), ("kto", KTO_COMMON), ("reward", REWARD_COMMON))
+                for name, flags in layouts.items()]
         launch_runs(ranks, RUNS_WORKER, runs, folder / "launch.log")
 
     def one(folder: Path) -> None:
@@ -186,3 +205,22 @@ def test_kto_trains_like_one_process_in_every_layout(runs):
                 # kl is a mean of differences of two ~40-nat float32 sums (a log-prob and its
                 # reference): their rounding (~4e-6) shows in it, not relative to its size
                 assert g[key] == pytest.approx(w[key], rel=2e-5, abs=1e-5), (layout, g["step"], key)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("dpo_two_ranks")
+def test_reward_model_trains_like_one_process_in_every_layout(runs):
+    one_folder, two_folder = runs
+    want = _records(one_folder / "reward_one")
+    assert want[-1]["rewards_margins"] > want[0]["rewards_margins"] and want[-1]["loss"] < want[0]["loss"]
+    assert [r["validation_pairs"] for r in want if "validation_loss" in r] == [10, 10]
+    runs = {f"reward_{layout}": two_folder / f"reward_{layout}" for layout in LAYOUTS}
+    runs["reward_accumulate2"] = one_folder / "reward_accumulate2"
+    for layout, folder in runs.items():
+        got = _records(folder)
+        assert [r["step"] for r in got] == [r["step"] for r in want], layout
+        for g, w in zip(got, want, strict=True):
+            assert g["pairs"] == w["pairs"], layout
+            held_out = ("validation_loss", "validation_rewards_margins") if "validation_loss" in w else ()
+            for key in REWARD_COMPARED + held_out:
+                assert g[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (layout, g["step"], key)

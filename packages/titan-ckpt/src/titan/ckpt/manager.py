@@ -494,8 +494,9 @@ class CheckpointManager:
         not read (a language model's head under a score head): nothing is dropped in silence."""
         if fresh:
             unread = sorted(set(skipped))
-            logger.info("%s holds no %s for this model's head: it starts from its initialization%s", path,
-                        _shown(sorted(fresh)), f" ({_shown(unread)} of the checkpoint not read)" if unread else "")
+            logger.info("%s: this model's head %s starts from its initialization, a new head on the checkpoint's "
+                        "body%s", path, _shown(sorted(fresh)),
+                        f" (the checkpoint's own head, {_shown(unread)}, is not read)" if unread else "")
 
     # ----------------------------------------------------------------------------- save
 

@@ -216,10 +216,14 @@ class _AddAuxiliaryLoss(torch.autograd.Function):
 def hub_token_ids(tokenizer: Any) -> dict[str, int]:
     """The `config.json` special-token ids of a tokenizer (`bos_id`, `eos_id`): what
     `generate` stops at. A tokenizer without a BOS of its own reports its EOS there, which a
-    config must not claim as a BOS."""
+    config must not claim as a BOS. `pad_token_id` too (written for score heads only: see
+    `TrainingEngine._hf_config_overrides`)."""
     ids = {"eos_token_id": int(tokenizer.eos_id)}
     if tokenizer.bos_id != tokenizer.eos_id:
         ids["bos_token_id"] = int(tokenizer.bos_id)
+    pad = getattr(tokenizer, "pad_id", None)
+    if pad is not None:
+        ids["pad_token_id"] = int(pad)
     return ids
 
 
@@ -517,12 +521,17 @@ class TrainingEngine:
         """What an exported `config.json` states over the adapter's: the model's context (the
         flavor's, e.g. 131,072 for Llama 3.1; for `--model.flavor hf` the source's), not the
         sequence length this run's RoPE tables were built for; and the run's tokenizer's
-        special tokens (`hf_token_ids`), not the family's usual ones."""
+        special tokens (`hf_token_ids`), not the family's usual ones. The pad id only for a
+        score head (`num_labels`): transformers reads a sequence's score at its last token that
+        is not padding, and refuses batches without a pad id."""
         trained = getattr(getattr(meta_model, "args", None), "max_seq_len", None)
         published = getattr(self.model_spec.flavors.get(self.flavor), "max_seq_len", None)
         contexts = [n for n in (trained, published) if isinstance(n, int)]
         context = {"max_position_embeddings": max(contexts)} if contexts else {}
-        return {**context, **self.hf_token_ids}
+        tokens = dict(self.hf_token_ids)
+        if not getattr(getattr(meta_model, "args", None), "num_labels", 0):
+            tokens.pop("pad_token_id", None)
+        return {**context, **tokens}
 
     def _build_checkpointer(
         self, meta_model: nn.Module, config: CheckpointConfig, dump_folder: str, states: Mapping[str, Any]
