@@ -194,12 +194,13 @@ def test_lowercase_design_doc_is_allowed():
 
 README_COMMAND = re.compile(
     r"^(?:[A-Z_]+=\S+\s+)*"  # environment assignments (NGPU=4 ...)
-    r"(?:\S*/)?(?:titan (?P<command>train|sft|rl)|\./tools/run_train\.sh|python tools/convert_hf\.py)\b(?P<args>.*)$"
+    r"(?:\S*/)?(?:titan (?P<command>train|sft|rl|dpo|kto|reward)|\./tools/run_train\.sh|python tools/convert_hf\.py)"
+    r"\b(?P<args>.*)$"
 )
 
 
 def readme_commands(text: str) -> list[tuple[str, list[str], str]]:
-    """(command, arguments, the line) of every `titan train|sft|rl`, `tools/run_train.sh`
+    """(command, arguments, the line) of every `titan train|sft|rl|dpo|kto|reward`, `tools/run_train.sh`
     (which runs `titan train`) and `tools/convert_hf.py` line in the code blocks of
     ``text``; continued lines joined, comments dropped."""
     import shlex
@@ -250,7 +251,8 @@ def test_every_readme_command_parses():
     """Every training command the README shows is accepted by the CLI as written: recipes,
     flags and values exist (docs drift when a flag is renamed; nothing here runs)."""
     commands = readme_commands((ROOT / "README.md").read_text())
-    assert len(commands) >= 30 and {c for c, _, _ in commands} == {"train", "sft", "rl", "convert_hf"}
+    assert len(commands) >= 30
+    assert {c for c, _, _ in commands} == {"train", "sft", "rl", "dpo", "kto", "reward", "convert_hf"}
     refused = {line: why for command, args, line in commands if (why := check_readme_command(command, args))}
     assert not refused, refused
 
@@ -264,7 +266,8 @@ def test_a_stale_readme_command_is_caught():
     assert all(check_readme_command(command, args) for command, args, _ in commands)
 
 
-POST_TRAINING_FLAG = re.compile(r"--((?:rl|rl_data|sft_data|sampling|generator|dpo|dpo_data|kto|kto_data)\.[a-z0-9_]+)")
+POST_TRAINING_FLAG = re.compile(
+    r"--((?:rl|rl_data|sft_data|sampling|generator|dpo|dpo_data|kto|kto_data|reward|reward_data)\.[a-z0-9_]+)")
 
 
 def post_training_flags_in_docs() -> dict[str, set[str]]:
@@ -289,11 +292,12 @@ def test_every_post_training_flag_the_docs_name_exists():
     from titan.recipes.cli import parse_train_args
 
     out = io.StringIO()
-    for command in ("sft", "rl", "dpo", "kto"):
+    for command in ("sft", "rl", "dpo", "kto", "reward"):
         with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             parse_train_args(["--help"], command=command)
     accepted = set(POST_TRAINING_FLAG.findall(out.getvalue()))
     assert {"rl.padding_free", "rl.no_drop_zero_variance", "sft_data.no_packing", "dpo.rpo_alpha",
-            "dpo_data.no_packing", "kto.undesirable_weight", "kto_data.label_field"} <= accepted
+            "dpo_data.no_packing", "kto.undesirable_weight", "kto_data.label_field",
+            "reward.center_rewards_coefficient", "reward_data.eval_path"} <= accepted
     unknown = {flag: files for flag, files in post_training_flags_in_docs().items() if flag not in accepted}
     assert not unknown, unknown
