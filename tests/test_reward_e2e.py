@@ -159,3 +159,29 @@ def test_a_titan_checkpoint_gives_the_reward_model_its_body(tmp_path):
     for key, value in hub.items():
         torch.testing.assert_close(exported[key].float(), value.float(), rtol=0, atol=1e-6, msg=key)
     assert exported["score.weight"].shape == (1, language_model["output.weight"].shape[1])
+
+
+@pytest.mark.slow
+def test_a_reward_model_is_refused_by_the_language_model_loops(tmp_path):
+    from titan.models.llama3 import Llama3Model, Llama3StateDictAdapter
+    from titan.models.llama3.args import Llama3Args
+
+    args = Llama3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, multiple_of=32, max_seq_len=128,
+                      num_labels=1)
+    model = Llama3Model(args)
+    model.init_weights(seed=0)
+    adapter = Llama3StateDictAdapter(args)
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "rm"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in adapter.to_hf(model.state_dict()).items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(adapter.hf_config(torch_dtype="float32")))
+    result = run_titan(["sft", "--config", "sft_debug", "--model.flavor", "hf", "--checkpoint.initial_load_in_hf",
+                        "--checkpoint.initial_load_path", folder, "--training.steps", "1",
+                        "--metrics.no_enable_progress_bar", "--job.dump_folder", tmp_path / "run"], env=ENV,
+                       timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "the model is a sequence classifier (1-score head" in result.stderr
+    assert "train the classifier with titan reward" in result.stderr

@@ -5,6 +5,7 @@ Bradley-Terry one by hand."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -76,7 +77,7 @@ def test_loss_and_rewards_match_a_hand_computation(tmp_path, reward):
         model = trainer.model_parts[0]
         assert model.output.weight.shape == (1, model.args.dim)  # the score head
         records = trainer.train()
-        assert records[-1]["pairs"] > 0 and not trainer.checkpointer.states.keys() & {"dpo_reference"}
+        assert records[-1]["pairs"] > 0
         source = RewardDataConfig(synthetic_examples=256).source(trainer.tokenizer)
         # The next batch's loss and rewards from the trainer's packed rows = the hand
         # computation over each sequence alone.
@@ -111,6 +112,31 @@ def test_training_ranks_chosen_over_rejected(tmp_path):
     first, last = records[0], records[-1]
     assert last["loss"] < first["loss"] * 0.5
     assert last["rewards_margins"] > first["rewards_margins"] + 1 and last["rewards_accuracies"] > 0.9
+
+
+def test_resume_continues_exactly(tmp_path):
+    cfg = _config(tmp_path, steps=4)
+    cfg.checkpoint.enable = True
+    cfg.checkpoint.interval = 2
+    cfg.checkpoint.last_save_model_only = False
+    trainer = RewardTrainer(cfg, model_spec=model_spec("llama3"))
+    try:
+        full = trainer.train()
+        assert set(trainer.checkpointer.states) >= {"model", "dataloader"}
+        assert not {"dpo_reference", "dpo_eval_reference"} & set(trainer.checkpointer.states)  # no reference
+    finally:
+        trainer.close()
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-4")
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    trainer = RewardTrainer(cfg, model_spec=model_spec("llama3"))
+    try:
+        resumed = trainer.train()
+    finally:
+        trainer.close()
+    assert [r["step"] for r in resumed] == [3, 4]
+    for got, want in zip(resumed, full[2:], strict=True):
+        assert (got["loss"], got["rewards_margins"], got["pairs"]) == (want["loss"], want["rewards_margins"],
+                                                                       want["pairs"])
 
 
 def test_what_titan_reward_cannot_do_is_refused():

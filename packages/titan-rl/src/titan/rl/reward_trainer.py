@@ -104,6 +104,7 @@ class RewardTrainer(DPOTrainer):
     unit = "pairs"
     STATS = REWARD_STATS
     reference_table = False
+    trains_score_head = True
 
     def _build(self, config: Any, model_spec: Any) -> None:
         super()._build(config, with_score_head(model_spec, config.model.flavor))

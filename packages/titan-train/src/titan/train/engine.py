@@ -443,6 +443,9 @@ class TrainingEngine:
             pipeline_schedule=self.parallelism.pipeline_parallel_schedule,
         )
         self.num_params = model.num_params()
+        self.num_labels = int(getattr(getattr(model, "args", None), "num_labels", 0) or 0)
+        """The score head's width (a sequence-classification model, e.g. a reward model); 0 for a
+        language model."""
         self.flops_per_token = model.flops_per_token(seq_len)
         self._state_meta = state_tensor_meta(model)
         return model

@@ -104,6 +104,9 @@ class TrainingLoop:
     """The config class of this loop (its command's flags)."""
     uses_training_timeout: bool = True
     """Whether collectives switch to ``--comm.train_timeout_seconds`` after the first step."""
+    trains_score_head: bool = False
+    """Whether the loop trains a sequence-classification model (a score head, ``num_labels``)
+    rather than a language model (``titan reward``)."""
 
     def __init__(self, config: Any, *, model_spec: ModelSpec) -> None:
         self.config = config
@@ -124,6 +127,11 @@ class TrainingLoop:
         self.vocab_size = config.model.resolve_vocab_size(self.tokenizer.vocab_size)
         self.engine = TrainingEngine.from_config(config, model_spec=model_spec, vocab_size=self.vocab_size,
                                                  tokenizer=self.tokenizer)
+        if self.engine.num_labels and not self.trains_score_head:
+            self.engine.close()
+            raise ValueError(f"the model is a sequence classifier ({self.engine.num_labels}-score head, e.g. a reward "
+                             "model from a ...ForSequenceClassification checkpoint), and this command trains language "
+                             "models: start from a language model, or train the classifier with titan reward")
         self._training_timeout_on = False
         # Every thread's stack on stderr when a step outlives the collective timeout (a rank
         # that hangs outside a collective shows where).
