@@ -103,6 +103,60 @@ def test_loss_and_rewards_match_a_hand_computation(tmp_path, reward):
         trainer.close()
 
 
+def _margin_rows(path, rows: int = 48):
+    import json
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    with open(path, "w") as f:
+        for i in range(rows):
+            word = "".join(letters[(i * 7 + k * 3) % 26] for k in range(3 + i % 4))
+            answer = "".join(sorted(word))
+            f.write(json.dumps({"prompt": f"sort: {word}\n", "chosen": answer, "rejected": answer[::-1] + "x",
+                                "margin": (i % 3) * 0.5}) + "\n")
+
+
+def test_a_margin_column_shifts_each_pairs_loss(tmp_path):
+    _margin_rows(tmp_path / "prefs.jsonl")
+    cfg = _config(tmp_path, steps=2)
+    cfg.reward_data = RewardDataConfig(path=str(tmp_path / "prefs.jsonl"))
+    trainer = RewardTrainer(cfg, model_spec=model_spec("llama3"))
+    try:
+        trainer.train()
+        source = cfg.reward_data.source(trainer.tokenizer)
+        assert source.has_margins and source.example(4).margin == 0.5
+        rows = trainer.prepare_rows(next(trainer.dataloader), None)
+        assert "margin" in rows
+        pairs = sorted({int(i) for i in rows["pair_index"].unique() if i >= 0})
+        model = trainer.model_parts[0].eval()
+        want = 0.0
+        for index in pairs:
+            example = source.example(index)
+            chosen, rejected = (_sequence_reward(model, side) for side in example.sides)
+            want += -math.log(1 / (1 + math.exp(-(chosen - rejected - example.margin))))
+        assert {source.example(i).margin for i in pairs} == {0.0, 0.5, 1.0}  # the margins differ: they matter
+        total = trainer.engine.forward_only(trainer.engine.to_device(rows), lambda logits, b: trainer._pair_loss(
+            logits, b, global_pairs=torch.tensor(1.0), global_chosen_tokens=torch.tensor(1.0)))
+        assert float(total) / len(pairs) == pytest.approx(want / len(pairs), rel=1e-5)
+    finally:
+        trainer.close()
+
+
+def test_margin_columns_are_checked(tmp_path):
+    import json
+
+    tokenizer = TokenizerConfig(kind="byte").build()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b", "margin": "big"}) + "\n")
+    with pytest.raises(ValueError, match="row 0: the margin 'big' is not a number"):
+        RewardDataConfig(path=str(bad)).source(tokenizer)
+    _margin_rows(tmp_path / "prefs.jsonl")
+    with pytest.raises(ValueError, match="rows have no 'gap' column"):
+        RewardDataConfig(path=str(tmp_path / "prefs.jsonl"), margin_field="gap").source(tokenizer)
+    with pytest.raises(ValueError, match="margin_field describe data files"):
+        RewardDataConfig(margin_field="gap")
+    assert not RewardDataConfig().source(tokenizer).has_margins  # the synthetic task has none
+
+
 def test_training_ranks_chosen_over_rejected(tmp_path):
     trainer = RewardTrainer(_config(tmp_path, steps=30), model_spec=model_spec("llama3"))
     try:

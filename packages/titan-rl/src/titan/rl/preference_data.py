@@ -167,6 +167,9 @@ class PreferencePair:
     index: int
     label: bool | None = None
     """KTO's examples: whether the first sequence is desirable (None for preference pairs)."""
+    margin: float | None = None
+    """A reward model's pairs: how far the chosen reward should exceed the rejected one (the
+    rows' margin column; None without one)."""
 
     def __len__(self) -> int:
         return len(self.chosen) - 1 + len(self.rejected) - 1 + 1
@@ -364,6 +367,9 @@ class PreferencePacker(SFTPacker):
 
     labelled = False
     """Rows carry ``desirable`` (1 on the tokens of an example labelled desirable): KTO's."""
+    margins = False
+    """Rows carry ``margin`` (each pair's margin on its tokens): a reward model's, when its
+    data has a margin column."""
 
     def _prepare(self, pair: PreferencePair) -> PreferencePair | None:
         if len(pair) - 1 > self.seq_len:
@@ -383,6 +389,7 @@ class PreferencePacker(SFTPacker):
         labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
         pair_index = np.full(self.seq_len, -1, dtype=np.int64)
         desirable = np.zeros(self.seq_len, dtype=np.float32)
+        margin = np.zeros(self.seq_len, dtype=np.float32)
         starts = np.zeros(self.seq_len, dtype=bool)
         used = 0
         for pair in pairs:
@@ -395,6 +402,7 @@ class PreferencePacker(SFTPacker):
                 starts[used] = True
                 used += n
             desirable[start:used] = float(bool(pair.label))
+            margin[start:used] = pair.margin or 0.0
         if used < self.seq_len:
             starts[used] = True  # the padding tail: its own segment
         positions, document_ids = document_layout(starts[None])
@@ -403,6 +411,8 @@ class PreferencePacker(SFTPacker):
                "document_ids": document_ids[0], "pair_index": pair_index}
         if self.labelled:
             row["desirable"] = desirable
+        if self.margins:
+            row["margin"] = margin
         return row
 
 
@@ -440,6 +450,7 @@ def build_preference_dataloader(
     packer = PreferencePacker(source, seq_len=seq_len, pad_id=tokenizer.pad_id, packing=cfg.packing, overlong="drop",
                               shuffle=cfg.shuffle, seed=seed)
     packer.labelled = cfg.LABELLED
+    packer.margins = bool(getattr(source, "has_margins", False))
     batches = SFTBatches(packer, local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
     loader = PreferenceDataLoader(batches, dp_rank=dp_rank, dp_world_size=dp_world_size, num_examples=len(source))
     loader.section = cfg.SECTION
@@ -459,6 +470,7 @@ def held_out_preference_batches(
     packer = PreferencePacker(source, seq_len=seq_len, pad_id=tokenizer.pad_id, packing=cfg.packing, overlong="drop",
                               shuffle=False, seed=0)
     packer.labelled = cfg.LABELLED
+    packer.margins = bool(getattr(source, "has_margins", False))
     packer.single_pass = True
     batches = SFTBatches(packer, local_batch_size, dp_rank=dp_rank, dp_world_size=dp_world_size)
     while not packer.exhausted:

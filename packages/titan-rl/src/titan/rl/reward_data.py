@@ -12,7 +12,9 @@ model`` (:mod:`titan.rl.reward_model`, as TRL's GRPO) feeds it when scoring a co
   tokens included).
 
 A sequence's reward is the score at its last token, where transformers'
-``...ForSequenceClassification`` reads it in an exported model.
+``...ForSequenceClassification`` reads it in an exported model. Rows with a margin column
+(``--reward_data.margin_field``, TRL's ``margin``: how far the chosen reward should exceed the
+rejected one, as Llama 2's reward models were trained) carry it to the loss.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 from titan.rl.preference_data import (
+    _FILE_FLAGS,
+    FilePreferenceSource,
     PreferenceDataConfig,
     PreferencePair,
     PreferenceSource,
-    preference_pairs,
+    SyntheticPreferenceTask,
+    open_rows,
 )
 from titan.train.data.chat import ChatTemplate, SFTExample, encode_chat
 from titan.train.data.tokenizer import Tokenizer
@@ -38,9 +43,35 @@ class RewardDataConfig(PreferenceDataConfig):
 
     SECTION: ClassVar[str] = "--reward_data"
 
+    margin_field: str = "margin"
+    """The column holding each pair's margin (a number), read when the rows have it: the loss
+    becomes ``-log sigmoid(r_chosen - r_rejected - margin)`` (TRL's ``margin`` column)."""
+
+    @classmethod
+    def file_flags(cls) -> dict[str, object]:
+        """The flags only a data file reads, and their defaults."""
+        return {**_FILE_FLAGS, "margin_field": "margin"}
+
     def source(self, tokenizer: Tokenizer, *, held_out: bool = False) -> ScoredPairs:
-        """The pairs, each side encoded as the reward model reads it (module docstring)."""
-        return ScoredPairs(preference_pairs(self, tokenizer, held_out=held_out), tokenizer)
+        """The pairs, each side encoded as the reward model reads it (module docstring), with
+        their margins when the rows have a margin column."""
+        if self.resolved_format == "synthetic":
+            return ScoredPairs(SyntheticPreferenceTask(self, tokenizer, held_out=held_out), tokenizer)
+        dataset, template, flag = open_rows(self, tokenizer, held_out=held_out)
+        margins = None
+        if self.margin_field in dataset.column_names:
+            margins = [_margin(value, index, flag) for index, value in enumerate(dataset[self.margin_field])]
+        elif self.margin_field != "margin":
+            raise ValueError(f"{flag}: rows have no {self.margin_field!r} column ({self.SECTION}.margin_field; "
+                             f"columns: {', '.join(dataset.column_names)})")
+        return ScoredPairs(FilePreferenceSource(dataset, self, tokenizer, template, flag=flag), tokenizer, margins)
+
+
+def _margin(value: Any, index: int, flag: str) -> float:
+    """A row's margin as a float; anything else fails naming the row."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{flag}: row {index}: the margin {value!r} is not a number")
+    return float(value)
 
 
 def encode_scored(prompt: Any, completion: Any, tokenizer: Tokenizer, template: ChatTemplate | None) -> SFTExample:
@@ -62,11 +93,16 @@ def encode_scored(prompt: Any, completion: Any, tokenizer: Tokenizer, template: 
 
 class ScoredPairs(PreferenceSource):
     """Preference pairs (a file's or the synthetic task's) with each side encoded by
-    :func:`encode_scored`."""
+    :func:`encode_scored`, and each pair's margin from ``margins`` (None: no margins)."""
 
-    def __init__(self, pairs: Any, tokenizer: Tokenizer) -> None:
-        self.pairs, self.tokenizer = pairs, tokenizer
+    def __init__(self, pairs: Any, tokenizer: Tokenizer, margins: list[float] | None = None) -> None:
+        self.pairs, self.tokenizer, self.margins = pairs, tokenizer, margins
         self.template = getattr(pairs, "template", None)
+
+    @property
+    def has_margins(self) -> bool:
+        """Whether the pairs carry margins (the rows then carry a ``margin`` key)."""
+        return self.margins is not None
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -82,7 +118,8 @@ class ScoredPairs(PreferenceSource):
     def _encode(self, index: int) -> PreferencePair:
         prompt, chosen, rejected = self.pairs.raw_pair(index)
         sides = [encode_scored(prompt, side, self.tokenizer, self.template) for side in (chosen, rejected)]
-        return PreferencePair(sides[0], sides[1], int(index))
+        margin = None if self.margins is None else self.margins[int(index)]
+        return PreferencePair(sides[0], sides[1], int(index), margin=margin)
 
 
 __all__ = ["RewardDataConfig", "ScoredPairs", "encode_scored"]

@@ -10,8 +10,10 @@ layout) without a reference: the data (:mod:`titan.rl.reward_data`) encodes each
 reward model will be asked to score it, a sequence's reward ``r`` is the score at its last token,
 and the loss per pair is the Bradley-Terry one,
 
-    -log sigmoid(r_chosen - r_rejected)  [+ c (r_chosen + r_rejected)^2 with
-                                            --reward.center_rewards_coefficient c]
+    -log sigmoid(r_chosen - r_rejected - m)  [+ c (r_chosen + r_rejected)^2 with
+                                                --reward.center_rewards_coefficient c]
+
+with ``m`` the pair's margin when the rows have a margin column (TRL's ``margin``), else 0,
 
 summed and divided by the pairs of the global batch. Under context parallel a document's last
 token is on one rank: each rank scatters the scores of the last tokens it holds into per-pair
@@ -95,6 +97,22 @@ def last_tokens(document_ids: torch.Tensor) -> torch.Tensor:
     return ((document_ids >= 0) & (following != document_ids)).float()
 
 
+@dataclass
+class PairRewards:
+    """Per row and pair slot (``[B, slots]`` each) of a microbatch: what the loss reads."""
+
+    chosen: torch.Tensor
+    """The chosen sequence's reward (differentiable)."""
+    rejected: torch.Tensor
+    """The rejected sequence's reward (differentiable)."""
+    margin: torch.Tensor
+    """The pair's margin (0 without a margin column)."""
+    valid: torch.Tensor
+    """Whether the slot holds a pair."""
+    share: torch.Tensor
+    """This rank's share of the pair's tokens (1 without context parallel)."""
+
+
 class RewardTrainer(DPOTrainer):
     """Reward modeling on the DPO loop (module docstring)."""
 
@@ -115,36 +133,38 @@ class RewardTrainer(DPOTrainer):
         del table  # no reference
         return {**self._with_rows(batch), "last_token": last_tokens(batch["document_ids"])}
 
-    def pair_rewards(self, scores: torch.Tensor, batch: dict[str, torch.Tensor]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per row and pair slot: (chosen reward, rejected reward, whether the slot holds a
-        pair, this rank's share of the pair's tokens) from ``scores`` ``[B, S]``, each reward
-        the score at its document's last token, summed over the context-parallel ranks."""
+    def pair_rewards(self, scores: torch.Tensor, batch: dict[str, torch.Tensor]) -> PairRewards:
+        """Per row and pair slot, from ``scores`` ``[B, S]``: the chosen and rejected rewards
+        (each the score at its document's last token), the pair's margin, and this rank's share
+        of its tokens; summed over the context-parallel ranks."""
         last = batch["last_token"].to(scores.dtype)
-        columns = torch.stack([scores * last, last, (batch["document_ids"] >= 0).to(scores.dtype)], dim=-1)
+        margin = batch["margin"].to(scores.dtype) if "margin" in batch else torch.zeros_like(scores)
+        columns = torch.stack([scores * last, last, (batch["document_ids"] >= 0).to(scores.dtype), margin * last],
+                              dim=-1)
         local = document_sums(columns, batch["document_ids"], 2 * self.slots)
         sequence_sum = self.engine.sequence_sum
         sums = sequence_sum(local) if sequence_sum is not None else local
         chosen, rejected = sums[:, 0::2], sums[:, 1::2]
-        valid = (chosen[..., 1] > 0) & (rejected[..., 1] > 0)
         tokens = chosen[..., 2] + rejected[..., 2]
         share = (local[:, 0::2, 2] + local[:, 1::2, 2]).detach() / tokens.detach().clamp(min=1)
-        return chosen[..., 0], rejected[..., 0], valid, share
+        return PairRewards(chosen=chosen[..., 0], rejected=rejected[..., 0], margin=chosen[..., 3].detach(),
+                           valid=(chosen[..., 1] > 0) & (rejected[..., 1] > 0), share=share)
 
     def _pair_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor], *, global_pairs: torch.Tensor,
                    global_chosen_tokens: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's share of the microbatch's summed pair losses, and the step statistics of
         its pairs."""
         del global_pairs, global_chosen_tokens  # the engine divides by the pairs; no token term
-        chosen, rejected, valid, share = self.pair_rewards(logits[..., 0].float(), batch)
-        chosen, rejected = chosen[valid], rejected[valid]
-        losses = -F.logsigmoid(chosen - rejected)
+        pairs = self.pair_rewards(logits[..., 0].float(), batch)
+        valid = pairs.valid
+        chosen, rejected = pairs.chosen[valid], pairs.rejected[valid]
+        losses = -F.logsigmoid(chosen - rejected - pairs.margin[valid])
         coefficient = self.config.reward.center_rewards_coefficient
         if coefficient:
             losses = losses + coefficient * (chosen + rejected) ** 2
         # Under context parallel each rank carries its token share of a pair's loss (the shares
         # sum to one pair loss; the sequence sum's backward brings every rank's gradient back).
-        loss = (losses * share[valid]).sum()
+        loss = (losses * pairs.share[valid]).sum()
         chosen, rejected = chosen.detach(), rejected.detach()
         values = [torch.tensor(float(len(chosen)), device=chosen.device), chosen.sum(), rejected.sum(),
                   (chosen > rejected).float().sum(), (chosen - rejected).sum()]
@@ -157,8 +177,8 @@ class RewardTrainer(DPOTrainer):
         pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def capture(logits, b):
-            chosen, rejected, _, _ = self.pair_rewards(logits[..., 0].float(), b)
-            pieces.append((b["row_index"][:, 0], torch.stack([chosen, rejected], dim=-1).flatten(1).detach()))
+            pairs = self.pair_rewards(logits[..., 0].float(), b)
+            pieces.append((b["row_index"][:, 0], torch.stack([pairs.chosen, pairs.rejected], dim=-1).flatten(1).detach()))
             return torch.zeros((), device=logits.device)
 
         self.engine.forward_only(self.engine.to_device(self.prepare_rows(batch, None)), capture)
@@ -170,4 +190,4 @@ class RewardTrainer(DPOTrainer):
         return out
 
 
-__all__ = ["REWARD_STATS", "RewardConfig", "RewardSection", "RewardTrainer", "last_tokens", "with_score_head"]
+__all__ = ["REWARD_STATS", "PairRewards", "RewardConfig", "RewardSection", "RewardTrainer", "last_tokens", "with_score_head"]
