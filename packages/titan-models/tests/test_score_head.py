@@ -12,6 +12,8 @@ from titan.models.llama3 import Llama3Model, Llama3StateDictAdapter
 from titan.models.llama3.args import Llama3Args
 from titan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter
 from titan.models.qwen3.args import Qwen3Args
+from titan.models.qwen3_moe import Qwen3MoeModel, Qwen3MoeStateDictAdapter
+from titan.models.qwen3_moe.args import Qwen3MoeArgs
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,13 +32,22 @@ def _qwen_args(**overrides) -> Qwen3Args:
     return Qwen3Args(**{**fields, **overrides})
 
 
+def _moe_args(**overrides) -> Qwen3MoeArgs:
+    fields = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_hidden_dim=96, vocab_size=128,
+                  max_seq_len=64, rope_theta=10000.0, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                  mlp_only_layers=(0,))
+    return Qwen3MoeArgs(**{**fields, **overrides})
+
+
 def _randomized(model_cls, args, seed: int):
     model = model_cls(args)
     model.init_weights(seed=seed)
     with torch.no_grad():  # every weight off its init (norms too), so a swapped name shows
         gen = torch.Generator().manual_seed(seed)
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+        for name, param in model.named_parameters():
+            # A router sharpened far from ties, so both sides route every token alike.
+            scale = 1.0 if "router" in name else 0.05
+            param.add_(torch.randn(param.shape, generator=gen) * scale)
     return model.eval()
 
 
@@ -60,18 +71,20 @@ def _rows() -> tuple[torch.Tensor, list[int]]:
     return tokens, lengths
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe"])
 def test_exported_score_head_is_the_transformers_sequence_classifier(family, tmp_path):
     model_cls, adapter_cls, args = {
         "llama3": (Llama3Model, Llama3StateDictAdapter, _llama_args(num_labels=1)),
         "qwen3": (Qwen3Model, Qwen3StateDictAdapter, _qwen_args(num_labels=1)),
+        "qwen3_moe": (Qwen3MoeModel, Qwen3MoeStateDictAdapter, _moe_args(num_labels=1)),
     }[family]
     titan = _randomized(model_cls, args, seed=1)
     assert titan.output.weight.shape == (1, 64) and titan.output.weight is not titan.tok_embeddings.weight
     adapter = adapter_cls(args)
     _export(titan, adapter, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    expected = {"llama3": "LlamaForSequenceClassification", "qwen3": "Qwen3ForSequenceClassification"}[family]
+    expected = {"llama3": "LlamaForSequenceClassification", "qwen3": "Qwen3ForSequenceClassification",
+                "qwen3_moe": "Qwen3MoeForSequenceClassification"}[family]
     assert config["architectures"] == [expected]
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert type(hf).__name__ == expected and hf.config.num_labels == 1
