@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from forked_cli import run_titan
+from forked_cli import run_script, run_titan
 
 transformers = pytest.importorskip("transformers")
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _records(dump: Path) -> list[dict]:
@@ -136,11 +137,18 @@ def test_a_titan_checkpoint_gives_the_reward_model_its_body(tmp_path):
     # A learning rate too small to move a weight: the export holds what the warm start loaded.
     result = run_titan(["reward", "--config", "reward_debug", *common, "--training.steps", "1",
                         "--optimizer.lr", "1e-12", "--checkpoint.initial_load_path", step, "--checkpoint.enable",
-                        "--checkpoint.last_save_in_hf", "--job.dump_folder", dump], env=ENV, timeout=300)
+                        "--job.dump_folder", dump], env=ENV, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     log = result.stdout + result.stderr
     assert "this model's head ['output.weight'] starts from its initialization" in log
     assert "(the checkpoint's own head, ['model.output.weight'], is not read)" in log
+    # The reward model's DCP step converts to the Hub layout (its config.json names the head).
+    converted = tmp_path / "reward_hf"
+    result = run_script(ROOT / "tools" / "convert_hf.py", ["to-hf", dump / "checkpoint" / "step-1", converted,
+                                                            "--model", "llama3"], env=ENV, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert type(transformers.AutoModelForSequenceClassification.from_pretrained(str(converted))).__name__ == \
+        "LlamaForSequenceClassification"
 
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -148,9 +156,9 @@ def test_a_titan_checkpoint_gives_the_reward_model_its_body(tmp_path):
     dcp_to_torch_save(str(step), str(tmp_path / "lm.pt"))
     language_model = torch.load(tmp_path / "lm.pt", weights_only=False)["model"]
     exported = {}
-    for name in os.listdir(dump / "checkpoint" / "step-1"):
+    for name in os.listdir(converted):
         if name.endswith(".safetensors"):
-            exported.update(load_file(str(dump / "checkpoint" / "step-1" / name)))
+            exported.update(load_file(str(converted / name)))
     from titan.models.llama3 import LLAMA3_FLAVORS, Llama3StateDictAdapter
 
     hub = Llama3StateDictAdapter(LLAMA3_FLAVORS["debugmodel_tiny"]).to_hf(
