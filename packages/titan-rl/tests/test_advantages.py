@@ -107,6 +107,8 @@ def test_reinforce_pp_returns_and_token_whitening_by_hand():
     got = reinforce_pp_advantages([1.0, 0.0], penalties, eps=0.0)
     torch.testing.assert_close(torch.cat(got), torch.tensor([0.3, 0.4, -0.7], dtype=torch.float64) / std)
     torch.testing.assert_close(discounted_returns(torch.tensor([-0.1, 0.8]), 0.5), torch.tensor([0.3, 0.8], dtype=torch.float64))
+    # gamma 0 (on-policy distillation): each token's return is its own reward.
+    torch.testing.assert_close(discounted_returns(torch.tensor([-0.1, 0.8]), 0.0), torch.tensor([-0.1, 0.8], dtype=torch.float64))
     # A long completion weighs for its length: one value over 3 tokens against one over 1.
     whitened = whiten_over_tokens([torch.full((3,), 1.0), torch.full((1,), 0.0)], eps=0.0, std="sample")
     mean, spread = 0.75, (3 * 0.25**2 + 0.75**2) ** 0.5 / 3**0.5

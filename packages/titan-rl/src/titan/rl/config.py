@@ -107,6 +107,13 @@ class RLSection:
     """Weight of the KL penalty to a frozen reference: the weights the run's RL phase started
     from (after the warm-up or the initial load), saved in every checkpoint so a resumed run
     keeps it; 0: off."""
+    teacher_model: str | None = None
+    """A teacher as the KL reference in place of the weights RL starts from: a Hugging Face
+    folder or Hub id of the policy's model family (any size) over the same tokenizer (TRL's
+    ``teacher_model_name_or_path``). With ``--rl.kl_in_reward_coef 1 --rl.advantage_estimator
+    reinforce_plus_plus --rl.gamma 0`` each token's advantage is its reverse KL to the teacher
+    (on-policy distillation); with --rl.kl_coef the KL term of the loss pulls toward it. Loaded
+    once per run (a resumed run reads it again), frozen, not checkpointed."""
     ref_sync_steps: int = 0
     """Move the KL reference toward the policy every this many optimizer steps (TRL's
     sync_ref_model / ref_model_sync_steps, after TR-DPO): reference = alpha x policy +
@@ -123,7 +130,9 @@ class RLSection:
     """The per-token KL estimator of --rl.kl_in_reward_coef (verl's algorithm.kl_penalty: kl is
     k1, mse k2, low_var_kl k3)."""
     gamma: float = 1.0
-    """reinforce_plus_plus's discount of a token's return per token (verl's algorithm.gamma)."""
+    """reinforce_plus_plus's discount of a token's return per token (verl's algorithm.gamma); 0:
+    each token's return is its own reward (its KL penalty; the outcome on the last token), as
+    on-policy distillation takes it."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator: k1 log(p/q), k2 (log(p/q))^2/2, k3 q/p - 1 - log(q/p)."""
     entropy_coef: float = 0.0
@@ -275,6 +284,13 @@ class RLSection:
         if self.ref_sync_steps and not self.uses_reference:
             raise ValueError(f"--rl.ref_sync_steps {self.ref_sync_steps} moves the KL reference, and this run has no KL "
                              "penalty (--rl.kl_coef and --rl.kl_in_reward_coef 0): set one or drop the flag")
+        if self.teacher_model and not self.uses_reference:
+            raise ValueError(f"--rl.teacher_model {self.teacher_model} is the KL reference, and this run has no KL "
+                             "(--rl.kl_coef and --rl.kl_in_reward_coef 0): set one (--rl.kl_in_reward_coef for "
+                             "on-policy distillation) or drop the flag")
+        if self.teacher_model and self.ref_sync_steps:
+            raise ValueError("--rl.ref_sync_steps moves the KL reference toward the policy, and --rl.teacher_model fixes "
+                             "it to a teacher: drop one of the two")
         if not self.ref_sync_steps and self.ref_mixup_alpha != RLSection.ref_mixup_alpha:
             raise ValueError("--rl.ref_mixup_alpha is read at each --rl.ref_sync_steps, which this run does not set: "
                              "set --rl.ref_sync_steps or drop the flag")
@@ -420,8 +436,8 @@ class RLSection:
         if reinforce and self.normalize_std is not None:
             raise ValueError(f"--rl.advantage_estimator {self.advantage_estimator} whitens over the rollout's tokens, "
                              "never by a group std: drop --rl.normalize_std")
-        if not 0 < self.gamma <= 1:
-            raise ValueError(f"--rl.gamma must be in (0, 1], got {self.gamma}")
+        if not 0 <= self.gamma <= 1:
+            raise ValueError(f"--rl.gamma must be in [0, 1], got {self.gamma}")
         if self.gamma != 1 and self.advantage_estimator != "reinforce_plus_plus":
             raise ValueError(f"--rl.gamma discounts reinforce_plus_plus's per-token returns; --rl.advantage_estimator "
                              f"{self.advantage_estimator} scores whole completions: drop it")

@@ -58,7 +58,7 @@ from titan.rl.completion_log import append_completions, completion_records, form
 from titan.rl.config import RLConfig
 from titan.rl.data import build_prompts
 from titan.rl.disaggregated import TRAINER, GeneratorServer, RemoteGenerators, split_for_generators
-from titan.rl.generate.build import build_generator, check_generator_kind
+from titan.rl.generate.build import build_generator, build_teacher, check_generator_kind
 from titan.rl.losses import adapted_entropy_coef, entropy_threshold, stat_means
 from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts, share
 from titan.rl.rollout_loss import MAX_STATS, SUMMED_STATS, RolloutLoss, combine_stats
@@ -267,8 +267,10 @@ class RLTrainer(TrainingLoop):
         # The frozen KL reference (rank 0, or every generating rank), taken when RL starts and
         # checkpointed with the run; it only rescores, so it is a native model copy whatever generates.
         holds_reference = (self.is_rank0 or self.generator is not None) and cfg.rl.uses_reference
-        self.reference = ReferencePolicy(self._build_generator() if holds_reference else None)
-        if cfg.rl.uses_reference:
+        self.reference = ReferencePolicy(self._build_reference() if holds_reference else None)
+        if cfg.rl.teacher_model:
+            self.reference.taken = holds_reference  # a fixed teacher, read again by a resumed run
+        elif cfg.rl.uses_reference:
             self.engine.add_state("rl_reference", self.reference)
         driver = self.remote is not None and self.remote.is_driver
         self.schedule = RolloutSchedule(
@@ -336,6 +338,20 @@ class RLTrainer(TrainingLoop):
         return build_generator(self.config, self.model_spec, vocab_size=self.vocab_size,
                                eos_token_id=self.tokenizer.eos_id, device=self.engine.device, kind=kind,
                                every_rank=self.every_rank)
+
+    def _build_reference(self):
+        """The KL reference's model copy: the policy's architecture (its weights taken when RL
+        starts), or ``--rl.teacher_model`` with its own architecture and weights."""
+        path = self.config.rl.teacher_model
+        if not path:
+            return self._build_generator()
+        start = time.perf_counter()
+        teacher = build_teacher(path, self.model_spec, vocab_size=self.tokenizer.vocab_size,
+                                seq_len=self.config.training.seq_len, eos_token_id=self.tokenizer.eos_id,
+                                device=self.engine.device)
+        logger.info("teacher %s (%s parameters) loaded as the KL reference in %.1fs", path,
+                    f"{sum(p.numel() for p in teacher.model.parameters()) / 1e6:.2f}M", time.perf_counter() - start)
+        return teacher
 
     # ---- weight sync and generation -----------------------------------------------------
 
@@ -746,8 +762,8 @@ class RLTrainer(TrainingLoop):
     def _start_reference(self) -> None:
         """Freeze the weights RL starts from as the KL reference (rank 0), when KL is on; a
         resumed run keeps the reference its checkpoint restored."""
-        if not self.config.rl.uses_reference:
-            return
+        if not self.config.rl.uses_reference or self.config.rl.teacher_model:
+            return  # no KL, or a teacher loaded up front
         if self.remote is not None:  # no generator on rank 0: the weights come from the engine
             weights = self.engine.full_state_dict(dtype=torch.float32)  # collective: every rank iterates it
             if self.is_rank0 and not self.reference.taken:
