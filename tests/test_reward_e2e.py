@@ -193,3 +193,27 @@ def test_a_reward_model_is_refused_by_the_language_model_loops(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "the model is a sequence classifier (1-score head" in result.stderr
     assert "train the classifier with titan reward" in result.stderr
+
+
+@pytest.mark.slow
+def test_the_readme_flow_from_reward_debug_to_titan_rl(tmp_path):
+    """The README's commands: `titan reward --config reward_debug` exported with the byte
+    tokenizer's Hub form, then `titan rl --rl.rewards model` with it: every completion's reward
+    is transformers' score of the prompt and completion."""
+    dump = tmp_path / "reward"
+    result = run_titan(["reward", "--config", "reward_debug", "--training.steps", "4", "--checkpoint.enable",
+                        "--checkpoint.last_save_in_hf", "--metrics.no_enable_progress_bar", "--job.dump_folder", dump],
+                       env=ENV, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    export = dump / "checkpoint" / "step-4"
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= set(os.listdir(export))
+    rl_dump = tmp_path / "rl"
+    result = run_titan([
+        "rl", "--config", "grpo_debug", "--training.steps", "3", "--rl.sft_warmup_steps", "1", "--rl.eval_freq", "0",
+        "--rl.ppo_epochs", "1", "--rl.prompts_per_step", "2", "--rl.group_size", "4", "--training.local_batch_size", "8",
+        "--rl.rewards", "model", "--rl.reward_model", export, "--rl.log_completions", "--metrics.no_enable_progress_bar",
+        "--job.dump_folder", rl_dump], env=ENV, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in (rl_dump / "completions.jsonl").read_text().splitlines()]
+    want = _transformers_scores(export, [r["prompt"] + r["completion"] for r in rows])
+    assert len(rows) == 16 and [r["reward"] for r in rows] == pytest.approx(want, abs=1e-5)

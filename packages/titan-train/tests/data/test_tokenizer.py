@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from titan.train.data import ByteTokenizer, HFTokenizer, TokenizerConfig
+from titan.train.data.tokenizer import BYTE_TOKENIZER_FOLDER, write_byte_tokenizer_files
 
 
 def test_byte_round_trip_and_specials():
@@ -104,7 +106,32 @@ def test_hub_files_are_the_tokenizer_and_the_side_files_beside_it(hf_tokenizer_f
     (folder / "unrelated.txt").write_text("")
     assert TokenizerConfig(kind="hf", path=str(hf_tokenizer_file)).hub_files() == [
         str(hf_tokenizer_file), str(folder / "tokenizer_config.json"), str(folder / "chat_template.jinja")]
-    assert TokenizerConfig().hub_files() == []  # the byte tokenizer has no Hub form
+    assert [os.path.basename(p) for p in TokenizerConfig().hub_files()] == ["tokenizer.json", "tokenizer_config.json"]
+
+
+def test_the_byte_tokenizers_hub_form_gives_its_ids(tmp_path):
+    """The shipped Hub form is what write_byte_tokenizer_files writes today, and transformers'
+    AutoTokenizer and titan's HFTokenizer read it as ByteTokenizer: the bytes, the specials at
+    256..258, a text spelling a special token read as bytes by transformers."""
+    transformers = pytest.importorskip("transformers")
+    written = write_byte_tokenizer_files(tmp_path)
+    for path in written:
+        shipped = os.path.join(BYTE_TOKENIZER_FOLDER, os.path.basename(path))
+        assert json.loads(open(path).read()) == json.loads(open(shipped).read()), "regenerate the shipped files"
+    byte = ByteTokenizer()
+    hub = transformers.AutoTokenizer.from_pretrained(BYTE_TOKENIZER_FOLDER)
+    titan_hf = HFTokenizer(BYTE_TOKENIZER_FOLDER)
+    assert (hub.bos_token_id, hub.eos_token_id, hub.pad_token_id, len(hub)) == (256, 257, 258, 259)
+    assert (titan_hf.bos_id, titan_hf.eos_id, titan_hf.pad_id, titan_hf.vocab_size) == (256, 257, 258, 259)
+    texts = ["sort: cab\nabc", " leading and  double spaces\t", "h\u00e9llo w\u00f6rld \U0001f600", "<|titan_eos|> as text",
+             "".join(chr(c) for c in range(1, 256))]
+    for text in texts:
+        want = byte.encode(text)
+        assert hub(text, add_special_tokens=False)["input_ids"] == want, text
+        assert hub(text)["input_ids"] == want, text  # no BOS added by default, as ByteTokenizer
+        assert hub.decode(want) == text
+        if "<|titan" not in text:
+            assert titan_hf.encode(text) == want, text
 
 
 def test_byte_offsets_point_at_their_characters():

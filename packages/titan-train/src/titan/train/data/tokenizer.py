@@ -84,6 +84,58 @@ class ByteTokenizer(Tokenizer):
         return data.decode("utf-8", errors="replace")
 
 
+BYTE_SPECIAL_TOKENS = {"bos": "<|titan_bos|>", "eos": "<|titan_eos|>", "pad": "<|titan_pad|>"}
+"""The byte tokenizer's special tokens as its Hub form names them (ids 256, 257, 258)."""
+BYTE_TOKENIZER_FOLDER = os.path.join(os.path.dirname(__file__), "byte_tokenizer")
+"""The byte tokenizer's Hub form, shipped with the package (:func:`write_byte_tokenizer_files`)."""
+
+
+def write_byte_tokenizer_files(folder: str | os.PathLike) -> list[str]:
+    """Write the byte tokenizer's Hub form into ``folder``: a byte-level BPE ``tokenizer.json``
+    without merges whose ids are the UTF-8 bytes (0..255) and the three specials (256..258), and
+    the ``tokenizer_config.json`` naming them, so transformers' ``AutoTokenizer`` (and titan's
+    ``--tokenizer.kind hf``) give the ids :class:`ByteTokenizer` gives. Returns the paths."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HubTokenizer
+
+    vocab = {char: byte for byte, char in enumerate(_gpt2_byte_chars())}
+    if set(vocab) != set(pre_tokenizers.ByteLevel.alphabet()):  # the library's own byte characters
+        raise RuntimeError("the tokenizers library's byte-level alphabet is not GPT-2's byte map")
+    tok = HubTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(BYTE_SPECIAL_TOKENS[role], special=True, normalized=False)
+                            for role in ("bos", "eos", "pad")])
+    os.makedirs(folder, exist_ok=True)
+    main = os.path.join(folder, "tokenizer.json")
+    tok.save(main)
+    # split_special_tokens: a text spelling a special token is bytes, as ByteTokenizer reads it.
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False,
+              "split_special_tokens": True,
+              "model_max_length": 1_000_000_000, "clean_up_tokenization_spaces": False,
+              **{f"{role}_token": token for role, token in BYTE_SPECIAL_TOKENS.items()}}
+    side = os.path.join(folder, "tokenizer_config.json")
+    with open(side, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return [main, side]
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """The printable character byte-level BPE writes for each byte 0..255 (GPT-2's map:
+    printable Latin-1 bytes stand for themselves, the others are shifted past 255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, shift = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + shift))
+            shift += 1
+    return chars
+
+
 # Spellings of the special tokens used by common model families, tried in
 # order when neither the caller nor a tokenizer_config.json names them.
 _BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>", "[CLS]")
@@ -270,7 +322,10 @@ class TokenizerConfig:
     def hub_files(self) -> list[str]:
         """The files a Hugging Face folder needs to hold this tokenizer (`tokenizer.json` and
         the `tokenizer_config.json`, `special_tokens_map.json` and `chat_template.jinja` beside
-        it, those that exist); none for the byte tokenizer, which has no Hub form."""
+        it, those that exist); for the byte tokenizer, its Hub form shipped with the package
+        (ids equal to the bytes, :func:`write_byte_tokenizer_files`)."""
+        if self.kind == "byte":
+            return [os.path.join(BYTE_TOKENIZER_FOLDER, name) for name in ("tokenizer.json", "tokenizer_config.json")]
         if self.kind != "hf":
             return []
         main = _resolve_tokenizer_file(self.path)
