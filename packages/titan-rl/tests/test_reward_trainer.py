@@ -157,6 +157,23 @@ def test_margin_columns_are_checked(tmp_path):
     assert not RewardDataConfig().source(tokenizer).has_margins  # the synthetic task has none
 
 
+def test_conversational_pairs_are_the_whole_rendered_conversations(tmp_path):
+    """An implicit-prompt row (two whole conversations): each side is the conversation rendered
+    whole by the chat template, as --rl.rewards model renders a prompt and its completion."""
+    import json
+
+    user = {"role": "user", "content": "What is 2+2?"}
+    row = {"chosen": [user, {"role": "assistant", "content": "4"}],
+           "rejected": [user, {"role": "assistant", "content": "5"}]}
+    (tmp_path / "chat.jsonl").write_text(json.dumps(row) + "\n")
+    tokenizer = TokenizerConfig(kind="byte").build()
+    pair = RewardDataConfig(path=str(tmp_path / "chat.jsonl")).source(tokenizer).example(0)
+    for side, conversation in zip(pair.sides, (row["chosen"], row["rejected"]), strict=True):
+        want = encode_chat(conversation, tokenizer, trained_from=1).ids
+        assert np.array_equal(side.ids[:-1], want)
+    assert pair.chosen.ids[:-1].tolist() != pair.rejected.ids[:-1].tolist() and pair.margin is None
+
+
 def test_training_ranks_chosen_over_rejected(tmp_path):
     trainer = RewardTrainer(_config(tmp_path, steps=30), model_spec=model_spec("llama3"))
     try:
