@@ -148,6 +148,24 @@ def test_an_absent_balancing_bias_stays_zero_and_everything_else_loads(tmp_path)
     assert all(torch.equal(v, loaded[k]) for k, v in source.state_dict().items() if k not in biases)
 
 
+def test_a_reward_model_takes_its_body_from_a_torchtitan_checkpoint(tmp_path, caplog):
+    """A score head on the body of torchtitan's language model: every body weight loads, the
+    [vocab, dim] output is not read (not refused as unused), and the head keeps its init."""
+    source = _seeded("llama3", 0)
+    path = save_torchtitan_step(tmp_path / "tt", 1, source, release="0.3", family="llama3")
+    target = build_llama3("debugmodel_tiny", num_labels=1)
+    target.init_weights(seed=5)
+    head = target.output.weight.detach().clone()
+    with caplog.at_level("INFO", logger="titan"):
+        load_into(target, path, tmp_path, hf_adapter=Llama3StateDictAdapter(target.args))
+    assert torch.equal(target.output.weight, head)
+    body = {k: v for k, v in source.state_dict().items() if k != "output.weight"}
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in body.items())
+    # torchtitan 0.3 names the output lm_head.weight
+    assert "this model's head ['output.weight'] starts from its initialization" in caplog.text
+    assert "(the checkpoint's own head, ['lm_head.weight'], is not read)" in caplog.text
+
+
 def test_a_missing_weight_is_named(tmp_path):
     path = save_torchtitan_step(tmp_path / "tt", 1, _seeded("llama3", 0), release="0.3", family="llama3",
                                 drop=("layers.3.feed_forward.w2.weight",))

@@ -324,6 +324,15 @@ class CheckpointManager:
         # rank's stages read it (and a missing one is reported by every rank alike).
         everyone = sorted({k for keys in self._all_gather(sorted(value)) for k in keys})
         names, missing, unused = torchtitan.match_model_entries(everyone, saved)
+        # A new head (a score head on a language model's body: torchtitan trains language
+        # models only) keeps its initialization, and the checkpoint's own head is not read.
+        fresh = self._kept_at_init(everyone)
+        for key in fresh:
+            names.pop(key, None)
+        missing = [k for k in missing if k not in fresh]
+        unused = [k for k in unused if torchtitan.titan_name(k) not in fresh]
+        self._log_fresh_head(path, fresh, [k for k in torchtitan.model_entries(saved)
+                                           if torchtitan.titan_name(k) in fresh])
         renamed = {names[k]: v for k, v in value.items() if k in names}
         problem = None
         try:  # shapes first: "[320, 64] there but [2048, 64] here" names another size best
