@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 from titan.models.common.hf_config import hf_num_labels
+from titan.models.deepseek_v3 import DeepseekV3Model, DeepseekV3StateDictAdapter
+from titan.models.deepseek_v3.args import DeepseekV3Args
 from titan.models.llama3 import Llama3Model, Llama3StateDictAdapter
 from titan.models.llama3.args import Llama3Args
 from titan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter
@@ -37,6 +39,14 @@ def _moe_args(**overrides) -> Qwen3MoeArgs:
                   max_seq_len=64, rope_theta=10000.0, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                   mlp_only_layers=(0,))
     return Qwen3MoeArgs(**{**fields, **overrides})
+
+
+def _deepseek_args(**overrides) -> DeepseekV3Args:
+    fields = dict(dim=64, n_layers=2, n_heads=4, vocab_size=128, ffn_hidden_dim=96, max_seq_len=64,
+                  moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+                  topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                  qk_nope_head_dim=16, v_head_dim=16)
+    return DeepseekV3Args(**{**fields, **overrides})
 
 
 def _randomized(model_cls, args, seed: int):
@@ -71,12 +81,13 @@ def _rows() -> tuple[torch.Tensor, list[int]]:
     return tokens, lengths
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "deepseek_v3"])
 def test_exported_score_head_is_the_transformers_sequence_classifier(family, tmp_path):
     model_cls, adapter_cls, args = {
         "llama3": (Llama3Model, Llama3StateDictAdapter, _llama_args(num_labels=1)),
         "qwen3": (Qwen3Model, Qwen3StateDictAdapter, _qwen_args(num_labels=1)),
         "qwen3_moe": (Qwen3MoeModel, Qwen3MoeStateDictAdapter, _moe_args(num_labels=1)),
+        "deepseek_v3": (DeepseekV3Model, DeepseekV3StateDictAdapter, _deepseek_args(num_labels=1)),
     }[family]
     titan = _randomized(model_cls, args, seed=1)
     assert titan.output.weight.shape == (1, 64) and titan.output.weight is not titan.tok_embeddings.weight
@@ -84,7 +95,8 @@ def test_exported_score_head_is_the_transformers_sequence_classifier(family, tmp
     _export(titan, adapter, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     expected = {"llama3": "LlamaForSequenceClassification", "qwen3": "Qwen3ForSequenceClassification",
-                "qwen3_moe": "Qwen3MoeForSequenceClassification"}[family]
+                "qwen3_moe": "Qwen3MoeForSequenceClassification",
+                "deepseek_v3": "DeepseekV3ForSequenceClassification"}[family]
     assert config["architectures"] == [expected]
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert type(hf).__name__ == expected and hf.config.num_labels == 1

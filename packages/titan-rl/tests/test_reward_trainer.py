@@ -213,8 +213,12 @@ def test_resume_continues_exactly(tmp_path):
 def test_what_titan_reward_cannot_do_is_refused():
     with pytest.raises(ValueError, match="center_rewards_coefficient must be >= 0"):
         RewardSection(center_rewards_coefficient=-1.0)
-    with pytest.raises(ValueError, match="deepseek_v3 family does not have"):
-        with_score_head(model_spec("deepseek_v3"), "debugmodel")
-    spec = with_score_head(model_spec("qwen3"), "debugmodel")
-    with torch.device("meta"):
-        assert spec.build("debugmodel").output.weight.shape[0] == 1
+    from types import SimpleNamespace
+
+    headless = SimpleNamespace(name="toy", flavors={"tiny": SimpleNamespace(dim=8)})
+    with pytest.raises(ValueError, match="toy family does not have"):
+        with_score_head(headless, "tiny")
+    for family in ("qwen3", "qwen3_moe", "deepseek_v3"):
+        spec = with_score_head(model_spec(family), "debugmodel")
+        with torch.device("meta"):
+            assert spec.build("debugmodel").output.weight.shape[0] == 1, family

@@ -81,7 +81,8 @@ def with_score_head(model_spec: Any, flavor: str) -> Any:
     args = model_spec.flavors.get(flavor)
     if args is not None and not hasattr(args, "num_labels"):
         raise ValueError(f"titan reward trains a score head, which the {model_spec.name} family does not have "
-                         "(llama3, qwen3 and qwen3_moe do): choose another --model.name")
+                         "(its args have no num_labels; llama3, qwen3, qwen3_moe and deepseek_v3 do): choose another "
+                         "--model.name")
     family_build = model_spec.build
 
     def build(name: str, **overrides: Any):

@@ -47,11 +47,59 @@ def decoder_hf_config(args: Any, *, architecture: str, model_type: str, torch_dt
     bos, eos = special_ids
     if args.vocab_size > max(bos, eos):
         cfg.update(bos_token_id=bos, eos_token_id=eos)
-    num_labels = getattr(args, "num_labels", 0)
-    if num_labels:  # transformers derives num_labels from these, as its own configs write them
-        cfg["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
-        cfg["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+    cfg.update(label_config(args))
     return cfg
+
+
+def label_config(args: Any) -> dict[str, Any]:
+    """The ``config.json`` keys of a score head's labels (``id2label``, ``label2id``: transformers
+    derives ``num_labels`` from them, as its own configs write them); none for a language model."""
+    num_labels = getattr(args, "num_labels", 0)
+    if not num_labels:
+        return {}
+    return {"id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)},
+            "label2id": {f"LABEL_{i}": i for i in range(num_labels)}}
+
+
+OUTPUT_KEY, HF_SCORE_KEY, HF_LM_HEAD_KEY = "output.weight", "score.weight", "lm_head.weight"
+"""titan's output projection, and its Hub names in a sequence classifier and a language model."""
+
+
+class ScoreHeadKeys:
+    """Adapter mixin for the output of a model with a score head (``args.num_labels``): titan's
+    ``output.weight`` is the Hub's ``score.weight`` (``...ForSequenceClassification``); a language
+    model's ``lm_head.weight`` has no place in it and is skipped (listed in ``skipped``), the head
+    then keeping its initialization (``keeps_init_when_absent``), as transformers does."""
+
+    args: Any
+    skipped: list[str]
+    """Checkpoint keys the last ``from_hf`` had no place for (a language model's head)."""
+
+    @property
+    def _scores(self) -> bool:
+        """Whether the model has a sequence-classification head (``num_labels``)."""
+        return bool(getattr(self.args, "num_labels", 0))
+
+    def keeps_init_when_absent(self, key: str) -> bool:
+        """Whether titan entry ``key`` may stay at its initialization when a checkpoint lacks
+        it (or holds it in another shape): the score head, when starting from a language model."""
+        return self._scores and key == OUTPUT_KEY
+
+    def output_to_hf(self) -> str:
+        """The Hub's name of titan's ``output.weight``."""
+        return HF_SCORE_KEY if self._scores else HF_LM_HEAD_KEY
+
+    def output_from_hf(self, key: str) -> str | None:
+        """titan's name for the Hub's output ``key`` (``score.weight`` or ``lm_head.weight``),
+        or None for one this model skips; a score head is refused by a language model."""
+        if key == HF_SCORE_KEY and not self._scores:
+            raise ValueError(f"{key!r} is the score head of a sequence-classification model (a reward model); "
+                             "this model is a language model: build it with num_labels to load it")
+        if key == HF_LM_HEAD_KEY and self._scores:
+            self.skipped.append(key)
+            return None
+        return OUTPUT_KEY
+
 
 
 def hf_architecture(args: Any, causal_lm: str) -> str:
@@ -102,4 +150,5 @@ def hf_config_differences(adapter: Any, checkpoint_config: dict[str, Any]) -> li
     return lines
 
 
-__all__ = ["RUN_SETTINGS", "decoder_hf_config", "hf_architecture", "hf_config_differences", "hf_num_labels"]
+__all__ = ["RUN_SETTINGS", "ScoreHeadKeys", "decoder_hf_config", "hf_architecture", "hf_config_differences",
+           "hf_num_labels", "label_config"]

@@ -16,7 +16,16 @@ import warnings
 from typing import Any
 
 import torch
-from titan.models.common.hf_config import hf_config_differences
+from titan.models.common.hf_config import (
+    HF_LM_HEAD_KEY,
+    HF_SCORE_KEY,
+    OUTPUT_KEY,
+    ScoreHeadKeys,
+    hf_architecture,
+    hf_config_differences,
+    hf_num_labels,
+    label_config,
+)
 from titan.models.common.hub_experts import ExpertStacker, split_experts
 from titan.models.common.rope import YarnScaling
 from titan.models.deepseek_v3.args import DeepseekV3Args
@@ -58,16 +67,18 @@ _HF_DERIVED = re.compile(r".*rotary_emb\.inv_freq")
 _BOS_ID, _EOS_ID = 0, 1
 
 
-class DeepseekV3StateDictAdapter:
+class DeepseekV3StateDictAdapter(ScoreHeadKeys):
     """Maps DeepSeek-V3 weights to and from Hugging Face `DeepseekV3ForCausalLM`.
 
     `to_hf` maps keys one by one (a stacked expert tensor gives its E per-expert keys), so the
     engine's streaming export and a pipeline stage's partial state dict work. `from_hf` needs
-    every expert of a layer it sees (a whole checkpoint, as `titan.ckpt` loads it).
+    every expert of a layer it sees (a whole checkpoint, as `titan.ckpt` loads it). With a score
+    head (`args.num_labels`) it is `DeepseekV3ForSequenceClassification` (`ScoreHeadKeys`).
     """
 
     def __init__(self, args: DeepseekV3Args) -> None:
         self.args = args
+        self.skipped: list[str] = []
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """titan names/layout -> HF names/layout."""
@@ -77,7 +88,9 @@ class DeepseekV3StateDictAdapter:
                 out.update(split_experts(*m.groups(), value))
                 continue
             block = _TITAN_BLOCK.fullmatch(key)
-            if block is None and key in _TOP_LEVEL:
+            if key == OUTPUT_KEY:
+                out[self.output_to_hf()] = value
+            elif block is None and key in _TOP_LEVEL:
                 out[_TOP_LEVEL[key]] = value
             elif block is not None and block.group(2) in _IN_BLOCK:
                 out[f"model.layers.{block.group(1)}.{_IN_BLOCK[block.group(2)]}"] = value
@@ -93,6 +106,7 @@ class DeepseekV3StateDictAdapter:
         Hub's checkpoint loads as it is published."""
         experts = ExpertStacker(self.args.n_routed_experts, "n_routed_experts")
         out: dict[str, Any] = {}
+        self.skipped = []
         skipped_mtp = set()
         for key, value in dequantize_fp8_blocks(state_dict).items():
             if _HF_DERIVED.fullmatch(key):
@@ -103,7 +117,11 @@ class DeepseekV3StateDictAdapter:
                 continue
             if experts.add(key, value):
                 continue
-            if block is None and key in _FROM_HF_TOP:
+            if key in (HF_SCORE_KEY, HF_LM_HEAD_KEY):
+                titan_key = self.output_from_hf(key)
+                if titan_key is not None:  # None: a language model's head under a score head
+                    out[titan_key] = value
+            elif block is None and key in _FROM_HF_TOP:
                 out[_FROM_HF_TOP[key]] = value
             elif block is not None and block.group(2) in _FROM_HF_BLOCK:
                 out[f"layers.{block.group(1)}.{_FROM_HF_BLOCK[block.group(2)]}"] = value
@@ -130,7 +148,7 @@ class DeepseekV3StateDictAdapter:
             if s.attention_factor is not None:
                 rope["attention_factor"] = s.attention_factor
         cfg: dict[str, Any] = {
-            "architectures": ["DeepseekV3ForCausalLM"],
+            "architectures": [hf_architecture(a, "DeepseekV3ForCausalLM")],
             "model_type": "deepseek_v3",
             "hidden_size": a.dim,
             "intermediate_size": a.ffn_hidden_dim,
@@ -167,6 +185,7 @@ class DeepseekV3StateDictAdapter:
         }
         if a.vocab_size > max(_BOS_ID, _EOS_ID):
             cfg.update(bos_token_id=_BOS_ID, eos_token_id=_EOS_ID)
+        cfg.update(label_config(a))
         return cfg
 
     def config_differences(self, checkpoint_config: dict[str, Any]) -> list[str]:
@@ -194,6 +213,7 @@ class DeepseekV3StateDictAdapter:
             rope_scaling=_yarn_from_hf(rope, max_seq_len),
             max_seq_len=max_seq_len,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_labels=hf_num_labels(cfg),
             q_lora_rank=cfg.get("q_lora_rank"),
             kv_lora_rank=cfg["kv_lora_rank"],
             qk_nope_head_dim=cfg["qk_nope_head_dim"],

@@ -39,6 +39,9 @@ class DeepseekV3Args:
     """Longest sequence (largest position + 1) the RoPE cache covers."""
     tie_word_embeddings: bool = False
     """Share the embedding with the output projection (no release does)."""
+    num_labels: int = 0
+    """0: a language model. n >= 1: a sequence-classification model whose output is a head of n
+    scores per position (`DeepseekV3ForSequenceClassification`; 1 for a reward model)."""
 
     q_lora_rank: int | None = 64
     """Rank of the query down-projection; None (or 0) projects queries directly (`wq`)."""

@@ -7,7 +7,14 @@ import re
 from typing import Any
 
 import torch
-from titan.models.common.hf_config import decoder_hf_config, hf_config_differences, hf_num_labels
+from titan.models.common.hf_config import (
+    HF_LM_HEAD_KEY,
+    HF_SCORE_KEY,
+    ScoreHeadKeys,
+    decoder_hf_config,
+    hf_config_differences,
+    hf_num_labels,
+)
 from titan.models.common.rope import RopeScaling
 from titan.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 
@@ -31,7 +38,6 @@ _IN_BLOCK = {
 }
 _ROTATED = ("attention.wq.weight", "attention.wk.weight")  # rows follow the RoPE layout
 _EMBED, _OUTPUT, _NORM = "tok_embeddings.weight", "output.weight", "norm.weight"
-_HF_SCORE, _HF_LM_HEAD = "score.weight", "lm_head.weight"  # a ...ForSequenceClassification head; an LM's
 _TITAN_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Buffers some older HF checkpoints saved; they are recomputed, never loaded.
@@ -53,7 +59,7 @@ def half_split_to_interleaved(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     return w.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)
 
 
-class Llama3StateDictAdapter:
+class Llama3StateDictAdapter(ScoreHeadKeys):
     """Maps Llama 3 weights to and from Hugging Face `LlamaForCausalLM` names and layouts.
 
     Keys are mapped one by one, so a pipeline stage's partial state dict converts too.
@@ -74,29 +80,18 @@ class Llama3StateDictAdapter:
     def __init__(self, args: Llama3Args) -> None:
         self.args = args
         self.skipped: list[str] = []
-        """Checkpoint keys the last `from_hf` had no place for (a language model's head)."""
 
     @property
     def _tied(self) -> bool:
         """Whether the output projection is the embedding (never for a score head)."""
-        return bool(self.args.tie_word_embeddings) and not getattr(self.args, "num_labels", 0)
-
-    @property
-    def _scores(self) -> bool:
-        """Whether the model has a sequence-classification head (``num_labels``)."""
-        return bool(getattr(self.args, "num_labels", 0))
-
-    def keeps_init_when_absent(self, key: str) -> bool:
-        """Whether titan entry ``key`` may stay at its initialization when a checkpoint lacks
-        it (or holds it in another shape): the score head, when starting from a language model."""
-        return self._scores and key == _OUTPUT
+        return bool(self.args.tie_word_embeddings) and not self._scores
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """titan names/layout -> HF names/layout."""
         out = {}
         for key, value in state_dict.items():
             if self._scores and key == _OUTPUT:
-                out[_HF_SCORE] = value
+                out[self.output_to_hf()] = value
                 continue
             if self._tied and key == _OUTPUT:
                 if _EMBED in state_dict:
@@ -114,14 +109,10 @@ class Llama3StateDictAdapter:
         for key, value in state_dict.items():
             if _HF_DERIVED.fullmatch(key):
                 continue
-            if key == _HF_SCORE or (key == _HF_LM_HEAD and self._scores):
-                if not self._scores:
-                    raise ValueError(f"{key!r} is the score head of a sequence-classification model (a reward model); "
-                                     "this model is a language model: build it with num_labels to load it")
-                if key == _HF_LM_HEAD:
-                    self.skipped.append(key)  # a language model's head: the score head keeps its init
-                    continue
-                out[_OUTPUT] = value
+            if key in (HF_SCORE_KEY, HF_LM_HEAD_KEY):
+                titan_key = self.output_from_hf(key)
+                if titan_key is not None:  # None: a language model's head under a score head
+                    out[titan_key] = value
                 continue
             titan_key = self._titan_key(key)
             if is_rope_rotated(titan_key):
