@@ -203,3 +203,26 @@ def test_the_readme_flow_from_reward_debug_to_titan_rl(tmp_path):
     rows = [json.loads(line) for line in (rl_dump / "completions.jsonl").read_text().splitlines()]
     want = _transformers_scores(export, [r["prompt"] + r["completion"] for r in rows])
     assert len(rows) == 16 and [r["reward"] for r in rows] == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.vllm
+def test_stock_vllm_serves_the_reward_model_with_transformers_scores(tmp_path, monkeypatch):
+    """The export is a reward model vLLM's own Llama classifier serves (no titan code in vLLM):
+    its one-label probabilities are the sigmoid of transformers' scores on the same folder."""
+    pytest.importorskip("vllm", reason="vLLM is not installed: this test runs in `make test-vllm`")
+    from vllm import LLM
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+    dump = tmp_path / "reward"
+    # debugmodel: vLLM's CPU attention needs a head size of 32 or more
+    result = run_titan(["reward", "--config", "reward_debug", "--model.flavor", "debugmodel", "--training.steps", "5",
+                        "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--metrics.no_enable_progress_bar",
+                        "--job.dump_folder", dump], env=ENV, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    export = dump / "checkpoint" / "step-5"
+    texts = ["sort: cab\nabc", "sort: cab\nabd", "sort: zyx\nxyz"]
+    llm = LLM(model=str(export), runner="pooling", dtype="float32", max_model_len=128, enforce_eager=True)
+    served = [float(o.outputs.probs[0]) for o in llm.classify(texts)]
+    want = torch.sigmoid(torch.tensor(_transformers_scores(export, texts))).tolist()
+    assert served == pytest.approx(want, abs=1e-5)
+    assert max(want) - min(want) > 1e-3  # the texts score apart
