@@ -157,6 +157,13 @@ def test_a_chat_template_path_hub_id_reads_its_snapshot(tmp_path, monkeypatch):
     (rm / "config.json").write_text("{}")
     scored = RLConfig(rl=RLSection(rewards=("model",), reward_model="tiny-org/reward"))
     assert resolve_hub_sources(scored).rl.reward_model == str(rm)  # --rl.reward_model too
+    distilled = RLConfig(rl=RLSection(teacher_model="tiny-org/reward", kl_in_reward_coef=1.0))
+    assert resolve_hub_sources(distilled).rl.teacher_model == str(rm)  # and --rl.teacher_model
+    from titan.rl.reward_data import RewardDataConfig
+    from titan.rl.reward_trainer import RewardConfig
+
+    rows = RewardConfig(reward_data=RewardDataConfig(path="p.jsonl", chat_template_path="tiny-org/chat"))
+    assert resolve_hub_sources(rows).reward_data.chat_template_path == str(snapshot)  # every data section
     sft.sft_data.chat_template_path = "tiny-org/not-cached"
     with pytest.raises(UsageError, match="--sft_data.chat_template_path 'tiny-org/not-cached'"):
         resolve_hub_sources(sft)

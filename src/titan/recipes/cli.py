@@ -405,7 +405,7 @@ def parse_train_args(argv: Sequence[str], *, command: str = "train", exempt_flag
 def resolve_hub_sources(config: Any, *, weights: bool = True) -> Any:
     """Hub repository ids given as ``--checkpoint.initial_load_path`` (with
     ``--checkpoint.initial_load_in_hf``), ``--tokenizer.path`` (kind hf), the chat template
-    paths and ``--rl.reward_model``, as TRL takes ``model_name_or_path``: each is replaced by the local folder of its snapshot in the Hugging
+    paths, ``--rl.reward_model`` and ``--rl.teacher_model``, as TRL takes ``model_name_or_path``: each is replaced by the local folder of its snapshot in the Hugging
     Face cache, downloaded if needed (without ``weights``, as a dry run or plan needs it: the
     configuration and tokenizer only). Local paths are left alone. Returns ``config``."""
     from titan.ckpt.hub import CONFIG_FILES, MODEL_FILES
@@ -421,15 +421,18 @@ def resolve_hub_sources(config: Any, *, weights: bool = True) -> Any:
     rl = getattr(config, "rl", None)
     if weights and getattr(rl, "reward_model", None):  # --rl.rewards model: a Hub id as TRL takes one
         rl.reward_model = from_hub(rl.reward_model, flag="--rl.reward_model", patterns=MODEL_FILES)
+    if weights and getattr(rl, "teacher_model", None):  # TRL's teacher_model_name_or_path
+        rl.teacher_model = from_hub(rl.teacher_model, flag="--rl.teacher_model", patterns=MODEL_FILES)
     return config
 
 
 def resolve_hub_templates(config: Any) -> None:
-    """``--sft_data.chat_template_path`` / ``--rl_data.chat_template_path`` given as a Hub id
-    (TRL takes a tokenizer's repository there): the snapshot folder of its tokenizer files."""
+    """``--sft_data.chat_template_path`` (and the other data sections': ``rl_data``,
+    ``dpo_data``, ``kto_data``, ``reward_data``) given as a Hub id (TRL takes a tokenizer's
+    repository there): the snapshot folder of its tokenizer files."""
     from titan.ckpt.hub import TOKENIZER_FILES
 
-    for section in ("sft_data", "rl_data"):
+    for section in ("sft_data", "rl_data", "dpo_data", "kto_data", "reward_data"):
         data = getattr(config, section, None)
         if getattr(data, "chat_template_path", None):
             data.chat_template_path = from_hub(data.chat_template_path, flag=f"--{section}.chat_template_path",
