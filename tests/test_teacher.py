@@ -62,6 +62,9 @@ def test_what_cannot_be_a_teacher_is_refused(tmp_path):
         RLSection(teacher_model="org/teacher")
     with pytest.raises(ValueError, match="drop one of the two"):
         RLSection(teacher_model="org/teacher", kl_coef=0.1, ref_sync_steps=2)
+    with pytest.raises(ValueError, match="add --rl.no_drop_zero_variance"):
+        RLSection(teacher_model="org/teacher", kl_in_reward_coef=1.0, reward_weights=(0.0,))
+    RLSection(teacher_model="org/teacher", kl_in_reward_coef=1.0, reward_weights=(0.0,), drop_zero_variance=False)
 
 
 @pytest.mark.slow

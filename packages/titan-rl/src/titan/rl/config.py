@@ -330,6 +330,12 @@ class RLSection:
                 f"--rl.reward_weights has {len(self.reward_weights)} values for {len(self.rewards)} "
                 "--rl.rewards; give one weight per reward"
             )
+        if self.reward_weights and not any(self.reward_weights) and self.drop_zero_variance:
+            raise ValueError(
+                "--rl.reward_weights are all 0, so every group's rewards are equal and --rl.drop_zero_variance "
+                "would drop every group: add --rl.no_drop_zero_variance (on-policy distillation learns from the KL "
+                "in the reward alone)"
+            )
 
     def _check_adaptive_entropy(self) -> None:
         """The controller's flags are read only with it; its bounds must hold the start."""
