@@ -12,7 +12,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "TokenizerConfig"]
 
@@ -164,6 +164,8 @@ class HFTokenizer(Tokenizer):
         self.path = _resolve_tokenizer_file(path)
         self._tok = _load_tokenizer_file(self.path)
         named = _tokens_from_tokenizer_config(os.path.dirname(self.path))
+        # transformers' split_special_tokens: a text spelling a special token is not that token.
+        self._tok.encode_special_tokens = bool(named.pop("split_special_tokens", False))
         self.eos_id = self._find_special("eos", eos_token or named.get("eos"), _EOS_CANDIDATES)
         bos = self._find_special(
             "bos", bos_token or named.get("bos"), _BOS_CANDIDATES, required=False
@@ -263,8 +265,9 @@ def _other_tokenizer_format(path: str) -> str | None:
     return None
 
 
-def _tokens_from_tokenizer_config(directory: str) -> dict[str, str]:
-    """bos/eos/pad spellings from an optional `tokenizer_config.json`."""
+def _tokens_from_tokenizer_config(directory: str) -> dict[str, Any]:
+    """bos/eos/pad spellings from an optional `tokenizer_config.json`, and its
+    `split_special_tokens` (when true)."""
     cfg_path = os.path.join(directory, "tokenizer_config.json")
     if not os.path.isfile(cfg_path):
         return {}
@@ -281,6 +284,8 @@ def _tokens_from_tokenizer_config(directory: str) -> dict[str, str]:
             value = value.get("content")
         if isinstance(value, str):
             found[role] = value
+    if cfg.get("split_special_tokens") is True:
+        found["split_special_tokens"] = True
     return found
 
 
