@@ -171,7 +171,9 @@ class DPOSection:
         return self.rpo_alpha + sum(weight for t, weight in self.weighted_losses if t in ("orpo", "sft"))
 
 
-def _dpo_training() -> TrainingConfig:
+def document_masked_training() -> TrainingConfig:
+    """``--training.*`` of the loops that pack two sequences of an example in one row (DPO, KTO,
+    reward models): document masking on, which they require."""
     return TrainingConfig(document_mask=True)
 
 
@@ -180,7 +182,7 @@ class DPOConfig(RunConfig):
     """A complete DPO run: the shared sections, the loss (``--dpo.*``) and the pairs
     (``--dpo_data.*``); document masking on (required)."""
 
-    training: TrainingConfig = field(default_factory=_dpo_training)
+    training: TrainingConfig = field(default_factory=document_masked_training)
     dpo: DPOSection = field(default_factory=DPOSection)
     dpo_data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
 
@@ -574,20 +576,26 @@ class DPOTrainer(Trainer):
     def _score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """``[B, 2 * slots]`` the policy's whole-sequence log-prob of every document of
         ``batch`` (no grad); None on pipeline stages without the output."""
-        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         batch = {**batch, "reference_logprobs": torch.zeros(batch["input_ids"].shape)}
+        return self.per_document(batch, lambda logits, b: self._document_sums(logits, b)[0][..., 0])
+
+    def per_document(self, batch: dict[str, torch.Tensor], values) -> torch.Tensor | None:
+        """``[B, 2 * slots]``: ``values(logits, microbatch)`` (a ``[rows, 2 * slots]`` value per
+        document slot of the rows a pipeline microbatch holds) for every row of ``batch`` (rows
+        prepared for the loss, ``row_index`` included), from one no-grad forward; None on
+        pipeline stages without the output."""
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def capture(logits, b):
-            sums, _ = self._document_sums(logits, b)
-            pieces.append((b["row_index"][:, 0], sums[..., 0].detach()))
+            pieces.append((b["row_index"][:, 0], values(logits, b).detach()))
             return torch.zeros((), device=logits.device)
 
         self.engine.forward_only(self.engine.to_device(batch), capture)
         if not pieces:
             return None
         out = torch.zeros(batch["input_ids"].shape[0], 2 * self.slots, dtype=torch.float32)
-        for rows, values in pieces:
-            out[rows.cpu()] = values.float().cpu()
+        for rows, scored in pieces:
+            out[rows.cpu()] = scored.float().cpu()
         return out
 
     def _check_reference_covers_run(self) -> None:
@@ -663,4 +671,5 @@ def build_dpo_trainer(config: DPOConfig, *, model_spec) -> DPOTrainer:
     return DPOTrainer(config, model_spec=model_spec)
 
 
-__all__ = ["DPOConfig", "DPOSection", "DPOTrainer", "ReferenceLogprobs", "build_dpo_trainer", "pair_slots"]
+__all__ = ["DPOConfig", "DPOSection", "DPOTrainer", "ReferenceLogprobs", "build_dpo_trainer", "document_masked_training",
+           "pair_slots"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from titan.rl.dpo import DPOTrainer
+from titan.rl.dpo import DPOTrainer, document_masked_training
 from titan.rl.kto_data import KTODataConfig
 from titan.rl.preference import KTO_LOSSES, kto_loss
 from titan.train.config import RunConfig, TrainingConfig
@@ -67,16 +67,12 @@ class KTOSection:
         return self.loss_type == "kto"
 
 
-def _kto_training() -> TrainingConfig:
-    return TrainingConfig(document_mask=True)
-
-
 @dataclass(kw_only=True)
 class KTOConfig(RunConfig):
     """A complete KTO run: the shared sections, the loss (``--kto.*``) and the labelled
     completions (``--kto_data.*``); document masking on (required)."""
 
-    training: TrainingConfig = field(default_factory=_kto_training)
+    training: TrainingConfig = field(default_factory=document_masked_training)
     kto: KTOSection = field(default_factory=KTOSection)
     kto_data: KTODataConfig = field(default_factory=KTODataConfig)
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from titan.rl.dpo import DPOTrainer
+from titan.rl.dpo import DPOTrainer, document_masked_training
 from titan.rl.losses import document_sums
 from titan.rl.reward_data import RewardDataConfig
 from titan.train.config import RunConfig, TrainingConfig
@@ -61,16 +61,12 @@ class RewardSection:
             raise ValueError(f"--reward.center_rewards_coefficient must be >= 0, got {self.center_rewards_coefficient}")
 
 
-def _reward_training() -> TrainingConfig:
-    return TrainingConfig(document_mask=True)
-
-
 @dataclass(kw_only=True)
 class RewardConfig(RunConfig):
     """A complete reward-model run: the shared sections, the loss (``--reward.*``) and the pairs
     (``--reward_data.*``); document masking on (required)."""
 
-    training: TrainingConfig = field(default_factory=_reward_training)
+    training: TrainingConfig = field(default_factory=document_masked_training)
     reward: RewardSection = field(default_factory=RewardSection)
     reward_data: RewardDataConfig = field(default_factory=RewardDataConfig)
 
@@ -175,20 +171,11 @@ class RewardTrainer(DPOTrainer):
     def score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """``[B, 2 * slots]`` the reward of every document of ``batch`` (a loader's rows; no
         grad, the model as it is now); None on pipeline stages without the head."""
-        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def capture(logits, b):
+        def rewards(logits, b):
             pairs = self.pair_rewards(logits[..., 0].float(), b)
-            pieces.append((b["row_index"][:, 0], torch.stack([pairs.chosen, pairs.rejected], dim=-1).flatten(1).detach()))
-            return torch.zeros((), device=logits.device)
+            return torch.stack([pairs.chosen, pairs.rejected], dim=-1).flatten(1)
 
-        self.engine.forward_only(self.engine.to_device(self.prepare_rows(batch, None)), capture)
-        if not pieces:
-            return None
-        out = torch.zeros(batch["input_ids"].shape[0], 2 * self.slots, dtype=torch.float32)
-        for rows, values in pieces:
-            out[rows.cpu()] = values.float().cpu()
-        return out
+        return self.per_document(self.prepare_rows(batch, None), rewards)
 
 
 __all__ = ["REWARD_STATS", "PairRewards", "RewardConfig", "RewardSection", "RewardTrainer", "last_tokens", "with_score_head"]
