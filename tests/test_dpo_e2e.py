@@ -85,6 +85,24 @@ def _records(dump: Path) -> list[dict]:
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
+def _assert_every_layout_logs(want: list[dict], command: str, one_folder: Path, two_folder: Path, *,
+                              counts: tuple[str, ...], keys: tuple[str, ...], held_out: tuple[str, ...],
+                              abs_tol: float = 1e-6) -> dict[str, Path]:
+    """Every two-rank layout of ``command`` and its accumulation run log ``want``'s steps, its
+    ``counts`` exactly and its ``keys`` (with ``held_out`` on validation steps) to rel 2e-5;
+    returns {run name: folder}."""
+    runs = {f"{command}_{layout}": two_folder / f"{command}_{layout}" for layout in LAYOUTS}
+    runs[f"{command}_accumulate2"] = one_folder / f"{command}_accumulate2"
+    for layout, folder in runs.items():
+        got = _records(folder)
+        assert [r["step"] for r in got] == [r["step"] for r in want], layout
+        for g, w in zip(got, want, strict=True):
+            assert [g[c] for c in counts] == [w[c] for c in counts], layout
+            for key in keys + (held_out if "validation_loss" in w else ()):
+                assert g[key] == pytest.approx(w[key], rel=2e-5, abs=abs_tol), (layout, g["step"], key)
+    return runs
+
+
 @pytest.fixture(scope="module")
 def runs(build_once):
     """The one-process run and every two-rank layout, each launch once per session."""
@@ -117,15 +135,9 @@ def test_every_layout_trains_like_one_process(runs):
     assert first["loss"] == pytest.approx(math.log(2) + 0.2 * chosen_nll, rel=1e-5)
     assert want[-1]["rewards_margins"] > 0 and want[-1]["loss"] < want[0]["loss"]
     assert [r["validation_pairs"] for r in want if "validation_loss" in r] == [10, 10]
-    runs = {f"dpo_{layout}": two_folder / f"dpo_{layout}" for layout in LAYOUTS}
-    runs["dpo_accumulate2"] = one_folder / "dpo_accumulate2"
-    for layout, folder in runs.items():
-        got = _records(folder)
-        assert [r["step"] for r in got] == [r["step"] for r in want], layout
-        for g, w in zip(got, want, strict=True):
-            assert g["pairs"] == w["pairs"], layout
-            for key in COMPARED + (HELD_OUT if "validation_loss" in w else ()):
-                assert g[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (layout, g["step"], key)
+    runs = _assert_every_layout_logs(want, "dpo", one_folder, two_folder, counts=("pairs",), keys=COMPARED,
+                                     held_out=HELD_OUT)
+    for layout in runs:
         launch = (one_folder if layout == "dpo_accumulate2" else two_folder) / "launch.log"
         assert "reference log-probs of" in run_output(launch, layout)
         assert "reward accuracy" in run_output(launch, layout)
@@ -193,18 +205,10 @@ def test_kto_trains_like_one_process_in_every_layout(runs):
     assert first["loss"] == pytest.approx(0.5 * weighted, rel=1e-6) and first["kl"] == 0
     assert all(r["kl"] > 0 for r in want[1:])  # the reference point is in play from step 2
     assert [r["validation_pairs"] for r in want if "validation_loss" in r] == [10, 10]
-    runs = {f"kto_{layout}": two_folder / f"kto_{layout}" for layout in LAYOUTS}
-    runs["kto_accumulate2"] = one_folder / "kto_accumulate2"
-    for layout, folder in runs.items():
-        got = _records(folder)
-        assert [r["step"] for r in got] == [r["step"] for r in want], layout
-        for g, w in zip(got, want, strict=True):
-            assert (g["count_chosen"], g["count_rejected"]) == (w["count_chosen"], w["count_rejected"]), layout
-            keys = KTO_COMPARED + (("validation_loss", "validation_kl") if "validation_loss" in w else ())
-            for key in keys:
-                # kl is a mean of differences of two ~40-nat float32 sums (a log-prob and its
-                # reference): their rounding (~4e-6) shows in it, not relative to its size
-                assert g[key] == pytest.approx(w[key], rel=2e-5, abs=1e-5), (layout, g["step"], key)
+    # kl is a mean of differences of two ~40-nat float32 sums (a log-prob and its reference):
+    # their rounding (~4e-6) shows in it, not relative to its size
+    _assert_every_layout_logs(want, "kto", one_folder, two_folder, counts=("count_chosen", "count_rejected"),
+                              keys=KTO_COMPARED, held_out=("validation_loss", "validation_kl"), abs_tol=1e-5)
 
 
 @pytest.mark.slow
@@ -214,13 +218,5 @@ def test_reward_model_trains_like_one_process_in_every_layout(runs):
     want = _records(one_folder / "reward_one")
     assert want[-1]["rewards_margins"] > want[0]["rewards_margins"] and want[-1]["loss"] < want[0]["loss"]
     assert [r["validation_pairs"] for r in want if "validation_loss" in r] == [10, 10]
-    runs = {f"reward_{layout}": two_folder / f"reward_{layout}" for layout in LAYOUTS}
-    runs["reward_accumulate2"] = one_folder / "reward_accumulate2"
-    for layout, folder in runs.items():
-        got = _records(folder)
-        assert [r["step"] for r in got] == [r["step"] for r in want], layout
-        for g, w in zip(got, want, strict=True):
-            assert g["pairs"] == w["pairs"], layout
-            held_out = ("validation_loss", "validation_rewards_margins") if "validation_loss" in w else ()
-            for key in REWARD_COMPARED + held_out:
-                assert g[key] == pytest.approx(w[key], rel=2e-5, abs=1e-6), (layout, g["step"], key)
+    _assert_every_layout_logs(want, "reward", one_folder, two_folder, counts=("pairs",), keys=REWARD_COMPARED,
+                              held_out=("validation_loss", "validation_rewards_margins"))

@@ -14,6 +14,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from preference_runs import tiny_run
 from titan.rl.dpo import DPOConfig, DPOSection, DPOTrainer
 from titan.rl.preference_data import build_preference_source
 
@@ -21,18 +22,7 @@ from titan.recipes.families import model_spec
 
 
 def _config(tmp_path, *, steps=2, **dpo) -> DPOConfig:
-    cfg = DPOConfig()
-    cfg.model.name, cfg.model.flavor = "llama3", "debugmodel_tiny"
-    cfg.tokenizer.kind = "byte"
-    cfg.dpo_data.synthetic_examples = 256
-    cfg.training.seq_len = 96
-    cfg.training.local_batch_size = 4
-    cfg.training.steps = steps
-    cfg.optimizer.lr = 3e-3
-    cfg.lr_scheduler.warmup_steps = 0
-    cfg.metrics.log_freq = 1
-    cfg.metrics.enable_progress_bar = False
-    cfg.job.dump_folder = str(tmp_path / "run")
+    cfg = tiny_run(DPOConfig(), tmp_path, steps=steps, examples=256)
     for key, value in dpo.items():
         setattr(cfg.dpo, key, value)
     return cfg

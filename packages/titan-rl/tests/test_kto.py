@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from preference_runs import tiny_run
 from titan.rl.kto import KTOConfig, KTOSection, KTOTrainer
 from titan.rl.kto_data import KL_SHIFT, KTODataConfig, build_kto_source
 from titan.rl.preference_data import build_preference_dataloader
@@ -75,18 +76,7 @@ def test_rows_carry_the_label_on_the_example_and_its_twin():
 
 
 def _config(tmp_path, steps=2) -> KTOConfig:
-    cfg = KTOConfig()
-    cfg.model.name, cfg.model.flavor = "llama3", "debugmodel_tiny"
-    cfg.tokenizer.kind = "byte"
-    cfg.kto_data.synthetic_examples = 128
-    cfg.training.seq_len = 96
-    cfg.training.local_batch_size = 4
-    cfg.training.steps = steps
-    cfg.optimizer.lr = 3e-3
-    cfg.lr_scheduler.warmup_steps = 0
-    cfg.metrics.log_freq = 1
-    cfg.metrics.enable_progress_bar = False
-    cfg.job.dump_folder = str(tmp_path / "run")
+    cfg = tiny_run(KTOConfig(), tmp_path, steps=steps, examples=128)
     cfg.kto.beta, cfg.kto.undesirable_weight = 0.5, 1.5
     return cfg
 

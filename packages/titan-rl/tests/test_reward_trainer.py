@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from preference_runs import tiny_run
 from titan.rl.reward_data import RewardDataConfig, encode_scored
 from titan.rl.reward_trainer import (
     RewardConfig,
@@ -25,18 +26,7 @@ from titan.recipes.families import model_spec
 
 
 def _config(tmp_path, *, steps=3, **reward) -> RewardConfig:
-    cfg = RewardConfig()
-    cfg.model.name, cfg.model.flavor = "llama3", "debugmodel_tiny"
-    cfg.tokenizer.kind = "byte"
-    cfg.reward_data.synthetic_examples = 256
-    cfg.training.seq_len = 96
-    cfg.training.local_batch_size = 4
-    cfg.training.steps = steps
-    cfg.optimizer.lr = 3e-3
-    cfg.lr_scheduler.warmup_steps = 0
-    cfg.metrics.log_freq = 1
-    cfg.metrics.enable_progress_bar = False
-    cfg.job.dump_folder = str(tmp_path / "run")
+    cfg = tiny_run(RewardConfig(), tmp_path, steps=steps, examples=256)
     for key, value in reward.items():
         setattr(cfg.reward, key, value)
     return cfg
