@@ -133,7 +133,7 @@ def test_config_errors_name_the_flag():
     assert parsed("--rl.loss_type", "luspo").loss_type == "luspo"
     assert parsed("--rl.loss_type", "sapo", "--rl.sapo_temperature_neg", "2").sapo_temperature_neg == 2.0
     assert parsed("--rl.kl_coef", "0.1", "--rl.kl_bias_correction").kl_bias_correction
-    with pytest.raises(ValueError, match="--rl.gamma discounts reinforce_plus_plus's per-token returns"):
+    with pytest.raises(ValueError, match="--rl.gamma discounts reinforce_plus_plus.s and gae.s per-token returns"):
         RLSection(gamma=0.9)
     with pytest.raises(ValueError, match="--rl.kl_in_reward_estimator is read with --rl.kl_in_reward_coef"):
         RLSection(kl_in_reward_estimator="k3")

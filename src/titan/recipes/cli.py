@@ -405,7 +405,8 @@ def parse_train_args(argv: Sequence[str], *, command: str = "train", exempt_flag
 def resolve_hub_sources(config: Any, *, weights: bool = True) -> Any:
     """Hub repository ids given as ``--checkpoint.initial_load_path`` (with
     ``--checkpoint.initial_load_in_hf``), ``--tokenizer.path`` (kind hf), the chat template
-    paths, ``--rl.reward_model`` and ``--rl.teacher_model``, as TRL takes ``model_name_or_path``: each is replaced by the local folder of its snapshot in the Hugging
+    paths, ``--rl.reward_model``, ``--rl.teacher_model`` and ``--rl.critic_model``, as TRL takes
+    ``model_name_or_path``: each is replaced by the local folder of its snapshot in the Hugging
     Face cache, downloaded if needed (without ``weights``, as a dry run or plan needs it: the
     configuration and tokenizer only). Local paths are left alone. Returns ``config``."""
     from titan.ckpt.hub import CONFIG_FILES, MODEL_FILES
@@ -423,6 +424,8 @@ def resolve_hub_sources(config: Any, *, weights: bool = True) -> Any:
         rl.reward_model = from_hub(rl.reward_model, flag="--rl.reward_model", patterns=MODEL_FILES)
     if weights and getattr(rl, "teacher_model", None):  # TRL's teacher_model_name_or_path
         rl.teacher_model = from_hub(rl.teacher_model, flag="--rl.teacher_model", patterns=MODEL_FILES)
+    if weights and getattr(rl, "critic_model", None):  # OpenRLHF's critic_pretrain
+        rl.critic_model = from_hub(rl.critic_model, flag="--rl.critic_model", patterns=MODEL_FILES)
     return config
 
 

@@ -18,6 +18,12 @@ return (the reward at the completion's end, discounted by ``gamma`` per token, p
 per-token KL penalty after it) is whitened over every token of the batch
 (:func:`reinforce_pp_advantages`); ``reinforce_plus_plus_baseline`` subtracts the group mean
 first and whitens the result over the batch's tokens (:func:`whiten_over_tokens`).
+
+GAE (verl's ``gae``, PPO as in Ouyang et al. 2022) learns the baseline instead: a critic
+predicts each token's value ``V_t`` (the return expected from the state before token ``t``),
+and each token's advantage is the ``gamma * lam``-discounted sum of the TD errors
+``delta_t = r_t + gamma V_{t+1} - V_t`` after it (:func:`gae_advantages`); the advantages are
+whitened over the batch's tokens, the critic regresses on the returns ``A_t + V_t``.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from collections.abc import Mapping
 
 import torch
 
-ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
 GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
 """The estimators :func:`group_advantages` computes (the others: :func:`reinforce_pp_advantages`,
 :func:`whiten_over_tokens`)."""
@@ -154,3 +160,39 @@ def reinforce_pp_advantages(scores: list[float], token_penalties: list[torch.Ten
             rewards[-1] += score
         returns.append(discounted_returns(rewards, gamma))
     return whiten_over_tokens(returns, std=std, eps=eps)
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, *, gamma: float, lam: float) -> torch.Tensor:
+    """Generalized advantage estimates of one completion's tokens: ``A_t = delta_t + gamma lam
+    A_{t+1}`` with ``delta_t = r_t + gamma V_{t+1} - V_t``, the state after the last token
+    terminal (``V_T = 0``). ``lam`` 1 gives the discounted return minus ``V_t``, 0 the
+    one-step TD error."""
+    if token_rewards.shape != values.shape:
+        raise ValueError(f"GAE needs one value per token reward, got {tuple(values.shape)} values for "
+                         f"{tuple(token_rewards.shape)} rewards")
+    advantages = torch.zeros_like(token_rewards, dtype=torch.float64)
+    running = next_value = torch.zeros((), dtype=torch.float64)
+    for t in range(len(token_rewards) - 1, -1, -1):
+        value = values[t].double()
+        delta = token_rewards[t].double() + gamma * next_value - value
+        running = delta + gamma * lam * running
+        advantages[t], next_value = running, value
+    return advantages
+
+
+def gae_advantages(scores: list[float], token_penalties: list[torch.Tensor], values: list[torch.Tensor], *,
+                   gamma: float = 1.0, lam: float = 1.0, std: str = "population",
+                   eps: float = 1e-6) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """PPO's ``(advantages, returns)`` per completion of outcome ``scores``: token rewards
+    ``-penalty_t`` plus the score at the last token, the critic's per-token ``values``; the
+    returns are ``A_t + V_t`` (the critic's targets) and the advantages are then whitened over
+    every token of all completions (:func:`whiten_over_tokens`)."""
+    advantages, returns = [], []
+    for score, penalty, value in zip(scores, token_penalties, values, strict=True):
+        rewards = -penalty.double()
+        if len(rewards):
+            rewards[-1] += score
+        estimate = gae(rewards, value.double(), gamma=gamma, lam=lam)
+        advantages.append(estimate)
+        returns.append(estimate + value.double())
+    return whiten_over_tokens(advantages, std=std, eps=eps), returns

@@ -29,7 +29,7 @@ def completion_records(rollout: Rollout, *, step: int, rl: Any) -> list[dict[str
     ``--rl.*`` section, whose advantage settings the records' advantages follow."""
     if not rollout.groups:
         return []
-    advantages, keep, _ = completion_advantages(rollout, **rl.advantage_options())
+    advantages, keep, *_ = completion_advantages(rollout, **rl.advantage_options())
     records = []
     for i, group in enumerate(rollout.groups):
         for j, completion in enumerate(group):

@@ -67,13 +67,16 @@ class RLSection:
     minibatches_per_rollout: int = 1
     """Optimizer steps per pass over a rollout (its rows split into this many minibatches, in
     the same order every pass); at most --rl.group_size."""
-    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = "grpo"
     """grpo: reward minus the group mean (divided by the group std, --rl.normalize_std);
     rloo: reward minus the mean of the other completions of the group (never std-divided);
     reinforce_plus_plus (verl's name): each token's return (the reward at the end, less the
     KL in the reward after it, discounted by --rl.gamma) whitened over every token of the
     rollout, no group baseline; reinforce_plus_plus_baseline: the reward less its group mean,
-    whitened over the rollout's tokens."""
+    whitened over the rollout's tokens; gae (PPO with a critic, verl's gae): a value model
+    trained beside the policy gives each token a baseline, the advantages are GAE's
+    (--rl.gamma, --rl.gae_lambda) whitened over the rollout's tokens (--rl.critic_lr,
+    --rl.value_clip, --rl.critic_model)."""
     normalize_std: bool | None = None
     """Divide advantages by their group's std; None: on, except for dr_grpo and rloo."""
     advantage_std: Literal["population", "sample"] = "population"
@@ -130,9 +133,21 @@ class RLSection:
     """The per-token KL estimator of --rl.kl_in_reward_coef (verl's algorithm.kl_penalty: kl is
     k1, mse k2, low_var_kl k3)."""
     gamma: float = 1.0
-    """reinforce_plus_plus's discount of a token's return per token (verl's algorithm.gamma); 0:
-    each token's return is its own reward (its KL penalty; the outcome on the last token), as
-    on-policy distillation takes it."""
+    """reinforce_plus_plus's and gae's discount of a token's return per token (verl's
+    algorithm.gamma); 0: each token's return is its own reward (its KL penalty; the outcome on
+    the last token), as on-policy distillation takes it."""
+    gae_lambda: float = 1.0
+    """gae: GAE's lambda (verl's algorithm.lam): 1, each token's advantage is its return less
+    the critic's value; 0, the one-step TD error."""
+    critic_lr: float = 1e-5
+    """gae: the critic's AdamW learning rate (verl's critic.optim.lr), constant."""
+    value_clip: float = 0.5
+    """gae: how far an update may move a value from the one the rollout was scored with before
+    the clipped value loss takes over (verl's critic.cliprange_value)."""
+    critic_model: str | None = None
+    """gae: start the critic from this reward model (a Hugging Face ...ForSequenceClassification
+    folder or Hub id of the policy's architecture, one label; OpenRLHF's critic_pretrain) in
+    place of the policy's weights RL starts from with a fresh score head."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator: k1 log(p/q), k2 (log(p/q))^2/2, k3 q/p - 1 - log(q/p)."""
     entropy_coef: float = 0.0
@@ -411,7 +426,7 @@ class RLSection:
                              "which whiten over tokens): drop it")
         if self.advantage_estimator == "rloo" and self.normalize_std:
             raise ValueError("--rl.advantage_estimator rloo does not divide by a std: drop --rl.normalize_std")
-        if self.group_size < 2 and self.advantage_estimator != "reinforce_plus_plus":
+        if self.group_size < 2 and self.advantage_estimator not in ("reinforce_plus_plus", "gae"):
             # Both estimators compare a completion with the rest of its group: alone in it,
             # every advantage is 0 and no step would ever change the policy.
             raise ValueError(
@@ -444,14 +459,30 @@ class RLSection:
                              "never by a group std: drop --rl.normalize_std")
         if not 0 <= self.gamma <= 1:
             raise ValueError(f"--rl.gamma must be in [0, 1], got {self.gamma}")
-        if self.gamma != 1 and self.advantage_estimator != "reinforce_plus_plus":
-            raise ValueError(f"--rl.gamma discounts reinforce_plus_plus's per-token returns; --rl.advantage_estimator "
-                             f"{self.advantage_estimator} scores whole completions: drop it")
+        if self.gamma != 1 and self.advantage_estimator not in ("reinforce_plus_plus", "gae"):
+            raise ValueError(f"--rl.gamma discounts reinforce_plus_plus's and gae's per-token returns; "
+                             f"--rl.advantage_estimator {self.advantage_estimator} scores whole completions: drop it")
+        self._check_critic()
         if self.kl_in_reward_coef < 0:
             raise ValueError(f"--rl.kl_in_reward_coef must be >= 0, got {self.kl_in_reward_coef}")
         if not self.kl_in_reward_coef and self.kl_in_reward_estimator != RLSection.kl_in_reward_estimator:
             raise ValueError("--rl.kl_in_reward_estimator is read with --rl.kl_in_reward_coef, which this run does not "
                              "set: set it or drop the flag")
+
+    def _check_critic(self) -> None:
+        """The critic's flags are read with gae only, and must be in range."""
+        gae = self.advantage_estimator == "gae"
+        for flag in ("gae_lambda", "critic_lr", "value_clip", "critic_model"):
+            if not gae and getattr(self, flag) != getattr(RLSection, flag):
+                raise ValueError(f"--rl.{flag} is read by the critic of --rl.advantage_estimator gae, which this run "
+                                 f"does not use (it uses {self.advantage_estimator}): set gae or drop the flag")
+        if gae and self.normalize_std is not None:
+            raise ValueError("--rl.advantage_estimator gae whitens over the rollout's tokens, never by a group std: drop "
+                             "--rl.normalize_std")
+        if not 0 <= self.gae_lambda <= 1:
+            raise ValueError(f"--rl.gae_lambda must be in [0, 1], got {self.gae_lambda}")
+        if self.critic_lr <= 0 or self.value_clip <= 0:
+            raise ValueError(f"--rl.critic_lr and --rl.value_clip must be > 0, got {self.critic_lr} and {self.value_clip}")
 
     @property
     def uses_reference(self) -> bool:
@@ -471,7 +502,7 @@ class RLSection:
             normalize_std=self.use_std, drop_zero_variance=self.drop_zero_variance,
             estimator=self.advantage_estimator, std=self.advantage_std, std_scope=self.advantage_std_scope,
             aggregation=self.multi_objective_aggregation, kl_in_reward_coef=self.kl_in_reward_coef,
-            kl_in_reward_estimator=self.kl_in_reward_estimator, gamma=self.gamma,
+            kl_in_reward_estimator=self.kl_in_reward_estimator, gamma=self.gamma, gae_lambda=self.gae_lambda,
         )
         if self.multi_objective_aggregation == "normalize_then_sum":
             weights = self.reward_weights or (1.0,) * len(self.rewards)
@@ -484,7 +515,7 @@ class RLSection:
     def use_std(self) -> bool:
         """Whether advantages are divided by the group std (default: not for dr_grpo or rloo;
         never for reinforce_plus_plus*, which whiten over tokens)."""
-        if self.advantage_estimator.startswith("reinforce_plus_plus"):
+        if self.advantage_estimator.startswith("reinforce_plus_plus") or self.advantage_estimator == "gae":
             return False
         if self.normalize_std is not None:
             return self.normalize_std

@@ -56,6 +56,7 @@ import torch.distributed as dist
 from titan.dist import current_split, reduce_max
 from titan.rl.completion_log import append_completions, completion_records, format_completion
 from titan.rl.config import RLConfig
+from titan.rl.critic import Critic, CriticState
 from titan.rl.data import build_prompts
 from titan.rl.disaggregated import TRAINER, GeneratorServer, RemoteGenerators, split_for_generators
 from titan.rl.generate.build import build_generator, build_teacher, check_generator_kind
@@ -272,6 +273,10 @@ class RLTrainer(TrainingLoop):
             self.reference.taken = holds_reference  # a fixed teacher, read again by a resumed run
         elif cfg.rl.uses_reference:
             self.engine.add_state("rl_reference", self.reference)
+        # PPO's critic (--rl.advantage_estimator gae): a single-device model on rank 0, checkpointed.
+        self.critic_state = CriticState(self._build_critic() if self.is_rank0 and self.uses_critic else None)
+        if self.uses_critic:
+            self.engine.add_state("rl_critic", self.critic_state)
         driver = self.remote is not None and self.remote.is_driver
         self.schedule = RolloutSchedule(
             max_staleness=cfg.rl.max_policy_staleness, updates_per_rollout=cfg.rl.updates_per_rollout,
@@ -352,6 +357,33 @@ class RLTrainer(TrainingLoop):
         logger.info("teacher %s (%s parameters) loaded as the KL reference in %.1fs", path,
                     f"{sum(p.numel() for p in teacher.model.parameters()) / 1e6:.2f}M", time.perf_counter() - start)
         return teacher
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the run trains PPO's critic (--rl.advantage_estimator gae)."""
+        return self.config.rl.advantage_estimator == "gae"
+
+    def _build_critic(self) -> Critic:
+        """The critic's model copy on this rank's device (``titan.rl.critic``): the policy's
+        architecture with a score head, from --rl.critic_model when given, else placeholders
+        until RL starts (:meth:`_start_critic`)."""
+        cfg = self.config
+        overrides = {**cfg.model.overrides(), "vocab_size": self.vocab_size, "max_seq_len": cfg.training.seq_len}
+        critic = Critic.from_model_spec(self.model_spec, cfg.model.flavor, overrides=overrides,
+                                        device=self.engine.device, seed=cfg.debug.seed, lr=cfg.rl.critic_lr,
+                                        value_clip=cfg.rl.value_clip, max_norm=cfg.training.max_norm,
+                                        batch_size=cfg.training.local_batch_size)
+        if cfg.rl.critic_model:
+            from titan.ckpt.hf import load_hf
+            from titan.ckpt.hub import resolve_hub_folder
+
+            folder = resolve_hub_folder(cfg.rl.critic_model, flag="--rl.critic_model")
+            adapter_spec = self.model_spec.adapter
+            if adapter_spec is None:
+                raise ValueError(f"--rl.critic_model: the {self.model_spec.name} family has no Hugging Face adapter")
+            critic.load_reward_model(folder, adapter_spec(critic.model), load_hf)
+            logger.info("critic started from the reward model %s", cfg.rl.critic_model)
+        return critic
 
     # ---- weight sync and generation -----------------------------------------------------
 
@@ -563,6 +595,8 @@ class RLTrainer(TrainingLoop):
                 f"version {engine.step}: {behind} optimizer steps behind, outside [0, --rl.max_policy_staleness "
                 f"{cfg.rl.max_policy_staleness} rollouts x {updates} steps]"
             )
+        if self.uses_critic:
+            rollout.values = self._critic_values(rollout)
         rows = rollout_rows(rollout, mask_truncated=cfg.rl.mask_truncated, **cfg.rl.advantage_options())
         stats = rollout_stats(rollout)
         if not any(r.train and r.token_ids for r in rows):
@@ -604,6 +638,7 @@ class RLTrainer(TrainingLoop):
                 self._adapt_entropy_coef(reduced)
                 losses.append(reduced.pop("loss"))
                 combine_stats(totals, reduced)
+        critic_stats = self._update_critic(rows) if self.uses_critic else {}
         self.timings["train_s"] += time.perf_counter() - start
         self.timings["generation_s"] += rollout.generation_s
         self._record_completions(rollout, engine.step)
@@ -622,6 +657,7 @@ class RLTrainer(TrainingLoop):
             "train_s": time.perf_counter() - start,
         }
         record["padding_fraction"] = padding_fraction([b for *_, batches in minibatches for b in batches])
+        record.update(critic_stats)
         if cfg.rl.kl_in_reward_coef:  # what the KL in the reward took from a completion's reward, on average
             penalties = [float(p.sum()) for group in kl_in_reward_penalties(
                 rollout, cfg.rl.kl_in_reward_coef, cfg.rl.kl_in_reward_estimator) for p in group]
@@ -632,6 +668,43 @@ class RLTrainer(TrainingLoop):
             record["entropy_coef"] = self.state.entropy_coef  # what the next update uses
         self._check_logprob_agreement(record)
         return record
+
+    def _from_rank0(self, produce: Any) -> Any:
+        """``produce()`` run on rank 0, its result on every trainer rank; when it raises, every
+        rank raises :class:`RolloutError` with its message (no rank is left in the broadcast)."""
+        box = [self._produced(produce) if self.is_rank0 else (None, None)]
+        if self.engine.dist_env.world_size > 1 and dist.is_initialized():
+            device = self.engine.device if self.engine.device.type == "cuda" else None
+            dist.broadcast_object_list(box, src=0, device=device)
+        failure, result = box[0]
+        if failure is not None:
+            _raise_rollout_error([0], failure)
+        return result
+
+    def _critic_values(self, rollout: Rollout) -> list[list[list[float]]]:
+        """The critic's per-token values of every completion of ``rollout`` (N x G), computed
+        on rank 0 with the critic as it stands now and broadcast."""
+        def values() -> list[list[list[float]]]:
+            completions = [c for group in rollout.groups for c in group]
+            flat = iter(self.critic_state.critic.values([c.prompt_ids for c in completions],
+                                                  [c.token_ids for c in completions]))
+            return [[next(flat) for _ in group] for group in rollout.groups]
+
+        return self._from_rank0(values)
+
+    def _update_critic(self, rows: list) -> dict[str, float]:
+        """Regress the critic on the returns of the rows that trained the policy (rank 0),
+        ``--rl.ppo_epochs`` passes of ``--rl.minibatches_per_rollout`` steps; its statistics
+        on every rank."""
+        trained = [r for r in rows if r.train and r.token_ids]
+        rl = self.config.rl
+
+        def update() -> dict[str, float]:
+            return self.critic_state.critic.update([r.prompt_ids for r in trained], [r.token_ids for r in trained],
+                                             [r.values for r in trained], [r.returns for r in trained],
+                                             epochs=rl.ppo_epochs, minibatches=rl.minibatches_per_rollout)
+
+        return self._from_rank0(update)
 
     def _adapt_entropy_coef(self, reduced: Mapping[str, float]) -> None:
         """--rl.adaptive_entropy: after each optimizer step, move the entropy bonus's
@@ -764,17 +837,34 @@ class RLTrainer(TrainingLoop):
         resumed run keeps the reference its checkpoint restored."""
         if not self.config.rl.uses_reference or self.config.rl.teacher_model:
             return  # no KL, or a teacher loaded up front
+        holder = self.reference.holder is not None and not self.reference.taken
+        self._hand_policy_weights(self.reference.take if holder else None)
+
+    def _start_critic(self) -> None:
+        """Start the critic from the weights RL starts from (rank 0; its score head stays
+        fresh), unless --rl.critic_model gave it a reward model's or a resumed checkpoint
+        restored it."""
+        if not self.uses_critic or self.config.rl.critic_model:
+            return
+        critic = self.critic_state.critic
+        self._hand_policy_weights(critic.take if critic is not None and not critic.taken else None)
+
+    def _hand_policy_weights(self, take: Any | None) -> None:
+        """Call ``take`` with the policy's current weights (named full tensors) on this rank;
+        collective: every trainer rank takes part, with ``take`` None where it takes nothing.
+        Colocated, the weights come from the synced generator of rank 0 (and of every rank
+        that generates); with generator ranks, from the engine."""
         if self.remote is not None:  # no generator on rank 0: the weights come from the engine
             weights = self.engine.full_state_dict(dtype=torch.float32)  # collective: every rank iterates it
-            if self.is_rank0 and not self.reference.taken:
-                self.reference.take(weights)
+            if take is not None:
+                take(weights)
             else:
                 for _ in weights:
                     pass
             return
         self.schedule.sync_to(self.engine.step)
-        if self.generator is not None:
-            self.reference.take(self.generator.named_weights())
+        if take is not None:
+            take(self.generator.named_weights())
 
     def _sync_reference(self, step: int) -> None:
         """--rl.ref_sync_steps: move the KL reference toward the current policy (collective).
@@ -825,6 +915,7 @@ class RLTrainer(TrainingLoop):
             else:
                 if first_rl:
                     self._start_reference()
+                    self._start_critic()
                     if self._should_eval(engine.step, engine.step, True):
                         records.append(self._log_eval(engine.step))
                     first_rl = False

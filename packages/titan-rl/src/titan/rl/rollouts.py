@@ -30,6 +30,7 @@ import torch
 from titan.rl.advantages import (
     AGGREGATIONS,
     decoupled_advantages,
+    gae_advantages,
     group_advantages,
     nonzero_variance_groups,
     reinforce_pp_advantages,
@@ -75,6 +76,9 @@ class Rollout:
     label; ``overlong_penalty`` too when on); may be empty."""
     generated_reward_terms: list[dict[str, list[float]]] | None = None
     """The same for every group generated for it (refills included); None: ``reward_terms``."""
+    values: list[list[list[float]]] | None = None
+    """N x G per-token values of the critic (``--rl.advantage_estimator gae``): the return it
+    expects from the state before each completion token."""
 
 
 @dataclass
@@ -90,7 +94,11 @@ class Row:
     ref_logprobs: list[float] | None = None
     """The reference model's log-probs of the tokens (KL penalty only)."""
     token_advantages: list[float] | None = None
-    """One advantage per token (REINFORCE++'s returns), in place of ``advantage``."""
+    """One advantage per token (REINFORCE++'s returns, GAE), in place of ``advantage``."""
+    values: list[float] | None = None
+    """GAE: the critic's value of each token when the rollout was scored."""
+    returns: list[float] | None = None
+    """GAE: each token's return, the critic's regression target."""
 
 
 class Advantages(NamedTuple):
@@ -101,7 +109,9 @@ class Advantages(NamedTuple):
     keep: torch.Tensor
     """Bool ``[N]``: the groups that train."""
     per_token: list[list[torch.Tensor]] | None = None
-    """N x G per-token advantages (REINFORCE++), None when each completion has one."""
+    """N x G per-token advantages (REINFORCE++, GAE), None when each completion has one."""
+    returns: list[list[torch.Tensor]] | None = None
+    """GAE: N x G per-token returns (the critic's targets); None for the other estimators."""
 
 
 def rollout_rows(
@@ -118,6 +128,7 @@ def rollout_rows(
     kl_in_reward_coef: float = 0.0,
     kl_in_reward_estimator: str = "k1",
     gamma: float = 1.0,
+    gae_lambda: float = 1.0,
 ) -> list[Row]:
     """One row per completion, with its advantage (:func:`completion_advantages`);
     completions of groups whose rewards are all equal are left out when
@@ -125,10 +136,10 @@ def rollout_rows(
     no rows."""
     if not rollout.groups:
         return []
-    advantages, keep, per_token = completion_advantages(
+    advantages, keep, per_token, returns = completion_advantages(
         rollout, normalize_std=normalize_std, drop_zero_variance=drop_zero_variance, estimator=estimator, std=std,
         std_scope=std_scope, aggregation=aggregation, term_weights=term_weights, kl_in_reward_coef=kl_in_reward_coef,
-        kl_in_reward_estimator=kl_in_reward_estimator, gamma=gamma)
+        kl_in_reward_estimator=kl_in_reward_estimator, gamma=gamma, gae_lambda=gae_lambda)
     rows = []
     for i, group in enumerate(rollout.groups):
         if not keep[i]:
@@ -142,6 +153,8 @@ def rollout_rows(
                 train=not (mask_truncated and completion.finish_reason == "length"),
                 ref_logprobs=None if rollout.ref_logprobs is None else list(rollout.ref_logprobs[i][j]),
                 token_advantages=None if per_token is None else per_token[i][j].tolist(),
+                values=None if returns is None else list(rollout.values[i][j]),
+                returns=None if returns is None else returns[i][j].tolist(),
             ))
     return rows
 
@@ -169,7 +182,7 @@ def completion_advantages(rollout: Rollout, *, normalize_std: bool = True, drop_
                           estimator: str = "grpo", std: str = "population", std_scope: str = "group",
                           aggregation: str = "sum_then_normalize", term_weights: Mapping[str, float] | None = None,
                           kl_in_reward_coef: float = 0.0, kl_in_reward_estimator: str = "k1",
-                          gamma: float = 1.0) -> Advantages:
+                          gamma: float = 1.0, gae_lambda: float = 1.0) -> Advantages:
     """The advantages of a rollout with groups and which groups train (all do unless
     ``drop_zero_variance`` leaves out those whose rewards are all equal). ``aggregation``:
     ``sum_then_normalize`` (``estimator`` grpo or rloo: :func:`group_advantages` of the summed
@@ -177,12 +190,16 @@ def completion_advantages(rollout: Rollout, *, normalize_std: bool = True, drop_
     reward terms with ``term_weights``). ``kl_in_reward_coef`` (verl's KL in the reward):
     each completion's reward loses ``coef x`` its summed per-token KL to the reference
     (:func:`kl_in_reward_penalties`), per token for REINFORCE++ (``gamma`` discounts its
-    returns); the groups dropped for zero variance are judged on the rewards alone."""
+    returns); the groups dropped for zero variance are judged on the rewards alone. ``gae``:
+    PPO's advantages from the critic's values in ``rollout.values`` (:func:`_gae`)."""
     rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
     keep = nonzero_variance_groups(rewards) if drop_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
     if estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
         penalties = kl_in_reward_penalties(rollout, kl_in_reward_coef, kl_in_reward_estimator)
         return _reinforce_pp(rollout, penalties, keep, baseline=estimator.endswith("baseline"), std=std, gamma=gamma)
+    if estimator == "gae":
+        penalties = kl_in_reward_penalties(rollout, kl_in_reward_coef, kl_in_reward_estimator)
+        return _gae(rollout, penalties, keep, std=std, gamma=gamma, lam=gae_lambda)
     if kl_in_reward_coef:
         penalties = kl_in_reward_penalties(rollout, kl_in_reward_coef, kl_in_reward_estimator)
         rewards = rewards - torch.tensor([[float(p.sum()) for p in row] for row in penalties], dtype=torch.float64)
@@ -226,6 +243,26 @@ def _reinforce_pp(rollout: Rollout, penalties: list[list[torch.Tensor]], keep: t
             per_token[i][j] = values
             per_completion[i, j] = float(values[0]) if len(values) else 0.0
     return Advantages(per_completion.float(), keep, None if baseline else [[v.float() for v in g] for g in per_token])
+
+
+def _gae(rollout: Rollout, penalties: list[list[torch.Tensor]], keep: torch.Tensor, *, std: str, gamma: float,
+         lam: float) -> Advantages:
+    """GAE over the kept groups' completions (:func:`~titan.rl.advantages.gae_advantages`), from
+    the critic's values the rollout carries: per-token advantages whitened over those
+    completions' tokens, and the returns the critic trains on."""
+    if rollout.values is None:
+        raise ValueError(f"GAE advantages need the critic's values of rollout {rollout.index}, and it has none")
+    kept = [(i, j) for i in range(len(rollout.groups)) if keep[i] for j in range(len(rollout.groups[i]))]
+    advantages, returns = gae_advantages(
+        [rollout.rewards[i][j] for i, j in kept], [penalties[i][j] for i, j in kept],
+        [torch.tensor(rollout.values[i][j], dtype=torch.float64) for i, j in kept], gamma=gamma, lam=lam, std=std)
+    per_completion = torch.zeros(len(rollout.groups), len(rollout.groups[0]), dtype=torch.float64)
+    per_token = [[torch.zeros(len(c.token_ids)) for c in group] for group in rollout.groups]
+    per_token_returns = [[torch.zeros(len(c.token_ids)) for c in group] for group in rollout.groups]
+    for (i, j), advantage, target in zip(kept, advantages, returns, strict=True):
+        per_token[i][j], per_token_returns[i][j] = advantage.float(), target.float()
+        per_completion[i, j] = float(advantage[0]) if len(advantage) else 0.0
+    return Advantages(per_completion.float(), keep, per_token, per_token_returns)
 
 
 def build_batch(rows: Sequence[Row], *, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
