@@ -381,7 +381,9 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
     rank: 2 FSDP ranks each generating half of every rollout, each with its own copy of the
     reference (stored once in the checkpoint, restored on both). The adaptive entropy
     coefficient climbs 0.005 per update (every step's entropy is below the target) and resumes
-    where it was (restarting from 0 changes the resumed losses)."""
+    where it was (restarting from 0 changes the resumed losses). PPO's critic (gae) resumes
+    its weights and AdamW state from the checkpoint (rank 0's copy): its values, and so the
+    advantages and losses, continue as if never stopped."""
     flags = list(RESUMED)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     if generator_ranks == "every_rank":  # the uninterrupted run is one of the shared 2-rank launch's
@@ -399,7 +401,8 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
     shutil.copytree(straight / "checkpoint" / "step-5", resumed / "checkpoint" / "step-5")
     log = run(resumed, *flags)
     assert "resumed from step 5" in log.stderr + log.stdout
-    keys = ("loss", "reward_mean", "grad_norm", "logprob_diff_max", "kl", "entropy_coef")
+    keys = ("loss", "reward_mean", "grad_norm", "logprob_diff_max", "kl", "entropy_coef", "value_loss", "values_mean",
+            "returns_mean")
     straight_rl = [r for r in records(straight) if r.get("phase") == "rl"]
     updates = list(itertools.accumulate(r["updates"] for r in straight_rl))
     assert [r["entropy_coef"] for r in straight_rl] == pytest.approx([0.005 * n for n in updates], abs=1e-12)
@@ -412,11 +415,18 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
 # With the entropy bonus on, so that its gradient is part of every layout's comparison with one
 # rank (under TP it was wrong until 2026-12-05, and nothing trained with it).
 DETERMINISTIC = [*SHORT, "--debug.deterministic", "--rl.entropy_coef", "0.01"]
-# A run checkpointed at step 5 and resumed from it, with the KL reference to restore.
-# Adaptive entropy control with a target every step is below: its coefficient climbs by 0.005
-# per update, and a resume must restore it.
+# PPO with a critic, fast enough to move its values in a few steps.
+GAE = ["--rl.advantage_estimator", "gae", "--rl.critic_lr", "1e-3", "--rl.gamma", "0.99", "--rl.gae_lambda", "0.95"]
+# A run checkpointed at step 5 and resumed from it, with the KL reference and the critic to
+# restore. Adaptive entropy control with a target every step is below: its coefficient climbs
+# by 0.005 per update, and a resume must restore it.
 RESUMED = [*SHORT, "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
-           "--debug.deterministic", "--rl.kl_coef", "0.05", "--rl.adaptive_entropy", "--rl.entropy_target", "100"]
+           "--debug.deterministic", "--rl.kl_coef", "0.05", "--rl.adaptive_entropy", "--rl.entropy_target", "100",
+           *GAE]
+# The critic on 2 FSDP ranks against one: RL from the initial weights (an SFT warm-up's batches
+# are sharded over the data-parallel ranks, so its weights would differ), every group trained.
+CRITIC_LAYOUT = [*SHORT, "--rl.sft_warmup_steps", "0", "--rl.no_drop_zero_variance", "--debug.deterministic", *GAE,
+                 "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only"]
 # Generator ranks' shares, async with KL and dynamic sampling; every rank generating equals them.
 SHARED = [*SHORT, "--rl.max_refill_rounds", "1", "--rl.eval_freq", "3", "--rl.eval_prompts", "5",
           "--debug.deterministic", "--rl.max_policy_staleness", "1", "--rl.kl_coef", "0.05", "--rl.log_completions"]
@@ -560,6 +570,7 @@ TWO_RANK_RUNS = {
               "--training.local_batch_size", "1", *flags] for name, flags in (("fsdp", []), ("padding_free", ["--rl.padding_free"]))},
     "every_rank": [*SHARED, "--rl.colocated_generation", "every_rank"],
     "resume_every_rank": [*RESUMED, "--rl.colocated_generation", "every_rank"],
+    "critic_fsdp": CRITIC_LAYOUT,
     **{f"cp_{loss}": [*DETERMINISTIC, *SEQUENCE_IS, *CP_EXTRA[loss], "--rl.loss_type", loss,
                       "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
        for loss in ("grpo", "gspo")},
@@ -1167,3 +1178,32 @@ def test_a_synced_reference_is_the_policy_after_each_sync(tmp_path):
     assert (kl[3], kl[4]) == (frozen[3], frozen[4])  # the same run until the first sync
     output = result.stdout + result.stderr
     assert "step 4: KL reference moved toward the policy" in output and "step 6: KL reference" in output
+
+
+@pytest.mark.slow
+@TWO_RANKS
+def test_ppo_critic_under_fsdp_matches_one_rank_and_is_checkpointed_once(tmp_path, two_rank_runs):
+    """PPO with a critic on 2 FSDP ranks: rank 0's critic scores every rollout and trains on
+    it, so the values, returns, value loss and the policy's losses equal one rank's (up to
+    float32 summation order in the policy's update). The critic ran: its values move from
+    step to step, it has a loss, and the checkpoint holds its weights and AdamW moments once."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    one_rank = tmp_path / "one_rank"
+    run_rl(one_rank, *CRITIC_LAYOUT)
+    fsdp, one = ([r for r in records(folder) if r.get("phase") == "rl"]
+                 for folder in (two_rank_runs / "critic_fsdp", one_rank))
+    assert [r["step"] for r in fsdp] == [r["step"] for r in one] == list(range(1, 9))
+    for mine, theirs in zip(fsdp, one, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=0, abs=1e-6), mine["step"]
+        # The critic sees the same completions from the same start: its statistics matched
+        # bit for bit (measured); the policy's gradient norm up to float32 order (4e-7).
+        for key in ("grad_norm", "value_loss", "values_mean", "returns_mean", "value_grad_norm"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (mine["step"], key)
+    assert all(r["value_loss"] > 0 and r["value_grad_norm"] > 0 for r in one)
+    assert len({round(r["values_mean"], 6) for r in one}) == len(one)  # the critic moved every step
+    for folder in (two_rank_runs / "critic_fsdp", one_rank):
+        keys = set(FileSystemReader(str(folder / "checkpoint" / "step-5")).read_metadata().state_dict_metadata)
+        critic = {k for k in keys if k.startswith("rl_critic.")}
+        assert {"rl_critic.taken", "rl_critic.weights.output.weight", "rl_critic.optimizer.exp_avg.output.weight",
+                "rl_critic.optimizer.step.output.weight"} <= critic, sorted(critic)[:8]
