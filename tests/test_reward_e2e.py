@@ -185,7 +185,8 @@ def test_a_reward_model_is_refused_by_the_language_model_loops(tmp_path):
 def test_the_readme_flow_from_reward_debug_to_titan_rl(tmp_path):
     """The README's commands: `titan reward --config reward_debug` exported with the byte
     tokenizer's Hub form, then `titan rl --rl.rewards model` with it: every completion's reward
-    is transformers' score of the prompt and completion."""
+    is transformers' score of the prompt and completion. The same folder starts PPO's critic
+    (--rl.critic_model, as OpenRLHF starts its critic from the reward model)."""
     dump = tmp_path / "reward"
     result = run_titan(["reward", "--config", "reward_debug", "--training.steps", "4", "--checkpoint.enable",
                         "--checkpoint.last_save_in_hf", "--metrics.no_enable_progress_bar", "--job.dump_folder", dump],
@@ -198,8 +199,11 @@ def test_the_readme_flow_from_reward_debug_to_titan_rl(tmp_path):
         "rl", "--config", "grpo_debug", "--training.steps", "3", "--rl.sft_warmup_steps", "1", "--rl.eval_freq", "0",
         "--rl.ppo_epochs", "1", "--rl.prompts_per_step", "2", "--rl.group_size", "4", "--training.local_batch_size", "8",
         "--rl.rewards", "model", "--rl.reward_model", export, "--rl.log_completions", "--metrics.no_enable_progress_bar",
+        "--rl.advantage_estimator", "gae", "--rl.critic_model", export, "--metrics.log_freq", "1",
         "--job.dump_folder", rl_dump], env=ENV, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
+    assert f"critic started from the reward model {export}" in result.stderr
+    assert [r["step"] for r in _records(rl_dump) if "value_loss" in r] == [2, 3]
     rows = [json.loads(line) for line in (rl_dump / "completions.jsonl").read_text().splitlines()]
     want = _transformers_scores(export, [r["prompt"] + r["completion"] for r in rows])
     assert len(rows) == 16 and [r["reward"] for r in rows] == pytest.approx(want, abs=1e-5)
