@@ -185,7 +185,8 @@ def test_a_reward_model_is_refused_by_the_language_model_loops(tmp_path):
 def test_the_readme_flow_from_reward_debug_to_titan_rl(tmp_path):
     """The README's commands: `titan reward --config reward_debug` exported with the byte
     tokenizer's Hub form, then `titan rl --rl.rewards model` with it: every completion's reward
-    is transformers' score of the prompt and completion. The same folder starts PPO's critic
+    is transformers' score of the prompt and completion (the reward model, of the policy's
+    family, runs on titan's model code). The same folder starts PPO's critic
     (--rl.critic_model, as OpenRLHF starts its critic from the reward model)."""
     dump = tmp_path / "reward"
     result = run_titan(["reward", "--config", "reward_debug", "--training.steps", "4", "--checkpoint.enable",
@@ -203,6 +204,7 @@ def test_the_readme_flow_from_reward_debug_to_titan_rl(tmp_path):
         "--job.dump_folder", rl_dump], env=ENV, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     assert f"critic started from the reward model {export}" in result.stderr
+    assert f"reward model {export} runs on titan's model code" in result.stderr  # the policy's family
     assert [r["step"] for r in _records(rl_dump) if "value_loss" in r] == [2, 3]
     rows = [json.loads(line) for line in (rl_dump / "completions.jsonl").read_text().splitlines()]
     want = _transformers_scores(export, [r["prompt"] + r["completion"] for r in rows])

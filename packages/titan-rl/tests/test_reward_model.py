@@ -53,13 +53,23 @@ def transformers_scores(folder, texts: list[str]) -> list[float]:
         return [float(model(**tokenizer(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0]) for t in texts]
 
 
-def test_scores_are_the_models_logit_for_prompt_plus_completion(tmp_path):
+@pytest.mark.parametrize("backend", ["titan", "transformers"])
+def test_scores_are_the_models_logit_for_prompt_plus_completion(tmp_path, backend, caplog):
     """Text prompts read prompt + completion; conversations are rendered by the reward model's
     template with the completion as the assistant's turn. Scored in batches of 2 (padded on the
-    right), each score equals the text's own score alone within float32 rounding; a second
-    reward adds on top with its weight."""
+    right), each score equals the text's own score alone by transformers within float32
+    rounding; a second reward adds on top with its weight. A reward model of the policy's
+    family (Llama here) runs on titan's model code, tokenizer and template renderer; given
+    no family, on transformers."""
+    import logging
+
+    from titan.recipes.families import model_spec
+
     folder = str(reward_model_folder(tmp_path / "rm"))
-    reward = build_reward(["model", "exact_match"], weights=[1.0, 2.0], reward_model=folder, reward_model_batch_size=2)
+    with caplog.at_level(logging.INFO, logger="titan"):
+        reward = build_reward(["model", "exact_match"], weights=[1.0, 2.0], reward_model=folder,
+                              reward_model_batch_size=2, model_spec=model_spec("llama3") if backend == "titan" else None)
+    assert f"reward model {folder} runs on {backend}'s model code" in caplog.text
     conversation = [{"role": "user", "content": "What is 2+2?"}]
     prompts = ["sort: dcba\n", "sort: ab\n", "ignored when rendered"]
     completions = ["abcd", "a much longer completion than the others", "4"]
@@ -74,8 +84,12 @@ def test_scores_are_the_models_logit_for_prompt_plus_completion(tmp_path):
 
 
 def test_what_cannot_be_a_reward_model_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="has 2 labels; a reward model scores with one"):
-        build_reward(["model"], reward_model=str(reward_model_folder(tmp_path / "classifier", labels=2)))
+    from titan.recipes.families import model_spec
+
+    classifier = str(reward_model_folder(tmp_path / "classifier", labels=2))
+    for family in (None, model_spec("llama3")):  # transformers, then titan's code
+        with pytest.raises(ValueError, match="has 2 labels; a reward model scores with one"):
+            build_reward(["model"], reward_model=classifier, model_spec=family)
     with pytest.raises(ValueError, match="no such folder"):
         build_reward(["model"], reward_model=str(tmp_path / "missing"))
     plain = build_reward(["model"], reward_model=str(reward_model_folder(tmp_path / "plain", chat_template=False)))

@@ -229,7 +229,8 @@ class RLSection:
     reward_model: str | None = None
     """The model reward (--rl.rewards model): a Hugging Face sequence-classification model
     folder or Hub id with its tokenizer, scoring prompt + completion by its one logit (TRL's
-    reward model; needs the titan-rl[reward-model] extra)."""
+    reward model). One of the policy's family runs on titan's model code; any other
+    architecture on transformers (the titan-rl[reward-model] extra)."""
     reward_model_batch_size: int = 32
     """Completions the reward model scores per forward pass."""
     numeric_tolerance: float = 1e-6

@@ -259,7 +259,7 @@ class RLTrainer(TrainingLoop):
         self.producer = None if self.generator is None else RolloutProducer(
             cfg, generator=self.generator, tokenizer=self.tokenizer, train_prompts=train_prompts,
             eval_prompts=self.eval_prompts, shard=dist_env.rank if self.every_rank else 0,
-            shards=dist_env.world_size if self.every_rank else 1, device=self.engine.device,
+            shards=dist_env.world_size if self.every_rank else 1, device=self.engine.device, model_spec=self.model_spec,
         )
         if self.every_rank and self.is_rank0:
             logger.info("every rank generates: each of the %d ranks generates and scores its share of the %d "

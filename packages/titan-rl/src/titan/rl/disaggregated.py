@@ -141,7 +141,7 @@ class GeneratorServer:
                                                     max_prompt_tokens=config.max_prompt_tokens)
         self.producer = RolloutProducer(config, generator=self.generator, tokenizer=tokenizer,
                                         train_prompts=train_prompts, eval_prompts=eval_prompts,
-                                        shard=split.rank, shards=split.size)
+                                        shard=split.rank, shards=split.size, model_spec=model_spec)
         self.bridge = split.bridge
         self.receiver = WeightBroadcaster.over_bridge(split.bridge, is_trainer=False)
         self.served = {"sync": 0, "rollout": 0, "eval": 0}

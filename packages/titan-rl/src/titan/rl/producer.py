@@ -68,10 +68,12 @@ class RolloutProducer:
     """Rollouts and held-out scores from one generator (see the module docstring).
 
     ``config`` is the run's ``RLConfig``; ``generator`` has ``generate(prompt_ids, sampling)``
-    and a ``version``; ``tokenizer`` decodes completions for the rewards."""
+    and a ``version``; ``tokenizer`` decodes completions for the rewards; ``model_spec``, the
+    policy's family, runs a reward model of that family on titan's code."""
 
     def __init__(self, config: Any, *, generator: Any, tokenizer: Any, train_prompts: list[Prompt],
-                 eval_prompts: list[Prompt], shard: int = 0, shards: int = 1, device: Any = "cpu") -> None:
+                 eval_prompts: list[Prompt], shard: int = 0, shards: int = 1, device: Any = "cpu",
+                 model_spec: Any | None = None) -> None:
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} is not one of {shards} shards")
         self.config, self.generator, self.tokenizer = config, generator, tokenizer
@@ -83,7 +85,7 @@ class RolloutProducer:
         self.reward = build_reward(
             rl.rewards, weights=rl.reward_weights, format_regex=rl.format_regex, function=rl.reward_function,
             numeric_tolerance=rl.numeric_tolerance, timeout_s=rl.reward_timeout_s, reward_model=rl.reward_model,
-            reward_model_batch_size=rl.reward_model_batch_size, device=device,
+            reward_model_batch_size=rl.reward_model_batch_size, device=device, model_spec=model_spec,
         )
         stops = config.sampling.stop_token_ids
         hub_stops = tuple(t for t in hub_stop_token_ids(config.checkpoint, tokenizer.vocab_size)

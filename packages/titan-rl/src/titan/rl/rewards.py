@@ -335,9 +335,11 @@ def build_reward(
     reward_model: str | None = None,
     reward_model_batch_size: int = 32,
     device: Any = "cpu",
+    model_spec: Any | None = None,
 ) -> CombinedReward:
     """A :class:`CombinedReward` from reward names (module docstring) and their weights
-    (default 1 each); ``reward_model`` (a folder) is loaded on ``device`` for ``model``."""
+    (default 1 each); ``reward_model`` (a folder) is loaded on ``device`` for ``model``, on
+    titan's code when it is of ``model_spec``'s family (the policy's)."""
     if not names:
         raise ValueError("--rl.rewards is empty; name at least one reward, e.g. exact_match")
     weights = list(weights) if weights else [1.0] * len(names)
@@ -356,7 +358,8 @@ def build_reward(
                                  "or Hub id)")
             from titan.rl.reward_model import RewardModel
 
-            fn: RewardFn = RewardModel(reward_model, device=device, batch_size=reward_model_batch_size)
+            fn: RewardFn = RewardModel(reward_model, device=device, batch_size=reward_model_batch_size,
+                                       model_spec=model_spec)
         else:
             fn = _one_reward(name, format_regex, function, numeric_tolerance)
         terms.append((name, fn, float(weight)))
