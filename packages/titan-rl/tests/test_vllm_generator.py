@@ -341,9 +341,11 @@ def test_every_rank_runs_its_own_vllm_engine_in_the_trainers_group(tmp_path):
     external_launcher executor) and generates half of every rollout and of the held-out
     prompts; weights reach both engines after every update (trainer and vLLM log-probs agree
     on every on-policy step), each rank rescores its half with its KL reference, and the run
-    ends without vLLM destroying the trainer's groups twice."""
+    ends without vLLM destroying the trainer's groups twice. PPO's critic (gae) starts from
+    rank 0's vLLM engine's weights (read back by titan name) and trains beside it."""
     output, rows = run_vllm_rl(2, tmp_path / "rl", "--rl.colocated_generation", "every_rank", "--rl.eval_prompts", "5",
-                               "--rl.kl_coef", "0.05", "--rl.no_drop_zero_variance")
+                               "--rl.kl_coef", "0.05", "--rl.no_drop_zero_variance", "--rl.advantage_estimator", "gae",
+                               "--rl.critic_lr", "1e-3")
     assert "every rank generates: each of the 2 ranks" in output
     assert "Invalid process group" not in output, output[-3000:]
     rl = [r for r in rows if r.get("phase") == "rl"]
@@ -351,6 +353,7 @@ def test_every_rank_runs_its_own_vllm_engine_in_the_trainers_group(tmp_path):
     assert [r["step"] for r in rl] == list(range(3, 9))
     assert max(r["logprob_diff_max"] for r in rl) <= 1e-5
     assert rl[-1]["kl"] > 0  # each rank's reference rescored its half
+    assert all(r["value_loss"] > 0 for r in rl) and len({r["values_mean"] for r in rl}) == len(rl)
     # 5 held-out prompts over 2 ranks (3 + 2): an exact match rate is a multiple of 1/5.
     assert [e["step"] for e in evals] == [2, 6, 8]
     assert all(abs(e["eval_exact_match"] * 5 - round(e["eval_exact_match"] * 5)) < 1e-9 for e in evals)
