@@ -89,3 +89,29 @@ def test_a_run_that_fits_passes_and_full_checkpointing_counts_the_recomputed_blo
     # Every block's backward holds its activations' gradients; full AC also rebuilds the block.
     assert full.estimate.recompute_bytes > plain.estimate.recompute_bytes > 0
     assert full.estimate.activation_bytes < plain.estimate.activation_bytes
+
+
+def test_an_rl_run_counts_the_model_copies_rank_0_holds(monkeypatch):
+    """titan rl keeps whole model copies beside the trainer's shards: the native generator
+    (float32), the KL reference with KL on, and PPO's critic with gradients and AdamW's
+    moments (its score head in place of the LM head); each adds to rank 0's estimate by its
+    size, computed here from the model's parameter count by hand."""
+    from titan.models.llama3 import build_llama3
+
+    monkeypatch.setattr(memory_check, "device_memory", lambda: (2**40, "test RAM"))
+
+    def rl_estimate(*flags: str):
+        return check_memory(parse_train_args(["--config", "grpo_debug", *flags], command="rl")).estimate
+
+    config = parse_train_args(["--config", "grpo_debug"], command="rl")
+    vocab = config.model.resolve_vocab_size(config.tokenizer.build().vocab_size)  # rounded up as the trainer does
+    model = build_llama3("debugmodel_tiny", vocab_size=vocab, max_seq_len=32)
+    params = sum(p.numel() for p in model.parameters())
+    critic = (params - model.output.weight.numel() + model.args.dim) * 16
+    plain = rl_estimate("--rl.kl_coef", "0")
+    kl = rl_estimate("--rl.kl_coef", "0.05")
+    gae = rl_estimate("--rl.kl_coef", "0.05", "--rl.advantage_estimator", "gae")
+    assert plain.copy_bytes == params * 4 and "generator" in plain.copies
+    assert kl.copy_bytes - plain.copy_bytes == params * 4 and "KL reference" in kl.copies
+    assert gae.copy_bytes - kl.copy_bytes == critic and "critic" in gae.components()
+    assert gae.total_bytes - kl.total_bytes == critic

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from titan.dist.dry_run import RankEstimate, format_bytes
 
-from titan.recipes.dry_run import run_dry_run
+from titan.recipes.dry_run import model_builder, run_dry_run
 
 
 class MemoryCheckError(ValueError):
@@ -70,8 +70,51 @@ def trainer_world_size(config: Any) -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1")) - generators)
 
 
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def rl_model_copies(config: Any) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """The whole model copies a ``titan rl`` run keeps beside the trainer's shards: (those
+    every trainer rank holds, those rank 0 adds), each as (name, bytes). Colocated, the
+    generator (native: float32; vLLM: its dtype plus its KV cache) on rank 0, or on every rank
+    with every_rank generation; the KL reference (a float32 native copy) where the generator
+    is; PPO's critic on rank 0 (float32 weights, gradients and AdamW's two moments). A teacher
+    (another model) and the generators' activations are not counted. Empty for other runs."""
+    rl = getattr(config, "rl", None)
+    if rl is None or not hasattr(rl, "advantage_estimator"):
+        return [], []
+    build, _, _ = model_builder(config)
+    with torch.device("meta"):
+        model = build()
+    params = sum(p.numel() for p in model.parameters())
+    gen = config.generator
+    generator = params * 4 if gen.kind == "native" else params * _DTYPE_BYTES[gen.dtype] + gen.kv_cache_memory_bytes
+    where_generated: list[tuple[str, int]] = []
+    if not rl.generator_ranks:
+        where_generated.append(("generator", generator))
+    if rl.uses_reference and not rl.teacher_model:
+        where_generated.append(("KL reference", params * 4))
+    every_rank = rl.colocated_generation == "every_rank" and not rl.generator_ranks
+    shared, rank0 = (where_generated, []) if every_rank else ([], where_generated)
+    if rl.advantage_estimator == "gae":
+        head = model.output.weight.numel() if getattr(model, "output", None) is not None else 0
+        rank0.append(("critic", (params - head + model.args.dim) * 4 * 4))
+    return shared, rank0
+
+
+def _with_copies(estimate: RankEstimate, copies: list[tuple[str, int]]) -> RankEstimate:
+    if not copies:
+        return estimate
+    described = ", ".join(f"{name} {format_bytes(size)}" for name, size in copies)
+    return dataclasses.replace(estimate, copy_bytes=estimate.copy_bytes + sum(size for _, size in copies),
+                               copies=", ".join(filter(None, (estimate.copies, described))))
+
+
 def _largest_rank(config: Any, world_size: int) -> RankEstimate:
     estimates = run_dry_run(config, world_size, print_fn=lambda line: None)
+    shared, rank0 = rl_model_copies(config)
+    estimates = [_with_copies(e, shared) for e in estimates]
+    estimates[0] = _with_copies(estimates[0], rank0)  # pipeline rank 0 holds global rank 0
     return max(estimates, key=lambda e: e.total_bytes)
 
 

@@ -563,6 +563,11 @@ class RankEstimate:
     (`--parallelism.fsdp_cpu_offload`): reported, but not in the device's `total_bytes`."""
     blocks: str = ""
     """Under pipeline parallel, the blocks of this rank's stages (e.g. ``0-2`` or ``0-1, 4-5``)."""
+    copy_bytes: int = 0
+    """Whole single-device model copies the rank holds beside its share (RL: the generator,
+    the KL reference, the critic with its gradients and AdamW moments)."""
+    copies: str = ""
+    """What ``copy_bytes`` holds, e.g. ``generator 1.2 GiB, critic 4.8 GiB``."""
 
     @property
     def state_bytes(self) -> int:
@@ -572,9 +577,10 @@ class RankEstimate:
     @property
     def total_bytes(self) -> int:
         """The device's peak: params + grads + optimizer states (unless offloaded to the host)
-        + activations (+ one block's recomputation, the loss's peak, FSDP's unsharded copies)."""
+        + activations (+ one block's recomputation, the loss's peak, FSDP's unsharded copies,
+        whole model copies)."""
         return ((0 if self.offloaded else self.state_bytes) + self.activation_bytes
-                + self.recompute_bytes + self.loss_bytes + self.fsdp_buffer_bytes)
+                + self.recompute_bytes + self.loss_bytes + self.fsdp_buffer_bytes + self.copy_bytes)
 
     def components(self) -> str:
         """The estimate's parts, e.g. ``params 18.64 MiB, grads ..., activations 1.61 GiB``."""
@@ -588,6 +594,8 @@ class RankEstimate:
             parts.append(f"loss {format_bytes(self.loss_bytes)}")
         if self.fsdp_buffer_bytes:
             parts.append(f"FSDP buffers {format_bytes(self.fsdp_buffer_bytes)}")
+        if self.copy_bytes:
+            parts.append(f"model copies {format_bytes(self.copy_bytes)} ({self.copies})")
         return ", ".join(parts)
 
     def line(self) -> str:
