@@ -429,15 +429,7 @@ class RLTrainer(TrainingLoop):
         rollout that never comes (until the collective timeout)."""
         if self.every_rank:
             return merge_rollouts(self._gather_parts(result))
-        failure, result = self._produced(result) if self.is_rank0 else (None, result)
-        if self.engine.dist_env.world_size > 1 and dist.is_initialized():
-            box = [(failure, result)]
-            device = self.engine.device if self.engine.device.type == "cuda" else None
-            dist.broadcast_object_list(box, src=0, device=device)
-            failure, result = box[0]
-        if failure is not None:
-            _raise_rollout_error([0], failure)
-        return result
+        return self._from_rank0(result)
 
     def _produced(self, result: Any) -> tuple[str | None, Any]:
         """``(None, value)``: ``result``, or the result of calling it when callable; ``(error,
@@ -670,8 +662,9 @@ class RLTrainer(TrainingLoop):
         return record
 
     def _from_rank0(self, produce: Any) -> Any:
-        """``produce()`` run on rank 0, its result on every trainer rank; when it raises, every
-        rank raises :class:`RolloutError` with its message (no rank is left in the broadcast)."""
+        """Rank 0's ``produce`` (or, when callable, the result of calling it there) on every
+        trainer rank; when the call raises, every rank raises :class:`RolloutError` with its
+        message (no rank is left in the broadcast)."""
         box = [self._produced(produce) if self.is_rank0 else (None, None)]
         if self.engine.dist_env.world_size > 1 and dist.is_initialized():
             device = self.engine.device if self.engine.device.type == "cuda" else None
