@@ -115,3 +115,13 @@ def test_an_rl_run_counts_the_model_copies_rank_0_holds(monkeypatch):
     assert kl.copy_bytes - plain.copy_bytes == params * 4 and "KL reference" in kl.copies
     assert gae.copy_bytes - kl.copy_bytes == critic and "critic" in gae.components()
     assert gae.total_bytes - kl.total_bytes == critic
+
+
+def test_a_reward_model_s_estimate_has_its_score_head_not_the_vocabulary(monkeypatch):
+    """titan reward's model ends in a one-column score head: its loss reads one score per
+    position, not a vocabulary of logits (the estimate counted the language model's head)."""
+    monkeypatch.setattr(memory_check, "device_memory", lambda: (2**40, "test RAM"))
+    reward = check_memory(parse_train_args(["--config", "reward_debug"], command="reward")).estimate
+    dpo = check_memory(parse_train_args(["--config", "dpo_debug"], command="dpo")).estimate  # the same shapes, an LM head
+    vocab = parse_train_args(["--config", "dpo_debug"], command="dpo").tokenizer.build().vocab_size
+    assert reward.loss_bytes * 100 < dpo.loss_bytes and reward.params < dpo.params - vocab * 64

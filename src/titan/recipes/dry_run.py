@@ -93,10 +93,15 @@ def vocab_size_for(config: TrainerConfig) -> tuple[int, str]:
 
 def model_builder(config: TrainerConfig) -> tuple[Callable[[], nn.Module], int, str]:
     """(a function building the recipe's model as the trainer would, before any conversion or
-    parallelism; its vocabulary; where that came from, as `vocab_size_for`)."""
+    parallelism — a reward model's with its score head —; its vocabulary; where that came
+    from, as `vocab_size_for`)."""
     spec = model_spec_for(config)
     spec.check_flavor(config.model.flavor)
     vocab, source = vocab_size_for(config)
+    from titan.rl.reward_trainer import RewardConfig, with_score_head
+
+    if isinstance(config, RewardConfig):  # titan reward trains a one-column score head, not the LM head
+        spec = with_score_head(spec, config.model.flavor)
 
     def build() -> nn.Module:
         return spec.build(config.model.flavor, **config.model.overrides(), vocab_size=vocab,

@@ -618,10 +618,15 @@ def _local_numel(module: nn.Module) -> int:
                for p in module.parameters())
 
 
-def _output_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules the plan marks as the final ("output") projection that this part holds."""
+HEAD_STYLES = ("output", "score")
+"""The tensor-parallel styles of a model's final projection: a language model's vocabulary
+("output", vocab-parallel) or a reward model's score head ("score", replicated)."""
+
+
+def _output_modules(model: nn.Module, styles: tuple[str, ...] = HEAD_STYLES) -> list[nn.Module]:
+    """The modules the plan marks as the final projection (``styles``) that this part holds."""
     plan = sharding_plan(model)
-    globs = [g for g, style in getattr(plan, "tensor_parallel", {}).items() if style == "output"]
+    globs = [g for g, style in getattr(plan, "tensor_parallel", {}).items() if style in styles]
     return [m for g in globs for _, m in match_modules(model, g) if m is not None]
 
 
@@ -631,7 +636,7 @@ def _model_shape(model: nn.Module) -> tuple[int, int]:
     outputs = _output_modules(model)
     if not outputs:
         raise ValueError("the dry run needs the model's sharding plan to name its output projection "
-                         "(tensor_parallel style \"output\")")
+                         "(tensor_parallel style \"output\" or \"score\")")
     vocab, dim = outputs[0].weight.shape
     return int(dim), int(vocab)
 
@@ -748,7 +753,9 @@ def _activation_bytes(parts: list[nn.Module], dims: ParallelDims, cfg, ac,
                                gathered_units=gathered_units)
     # The loss lives for one microbatch only: the last stage runs its backward right after
     # its forward, so it is not multiplied by the microbatches in flight.
-    logits = loss_peak_bytes(logit_tokens, vocab, tp=dims.tp, loss_parallel=cfg.enable_loss_parallel,
+    # A score head is replicated: its few columns are never split over tensor-parallel ranks.
+    vocab_parallel = cfg.enable_loss_parallel and any(_output_modules(p, ("output",)) for p in parts)
+    logits = loss_peak_bytes(logit_tokens, vocab, tp=dims.tp, loss_parallel=vocab_parallel,
                              chunk_tokens=loss_chunk_tokens, compute_dtype_bytes=act_bytes,
                              compiled=compiled_loss) \
         if any(_output_modules(p) for p in parts) else 0
