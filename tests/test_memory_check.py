@@ -93,9 +93,9 @@ def test_a_run_that_fits_passes_and_full_checkpointing_counts_the_recomputed_blo
 
 def test_an_rl_run_counts_the_model_copies_rank_0_holds(monkeypatch):
     """titan rl keeps whole model copies beside the trainer's shards: the native generator
-    (float32), the KL reference with KL on, and PPO's critic with gradients and AdamW's
-    moments (its score head in place of the LM head); each adds to rank 0's estimate by its
-    size, computed here from the model's parameter count by hand."""
+    (float32) and, with KL on, the KL reference, each the model's parameters in float32 (by
+    hand from its parameter count); PPO's critic is a second model sharded as the policy, with
+    its gradients and optimizer states."""
     from titan.models.llama3 import build_llama3
 
     monkeypatch.setattr(memory_check, "device_memory", lambda: (2**40, "test RAM"))
@@ -105,16 +105,13 @@ def test_an_rl_run_counts_the_model_copies_rank_0_holds(monkeypatch):
 
     config = parse_train_args(["--config", "grpo_debug"], command="rl")
     vocab = config.model.resolve_vocab_size(config.tokenizer.build().vocab_size)  # rounded up as the trainer does
-    model = build_llama3("debugmodel_tiny", vocab_size=vocab, max_seq_len=32)
-    params = sum(p.numel() for p in model.parameters())
-    critic = (params - model.output.weight.numel() + model.args.dim) * 16
+    params = sum(p.numel() for p in build_llama3("debugmodel_tiny", vocab_size=vocab, max_seq_len=32).parameters())
     plain = rl_estimate("--rl.kl_coef", "0")
     kl = rl_estimate("--rl.kl_coef", "0.05")
     gae = rl_estimate("--rl.kl_coef", "0.05", "--rl.advantage_estimator", "gae")
     assert plain.copy_bytes == params * 4 and "generator" in plain.copies
     assert kl.copy_bytes - plain.copy_bytes == params * 4 and "KL reference" in kl.copies
-    assert gae.copy_bytes - kl.copy_bytes == critic and "critic" in gae.components()
-    assert gae.total_bytes - kl.total_bytes == critic
+    assert gae.copy_bytes - kl.copy_bytes == kl.state_bytes and "critic" in gae.components()
 
 
 def test_a_reward_model_s_estimate_has_its_score_head_not_the_vocabulary(monkeypatch):

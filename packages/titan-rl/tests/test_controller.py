@@ -571,6 +571,10 @@ TWO_RANK_RUNS = {
     "every_rank": [*SHARED, "--rl.colocated_generation", "every_rank"],
     "resume_every_rank": [*RESUMED, "--rl.colocated_generation", "every_rank"],
     "critic_fsdp": CRITIC_LAYOUT,
+    **{f"critic_{name}": [*CRITIC_LAYOUT, *flags, "--parallelism.data_parallel_shard_degree", "1"]
+       for name, flags in (("tp", ["--parallelism.tensor_parallel_degree", "2"]),
+                           ("pp", ["--parallelism.pipeline_parallel_degree", "2"]),
+                           ("cp", ["--parallelism.context_parallel_degree", "2"]))},
     **{f"cp_{loss}": [*DETERMINISTIC, *SEQUENCE_IS, *CP_EXTRA[loss], "--rl.loss_type", loss,
                       "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
        for loss in ("grpo", "gspo")},
@@ -1182,28 +1186,29 @@ def test_a_synced_reference_is_the_policy_after_each_sync(tmp_path):
 
 @pytest.mark.slow
 @TWO_RANKS
-def test_ppo_critic_under_fsdp_matches_one_rank_and_is_checkpointed_once(tmp_path, two_rank_runs):
-    """PPO with a critic on 2 FSDP ranks: rank 0's critic scores every rollout and trains on
-    it, so the values, returns, value loss and the policy's losses equal one rank's (up to
-    float32 summation order in the policy's update). The critic ran: its values move from
-    step to step, it has a loss, and the checkpoint holds its weights and AdamW moments once."""
+def test_ppo_critic_under_every_layout_matches_one_rank_and_is_checkpointed(tmp_path, two_rank_runs):
+    """PPO with a critic on 2 ranks (FSDP, TP, PP, CP): the critic is an engine laid out as
+    the policy, each rank scoring and training its share of the rollout, so the values,
+    returns, value loss and the policy's losses equal one rank's up to float32 summation
+    order. The critic ran: its values move from step to step and it has a loss; the
+    checkpoint holds its weights and AdamW moments (each rank its shards)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     one_rank = tmp_path / "one_rank"
     run_rl(one_rank, *CRITIC_LAYOUT)
-    fsdp, one = ([r for r in records(folder) if r.get("phase") == "rl"]
-                 for folder in (two_rank_runs / "critic_fsdp", one_rank))
-    assert [r["step"] for r in fsdp] == [r["step"] for r in one] == list(range(1, 9))
-    for mine, theirs in zip(fsdp, one, strict=True):
-        assert mine["loss"] == pytest.approx(theirs["loss"], rel=0, abs=1e-6), mine["step"]
-        # The critic sees the same completions from the same start: its statistics matched
-        # bit for bit (measured); the policy's gradient norm up to float32 order (4e-7).
-        for key in ("grad_norm", "value_loss", "values_mean", "returns_mean", "value_grad_norm"):
-            assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (mine["step"], key)
+    one = [r for r in records(one_rank) if r.get("phase") == "rl"]
+    assert [r["step"] for r in one] == list(range(1, 9))
     assert all(r["value_loss"] > 0 and r["value_grad_norm"] > 0 for r in one)
     assert len({round(r["values_mean"], 6) for r in one}) == len(one)  # the critic moved every step
+    for layout in ("fsdp", "tp", "pp", "cp"):
+        run = [r for r in records(two_rank_runs / f"critic_{layout}") if r.get("phase") == "rl"]
+        assert [r["step"] for r in run] == [r["step"] for r in one], layout
+        for mine, theirs in zip(run, one, strict=True):
+            assert mine["loss"] == pytest.approx(theirs["loss"], rel=0, abs=1e-6), (layout, mine["step"])
+            for key in ("grad_norm", "value_loss", "values_mean", "returns_mean", "value_grad_norm"):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (layout, mine["step"], key)
     for folder in (two_rank_runs / "critic_fsdp", one_rank):
         keys = set(FileSystemReader(str(folder / "checkpoint" / "step-5")).read_metadata().state_dict_metadata)
         critic = {k for k in keys if k.startswith("rl_critic.")}
-        assert {"rl_critic.taken", "rl_critic.weights.output.weight", "rl_critic.optimizer.exp_avg.output.weight",
-                "rl_critic.optimizer.step.output.weight"} <= critic, sorted(critic)[:8]
+        assert {"rl_critic.taken", "rl_critic.model.output.weight", "rl_critic.model.tok_embeddings.weight",
+                "rl_critic.optimizer.state.output.weight.exp_avg"} <= critic, sorted(critic)[:8]

@@ -3,22 +3,31 @@ loss, learning, and the checkpoint round trip."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from titan.rl.advantages import gae, gae_advantages
-from titan.rl.critic import Critic
+from titan.rl.critic import Critic, clipped_value_loss
 from titan.rl.generate.base import Completion
-from titan.rl.rollouts import Rollout, rollout_rows
+from titan.rl.rollouts import Rollout, Row, build_batch, rollout_rows
 
+from titan.recipes.cli import parse_train_args
 from titan.recipes.families import model_spec
 
-VOCAB = 64
+
+def _critic(tmp_path, *flags: str) -> Critic:
+    """The critic of `titan rl --config grpo_debug --rl.advantage_estimator gae` in this
+    process (one rank), with ``flags``."""
+    config = parse_train_args(["--config", "grpo_debug", "--rl.advantage_estimator", "gae", "--job.dump_folder",
+                               str(tmp_path), "--training.local_batch_size", "2", *flags], command="rl")
+    tokenizer = config.tokenizer.build()
+    return Critic.from_config(config, model_spec=model_spec("llama3"),
+                              vocab_size=config.model.resolve_vocab_size(tokenizer.vocab_size), tokenizer=tokenizer)
 
 
-def _critic(lr: float = 1e-2, value_clip: float = 0.5, batch_size: int = 2, seed: int = 0) -> Critic:
-    return Critic.from_model_spec(model_spec("llama3"), "debugmodel_tiny",
-                                  overrides={"vocab_size": VOCAB, "max_seq_len": 32}, device=torch.device("cpu"),
-                                  seed=seed, lr=lr, value_clip=value_clip, max_norm=1.0, batch_size=batch_size)
+def _model(critic: Critic) -> torch.nn.Module:
+    return critic.engine.model_parts[0]
 
 
 def test_gae_by_hand():
@@ -67,40 +76,49 @@ def test_rollout_rows_carry_gae_advantages_values_and_returns():
     torch.testing.assert_close(torch.tensor(rows[0].token_advantages + rows[1].token_advantages), expected)
 
 
-def test_values_are_read_at_the_positions_before_each_token():
+def test_values_are_read_at_the_positions_before_each_token(tmp_path):
     """V_t is the output at the position before completion token t: it sees the prompt and
-    the tokens before t, not t itself, and batching or padding does not change it."""
-    critic = _critic()
+    the tokens before t, not t itself, and batching, padding and the rows' dealing into
+    microbatches (of 2 here) do not change it."""
+    critic = _critic(tmp_path)
     prompt, completion = [1, 2, 3], [4, 5, 6]
     values = critic.values([prompt], [completion])[0]
     assert len(values) == 3
     changed_last = critic.values([prompt], [[4, 5, 9]])[0]
-    assert changed_last[:3] == pytest.approx(values[:3], abs=1e-6)  # token 6 is not seen by any of them
+    assert changed_last == pytest.approx(values, abs=1e-6)  # token 6 is not seen by any of them
     changed_first = critic.values([prompt], [[7, 5, 6]])[0]
     assert changed_first[0] == pytest.approx(values[0], abs=1e-6) and changed_first[1] != pytest.approx(values[1])
-    # With a longer row beside it (padding on the right) the values stay the same.
-    batched = critic.values([prompt, [1, 2, 3, 4, 5, 6, 7]], [completion, [8, 9, 10]])
-    assert batched[0] == pytest.approx(values, abs=1e-5)
-    # The score head is the output at those positions: the model's own last column.
-    with torch.no_grad():
-        direct = critic.model(torch.tensor([prompt + completion]))[0, 2:5, 0]
+    batched = critic.values([[9, 9], prompt, [1, 2, 3, 4, 5, 6, 7]], [[8], completion, [8, 9, 10]])
+    assert batched[1] == pytest.approx(values, abs=1e-5)
+    with torch.no_grad():  # the score head's output at those positions
+        direct = _model(critic)(torch.tensor([prompt + completion]))[0, 2:5, 0]
     assert values == pytest.approx(direct.tolist(), abs=1e-6)
 
 
 def test_clipped_value_loss_by_hand():
     """0.5 max((V - R)^2, (V_old + clip(V - V_old, +-0.2) - R)^2): a prediction moved 1 from
     the old value toward the return keeps the clipped (larger) error."""
-    critic = _critic(value_clip=0.2)
     predicted, old, returns = torch.tensor([1.0, 0.1]), torch.tensor([0.0, 0.0]), torch.tensor([1.0, 0.0])
-    loss, clipped = critic.value_loss(predicted, old, returns)
-    assert float(loss) == pytest.approx(0.5 * (0.8**2 + 0.1**2))
-    assert int(clipped) == 1
+    losses, clipped = clipped_value_loss(predicted, old, returns, 0.2)
+    torch.testing.assert_close(losses, torch.tensor([0.5 * 0.8**2, 0.5 * 0.1**2]))
+    assert clipped.tolist() == [True, False]
 
 
-def test_update_fits_the_returns_and_reports_its_statistics():
-    """AdamW steps on fixed returns lower the value error; the statistics are the token means
-    over the passes."""
-    critic = _critic(lr=1e-2, value_clip=100.0)
+def _value_rows(critic: Critic, prompts, completions, returns) -> list[Row]:
+    old = critic.values(prompts, completions)
+    return [Row(prompt_ids=p, token_ids=c, logprobs=[0.0] * len(c), advantage=0.0, train=True, values=v, returns=r)
+            for p, c, v, r in zip(prompts, completions, old, returns, strict=True)]
+
+
+def _minibatches(rows: list[Row]):
+    tokens = float(sum(len(r.token_ids) for r in rows))
+    return [(tokens, tokens, [build_batch(rows, seq_len=32, pad_id=0)])]
+
+
+def test_update_fits_the_returns_and_reports_its_statistics(tmp_path):
+    """AdamW steps on fixed returns lower the value error; the statistics are token means
+    over the passes, the mean value and return those of the rows."""
+    critic = _critic(tmp_path, "--rl.critic_lr", "1e-2", "--rl.value_clip", "100")
     prompts, completions = [[1, 2], [3, 4, 5]], [[6, 7, 8], [9]]
     returns = [[1.0, 1.0, 1.0], [-1.0]]
 
@@ -110,49 +128,50 @@ def test_update_fits_the_returns_and_reports_its_statistics():
 
     errors = [error()]
     for _ in range(3):
-        stats = critic.update(prompts, completions, critic.values(prompts, completions), returns, epochs=4,
-                              minibatches=2)
+        rows = _value_rows(critic, prompts, completions, returns)
+        stats = critic.update(_minibatches(rows), epochs=4, rows=rows)
         errors.append(error())
     assert errors[-1] < errors[0], errors  # a sign error or a step that never happens would not fall
     assert set(stats) == {"value_loss", "value_clipfrac", "value_grad_norm", "values_mean", "returns_mean",
                           "value_explained_var"}
     assert stats["value_clipfrac"] == 0.0 and stats["returns_mean"] == pytest.approx(0.5)
-    assert stats["value_loss"] > 0
+    assert stats["values_mean"] == pytest.approx(sum(sum(r.values) for r in rows) / 4)
+    assert stats["value_loss"] > 0 and stats["value_grad_norm"] > 0
 
 
-def test_take_keeps_the_fresh_head_and_the_checkpoint_round_trips():
-    """take() copies every body weight of the policy and leaves the score head; a state
-    dict restores weights and AdamW's moments, so the next update is identical."""
+def test_take_keeps_the_fresh_head_and_the_checkpoint_round_trips(tmp_path):
+    """take() copies every body weight of the policy's engine and leaves the score head; a
+    state dict restores weights and AdamW's moments, so the next update is identical."""
     from titan.models.llama3 import build_llama3
 
-    policy = build_llama3("debugmodel_tiny", vocab_size=VOCAB, max_seq_len=32)
-    critic = _critic(seed=1)
-    head = critic.model.output.weight.clone()
-    critic.take(policy.state_dict().items())
+    critic = _critic(tmp_path / "a")
+    policy = build_llama3("debugmodel_tiny", vocab_size=_model(critic).tok_embeddings.weight.shape[0], max_seq_len=32)
+    head = _model(critic).output.weight.detach().clone()
+    critic.take(types.SimpleNamespace(model_parts=[policy]))
     assert critic.taken
-    torch.testing.assert_close(critic.model.tok_embeddings.weight, policy.tok_embeddings.weight)
-    torch.testing.assert_close(critic.model.output.weight, head)
-    with pytest.raises(ValueError, match="no weights for"):
-        _critic().take([])
+    torch.testing.assert_close(_model(critic).tok_embeddings.weight, policy.tok_embeddings.weight)
+    torch.testing.assert_close(_model(critic).output.weight, head)
+    with pytest.raises(ValueError, match="could not start from the policy"):
+        _critic(tmp_path / "b").take(types.SimpleNamespace(model_parts=[torch.nn.Linear(2, 2)]))
 
     prompts, completions, returns = [[1, 2]], [[3, 4]], [[1.0, 0.5]]
-    critic.update(prompts, completions, critic.values(prompts, completions), returns)
-    saved = {k: v for k, v in critic.state_dict().items()}
-    copy = _critic(seed=2)
-    copy.load_state_dict(_cloned(saved))
+    rows = _value_rows(critic, prompts, completions, returns)
+    critic.update(_minibatches(rows), epochs=1, rows=rows)
+    copy = _critic(tmp_path / "c", "--debug.seed", "5")
+    copy.load_state_dict(_cloned(critic.state_dict()))
     assert copy.taken
-    for one, other in ((critic, copy),):
-        one.update(prompts, completions, one.values(prompts, completions), returns)
-        other.update(prompts, completions, other.values(prompts, completions), returns)
-    for name, tensor in critic.model.state_dict().items():
-        torch.testing.assert_close(copy.model.state_dict()[name], tensor, rtol=0, atol=0)
+    for one in (critic, copy):
+        rows = _value_rows(one, prompts, completions, returns)
+        one.update(_minibatches(rows), epochs=1, rows=rows)
+    for name, tensor in _model(critic).state_dict().items():
+        torch.testing.assert_close(_model(copy).state_dict()[name], tensor, rtol=0, atol=0)
 
 
 def _cloned(state):
     """A deep copy of a nested dict of tensors (what a checkpoint gives back)."""
     if isinstance(state, dict):
         return {k: _cloned(v) for k, v in state.items()}
-    return state.clone()
+    return state.clone() if isinstance(state, torch.Tensor) else state
 
 
 def test_critic_flags_are_refused_without_gae_and_checked_with_it():
@@ -187,20 +206,21 @@ def test_values_equal_transformers_scores_and_a_reward_model_folder_loads(tmp_pa
     from titan.ckpt.hf import load_hf
 
     transformers = pytest.importorskip("transformers")
-    critic = _critic()
+    critic = _critic(tmp_path / "a")
     with torch.no_grad():  # every weight off its init, so a swapped name shows
         gen = torch.Generator().manual_seed(3)
-        for param in critic.model.parameters():
+        for param in _model(critic).parameters():
             param.add_(torch.randn(param.shape, generator=gen) * 0.05)
-    spec = model_spec("llama3")
-    adapter = spec.adapter(critic.model)
-    save_file({k: v.contiguous() for k, v in adapter.to_hf(critic.model.state_dict()).items()},
-              str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    (tmp_path / "config.json").write_text(json.dumps({**adapter.hf_config(torch_dtype="float32"), "pad_token_id": 0}))
+    adapter = critic.engine.hf_adapter
+    folder = tmp_path / "rm"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in adapter.to_hf(_model(critic).state_dict()).items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({**adapter.hf_config(torch_dtype="float32"), "pad_token_id": 0}))
 
     prompts, completions = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14, 15]]
     values = critic.values(prompts, completions)
-    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path)).eval()
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(folder)).eval()
     for prompt, completion, mine in zip(prompts, completions, values, strict=True):
         with torch.no_grad():
             hidden = hf.model(torch.tensor([prompt + completion])).last_hidden_state
@@ -208,11 +228,10 @@ def test_values_equal_transformers_scores_and_a_reward_model_folder_loads(tmp_pa
         theirs = scores[len(prompt) - 1 : len(prompt) + len(completion) - 1]
         torch.testing.assert_close(torch.tensor(mine, dtype=torch.float64), theirs.double(), rtol=1e-5, atol=1e-6)
 
-    started = _critic(seed=7)
-    started.load_reward_model(str(tmp_path), spec.adapter(started.model), load_hf)
+    started = _critic(tmp_path / "b", "--debug.seed", "7")
+    started.load_reward_model(str(folder), load_hf)
     assert started.taken
     assert sum(started.values(prompts, completions), []) == pytest.approx(sum(values, []), abs=1e-6)
-    wider = Critic.from_model_spec(spec, "debugmodel_tiny", overrides={"vocab_size": VOCAB * 2, "max_seq_len": 32},
-                                   device=torch.device("cpu"), lr=1e-3, value_clip=0.5, max_norm=1.0, batch_size=2)
+    wider = _critic(tmp_path / "c", "--model.vocab_size", "1024")
     with pytest.raises(ValueError, match="not shaped like the policy with one score column: tok_embeddings"):
-        wider.load_reward_model(str(tmp_path), spec.adapter(wider.model), load_hf)
+        wider.load_reward_model(str(folder), load_hf)

@@ -341,8 +341,8 @@ def test_every_rank_runs_its_own_vllm_engine_in_the_trainers_group(tmp_path):
     external_launcher executor) and generates half of every rollout and of the held-out
     prompts; weights reach both engines after every update (trainer and vLLM log-probs agree
     on every on-policy step), each rank rescores its half with its KL reference, and the run
-    ends without vLLM destroying the trainer's groups twice. PPO's critic (gae) starts from
-    rank 0's vLLM engine's weights (read back by titan name) and trains beside it."""
+    ends without vLLM destroying the trainer's groups twice. PPO's critic (gae), a second
+    engine on the trainer's group, scores and trains beside the two vLLM engines."""
     output, rows = run_vllm_rl(2, tmp_path / "rl", "--rl.colocated_generation", "every_rank", "--rl.eval_prompts", "5",
                                "--rl.kl_coef", "0.05", "--rl.no_drop_zero_variance", "--rl.advantage_estimator", "gae",
                                "--rl.critic_lr", "1e-3")

@@ -78,8 +78,8 @@ def rl_model_copies(config: Any) -> tuple[list[tuple[str, int]], list[tuple[str,
     every trainer rank holds, those rank 0 adds), each as (name, bytes). Colocated, the
     generator (native: float32; vLLM: its dtype plus its KV cache) on rank 0, or on every rank
     with every_rank generation; the KL reference (a float32 native copy) where the generator
-    is; PPO's critic on rank 0 (float32 weights, gradients and AdamW's two moments). A teacher
-    (another model) and the generators' activations are not counted. Empty for other runs."""
+    is. A teacher (another model) and the generators' activations are not counted; PPO's
+    critic is sharded as the policy is (:func:`_largest_rank` adds it). Empty for other runs."""
     rl = getattr(config, "rl", None)
     if rl is None or not hasattr(rl, "advantage_estimator"):
         return [], []
@@ -95,11 +95,7 @@ def rl_model_copies(config: Any) -> tuple[list[tuple[str, int]], list[tuple[str,
     if rl.uses_reference and not rl.teacher_model:
         where_generated.append(("KL reference", params * 4))
     every_rank = rl.colocated_generation == "every_rank" and not rl.generator_ranks
-    shared, rank0 = (where_generated, []) if every_rank else ([], where_generated)
-    if rl.advantage_estimator == "gae":
-        head = model.output.weight.numel() if getattr(model, "output", None) is not None else 0
-        rank0.append(("critic", (params - head + model.args.dim) * 4 * 4))
-    return shared, rank0
+    return (where_generated, []) if every_rank else ([], where_generated)
 
 
 def _with_copies(estimate: RankEstimate, copies: list[tuple[str, int]]) -> RankEstimate:
@@ -113,6 +109,10 @@ def _with_copies(estimate: RankEstimate, copies: list[tuple[str, int]]) -> RankE
 def _largest_rank(config: Any, world_size: int) -> RankEstimate:
     estimates = run_dry_run(config, world_size, print_fn=lambda line: None)
     shared, rank0 = rl_model_copies(config)
+    if getattr(getattr(config, "rl", None), "advantage_estimator", None) == "gae":
+        # PPO's critic: a second model sharded as the policy, with its gradients and optimizer
+        # states (its score head in place of the LM head: counted as the policy's, an upper bound).
+        estimates = [_with_copies(e, [("critic", e.state_bytes)]) for e in estimates]
     estimates = [_with_copies(e, shared) for e in estimates]
     estimates[0] = _with_copies(estimates[0], rank0)  # pipeline rank 0 holds global rank 0
     return max(estimates, key=lambda e: e.total_bytes)

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from titan.dist import current_split, reduce_max
 from titan.rl.completion_log import append_completions, completion_records, format_completion
 from titan.rl.config import RLConfig
-from titan.rl.critic import Critic, CriticState
+from titan.rl.critic import Critic
 from titan.rl.data import build_prompts
 from titan.rl.disaggregated import TRAINER, GeneratorServer, RemoteGenerators, split_for_generators
 from titan.rl.generate.build import build_generator, build_teacher, check_generator_kind
@@ -273,10 +273,11 @@ class RLTrainer(TrainingLoop):
             self.reference.taken = holds_reference  # a fixed teacher, read again by a resumed run
         elif cfg.rl.uses_reference:
             self.engine.add_state("rl_reference", self.reference)
-        # PPO's critic (--rl.advantage_estimator gae): a single-device model on rank 0, checkpointed.
-        self.critic_state = CriticState(self._build_critic() if self.is_rank0 and self.uses_critic else None)
-        if self.uses_critic:
-            self.engine.add_state("rl_critic", self.critic_state)
+        # PPO's critic (--rl.advantage_estimator gae): an engine of its own, laid out as the
+        # policy's on the same ranks, checkpointed with the run.
+        self.critic = self._build_critic() if self.uses_critic else None
+        if self.critic is not None:
+            self.engine.add_state("rl_critic", self.critic)
         driver = self.remote is not None and self.remote.is_driver
         self.schedule = RolloutSchedule(
             max_staleness=cfg.rl.max_policy_staleness, updates_per_rollout=cfg.rl.updates_per_rollout,
@@ -364,25 +365,22 @@ class RLTrainer(TrainingLoop):
         return self.config.rl.advantage_estimator == "gae"
 
     def _build_critic(self) -> Critic:
-        """The critic's model copy on this rank's device (``titan.rl.critic``): the policy's
-        architecture with a score head, from --rl.critic_model when given, else placeholders
-        until RL starts (:meth:`_start_critic`)."""
+        """The critic (``titan.rl.critic``): the policy's architecture with a score head on an
+        engine laid out as the policy's (collective: every trainer rank builds it), from
+        --rl.critic_model when given, else placeholders until RL starts (:meth:`_start_critic`)."""
         cfg = self.config
-        overrides = {**cfg.model.overrides(), "vocab_size": self.vocab_size, "max_seq_len": cfg.training.seq_len}
-        critic = Critic.from_model_spec(self.model_spec, cfg.model.flavor, overrides=overrides,
-                                        device=self.engine.device, seed=cfg.debug.seed, lr=cfg.rl.critic_lr,
-                                        value_clip=cfg.rl.value_clip, max_norm=cfg.training.max_norm,
-                                        batch_size=cfg.training.local_batch_size)
+        start = time.perf_counter()
+        critic = Critic.from_config(cfg, model_spec=self.model_spec, vocab_size=self.vocab_size,
+                                    tokenizer=self.tokenizer)
         if cfg.rl.critic_model:
             from titan.ckpt.hf import load_hf
             from titan.ckpt.hub import resolve_hub_folder
 
-            folder = resolve_hub_folder(cfg.rl.critic_model, flag="--rl.critic_model")
-            adapter_spec = self.model_spec.adapter
-            if adapter_spec is None:
+            if critic.engine.hf_adapter is None:
                 raise ValueError(f"--rl.critic_model: the {self.model_spec.name} family has no Hugging Face adapter")
-            critic.load_reward_model(folder, adapter_spec(critic.model), load_hf)
+            critic.load_reward_model(resolve_hub_folder(cfg.rl.critic_model, flag="--rl.critic_model"), load_hf)
             logger.info("critic started from the reward model %s", cfg.rl.critic_model)
+        logger.info("critic built in %.1fs (the policy's layout, a one-column score head)", time.perf_counter() - start)
         return critic
 
     # ---- weight sync and generation -----------------------------------------------------
@@ -587,7 +585,7 @@ class RLTrainer(TrainingLoop):
                 f"version {engine.step}: {behind} optimizer steps behind, outside [0, --rl.max_policy_staleness "
                 f"{cfg.rl.max_policy_staleness} rollouts x {updates} steps]"
             )
-        if self.uses_critic:
+        if self.critic is not None:
             rollout.values = self._critic_values(rollout)
         rows = rollout_rows(rollout, mask_truncated=cfg.rl.mask_truncated, **cfg.rl.advantage_options())
         stats = rollout_stats(rollout)
@@ -630,7 +628,7 @@ class RLTrainer(TrainingLoop):
                 self._adapt_entropy_coef(reduced)
                 losses.append(reduced.pop("loss"))
                 combine_stats(totals, reduced)
-        critic_stats = self._update_critic(rows) if self.uses_critic else {}
+        critic_stats = self.critic.update(minibatches, epochs=cfg.rl.ppo_epochs, rows=rows) if self.critic else {}
         self.timings["train_s"] += time.perf_counter() - start
         self.timings["generation_s"] += rollout.generation_s
         self._record_completions(rollout, engine.step)
@@ -675,29 +673,11 @@ class RLTrainer(TrainingLoop):
         return result
 
     def _critic_values(self, rollout: Rollout) -> list[list[list[float]]]:
-        """The critic's per-token values of every completion of ``rollout`` (N x G), computed
-        on rank 0 with the critic as it stands now and broadcast."""
-        def values() -> list[list[list[float]]]:
-            completions = [c for group in rollout.groups for c in group]
-            flat = iter(self.critic_state.critic.values([c.prompt_ids for c in completions],
-                                                  [c.token_ids for c in completions]))
-            return [[next(flat) for _ in group] for group in rollout.groups]
-
-        return self._from_rank0(values)
-
-    def _update_critic(self, rows: list) -> dict[str, float]:
-        """Regress the critic on the returns of the rows that trained the policy (rank 0),
-        ``--rl.ppo_epochs`` passes of ``--rl.minibatches_per_rollout`` steps; its statistics
-        on every rank."""
-        trained = [r for r in rows if r.train and r.token_ids]
-        rl = self.config.rl
-
-        def update() -> dict[str, float]:
-            return self.critic_state.critic.update([r.prompt_ids for r in trained], [r.token_ids for r in trained],
-                                             [r.values for r in trained], [r.returns for r in trained],
-                                             epochs=rl.ppo_epochs, minibatches=rl.minibatches_per_rollout)
-
-        return self._from_rank0(update)
+        """The critic's per-token values of every completion of ``rollout`` (N x G), as it
+        stands now (collective: every trainer rank scores its share, and all get all)."""
+        completions = [c for group in rollout.groups for c in group]
+        flat = iter(self.critic.values([c.prompt_ids for c in completions], [c.token_ids for c in completions]))
+        return [[next(flat) for _ in group] for group in rollout.groups]
 
     def _adapt_entropy_coef(self, reduced: Mapping[str, float]) -> None:
         """--rl.adaptive_entropy: after each optimizer step, move the entropy bonus's
@@ -834,13 +814,11 @@ class RLTrainer(TrainingLoop):
         self._hand_policy_weights(self.reference.take if holder else None)
 
     def _start_critic(self) -> None:
-        """Start the critic from the weights RL starts from (rank 0; its score head stays
-        fresh), unless --rl.critic_model gave it a reward model's or a resumed checkpoint
-        restored it."""
-        if not self.uses_critic or self.config.rl.critic_model:
-            return
-        critic = self.critic_state.critic
-        self._hand_policy_weights(critic.take if critic is not None and not critic.taken else None)
+        """Start the critic from the weights RL starts from (each rank its shards; the score
+        head stays fresh), unless --rl.critic_model gave it a reward model's or a resumed
+        checkpoint restored it."""
+        if self.critic is not None and not self.critic.taken:
+            self.critic.take(self.engine)
 
     def _hand_policy_weights(self, take: Any | None) -> None:
         """Call ``take`` with the policy's current weights (named full tensors) on this rank;

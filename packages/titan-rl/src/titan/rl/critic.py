@@ -4,217 +4,257 @@ The critic is the policy's architecture with a one-column score head (``num_labe
 layout of a Hugging Face ``...ForSequenceClassification``, as verl's and OpenRLHF's critics
 are): its output at the position before completion token ``t`` is ``V_t``, the return it
 expects from that state (the position whose logits the policy samples token ``t`` from).
-It starts from the weights RL starts from, the language-model head replaced by a freshly
-initialized score head (verl's default), or from a reward model's Hugging Face folder
-(``--rl.critic_model``; OpenRLHF starts its critic from the reward model).
 
-Like the KL reference it is one single-device model copy, on rank 0, so the rollout's values
-and the critic's updates do not depend on the trainer's layout: rank 0 scores every rollout's
-completions (the values broadcast with it), and after the policy's update it regresses the
-critic on the returns, ``--rl.ppo_epochs`` passes of ``--rl.minibatches_per_rollout``
-AdamW steps (``--rl.critic_lr``, gradients clipped to ``--training.max_norm``), with PPO's
-clipped value loss ``0.5 max((V - R)^2, (V_old + clip(V - V_old, +-c) - R)^2)`` averaged over
-the minibatch's tokens (``c``: ``--rl.value_clip``). Its weights, optimizer state and whether
-it was initialized are checkpointed with the run.
+It is a second :class:`~titan.train.engine.TrainingEngine` on the trainer's ranks, built from
+the run's config with the score head, so it is parallelized exactly as the policy is (FSDP,
+TP, CP, PP, activation checkpointing, compile) with its own AdamW (``--rl.critic_lr``,
+constant; gradients clipped to ``--training.max_norm``): a critic as large as the policy
+costs each rank its share, not one device the whole. It starts from the weights RL starts
+from, copied shard by shard from the policy's engine (the same layout holds the same
+shards), with a freshly initialized score head (verl's default); or from a reward model's
+Hugging Face folder (``--rl.critic_model``; OpenRLHF starts its critic from the reward model).
+
+Each rollout's values come from one no-grad pass over its completions, dealt out to the
+data-parallel ranks; every rank then holds every value (gathered). After the policy's update
+the critic trains on the same microbatches (which carry each token's return and the value the
+rollout was scored with) with PPO's clipped value loss ``0.5 max((V - R)^2, (V_old + clip(V -
+V_old, +-c) - R)^2)``, divided by the minibatch's completion tokens (``c``:
+``--rl.value_clip``). Its weights, optimizer state and whether it was started are
+checkpointed with the run (:meth:`Critic.state_dict`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from titan.rl.logprobs import pad_sequences
+import torch.distributed as dist
+from titan.ckpt.stateful import ModelWrapper, OptimizerWrapper
 from titan.rl.reward_trainer import with_score_head
-from torch import nn
+from titan.rl.rollouts import Row, build_packed_batch, split_rows
+from titan.train.lr_scheduler import LRSchedulerConfig
+from torch.distributed.tensor import DTensor
 
 HEAD_PREFIX = "output."
 """The decoder's head: a language model's LM head, the critic's score head."""
 
 
-def _rows_in_chunks(count: int, size: int) -> Iterable[range]:
-    """Row ranges of at most ``size`` rows covering ``count`` rows."""
-    return (range(start, min(start + size, count)) for start in range(0, count, size))
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter (the tensor itself when not distributed)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _scores(output: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` float32 values from the score head's ``[B, S, 1]`` output (replicated over
+    tensor-parallel ranks: the local copy, which keeps its gradient)."""
+    return _local(output)[..., 0].float()
+
+
+def clipped_value_loss(predicted: torch.Tensor, old: torch.Tensor, returns: torch.Tensor,
+                       clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss per token (``0.5 max(unclipped, clipped)``) and where the
+    clipped term is the larger (where the clip binds: a rounding difference between
+    ``old + (V - old)`` and ``V`` is not counted)."""
+    moved = predicted - old
+    clipped = old + moved.clamp(-clip, clip)
+    unclipped_loss, clipped_loss = (predicted - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * torch.maximum(unclipped_loss, clipped_loss), (clipped_loss > unclipped_loss) & (moved.abs() > clip)
 
 
 class Critic:
-    """A trainable single-device value model (module docstring). ``model``: a titan decoder
-    with a one-column score head; ``batch_size``: rows per forward pass."""
+    """PPO's value model on its own engine (module docstring); every trainer rank holds one."""
 
-    def __init__(self, model: nn.Module, *, lr: float, value_clip: float, max_norm: float, batch_size: int) -> None:
-        if getattr(model, "num_labels", 0) != 1:
-            raise ValueError("the critic needs a model with a one-column score head (num_labels=1)")
-        if value_clip < 0 or lr <= 0 or batch_size < 1:
-            raise ValueError(f"critic settings out of range: lr {lr}, value_clip {value_clip}, batch_size {batch_size}")
-        self.model = model.eval()  # no dropout in titan's decoders; eval keeps MoE routing as in rescoring
-        self.device = next(model.parameters()).device
-        self.value_clip, self.max_norm, self.batch_size = value_clip, max_norm, batch_size
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        self._init_optimizer_state()
+    def __init__(self, engine: Any, *, value_clip: float, seq_len: int, pad_id: int, local_batch_size: int) -> None:
+        self.engine, self.value_clip = engine, value_clip
+        self.seq_len, self.pad_id, self.local_batch_size = seq_len, pad_id, local_batch_size
         self.taken = False
         """Whether the weights are the run's (taken from the policy or a reward model), not placeholders."""
+        self._model = ModelWrapper(engine.model_parts)
+        self._optimizer = OptimizerWrapper(engine.model_parts, engine.optimizers)
 
     @classmethod
-    def from_model_spec(cls, model_spec: Any, flavor: str, *, overrides: Mapping[str, Any], device: torch.device,
-                        seed: int = 0, **kwargs: Any) -> Critic:
-        """A critic of ``model_spec``'s ``flavor`` (with the family's build ``overrides``) on
-        ``device``, in float32, initialized with ``seed`` (placeholders until :meth:`take`)."""
-        spec = with_score_head(model_spec, flavor)
-        with torch.device("meta"):
-            model = spec.build(flavor, **overrides)
-        model.to_empty(device=device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=device, seed=seed)
-        return cls(model.float(), **kwargs)
+    def from_config(cls, config: Any, *, model_spec: Any, vocab_size: int, tokenizer: Any) -> Critic:
+        """The critic of an RL run's ``config``: its engine built as the policy's is (same
+        layout, model, precision and seed), with the score head, ``--rl.critic_lr`` held
+        constant, no checkpointer of its own (the run's saves it) and no HF export."""
+        from titan.ckpt.config import CheckpointConfig
+        from titan.train.engine import TrainingEngine
 
-    def _init_optimizer_state(self) -> None:
-        """AdamW's state as its first step would create it (zero moments, step 0), made up
-        front so a checkpoint of any step has the same entries to load into."""
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                           "exp_avg_sq": torch.zeros_like(p)}
+        rl = config.rl
+        critic_config = dataclasses.replace(
+            config,
+            optimizer=dataclasses.replace(config.optimizer, lr=rl.critic_lr),
+            lr_scheduler=LRSchedulerConfig(warmup_steps=0, decay_ratio=0.0),
+            checkpoint=CheckpointConfig(),
+            training=dataclasses.replace(config.training, global_batch_size=-1),
+        )
+        engine = TrainingEngine.from_config(critic_config, model_spec=with_score_head(model_spec, config.model.flavor),
+                                            vocab_size=vocab_size, tokenizer=tokenizer)
+        return cls(engine, value_clip=rl.value_clip, seq_len=config.training.seq_len, pad_id=tokenizer.pad_id,
+                   local_batch_size=config.training.local_batch_size)
 
     # ---- weights --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def take(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Start from the policy's ``weights`` (named full tensors): every entry but the head,
-        which keeps its fresh initialization. A missing body weight raises."""
-        live = self.model.state_dict()
-        body = {name for name in live if not name.startswith(HEAD_PREFIX)}
-        for name, tensor in weights:
-            if name in body:
-                live[name].copy_(tensor.to(device=live[name].device, dtype=live[name].dtype))
-                body.discard(name)
-        if body:
-            raise ValueError(f"the critic could not start from the policy: no weights for {sorted(body)[:4]}")
+    def take(self, policy: Any) -> None:
+        """Start from the policy engine's current weights: every parameter and buffer but the
+        head, shard by shard (the two engines share the layout, so each rank copies its own
+        shards; nothing is communicated). A missing or differently sharded weight raises."""
+        for part, source in zip(self.engine.model_parts, policy.model_parts, strict=True):
+            theirs = {**dict(source.named_parameters()), **dict(source.named_buffers())}
+            for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
+                if name.startswith(HEAD_PREFIX):
+                    continue
+                if name not in theirs or _local(theirs[name]).shape != _local(tensor).shape:
+                    raise ValueError(f"the critic could not start from the policy: {name} is missing or sharded "
+                                     "differently there")
+                _local(tensor).copy_(_local(theirs[name]))
         self.taken = True
 
-    def load_reward_model(self, folder: str, adapter: Any, load_hf: Any) -> None:
+    @torch.no_grad()
+    def load_reward_model(self, folder: str, load_hf: Any) -> None:
         """Start from a reward model's Hugging Face folder (``score.weight`` included), read
-        with the family's ``adapter`` by ``load_hf`` (``titan.ckpt.hf.load_hf``)."""
-        state = load_hf(folder, adapter)
-        missing = set(self.model.state_dict()) - set(state)
-        if missing:
-            raise ValueError(f"--rl.critic_model {folder} lacks {sorted(missing)[:4]}: give a reward model "
-                             "(a ...ForSequenceClassification folder with one label) of the policy's architecture")
-        live = self.model.state_dict()
-        wrong = [f"{name} {tuple(state[name].shape)} (the critic's {tuple(t.shape)})" for name, t in live.items()
-                 if tuple(state[name].shape) != tuple(t.shape)]
-        if wrong:
-            raise ValueError(f"--rl.critic_model {folder} is not shaped like the policy with one score column: "
-                             f"{', '.join(wrong[:3])}")
-        with torch.no_grad():
-            for name, tensor in live.items():
-                tensor.copy_(state[name].to(device=tensor.device, dtype=tensor.dtype))
+        with the family's adapter by ``load_hf`` (``titan.ckpt.hf.load_hf``), every rank
+        copying its own shards."""
+        engine = self.engine
+        state = load_hf(folder, engine.hf_adapter)
+        for part in engine.model_parts:
+            for name, tensor in part.state_dict().items():
+                if name not in state:
+                    raise ValueError(f"--rl.critic_model {folder} lacks {name}: give a reward model (a "
+                                     "...ForSequenceClassification folder with one label) of the policy's architecture")
+                full = state[name]
+                if tuple(full.shape) != tuple(tensor.shape):
+                    raise ValueError(f"--rl.critic_model {folder} is not shaped like the policy with one score column: "
+                                     f"{name} {tuple(full.shape)} (the critic's {tuple(tensor.shape)})")
+                if isinstance(tensor, DTensor):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    full = distribute_tensor(full.to(tensor.device, tensor.dtype), tensor.device_mesh, tensor.placements)
+                _local(tensor).copy_(_local(full))
         self.taken = True
 
-    # ---- values and updates ---------------------------------------------------------------
+    # ---- values ---------------------------------------------------------------------------
 
-    def _forward(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> list[torch.Tensor]:
-        """Per completion, the model's value at each position that predicts a completion token."""
-        input_ids, _, mask = pad_sequences(list(prompts), list(completions))
-        values = self.model(input_ids.to(self.device))[..., 0].float()
-        mask = mask.to(self.device)
-        return [values[row][mask[row]] for row in range(len(prompts))]
+    def _value_batches(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> list[dict]:
+        """This data-parallel rank's microbatches of the completions, one per row, each token's
+        position marked with its completion (``row_id``) and index in it (``token_index``)."""
+        rows = [Row(prompt_ids=list(p), token_ids=list(c), logprobs=[0.0] * len(c), advantage=0.0, train=True)
+                for p, c in zip(prompts, completions, strict=True)]
+        ids = {id(r): i for i, r in enumerate(rows)}
+        dims = self.engine.parallel_dims
+        batches = []
+        for microbatch in split_rows(rows, dp_rank=dims.dp_rank, dp_world_size=dims.dp_world_size,
+                                     microbatch_size=self.local_batch_size):
+            batch = build_packed_batch([[r] for r in microbatch], seq_len=self.seq_len, pad_id=self.pad_id)
+            row_id = torch.full_like(batch["labels"], -1)
+            token_index = torch.full_like(batch["labels"], -1)
+            for b, row in enumerate(microbatch):
+                if id(row) in ids and row.token_ids:
+                    first = len(row.prompt_ids) - 1
+                    span = slice(first, first + len(row.token_ids))
+                    row_id[b, span] = ids[id(row)]
+                    token_index[b, span] = torch.arange(len(row.token_ids))
+            batch["row_id"], batch["token_index"] = row_id, token_index
+            batches.append(batch)
+        return batches
 
     @torch.no_grad()
     def values(self, prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> list[list[float]]:
-        """The value of each completion token's state, per (prompt, completion) pair, in
-        batches of ``batch_size`` rows."""
-        out: list[list[float]] = []
-        for rows in _rows_in_chunks(len(prompts), self.batch_size):
-            out += [v.double().tolist() for v in self._forward([prompts[i] for i in rows],
-                                                                [completions[i] for i in rows])]
+        """The value of each completion token's state, per (prompt, completion) pair, on every
+        rank (collective: every trainer rank calls it with the same pairs)."""
+        pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+        def capture(output: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            mask = batch["row_id"] >= 0
+            pieces.append((batch["row_id"][mask].cpu(), batch["token_index"][mask].cpu(),
+                           _scores(output)[mask].double().cpu()))
+            return torch.zeros((), device=output.device)
+
+        self.engine.train(False)
+        try:
+            for batch in self._value_batches(prompts, completions):
+                self.engine.forward_only(batch, capture)
+        finally:
+            self.engine.train(True)
+        found = [pieces]
+        if self.engine.dist_env.world_size > 1 and dist.is_initialized():
+            found = [None] * self.engine.dist_env.world_size
+            dist.all_gather_object(found, pieces)
+        out = [[float("nan")] * len(c) for c in completions]
+        for rank_pieces in found:
+            for rows, tokens, values in rank_pieces:
+                for r, t, v in zip(rows.tolist(), tokens.tolist(), values.tolist(), strict=True):
+                    out[r][t] = v
+        if any(v != v for row in out for v in row):  # a position no rank scored
+            raise RuntimeError("the critic's value pass left completion tokens without a value")
         return out
 
-    def value_loss(self, predicted: torch.Tensor, old: torch.Tensor, returns: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                                    torch.Tensor]:
-        """PPO's clipped value loss summed over the tokens (``0.5 max(unclipped, clipped)``)
-        and how many tokens the clipped term won."""
-        clipped = old + (predicted - old).clamp(-self.value_clip, self.value_clip)
-        unclipped_loss, clipped_loss = (predicted - returns) ** 2, (clipped - returns) ** 2
-        return 0.5 * torch.maximum(unclipped_loss, clipped_loss).sum(), (clipped_loss > unclipped_loss).sum()
+    # ---- updates --------------------------------------------------------------------------
 
-    def update(self, prompts: Sequence[list[int]], completions: Sequence[list[int]], old_values: Sequence[list[float]],
-               returns: Sequence[list[float]], *, epochs: int = 1, minibatches: int = 1) -> dict[str, float]:
-        """Regress the values on ``returns`` (module docstring): ``epochs`` passes over the
-        rows, each in ``minibatches`` contiguous minibatches of one optimizer step. Returns
-        the token means of the loss and clip fraction over every pass, the mean gradient norm,
-        and the explained variance of the returns by the old values."""
-        count = len(prompts)
-        if not count:
-            return {}
-        old = [torch.tensor(v, dtype=torch.float32, device=self.device) for v in old_values]
-        targets = [torch.tensor(r, dtype=torch.float32, device=self.device) for r in returns]
-        size = -(-count // max(1, min(minibatches, count)))
-        loss_sum = clipped_sum = tokens_seen = 0.0
-        norms = []
+    def _loss_fn(self, totals: dict[str, torch.Tensor]):
+        """The clipped value loss of a microbatch, summed over its loss tokens (the engine
+        divides by the minibatch's global token count); its sum and clipped count tallied."""
+        def loss_fn(output: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            if "returns" not in batch:  # only rows of padding (a rank's filler): no loss, a backward all the same
+                return _scores(output).sum() * 0.0
+            mask = batch["loss_mask"] > 0
+            losses, clipped = clipped_value_loss(_scores(output), batch["old_values"], batch["returns"],
+                                                 self.value_clip)
+            loss = (losses * mask).sum()
+            totals["loss"] = totals["loss"] + loss.detach().double()
+            totals["clipped"] = totals["clipped"] + (clipped & mask).sum().double()
+            return loss
+
+        return loss_fn
+
+    def update(self, minibatches: Sequence[tuple[float, float, Sequence[dict]]], *, epochs: int,
+               rows: Sequence[Row]) -> dict[str, float]:
+        """Regress the values on the returns: ``epochs`` passes over the policy's
+        ``minibatches`` (each ``(normalizer, completion tokens, this rank's microbatches)``,
+        whose batches carry ``returns`` and ``old_values``), one optimizer step each.
+        Returns the token means of the loss and clip fraction over every pass, the mean
+        gradient norm, and from the trained ``rows`` the mean value, the mean return and the
+        explained variance of the returns by the old values (the same on every rank)."""
+        engine = self.engine
+        device = engine.device
+        totals = {"loss": torch.zeros((), dtype=torch.float64, device=device),
+                  "clipped": torch.zeros((), dtype=torch.float64, device=device)}
+        tokens, norms = 0.0, []
         for _ in range(epochs):
-            for minibatch in _rows_in_chunks(count, size):
-                tokens = sum(len(completions[i]) for i in minibatch)
-                if not tokens:
-                    continue
-                self.optimizer.zero_grad(set_to_none=True)
-                for rows in _rows_in_chunks(len(minibatch), self.batch_size):
-                    index = [minibatch[k] for k in rows]
-                    predicted = torch.cat(self._forward([prompts[i] for i in index], [completions[i] for i in index]))
-                    loss, clipped = self.value_loss(predicted, torch.cat([old[i] for i in index]),
-                                                    torch.cat([targets[i] for i in index]))
-                    (loss / tokens).backward()
-                    loss_sum, clipped_sum = loss_sum + float(loss.detach()), clipped_sum + float(clipped)
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm if self.max_norm > 0
-                                                      else float("inf"))
-                norms.append(float(norm))
-                self.optimizer.step()
-                tokens_seen += tokens
-        flat_old, flat_returns = torch.cat(old).double(), torch.cat(targets).double()
-        variance = flat_returns.var(unbiased=False)
-        explained = 1.0 - float((flat_returns - flat_old).var(unbiased=False) / variance) if variance > 0 else 0.0
-        return {"value_loss": loss_sum / max(tokens_seen, 1), "value_clipfrac": clipped_sum / max(tokens_seen, 1),
-                "value_grad_norm": sum(norms) / max(len(norms), 1), "values_mean": float(flat_old.mean()),
-                "returns_mean": float(flat_returns.mean()), "value_explained_var": explained}
+            for _, completion_tokens, batches in minibatches:
+                for j, batch in enumerate(batches):
+                    engine.forward_backward(batch, self._loss_fn(totals), global_token_count=completion_tokens,
+                                            last_microbatch=j == len(batches) - 1)
+                norms.append(float(engine.optimizer_step()))
+                tokens += completion_tokens
+        sums = torch.stack([totals["loss"], totals["clipped"]])
+        engine.sum_over(sums, "dp_cp")
+        if engine.parallel_dims.pp_enabled:
+            engine.sum_over(sums, "pp")
+        trained = [r for r in rows if r.train and r.token_ids]
+        old = torch.tensor([v for r in trained for v in r.values], dtype=torch.float64)
+        returns = torch.tensor([v for r in trained for v in r.returns], dtype=torch.float64)
+        variance = returns.var(unbiased=False) if len(returns) else torch.zeros(())
+        explained = 1.0 - float((returns - old).var(unbiased=False) / variance) if variance > 0 else 0.0
+        return {"value_loss": float(sums[0]) / max(tokens, 1.0), "value_clipfrac": float(sums[1]) / max(tokens, 1.0),
+                "value_grad_norm": sum(norms) / max(len(norms), 1),
+                "values_mean": float(old.mean()) if len(old) else 0.0,
+                "returns_mean": float(returns.mean()) if len(returns) else 0.0, "value_explained_var": explained}
 
     # ---- checkpoint -----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The live tensors: ``taken``, the weights, and AdamW's step and moments by
-        parameter name (DCP loads into them in place)."""
-        names = {p: name for name, p in self.model.named_parameters()}
-        optimizer = {key: {names[p]: state[key] for p, state in self.optimizer.state.items()}
-                     for key in ("step", "exp_avg", "exp_avg_sq")}
-        return {"taken": torch.tensor(int(self.taken)), "weights": self.model.state_dict(), "optimizer": optimizer}
+        """Whether it was started, its model and its optimizer (sharded as they live)."""
+        return {"taken": torch.tensor(int(self.taken)), "model": self._model.state_dict(),
+                "optimizer": self._optimizer.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (copied again for a loader that does not load in place)."""
+        """Restore a :meth:`state_dict`."""
         self.taken = bool(int(state["taken"]))
-        live = self.state_dict()
-        with torch.no_grad():
-            for name, tensor in state["weights"].items():
-                if live["weights"][name] is not tensor:
-                    live["weights"][name].copy_(tensor)
-            for key, tensors in state["optimizer"].items():
-                for name, tensor in tensors.items():
-                    if live["optimizer"][key][name] is not tensor:
-                        live["optimizer"][key][name].copy_(tensor)
+        self._model.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
 
-
-class CriticState:
-    """The critic as a checkpointed state of the run: rank 0 holds it, the other ranks save
-    and load nothing."""
-
-    def __init__(self, critic: Critic | None) -> None:
-        self.critic = critic
-
-    def state_dict(self) -> dict[str, Any]:
-        """The critic's entries on rank 0, empty elsewhere."""
-        return {} if self.critic is None else self.critic.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the critic on rank 0."""
-        if self.critic is not None:
-            self.critic.load_state_dict(state)
-
-
-__all__ = ["Critic", "CriticState"]
+__all__ = ["Critic", "clipped_value_loss"]

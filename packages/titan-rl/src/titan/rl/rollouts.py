@@ -17,7 +17,9 @@ completion, and :func:`build_batch` lays rows out as the engine's batch: a dict 
   truncated completion when ``--rl.mask_truncated``);
 - ``sequence_lengths``: each loss token's completion length (for GRPO's per-completion token
   mean when context parallel splits a row);
-- ``ref_logprobs`` (only when the rows carry them): a frozen reference's log-probabilities.
+- ``ref_logprobs`` (only when the rows carry them): a frozen reference's log-probabilities;
+- ``returns`` and ``old_values`` (only with GAE's rows): each completion token's return and
+  the critic's value of it when the rollout was scored, what the critic trains on.
 """
 
 from __future__ import annotations
@@ -319,6 +321,9 @@ def build_packed_batch(packed: Sequence[Sequence[Row]], *, seq_len: int, pad_id:
     lengths = torch.zeros((batch_size, seq_len), dtype=torch.float32)
     with_ref = any(row.ref_logprobs is not None for rows in packed for row in rows)
     ref_logprobs = torch.zeros((batch_size, seq_len), dtype=torch.float32)
+    with_returns = any(row.returns is not None for rows in packed for row in rows)
+    returns = torch.zeros((batch_size, seq_len), dtype=torch.float32)
+    old_values = torch.zeros((batch_size, seq_len), dtype=torch.float32)
     for r, rows in enumerate(packed):
         start = 0
         for doc, row in enumerate(rows):
@@ -340,6 +345,9 @@ def build_packed_batch(packed: Sequence[Sequence[Row]], *, seq_len: int, pad_id:
                                          else torch.tensor(row.token_advantages, dtype=torch.float32))
             if row.ref_logprobs:
                 ref_logprobs[r, completion] = torch.tensor(row.ref_logprobs, dtype=torch.float32)
+            if row.returns:
+                returns[r, completion] = torch.tensor(row.returns, dtype=torch.float32)
+                old_values[r, completion] = torch.tensor(row.values, dtype=torch.float32)
             if row.train:
                 loss_mask[r, completion] = 1.0
                 lengths[r, completion] = float(len(row.token_ids))
@@ -357,6 +365,8 @@ def build_packed_batch(packed: Sequence[Sequence[Row]], *, seq_len: int, pad_id:
     }
     if with_ref:
         batch["ref_logprobs"] = ref_logprobs
+    if with_returns:  # PPO's critic trains on them
+        batch["returns"], batch["old_values"] = returns, old_values
     return batch
 
 
