@@ -122,3 +122,26 @@ def test_a_reward_model_s_estimate_has_its_score_head_not_the_vocabulary(monkeyp
     dpo = check_memory(parse_train_args(["--config", "dpo_debug"], command="dpo")).estimate  # the same shapes, an LM head
     vocab = parse_train_args(["--config", "dpo_debug"], command="dpo").tokenizer.build().vocab_size
     assert reward.loss_bytes * 100 < dpo.loss_bytes and reward.params < dpo.params - vocab * 64
+
+
+def test_a_critic_from_a_smaller_reward_model_is_counted_at_its_size(tmp_path, monkeypatch):
+    """--rl.critic_model's config.json is the critic's architecture: a one-layer reward model
+    beside the four-layer policy counts its own parameters' share of the states."""
+    import json
+
+    from titan.models.llama3 import Llama3StateDictAdapter, build_llama3
+
+    monkeypatch.setattr(memory_check, "device_memory", lambda: (2**40, "test RAM"))
+    config = parse_train_args(["--config", "grpo_debug"], command="rl")
+    vocab = config.model.resolve_vocab_size(config.tokenizer.build().vocab_size)
+    small = build_llama3("debugmodel_tiny", vocab_size=vocab, max_seq_len=32, n_layers=1, num_labels=1)
+    (tmp_path / "config.json").write_text(json.dumps(Llama3StateDictAdapter(small.args).hf_config()))
+    policy = sum(p.numel() for p in build_llama3("debugmodel_tiny", vocab_size=vocab, max_seq_len=32).parameters())
+
+    def estimate(*flags: str):
+        return check_memory(parse_train_args(["--config", "grpo_debug", "--rl.advantage_estimator", "gae", *flags],
+                                             command="rl")).estimate
+
+    same, smaller = estimate(), estimate("--rl.critic_model", str(tmp_path))
+    ratio = sum(p.numel() for p in small.parameters()) / policy
+    assert smaller.copy_bytes - same.copy_bytes == int(same.state_bytes * ratio) - same.state_bytes

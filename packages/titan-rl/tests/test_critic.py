@@ -16,14 +16,15 @@ from titan.recipes.cli import parse_train_args
 from titan.recipes.families import model_spec
 
 
-def _critic(tmp_path, *flags: str) -> Critic:
+def _critic(tmp_path, *flags: str, reward_model: str | None = None) -> Critic:
     """The critic of `titan rl --config grpo_debug --rl.advantage_estimator gae` in this
-    process (one rank), with ``flags``."""
+    process (one rank), with ``flags`` (and built as the reward model in that folder)."""
     config = parse_train_args(["--config", "grpo_debug", "--rl.advantage_estimator", "gae", "--job.dump_folder",
                                str(tmp_path), "--training.local_batch_size", "2", *flags], command="rl")
     tokenizer = config.tokenizer.build()
     return Critic.from_config(config, model_spec=model_spec("llama3"),
-                              vocab_size=config.model.resolve_vocab_size(tokenizer.vocab_size), tokenizer=tokenizer)
+                              vocab_size=config.model.resolve_vocab_size(tokenizer.vocab_size), tokenizer=tokenizer,
+                              reward_model=reward_model)
 
 
 def _model(critic: Critic) -> torch.nn.Module:
@@ -197,16 +198,16 @@ def test_critic_flags_are_refused_without_gae_and_checked_with_it():
 
 def test_values_equal_transformers_scores_and_a_reward_model_folder_loads(tmp_path):
     """The critic's value at each position is what transformers' LlamaForSequenceClassification
-    computes there (its score head over the last hidden states, before pooling); a critic
-    started from that folder (--rl.critic_model) gives the same values, and a folder of
-    another shape is refused by name."""
+    computes there (its score head over the last hidden states, before pooling). A critic
+    started from that folder (--rl.critic_model) takes its architecture (one layer here, the
+    policy four) and gives the same values; what cannot be a critic is refused by name."""
     import json
 
     from safetensors.torch import save_file
     from titan.ckpt.hf import load_hf
 
     transformers = pytest.importorskip("transformers")
-    critic = _critic(tmp_path / "a")
+    critic = _critic(tmp_path / "a", "--model.n_layers", "1")
     with torch.no_grad():  # every weight off its init, so a swapped name shows
         gen = torch.Generator().manual_seed(3)
         for param in _model(critic).parameters():
@@ -228,10 +229,16 @@ def test_values_equal_transformers_scores_and_a_reward_model_folder_loads(tmp_pa
         theirs = scores[len(prompt) - 1 : len(prompt) + len(completion) - 1]
         torch.testing.assert_close(torch.tensor(mine, dtype=torch.float64), theirs.double(), rtol=1e-5, atol=1e-6)
 
-    started = _critic(tmp_path / "b", "--debug.seed", "7")
+    started = _critic(tmp_path / "b", "--debug.seed", "7", reward_model=str(folder))
+    assert len(_model(started).layers) == 1 and len(_model(_critic(tmp_path / "p")).layers) == 4
     started.load_reward_model(str(folder), load_hf)
     assert started.taken
     assert sum(started.values(prompts, completions), []) == pytest.approx(sum(values, []), abs=1e-6)
-    wider = _critic(tmp_path / "c", "--model.vocab_size", "1024")
     with pytest.raises(ValueError, match="not shaped like the policy with one score column: tok_embeddings"):
-        wider.load_reward_model(str(folder), load_hf)
+        _critic(tmp_path / "c", "--model.vocab_size", "1024").load_reward_model(str(folder), load_hf)
+    with pytest.raises(ValueError, match="the critic must read the policy's tokenizer"):
+        _critic(tmp_path / "d", "--model.vocab_size", "1024", reward_model=str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="has 0 score columns"):
+        _critic(tmp_path / "e", reward_model=str(folder))

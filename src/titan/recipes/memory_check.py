@@ -98,6 +98,23 @@ def rl_model_copies(config: Any) -> tuple[list[tuple[str, int]], list[tuple[str,
     return (where_generated, []) if every_rank else ([], where_generated)
 
 
+def _critic_scale(config: Any) -> float:
+    """PPO's critic's parameters over the policy's: 1, or for --rl.critic_model (a local
+    folder; its ``config.json`` is the critic's architecture) their ratio."""
+    folder = config.rl.critic_model
+    if not folder or not os.path.isdir(folder):
+        return 1.0
+    from titan.rl.critic import CRITIC_FLAVOR, reward_model_spec
+
+    from titan.recipes.families import model_spec_for
+
+    build, vocab, _ = model_builder(config)
+    critic_spec, _ = reward_model_spec(folder, model_spec_for(config), vocab)
+    with torch.device("meta"):
+        policy, critic = build(), critic_spec.build(CRITIC_FLAVOR)
+    return sum(p.numel() for p in critic.parameters()) / sum(p.numel() for p in policy.parameters())
+
+
 def _with_copies(estimate: RankEstimate, copies: list[tuple[str, int]]) -> RankEstimate:
     if not copies:
         return estimate
@@ -111,8 +128,10 @@ def _largest_rank(config: Any, world_size: int) -> RankEstimate:
     shared, rank0 = rl_model_copies(config)
     if getattr(getattr(config, "rl", None), "advantage_estimator", None) == "gae":
         # PPO's critic: a second model sharded as the policy, with its gradients and optimizer
-        # states (its score head in place of the LM head: counted as the policy's, an upper bound).
-        estimates = [_with_copies(e, [("critic", e.state_bytes)]) for e in estimates]
+        # states (its score head in place of the LM head: counted as the policy's, an upper
+        # bound), scaled to a reward model's size when it starts from one.
+        scale = _critic_scale(config)
+        estimates = [_with_copies(e, [("critic", int(e.state_bytes * scale))]) for e in estimates]
     estimates = [_with_copies(e, shared) for e in estimates]
     estimates[0] = _with_copies(estimates[0], rank0)  # pipeline rank 0 holds global rank 0
     return max(estimates, key=lambda e: e.total_bytes)

@@ -146,8 +146,9 @@ class RLSection:
     the clipped value loss takes over (verl's critic.cliprange_value)."""
     critic_model: str | None = None
     """gae: start the critic from this reward model (a Hugging Face ...ForSequenceClassification
-    folder or Hub id of the policy's architecture, one label; OpenRLHF's critic_pretrain) in
-    place of the policy's weights RL starts from with a fresh score head."""
+    folder or Hub id of the policy's family, any size over the policy's tokenizer, one label;
+    OpenRLHF's critic_pretrain), its architecture and weights, in place of the policy's weights
+    RL starts from with a fresh score head."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator: k1 log(p/q), k2 (log(p/q))^2/2, k3 q/p - 1 - log(q/p)."""
     entropy_coef: float = 0.0

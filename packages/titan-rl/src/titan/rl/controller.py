@@ -365,20 +365,22 @@ class RLTrainer(TrainingLoop):
         return self.config.rl.advantage_estimator == "gae"
 
     def _build_critic(self) -> Critic:
-        """The critic (``titan.rl.critic``): the policy's architecture with a score head on an
-        engine laid out as the policy's (collective: every trainer rank builds it), from
-        --rl.critic_model when given, else placeholders until RL starts (:meth:`_start_critic`)."""
+        """The critic (``titan.rl.critic``) on an engine laid out as the policy's (collective:
+        every trainer rank builds it): the policy's architecture with a score head, placeholders
+        until RL starts (:meth:`_start_critic`), or --rl.critic_model's architecture and weights."""
         cfg = self.config
         start = time.perf_counter()
-        critic = Critic.from_config(cfg, model_spec=self.model_spec, vocab_size=self.vocab_size,
-                                    tokenizer=self.tokenizer)
+        folder = None
         if cfg.rl.critic_model:
-            from titan.ckpt.hf import load_hf
             from titan.ckpt.hub import resolve_hub_folder
 
-            if critic.engine.hf_adapter is None:
-                raise ValueError(f"--rl.critic_model: the {self.model_spec.name} family has no Hugging Face adapter")
-            critic.load_reward_model(resolve_hub_folder(cfg.rl.critic_model, flag="--rl.critic_model"), load_hf)
+            folder = resolve_hub_folder(cfg.rl.critic_model, flag="--rl.critic_model")
+        critic = Critic.from_config(cfg, model_spec=self.model_spec, vocab_size=self.vocab_size,
+                                    tokenizer=self.tokenizer, reward_model=folder)
+        if folder is not None:
+            from titan.ckpt.hf import load_hf
+
+            critic.load_reward_model(folder, load_hf)
             logger.info("critic started from the reward model %s", cfg.rl.critic_model)
         logger.info("critic built in %.1fs (the policy's layout, a one-column score head)", time.perf_counter() - start)
         return critic

@@ -12,7 +12,9 @@ constant; gradients clipped to ``--training.max_norm``): a critic as large as th
 costs each rank its share, not one device the whole. It starts from the weights RL starts
 from, copied shard by shard from the policy's engine (the same layout holds the same
 shards), with a freshly initialized score head (verl's default); or from a reward model's
-Hugging Face folder (``--rl.critic_model``; OpenRLHF starts its critic from the reward model).
+Hugging Face folder (``--rl.critic_model``; OpenRLHF starts its critic from the reward model),
+whose own ``config.json`` then gives the critic's architecture: any size of the policy's
+family over the policy's tokenizer.
 
 Each rollout's values come from one no-grad pass over its completions, dealt out to the
 data-parallel ranks; every rank then holds every value (gathered). After the policy's update
@@ -39,6 +41,39 @@ from torch.distributed.tensor import DTensor
 
 HEAD_PREFIX = "output."
 """The decoder's head: a language model's LM head, the critic's score head."""
+
+
+CRITIC_FLAVOR = "critic"
+"""The flavor name of a critic built from a reward model's ``config.json``."""
+
+
+def reward_model_spec(folder: str, model_spec: Any, vocab_size: int) -> tuple[Any, int]:
+    """``model_spec`` with the flavor :data:`CRITIC_FLAVOR`: the architecture of the reward
+    model in ``folder`` (its ``config.json``), and its vocabulary size. Refused, naming the
+    folder: another family, a language model or a classifier, a vocabulary smaller than the
+    run's tokenizer's ``vocab_size`` ids."""
+    import json
+    import os
+
+    from titan.models.common.hf_config import hf_num_labels
+
+    config_file = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"--rl.critic_model {folder}: no config.json; give a reward model's Hugging Face folder")
+    with open(config_file) as f:
+        config = json.load(f)
+    if model_spec.args_from_hf_config is None or config.get("model_type") != model_spec.hf_model_type:
+        raise ValueError(f"--rl.critic_model {folder} is a {config.get('model_type')!r} model and the policy a "
+                         f"{model_spec.hf_model_type!r} one: the critic is built with the policy family's code")
+    labels = hf_num_labels(config)
+    if labels != 1:
+        raise ValueError(f"--rl.critic_model {folder} has {labels} score columns (0: a language model); a critic "
+                         "starts from a reward model with one")
+    args = model_spec.args_from_hf_config(config)
+    if args.vocab_size < vocab_size:
+        raise ValueError(f"--rl.critic_model {folder} has {args.vocab_size} token ids and the run's tokenizer "
+                         f"{vocab_size}: the critic must read the policy's tokenizer")
+    return model_spec.with_flavor(CRITIC_FLAVOR, args), args.vocab_size
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -75,22 +110,32 @@ class Critic:
         self._optimizer = OptimizerWrapper(engine.model_parts, engine.optimizers)
 
     @classmethod
-    def from_config(cls, config: Any, *, model_spec: Any, vocab_size: int, tokenizer: Any) -> Critic:
+    def from_config(cls, config: Any, *, model_spec: Any, vocab_size: int, tokenizer: Any,
+                    reward_model: str | None = None) -> Critic:
         """The critic of an RL run's ``config``: its engine built as the policy's is (same
-        layout, model, precision and seed), with the score head, ``--rl.critic_lr`` held
-        constant, no checkpointer of its own (the run's saves it) and no HF export."""
+        layout, precision and seed) with the score head, ``--rl.critic_lr`` held constant, no
+        checkpointer of its own (the run's saves it) and no HF export. The policy's model, or
+        with ``reward_model`` (a local folder) that model's architecture; load its weights
+        with :meth:`load_reward_model`."""
         from titan.ckpt.config import CheckpointConfig
         from titan.train.engine import TrainingEngine
 
         rl = config.rl
+        model = config.model
+        if reward_model is not None:
+            model_spec, vocab_size = reward_model_spec(reward_model, model_spec, vocab_size)
+            # The folder's architecture whole: no --model.* field of the policy's applies to it.
+            model = dataclasses.replace(model, flavor=CRITIC_FLAVOR, n_layers=None, dim=None, n_heads=None,
+                                        n_kv_heads=None)
         critic_config = dataclasses.replace(
             config,
+            model=model,
             optimizer=dataclasses.replace(config.optimizer, lr=rl.critic_lr),
             lr_scheduler=LRSchedulerConfig(warmup_steps=0, decay_ratio=0.0),
             checkpoint=CheckpointConfig(),
             training=dataclasses.replace(config.training, global_batch_size=-1),
         )
-        engine = TrainingEngine.from_config(critic_config, model_spec=with_score_head(model_spec, config.model.flavor),
+        engine = TrainingEngine.from_config(critic_config, model_spec=with_score_head(model_spec, model.flavor),
                                             vocab_size=vocab_size, tokenizer=tokenizer)
         return cls(engine, value_clip=rl.value_clip, seq_len=config.training.seq_len, pad_id=tokenizer.pad_id,
                    local_batch_size=config.training.local_batch_size)
@@ -119,7 +164,7 @@ class Critic:
         with the family's adapter by ``load_hf`` (``titan.ckpt.hf.load_hf``), every rank
         copying its own shards."""
         engine = self.engine
-        state = load_hf(folder, engine.hf_adapter)
+        state = load_hf(folder, engine.hf_adapter)  # the adapter of the critic's own architecture
         for part in engine.model_parts:
             for name, tensor in part.state_dict().items():
                 if name not in state:
