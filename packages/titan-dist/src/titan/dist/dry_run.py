@@ -564,8 +564,9 @@ class RankEstimate:
     blocks: str = ""
     """Under pipeline parallel, the blocks of this rank's stages (e.g. ``0-2`` or ``0-1, 4-5``)."""
     copy_bytes: int = 0
-    """Whole single-device model copies the rank holds beside its share (RL: the generator,
-    the KL reference, the critic with its gradients and AdamW moments)."""
+    """Models the rank holds beside its share of the trained one (RL: whole copies for the
+    generator and the KL reference; PPO's critic, a second model sharded as the policy with
+    its gradients and optimizer states)."""
     copies: str = ""
     """What ``copy_bytes`` holds, e.g. ``generator 1.2 GiB, critic 4.8 GiB``."""
 

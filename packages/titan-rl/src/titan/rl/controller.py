@@ -230,6 +230,8 @@ class RLTrainer(TrainingLoop):
     Config = RLConfig
     remote: RemoteGenerators | None = None
     """The generator ranks of a disaggregated run (--rl.generator_ranks); None: colocated."""
+    critic: Critic | None = None
+    """PPO's critic (--rl.advantage_estimator gae); None for the other estimators."""
 
     def __init__(self, config: RLConfig, *, model_spec: ModelSpec) -> None:
         super().__init__(config, model_spec=model_spec)
