@@ -112,6 +112,19 @@ def test_fake_backend_env_turns_train_into_a_dry_run(monkeypatch, capsys):
     assert "on 4 ranks" in capsys.readouterr().out
 
 
+def test_an_rl_dry_run_lists_the_models_beside_the_policy(monkeypatch, capsys):
+    """`titan rl` under the fake backend (as `titan dry-run` would): rank 0 also holds the
+    generator, the KL reference and PPO's critic, each named with its size, in the total."""
+    monkeypatch.setenv("COMM_MODE", "fake_backend")
+    monkeypatch.setenv("NGPU", "2")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("NNODES", raising=False)
+    assert main(["rl", "--config", "grpo_debug", "--rl.kl_coef", "0.05", "--rl.advantage_estimator", "gae"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"dry run: pp rank 0 also holds [\d.]+ \w+ of RL models \(critic [\d.]+ \w+, generator "
+                     r"[\d.]+ \w+, KL reference [\d.]+ \w+\): total", out), out
+
+
 def test_bad_tp_names_the_kv_heads_and_the_fix():
     cfg = parse_train_args(["--config", "llama3_405b", "--parallelism.tensor_parallel_degree", "16"])
     with pytest.raises(ValueError, match=r"tensor_parallel_degree=16 must divide the model's n_kv_heads=8"):

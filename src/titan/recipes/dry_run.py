@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from titan.dist import ParallelDims, RankEstimate, check_compile_options, dry_run
-from titan.dist.dry_run import float8_gathered_units, gathered_bytes_per_param
+from titan.dist.dry_run import float8_gathered_units, format_bytes, gathered_bytes_per_param
 from titan.dist.fsdp import DTYPES
 from titan.dist.plan import blocks_of, sharding_plan
 from titan.dist.planner import float8_tp_gathers
@@ -249,6 +249,17 @@ def dry_run_main(config: TrainerConfig, world_size: int) -> int:
     except ValueError as err:
         print(f"titan dry-run: {err}", file=sys.stderr)
         return 2
+    from titan.recipes.memory_check import with_rl_models
+
+    try:
+        estimates = with_rl_models(config, estimates)
+    except ValueError as err:
+        print(f"titan dry-run: {err}", file=sys.stderr)
+        return 2
+    for estimate in estimates:
+        if estimate.copy_bytes:
+            print(f"dry run: pp rank {estimate.pp_rank} also holds {format_bytes(estimate.copy_bytes)} of RL models "
+                  f"({estimate.copies}): total {format_bytes(estimate.total_bytes)}")
     peak = max(estimates, key=lambda e: e.total_bytes)
     print(
         f"dry run OK in {time.perf_counter() - start:.1f} s: {len(estimates)} pipeline rank(s), "

@@ -124,7 +124,13 @@ def _with_copies(estimate: RankEstimate, copies: list[tuple[str, int]]) -> RankE
 
 
 def _largest_rank(config: Any, world_size: int) -> RankEstimate:
-    estimates = run_dry_run(config, world_size, print_fn=lambda line: None)
+    estimates = with_rl_models(config, run_dry_run(config, world_size, print_fn=lambda line: None))
+    return max(estimates, key=lambda e: e.total_bytes)
+
+
+def with_rl_models(config: Any, estimates: list[RankEstimate]) -> list[RankEstimate]:
+    """The dry run's per-pipeline-rank ``estimates`` with what a ``titan rl`` run holds beside
+    the policy's shards (:func:`rl_model_copies`, PPO's critic); unchanged for other runs."""
     shared, rank0 = rl_model_copies(config)
     if getattr(getattr(config, "rl", None), "advantage_estimator", None) == "gae":
         # PPO's critic: a second model sharded as the policy, with its gradients and optimizer
@@ -134,7 +140,7 @@ def _largest_rank(config: Any, world_size: int) -> RankEstimate:
         estimates = [_with_copies(e, [("critic", int(e.state_bytes * scale))]) for e in estimates]
     estimates = [_with_copies(e, shared) for e in estimates]
     estimates[0] = _with_copies(estimates[0], rank0)  # pipeline rank 0 holds global rank 0
-    return max(estimates, key=lambda e: e.total_bytes)
+    return estimates
 
 
 def _with(config: Any, section: str, **changes: Any) -> Any:
