@@ -187,7 +187,8 @@ def test_the_readme_flow_from_reward_debug_to_titan_rl(tmp_path):
     tokenizer's Hub form, then `titan rl --rl.rewards model` with it: every completion's reward
     is transformers' score of the prompt and completion (the reward model, of the policy's
     family, runs on titan's model code). The same folder starts PPO's critic
-    (--rl.critic_model, as OpenRLHF starts its critic from the reward model)."""
+    (--rl.critic_model, as OpenRLHF starts its critic from the reward model), which the last
+    step exports beside the policy as a reward-model folder transformers loads."""
     dump = tmp_path / "reward"
     result = run_titan(["reward", "--config", "reward_debug", "--training.steps", "4", "--checkpoint.enable",
                         "--checkpoint.last_save_in_hf", "--metrics.no_enable_progress_bar", "--job.dump_folder", dump],
@@ -201,11 +202,18 @@ def test_the_readme_flow_from_reward_debug_to_titan_rl(tmp_path):
         "--rl.ppo_epochs", "1", "--rl.prompts_per_step", "2", "--rl.group_size", "4", "--training.local_batch_size", "8",
         "--rl.rewards", "model", "--rl.reward_model", export, "--rl.log_completions", "--metrics.no_enable_progress_bar",
         "--rl.advantage_estimator", "gae", "--rl.critic_model", export, "--metrics.log_freq", "1",
-        "--job.dump_folder", rl_dump], env=ENV, timeout=300)
+        "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--job.dump_folder", rl_dump], env=ENV, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     assert f"critic started from the reward model {export}" in result.stderr
     assert f"reward model {export} runs on titan's model code" in result.stderr  # the policy's family
     assert [r["step"] for r in _records(rl_dump) if "value_loss" in r] == [2, 3]
+    critic = rl_dump / "checkpoint_critic" / "step-3"
+    assert {"tokenizer.json", "config.json"} <= set(os.listdir(critic))
+    assert {"tokenizer.json", "config.json"} <= set(os.listdir(rl_dump / "checkpoint" / "step-3"))  # the policy
+    trained = transformers.AutoModelForSequenceClassification.from_pretrained(str(critic))
+    assert trained.config.num_labels == 1 and type(trained).__name__ == "LlamaForSequenceClassification"
+    start = transformers.AutoModelForSequenceClassification.from_pretrained(str(export))
+    assert not torch.equal(trained.model.norm.weight, start.model.norm.weight)  # it trained from the reward model
     rows = [json.loads(line) for line in (rl_dump / "completions.jsonl").read_text().splitlines()]
     want = _transformers_scores(export, [r["prompt"] + r["completion"] for r in rows])
     assert len(rows) == 16 and [r["reward"] for r in rows] == pytest.approx(want, abs=1e-5)

@@ -914,6 +914,8 @@ class RLTrainer(TrainingLoop):
             if step > warmup and self._should_eval(before, step, False):
                 records.append(self._log_eval(step))
             engine.maybe_save(last_step=step == total, since=before)
+            if step == total and self.critic is not None:
+                self.critic.export_hf(step)
             if step < total and guard.requested():
                 self.stop_for_preemption()  # what maybe_save would save here
                 return True

@@ -22,7 +22,10 @@ the critic trains on the same microbatches (which carry each token's return and 
 rollout was scored with) with PPO's clipped value loss ``0.5 max((V - R)^2, (V_old + clip(V -
 V_old, +-c) - R)^2)``, divided by the minibatch's completion tokens (``c``:
 ``--rl.value_clip``). Its weights, optimizer state and whether it was started are
-checkpointed with the run (:meth:`Critic.state_dict`).
+checkpointed with the run (:meth:`Critic.state_dict`). With ``--checkpoint.last_save_in_hf``
+the last step exports it beside the policy, as a Hugging Face ``...ForSequenceClassification``
+folder under ``<checkpoint folder>_critic`` that ``--rl.critic_model`` reads back (OpenRLHF's
+``save_value_network``).
 """
 
 from __future__ import annotations
@@ -113,10 +116,10 @@ class Critic:
     def from_config(cls, config: Any, *, model_spec: Any, vocab_size: int, tokenizer: Any,
                     reward_model: str | None = None) -> Critic:
         """The critic of an RL run's ``config``: its engine built as the policy's is (same
-        layout, precision and seed) with the score head, ``--rl.critic_lr`` held constant, no
-        checkpointer of its own (the run's saves it) and no HF export. The policy's model, or
-        with ``reward_model`` (a local folder) that model's architecture; load its weights
-        with :meth:`load_reward_model`."""
+        layout, precision and seed) with the score head, ``--rl.critic_lr`` held constant, and
+        a checkpointer only for the last step's Hugging Face export (the run's checkpoints
+        hold its state). The policy's model, or with ``reward_model`` (a local folder) that
+        model's architecture; load its weights with :meth:`load_reward_model`."""
         from titan.ckpt.config import CheckpointConfig
         from titan.train.engine import TrainingEngine
 
@@ -132,7 +135,10 @@ class Critic:
             model=model,
             optimizer=dataclasses.replace(config.optimizer, lr=rl.critic_lr),
             lr_scheduler=LRSchedulerConfig(warmup_steps=0, decay_ratio=0.0),
-            checkpoint=CheckpointConfig(),
+            checkpoint=CheckpointConfig(
+                enable=config.checkpoint.enable and config.checkpoint.last_save_in_hf,
+                folder=f"{config.checkpoint.folder.rstrip('/')}_critic", interval=config.training.steps,
+                last_save_in_hf=True, export_dtype=config.checkpoint.export_dtype),
             training=dataclasses.replace(config.training, global_batch_size=-1),
         )
         engine = TrainingEngine.from_config(critic_config, model_spec=with_score_head(model_spec, model.flavor),
@@ -290,6 +296,11 @@ class Critic:
                 "returns_mean": float(returns.mean()) if len(returns) else 0.0, "value_explained_var": explained}
 
     # ---- checkpoint -----------------------------------------------------------------------
+
+    def export_hf(self, step: int) -> bool:
+        """With ``--checkpoint.last_save_in_hf``: write the critic as a Hugging Face folder
+        (step ``step`` under ``<checkpoint folder>_critic``; collective). Returns whether it did."""
+        return self.engine.checkpointer.maybe_save(step, last_step=True)
 
     def state_dict(self) -> dict[str, Any]:
         """Whether it was started, its model and its optimizer (sharded as they live)."""
