@@ -426,7 +426,7 @@ RESUMED = [*SHORT, "--checkpoint.enable", "--checkpoint.interval", "5", "--check
 # The critic on 2 FSDP ranks against one: RL from the initial weights (an SFT warm-up's batches
 # are sharded over the data-parallel ranks, so its weights would differ), every group trained.
 CRITIC_LAYOUT = [*SHORT, "--rl.sft_warmup_steps", "0", "--rl.no_drop_zero_variance", "--debug.deterministic", *GAE,
-                 "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only"]
+                 "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.last_save_in_hf"]
 # Generator ranks' shares, async with KL and dynamic sampling; every rank generating equals them.
 SHARED = [*SHORT, "--rl.max_refill_rounds", "1", "--rl.eval_freq", "3", "--rl.eval_prompts", "5",
           "--debug.deterministic", "--rl.max_policy_staleness", "1", "--rl.kl_coef", "0.05", "--rl.log_completions"]
@@ -1191,7 +1191,8 @@ def test_ppo_critic_under_every_layout_matches_one_rank_and_is_checkpointed(tmp_
     the policy, each rank scoring and training its share of the rollout, so the values,
     returns, value loss and the policy's losses equal one rank's up to float32 summation
     order. The critic ran: its values move from step to step and it has a loss; the
-    checkpoint holds its weights and AdamW moments (each rank its shards)."""
+    checkpoint holds its weights and AdamW moments (each rank its shards), and the last step
+    exports it whole, gathered from every layout's shards, as a Hugging Face folder."""
     from torch.distributed.checkpoint import FileSystemReader
 
     one_rank = tmp_path / "one_rank"
@@ -1212,3 +1213,12 @@ def test_ppo_critic_under_every_layout_matches_one_rank_and_is_checkpointed(tmp_
         critic = {k for k in keys if k.startswith("rl_critic.")}
         assert {"rl_critic.taken", "rl_critic.model.output.weight", "rl_critic.model.tok_embeddings.weight",
                 "rl_critic.optimizer.state.output.weight.exp_avg"} <= critic, sorted(critic)[:8]
+    from titan.ckpt.hf import load_hf
+
+    exported = {name: load_hf(str(folder / "checkpoint_critic" / "step-8"))
+                for name, folder in [("one", one_rank)] + [(n, two_rank_runs / f"critic_{n}")
+                                                            for n in ("fsdp", "tp", "pp", "cp")]}
+    shapes = {name: {k: tuple(v.shape) for k, v in state.items()} for name, state in exported.items()}
+    assert shapes["one"]["score.weight"] == (1, 64) and all(s == shapes["one"] for s in shapes.values()), shapes
+    config = json.loads((one_rank / "checkpoint_critic" / "step-8" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"]
