@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from titan.dist.dry_run import RankEstimate, format_bytes
 
-from titan.recipes.dry_run import model_builder, run_dry_run
+from titan.recipes.dry_run import run_dry_run, with_rl_models
 
 
 class MemoryCheckError(ValueError):
@@ -70,77 +70,9 @@ def trainer_world_size(config: Any) -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1")) - generators)
 
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def rl_model_copies(config: Any) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """The whole model copies a ``titan rl`` run keeps beside the trainer's shards: (those
-    every trainer rank holds, those rank 0 adds), each as (name, bytes). Colocated, the
-    generator (native: float32; vLLM: its dtype plus its KV cache) on rank 0, or on every rank
-    with every_rank generation; the KL reference (a float32 native copy) where the generator
-    is. A teacher (another model) and the generators' activations are not counted; PPO's
-    critic is sharded as the policy is (:func:`_largest_rank` adds it). Empty for other runs."""
-    rl = getattr(config, "rl", None)
-    if rl is None or not hasattr(rl, "advantage_estimator"):
-        return [], []
-    build, _, _ = model_builder(config)
-    with torch.device("meta"):
-        model = build()
-    params = sum(p.numel() for p in model.parameters())
-    gen = config.generator
-    generator = params * 4 if gen.kind == "native" else params * _DTYPE_BYTES[gen.dtype] + gen.kv_cache_memory_bytes
-    where_generated: list[tuple[str, int]] = []
-    if not rl.generator_ranks:
-        where_generated.append(("generator", generator))
-    if rl.uses_reference and not rl.teacher_model:
-        where_generated.append(("KL reference", params * 4))
-    every_rank = rl.colocated_generation == "every_rank" and not rl.generator_ranks
-    return (where_generated, []) if every_rank else ([], where_generated)
-
-
-def _critic_scale(config: Any) -> float:
-    """PPO's critic's parameters over the policy's: 1, or for --rl.critic_model (a local
-    folder; its ``config.json`` is the critic's architecture) their ratio."""
-    folder = config.rl.critic_model
-    if not folder or not os.path.isdir(folder):
-        return 1.0
-    from titan.rl.critic import CRITIC_FLAVOR, reward_model_spec
-
-    from titan.recipes.families import model_spec_for
-
-    build, vocab, _ = model_builder(config)
-    critic_spec, _ = reward_model_spec(folder, model_spec_for(config), vocab)
-    with torch.device("meta"):
-        policy, critic = build(), critic_spec.build(CRITIC_FLAVOR)
-    return sum(p.numel() for p in critic.parameters()) / sum(p.numel() for p in policy.parameters())
-
-
-def _with_copies(estimate: RankEstimate, copies: list[tuple[str, int]]) -> RankEstimate:
-    if not copies:
-        return estimate
-    described = ", ".join(f"{name} {format_bytes(size)}" for name, size in copies)
-    return dataclasses.replace(estimate, copy_bytes=estimate.copy_bytes + sum(size for _, size in copies),
-                               copies=", ".join(filter(None, (estimate.copies, described))))
-
-
 def _largest_rank(config: Any, world_size: int) -> RankEstimate:
     estimates = with_rl_models(config, run_dry_run(config, world_size, print_fn=lambda line: None))
     return max(estimates, key=lambda e: e.total_bytes)
-
-
-def with_rl_models(config: Any, estimates: list[RankEstimate]) -> list[RankEstimate]:
-    """The dry run's per-pipeline-rank ``estimates`` with what a ``titan rl`` run holds beside
-    the policy's shards (:func:`rl_model_copies`, PPO's critic); unchanged for other runs."""
-    shared, rank0 = rl_model_copies(config)
-    if getattr(getattr(config, "rl", None), "advantage_estimator", None) == "gae":
-        # PPO's critic: a second model sharded as the policy, with its gradients and optimizer
-        # states (its score head in place of the LM head: counted as the policy's, an upper
-        # bound), scaled to a reward model's size when it starts from one.
-        scale = _critic_scale(config)
-        estimates = [_with_copies(e, [("critic", int(e.state_bytes * scale))]) for e in estimates]
-    estimates = [_with_copies(e, shared) for e in estimates]
-    estimates[0] = _with_copies(estimates[0], rank0)  # pipeline rank 0 holds global rank 0
-    return estimates
 
 
 def _with(config: Any, section: str, **changes: Any) -> Any:
