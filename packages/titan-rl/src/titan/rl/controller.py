@@ -431,7 +431,15 @@ class RLTrainer(TrainingLoop):
         rollout that never comes (until the collective timeout)."""
         if self.every_rank:
             return merge_rollouts(self._gather_parts(result))
-        return self._from_rank0(result)
+        failure, result = self._produced(result) if self.is_rank0 else (None, result)
+        if self.engine.dist_env.world_size > 1 and dist.is_initialized():
+            box = [(failure, result)]
+            device = self.engine.device if self.engine.device.type == "cuda" else None
+            dist.broadcast_object_list(box, src=0, device=device)
+            failure, result = box[0]
+        if failure is not None:
+            _raise_rollout_error([0], failure)
+        return result
 
     def _produced(self, result: Any) -> tuple[str | None, Any]:
         """``(None, value)``: ``result``, or the result of calling it when callable; ``(error,
@@ -663,19 +671,6 @@ class RLTrainer(TrainingLoop):
         self._check_logprob_agreement(record)
         return record
 
-    def _from_rank0(self, produce: Any) -> Any:
-        """Rank 0's ``produce`` (or, when callable, the result of calling it there) on every
-        trainer rank; when the call raises, every rank raises :class:`RolloutError` with its
-        message (no rank is left in the broadcast)."""
-        box = [self._produced(produce) if self.is_rank0 else (None, None)]
-        if self.engine.dist_env.world_size > 1 and dist.is_initialized():
-            device = self.engine.device if self.engine.device.type == "cuda" else None
-            dist.broadcast_object_list(box, src=0, device=device)
-        failure, result = box[0]
-        if failure is not None:
-            _raise_rollout_error([0], failure)
-        return result
-
     def _critic_values(self, rollout: Rollout) -> list[list[list[float]]]:
         """The critic's per-token values of every completion of ``rollout`` (N x G), as it
         stands now (collective: every trainer rank scores its share, and all get all)."""
@@ -814,8 +809,17 @@ class RLTrainer(TrainingLoop):
         resumed run keeps the reference its checkpoint restored."""
         if not self.config.rl.uses_reference or self.config.rl.teacher_model:
             return  # no KL, or a teacher loaded up front
-        holder = self.reference.holder is not None and not self.reference.taken
-        self._hand_policy_weights(self.reference.take if holder else None)
+        if self.remote is not None:  # no generator on rank 0: the weights come from the engine
+            weights = self.engine.full_state_dict(dtype=torch.float32)  # collective: every rank iterates it
+            if self.is_rank0 and not self.reference.taken:
+                self.reference.take(weights)
+            else:
+                for _ in weights:
+                    pass
+            return
+        self.schedule.sync_to(self.engine.step)
+        if self.generator is not None:
+            self.reference.take(self.generator.named_weights())
 
     def _start_critic(self) -> None:
         """Start the critic from the weights RL starts from (each rank its shards; the score
@@ -823,23 +827,6 @@ class RLTrainer(TrainingLoop):
         checkpoint restored it."""
         if self.critic is not None and not self.critic.taken:
             self.critic.take(self.engine)
-
-    def _hand_policy_weights(self, take: Any | None) -> None:
-        """Call ``take`` with the policy's current weights (named full tensors) on this rank;
-        collective: every trainer rank takes part, with ``take`` None where it takes nothing.
-        Colocated, the weights come from the synced generator of rank 0 (and of every rank
-        that generates); with generator ranks, from the engine."""
-        if self.remote is not None:  # no generator on rank 0: the weights come from the engine
-            weights = self.engine.full_state_dict(dtype=torch.float32)  # collective: every rank iterates it
-            if take is not None:
-                take(weights)
-            else:
-                for _ in weights:
-                    pass
-            return
-        self.schedule.sync_to(self.engine.step)
-        if take is not None:
-            take(self.generator.named_weights())
 
     def _sync_reference(self, step: int) -> None:
         """--rl.ref_sync_steps: move the KL reference toward the current policy (collective).

@@ -52,31 +52,13 @@ CRITIC_FLAVOR = "critic"
 
 def reward_model_spec(folder: str, model_spec: Any, vocab_size: int) -> tuple[Any, int]:
     """``model_spec`` with the flavor :data:`CRITIC_FLAVOR`: the architecture of the reward
-    model in ``folder`` (its ``config.json``), and its vocabulary size. Refused, naming the
-    folder: another family, a language model or a classifier, a vocabulary smaller than the
-    run's tokenizer's ``vocab_size`` ids."""
-    import json
-    import os
+    model in ``folder`` (its ``config.json``: the policy's family, one score column, the run's
+    ``vocab_size`` ids covered), and its vocabulary size."""
+    from titan.rl.generate.build import folder_architecture
 
-    from titan.models.common.hf_config import hf_num_labels
-
-    config_file = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_file):
-        raise ValueError(f"--rl.critic_model {folder}: no config.json; give a reward model's Hugging Face folder")
-    with open(config_file) as f:
-        config = json.load(f)
-    if model_spec.args_from_hf_config is None or config.get("model_type") != model_spec.hf_model_type:
-        raise ValueError(f"--rl.critic_model {folder} is a {config.get('model_type')!r} model and the policy a "
-                         f"{model_spec.hf_model_type!r} one: the critic is built with the policy family's code")
-    labels = hf_num_labels(config)
-    if labels != 1:
-        raise ValueError(f"--rl.critic_model {folder} has {labels} score columns (0: a language model); a critic "
-                         "starts from a reward model with one")
-    args = model_spec.args_from_hf_config(config)
-    if args.vocab_size < vocab_size:
-        raise ValueError(f"--rl.critic_model {folder} has {args.vocab_size} token ids and the run's tokenizer "
-                         f"{vocab_size}: the critic must read the policy's tokenizer")
-    return model_spec.with_flavor(CRITIC_FLAVOR, args), args.vocab_size
+    spec, args = folder_architecture(folder, model_spec, flag="--rl.critic_model", role="critic",
+                                     flavor=CRITIC_FLAVOR, labels=1, vocab_size=vocab_size)
+    return spec, args.vocab_size
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

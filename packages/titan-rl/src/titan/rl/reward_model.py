@@ -99,26 +99,16 @@ class TitanScorer:
 
     def __init__(self, path: str, config: dict[str, Any], model_spec: Any, device: torch.device) -> None:
         from titan.ckpt.hf import load_hf
+        from titan.rl.generate.native import NativeGenerator
         from titan.train.data.chat import ChatTemplate
         from titan.train.data.tokenizer import HFTokenizer
 
-        args = model_spec.args_from_hf_config(config)
-        spec = model_spec.with_flavor("reward_model", args)
-        with torch.device("meta"):
-            model = spec.build("reward_model")
-        model.to_empty(device=device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=device)  # the buffers (RoPE tables); every weight is loaded below
-        state = load_hf(path, spec.adapter(model))
-        live = model.state_dict()
-        missing = sorted(set(live) - set(state))
-        if missing:
-            raise ValueError(f"--rl.reward_model {path} lacks {missing[:4]}")
+        spec = model_spec.with_flavor("reward_model", model_spec.args_from_hf_config(config))
+        holder = NativeGenerator.from_model_spec(spec, "reward_model", device=device)  # as the teacher is built
+        state = load_hf(path, spec.adapter(holder.model))
+        holder.load_weights(state.items(), version=0)  # every weight, by name and shape
         dtype = next(t.dtype for t in state.values() if t.is_floating_point())
-        with torch.no_grad():
-            for name, tensor in live.items():
-                tensor.copy_(state[name])
-        self.model = model.to(dtype=dtype).eval()
+        self.model = holder.model.to(dtype=dtype)  # in the dtype its checkpoint holds, in evaluation mode
         self.device = device
         self.tokenizer = HFTokenizer(path)
         self.template = ChatTemplate.from_tokenizer_files(path)

@@ -196,12 +196,11 @@ def completion_advantages(rollout: Rollout, *, normalize_std: bool = True, drop_
     PPO's advantages from the critic's values in ``rollout.values`` (:func:`_gae`)."""
     rewards = torch.tensor(rollout.rewards, dtype=torch.float64)
     keep = nonzero_variance_groups(rewards) if drop_zero_variance else torch.ones(len(rewards), dtype=torch.bool)
-    if estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+    if estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"):  # per-token rewards
         penalties = kl_in_reward_penalties(rollout, kl_in_reward_coef, kl_in_reward_estimator)
+        if estimator == "gae":
+            return _gae(rollout, penalties, keep, std=std, gamma=gamma, lam=gae_lambda)
         return _reinforce_pp(rollout, penalties, keep, baseline=estimator.endswith("baseline"), std=std, gamma=gamma)
-    if estimator == "gae":
-        penalties = kl_in_reward_penalties(rollout, kl_in_reward_coef, kl_in_reward_estimator)
-        return _gae(rollout, penalties, keep, std=std, gamma=gamma, lam=gae_lambda)
     if kl_in_reward_coef:
         penalties = kl_in_reward_penalties(rollout, kl_in_reward_coef, kl_in_reward_estimator)
         rewards = rewards - torch.tensor([[float(p.sum()) for p in row] for row in penalties], dtype=torch.float64)

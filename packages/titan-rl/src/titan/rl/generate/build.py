@@ -72,42 +72,59 @@ def build_generator(config: Any, model_spec: ModelSpec, *, vocab_size: int, eos_
     )
 
 
+def folder_architecture(folder: str, model_spec: ModelSpec, *, flag: str, role: str, flavor: str, labels: int,
+                        vocab_size: int = 0) -> tuple[ModelSpec, Any]:
+    """``model_spec`` with one more flavor, ``flavor``: the architecture a Hugging Face
+    ``folder``'s own ``config.json`` describes (any size), and that flavor's arguments.
+    Refused, naming ``flag`` and the ``role`` the model plays: no ``config.json``, another
+    family (titan builds it with the policy family's code), a family without an adapter, other
+    than ``labels`` score columns (0: a language model), fewer token ids than ``vocab_size``
+    (the run's tokenizer)."""
+    import json
+    import os
+
+    from titan.models.common.hf_config import hf_num_labels
+
+    config_file = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"{flag} {folder}: no config.json; give a Hugging Face model folder or Hub id")
+    with open(config_file) as f:
+        config = json.load(f)
+    family = model_spec.hf_model_type
+    if family is not None and config.get("model_type") != family:
+        raise ValueError(f"{flag} {folder} is a {config.get('model_type')!r} model and the policy a {family!r} one: "
+                         f"the {role} must be of the policy's family (titan builds it with the same code)")
+    if model_spec.args_from_hf_config is None or model_spec.adapter is None:
+        raise ValueError(f"{flag}: the {model_spec.name} family has no Hugging Face adapter to read a {role} with")
+    found = hf_num_labels(config)
+    if found != labels:
+        raise ValueError(f"{flag} {folder} is a sequence classifier (a reward model), not a language model" if not labels
+                         else f"{flag} {folder} has {found} score columns (0: a language model); a {role} starts from a "
+                              f"reward model with {labels}")
+    args = model_spec.args_from_hf_config(config)
+    if args.vocab_size < vocab_size:
+        raise ValueError(f"{flag} {folder} has {args.vocab_size} token ids and the run's tokenizer {vocab_size}: the "
+                         f"{role} must read the policy's tokenizer")
+    return model_spec.with_flavor(flavor, args), args
+
+
 def build_teacher(path: str, model_spec: ModelSpec, *, vocab_size: int, seq_len: int, eos_token_id: int,
                   device: torch.device, flag: str = "--rl.teacher_model") -> Any:
     """A native generator holding the teacher at ``path`` (a Hugging Face folder or Hub id of
     ``model_spec``'s family, any size: its own ``config.json`` gives the architecture), with its
     weights, for rescoring completions. Its vocabulary must cover the run's tokenizer
     (``vocab_size`` ids): the two must share it, which the ids alone cannot prove."""
-    import json
-    import os
-
     from titan.ckpt.hf import load_hf
     from titan.ckpt.hub import resolve_hub_folder
     from titan.rl.generate.native import NativeGenerator
 
     folder = resolve_hub_folder(path, flag=flag)
-    config_file = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_file):
-        raise ValueError(f"{flag} {path}: no config.json; give a Hugging Face model folder or Hub id")
-    with open(config_file) as f:
-        config = json.load(f)
-    family = model_spec.hf_model_type
-    if family is not None and config.get("model_type") != family:
-        raise ValueError(f"{flag} {path} is a {config.get('model_type')!r} model and the policy a {family!r} one: the "
-                         "teacher must be of the policy's family (titan builds it with the same code)")
-    if model_spec.args_from_hf_config is None or model_spec.adapter is None:
-        raise ValueError(f"{flag}: the {model_spec.name} family has no Hugging Face adapter to read a teacher with")
-    args = model_spec.args_from_hf_config(config)
-    if getattr(args, "num_labels", 0):
-        raise ValueError(f"{flag} {path} is a sequence classifier (a reward model), not a language model")
-    if args.vocab_size < vocab_size:
-        raise ValueError(f"{flag} {path} has {args.vocab_size} token ids and the run's tokenizer {vocab_size}: the "
-                         "teacher must read the policy's tokenizer")
-    spec = model_spec.with_flavor("teacher", args)
+    spec, _ = folder_architecture(folder, model_spec, flag=flag, role="teacher", flavor="teacher", labels=0,
+                                  vocab_size=vocab_size)
     teacher = NativeGenerator.from_model_spec(spec, "teacher", overrides={"max_seq_len": seq_len}, device=device,
                                               eos_token_id=eos_token_id)
     teacher.load_weights(load_hf(folder, spec.adapter(teacher.model)).items(), version=0)
     return teacher
 
 
-__all__ = ["build_generator", "build_teacher", "check_generator_kind", "check_vllm_device"]
+__all__ = ["build_generator", "build_teacher", "check_generator_kind", "check_vllm_device", "folder_architecture"]
