@@ -7,6 +7,7 @@ import torch
 from titan.rl.advantages import (
     decoupled_advantages,
     discounted_returns,
+    gae,
     group_advantages,
     nonzero_variance_groups,
     reinforce_pp_advantages,
@@ -114,3 +115,19 @@ def test_reinforce_pp_returns_and_token_whitening_by_hand():
     mean, spread = 0.75, (3 * 0.25**2 + 0.75**2) ** 0.5 / 3**0.5
     torch.testing.assert_close(whitened[0], torch.full((3,), 0.25 / spread, dtype=torch.float64))
     torch.testing.assert_close(whitened[1], torch.tensor([-mean / spread], dtype=torch.float64))
+
+
+def test_discounted_returns_are_the_closed_form_sums_and_gae_at_lambda_1_subtracts_the_values():
+    """Over a long completion: each return is ``sum_k gamma^k r_{t+k}`` computed directly, an
+    empty completion has none, and GAE at lambda 1 is exactly the return minus the value."""
+    generator = torch.Generator().manual_seed(0)
+    rewards = torch.randn(300, generator=generator, dtype=torch.float64)
+    values = torch.randn(300, generator=generator, dtype=torch.float64)
+    gamma = 0.97
+    powers = gamma ** torch.arange(300, dtype=torch.float64)
+    closed = torch.stack([(rewards[t:] * powers[: 300 - t]).sum() for t in range(300)])
+    returns = discounted_returns(rewards, gamma)
+    assert returns.dtype == torch.float64
+    torch.testing.assert_close(returns, closed, rtol=1e-12, atol=1e-12)
+    assert discounted_returns(torch.zeros(0), gamma).shape == (0,)
+    torch.testing.assert_close(gae(rewards, values, gamma=gamma, lam=1.0), returns - values, rtol=1e-12, atol=1e-12)

@@ -139,12 +139,15 @@ def whiten_over_tokens(values: list[torch.Tensor], *, std: str = "population", e
 
 def discounted_returns(token_rewards: torch.Tensor, gamma: float) -> torch.Tensor:
     """Each token's return: its reward plus ``gamma`` times the next token's return."""
-    returns = torch.zeros_like(token_rewards, dtype=torch.float64)
-    running = torch.zeros((), dtype=torch.float64)
-    for t in range(len(token_rewards) - 1, -1, -1):
-        running = token_rewards[t].double() + gamma * running
+    # On Python floats (IEEE doubles, as float64 tensors), as :func:`gae`: a per-element tensor
+    # recursion costs microseconds a token.
+    rewards = token_rewards.double().tolist()
+    returns = [0.0] * len(rewards)
+    running = 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        running = rewards[t] + gamma * running
         returns[t] = running
-    return returns
+    return torch.tensor(returns, dtype=torch.float64)
 
 
 def reinforce_pp_advantages(scores: list[float], token_penalties: list[torch.Tensor], *, gamma: float = 1.0,
