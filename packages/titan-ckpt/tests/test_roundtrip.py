@@ -217,3 +217,36 @@ def test_going_back_to_an_earlier_step_sets_the_later_ones_aside(tmp_path):
     assert latest.manager.load() == 4  # this continuation's, not the abandoned step 6
     assert tensors_equal(latest.model.state_dict(), back.model.state_dict())
     latest.manager.close()
+
+
+def test_an_optimizer_saved_before_its_first_step_stays_fresh(tmp_path):
+    """torch fills an empty optimizer's state by stepping it on zero gradients, which left
+    AdamW's step counters at 1: a run that saved before its first update (an RL critic during
+    the SFT warm-up, a run preempted at step 0) then bias-corrected its first update as the
+    second. Saving leaves the optimizer fresh, the checkpoint holds step 0, and training after
+    a save, or after loading that save, equals training that never saved, bit for bit."""
+    from titan.ckpt import OptimizerWrapper
+
+    def trained(model, opt):
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            model(torch.randint(0, 32, (2, 8), generator=gen)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return model.state_dict()
+
+    def fresh():
+        torch.manual_seed(0)
+        model = TinyLM()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    untouched = trained(*fresh())
+    model, opt = fresh()
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in OptimizerWrapper(model, opt).state_dict().items()}
+    assert not opt.state
+    steps = {k: float(v) for k, v in saved.items() if k.endswith(".step")}
+    assert steps and set(steps.values()) == {0.0}
+    assert tensors_equal(trained(model, opt), untouched)
+    loaded_model, loaded_opt = fresh()
+    OptimizerWrapper(loaded_model, loaded_opt).load_state_dict(saved)
+    assert tensors_equal(trained(loaded_model, loaded_opt), untouched)

@@ -383,7 +383,8 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
     coefficient climbs 0.005 per update (every step's entropy is below the target) and resumes
     where it was (restarting from 0 changes the resumed losses). PPO's critic (gae) resumes
     its weights and AdamW state from the checkpoint (rank 0's copy): its values, and so the
-    advantages and losses, continue as if never stopped."""
+    advantages and losses, continue as if never stopped; its one warm-up rollout
+    (--rl.critic_warmup) is not repeated."""
     flags = list(RESUMED)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     if generator_ranks == "every_rank":  # the uninterrupted run is one of the shared 2-rank launch's
@@ -401,6 +402,8 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
     shutil.copytree(straight / "checkpoint" / "step-5", resumed / "checkpoint" / "step-5")
     log = run(resumed, *flags)
     assert "resumed from step 5" in log.stderr + log.stdout
+    warmups = [[r["warmup_rollout"] for r in records(run) if r.get("phase") == "critic_warmup"] for run in (straight, resumed)]
+    assert warmups == [[1], []]  # the resumed run's critic was warmed before step 5
     keys = ("loss", "reward_mean", "grad_norm", "logprob_diff_max", "kl", "entropy_coef", "value_loss", "values_mean",
             "returns_mean")
     straight_rl = [r for r in records(straight) if r.get("phase") == "rl"]
@@ -417,12 +420,12 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
 DETERMINISTIC = [*SHORT, "--debug.deterministic", "--rl.entropy_coef", "0.01"]
 # PPO with a critic, fast enough to move its values in a few steps.
 GAE = ["--rl.advantage_estimator", "gae", "--rl.critic_lr", "1e-3", "--rl.gamma", "0.99", "--rl.gae_lambda", "0.95"]
-# A run checkpointed at step 5 and resumed from it, with the KL reference and the critic to
-# restore. Adaptive entropy control with a target every step is below: its coefficient climbs
+# A run checkpointed at step 5 and resumed from it, with the KL reference and the critic (and
+# its warm-up, done once) to restore. Adaptive entropy control with a target every step is below: its coefficient climbs
 # by 0.005 per update, and a resume must restore it.
 RESUMED = [*SHORT, "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
            "--debug.deterministic", "--rl.kl_coef", "0.05", "--rl.adaptive_entropy", "--rl.entropy_target", "100",
-           *GAE]
+           *GAE, "--rl.critic_warmup", "1"]
 # The critic on 2 FSDP ranks against one: RL from the initial weights (an SFT warm-up's batches
 # are sharded over the data-parallel ranks, so its weights would differ), every group trained.
 CRITIC_LAYOUT = [*SHORT, "--rl.sft_warmup_steps", "0", "--rl.no_drop_zero_variance", "--debug.deterministic", *GAE,
@@ -459,6 +462,50 @@ def test_sigterm_during_titan_rl_saves_and_the_same_command_resumes(tmp_path):
     resumed = run_rl(tmp_path, *flags, "--training.steps", str(stopped + 2))
     assert f"resumed from step {stopped}" in resumed.stderr
     assert [r["step"] for r in records(tmp_path) if r.get("phase") != "eval"][-2:] == [stopped + 1, stopped + 2]
+
+
+@pytest.mark.slow
+def test_critic_warmup_trains_the_critic_alone_and_a_preempted_warmup_resumes_its_count(tmp_path):
+    """--rl.critic_warmup: the critic trains on rollouts of the starting policy before its first
+    update, each logged as a critic_warmup record at step 0, with every group (all rewards are
+    0 here, which --rl.drop_zero_variance would drop). The policy does not move: the KL to the
+    reference it started as is exactly 0 at the first RL step. A SIGTERM during the warm-up
+    saves step 0 with the count so far; the same command resumes the count (not from 0), and
+    its warm-up and RL records equal a straight run's."""
+    import signal
+
+    flags = [*SHORT, "--training.steps", "2", "--rl.sft_warmup_steps", "0", "--debug.deterministic",
+             "--rl.kl_coef", "0.05", *GAE, "--checkpoint.enable", "--checkpoint.interval", "1000"]
+    stopped = tmp_path / "stopped"
+    cmd = [*TITAN, "rl", *rl_flags(stopped, *flags, "--rl.critic_warmup", "400")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    metrics = stopped / "metrics.jsonl"
+    try:
+        while proc.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            time.sleep(0.2)  # polls a condition; pytest-timeout bounds the wait
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "stopped at step 0" in err, err[-3000:]
+    done = [r["warmup_rollout"] for r in records(stopped)]
+    assert done == list(range(1, len(done) + 1)) and 2 <= len(done) < 400
+    assert (stopped / "checkpoint" / "step-0").is_dir()
+
+    warmup = str(len(done) + 2)
+    resumed = run_rl(stopped, *flags, "--rl.critic_warmup", warmup)
+    assert "resumed from step 0" in resumed.stderr
+    straight = tmp_path / "straight"
+    run_rl(straight, *flags, "--rl.critic_warmup", warmup)
+    rows = records(straight)
+    assert [(r["phase"], r["step"]) for r in rows] == [("critic_warmup", 0)] * (len(done) + 2) + [("rl", 1), ("rl", 2)]
+    assert all(r["value_grad_norm"] > 0 and r["rollout_index"] == r["warmup_rollout"] for r in rows[:-2])
+    assert rows[-2]["kl"] == 0 and rows[-1]["kl"] > 0  # the policy first moves at step 1
+    keys = ("warmup_rollout", "rollout_index", "value_loss", "values_mean", "reward_mean", "loss", "kl", "grad_norm")
+    tail = [[r.get(k) for k in keys] for r in records(stopped)[len(done):]]
+    assert tail == [[r.get(k) for k in keys] for r in rows[len(done):]], (tail, rows)
 
 
 def test_profiler_flags_write_traces_from_titan_rl(tmp_path):

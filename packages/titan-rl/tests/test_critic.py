@@ -142,7 +142,8 @@ def test_update_fits_the_returns_and_reports_its_statistics(tmp_path):
 
 def test_take_keeps_the_fresh_head_and_the_checkpoint_round_trips(tmp_path):
     """take() copies every body weight of the policy's engine and leaves the score head; a
-    state dict restores weights and AdamW's moments, so the next update is identical."""
+    state dict restores weights, AdamW's moments and the warm-up count, so the next update is
+    identical and a resumed warm-up does not start over."""
     from titan.models.llama3 import build_llama3
 
     critic = _critic(tmp_path / "a")
@@ -158,9 +159,10 @@ def test_take_keeps_the_fresh_head_and_the_checkpoint_round_trips(tmp_path):
     prompts, completions, returns = [[1, 2]], [[3, 4]], [[1.0, 0.5]]
     rows = _value_rows(critic, prompts, completions, returns)
     critic.update(_minibatches(rows), epochs=1, rows=rows)
+    critic.warmed_up = 2
     copy = _critic(tmp_path / "c", "--debug.seed", "5")
     copy.load_state_dict(_cloned(critic.state_dict()))
-    assert copy.taken
+    assert copy.taken and copy.warmed_up == 2
     for one in (critic, copy):
         rows = _value_rows(one, prompts, completions, returns)
         one.update(_minibatches(rows), epochs=1, rows=rows)
@@ -180,20 +182,24 @@ def test_critic_flags_are_refused_without_gae_and_checked_with_it():
 
     from titan.recipes.cli import parse_train_args
 
-    for flag, value in (("gae_lambda", 0.95), ("critic_lr", 1e-4), ("value_clip", 0.2), ("critic_model", "rm")):
+    for flag, value in (("gae_lambda", 0.95), ("critic_lr", 1e-4), ("value_clip", 0.2), ("critic_model", "rm"),
+                        ("critic_warmup", 2)):
         with pytest.raises(ValueError, match=f"--rl.{flag} is read by the critic of --rl.advantage_estimator gae"):
             RLSection(**{flag: value})
     with pytest.raises(ValueError, match="--rl.gae_lambda must be in"):
         RLSection(advantage_estimator="gae", gae_lambda=1.5)
     with pytest.raises(ValueError, match="--rl.critic_lr and --rl.value_clip must be > 0"):
         RLSection(advantage_estimator="gae", value_clip=0.0)
+    with pytest.raises(ValueError, match="--rl.critic_warmup counts rollouts and must be >= 0, got -1"):
+        RLSection(advantage_estimator="gae", critic_warmup=-1)
     with pytest.raises(ValueError, match="gae whitens over the rollout's tokens"):
         RLSection(advantage_estimator="gae", normalize_std=True)
     section = RLSection(advantage_estimator="gae", gamma=0.99, group_size=1, drop_zero_variance=False)
     assert not section.use_std and section.advantage_options()["gae_lambda"] == 1.0
     parsed = parse_train_args(["--config", "grpo_debug", "--rl.advantage_estimator", "gae", "--rl.gae_lambda", "0.95",
-                               "--rl.critic_lr", "2e-5", "--rl.value_clip", "0.2"], command="rl").rl
-    assert (parsed.gae_lambda, parsed.critic_lr, parsed.value_clip) == (0.95, 2e-5, 0.2)
+                               "--rl.critic_lr", "2e-5", "--rl.value_clip", "0.2", "--rl.critic_warmup", "3"],
+                              command="rl").rl
+    assert (parsed.gae_lambda, parsed.critic_lr, parsed.value_clip, parsed.critic_warmup) == (0.95, 2e-5, 0.2, 3)
 
 
 def test_values_equal_transformers_scores_and_a_reward_model_folder_loads(tmp_path):

@@ -65,6 +65,13 @@ def _plain_state(state: dict[str, Any]) -> dict[str, Any]:
     return {key: plain_tensor(value) for key, value in state.items()}
 
 
+def _unstepped(state: dict[str, Any]) -> dict[str, Any]:
+    """A flattened optimizer state with every step counter (``state.<fqn>.step``) at 0: what
+    an optimizer that never stepped holds (its other entries, moments and buffers, are zeros)."""
+    return {key: torch.zeros_like(value) if key.startswith("state.") and key.endswith(".step")
+            and isinstance(value, torch.Tensor) else value for key, value in state.items()}
+
+
 def _as_list(parts: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     """Accept one module or a sequence of them (pipeline stages on this rank)."""
     return [parts] if isinstance(parts, nn.Module) else list(parts)
@@ -122,10 +129,19 @@ class OptimizerWrapper:
         return StateDictOptions(flatten_optimizer_state_dict=True)
 
     def state_dict(self) -> dict[str, Any]:
-        """Merged flattened state of every (part, optimizer) pair."""
+        """Merged flattened state of every (part, optimizer) pair. An optimizer that has not
+        stepped yet is saved as its fresh state (step 0, zero moments) and left unstepped."""
         merged: dict[str, Any] = {}
         for part, opt in zip(self.model_parts, self.optimizers, strict=True):
-            merged.update(get_optimizer_state_dict(part, opt, options=self._options()))
+            fresh = not opt.state
+            state = get_optimizer_state_dict(part, opt, options=self._options())
+            if fresh:
+                state = _unstepped(state)
+                # torch fills an empty optimizer's state by stepping it once on zero gradients
+                # (lr 0): its step counters then read 1, and Adam's first real update would be
+                # bias-corrected as its second. Drop that state: the optimizer stays fresh.
+                opt.state.clear()
+            merged.update(state)
         return _plain_state(merged)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

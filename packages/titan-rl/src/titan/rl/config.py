@@ -149,6 +149,11 @@ class RLSection:
     folder or Hub id of the policy's family, any size over the policy's tokenizer, one label;
     OpenRLHF's critic_pretrain), its architecture and weights, in place of the policy's weights
     RL starts from with a fresh score head."""
+    critic_warmup: int = 0
+    """gae: rollouts the critic trains on before the policy's first update (verl's
+    trainer.critic_warmup), so a fresh score head is a baseline before it weighs advantages.
+    The policy does not move on them and they come on top of --training.steps (titan's steps
+    count policy updates); each is logged as a ``critic_warmup`` record."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator: k1 log(p/q), k2 (log(p/q))^2/2, k3 q/p - 1 - log(q/p)."""
     entropy_coef: float = 0.0
@@ -474,7 +479,7 @@ class RLSection:
     def _check_critic(self) -> None:
         """The critic's flags are read with gae only, and must be in range."""
         gae = self.advantage_estimator == "gae"
-        for flag in ("gae_lambda", "critic_lr", "value_clip", "critic_model"):
+        for flag in ("gae_lambda", "critic_lr", "value_clip", "critic_model", "critic_warmup"):
             if not gae and getattr(self, flag) != getattr(RLSection, flag):
                 raise ValueError(f"--rl.{flag} is read by the critic of --rl.advantage_estimator gae, which this run "
                                  f"does not use (it uses {self.advantage_estimator}): set gae or drop the flag")
@@ -483,6 +488,8 @@ class RLSection:
                              "--rl.normalize_std")
         if not 0 <= self.gae_lambda <= 1:
             raise ValueError(f"--rl.gae_lambda must be in [0, 1], got {self.gae_lambda}")
+        if self.critic_warmup < 0:
+            raise ValueError(f"--rl.critic_warmup counts rollouts and must be >= 0, got {self.critic_warmup}")
         if self.critic_lr <= 0 or self.value_clip <= 0:
             raise ValueError(f"--rl.critic_lr and --rl.value_clip must be > 0, got {self.critic_lr} and {self.value_clip}")
 

@@ -21,10 +21,12 @@ data-parallel ranks; every rank then holds every value (gathered). After the pol
 the critic trains on the same microbatches (which carry each token's return and the value the
 rollout was scored with) with PPO's clipped value loss ``0.5 max((V - R)^2, (V_old + clip(V -
 V_old, +-c) - R)^2)``, divided by the minibatch's completion tokens (``c``:
-``--rl.value_clip``). Its weights, optimizer state and whether it was started are
-checkpointed with the run (:meth:`Critic.state_dict`). With ``--checkpoint.last_save_in_hf``
-the last step exports it beside the policy, as a Hugging Face ``...ForSequenceClassification``
-folder under ``<checkpoint folder>_critic`` that ``--rl.critic_model`` reads back (OpenRLHF's
+``--rl.value_clip``). With ``--rl.critic_warmup N`` it first trains so on N rollouts of the
+starting policy, which does not update on them. Its weights, optimizer state, whether it was
+started and its warm-up rollouts so far are checkpointed with the run
+(:meth:`Critic.state_dict`). With ``--checkpoint.last_save_in_hf`` the last step exports it
+beside the policy, as a Hugging Face ``...ForSequenceClassification`` folder under
+``<checkpoint folder>_critic`` that ``--rl.critic_model`` reads back (OpenRLHF's
 ``save_value_network``).
 """
 
@@ -91,6 +93,8 @@ class Critic:
         self.seq_len, self.pad_id, self.local_batch_size = seq_len, pad_id, local_batch_size
         self.taken = False
         """Whether the weights are the run's (taken from the policy or a reward model), not placeholders."""
+        self.warmed_up = 0
+        """Rollouts of --rl.critic_warmup trained so far (checkpointed: a resume does not repeat them)."""
         self._model = ModelWrapper(engine.model_parts)
         self._optimizer = OptimizerWrapper(engine.model_parts, engine.optimizers)
 
@@ -285,13 +289,15 @@ class Critic:
         return self.engine.checkpointer.maybe_save(step, last_step=True)
 
     def state_dict(self) -> dict[str, Any]:
-        """Whether it was started, its model and its optimizer (sharded as they live)."""
-        return {"taken": torch.tensor(int(self.taken)), "model": self._model.state_dict(),
-                "optimizer": self._optimizer.state_dict()}
+        """Whether it was started, its warm-up rollouts so far, its model and its optimizer
+        (sharded as they live)."""
+        return {"taken": torch.tensor(int(self.taken)), "warmed_up": torch.tensor(self.warmed_up),
+                "model": self._model.state_dict(), "optimizer": self._optimizer.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`."""
         self.taken = bool(int(state["taken"]))
+        self.warmed_up = int(state["warmed_up"])
         self._model.load_state_dict(state["model"])
         self._optimizer.load_state_dict(state["optimizer"])
 

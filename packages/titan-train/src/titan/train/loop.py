@@ -369,7 +369,7 @@ class TrainingLoop:
             return []
         save_run_config(self.config, rank=self.dist_env.rank)
         resumed = self.engine.load_checkpoint() is not None  # step 0 too: a seed checkpoint, an initial load
-        if resumed and self.step:
+        if resumed and (self.step or self.progressed_before_step_1()):
             logger.info("resumed from step %d (%s)", self.step, self.resume_position())
         elif resumed:  # an initial load or a seed checkpoint: weights, no progress yet
             logger.info("training starts at step 0 from the loaded weights")
@@ -416,6 +416,11 @@ class TrainingLoop:
     def resume_position(self) -> str:
         """Where a resumed run continues, for the log (the loops add their data position)."""
         return f"{self.train_state.tokens_seen} tokens seen"
+
+    def progressed_before_step_1(self) -> bool:
+        """Whether the loaded checkpoint of step 0 holds progress of a preempted run (work a
+        loop does before its first optimizer step), not just weights to start from."""
+        return False
 
     def run_steps(self, guard: PreemptionGuard, profiler: StepProfiler, records: list[dict[str, Any]]) -> bool:
         """The loop's steps until ``--training.steps`` or an agreed preemption request (then
