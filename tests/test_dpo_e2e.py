@@ -75,6 +75,9 @@ REWARD_COMMON = [
     "--metrics.log_freq", "1",
     "--metrics.no_enable_progress_bar",
 ]
+# BCO on KTO's loop: its baseline (the running mean of the examples' log-ratios) is summed over
+# the data-parallel ranks before each update and checkpointed.
+BCO_COMMON = [*KTO_COMMON, "--kto.loss_type", "bco"]
 REWARD_COMPARED = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies")
 KTO_COMPARED = ("loss", "kl", "rewards_chosen", "rewards_rejected", "logps_chosen", "logps_rejected")
 COMPARED = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margins", "logps_chosen", "logps_rejected")
@@ -108,8 +111,9 @@ def runs(build_once):
     """The one-process run and every two-rank layout, each launch once per session."""
 
     def launch(ranks: int, layouts: dict[str, list[str]], folder: Path) -> None:
-        runs = [[f"{command}_{name}", [*common, *flags, "--job.dump_folder", str(folder / f"{command}_{name}")], command]
-                for command, common in (("dpo", COMMON), ("kto", KTO_COMMON), ("reward", REWARD_COMMON))
+        runs = [[f"{method}_{name}", [*common, *flags, "--job.dump_folder", str(folder / f"{method}_{name}")], command]
+                for method, command, common in (("dpo", "dpo", COMMON), ("kto", "kto", KTO_COMMON),
+                                                ("bco", "kto", BCO_COMMON), ("reward", "reward", REWARD_COMMON))
                 for name, flags in layouts.items()]
         launch_runs(ranks, RUNS_WORKER, runs, folder / "launch.log")
 
@@ -209,6 +213,32 @@ def test_kto_trains_like_one_process_in_every_layout(runs):
     # their rounding (~4e-6) shows in it, not relative to its size
     _assert_every_layout_logs(want, "kto", one_folder, two_folder, counts=("count_chosen", "count_rejected"),
                               keys=KTO_COMPARED, held_out=("validation_loss", "validation_kl"), abs_tol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("dpo_two_ranks")
+def test_bco_trains_like_one_process_in_every_layout_around_its_running_baseline(runs):
+    """`titan kto --kto.loss_type bco`: step 1 costs log 2 x the weights (the policy is the
+    reference, the baseline 0); every step's delta is, by hand from the logged rewards, beta x
+    the mean log-ratio of every example trained so far, this step's included; validation reads
+    it without moving it; every layout logs the one-process run's."""
+    one_folder, two_folder = runs
+    want = _records(one_folder / "bco_one")
+    first = want[0]
+    weighted = (first["count_chosen"] + 1.5 * first["count_rejected"]) / first["pairs"]
+    assert first["loss"] == pytest.approx(math.log(2) * weighted, rel=1e-6) and first["delta"] == 0
+    rewards = count = 0.0
+    for record in want:  # the implicit rewards are beta x log-ratio: their running mean is delta
+        rewards += record["rewards_chosen"] * record["count_chosen"] + record["rewards_rejected"] * record["count_rejected"]
+        count += record["count_chosen"] + record["count_rejected"]
+        assert record["delta"] == pytest.approx(rewards / count, rel=1e-5, abs=1e-9), record["step"]
+        if "validation_loss" in record:
+            assert record["validation_delta"] == record["delta"]
+    assert want[-1]["delta"] != 0 and "kl" not in want[-1]
+    _assert_every_layout_logs(want, "bco", one_folder, two_folder,
+                              counts=("count_chosen", "count_rejected"),
+                              keys=("loss", "delta", "rewards_chosen", "rewards_rejected", "logps_chosen"),
+                              held_out=("validation_loss", "validation_delta"), abs_tol=1e-5)
 
 
 @pytest.mark.slow

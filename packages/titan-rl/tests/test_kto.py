@@ -97,18 +97,25 @@ def _sigmoid(x: float) -> float:
     return 1 / (1 + math.exp(-x))
 
 
-@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired", "bco"])
 def test_kto_loss_of_a_batch_matches_a_hand_computation(tmp_path, loss_type):
+    """Each loss type's mean over a batch against the formula by hand, with the reference
+    written in by hand; BCO's baseline: the examples' mean log-ratio over the run's steps and
+    this batch (its step-1 loss is log 2 x the weights, the policy being the reference)."""
     cfg = _config(tmp_path)
     cfg.kto.loss_type = loss_type
     trainer = KTOTrainer(cfg, model_spec=model_spec("llama3"))
     try:
         start = copy.deepcopy(trainer.model_parts[0]).eval()
         records = trainer.train()
-        # Step 1: the policy is the reference: every log-ratio and z0 are 0, each loss 1/2 x its weight.
+        # Step 1: the policy is the reference: every log-ratio and z0 are 0, each loss 1/2 x its
+        # weight (BCO: -log sigmoid(0) = log 2).
         first = records[0]
         weights = (first["count_chosen"] * 1.0 + first["count_rejected"] * 1.5) / first["pairs"]
-        assert first["loss"] == pytest.approx(0.5 * weights, rel=1e-6) and first["kl"] == 0.0
+        at_zero = math.log(2) if loss_type == "bco" else 0.5
+        assert first["loss"] == pytest.approx(at_zero * weights, rel=1e-6)
+        assert first["delta" if loss_type == "bco" else "kl"] == 0.0
+        total_before, count_before = float(trainer.baseline.total), float(trainer.baseline.count)
         source = build_kto_source(cfg.kto_data, trainer.tokenizer)
         rows = trainer._with_rows(next(trainer.dataloader))
         examples = sorted({int(i) for i in rows["pair_index"].unique() if i >= 0})
@@ -127,19 +134,53 @@ def test_kto_loss_of_a_batch_matches_a_hand_computation(tmp_path, loss_type):
         policy = trainer.model_parts[0]
         logps = {i: _logprobs(policy, source.example(i)) for i in examples}
         z0 = max(0.0, sum(logps[i][1] - ref[i][1] for i in examples) / len(examples))
+        if loss_type == "bco":  # the running mean of the examples' log-ratios, this batch's included
+            z0 = (total_before + sum(logps[i][0] - ref[i][0] for i in examples)) / (count_before + len(examples))
+            assert count_before == sum(r["count_chosen"] + r["count_rejected"] for r in records)
         losses = []
         for i in examples:
             r = logps[i][0] - ref[i][0]
             if loss_type == "apo_zero_unpaired":  # no reference point
                 losses.append(1 - _sigmoid(0.5 * r) if source.example(i).label else 1.5 * _sigmoid(0.5 * r))
+            elif loss_type == "bco":
+                losses.append(-math.log(_sigmoid(0.5 * (r - z0))) if source.example(i).label
+                              else -1.5 * math.log(_sigmoid(0.5 * (z0 - r))))
             elif source.example(i).label:
                 losses.append(1.0 * (1 - _sigmoid(0.5 * (r - z0))))
             else:
                 losses.append(1.5 * (1 - _sigmoid(0.5 * (z0 - r))))
         assert float(total) / len(examples) == pytest.approx(sum(losses) / len(losses), rel=1e-4)
-        if loss_type == "kto":
-            assert z0 > 0 and float(trainer._z0) == pytest.approx(z0, rel=1e-4)  # the reference point is in play
+        if loss_type in ("kto", "bco"):
+            assert z0 != 0 and float(trainer._z0) == pytest.approx(z0, rel=1e-4)  # the reference point is in play
         else:
             assert float(trainer._z0) == 0 and all(r["kl"] == 0 for r in records)
     finally:
         trainer.close()
+
+
+def test_bco_learns_and_a_resume_continues_its_baseline(tmp_path):
+    """BCO separates the labels (the reward margin grows from 0), and its running baseline is
+    checkpointed: a run resumed from step 3 logs the uninterrupted run's losses and deltas; a
+    baseline restarted from 0 would move the resumed losses."""
+    import shutil
+
+    cfg = _config(tmp_path, steps=6)
+    cfg.kto.loss_type = "bco"
+    cfg.checkpoint.enable, cfg.checkpoint.interval = True, 3
+    trainer = KTOTrainer(cfg, model_spec=model_spec("llama3"))
+    try:
+        full = trainer.train()
+    finally:
+        trainer.close()
+    assert full[0]["rewards_margins"] == 0 and full[-1]["rewards_margins"] > 0.1, [r["rewards_margins"] for r in full]
+    assert all(r["delta"] != 0 for r in full[1:])
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-6")
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    trainer = KTOTrainer(cfg, model_spec=model_spec("llama3"))
+    try:
+        resumed = trainer.train()
+    finally:
+        trainer.close()
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    for got, want in zip(resumed, full[3:], strict=True):
+        assert (got["loss"], got["delta"], got["rewards_margins"]) == (want["loss"], want["delta"], want["rewards_margins"])

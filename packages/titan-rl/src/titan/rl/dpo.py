@@ -399,9 +399,10 @@ class DPOTrainer(Trainer):
 
     # ---- the step -----------------------------------------------------------------------
 
-    def before_pass(self, microbatches: list[dict[str, torch.Tensor]]) -> None:
-        """What a loss needs from all of a step's (or a validation pass's) microbatches before
-        the first one's loss: nothing for DPO; KTO's reference point. Collective."""
+    def before_pass(self, microbatches: list[dict[str, torch.Tensor]], *, training: bool = True) -> None:
+        """What a loss needs from all of a step's (or, ``training`` False, a validation pass's)
+        microbatches before the first one's loss: nothing for DPO; KTO's reference point, BCO's
+        running baseline (moved by training steps only). Collective."""
 
     @staticmethod
     def _pair_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -648,7 +649,7 @@ class DPOValidator:
         trainer, engine = self.trainer, self.trainer.engine
         stats = trainer._new_stats()
         batches = [engine.to_device(batch) for batch in trainer.held_out_batches()]
-        trainer.before_pass(batches)
+        trainer.before_pass(batches, training=False)
         counts = torch.stack([torch.stack([trainer._pair_count(b).float(), count_valid_tokens(
             torch.where(b["document_ids"] % 2 == 0, b["labels"], -100)).float()]) for b in batches]).sum(0)
         pairs, chosen_tokens = engine.sum_over(counts, "dp").unbind()

@@ -12,7 +12,15 @@ change with the microbatch, pipeline or rank split). Everything else is DPO's: t
 starting weights' log-probs of both sequences of every example, scored once before step 1 on
 the same layout and checkpointed; the loss is divided by the examples of the global batch.
 
-Metrics, TRL's names with ``_`` for ``/``: ``kl`` (``z0``, averaged over the logged steps),
+``--kto.loss_type bco`` is BCO (TRL's ``BCOTrainer``, without its prompt-distribution
+matching): each completion's implicit reward is a binary classifier's logit around the baseline
+``delta``, the running mean of the implicit rewards of every example trained so far, this
+step's included (TRL's ``RunningMoments`` over its processes): the same no-grad forward before
+the update scores the step's examples (not their twins) on every data-parallel rank. The
+baseline is checkpointed (``kto_bco_baseline``); validation reads it without moving it.
+
+Metrics, TRL's names with ``_`` for ``/``: ``kl`` (``z0``, averaged over the logged steps; BCO
+logs ``delta`` instead, the baseline in reward units),
 ``rewards_chosen`` / ``rewards_rejected`` (mean implicit reward ``beta (log pi - log ref)`` of
 the desirable / undesirable examples), ``rewards_margins`` (their difference), ``logps_chosen``
 / ``logps_rejected``, ``count_chosen`` / ``count_rejected`` and ``pairs`` (the examples).
@@ -38,10 +46,11 @@ KTO_STATS = ("examples", "count_chosen", "count_rejected", "rewards_chosen", "re
 class KTOSection:
     """``--kto.*``: the KTO loss (TRL's ``KTOConfig`` names)."""
 
-    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
+    loss_type: Literal["kto", "apo_zero_unpaired", "bco"] = "kto"
     """kto: around the reference point (the policy's KL from the reference, from the twins);
     apo_zero_unpaired: desirable log-ratios pushed up and undesirable ones down with no
-    reference point (no twin pass). TRL's names."""
+    reference point (no twin pass). TRL's names. bco: TRL's BCOTrainer, the implicit reward
+    as a classifier's logit around the running mean of the rewards trained on (no twin pass)."""
     beta: float = 0.1
     """The implicit reward's scale, ``beta (log pi - log ref)``."""
     desirable_weight: float = 1.0
@@ -66,6 +75,40 @@ class KTOSection:
         """The loss reads the reference point (the twins' pass runs before each update)."""
         return self.loss_type == "kto"
 
+    @property
+    def uses_baseline(self) -> bool:
+        """The loss reads BCO's running baseline (the examples' pass runs before each update)."""
+        return self.loss_type == "bco"
+
+
+class RunningBaseline:
+    """BCO's baseline: the mean log-ratio to the reference of every example trained so far
+    (their sum and count, float64, the same on every rank; checkpointed)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        # On the training device: adding a step's sums never waits for the device.
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
+        self.count = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(self, total: torch.Tensor, count: torch.Tensor) -> None:
+        """Count a step's examples: the sum of their log-ratios and how many they are."""
+        self.total += total.detach().double()
+        self.count += count.detach().double()
+
+    @property
+    def mean(self) -> torch.Tensor:
+        """The mean log-ratio so far (0 before any example)."""
+        return self.total / self.count.clamp(min=1)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The sum and the count (replicated: stored once)."""
+        return {"total": self.total, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore the sum and the count."""
+        self.total.copy_(state["total"])
+        self.count.copy_(state["count"])
+
 
 @dataclass(kw_only=True)
 class KTOConfig(RunConfig):
@@ -87,7 +130,14 @@ class KTOTrainer(DPOTrainer):
     unit = "examples (each with its twin)"
 
     _z0 = torch.zeros(())
-    """The reference point of the microbatches being trained or scored (``before_pass``)."""
+    """The reference point of the microbatches being trained or scored (``before_pass``): KTO's
+    z0, or BCO's baseline as a log-ratio."""
+
+    def __init__(self, config: KTOConfig, *, model_spec) -> None:
+        super().__init__(config, model_spec=model_spec)
+        self.baseline = RunningBaseline(self.engine.device)
+        if config.kto.uses_baseline:
+            self.engine.add_state("kto_bco_baseline", self.baseline)
 
     def _new_stats(self) -> torch.Tensor:
         return torch.zeros(len(KTO_STATS), dtype=torch.float64, device=self.engine.device)
@@ -114,22 +164,38 @@ class KTOTrainer(DPOTrainer):
         self._add_stats(self._stats if stats is None else stats, rewards, policy.detach(), desirable, z0)
         return loss
 
-    def before_pass(self, microbatches: list[dict[str, torch.Tensor]]) -> None:
+    def before_pass(self, microbatches: list[dict[str, torch.Tensor]], *, training: bool = True) -> None:
         """``z0`` for the microbatches about to train (or be scored): the mean over all of
         them, on every data-parallel rank, of the twins' log-ratio to the reference, clamped at
         0. One no-grad forward per microbatch (TRL runs its KL batch through the model too); a
         whole step's, so it does not depend on how the step is split into microbatches,
-        pipeline microbatches or ranks. Collective. Nothing (z0 = 0) for a loss without it."""
-        if not self.method.uses_reference_point:
-            self._z0 = torch.zeros((), device=self.engine.device)
+        pipeline microbatches or ranks. Collective. Nothing (z0 = 0) for a loss without it.
+        BCO: a training step's examples first join the running baseline (the same forward,
+        over the examples); a validation pass reads the baseline as it stands."""
+        device = self.engine.device
+        if self.method.uses_baseline:
+            if training:
+                self.baseline.add(*self._log_ratio_totals(microbatches, twins=False).unbind())
+            self._z0 = self.baseline.mean.float()
             return
+        if not self.method.uses_reference_point:
+            self._z0 = torch.zeros((), device=device)
+            return
+        totals = self._log_ratio_totals(microbatches, twins=True)
+        self._z0 = (totals[0] / totals[1].clamp(min=1)).clamp(min=0).float()
+
+    def _log_ratio_totals(self, microbatches: list[dict[str, torch.Tensor]], *, twins: bool) -> torch.Tensor:
+        """``[sum, count]`` (float64) of the log-ratios to the reference of the examples, or
+        of their twins, with both scored, over ``microbatches`` on every data-parallel rank:
+        one no-grad forward per microbatch. Collective."""
         totals = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
 
         def capture(logits, b):
             sums, _ = self._document_sums(logits, b)
             example, twin = sums[:, 0::2], sums[:, 1::2]
             valid = (example[..., 1] > 0) & (twin[..., 1] > 0)
-            ratios = (twin[..., 0] - twin[..., 2])[valid]
+            scored = twin if twins else example
+            ratios = (scored[..., 0] - scored[..., 2])[valid]
             totals.add_(torch.stack([ratios.sum().double(), torch.tensor(float(ratios.numel()), dtype=torch.float64,
                                                                           device=ratios.device)]))
             return torch.zeros((), device=logits.device)
@@ -142,10 +208,9 @@ class KTOTrainer(DPOTrainer):
         finally:
             self.engine.train(training)
         if self.parallel_dims.pp_enabled:
-            totals = self.engine.sum_over(totals, "pp")  # only the last stage scored the twins
+            totals = self.engine.sum_over(totals, "pp")  # only the last stage scored the documents
         # Tensor- and context-parallel peers hold the same sums: data-parallel ranks only.
-        totals = self.engine.sum_over(totals, "dp")
-        self._z0 = (totals[0] / totals[1].clamp(min=1)).clamp(min=0).float()
+        return self.engine.sum_over(totals, "dp")
 
     @staticmethod
     def _add_stats(stats: torch.Tensor, rewards: torch.Tensor, logps: torch.Tensor, desirable: torch.Tensor,
@@ -165,7 +230,11 @@ class KTOTrainer(DPOTrainer):
                  "logps_chosen": total["logps_chosen"] / good, "logps_rejected": total["logps_rejected"] / bad}
         means["rewards_margins"] = means["rewards_chosen"] - means["rewards_rejected"]
         # z0 is the same on every data-parallel rank: their mean over microbatches
-        means["kl"] = total["kl"] / max(total["kl_batches"], 1)
+        point = total["kl"] / max(total["kl_batches"], 1)
+        if self.method.uses_baseline:  # BCO's baseline, in reward units (TRL's delta)
+            means["delta"] = self.method.beta * point
+        else:
+            means["kl"] = point
         counts = {"pairs": int(total["examples"]), "count_chosen": int(total["count_chosen"]),
                   "count_rejected": int(total["count_rejected"])}
         return {f"{prefix}{name}": value for name, value in {**counts, **means}.items()}
@@ -174,9 +243,10 @@ class KTOTrainer(DPOTrainer):
         """The console line of a logged record's KTO statistics (and its held-out ones)."""
         held_out = ("" if "validation_loss" not in record else
                     f" | held-out: loss {record['validation_loss']:.4f}  margin {record['validation_rewards_margins']:.3f}")
-        return (f"kl {record['kl']:.4f}  reward chosen {record['rewards_chosen']:.3f}  rejected "
+        point = f"delta {record['delta']:.4f}" if "delta" in record else f"kl {record['kl']:.4f}"
+        return (f"{point}  reward chosen {record['rewards_chosen']:.3f}  rejected "
                 f"{record['rewards_rejected']:.3f}  margin {record['rewards_margins']:.3f} ({record['count_chosen']} + "
                 f"{record['count_rejected']} examples){held_out}")
 
 
-__all__ = ["KTOConfig", "KTOSection", "KTOTrainer", "KTO_STATS"]
+__all__ = ["KTOConfig", "KTOSection", "KTOTrainer", "KTO_STATS", "RunningBaseline"]

@@ -144,8 +144,9 @@ def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, *, mean:
 
 
 
-KTO_LOSSES: tuple[str, ...] = ("kto", "apo_zero_unpaired")
-"""The unpaired losses :func:`kto_loss` computes (TRL's ``KTOConfig.loss_type``)."""
+KTO_LOSSES: tuple[str, ...] = ("kto", "apo_zero_unpaired", "bco")
+"""The unpaired losses :func:`kto_loss` computes (TRL's ``KTOConfig.loss_type``, and BCO: TRL's
+``BCOTrainer`` without its prompt-distribution matching)."""
 
 
 def kto_loss(
@@ -167,8 +168,11 @@ def kto_loss(
     ``desirable_weight (1 - sigmoid(beta (r - kl)))``, an undesirable one
     ``undesirable_weight (1 - sigmoid(beta (kl - r)))``: each is pushed away from the
     reference point on its own side. ``loss_type="apo_zero_unpaired"`` (APO-zero, unpaired):
-    ``1 - sigmoid(beta r)`` and ``sigmoid(beta r)``, no reference point (``kl`` unread). TRL's
-    ``KTOConfig`` names."""
+    ``1 - sigmoid(beta r)`` and ``sigmoid(beta r)``, no reference point (``kl`` unread).
+    ``loss_type="bco"`` (Jung et al. 2024, BCO): the implicit reward as a binary classifier's
+    logit around a baseline, ``-log sigmoid(beta (r - kl))`` and ``-log sigmoid(beta (kl - r))``
+    (weighted as KTO's), where ``kl`` is then the running mean of every trained example's
+    log-ratio so far (TRL's ``delta`` is ``beta`` times it). TRL's ``KTOConfig`` names."""
     if loss_type not in KTO_LOSSES:
         raise ValueError(f"the KTO loss_type must be one of {', '.join(KTO_LOSSES)}, got {loss_type!r}")
     if beta <= 0:
@@ -176,8 +180,12 @@ def kto_loss(
     if desirable_weight <= 0 or undesirable_weight <= 0:
         raise ValueError(f"the KTO weights must be > 0, got {desirable_weight} and {undesirable_weight}")
     ratio = policy - reference
-    kl = kl.detach() if loss_type == "kto" else torch.zeros_like(kl)
+    kl = kl.detach() if loss_type in ("kto", "bco") else torch.zeros_like(kl)
     desirable = desirable.bool()
+    if loss_type == "bco":
+        losses = torch.where(desirable, -desirable_weight * F.logsigmoid(beta * (ratio - kl)),
+                             -undesirable_weight * F.logsigmoid(beta * (kl - ratio)))
+        return losses, (beta * ratio).detach()
     if loss_type == "apo_zero_unpaired":
         losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * ratio)),
                              undesirable_weight * torch.sigmoid(beta * ratio))
