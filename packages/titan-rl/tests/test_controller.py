@@ -435,19 +435,17 @@ SHARED = [*SHORT, "--rl.max_refill_rounds", "1", "--rl.eval_freq", "3", "--rl.ev
           "--debug.deterministic", "--rl.max_policy_staleness", "1", "--rl.kl_coef", "0.05", "--rl.log_completions"]
 
 
-@pytest.mark.slow
-def test_sigterm_during_titan_rl_saves_and_the_same_command_resumes(tmp_path):
-    """The first SIGTERM finishes the step, saves it and exits 0 (RL had no preemption guard);
-    the same command resumes from that step. The signal is sent once three steps are logged,
-    so the process is known to be inside the loop."""
+def _sigterm_after_records(dump: Path, flags: list[str], count: int) -> tuple[int, str]:
+    """Start `titan rl` with ``flags`` writing to ``dump``, send it one SIGTERM once
+    ``count`` records are logged (so it is inside the loop), and return its exit code and
+    stderr."""
     import signal
 
-    flags = [*SHORT, "--training.steps", "400", "--checkpoint.enable", "--checkpoint.interval", "1000"]
-    cmd = [*TITAN, "rl", *rl_flags(tmp_path, *flags)]
+    cmd = [*TITAN, "rl", *rl_flags(dump, *flags)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-    metrics = tmp_path / "metrics.jsonl"
+    metrics = dump / "metrics.jsonl"
     try:
-        while proc.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        while proc.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= count):
             time.sleep(0.2)  # polls a condition; pytest-timeout bounds the wait
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGTERM)
@@ -455,7 +453,18 @@ def test_sigterm_during_titan_rl_saves_and_the_same_command_resumes(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, err[-3000:]
+    return proc.returncode, err
+
+
+@pytest.mark.slow
+def test_sigterm_during_titan_rl_saves_and_the_same_command_resumes(tmp_path):
+    """The first SIGTERM finishes the step, saves it and exits 0 (RL had no preemption guard);
+    the same command resumes from that step. The signal is sent once three steps are logged,
+    so the process is known to be inside the loop."""
+
+    flags = [*SHORT, "--training.steps", "400", "--checkpoint.enable", "--checkpoint.interval", "1000"]
+    returncode, err = _sigterm_after_records(tmp_path, flags, 3)
+    assert returncode == 0, err[-3000:]
     stopped = max(r["step"] for r in records(tmp_path))
     assert stopped < 400 and f"stopped at step {stopped}" in err and "RL preempted" in err, err[-2000:]
     assert (tmp_path / "checkpoint" / f"step-{stopped}").is_dir()
@@ -472,24 +481,12 @@ def test_critic_warmup_trains_the_critic_alone_and_a_preempted_warmup_resumes_it
     reference it started as is exactly 0 at the first RL step. A SIGTERM during the warm-up
     saves step 0 with the count so far; the same command resumes the count (not from 0), and
     its warm-up and RL records equal a straight run's."""
-    import signal
 
     flags = [*SHORT, "--training.steps", "2", "--rl.sft_warmup_steps", "0", "--debug.deterministic",
              "--rl.kl_coef", "0.05", *GAE, "--checkpoint.enable", "--checkpoint.interval", "1000"]
     stopped = tmp_path / "stopped"
-    cmd = [*TITAN, "rl", *rl_flags(stopped, *flags, "--rl.critic_warmup", "400")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-    metrics = stopped / "metrics.jsonl"
-    try:
-        while proc.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            time.sleep(0.2)  # polls a condition; pytest-timeout bounds the wait
-        assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0 and "stopped at step 0" in err, err[-3000:]
+    returncode, err = _sigterm_after_records(stopped, [*flags, "--rl.critic_warmup", "400"], 2)
+    assert returncode == 0 and "stopped at step 0" in err, err[-3000:]
     done = [r["warmup_rollout"] for r in records(stopped)]
     assert done == list(range(1, len(done) + 1)) and 2 <= len(done) < 400
     assert (stopped / "checkpoint" / "step-0").is_dir()
