@@ -250,3 +250,24 @@ def test_an_optimizer_saved_before_its_first_step_stays_fresh(tmp_path):
     loaded_model, loaded_opt = fresh()
     OptimizerWrapper(loaded_model, loaded_opt).load_state_dict(saved)
     assert tensors_equal(trained(loaded_model, loaded_opt), untouched)
+
+
+def test_save_now_keeps_a_saved_step_unless_told_to_resave_it(tmp_path):
+    """A preemption save of a step this run saved already keeps that checkpoint (nothing
+    moved); with ``resave`` (work done since without a step: an RL critic's warm-up) it
+    replaces it with the state as it is now."""
+    run = Run(_cfg(interval=2), str(tmp_path))
+    run.train(2)
+    saved = {k: v.clone() for k, v in run.model.state_dict().items()}
+    with torch.no_grad():
+        for param in run.model.parameters():
+            param.add_(1.0)
+    moved = {k: v.clone() for k, v in run.model.state_dict().items()}
+    assert run.manager.save_now(2)
+    check = Run(_cfg(), str(tmp_path), seed=3)
+    assert check.manager.load() == 2 and tensors_equal(check.model.state_dict(), saved)
+    assert run.manager.save_now(2, resave=True)
+    again = Run(_cfg(), str(tmp_path), seed=4)
+    assert again.manager.load() == 2 and tensors_equal(again.model.state_dict(), moved)
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2"]
+    run.manager.close(), check.manager.close(), again.manager.close()

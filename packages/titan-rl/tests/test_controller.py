@@ -476,32 +476,33 @@ def test_sigterm_during_titan_rl_saves_and_the_same_command_resumes(tmp_path):
 @pytest.mark.slow
 def test_critic_warmup_trains_the_critic_alone_and_a_preempted_warmup_resumes_its_count(tmp_path):
     """--rl.critic_warmup: the critic trains on rollouts of the starting policy before its first
-    update, each logged as a critic_warmup record at step 0, with every group (all rewards are
-    0 here, which --rl.drop_zero_variance would drop). The policy does not move: the KL to the
-    reference it started as is exactly 0 at the first RL step. A SIGTERM during the warm-up
-    saves step 0 with the count so far; the same command resumes the count (not from 0), and
-    its warm-up and RL records equal a straight run's."""
-
-    flags = [*SHORT, "--training.steps", "2", "--rl.sft_warmup_steps", "0", "--debug.deterministic",
-             "--rl.kl_coef", "0.05", *GAE, "--checkpoint.enable", "--checkpoint.interval", "1000"]
+    update, each logged as a critic_warmup record at the step the policy stands at, with every
+    group (all rewards are 0 here, which --rl.drop_zero_variance would drop). The policy does
+    not move: the KL to the reference it started as is exactly 0 at the first RL step. A
+    SIGTERM during the warm-up saves the count so far with the step, replacing that step's
+    checkpoint (saved at the end of the SFT warm-up, before the critic's); the same command
+    resumes the count (not from 0), and its warm-up and RL records equal a straight run's."""
+    flags = [*SHORT, "--training.steps", "4", "--debug.deterministic", "--rl.kl_coef", "0.05", *GAE,
+             "--checkpoint.enable", "--checkpoint.interval", "2"]
     stopped = tmp_path / "stopped"
-    returncode, err = _sigterm_after_records(stopped, [*flags, "--rl.critic_warmup", "400"], 2)
-    assert returncode == 0 and "stopped at step 0" in err, err[-3000:]
-    done = [r["warmup_rollout"] for r in records(stopped)]
+    returncode, err = _sigterm_after_records(stopped, [*flags, "--rl.critic_warmup", "400"], 4)
+    assert returncode == 0 and "stopped at step 2" in err, err[-3000:]
+    assert err.count("saved step 2 in") == 2  # at the SFT warm-up's end, and again with the critic's count
+    sft = 2
+    done = [r["warmup_rollout"] for r in records(stopped)[sft:]]
     assert done == list(range(1, len(done) + 1)) and 2 <= len(done) < 400
-    assert (stopped / "checkpoint" / "step-0").is_dir()
 
     warmup = str(len(done) + 2)
     resumed = run_rl(stopped, *flags, "--rl.critic_warmup", warmup)
-    assert "resumed from step 0" in resumed.stderr
+    assert "resumed from step 2" in resumed.stderr
     straight = tmp_path / "straight"
     run_rl(straight, *flags, "--rl.critic_warmup", warmup)
-    rows = records(straight)
-    assert [(r["phase"], r["step"]) for r in rows] == [("critic_warmup", 0)] * (len(done) + 2) + [("rl", 1), ("rl", 2)]
+    rows = records(straight)[sft:]
+    assert [(r["phase"], r["step"]) for r in rows] == [("critic_warmup", 2)] * (len(done) + 2) + [("rl", 3), ("rl", 4)]
     assert all(r["value_grad_norm"] > 0 and r["rollout_index"] == r["warmup_rollout"] for r in rows[:-2])
-    assert rows[-2]["kl"] == 0 and rows[-1]["kl"] > 0  # the policy first moves at step 1
+    assert rows[-2]["kl"] == 0 and rows[-1]["kl"] > 0  # the policy first moves at step 3
     keys = ("warmup_rollout", "rollout_index", "value_loss", "values_mean", "reward_mean", "loss", "kl", "grad_norm")
-    tail = [[r.get(k) for k in keys] for r in records(stopped)[len(done):]]
+    tail = [[r.get(k) for k in keys] for r in records(stopped)[sft + len(done):]]
     assert tail == [[r.get(k) for k in keys] for r in rows[len(done):]], (tail, rows)
 
 

@@ -537,14 +537,15 @@ class CheckpointManager:
         due = step % interval == 0 if since is None else step // interval > since // interval
         return last_step or (step > 0 and due)
 
-    def save_now(self, step: int) -> bool:
+    def save_now(self, step: int, *, resave: bool = False) -> bool:
         """A full, resumable, synchronous save of `step` whatever the interval (e.g. when the
-        job is being preempted); waits for a save in flight first. Returns False when
-        checkpointing is off or `step` is already saved."""
+        job is being preempted); waits for a save in flight first. A step this run saved
+        already is kept as it is, unless `resave` (its state moved on without a step: an RL
+        critic's warm-up), which replaces it. Returns False when checkpointing is off."""
         if not self.config.enable:
             return False
         self.wait()
-        if step != self._last_saved:
+        if step != self._last_saved or resave:
             self._save_sync(step, self._snapshot(), states=list(self.states), model_only=False)
             self._last_saved = step
         return True

@@ -80,7 +80,7 @@ from titan.rl.weight_sync import sync_colocated
 from titan.train.data.sft import build_sft_dataloader
 from titan.train.loop import TrainingLoop
 from titan.train.model_spec import ModelSpec
-from titan.train.preemption import PreemptionGuard
+from titan.train.preemption import PreemptionGuard, save_for_preemption
 from titan.train.profiling import StepProfiler
 
 logger = logging.getLogger("titan")
@@ -706,7 +706,8 @@ class RLTrainer(TrainingLoop):
     def _warm_up_critic(self, guard: PreemptionGuard, records: list[dict[str, Any]]) -> bool:
         """--rl.critic_warmup: train the critic on the rollouts it still owes (a resume
         continues the count), logging each; returns whether a preemption request stopped it
-        (the warm-up so far is then saved with the step the policy stands at)."""
+        (the warm-up so far is then saved with the step the policy stands at, replacing that
+        step's checkpoint when the run saved it before the warm-up)."""
         total = self.config.rl.critic_warmup
         while self.critic is not None and self.critic.warmed_up < total:
             record = self.critic_warmup_step()
@@ -716,7 +717,8 @@ class RLTrainer(TrainingLoop):
                             record.get("value_explained_var", float("nan")))
             records.append(self.log_record(record))
             if self.critic.warmed_up < total and guard.requested():
-                self.stop_for_preemption()
+                # The step may be saved already (the SFT warm-up's last): the warm-up since is not.
+                save_for_preemption(self.engine.checkpointer, self.step, resave=True)
                 return True
         return False
 

@@ -84,10 +84,11 @@ class PreemptionGuard:
         self._previous.clear()
 
 
-def save_for_preemption(checkpointer, step: int) -> None:
+def save_for_preemption(checkpointer, step: int, *, resave: bool = False) -> None:
     """Save the step just finished so the same command resumes from it, and say so (a run
-    with checkpointing off says that nothing was saved)."""
-    if checkpointer.save_now(step):
+    with checkpointing off says that nothing was saved). ``resave``: replace the step's
+    checkpoint if this run saved it already (work done since, without a step)."""
+    if checkpointer.save_now(step, resave=resave):
         logger.warning("stopped at step %d and saved a checkpoint in %s; run the same command to resume",
                        step, checkpointer.folder)
     else:
