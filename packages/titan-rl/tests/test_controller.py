@@ -137,6 +137,16 @@ def test_config_errors_name_the_flag():
         RLSection(gamma=0.9)
     with pytest.raises(ValueError, match="--rl.kl_in_reward_estimator is read with --rl.kl_in_reward_coef"):
         RLSection(kl_in_reward_estimator="k3")
+    with pytest.raises(ValueError, match="--rl.kl_in_reward_target and --rl.kl_in_reward_horizon adapt"):
+        RLSection(kl_in_reward_target=0.1)
+    with pytest.raises(ValueError, match="--rl.kl_in_reward_horizon is read by the adaptive controller"):
+        RLSection(kl_in_reward_coef=0.1, kl_in_reward_horizon=100)
+    with pytest.raises(ValueError, match="--rl.kl_in_reward_target must be > 0, got 0.0"):
+        RLSection(kl_in_reward_coef=0.1, kl_in_reward_target=0.0)
+    with pytest.raises(ValueError, match="--rl.kl_in_reward_horizon must be >= 1, got 0"):
+        RLSection(kl_in_reward_coef=0.1, kl_in_reward_target=0.1, kl_in_reward_horizon=0)
+    adaptive = parsed("--rl.kl_in_reward_coef", "0.1", "--rl.kl_in_reward_target", "0.02", "--rl.kl_in_reward_horizon", "500")
+    assert (adaptive.kl_in_reward_target, adaptive.kl_in_reward_horizon) == (0.02, 500)
     with pytest.raises(ValueError, match="whitens over the rollout's tokens, never by a group std"):
         RLSection(advantage_estimator="reinforce_plus_plus", normalize_std=True)
     with pytest.raises(ValueError, match="--rl.drop_zero_variance would drop every group"):
@@ -384,7 +394,8 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
     where it was (restarting from 0 changes the resumed losses). PPO's critic (gae) resumes
     its weights and AdamW state from the checkpoint (rank 0's copy): its values, and so the
     advantages and losses, continue as if never stopped; its one warm-up rollout
-    (--rl.critic_warmup) is not repeated."""
+    (--rl.critic_warmup) is not repeated. The KL-in-reward coefficient adapts every rollout
+    (--rl.kl_in_reward_target) and resumes where it was."""
     flags = list(RESUMED)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     if generator_ranks == "every_rank":  # the uninterrupted run is one of the shared 2-rank launch's
@@ -405,7 +416,7 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
     warmups = [[r["warmup_rollout"] for r in records(run) if r.get("phase") == "critic_warmup"] for run in (straight, resumed)]
     assert warmups == [[1], []]  # the resumed run's critic was warmed before step 5
     keys = ("loss", "reward_mean", "grad_norm", "logprob_diff_max", "kl", "entropy_coef", "value_loss", "values_mean",
-            "returns_mean")
+            "returns_mean", "kl_in_reward_coef")
     straight_rl = [r for r in records(straight) if r.get("phase") == "rl"]
     updates = list(itertools.accumulate(r["updates"] for r in straight_rl))
     assert [r["entropy_coef"] for r in straight_rl] == pytest.approx([0.005 * n for n in updates], abs=1e-12)
@@ -413,6 +424,10 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
     got = {r["step"]: [r[k] for k in keys] for r in records(resumed) if r.get("phase") == "rl"}
     assert sorted(got) == [6, 7, 8] and all(got[s] == want[s] for s in got), (got, want)
     assert got[6][keys.index("kl")] > 0  # the policy has moved away from its reference by step 6
+    # The warm-up's rollout is penalized with the flag's coefficient; it moves at every rollout.
+    assert [r["kl_in_reward_coef"] for r in records(straight) if r.get("phase") == "critic_warmup"] == [0.05]
+    coefs = [r["kl_in_reward_coef"] for r in straight_rl]
+    assert len(set(coefs)) == len(coefs), coefs
 
 
 # With the entropy bonus on, so that its gradient is part of every layout's comparison with one
@@ -425,7 +440,8 @@ GAE = ["--rl.advantage_estimator", "gae", "--rl.critic_lr", "1e-3", "--rl.gamma"
 # by 0.005 per update, and a resume must restore it.
 RESUMED = [*SHORT, "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
            "--debug.deterministic", "--rl.kl_coef", "0.05", "--rl.adaptive_entropy", "--rl.entropy_target", "100",
-           *GAE, "--rl.critic_warmup", "1"]
+           *GAE, "--rl.critic_warmup", "1", "--rl.kl_in_reward_coef", "0.05", "--rl.kl_in_reward_target", "1e-3",
+           "--rl.kl_in_reward_horizon", "50"]
 # The critic on 2 FSDP ranks against one: RL from the initial weights (an SFT warm-up's batches
 # are sharded over the data-parallel ranks, so its weights would differ), every group trained.
 CRITIC_LAYOUT = [*SHORT, "--rl.sft_warmup_steps", "0", "--rl.no_drop_zero_variance", "--debug.deterministic", *GAE,
@@ -916,12 +932,20 @@ def test_reinforce_pp_baseline_advantages_by_hand_and_kl_in_the_reward(tmp_path)
         std = (sum((x - mean) ** 2 * n for x, n in tokens) / total) ** 0.5
         assert [r["advantage"] for r in mine] == pytest.approx([(x - mean) / (std + 1e-6) for x, _ in tokens],
                                                               rel=1e-5, abs=1e-6)
-    run_rl(tmp_path / "kl", *flags, "--rl.advantage_estimator", "reinforce_plus_plus", "--rl.kl_in_reward_coef", "0.5",
-           "--rl.kl_in_reward_estimator", "k3")
+    run_rl(tmp_path / "kl", *flags, "--training.steps", "6", "--rl.advantage_estimator", "reinforce_plus_plus",
+           "--rl.kl_in_reward_coef", "0.5", "--rl.kl_in_reward_estimator", "k3", "--rl.kl_in_reward_target", "1e-4",
+           "--rl.kl_in_reward_horizon", "100")
     rl = [r for r in records(tmp_path / "kl") if r.get("phase") == "rl"]
     # k3 >= 0 per token; at the first step generator and reference agree up to float32 (~1e-7)
     assert abs(rl[0]["kl_in_reward"]) < 1e-5 and all(r["kl_in_reward"] > 1e-5 for r in rl[1:]) and len(rl) >= 2
     assert all(r["grad_norm"] > 0 for r in rl)
+    # The adaptive coefficient (--rl.kl_in_reward_target): each rollout's, by hand from the one
+    # before and the KL it measured (16 completions a rollout), starting at the flag's 0.5.
+    assert rl[0]["kl_in_reward_coef"] == 0.5
+    for before, after in itertools.pairwise(rl):
+        error = min(max(before["kl_in_reward_kl"] / 1e-4 - 1, -0.2), 0.2)
+        assert after["kl_in_reward_coef"] == pytest.approx(before["kl_in_reward_coef"] * (1 + error * 16 / 100), rel=1e-12)
+    assert rl[1]["kl_in_reward_coef"] < 0.5  # the first rollout measured no KL: below the target, it shrinks
 
 
 @pytest.mark.slow

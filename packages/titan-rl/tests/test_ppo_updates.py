@@ -64,7 +64,8 @@ def trainer_over(engine, rl: RLSection, rollout: Rollout) -> RLTrainer:
     trainer.sampling = SimpleNamespace(temperature=1.0, max_new_tokens=4)
     trainer.loss = RolloutLoss(rl, temperature=1.0, chunk_tokens=0)
     trainer.tokenizer = SimpleNamespace(pad_id=0)
-    trainer.state = SimpleNamespace(rollout_index=0, skipped=0, entropy_coef=rl.entropy_coef)
+    trainer.state = SimpleNamespace(rollout_index=0, skipped=0, entropy_coef=rl.entropy_coef,
+                                    kl_in_reward_coef=rl.kl_in_reward_coef)
     trainer.metrics = SimpleNamespace(record_tokens=lambda n: None)
     trainer.timings = {"generation_s": 0.0, "train_s": 0.0, "sync_s": 0.0}
     trainer.next_rollout = lambda: rollout

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from titan.rl.generate.base import Completion
-from titan.rl.rollouts import Rollout, build_batch, rollout_rows, rollout_stats, split_rows
+from titan.rl.rollouts import (
+    Rollout,
+    adapted_kl_coef,
+    build_batch,
+    mean_token_kl,
+    rollout_rows,
+    rollout_stats,
+    split_rows,
+)
 
 PAD = 0
 
@@ -139,6 +147,20 @@ def test_kl_in_reward_lowers_each_reward_by_its_summed_kl_by_hand():
     kept = rollout_rows(with_reference(rollout(), 0.25), normalize_std=False, kl_in_reward_coef=0.4,
                         drop_zero_variance=False)
     assert [r.advantage for r in kept][2:] == pytest.approx([0.05, -0.05])  # 0.5 - 0.1 vs 0.5 - 0.2
+
+
+def test_adaptive_kl_coefficient_follows_the_measured_kl_by_hand():
+    """The measured KL is each completion's per-token mean (k1 0.25 on every token here; k2
+    0.5 x 0.25^2), averaged over the 4 completions; nothing before the reference is taken. The
+    coefficient moves by the clipped relative error x completions / horizon: KL 0.25 against a
+    target of 0.2 is 25% too high, clipped to 20%; against 0.24, 4.17%; against 1, -20%."""
+    assert mean_token_kl(rollout(), "k1") == (0.0, 0)
+    assert mean_token_kl(with_reference(rollout(), 0.25), "k1") == pytest.approx((0.25, 4))
+    assert mean_token_kl(with_reference(rollout(), 0.25), "k2")[0] == pytest.approx(0.5 * 0.25**2)
+    assert adapted_kl_coef(0.1, 0.25, target=0.2, horizon=100, completions=4) == pytest.approx(0.1 * (1 + 0.2 * 0.04))
+    assert adapted_kl_coef(0.1, 0.25, target=0.24, horizon=100, completions=4) == pytest.approx(
+        0.1 * (1 + (0.25 / 0.24 - 1) * 0.04))
+    assert adapted_kl_coef(0.1, 0.25, target=1.0, horizon=100, completions=4) == pytest.approx(0.1 * (1 - 0.2 * 0.04))
 
 
 def test_reinforce_pp_rows_carry_per_token_advantages_into_the_batch():

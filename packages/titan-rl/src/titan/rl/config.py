@@ -132,6 +132,15 @@ class RLSection:
     kl_in_reward_estimator: Literal["k1", "k2", "k3"] = "k1"
     """The per-token KL estimator of --rl.kl_in_reward_coef (verl's algorithm.kl_penalty: kl is
     k1, mse k2, low_var_kl k3)."""
+    kl_in_reward_target: float | None = None
+    """Adapt --rl.kl_in_reward_coef (its starting value) after every rollout toward this KL
+    (Ziegler et al.'s adaptive controller: verl's kl_ctrl.type adaptive with kl_ctrl.target_kl,
+    OpenRLHF's --kl_target): the rollout's KL to the reference, each completion's per-token mean
+    of --rl.kl_in_reward_estimator averaged over the completions, against this target; the
+    coefficient is checkpointed and logged (kl_in_reward_coef). None: a fixed coefficient."""
+    kl_in_reward_horizon: int = 10000
+    """The adaptive controller's horizon (verl's kl_ctrl.horizon, OpenRLHF's --kl_horizon): a
+    rollout of n completions moves the coefficient by at most 20% x n / horizon."""
     gamma: float = 1.0
     """reinforce_plus_plus's and gae's discount of a token's return per token (verl's
     algorithm.gamma); 0: each token's return is its own reward (its KL penalty; the outcome on
@@ -475,6 +484,17 @@ class RLSection:
         if not self.kl_in_reward_coef and self.kl_in_reward_estimator != RLSection.kl_in_reward_estimator:
             raise ValueError("--rl.kl_in_reward_estimator is read with --rl.kl_in_reward_coef, which this run does not "
                              "set: set it or drop the flag")
+        adaptive = self.kl_in_reward_target is not None
+        if (adaptive or self.kl_in_reward_horizon != RLSection.kl_in_reward_horizon) and not self.kl_in_reward_coef:
+            raise ValueError("--rl.kl_in_reward_target and --rl.kl_in_reward_horizon adapt --rl.kl_in_reward_coef, which "
+                             "this run does not set (its starting value): set it or drop the flags")
+        if self.kl_in_reward_horizon != RLSection.kl_in_reward_horizon and not adaptive:
+            raise ValueError("--rl.kl_in_reward_horizon is read by the adaptive controller of --rl.kl_in_reward_target, "
+                             "which this run does not set: set it or drop the flag")
+        if adaptive and not self.kl_in_reward_target > 0:
+            raise ValueError(f"--rl.kl_in_reward_target must be > 0, got {self.kl_in_reward_target}")
+        if self.kl_in_reward_horizon < 1:
+            raise ValueError(f"--rl.kl_in_reward_horizon must be >= 1, got {self.kl_in_reward_horizon}")
 
     def _check_critic(self) -> None:
         """The critic's flags are read with gae only, and must be in range."""

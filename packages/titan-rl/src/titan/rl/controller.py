@@ -65,9 +65,11 @@ from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts, s
 from titan.rl.rollout_loss import MAX_STATS, SUMMED_STATS, RolloutLoss, combine_stats
 from titan.rl.rollouts import (
     Rollout,
+    adapted_kl_coef,
     build_batch,
     build_packed_batch,
     kl_in_reward_penalties,
+    mean_token_kl,
     pack_rows,
     padding_fraction,
     rollout_rows,
@@ -125,18 +127,20 @@ class ControllerState:
     """The controller's checkpointed position: the next rollout to train on."""
 
     def __init__(self, *, prompts_per_step: int, num_prompts: int, entropy_coef: float = 0.0,
-                 adaptive_entropy: bool = False) -> None:
+                 adaptive_entropy: bool = False, kl_in_reward_coef: float = 0.0, adaptive_kl: bool = False) -> None:
         self.rollout_index = 0
         self.skipped = 0
         self.prompts_per_step, self.num_prompts = prompts_per_step, num_prompts
         self.entropy_coef, self.adaptive_entropy = entropy_coef, adaptive_entropy
+        self.kl_in_reward_coef, self.adaptive_kl = kl_in_reward_coef, adaptive_kl
 
     def state_dict(self) -> dict[str, Any]:
-        """Next rollout index, rollouts skipped so far, the sizes they are relative to, and the
-        entropy bonus's coefficient (moved by --rl.adaptive_entropy)."""
+        """Next rollout index, rollouts skipped so far, the sizes they are relative to, the
+        entropy bonus's coefficient (moved by --rl.adaptive_entropy) and the KL-in-reward
+        coefficient (moved by --rl.kl_in_reward_target)."""
         return {"rollout_index": self.rollout_index, "skipped": self.skipped,
                 "prompts_per_step": self.prompts_per_step, "num_prompts": self.num_prompts,
-                "entropy_coef": self.entropy_coef}
+                "entropy_coef": self.entropy_coef, "kl_in_reward_coef": self.kl_in_reward_coef}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at a saved position (with the same prompts and prompts per step)."""
@@ -149,6 +153,8 @@ class ControllerState:
         self.rollout_index, self.skipped = int(state["rollout_index"]), int(state["skipped"])
         if self.adaptive_entropy and "entropy_coef" in state:  # else the flag's value holds
             self.entropy_coef = float(state["entropy_coef"])
+        if self.adaptive_kl and "kl_in_reward_coef" in state:
+            self.kl_in_reward_coef = float(state["kl_in_reward_coef"])
 
 
 class ReferencePolicy:
@@ -232,6 +238,10 @@ class RLTrainer(TrainingLoop):
     """The generator ranks of a disaggregated run (--rl.generator_ranks); None: colocated."""
     critic: Critic | None = None
     """PPO's critic (--rl.advantage_estimator gae); None for the other estimators."""
+    _kl_in_reward_used = 0.0
+    """The KL-in-reward coefficient the last rollout's rewards were penalized with."""
+    _kl_in_reward_kl = 0.0
+    """The KL to the reference the last rollout measured (--rl.kl_in_reward_target steers it)."""
 
     def __init__(self, config: RLConfig, *, model_spec: ModelSpec) -> None:
         super().__init__(config, model_spec=model_spec)
@@ -245,7 +255,9 @@ class RLTrainer(TrainingLoop):
         if cfg.rl.eval_freq > 0 and not self.eval_prompts:
             logger.info("no held-out prompts (--rl_data.eval_path): the run is not evaluated")
         self.state = ControllerState(prompts_per_step=cfg.rl.prompts_per_step, num_prompts=len(train_prompts),
-                                     entropy_coef=cfg.rl.entropy_coef, adaptive_entropy=cfg.rl.adaptive_entropy)
+                                     entropy_coef=cfg.rl.entropy_coef, adaptive_entropy=cfg.rl.adaptive_entropy,
+                                     kl_in_reward_coef=cfg.rl.kl_in_reward_coef,
+                                     adaptive_kl=cfg.rl.kl_in_reward_target is not None)
         self.engine.add_state("rl_controller", self.state)
         self.warmup_loader = self._build_warmup_loader()
         self.sampling = dataclasses.replace(cfg.sampling, n=cfg.rl.group_size)
@@ -650,9 +662,7 @@ class RLTrainer(TrainingLoop):
         record["padding_fraction"] = padding_fraction([b for *_, batches in minibatches for b in batches])
         record.update(critic_stats)
         if cfg.rl.kl_in_reward_coef:  # what the KL in the reward took from a completion's reward, on average
-            penalties = [float(p.sum()) for group in kl_in_reward_penalties(
-                rollout, cfg.rl.kl_in_reward_coef, cfg.rl.kl_in_reward_estimator) for p in group]
-            record["kl_in_reward"] = sum(penalties) / max(len(penalties), 1)
+            record.update(self._kl_in_reward_stats(rollout))
         if entropy_cut is not None:
             record["entropy_cut"] = entropy_cut
         if cfg.rl.adaptive_entropy:
@@ -678,10 +688,37 @@ class RLTrainer(TrainingLoop):
             )
         if self.critic is not None:
             rollout.values = self._critic_values(rollout)
-        options = cfg.rl.advantage_options()
+        options = {**cfg.rl.advantage_options(), "kl_in_reward_coef": self.state.kl_in_reward_coef}
         if every_group:
             options["drop_zero_variance"] = False
-        return rollout, rollout_rows(rollout, mask_truncated=cfg.rl.mask_truncated, **options), behind
+        rows = rollout_rows(rollout, mask_truncated=cfg.rl.mask_truncated, **options)
+        self._kl_in_reward_used = self.state.kl_in_reward_coef
+        self._adapt_kl_in_reward_coef(rollout)
+        return rollout, rows, behind
+
+    def _adapt_kl_in_reward_coef(self, rollout: Rollout) -> None:
+        """--rl.kl_in_reward_target: move the KL-in-reward coefficient by the KL this rollout
+        measured (its rewards were penalized with the coefficient as it stood, as verl does),
+        on every rank alike (the same rollout). Logged with the rollout's record."""
+        rl = self.config.rl
+        if not rl.kl_in_reward_coef:
+            return
+        current, completions = mean_token_kl(rollout, rl.kl_in_reward_estimator)
+        self._kl_in_reward_kl = current
+        if rl.kl_in_reward_target is not None and completions:  # nothing is measured before the reference is taken
+            self.state.kl_in_reward_coef = adapted_kl_coef(
+                self.state.kl_in_reward_coef, current, target=rl.kl_in_reward_target, horizon=rl.kl_in_reward_horizon,
+                completions=completions)
+
+    def _kl_in_reward_stats(self, rollout: Rollout) -> dict[str, float]:
+        """What the KL in the reward took from a completion's reward on average
+        (``kl_in_reward``), the coefficient it was taken with and the KL measured (the
+        per-token mean per completion, averaged: what --rl.kl_in_reward_target steers)."""
+        coef = self._kl_in_reward_used
+        penalties = [float(p.sum()) for group in kl_in_reward_penalties(
+            rollout, coef, self.config.rl.kl_in_reward_estimator) for p in group]
+        return {"kl_in_reward": sum(penalties) / max(len(penalties), 1), "kl_in_reward_coef": coef,
+                "kl_in_reward_kl": self._kl_in_reward_kl}
 
     def critic_warmup_step(self) -> dict[str, Any]:
         """One rollout of --rl.critic_warmup: the critic trains on it as after a policy update
@@ -695,6 +732,8 @@ class RLTrainer(TrainingLoop):
         self.critic.warmed_up += 1
         record = {"step": engine.step, "phase": "critic_warmup", "warmup_rollout": self.critic.warmed_up,
                   "rollout_index": self.state.rollout_index, **rollout_stats(rollout)}
+        if cfg.rl.kl_in_reward_coef:
+            record.update(self._kl_in_reward_stats(rollout))
         if any(r.train and r.token_ids for r in rows):  # else nothing to regress on: the rollout still counts
             record.update(self.critic.update(self._minibatches(rows, row_index=False), epochs=cfg.rl.ppo_epochs,
                                              rows=rows))

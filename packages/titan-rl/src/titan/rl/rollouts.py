@@ -180,6 +180,27 @@ def kl_in_reward_penalties(rollout: Rollout, coef: float, estimator: str = "k1")
     return out
 
 
+def mean_token_kl(rollout: Rollout, estimator: str = "k1") -> tuple[float, int]:
+    """The KL of a rollout's completions to the reference (``rollout.ref_logprobs``): each
+    completion's per-token mean of ``estimator``, averaged over the completions with tokens;
+    and how many those are (verl's ``current_kl`` and batch size for its adaptive controller).
+    ``(0.0, 0)`` before the reference is taken."""
+    if rollout.ref_logprobs is None:
+        return 0.0, 0
+    means = [float(kl.mean()) for group in kl_in_reward_penalties(rollout, 1.0, estimator) for kl in group if len(kl)]
+    return (sum(means) / len(means) if means else 0.0), len(means)
+
+
+def adapted_kl_coef(coef: float, current_kl: float, *, target: float, horizon: int, completions: int) -> float:
+    """The adaptive KL controller of Ziegler et al. 2019 (verl's ``kl_ctrl.type adaptive``,
+    OpenRLHF's ``--kl_target``): ``coef`` times ``1 + e x completions / horizon``, with ``e`` the
+    measured KL's relative error to ``target`` clipped to [-0.2, 0.2]: the coefficient grows
+    while the policy drifts further than the target from the reference and shrinks while it
+    stays closer."""
+    error = min(max(current_kl / target - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * completions / horizon)
+
+
 def completion_advantages(rollout: Rollout, *, normalize_std: bool = True, drop_zero_variance: bool = True,
                           estimator: str = "grpo", std: str = "population", std_scope: str = "group",
                           aggregation: str = "sum_then_normalize", term_weights: Mapping[str, float] | None = None,
