@@ -342,10 +342,12 @@ def test_every_rank_runs_its_own_vllm_engine_in_the_trainers_group(tmp_path):
     prompts; weights reach both engines after every update (trainer and vLLM log-probs agree
     on every on-policy step), each rank rescores its half with its KL reference, and the run
     ends without vLLM destroying the trainer's groups twice. PPO's critic (gae), a second
-    engine on the trainer's group, scores and trains beside the two vLLM engines."""
+    engine on the trainer's group, scores and trains beside the two vLLM engines, first alone
+    on 2 rollouts (--rl.critic_warmup); the KL in the reward adapts its coefficient."""
     output, rows = run_vllm_rl(2, tmp_path / "rl", "--rl.colocated_generation", "every_rank", "--rl.eval_prompts", "5",
                                "--rl.kl_coef", "0.05", "--rl.no_drop_zero_variance", "--rl.advantage_estimator", "gae",
-                               "--rl.critic_lr", "1e-3")
+                               "--rl.critic_lr", "1e-3", "--rl.critic_warmup", "2", "--rl.kl_in_reward_coef", "0.02",
+                               "--rl.kl_in_reward_target", "0.01", "--rl.kl_in_reward_horizon", "100")
     assert "every rank generates: each of the 2 ranks" in output
     assert "Invalid process group" not in output, output[-3000:]
     rl = [r for r in rows if r.get("phase") == "rl"]
@@ -354,6 +356,11 @@ def test_every_rank_runs_its_own_vllm_engine_in_the_trainers_group(tmp_path):
     assert max(r["logprob_diff_max"] for r in rl) <= 1e-5
     assert rl[-1]["kl"] > 0  # each rank's reference rescored its half
     assert all(r["value_loss"] > 0 for r in rl) and len({r["values_mean"] for r in rl}) == len(rl)
+    warmup = [r for r in rows if r.get("phase") == "critic_warmup"]
+    assert [(r["step"], r["warmup_rollout"]) for r in warmup] == [(2, 1), (2, 2)]
+    assert all(r["value_loss"] > 0 for r in warmup) and rl[0]["kl"] == pytest.approx(0, abs=1e-6)
+    coefs = [r["kl_in_reward_coef"] for r in warmup + rl]
+    assert coefs[0] == 0.02 and len(set(coefs)) == len(coefs)
     # 5 held-out prompts over 2 ranks (3 + 2): an exact match rate is a multiple of 1/5.
     assert [e["step"] for e in evals] == [2, 6, 8]
     assert all(abs(e["eval_exact_match"] * 5 - round(e["eval_exact_match"] * 5)) < 1e-9 for e in evals)
