@@ -750,10 +750,13 @@ class RLTrainer(TrainingLoop):
         total = self.config.rl.critic_warmup
         while self.critic is not None and self.critic.warmed_up < total:
             record = self.critic_warmup_step()
-            if self.is_rank0:
+            if self.is_rank0 and "value_loss" in record:
                 logger.info("critic warm-up %d/%d (policy at step %d): value loss %.4g, explained variance %.3f",
-                            self.critic.warmed_up, total, self.engine.step, record.get("value_loss", float("nan")),
-                            record.get("value_explained_var", float("nan")))
+                            self.critic.warmed_up, total, self.engine.step, record["value_loss"],
+                            record["value_explained_var"])
+            elif self.is_rank0:  # e.g. dynamic sampling dropped every group
+                logger.info("critic warm-up %d/%d (policy at step %d): no completion to train on",
+                            self.critic.warmed_up, total, self.engine.step)
             records.append(self.log_record(record))
             if self.critic.warmed_up < total and guard.requested():
                 # The step may be saved already (the SFT warm-up's last): the warm-up since is not.
