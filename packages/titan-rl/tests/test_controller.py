@@ -497,9 +497,10 @@ def test_critic_warmup_trains_the_critic_alone_and_a_preempted_warmup_resumes_it
     not move: the KL to the reference it started as is exactly 0 at the first RL step. A
     SIGTERM during the warm-up saves the count so far with the step, replacing that step's
     checkpoint (saved at the end of the SFT warm-up, before the critic's); the same command
-    resumes the count (not from 0), and its warm-up and RL records equal a straight run's."""
+    resumes the count (not from 0), and its warm-up and RL records equal a straight run's.
+    --rl.critic_epochs sets the critic's passes apart from the policy's."""
     flags = [*SHORT, "--training.steps", "4", "--debug.deterministic", "--rl.kl_coef", "0.05", *GAE,
-             "--checkpoint.enable", "--checkpoint.interval", "2"]
+             "--checkpoint.enable", "--checkpoint.interval", "2", "--rl.critic_epochs", "3"]
     stopped = tmp_path / "stopped"
     returncode, err = _sigterm_after_records(stopped, [*flags, "--rl.critic_warmup", "400"], 4)
     assert returncode == 0 and "stopped at step 2" in err, err[-3000:]
@@ -517,6 +518,8 @@ def test_critic_warmup_trains_the_critic_alone_and_a_preempted_warmup_resumes_it
     assert [(r["phase"], r["step"]) for r in rows] == [("critic_warmup", 2)] * (len(done) + 2) + [("rl", 3), ("rl", 4)]
     assert all(r["value_grad_norm"] > 0 and r["rollout_index"] == r["warmup_rollout"] for r in rows[:-2])
     assert rows[-2]["kl"] == 0 and rows[-1]["kl"] > 0  # the policy first moves at step 3
+    # --rl.critic_epochs 3: three critic steps per rollout, warm-up or not; the policy takes one.
+    assert all(r["value_updates"] == 3 for r in rows) and [r["updates"] for r in rows[-2:]] == [1, 1]
     keys = ("warmup_rollout", "rollout_index", "value_loss", "values_mean", "reward_mean", "loss", "kl", "grad_norm")
     tail = [[r.get(k) for k in keys] for r in records(stopped)[sft + len(done):]]
     assert tail == [[r.get(k) for k in keys] for r in rows[len(done):]], (tail, rows)

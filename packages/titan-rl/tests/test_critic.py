@@ -183,13 +183,17 @@ def test_critic_flags_are_refused_without_gae_and_checked_with_it():
     from titan.recipes.cli import parse_train_args
 
     for flag, value in (("gae_lambda", 0.95), ("critic_lr", 1e-4), ("value_clip", 0.2), ("critic_model", "rm"),
-                        ("critic_warmup", 2)):
+                        ("critic_warmup", 2), ("critic_epochs", 2)):
         with pytest.raises(ValueError, match=f"--rl.{flag} is read by the critic of --rl.advantage_estimator gae"):
             RLSection(**{flag: value})
     with pytest.raises(ValueError, match="--rl.gae_lambda must be in"):
         RLSection(advantage_estimator="gae", gae_lambda=1.5)
     with pytest.raises(ValueError, match="--rl.critic_lr and --rl.value_clip must be > 0"):
         RLSection(advantage_estimator="gae", value_clip=0.0)
+    with pytest.raises(ValueError, match="--rl.critic_epochs must be >= 1, got 0"):
+        RLSection(advantage_estimator="gae", critic_epochs=0)
+    assert RLSection(advantage_estimator="gae", ppo_epochs=2).critic_passes == 2
+    assert RLSection(advantage_estimator="gae", ppo_epochs=2, critic_epochs=3).critic_passes == 3
     with pytest.raises(ValueError, match="--rl.critic_warmup counts rollouts and must be >= 0, got -1"):
         RLSection(advantage_estimator="gae", critic_warmup=-1)
     with pytest.raises(ValueError, match="gae whitens over the rollout's tokens"):

@@ -158,6 +158,9 @@ class RLSection:
     folder or Hub id of the policy's family, any size over the policy's tokenizer, one label;
     OpenRLHF's critic_pretrain), its architecture and weights, in place of the policy's weights
     RL starts from with a fresh score head."""
+    critic_epochs: int | None = None
+    """gae: passes of the critic over each rollout's minibatches, one optimizer step per
+    minibatch and pass (verl's critic.ppo_epochs); None: --rl.ppo_epochs, as the policy."""
     critic_warmup: int = 0
     """gae: rollouts the critic trains on before the policy's first update (verl's
     trainer.critic_warmup), so a fresh score head is a baseline before it weighs advantages.
@@ -499,7 +502,7 @@ class RLSection:
     def _check_critic(self) -> None:
         """The critic's flags are read with gae only, and must be in range."""
         gae = self.advantage_estimator == "gae"
-        for flag in ("gae_lambda", "critic_lr", "value_clip", "critic_model", "critic_warmup"):
+        for flag in ("gae_lambda", "critic_lr", "value_clip", "critic_model", "critic_epochs", "critic_warmup"):
             if not gae and getattr(self, flag) != getattr(RLSection, flag):
                 raise ValueError(f"--rl.{flag} is read by the critic of --rl.advantage_estimator gae, which this run "
                                  f"does not use (it uses {self.advantage_estimator}): set gae or drop the flag")
@@ -508,6 +511,8 @@ class RLSection:
                              "--rl.normalize_std")
         if not 0 <= self.gae_lambda <= 1:
             raise ValueError(f"--rl.gae_lambda must be in [0, 1], got {self.gae_lambda}")
+        if self.critic_epochs is not None and self.critic_epochs < 1:
+            raise ValueError(f"--rl.critic_epochs must be >= 1, got {self.critic_epochs}")
         if self.critic_warmup < 0:
             raise ValueError(f"--rl.critic_warmup counts rollouts and must be >= 0, got {self.critic_warmup}")
         if self.critic_lr <= 0 or self.value_clip <= 0:
@@ -518,6 +523,11 @@ class RLSection:
         """Whether the run keeps a frozen reference policy: for the KL term of the loss or the
         KL in the reward."""
         return self.kl_coef > 0 or self.kl_in_reward_coef > 0
+
+    @property
+    def critic_passes(self) -> int:
+        """The critic's passes over each rollout (--rl.critic_epochs, else --rl.ppo_epochs)."""
+        return self.ppo_epochs if self.critic_epochs is None else self.critic_epochs
 
     @property
     def updates_per_rollout(self) -> int:

@@ -641,7 +641,7 @@ class RLTrainer(TrainingLoop):
                 self._adapt_entropy_coef(reduced)
                 losses.append(reduced.pop("loss"))
                 combine_stats(totals, reduced)
-        critic_stats = self.critic.update(minibatches, epochs=cfg.rl.ppo_epochs, rows=rows) if self.critic else {}
+        critic_stats = self.critic.update(minibatches, epochs=cfg.rl.critic_passes, rows=rows) if self.critic else {}
         self.timings["train_s"] += time.perf_counter() - start
         self.timings["generation_s"] += rollout.generation_s
         self._record_completions(rollout, engine.step)
@@ -722,7 +722,7 @@ class RLTrainer(TrainingLoop):
 
     def critic_warmup_step(self) -> dict[str, Any]:
         """One rollout of --rl.critic_warmup: the critic trains on it as after a policy update
-        (--rl.ppo_epochs passes over --rl.minibatches_per_rollout minibatches), the policy does
+        (--rl.critic_epochs passes over --rl.minibatches_per_rollout minibatches), the policy does
         not; returns its record (phase ``critic_warmup``, at the step the policy stands at).
         Groups of equal rewards train too: their returns are targets all the same (what they
         lack is a policy-gradient signal against their group)."""
@@ -735,7 +735,7 @@ class RLTrainer(TrainingLoop):
         if cfg.rl.kl_in_reward_coef:
             record.update(self._kl_in_reward_stats(rollout))
         if any(r.train and r.token_ids for r in rows):  # else nothing to regress on: the rollout still counts
-            record.update(self.critic.update(self._minibatches(rows, row_index=False), epochs=cfg.rl.ppo_epochs,
+            record.update(self.critic.update(self._minibatches(rows, row_index=False), epochs=cfg.rl.critic_passes,
                                              rows=rows))
         self.timings["train_s"] += time.perf_counter() - start
         self.timings["generation_s"] += rollout.generation_s

@@ -253,8 +253,9 @@ class Critic:
         ``minibatches`` (each ``(normalizer, completion tokens, this rank's microbatches)``,
         whose batches carry ``returns`` and ``old_values``), one optimizer step each.
         Returns the token means of the loss and clip fraction over every pass, the mean
-        gradient norm, and from the trained ``rows`` the mean value, the mean return and the
-        explained variance of the returns by the old values (the same on every rank)."""
+        gradient norm, the optimizer steps taken, and from the trained ``rows`` the mean
+        value, the mean return and the explained variance of the returns by the old values
+        (the same on every rank)."""
         engine = self.engine
         device = engine.device
         totals = {"loss": torch.zeros((), dtype=torch.float64, device=device),
@@ -277,7 +278,7 @@ class Critic:
         variance = returns.var(unbiased=False) if len(returns) else torch.zeros(())
         explained = 1.0 - float((returns - old).var(unbiased=False) / variance) if variance > 0 else 0.0
         return {"value_loss": float(sums[0]) / max(tokens, 1.0), "value_clipfrac": float(sums[1]) / max(tokens, 1.0),
-                "value_grad_norm": sum(norms) / max(len(norms), 1),
+                "value_grad_norm": sum(norms) / max(len(norms), 1), "value_updates": len(norms),
                 "values_mean": float(old.mean()) if len(old) else 0.0,
                 "returns_mean": float(returns.mean()) if len(returns) else 0.0, "value_explained_var": explained}
 
