@@ -134,7 +134,8 @@ def test_update_fits_the_returns_and_reports_its_statistics(tmp_path):
         errors.append(error())
     assert errors[-1] < errors[0], errors  # a sign error or a step that never happens would not fall
     assert set(stats) == {"value_loss", "value_clipfrac", "value_grad_norm", "values_mean", "returns_mean",
-                          "value_explained_var"}
+                          "value_explained_var", "value_updates"}
+    assert stats["value_updates"] == 4 * len(_minibatches(rows))  # one optimizer step per minibatch and pass
     assert stats["value_clipfrac"] == 0.0 and stats["returns_mean"] == pytest.approx(0.5)
     assert stats["values_mean"] == pytest.approx(sum(sum(r.values) for r in rows) / 4)
     assert stats["value_loss"] > 0 and stats["value_grad_norm"] > 0
