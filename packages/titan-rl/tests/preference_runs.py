@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
 from typing import Any
 
 
@@ -22,3 +24,19 @@ def tiny_run(cfg: Any, tmp_path, *, steps: int, examples: int) -> Any:
     cfg.metrics.enable_progress_bar = False
     cfg.job.dump_folder = str(tmp_path / "run")
     return cfg
+
+
+def trained(trainer: Any) -> list[dict]:
+    """Train ``trainer`` to its last step and close it; the records it logged."""
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def resumed_without_the_last_save(build: Callable[[], Any], tmp_path, *, last_step: int) -> list[dict]:
+    """What a run in ``tmp_path`` logs when its checkpoint of ``last_step`` and its metrics
+    are gone: a fresh trainer from ``build()`` resumes from the save before and trains on."""
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / f"step-{last_step}")
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    return trained(build())

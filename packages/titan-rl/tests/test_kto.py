@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from preference_runs import tiny_run
+from preference_runs import resumed_without_the_last_save, tiny_run, trained
 from titan.rl.kto import KTOConfig, KTOSection, KTOTrainer
 from titan.rl.kto_data import KL_SHIFT, KTODataConfig, build_kto_source
 from titan.rl.preference_data import build_preference_dataloader
@@ -162,25 +162,17 @@ def test_bco_learns_and_a_resume_continues_its_baseline(tmp_path):
     """BCO separates the labels (the reward margin grows from 0), and its running baseline is
     checkpointed: a run resumed from step 3 logs the uninterrupted run's losses and deltas; a
     baseline restarted from 0 would move the resumed losses."""
-    import shutil
-
     cfg = _config(tmp_path, steps=6)
     cfg.kto.loss_type = "bco"
     cfg.checkpoint.enable, cfg.checkpoint.interval = True, 3
-    trainer = KTOTrainer(cfg, model_spec=model_spec("llama3"))
-    try:
-        full = trainer.train()
-    finally:
-        trainer.close()
+
+    def build() -> KTOTrainer:
+        return KTOTrainer(cfg, model_spec=model_spec("llama3"))
+
+    full = trained(build())
     assert full[0]["rewards_margins"] == 0 and full[-1]["rewards_margins"] > 0.1, [r["rewards_margins"] for r in full]
     assert all(r["delta"] != 0 for r in full[1:])
-    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-6")
-    (tmp_path / "run" / "metrics.jsonl").unlink()
-    trainer = KTOTrainer(cfg, model_spec=model_spec("llama3"))
-    try:
-        resumed = trainer.train()
-    finally:
-        trainer.close()
+    resumed = resumed_without_the_last_save(build, tmp_path, last_step=6)
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for got, want in zip(resumed, full[3:], strict=True):
         assert (got["loss"], got["delta"], got["rewards_margins"]) == (want["loss"], want["delta"], want["rewards_margins"])

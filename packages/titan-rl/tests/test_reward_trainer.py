@@ -5,12 +5,11 @@ Bradley-Terry one by hand."""
 from __future__ import annotations
 
 import math
-import shutil
 
 import numpy as np
 import pytest
 import torch
-from preference_runs import tiny_run
+from preference_runs import resumed_without_the_last_save, tiny_run
 from titan.rl.reward_data import RewardDataConfig, encode_scored
 from titan.rl.reward_trainer import (
     RewardConfig,
@@ -187,13 +186,8 @@ def test_resume_continues_exactly(tmp_path):
         assert not {"dpo_reference", "dpo_eval_reference"} & set(trainer.checkpointer.states)  # no reference
     finally:
         trainer.close()
-    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-4")
-    (tmp_path / "run" / "metrics.jsonl").unlink()
-    trainer = RewardTrainer(cfg, model_spec=model_spec("llama3"))
-    try:
-        resumed = trainer.train()
-    finally:
-        trainer.close()
+    resumed = resumed_without_the_last_save(lambda: RewardTrainer(cfg, model_spec=model_spec("llama3")), tmp_path,
+                                            last_step=4)
     assert [r["step"] for r in resumed] == [3, 4]
     for got, want in zip(resumed, full[2:], strict=True):
         assert (got["loss"], got["rewards_margins"], got["pairs"]) == (want["loss"], want["rewards_margins"],

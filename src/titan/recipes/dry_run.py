@@ -246,20 +246,27 @@ def _measured_blocks(config: TrainerConfig, dims: ParallelDims, unconverted, con
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def rl_model_copies(config: Any) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """The whole model copies a ``titan rl`` run keeps beside the trainer's shards: (those
-    every trainer rank holds, those rank 0 adds), each as (name, bytes). Colocated, the
-    generator (native: float32; vLLM: its dtype plus its KV cache) on rank 0, or on every rank
-    with every_rank generation; the KL reference (a float32 native copy) where the generator
-    is. A teacher (another model) and the generators' activations are not counted; PPO's
-    critic is sharded as the policy is (:func:`_largest_rank` adds it). Empty for other runs."""
-    rl = getattr(config, "rl", None)
-    if rl is None or not hasattr(rl, "advantage_estimator"):
-        return [], []
+def _is_rl(config: Any) -> bool:
+    """Whether ``config`` is a ``titan rl`` run's."""
+    return hasattr(getattr(config, "rl", None), "advantage_estimator")
+
+
+def _policy_params(config: Any) -> int:
+    """The parameter count of the recipe's model (built on the meta device)."""
     build, _, _ = model_builder(config)
     with torch.device("meta"):
-        model = build()
-    params = sum(p.numel() for p in model.parameters())
+        return sum(p.numel() for p in build().parameters())
+
+
+def rl_model_copies(config: Any, params: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """The whole model copies a ``titan rl`` run of a ``params``-parameter policy keeps beside
+    the trainer's shards: (those every trainer rank holds, those rank 0 adds), each as (name,
+    bytes). Colocated, the generator (native: float32; vLLM: its dtype plus its KV cache) on
+    rank 0, or on every rank with every_rank generation; the KL reference (a float32 native
+    copy) where the generator is. A teacher (another model) and the generators' activations
+    are not counted; PPO's critic is sharded as the policy is (:func:`with_rl_models` adds
+    it)."""
+    rl = config.rl
     gen = config.generator
     generator = params * 4 if gen.kind == "native" else params * _DTYPE_BYTES[gen.dtype] + gen.kv_cache_memory_bytes
     where_generated: list[tuple[str, int]] = []
@@ -271,19 +278,20 @@ def rl_model_copies(config: Any) -> tuple[list[tuple[str, int]], list[tuple[str,
     return (where_generated, []) if every_rank else ([], where_generated)
 
 
-def _critic_scale(config: Any) -> float:
-    """PPO's critic's parameters over the policy's: 1, or for --rl.critic_model (a local
-    folder; its ``config.json`` is the critic's architecture) their ratio."""
+def _critic_scale(config: Any, params: int) -> float:
+    """PPO's critic's parameters over the ``params`` of the policy: 1, or for
+    --rl.critic_model (a local folder; its ``config.json`` is the critic's architecture) their
+    ratio."""
     folder = config.rl.critic_model
     if not folder or not os.path.isdir(folder):
         return 1.0
     from titan.rl.critic import CRITIC_FLAVOR, reward_model_spec
 
-    build, vocab, _ = model_builder(config)
+    _, vocab, _ = model_builder(config)
     critic_spec, _ = reward_model_spec(folder, model_spec_for(config), vocab)
     with torch.device("meta"):
-        policy, critic = build(), critic_spec.build(CRITIC_FLAVOR)
-    return sum(p.numel() for p in critic.parameters()) / sum(p.numel() for p in policy.parameters())
+        critic = critic_spec.build(CRITIC_FLAVOR)
+    return sum(p.numel() for p in critic.parameters()) / params
 
 
 def _with_copies(estimate: RankEstimate, copies: list[tuple[str, int]]) -> RankEstimate:
@@ -297,12 +305,15 @@ def _with_copies(estimate: RankEstimate, copies: list[tuple[str, int]]) -> RankE
 def with_rl_models(config: Any, estimates: list[RankEstimate]) -> list[RankEstimate]:
     """The dry run's per-pipeline-rank ``estimates`` with what a ``titan rl`` run holds beside
     the policy's shards (:func:`rl_model_copies`, PPO's critic); unchanged for other runs."""
-    shared, rank0 = rl_model_copies(config)
-    if getattr(getattr(config, "rl", None), "advantage_estimator", None) == "gae":
+    if not _is_rl(config):
+        return estimates
+    params = _policy_params(config)
+    shared, rank0 = rl_model_copies(config, params)
+    if config.rl.advantage_estimator == "gae":
         # PPO's critic: a second model sharded as the policy, with its gradients and optimizer
         # states (its score head in place of the LM head: counted as the policy's, an upper
         # bound), scaled to a reward model's size when it starts from one.
-        scale = _critic_scale(config)
+        scale = _critic_scale(config, params)
         estimates = [_with_copies(e, [("critic", int(e.state_bytes * scale))]) for e in estimates]
     estimates = [_with_copies(e, shared) for e in estimates]
     estimates[0] = _with_copies(estimates[0], rank0)  # pipeline rank 0 holds global rank 0
@@ -313,12 +324,7 @@ def dry_run_main(config: TrainerConfig, world_size: int) -> int:
     """Run the dry run for the CLI: a user error prints its message and returns 2."""
     start = time.perf_counter()
     try:
-        estimates = run_dry_run(config, world_size)
-    except ValueError as err:
-        print(f"titan dry-run: {err}", file=sys.stderr)
-        return 2
-    try:
-        estimates = with_rl_models(config, estimates)
+        estimates = with_rl_models(config, run_dry_run(config, world_size))
     except ValueError as err:
         print(f"titan dry-run: {err}", file=sys.stderr)
         return 2

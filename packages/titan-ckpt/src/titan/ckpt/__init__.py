@@ -13,6 +13,7 @@ from titan.ckpt.stateful import (
     RNGState,
     TrainState,
     plain_tensor,
+    shard_like,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "load_hf",
     "save_dcp_model",
     "save_hf",
+    "shard_like",
 ]

@@ -20,13 +20,13 @@ import torch.nn as nn
 from titan.ckpt import hf, layout, torchtitan
 from titan.ckpt.config import CheckpointConfig
 from titan.ckpt.errors import CheckpointError, check_state_matches, flatten_state
-from titan.ckpt.stateful import ModelWrapper, RankLocal, RNGState
+from titan.ckpt.stateful import ModelWrapper, RankLocal, RNGState, shard_like
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 __all__ = ["CheckpointManager"]
 
@@ -429,7 +429,7 @@ class CheckpointManager:
         for key in torchtitan.relayout_keys(self.hf_adapter, values):
             value = values[key]
             whole = value.full_tensor() if isinstance(value, DTensor) else value
-            values[key] = _like(self.hf_adapter.from_torchtitan({key: whole})[key], value)
+            values[key] = shard_like(self.hf_adapter.from_torchtitan({key: whole})[key], value)
 
     def _raise_if_any(self, problem: str | None) -> None:
         """Raise `CheckpointError` on every rank when any rank found a problem (the lowest
@@ -463,7 +463,7 @@ class CheckpointManager:
                 check_state_matches("model", {k: template[k] for k in block}, block, where=path)  # shapes
                 # Loading has no collectives (the values become this rank's shards locally), so
                 # a rank that stops on a problem leaves no other waiting.
-                self.model.load_state_dict({k: _like(v, template[k]) for k, v in block.items()})
+                self.model.load_state_dict({k: shard_like(v, template[k]) for k, v in block.items()})
                 loaded.update(block)
                 nbytes += hf._nbytes(hf_block.values())
                 progress.advance(nbytes)
@@ -945,14 +945,3 @@ def _without_aliases(state_dict: dict[str, Any]) -> dict[str, Any]:
             seen.add(identity)
         unique[key] = value
     return unique
-
-
-def _like(full: torch.Tensor, template: Any) -> Any:
-    """`full` in the dtype, device and sharding of `template` (a tensor or DTensor)."""
-    if isinstance(template, DTensor):
-        full = full.to(device=template.device, dtype=template.dtype)
-        # src_data_rank=None: every rank already holds the full tensor, so slice locally
-        # instead of broadcasting from rank 0.
-        return distribute_tensor(full, template.device_mesh, template.placements,
-                                 src_data_rank=None)
-    return full.to(device=template.device, dtype=template.dtype)

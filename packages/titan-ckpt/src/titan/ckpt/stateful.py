@@ -22,9 +22,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["ModelWrapper", "OptimizerWrapper", "RNGState", "RankLocal", "TrainState", "plain_tensor"]
+
+
+def shard_like(full: torch.Tensor, template: Any) -> Any:
+    """``full`` (a whole tensor every rank holds) in the dtype, device and sharding of
+    ``template`` (a tensor or DTensor): each rank slices its own shard, nothing is
+    communicated."""
+    if isinstance(template, DTensor):
+        full = full.to(device=template.device, dtype=template.dtype)
+        # src_data_rank=None: every rank already holds the full tensor, so slice locally
+        # instead of broadcasting from rank 0.
+        return distribute_tensor(full, template.device_mesh, template.placements, src_data_rank=None)
+    return full.to(device=template.device, dtype=template.dtype)
 
 
 def plain_tensor(value: Any) -> Any:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from titan.ckpt.stateful import ModelWrapper, OptimizerWrapper
+from titan.ckpt.stateful import ModelWrapper, OptimizerWrapper, shard_like
 from titan.rl.reward_trainer import with_score_head
 from titan.rl.rollouts import Row, build_packed_batch, split_rows
 from titan.train.lr_scheduler import LRSchedulerConfig
@@ -166,11 +166,7 @@ class Critic:
                 if tuple(full.shape) != tuple(tensor.shape):
                     raise ValueError(f"--rl.critic_model {folder} is not shaped like the policy with one score column: "
                                      f"{name} {tuple(full.shape)} (the critic's {tuple(tensor.shape)})")
-                if isinstance(tensor, DTensor):
-                    from torch.distributed.tensor import distribute_tensor
-
-                    full = distribute_tensor(full.to(tensor.device, tensor.dtype), tensor.device_mesh, tensor.placements)
-                _local(tensor).copy_(_local(full))
+                _local(tensor).copy_(_local(shard_like(full, tensor)))  # this rank's shard, sliced locally
         self.taken = True
 
     # ---- values ---------------------------------------------------------------------------
