@@ -1,4 +1,4 @@
-"""The ``titan`` command: ``titan train|sft|rl|dpo|kto|reward --config <recipe> [--section.field value ...]``.
+"""The ``titan`` command: ``titan train|sft|rl|dpo|kto|reward|gkd --config <recipe> [--section.field value ...]``.
 
 The recipe decides the command line: the flag sections are the fields of the config type the
 recipe returns, and the loop that runs it is the one registered for that type in
@@ -63,6 +63,7 @@ USAGE = """usage: titan train [--config RECIPE] [--section.field VALUE ...] [--d
        titan dpo [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
        titan kto [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
        titan reward [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
+       titan gkd [--config RECIPE] [--section.field VALUE ...] [--debug.traceback]
        titan dry-run --world_size N [--config RECIPE] [--section.field VALUE ...]
        titan plan --gpus <N>x<DEVICE> [--config RECIPE] [--json] [--top K] [--section.field VALUE ...]
        titan recipes
@@ -80,6 +81,8 @@ Commands:
             starting from the KTO recipes
   reward    train a reward model (a score head) on chosen/rejected pairs: like train,
             starting from the reward recipes; export it for `titan rl --rl.rewards model`
+  gkd       distill a teacher (--gkd.teacher_model) into the model on SFT data and on the
+            model's own completions (GKD): like train, starting from the GKD recipes
   dry-run   validate and parallelize the config for N ranks on this CPU (fake process
             group, meta device); print each pipeline rank's params and memory estimate
   plan      rank every valid parallel layout of the config's model for N devices (H100,
@@ -405,7 +408,8 @@ def parse_train_args(argv: Sequence[str], *, command: str = "train", exempt_flag
 def resolve_hub_sources(config: Any, *, weights: bool = True) -> Any:
     """Hub repository ids given as ``--checkpoint.initial_load_path`` (with
     ``--checkpoint.initial_load_in_hf``), ``--tokenizer.path`` (kind hf), the chat template
-    paths, ``--rl.reward_model``, ``--rl.teacher_model`` and ``--rl.critic_model``, as TRL takes
+    paths, ``--rl.reward_model``, ``--rl.teacher_model``, ``--rl.critic_model`` and
+    ``--gkd.teacher_model``, as TRL takes
     ``model_name_or_path``: each is replaced by the local folder of its snapshot in the Hugging
     Face cache, downloaded if needed (without ``weights``, as a dry run or plan needs it: the
     configuration and tokenizer only). Local paths are left alone. Returns ``config``."""
@@ -426,6 +430,9 @@ def resolve_hub_sources(config: Any, *, weights: bool = True) -> Any:
         rl.teacher_model = from_hub(rl.teacher_model, flag="--rl.teacher_model", patterns=MODEL_FILES)
     if weights and getattr(rl, "critic_model", None):  # OpenRLHF's critic_pretrain
         rl.critic_model = from_hub(rl.critic_model, flag="--rl.critic_model", patterns=MODEL_FILES)
+    gkd = getattr(config, "gkd", None)
+    if weights and getattr(gkd, "teacher_model", None):  # TRL's GKD teacher_model_name_or_path
+        gkd.teacher_model = from_hub(gkd.teacher_model, flag="--gkd.teacher_model", patterns=MODEL_FILES)
     return config
 
 
@@ -769,7 +776,7 @@ def data(argv: Sequence[str]) -> int:
 
 
 def _dispatch(command: str, rest: list[str]) -> int:
-    if command in ("train", "sft", "rl", "dpo", "kto", "reward"):
+    if command in ("train", "sft", "rl", "dpo", "kto", "reward", "gkd"):
         return run(rest, command=command)
     if command == "dry-run":
         world_size, rest = split_world_size_flag(rest)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from titan.rl.config import RLConfig
 from titan.rl.dpo import DPOConfig
+from titan.rl.gkd import GKDConfig
 from titan.rl.kto import KTOConfig
 from titan.rl.reward_trainer import RewardConfig
 from titan.train.config import TrainerConfig
@@ -321,6 +322,27 @@ def kto_debug() -> KTOConfig:
     return _preference_debug(KTOConfig(), "kto_debug")
 
 
+def gkd_debug() -> GKDConfig:
+    """GKD of the tiny debug model on the synthetic sort task (no download) from a teacher you
+    give (--gkd.teacher_model: e.g. sft_debug's model exported with --checkpoint.last_save_in_hf);
+    half the microbatches the student's own completions; held-out loss with --validation.enable."""
+    cfg = GKDConfig()
+    cfg.model.name = "llama3"
+    cfg.model.flavor = "debugmodel_tiny"
+    cfg.tokenizer.kind = "byte"
+    cfg.sft_data.synthetic_task = "sort"
+    cfg.sampling.max_new_tokens = 16
+    cfg.training.seq_len = 32
+    cfg.training.local_batch_size = 16
+    cfg.training.steps = 100
+    cfg.optimizer.lr = 3e-3
+    cfg.lr_scheduler.warmup_steps = 10
+    cfg.lr_scheduler.decay_ratio = 0.2
+    cfg.metrics.log_freq = 10
+    cfg.job.dump_folder = "./outputs/gkd_debug"
+    return cfg
+
+
 def reward_debug() -> RewardConfig:
     """A reward model from the tiny debug model on the synthetic sort task (no download): a score
     head ranks the right answer over a near miss (its last letter changed); rewards_accuracies
@@ -346,7 +368,7 @@ def _preference_debug(cfg: DPOConfig | KTOConfig | RewardConfig, name: str) -> D
     return cfg
 
 
-RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig | RLConfig | DPOConfig | KTOConfig | RewardConfig]] = {
+RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig | RLConfig | DPOConfig | KTOConfig | RewardConfig | GKDConfig]] = {
     "llama3_debug": llama3_debug,
     "llama3_debug_synthetic": llama3_debug_synthetic,
     "llama3_1b": llama3_1b,
@@ -371,11 +393,12 @@ RECIPES: dict[str, Callable[[], TrainerConfig | SFTConfig | RLConfig | DPOConfig
     "dpo_debug": dpo_debug,
     "kto_debug": kto_debug,
     "reward_debug": reward_debug,
+    "gkd_debug": gkd_debug,
 }
 DEFAULT_RECIPE = "llama3_debug"
 
 
-def recipe(name: str) -> TrainerConfig | SFTConfig | RLConfig | DPOConfig | KTOConfig | RewardConfig:
+def recipe(name: str) -> TrainerConfig | SFTConfig | RLConfig | DPOConfig | KTOConfig | RewardConfig | GKDConfig:
     """The config of recipe ``name``; a ValueError lists the recipes otherwise."""
     try:
         return RECIPES[name]()

@@ -46,7 +46,7 @@ RUNNERS: dict[type, Runner] = {}
 """Config type -> runner; extended with :func:`register_runner`."""
 
 DEFAULT_RECIPES: dict[str, str] = {"train": DEFAULT_RECIPE, "sft": "sft_debug", "rl": "grpo_debug", "dpo": "dpo_debug",
-                                  "kto": "kto_debug", "reward": "reward_debug"}
+                                  "kto": "kto_debug", "reward": "reward_debug", "gkd": "gkd_debug"}
 """The recipe each subcommand starts from when ``--config`` is not given."""
 
 
@@ -162,3 +162,20 @@ def _register_reward() -> None:
 
 
 _register_reward()
+
+
+def _build_gkd(config) -> Loop:
+    from titan.rl.gkd import GKDTrainer  # imported late: --help stays fast
+
+    from titan.recipes.families import model_spec_for
+
+    return GKDTrainer(config, model_spec=model_spec_for(config))
+
+
+def _register_gkd() -> None:
+    from titan.rl.gkd import GKDConfig
+
+    register_runner(GKDConfig, _build_gkd, command="gkd")
+
+
+_register_gkd()

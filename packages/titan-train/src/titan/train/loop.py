@@ -289,7 +289,8 @@ class TrainingLoop:
         global_tokens = self.engine.sum_over(local_tokens.clone(), "dp")
         rank_loss = torch.zeros((), device=self.engine.device)
         for i, mb in enumerate(microbatches):
-            rank_loss += self.engine.forward_backward(mb, self._supervised_loss, global_token_count=global_tokens,
+            rank_loss += self.engine.forward_backward(self.before_forward(mb), self._supervised_loss,
+                                                      global_token_count=global_tokens,
                                                       last_microbatch=i == len(microbatches) - 1)
         if sync:  # otherwise a non-finite loss shows in the global grad norm, checked on device
             self._check_finite(float(rank_loss))
@@ -297,6 +298,11 @@ class TrainingLoop:
         grad_norm = self.engine.optimizer_step(sync=sync)
         return StepResult(rank_loss=rank_loss, rank_tokens=local_tokens, tokens=global_tokens, grad_norm=grad_norm, lr=lr,
                           rank_aux_loss=self.engine.aux_loss_share())
+
+    def before_forward(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the loss of ``microbatch`` needs besides the model's logits, added just before
+        its forward (one microbatch at a time: e.g. a teacher's logits); the base adds nothing."""
+        return microbatch
 
     def device_tokens(self, microbatches: list[dict[str, torch.Tensor]]) -> int:
         """This device's share of the tokens of ``microbatches``: a data-parallel rank's tokens

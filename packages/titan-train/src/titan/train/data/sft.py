@@ -81,6 +81,7 @@ __all__ = [
     "build_sft_dataloader",
     "build_sft_source",
     "held_out_sft_batches",
+    "pack_row",
     "encode_chat",
     "encode_chat_prompt",
     "encode_prompt",
@@ -88,6 +89,35 @@ __all__ = [
     "synthetic_eval_pairs",
     "validate_sft_data_config",
 ]
+
+
+def pack_row(examples: Sequence[SFTExample], *, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """One row of ``seq_len`` positions: ``examples`` end to end (they must fit: an example of
+    n tokens takes n - 1 positions after the shift), then padding; the arrays of a batch row
+    (module docstring)."""
+    input_ids = np.full(seq_len, pad_id, dtype=np.int64)
+    labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+    starts = np.zeros(seq_len, dtype=bool)
+    used = 0
+    for example in examples:
+        n = len(example) - 1  # positions after the in-example shift
+        if used + n > seq_len:
+            raise ValueError(f"examples of {used + n} positions do not fit a row of {seq_len}")
+        ids, targets = example.ids, example.targets
+        input_ids[used : used + n] = ids[:-1]
+        labels[used : used + n] = np.where(targets[1:], ids[1:], IGNORE_INDEX)
+        starts[used] = True
+        used += n
+    if used < seq_len:
+        starts[used] = True  # the padding tail: its own segment, positions from 0
+    positions, document_ids = document_layout(starts[None])
+    document_ids[0, used:] = -1  # padding (see the module docstring)
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "positions": positions[0],
+        "document_ids": document_ids[0],
+    }
 
 
 class SFTPacker:
@@ -158,27 +188,7 @@ class SFTPacker:
 
     def _row(self, examples: Sequence[SFTExample]) -> dict[str, np.ndarray]:
         """A row of ``examples`` end to end (they fit), then padding."""
-        input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
-        labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
-        starts = np.zeros(self.seq_len, dtype=bool)
-        used = 0
-        for example in examples:
-            n = len(example) - 1  # positions after the in-example shift
-            ids, targets = example.ids, example.targets
-            input_ids[used : used + n] = ids[:-1]
-            labels[used : used + n] = np.where(targets[1:], ids[1:], IGNORE_INDEX)
-            starts[used] = True
-            used += n
-        if used < self.seq_len:
-            starts[used] = True  # the padding tail: its own segment, positions from 0
-        positions, document_ids = document_layout(starts[None])
-        document_ids[0, used:] = -1  # padding (see the module docstring)
-        return {
-            "input_ids": input_ids,
-            "labels": labels,
-            "positions": positions[0],
-            "document_ids": document_ids[0],
-        }
+        return pack_row(examples, seq_len=self.seq_len, pad_id=self.pad_id)
 
     @property
     def exhausted(self) -> bool:

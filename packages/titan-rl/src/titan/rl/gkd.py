@@ -1,0 +1,326 @@
+"""GKD (``titan gkd``): knowledge distillation from a teacher's whole next-token distribution,
+on the SFT data and on the student's own completions.
+
+Generalized Knowledge Distillation (Agarwal et al. 2024; TRL's ``GKDTrainer``) is
+:class:`~titan.train.sft.SFTTrainer`'s loop with another loss: at every completion token the
+generalized Jensen-Shannon divergence between the student's and the teacher's distributions
+over the vocabulary (:mod:`titan.rl.distill_loss`; ``--gkd.beta`` 0 is the forward KL, 1 the
+reverse KL), divided by the global batch's completion tokens as the SFT loss is.
+
+What each microbatch trains on:
+
+- the SFT data's completions (supervised distillation);
+- with probability ``--gkd.lmbda`` (drawn per microbatch, TRL's per-``training_step`` draw),
+  the student's own completions of the same prompts, sampled with ``--sampling.*`` by a
+  native model copy holding the student's current weights (synced from the engine on every
+  step that needs it, checked tensor by tensor): on-policy distillation, where the teacher
+  grades the mistakes the student actually makes;
+- with ``--gkd.seq_kd``, the teacher's sampled completions in place of the data's
+  (sequence-level KD), before the on-policy draw.
+
+A microbatch's rows are packed SFT examples: each example's prompt is its tokens before its
+last completion span (a chat example's earlier assistant turns stay as context), and the
+regenerated examples are packed back into rows of the same length in the same order (a
+completion that would overflow the row is cut at its end; an example left without room for
+one completion token is dropped and counted in ``gkd_dropped``).
+
+The teacher (``--gkd.teacher_model``, TRL's ``teacher_model_name_or_path``) is a Hugging Face
+folder or Hub id of the student's family, of any size, sharing its tokenizer: a whole float32
+copy on every rank, run without gradients on that rank's rows before the student's forward.
+Its logits travel with the microbatch, so context parallel hands each rank its share of them
+like any ``[B, S, ...]`` key. The draws are keyed by (seed, step, microbatch) and the sampling
+seeds by (seed, step, microbatch, data-parallel rank), so a resumed run regenerates what the
+uninterrupted run did.
+
+Logged with every record: ``on_policy`` (the share of the microbatches since the last record
+the student generated), ``gkd_generated_tokens`` (their mean completion length),
+``gkd_dropped`` (examples dropped from regenerated rows), ``generation_s`` and ``teacher_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from titan.rl.distill_loss import check_beta, gkd_loss_sum
+from titan.rl.generate.base import SamplingConfig
+from titan.train.data.chat import SFTExample
+from titan.train.data.sft import pack_row
+from titan.train.engine import MODEL_INPUT_KEYS
+from titan.train.loop import StepResult
+from titan.train.loss import IGNORE_INDEX
+from titan.train.sft import SFTConfig, SFTTrainer
+
+logger = logging.getLogger("titan")
+
+
+@dataclass(kw_only=True)
+class GKDSection:
+    """``--gkd.*``: the distillation (TRL's ``GKDConfig`` names)."""
+
+    teacher_model: str = ""
+    """The teacher: a Hugging Face folder or Hub id of the student's family (any size, the same
+    tokenizer). Required."""
+    beta: float = 0.5
+    """The generalized JSD's interpolation: 0 the forward KL (teacher || student), 1 the
+    reverse KL (student || teacher), between them the divergence to the mixture."""
+    lmbda: float = 0.5
+    """The share of microbatches the student regenerates (on-policy); 0: the data's completions
+    only (supervised distillation)."""
+    seq_kd: bool = False
+    """Train on the teacher's sampled completions in place of the data's (sequence-level KD)."""
+
+    def check(self) -> None:
+        """Refuse out-of-range values, naming the flag."""
+        if not self.teacher_model:
+            raise ValueError("titan gkd distills a teacher: set --gkd.teacher_model (a Hugging Face folder or Hub id "
+                             "of the student's family)")
+        check_beta(self.beta)
+        if not 0.0 <= self.lmbda <= 1.0:
+            raise ValueError(f"--gkd.lmbda is the share of on-policy microbatches, in [0, 1]; got {self.lmbda}")
+
+    @property
+    def generates(self) -> bool:
+        """Whether any microbatch is regenerated (by the student or the teacher)."""
+        return self.lmbda > 0 or self.seq_kd
+
+
+def _gkd_sampling() -> SamplingConfig:
+    """TRL's GKD defaults: temperature 0.9, 128 new tokens."""
+    return SamplingConfig(temperature=0.9, max_new_tokens=128)
+
+
+@dataclass(kw_only=True)
+class GKDConfig(SFTConfig):
+    """A GKD run: the SFT run's sections and data (``--sft_data.*``), the distillation
+    (``--gkd.*``) and how completions are sampled (``--sampling.*``)."""
+
+    gkd: GKDSection = field(default_factory=GKDSection)
+    sampling: SamplingConfig = field(default_factory=_gkd_sampling)
+
+
+def row_prompts(input_ids: np.ndarray, labels: np.ndarray, document_ids: np.ndarray) -> list[list[int]]:
+    """The prompt of each example packed in one row, in row order: its tokens up to the start
+    of its last completion span (the position whose label is the span's first token,
+    included). An example without a labelled token has none and is left out."""
+    prompts = []
+    for doc in np.unique(document_ids[document_ids >= 0]):
+        where = np.flatnonzero(document_ids == doc)
+        labelled = labels[where] != IGNORE_INDEX
+        if not labelled.any():
+            continue
+        span_starts = np.flatnonzero(labelled & ~np.concatenate(([False], labelled[:-1])))
+        last_start = int(span_starts[-1])
+        prompts.append(input_ids[where[: last_start + 1]].tolist())
+    return prompts
+
+
+def repack_row(prompts: list[list[int]], completions: list[list[int]], *, seq_len: int,
+               pad_id: int) -> tuple[dict[str, np.ndarray], int]:
+    """One row of ``prompt + completion`` examples (the completion the target), in order,
+    cut to ``seq_len`` positions: the completion that would overflow is cut at the row's end,
+    and examples left without room for one completion token are dropped. Returns the row and
+    the count dropped."""
+    examples, used, dropped = [], 0, 0
+    for prompt, completion in zip(prompts, completions, strict=True):
+        room = seq_len - used - len(prompt) + 1  # an example takes one position less than its tokens
+        if room < 1 or not completion:
+            dropped += 1
+            continue
+        completion = completion[:room]
+        ids = np.asarray(prompt + completion, dtype=np.int64)
+        targets = np.zeros(len(ids), dtype=bool)
+        targets[len(prompt):] = True
+        examples.append(SFTExample(ids=ids, targets=targets))
+        used += len(ids) - 1
+    return pack_row(examples, seq_len=seq_len, pad_id=pad_id), dropped
+
+
+class GKDTrainer(SFTTrainer):
+    """GKD: :class:`~titan.train.sft.SFTTrainer`'s loop with the teacher's distribution as the
+    target (module docstring)."""
+
+    Config = GKDConfig
+
+    def __init__(self, config: GKDConfig, *, model_spec) -> None:
+        super().__init__(config, model_spec=model_spec)
+        from titan.rl.generate.build import build_generator, build_teacher
+
+        start = time.perf_counter()
+        self.teacher = build_teacher(config.gkd.teacher_model, model_spec, vocab_size=self.tokenizer.vocab_size,
+                                     seq_len=config.training.seq_len, eos_token_id=self.tokenizer.eos_id,
+                                     device=self.engine.device, flag="--gkd.teacher_model")
+        logger.info("teacher %s (%s parameters) loaded in %.1fs", config.gkd.teacher_model,
+                    f"{sum(p.numel() for p in self.teacher.model.parameters()) / 1e6:.2f}M", time.perf_counter() - start)
+        # Every rank generates its own rows' completions with its own copy of the student.
+        self.student_copy = (build_generator(config, model_spec, vocab_size=self.vocab_size,
+                                             eos_token_id=self.tokenizer.eos_id, device=self.engine.device)
+                             if config.gkd.lmbda > 0 else None)
+        comp = config.compile
+        self._supervised_loss = self._distill_loss
+        self._compiled_loss = comp.enable and comp.compiles_loss
+        self._stats = _GKDStats()
+
+    def check_config(self) -> None:
+        """The SFT checks, the ``--gkd.*`` values, and the layouts and flags GKD cannot honour."""
+        super().check_config()
+        cfg = self.config
+        cfg.gkd.check()
+        if cfg.training.loss_type != "nll":
+            raise ValueError(f"--training.loss_type {cfg.training.loss_type} weighs titan sft's NLL; titan gkd's loss "
+                             "is the divergence to the teacher (--gkd.beta): drop the flag")
+        if cfg.sampling.n != 1:
+            raise ValueError(f"--sampling.n {cfg.sampling.n}: titan gkd regenerates one completion per example; "
+                             "leave it at 1")
+        par = cfg.parallelism
+        if par.tensor_parallel_degree > 1 and par.enable_loss_parallel:
+            raise ValueError("titan gkd compares the whole vocabulary of both models at every token, and loss parallel "
+                             "keeps the student's logits sharded over the TP ranks: add "
+                             "--parallelism.no_enable_loss_parallel")
+        if cfg.gkd.generates and (par.tensor_parallel_degree > 1 or par.context_parallel_degree > 1):
+            raise ValueError("titan gkd regenerates completions on every data-parallel rank (--gkd.lmbda "
+                             f"{cfg.gkd.lmbda}{', --gkd.seq_kd' if cfg.gkd.seq_kd else ''}), and the TP and CP ranks of "
+                             "one replica would each sample their own: distill the data's completions only "
+                             "(--gkd.lmbda 0) under TP or CP, or use FSDP")
+        if par.pipeline_parallel_degree > 1:
+            raise ValueError("titan gkd does not run under pipeline parallel (--parallelism.pipeline_parallel_degree "
+                             f"{par.pipeline_parallel_degree}): the teacher's logits would have to reach the last stage; "
+                             "use FSDP, TP or CP")
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def _distill_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The generalized JSD to the teacher's logits the microbatch carries, summed over its
+        completion tokens."""
+        return gkd_loss_sum(logits, batch["teacher_logits"], batch["labels"], beta=self.config.gkd.beta,
+                            vocab_size=self.tokenizer.vocab_size, chunk_tokens=self.config.training.loss_chunk_tokens,
+                            compiled=self._compiled_loss)
+
+    def _train_step(self, microbatches: list[dict[str, torch.Tensor]], *, sync: bool) -> StepResult:
+        step = self.step + 1
+        started = time.perf_counter()
+        chunks = [self._global_chunk(i) for i in range(len(microbatches))]
+        if self.config.gkd.seq_kd:
+            microbatches = [self._regenerate(mb, self.teacher, step, c) for mb, c in zip(microbatches, chunks, strict=True)]
+        # Every rank draws for every microbatch of the global batch: they agree on the sync.
+        draws = [self._draws_on_policy(step, c) for c in range(len(microbatches) * self.data_shard[1])]
+        if any(draws):
+            self._sync_student_copy(step)
+            microbatches = [self._regenerate(mb, self.student_copy, step, c) if draws[c] else mb
+                            for mb, c in zip(microbatches, chunks, strict=True)]
+        self._stats.generation_s += time.perf_counter() - started
+        self._stats.microbatches += len(draws)
+        self._stats.on_policy += sum(draws)
+        return super()._train_step(microbatches, sync=sync)
+
+    def before_forward(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The microbatch with the teacher's logits, computed just before the student's forward
+        (one microbatch's at a time)."""
+        started = time.perf_counter()
+        batch = self._with_teacher_logits(microbatch)
+        self._stats.teacher_s += time.perf_counter() - started
+        return batch
+
+    def _global_chunk(self, microbatch: int) -> int:
+        """The index of this rank's ``microbatch`` among the global batch's: the loader deals
+        each fetch's rows out to the data-parallel ranks in order, so one process's microbatch
+        ``i`` holds what rank ``i`` of ``i + 1`` ranks does. The draws and sampling seeds are
+        keyed by it: every layout of one global batch draws and samples alike."""
+        rank, world = self.data_shard
+        return microbatch * world + rank
+
+    def _draws_on_policy(self, step: int, chunk: int) -> bool:
+        """Whether global microbatch ``chunk`` of optimizer step ``step`` is the student's own:
+        the same draw on every rank, in every layout and in a resumed run."""
+        lmbda = self.config.gkd.lmbda
+        return lmbda > 0 and random.Random(f"gkd-{self.config.debug.seed}-{step}-{chunk}").random() < lmbda
+
+    def _sync_student_copy(self, step: int) -> None:
+        """Load the engine's current weights into this rank's student copy (collective: every
+        rank gathers the full tensors), checked by checksum."""
+        from titan.rl.weight_sync import sync_colocated
+
+        sync_colocated(self.engine, self.student_copy, version=step, dtype=torch.float32)
+
+    def _regenerate(self, microbatch: dict[str, torch.Tensor], generator: Any, step: int,
+                    chunk: int) -> dict[str, torch.Tensor]:
+        """``microbatch`` with every example's completion replaced by one ``generator``
+        samples from its prompt (module docstring)."""
+        seq_len = microbatch["input_ids"].shape[1]
+        rows = [row_prompts(*(microbatch[key][r].numpy() for key in ("input_ids", "labels", "document_ids")))
+                for r in range(microbatch["input_ids"].shape[0])]
+        # (row, prompt) of every example with room to generate (a prompt fills no whole row).
+        slots = [(r, p) for r, row in enumerate(rows) for p in row if len(p) < seq_len]
+        dropped = sum(len(row) for row in rows) - len(slots)
+        prompts = [p for _, p in slots]
+        completions: list[list[int]] = []
+        if prompts:
+            sampling = dataclasses.replace(
+                self.config.sampling, seed=self._sampling_seed(step, chunk),
+                max_new_tokens=min(self.config.sampling.max_new_tokens, seq_len - max(len(p) for p in prompts)))
+            completions = [group[0].token_ids for group in generator.generate(prompts, sampling)]
+            self._stats.generated_tokens += sum(len(c) for c in completions)
+            self._stats.completions += len(completions)
+        packed = []
+        for r in range(len(rows)):
+            mine = [i for i, (row, _) in enumerate(slots) if row == r]
+            new_row, cut = repack_row([prompts[i] for i in mine], [completions[i] for i in mine], seq_len=seq_len,
+                                      pad_id=self.tokenizer.pad_id)
+            dropped += cut
+            packed.append(new_row)
+        self._stats.dropped += dropped
+        return {key: torch.from_numpy(np.stack([row[key] for row in packed])) for key in packed[0]}
+
+    def _sampling_seed(self, step: int, chunk: int) -> int:
+        """The sampling seed of global microbatch ``chunk`` of step ``step``: the same in every
+        layout and in a resumed run."""
+        return random.Random(f"gkd-sample-{self.config.debug.seed}-{step}-{chunk}").getrandbits(62)
+
+    @torch.no_grad()
+    def _with_teacher_logits(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``microbatch`` on this device with the teacher's logits of its rows (``[B, S, V]``),
+        under the same document masking and positions as the student's forward."""
+        batch = self.engine.to_device(microbatch)
+        kwargs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
+        batch["teacher_logits"] = self.teacher.model(batch["input_ids"], **kwargs)
+        return batch
+
+    # ---- metrics --------------------------------------------------------------------------
+
+    def log_extras(self) -> dict[str, Any]:
+        """The SFT fields, and what the steps since the last record generated (module
+        docstring)."""
+        stats, self._stats = self._stats, _GKDStats()
+        # What the data-parallel ranks generated, summed (collective: every rank logs alike).
+        counts = torch.tensor([stats.completions, stats.generated_tokens, stats.dropped], dtype=torch.float64,
+                              device=self.engine.device)
+        stats.completions, stats.generated_tokens, stats.dropped = (int(v) for v in self.engine.sum_over(counts, "dp"))
+        return {**super().log_extras(), **stats.record()}
+
+
+@dataclass
+class _GKDStats:
+    """What the steps since the last logged record generated."""
+
+    microbatches: int = 0
+    on_policy: int = 0
+    completions: int = 0
+    generated_tokens: int = 0
+    dropped: int = 0
+    generation_s: float = 0.0
+    teacher_s: float = 0.0
+
+    def record(self) -> dict[str, float]:
+        """The logged fields."""
+        return {"on_policy": self.on_policy / max(self.microbatches, 1),
+                "gkd_generated_tokens": self.generated_tokens / max(self.completions, 1),
+                "gkd_dropped": self.dropped, "generation_s": self.generation_s, "teacher_s": self.teacher_s}
+
+
+__all__ = ["GKDConfig", "GKDSection", "GKDTrainer", "repack_row", "row_prompts"]
