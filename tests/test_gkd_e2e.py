@@ -156,36 +156,51 @@ def test_the_student_learns_the_teachers_distributions(tmp_path, models):
     assert on_data[-1] < 0.65 * on_data[0] and sorted(on_data[-3:]) == sorted(on_data)[:3], on_data
 
 
+# Supervised distillation under each 2-rank layout that splits a replica (one process's runs
+# are equal to it): TP with loss parallel (the student's vocab-sharded logits gathered), CP (the
+# teacher's logits sharded along the sequence with the batch), PP (the teacher's logits reach
+# the last stage with each pipeline microbatch's rows).
+SPLIT_LAYOUTS = {
+    "tp": ["--parallelism.tensor_parallel_degree", "2"],
+    "cp": ["--parallelism.context_parallel_degree", "2"],
+    "pp": ["--parallelism.pipeline_parallel_degree", "2"],
+}
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("gkd_two_ranks")
-def test_fsdp_matches_one_process_and_a_resume_continues_exactly(tmp_path, models):
+def test_every_layout_matches_one_process_and_a_resume_continues_exactly(tmp_path, models):
     """Two FSDP ranks against one process, on-policy microbatches greedy (each rank generates
-    its own rows' completions): the same losses and gradient norms. A one-process run sampling
+    its own rows' completions, the draws keyed by the global microbatch): the same losses and
+    gradient norms; TP, CP and PP on the data's completions alike. A one-process run sampling
     at temperature 0.9, resumed from its step-2 checkpoint, draws and samples what the
     uninterrupted run did."""
-    common = ["--training.steps", "4", "--gkd.lmbda", "0.5", "--training.local_batch_size", "2",
-              "--training.global_batch_size", "4"]
-    greedy = [*common, "--sampling.temperature", "0"]
-    resumable = [*common, "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]
-    runs = [["fsdp", _flags(models, tmp_path / "fsdp", *greedy), "gkd"]]
+    common = ["--training.steps", "4", "--training.local_batch_size", "2", "--training.global_batch_size", "4"]
+    greedy = [*common, "--gkd.lmbda", "0.5", "--sampling.temperature", "0"]
+    supervised = [*common, "--gkd.lmbda", "0", "--parallelism.data_parallel_shard_degree", "1"]
+    runs = [["fsdp", _flags(models, tmp_path / "fsdp", *greedy), "gkd"],
+            *([name, _flags(models, tmp_path / name, *supervised, *flags), "gkd"] for name, flags in SPLIT_LAYOUTS.items())]
     launch_runs(2, RUNS_WORKER, runs, tmp_path / "launch.log")
     one = _gkd(models, tmp_path / "one", *greedy)
-    fsdp = _records(tmp_path / "fsdp")
-    assert [r["step"] for r in fsdp] == [r["step"] for r in one] == [1, 2, 3, 4]
     assert 0 < sum(r["on_policy"] for r in one) < 4
-    for mine, theirs in zip(fsdp, one, strict=True):
-        assert mine["on_policy"] == theirs["on_policy"]
-        for key in ("loss", "grad_norm"):
-            assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (mine["step"], key)
+    one_supervised = _gkd(models, tmp_path / "one_supervised", *supervised)
+    for name, want in (("fsdp", one), *((name, one_supervised) for name in SPLIT_LAYOUTS)):
+        got = _records(tmp_path / name)
+        assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
+        for mine, theirs in zip(got, want, strict=True):
+            assert mine["on_policy"] == theirs["on_policy"], name
+            for key in ("loss", "grad_norm"):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (name, mine["step"], key)
+    resumable = [*common, "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]
     straight = _gkd(models, tmp_path / "straight", *resumable)
     resumed_dump = tmp_path / "resumed"
     (resumed_dump / "checkpoint").mkdir(parents=True)
     shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-2", resumed_dump / "checkpoint" / "step-2")
     resumed = _gkd(models, resumed_dump, *resumable)
     assert [r["step"] for r in resumed] == [3, 4]
+    keys = ("loss", "grad_norm", "on_policy", "gkd_generated_tokens")
     for mine, theirs in zip(resumed, straight[2:], strict=True):
-        assert [mine[k] for k in ("loss", "grad_norm", "on_policy", "gkd_generated_tokens")] == \
-               [theirs[k] for k in ("loss", "grad_norm", "on_policy", "gkd_generated_tokens")]
+        assert [mine[k] for k in keys] == [theirs[k] for k in keys]
     assert any(r["on_policy"] for r in straight[2:]) and not math.isnan(straight[-1]["loss"])
 
 
@@ -193,10 +208,11 @@ def test_fsdp_matches_one_process_and_a_resume_continues_exactly(tmp_path, model
     (["--gkd.teacher_model", ""], "set --gkd.teacher_model"),
     (["--training.loss_type", "dft"], "titan gkd's loss is the divergence to the teacher"),
     (["--sampling.n", "2"], "regenerates one completion per example"),
-    (["--parallelism.pipeline_parallel_degree", "2"], "does not run under pipeline parallel"),
-    (["--parallelism.tensor_parallel_degree", "2"], "add --parallelism.no_enable_loss_parallel"),
-    (["--parallelism.tensor_parallel_degree", "2", "--parallelism.no_enable_loss_parallel"],
-     "distill the data's completions only"),
+    (["--parallelism.tensor_parallel_degree", "2"],
+     "under --parallelism.tensor_parallel_degree 2 would each sample their own"),
+    (["--parallelism.pipeline_parallel_degree", "2", "--gkd.lmbda", "0", "--gkd.seq_kd"],
+     "(--gkd.lmbda 0.0, --gkd.seq_kd), and the ranks of one replica under --parallelism.pipeline_parallel_degree 2"),
+    (["--gkd.lmbda", "2"], "--gkd.lmbda is the share of on-policy microbatches"),
 ])
 def test_bad_input_is_one_line(tmp_path, models, extra, message):
     result = run_titan(["gkd", *_flags(models, tmp_path / "run", *extra)], env=ENV, timeout=120)

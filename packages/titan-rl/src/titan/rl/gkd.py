@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from titan.rl.distill_loss import check_beta, gkd_loss_sum
 from titan.rl.generate.base import SamplingConfig
 from titan.train.data.chat import SFTExample
@@ -179,25 +180,25 @@ class GKDTrainer(SFTTrainer):
             raise ValueError(f"--sampling.n {cfg.sampling.n}: titan gkd regenerates one completion per example; "
                              "leave it at 1")
         par = cfg.parallelism
-        if par.tensor_parallel_degree > 1 and par.enable_loss_parallel:
-            raise ValueError("titan gkd compares the whole vocabulary of both models at every token, and loss parallel "
-                             "keeps the student's logits sharded over the TP ranks: add "
-                             "--parallelism.no_enable_loss_parallel")
-        if cfg.gkd.generates and (par.tensor_parallel_degree > 1 or par.context_parallel_degree > 1):
-            raise ValueError("titan gkd regenerates completions on every data-parallel rank (--gkd.lmbda "
-                             f"{cfg.gkd.lmbda}{', --gkd.seq_kd' if cfg.gkd.seq_kd else ''}), and the TP and CP ranks of "
-                             "one replica would each sample their own: distill the data's completions only "
-                             "(--gkd.lmbda 0) under TP or CP, or use FSDP")
-        if par.pipeline_parallel_degree > 1:
-            raise ValueError("titan gkd does not run under pipeline parallel (--parallelism.pipeline_parallel_degree "
-                             f"{par.pipeline_parallel_degree}): the teacher's logits would have to reach the last stage; "
-                             "use FSDP, TP or CP")
+        model_parallel = {flag: degree for flag, degree in (("tensor", par.tensor_parallel_degree),
+                                                            ("context", par.context_parallel_degree),
+                                                            ("pipeline", par.pipeline_parallel_degree)) if degree > 1}
+        if cfg.gkd.generates and model_parallel:
+            flags = ", ".join(f"--parallelism.{name}_parallel_degree {degree}" for name, degree in model_parallel.items())
+            raise ValueError(f"titan gkd regenerates completions on every data-parallel rank (--gkd.lmbda {cfg.gkd.lmbda}"
+                             f"{', --gkd.seq_kd' if cfg.gkd.seq_kd else ''}), and the ranks of one replica under {flags} "
+                             "would each sample their own: distill the data's completions only (--gkd.lmbda 0) "
+                             "there, or use FSDP")
 
     # ---- the step -------------------------------------------------------------------------
 
     def _distill_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The generalized JSD to the teacher's logits the microbatch carries, summed over its
-        completion tokens."""
+        completion tokens. Vocab-sharded logits (TP's loss parallel) are gathered first: the
+        divergence reads every column of both models, and the teacher's are whole on every rank
+        anyway."""
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
         return gkd_loss_sum(logits, batch["teacher_logits"], batch["labels"], beta=self.config.gkd.beta,
                             vocab_size=self.tokenizer.vocab_size, chunk_tokens=self.config.training.loss_chunk_tokens,
                             compiled=self._compiled_loss)
@@ -222,6 +223,8 @@ class GKDTrainer(SFTTrainer):
     def before_forward(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The microbatch with the teacher's logits, computed just before the student's forward
         (one microbatch's at a time)."""
+        if self.parallel_dims.pp_enabled and not self.engine.pp_has_last:
+            return microbatch  # only the last stage computes the loss
         started = time.perf_counter()
         batch = self._with_teacher_logits(microbatch)
         self._stats.teacher_s += time.perf_counter() - started
