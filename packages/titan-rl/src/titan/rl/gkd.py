@@ -48,7 +48,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 from titan.rl.distill_loss import check_beta, gkd_loss_sum
 from titan.rl.generate.base import SamplingConfig
 from titan.train.data.chat import SFTExample
@@ -57,6 +56,7 @@ from titan.train.engine import MODEL_INPUT_KEYS
 from titan.train.loop import StepResult
 from titan.train.loss import IGNORE_INDEX
 from titan.train.sft import SFTConfig, SFTTrainer
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("titan")
 
