@@ -121,7 +121,7 @@ def test_an_rl_dry_run_lists_the_models_beside_the_policy(monkeypatch, capsys):
     monkeypatch.delenv("NNODES", raising=False)
     assert main(["rl", "--config", "grpo_debug", "--rl.kl_coef", "0.05", "--rl.advantage_estimator", "gae"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"dry run: pp rank 0 also holds [\d.]+ \w+ of RL models \(critic [\d.]+ \w+, generator "
+    assert re.search(r"dry run: pp rank 0 also holds [\d.]+ \w+ of other models \(critic [\d.]+ \w+, generator "
                      r"[\d.]+ \w+, KL reference [\d.]+ \w+\): total", out), out
 
 

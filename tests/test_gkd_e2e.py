@@ -218,3 +218,21 @@ def test_bad_input_is_one_line(tmp_path, models, extra, message):
     result = run_titan(["gkd", *_flags(models, tmp_path / "run", *extra)], env=ENV, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_the_dry_run_counts_the_teacher_its_logits_and_the_generating_copy(tmp_path, models):
+    """`titan dry-run` of a GKD run adds what every rank holds beside the student's shards: the
+    teacher in float32, its logits of one microbatch, and the student's float32 copy that
+    generates (--gkd.lmbda above 0), by hand from transformers' parameter counts."""
+    from titan.dist.dry_run import format_bytes
+
+    flags = _flags(models, tmp_path / "run")
+    result = run_titan(["dry-run", "--world_size", "2", *flags], env=ENV, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    student, teacher = (transformers.LlamaForCausalLM.from_pretrained(str(f)).num_parameters() for f in models[:2])
+    logits = 4 * 24 * 320 * 4  # local batch x seq x the teacher's vocabulary, float32
+    want = (f"(teacher {format_bytes(teacher * 4)}, teacher logits {format_bytes(logits)}, "
+            f"generating copy {format_bytes(student * 4)})")
+    assert want in result.stdout, result.stdout
+    result = run_titan(["dry-run", "--world_size", "2", *flags, "--gkd.lmbda", "0"], env=ENV, timeout=120)
+    assert "generating copy" not in result.stdout and "teacher logits" in result.stdout, result.stdout

@@ -302,9 +302,43 @@ def _with_copies(estimate: RankEstimate, copies: list[tuple[str, int]]) -> RankE
                                copies=", ".join(filter(None, (estimate.copies, described))))
 
 
+def _is_gkd(config: Any) -> bool:
+    """Whether ``config`` is a ``titan gkd`` run's."""
+    return hasattr(getattr(config, "gkd", None), "lmbda")
+
+
+def gkd_model_copies(config: Any, params: int) -> list[tuple[str, int]]:
+    """What every rank of a ``titan gkd`` run of a ``params``-parameter student holds beside the
+    student's shards, each as (name, bytes): the teacher (a whole float32 copy, its size read
+    from its folder's ``config.json``; a Hub id not yet downloaded is not counted), its logits
+    of one microbatch (float32, ``[local batch, seq, teacher vocab]``, whole under CP and TP),
+    and with ``--gkd.lmbda`` above 0 the student's float32 copy that generates."""
+    copies = []
+    folder = config.gkd.teacher_model
+    if folder and os.path.isfile(os.path.join(folder, "config.json")):
+        from titan.rl.generate.build import folder_architecture
+
+        spec, args = folder_architecture(folder, model_spec_for(config), flag="--gkd.teacher_model", role="teacher",
+                                         flavor="teacher", labels=0)
+        with torch.device("meta"):
+            teacher = sum(p.numel() for p in spec.build("teacher").parameters())
+        training = config.training
+        copies += [("teacher", teacher * 4),
+                   ("teacher logits", training.local_batch_size * training.seq_len * args.vocab_size * 4)]
+    if config.gkd.lmbda > 0:
+        copies.append(("generating copy", params * 4))
+    return copies
+
+
 def with_rl_models(config: Any, estimates: list[RankEstimate]) -> list[RankEstimate]:
     """The dry run's per-pipeline-rank ``estimates`` with what a ``titan rl`` run holds beside
-    the policy's shards (:func:`rl_model_copies`, PPO's critic); unchanged for other runs."""
+    the policy's shards (:func:`rl_model_copies`, PPO's critic), or a ``titan gkd`` run beside
+    the student's (:func:`gkd_model_copies`: on the last pipeline rank, which computes the
+    loss); unchanged for other runs."""
+    if _is_gkd(config):
+        estimates = list(estimates)
+        estimates[-1] = _with_copies(estimates[-1], gkd_model_copies(config, _policy_params(config)))
+        return estimates
     if not _is_rl(config):
         return estimates
     params = _policy_params(config)
@@ -330,7 +364,7 @@ def dry_run_main(config: TrainerConfig, world_size: int) -> int:
         return 2
     for estimate in estimates:
         if estimate.copy_bytes:
-            print(f"dry run: pp rank {estimate.pp_rank} also holds {format_bytes(estimate.copy_bytes)} of RL models "
+            print(f"dry run: pp rank {estimate.pp_rank} also holds {format_bytes(estimate.copy_bytes)} of other models "
                   f"({estimate.copies}): total {format_bytes(estimate.total_bytes)}")
     peak = max(estimates, key=lambda e: e.total_bytes)
     print(
