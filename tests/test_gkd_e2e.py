@@ -116,11 +116,19 @@ def test_the_first_step_loss_is_the_divergence_of_transformers_models_by_hand(tm
     completion tokens of the generalized JSD between the student and the teacher, both read
     by transformers from their folders (the student's vocabulary and the teacher's padded past
     the tokenizer's: compared over its ids)."""
-    records = _gkd(models, tmp_path / "run", "--gkd.lmbda", "0", "--gkd.beta", str(beta))
+    records = _gkd(models, tmp_path / "run", "--gkd.lmbda", "0", "--gkd.beta", str(beta), "--validation.enable",
+                   "--sft_data.eval_path", str(models[2]), "--optimizer.lr", "1e-30")
     sequences, tokenizer = _data_sequences(models, tmp_path / "run")
     want = _expected_loss(models, sequences, beta, tokenizer.vocab_size)
     assert records[0]["loss"] == pytest.approx(want, rel=1e-5), (records[0]["loss"], want)
     assert records[0]["on_policy"] == 0 and records[0]["teacher_s"] > 0
+    # Held-out (the same examples, the weights unmoved at LR 1e-30): the divergence, and the NLL.
+    assert records[0]["validation_distill_loss"] == pytest.approx(want, rel=1e-5)
+    student = transformers.LlamaForCausalLM.from_pretrained(str(models[0]), dtype=torch.float32).eval()
+    with torch.no_grad():
+        nll = [float(-student(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].log_softmax(-1)
+                     .gather(-1, torch.tensor(c)[:, None]).sum()) for p, c in sequences]
+    assert records[0]["validation_loss"] == pytest.approx(sum(nll) / sum(len(c) for _, c in sequences), rel=1e-5)
 
 
 def test_on_policy_steps_distill_on_the_students_own_greedy_completions(tmp_path, models):

@@ -167,6 +167,8 @@ class GKDTrainer(SFTTrainer):
         self._supervised_loss = self._distill_loss
         self._compiled_loss = comp.enable and comp.compiles_loss
         self._stats = _GKDStats()
+        # Held-out examples: the divergence to the teacher beside the NLL (the perplexity).
+        self.validator.also_report("distill_loss", self._distill_loss, self.before_forward)
 
     def check_config(self) -> None:
         """The SFT checks, the ``--gkd.*`` values, and the layouts and flags GKD cannot honour."""

@@ -75,7 +75,8 @@ class ValidationConfig:
 class Validator:
     """Runs validation passes for a loop: ``due(step)`` says when, ``run()`` returns
     ``{"validation_loss", "validation_perplexity", "validation_tokens"}`` (global values,
-    equal on every rank; collective)."""
+    equal on every rank; collective), and ``validation_<name>`` for a loss a loop adds with
+    :meth:`also_report`."""
 
     def __init__(self, config: ValidationConfig, *, engine: TrainingEngine, tokenizer, local_batch_size: int,
                  seq_len: int, seed: int, loss_chunk_tokens: int = 0, compile_loss: bool = False,
@@ -94,6 +95,13 @@ class Validator:
                                  local_batch_size=rows, seq_len=length, seed=seed)
         self._tokenizer = tokenizer
         self._batches: list[dict[str, torch.Tensor]] | None = None
+        self._extra: tuple[str, Callable, Callable] | None = None
+
+    def also_report(self, name: str, loss_fn: Callable, prepare: Callable[[dict], dict]) -> None:
+        """Report ``validation_<name>`` too: ``loss_fn``'s sum over the held-out batches (a
+        second forward of each) divided by their label tokens, each batch first passed through
+        ``prepare`` (e.g. to add a teacher's logits), as the loop's training loss is."""
+        self._extra = (name, loss_fn, prepare)
 
     def due(self, step: int, *, last_step: bool) -> bool:
         """Whether a pass runs after optimizer step ``step``."""
@@ -141,19 +149,30 @@ class Validator:
         engine = self.engine
         device = engine.device
         loss_sum = torch.zeros((), device=device)
+        extra_sum = torch.zeros((), device=device)
         tokens = torch.zeros((), device=device)
         engine.train(False)
         try:
             for batch in self._fixed_batches():
                 batch = engine.to_device(batch)
                 loss_sum += engine.forward_only(batch, self._loss)
+                if self._extra is not None:
+                    _, loss_fn, prepare = self._extra
+                    extra_sum += engine.forward_only(prepare(batch), loss_fn)
                 tokens += count_valid_tokens(batch["labels"])
         finally:
             engine.train(True)
-        if engine.parallel_dims.pp_enabled:
-            loss_sum = engine.sum_over(loss_sum, "pp")  # only the last stage computed it
-        loss_sum = engine.sum_over(loss_sum, "dp_cp")
         tokens = engine.sum_over(tokens, "dp")  # CP peers counted the same full rows
-        loss = float(loss_sum / tokens.clamp(min=1))
-        return {"validation_loss": loss, "validation_perplexity": math.exp(min(loss, 80.0)),
-                "validation_tokens": int(tokens)}
+        loss = float(self._global_sum(loss_sum) / tokens.clamp(min=1))
+        out = {"validation_loss": loss, "validation_perplexity": math.exp(min(loss, 80.0)),
+               "validation_tokens": int(tokens)}
+        if self._extra is not None:
+            out[f"validation_{self._extra[0]}"] = float(self._global_sum(extra_sum) / tokens.clamp(min=1))
+        return out
+
+    def _global_sum(self, rank_sum: torch.Tensor) -> torch.Tensor:
+        """The sum over every rank of a loss summed on each (collective)."""
+        engine = self.engine
+        if engine.parallel_dims.pp_enabled:
+            rank_sum = engine.sum_over(rank_sum, "pp")  # only the last stage computed it
+        return engine.sum_over(rank_sum, "dp_cp")
