@@ -131,21 +131,23 @@ def test_the_first_step_loss_is_the_divergence_of_transformers_models_by_hand(tm
     assert records[0]["validation_loss"] == pytest.approx(sum(nll) / sum(len(c) for _, c in sequences), rel=1e-5)
 
 
-def test_on_policy_steps_distill_on_the_students_own_greedy_completions(tmp_path, models):
-    """--gkd.lmbda 1 with greedy sampling: every microbatch's completions are the student's own,
-    transformers' greedy decoding of each prompt (5 new tokens at most), and the loss is the
-    divergence over them."""
-    records = _gkd(models, tmp_path / "run", "--gkd.lmbda", "1", "--sampling.temperature", "0",
-                   "--sampling.max_new_tokens", "5")
+@pytest.mark.parametrize("who, flags", [("student", ["--gkd.lmbda", "1"]), ("teacher", ["--gkd.lmbda", "0", "--gkd.seq_kd"])])
+def test_regenerated_steps_distill_on_greedy_completions_of_the_model_that_wrote_them(tmp_path, models, who, flags):
+    """--gkd.lmbda 1 (on-policy: the student's own completions) or --gkd.seq_kd (the teacher's)
+    with greedy sampling: every example's completion is transformers' greedy decoding of its
+    prompt by that model (5 new tokens at most), and the loss is the divergence over them."""
+    records = _gkd(models, tmp_path / "run", *flags, "--sampling.temperature", "0", "--sampling.max_new_tokens", "5")
     sequences, tokenizer = _data_sequences(models, tmp_path / "run")
-    student = transformers.LlamaForCausalLM.from_pretrained(str(models[0]), dtype=torch.float32).eval()
+    writer = transformers.LlamaForCausalLM.from_pretrained(str(models[0 if who == "student" else 1]),
+                                                           dtype=torch.float32).eval()
     greedy = []
     for prompt, _ in sequences:
-        out = student.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
-                               eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+        out = writer.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
+                              eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
         greedy.append((prompt, out[0, len(prompt):].tolist()))
+    assert all(c != completion for (_, c), (_, completion) in zip(greedy, sequences, strict=True))
     want = _expected_loss(models, greedy, 0.5, tokenizer.vocab_size)
-    assert records[0]["on_policy"] == 1.0
+    assert records[0]["on_policy"] == (1.0 if who == "student" else 0.0)
     assert records[0]["gkd_generated_tokens"] == pytest.approx(sum(len(c) for _, c in greedy) / len(greedy))
     assert records[0]["loss"] == pytest.approx(want, rel=1e-5), (records[0]["loss"], want)
 
