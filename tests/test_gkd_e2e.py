@@ -152,6 +152,14 @@ def test_regenerated_steps_distill_on_greedy_completions_of_the_model_that_wrote
     assert records[0]["loss"] == pytest.approx(want, rel=1e-5), (records[0]["loss"], want)
 
 
+def test_the_sampling_seed_flag_picks_the_students_samples(tmp_path, models):
+    """--sampling.seed keys the on-policy samples: the same seed samples the same completions,
+    another seed others."""
+    runs = {name: _gkd(models, tmp_path / name, "--gkd.lmbda", "1", "--sampling.seed", seed)[0]
+            for name, seed in (("a", "1"), ("again", "1"), ("b", "2"))}
+    assert runs["a"]["loss"] == runs["again"]["loss"] and runs["a"]["loss"] != runs["b"]["loss"]
+
+
 @pytest.mark.slow
 def test_the_student_learns_the_teachers_distributions(tmp_path, models):
     """Half the microbatches on-policy, 30 steps over the same 4 examples: the divergence on the

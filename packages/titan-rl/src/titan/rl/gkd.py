@@ -28,9 +28,9 @@ The teacher (``--gkd.teacher_model``, TRL's ``teacher_model_name_or_path``) is a
 folder or Hub id of the student's family, of any size, sharing its tokenizer: a whole float32
 copy on every rank, run without gradients on that rank's rows before the student's forward.
 Its logits travel with the microbatch, so context parallel hands each rank its share of them
-like any ``[B, S, ...]`` key. The draws are keyed by (seed, step, microbatch) and the sampling
-seeds by (seed, step, microbatch, data-parallel rank), so a resumed run regenerates what the
-uninterrupted run did.
+like any ``[B, S, ...]`` key. The draws are keyed by (``--debug.seed``, step, global microbatch)
+and the sampling seeds by (``--sampling.seed``, step, global microbatch), so every layout of
+one global batch and a resumed run regenerate what the uninterrupted one-process run did.
 
 Logged with every record: ``on_policy`` (the share of the microbatches since the last record
 the student generated), ``gkd_generated_tokens`` (their mean completion length),
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -175,6 +176,12 @@ class GKDTrainer(SFTTrainer):
         super().check_config()
         cfg = self.config
         cfg.gkd.check()
+        teacher = cfg.gkd.teacher_model
+        if os.path.isdir(teacher) or teacher.startswith(("/", ".", "~")):  # a local folder: read before any work
+            from titan.rl.generate.build import folder_architecture
+
+            folder_architecture(teacher, self.model_spec, flag="--gkd.teacher_model", role="teacher", flavor="teacher",
+                                labels=0)
         if cfg.training.loss_type != "nll":
             raise ValueError(f"--training.loss_type {cfg.training.loss_type} weighs titan sft's NLL; titan gkd's loss "
                              "is the divergence to the teacher (--gkd.beta): drop the flag")
@@ -233,10 +240,10 @@ class GKDTrainer(SFTTrainer):
         return batch
 
     def _global_chunk(self, microbatch: int) -> int:
-        """The index of this rank's ``microbatch`` among the global batch's: the loader deals
-        each fetch's rows out to the data-parallel ranks in order, so one process's microbatch
-        ``i`` holds what rank ``i`` of ``i + 1`` ranks does. The draws and sampling seeds are
-        keyed by it: every layout of one global batch draws and samples alike."""
+        """The index of this rank's ``microbatch`` among the global batch's, in row order: the
+        loader deals each fetch's rows out to the data-parallel ranks in rank order, so index
+        ``k`` holds the same rows in every layout of one global batch (one process: its
+        microbatch ``k``). The draws and sampling seeds are keyed by it."""
         rank, world = self.data_shard
         return microbatch * world + rank
 
@@ -282,10 +289,12 @@ class GKDTrainer(SFTTrainer):
         self._stats.dropped += dropped
         return {key: torch.from_numpy(np.stack([row[key] for row in packed])) for key in packed[0]}
 
-    def _sampling_seed(self, step: int, chunk: int) -> int:
-        """The sampling seed of global microbatch ``chunk`` of step ``step``: the same in every
-        layout and in a resumed run."""
-        return random.Random(f"gkd-sample-{self.config.debug.seed}-{step}-{chunk}").getrandbits(62)
+    def _sampling_seed(self, step: int, chunk: int) -> int | None:
+        """The sampling seed of global microbatch ``chunk`` of step ``step``, from
+        ``--sampling.seed``: the same in every layout and in a resumed run (None: a fresh seed
+        every time, as the flag means)."""
+        seed = self.config.sampling.seed
+        return None if seed is None else random.Random(f"gkd-sample-{seed}-{step}-{chunk}").getrandbits(62)
 
     @torch.no_grad()
     def _with_teacher_logits(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
