@@ -28,7 +28,11 @@ The teacher (``--gkd.teacher_model``, TRL's ``teacher_model_name_or_path``) is a
 folder or Hub id of the student's family, of any size, sharing its tokenizer: a whole float32
 copy on every rank, run without gradients on that rank's rows before the student's forward.
 Its logits travel with the microbatch, so context parallel hands each rank its share of them
-like any ``[B, S, ...]`` key. The draws are keyed by (``--debug.seed``, step, global microbatch)
+like any ``[B, S, ...]`` key, pipeline parallel each pipeline microbatch's rows to the last
+stage (which alone runs the teacher), and under TP's loss parallel the student's vocab-sharded
+logits are gathered to meet them. The TP, CP and PP ranks of one replica hold the same rows:
+their first rank generates (it alone holds a student copy) and hands the rows to the others.
+The draws are keyed by (``--debug.seed``, step, global microbatch)
 and the sampling seeds by (``--sampling.seed``, step, global microbatch), so every layout of
 one global batch and a resumed run regenerate what the uninterrupted one-process run did.
 
@@ -60,6 +64,9 @@ from titan.train.sft import SFTConfig, SFTTrainer
 from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("titan")
+
+REPLICA_AXES = ("tp", "cp", "pp")
+"""The mesh axes whose ranks hold the same rows (one replica of the data)."""
 
 
 @dataclass(kw_only=True)
@@ -160,10 +167,12 @@ class GKDTrainer(SFTTrainer):
                                      device=self.engine.device, flag="--gkd.teacher_model")
         logger.info("teacher %s (%s parameters) loaded in %.1fs", config.gkd.teacher_model,
                     f"{sum(p.numel() for p in self.teacher.model.parameters()) / 1e6:.2f}M", time.perf_counter() - start)
-        # Every rank generates its own rows' completions with its own copy of the student.
+        # The first rank of each replica (its TP, CP and PP ranks hold the same rows) generates
+        # them with its own copy of the student, and hands them to the others.
+        self.leads_replica = all(self._axis_rank(axis) == 0 for axis in REPLICA_AXES)
         self.student_copy = (build_generator(config, model_spec, vocab_size=self.vocab_size,
                                              eos_token_id=self.tokenizer.eos_id, device=self.engine.device)
-                             if config.gkd.lmbda > 0 else None)
+                             if config.gkd.lmbda > 0 and self.leads_replica else None)
         comp = config.compile
         self._supervised_loss = self._distill_loss
         self._compiled_loss = comp.enable and comp.compiles_loss
@@ -172,7 +181,7 @@ class GKDTrainer(SFTTrainer):
         self.validator.also_report("distill_loss", self._distill_loss, self.before_forward)
 
     def check_config(self) -> None:
-        """The SFT checks, the ``--gkd.*`` values, and the layouts and flags GKD cannot honour."""
+        """The SFT checks, the ``--gkd.*`` values and the teacher's folder, and the flags GKD cannot honour."""
         super().check_config()
         cfg = self.config
         cfg.gkd.check()
@@ -188,16 +197,6 @@ class GKDTrainer(SFTTrainer):
         if cfg.sampling.n != 1:
             raise ValueError(f"--sampling.n {cfg.sampling.n}: titan gkd regenerates one completion per example; "
                              "leave it at 1")
-        par = cfg.parallelism
-        model_parallel = {flag: degree for flag, degree in (("tensor", par.tensor_parallel_degree),
-                                                            ("context", par.context_parallel_degree),
-                                                            ("pipeline", par.pipeline_parallel_degree)) if degree > 1}
-        if cfg.gkd.generates and model_parallel:
-            flags = ", ".join(f"--parallelism.{name}_parallel_degree {degree}" for name, degree in model_parallel.items())
-            raise ValueError(f"titan gkd regenerates completions on every data-parallel rank (--gkd.lmbda {cfg.gkd.lmbda}"
-                             f"{', --gkd.seq_kd' if cfg.gkd.seq_kd else ''}), and the ranks of one replica under {flags} "
-                             "would each sample their own: distill the data's completions only (--gkd.lmbda 0) "
-                             "there, or use FSDP")
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -216,18 +215,35 @@ class GKDTrainer(SFTTrainer):
         step = self.step + 1
         started = time.perf_counter()
         chunks = [self._global_chunk(i) for i in range(len(microbatches))]
-        if self.config.gkd.seq_kd:
+        lead = self.leads_replica
+        if self.config.gkd.seq_kd and lead:
             microbatches = [self._regenerate(mb, self.teacher, step, c) for mb, c in zip(microbatches, chunks, strict=True)]
         # Every rank draws for every microbatch of the global batch: they agree on the sync.
         draws = [self._draws_on_policy(step, c) for c in range(len(microbatches) * self.data_shard[1])]
         if any(draws):
             self._sync_student_copy(step)
-            microbatches = [self._regenerate(mb, self.student_copy, step, c) if draws[c] else mb
-                            for mb, c in zip(microbatches, chunks, strict=True)]
+            if lead:
+                microbatches = [self._regenerate(mb, self.student_copy, step, c) if draws[c] else mb
+                                for mb, c in zip(microbatches, chunks, strict=True)]
+        if self.config.gkd.seq_kd or any(draws):
+            microbatches = self._share_within_replica(microbatches)
         self._stats.generation_s += time.perf_counter() - started
         self._stats.microbatches += len(draws)
         self._stats.on_policy += sum(draws)
         return super()._train_step(microbatches, sync=sync)
+
+    def _axis_rank(self, axis: str) -> int:
+        """This rank's place on mesh ``axis`` (0 without one)."""
+        mesh = self.parallel_dims.mesh(axis)
+        return mesh.get_local_rank() if mesh is not None and mesh.size() > 1 else 0
+
+    def _share_within_replica(self, microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """The replica's first rank's ``microbatches`` on each of its ranks: taken from the
+        first rank of each axis in turn (after all three, every rank holds what TP, CP and PP
+        rank 0 generated). Collective over each axis."""
+        for axis in REPLICA_AXES:
+            microbatches = self.engine.gather_over(microbatches, axis)[0]
+        return microbatches
 
     def before_forward(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The microbatch with the teacher's logits, computed just before the student's forward
@@ -255,7 +271,8 @@ class GKDTrainer(SFTTrainer):
 
     def _sync_student_copy(self, step: int) -> None:
         """Load the engine's current weights into this rank's student copy (collective: every
-        rank gathers the full tensors), checked by checksum."""
+        rank gathers the full tensors; a rank without a copy only takes part), checked by
+        checksum."""
         from titan.rl.weight_sync import sync_colocated
 
         sync_colocated(self.engine, self.student_copy, version=step, dtype=torch.float32)
