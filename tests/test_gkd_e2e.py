@@ -152,6 +152,22 @@ def test_regenerated_steps_distill_on_greedy_completions_of_the_model_that_wrote
     assert records[0]["loss"] == pytest.approx(want, rel=1e-5), (records[0]["loss"], want)
 
 
+def test_a_bfloat16_teacher_gives_the_float32_teachers_loss_up_to_its_rounding(tmp_path, models):
+    """--gkd.teacher_dtype bfloat16: the teacher's weights and logits in bfloat16, the
+    divergence in float32; the loss moves by bfloat16's rounding of the teacher, no more (and
+    does move: the teacher ran in bfloat16). The dry run counts half the teacher's bytes."""
+    flags = ["--gkd.lmbda", "0"]
+    full = _gkd(models, tmp_path / "full", *flags)[0]["loss"]
+    half = _gkd(models, tmp_path / "half", *flags, "--gkd.teacher_dtype", "bfloat16")[0]["loss"]
+    assert half != full and half == pytest.approx(full, rel=5e-3), (half, full)  # 5e-4 measured
+    result = run_titan(["dry-run", "--world_size", "1", *_flags(models, tmp_path / "dry", *flags, "--gkd.teacher_dtype",
+                                                               "bfloat16")], env=ENV, timeout=120)
+    teacher = transformers.LlamaForCausalLM.from_pretrained(str(models[1])).num_parameters()
+    from titan.dist.dry_run import format_bytes
+
+    assert f"teacher {format_bytes(teacher * 2)}, teacher logits {format_bytes(4 * 24 * 320 * 2)}" in result.stdout
+
+
 def test_the_sampling_seed_flag_picks_the_students_samples(tmp_path, models):
     """--sampling.seed keys the on-policy samples: the same seed samples the same completions,
     another seed others."""

@@ -309,9 +309,10 @@ def _is_gkd(config: Any) -> bool:
 
 def gkd_model_copies(config: Any, params: int) -> list[tuple[str, int]]:
     """What every rank of a ``titan gkd`` run of a ``params``-parameter student holds beside the
-    student's shards, each as (name, bytes): the teacher (a whole float32 copy, its size read
-    from its folder's ``config.json``; a Hub id not yet downloaded is not counted), its logits
-    of one microbatch (float32, ``[local batch, seq, teacher vocab]``, whole under CP and TP),
+    student's shards, each as (name, bytes): the teacher (a whole copy in ``--gkd.teacher_dtype``,
+    its size read from its folder's ``config.json``; a Hub id not yet downloaded is not counted),
+    its logits of one microbatch (``[local batch, seq, teacher vocab]`` in that dtype, whole
+    under CP and TP),
     and with ``--gkd.lmbda`` above 0 the student's float32 copy that generates."""
     copies = []
     folder = config.gkd.teacher_model
@@ -322,9 +323,9 @@ def gkd_model_copies(config: Any, params: int) -> list[tuple[str, int]]:
                                          flavor="teacher", labels=0)
         with torch.device("meta"):
             teacher = sum(p.numel() for p in spec.build("teacher").parameters())
-        training = config.training
-        copies += [("teacher", teacher * 4),
-                   ("teacher logits", training.local_batch_size * training.seq_len * args.vocab_size * 4)]
+        training, size = config.training, _DTYPE_BYTES[config.gkd.teacher_dtype]
+        copies += [("teacher", teacher * size),
+                   ("teacher logits", training.local_batch_size * training.seq_len * args.vocab_size * size)]
     if config.gkd.lmbda > 0:
         copies.append(("generating copy", params * 4))
     return copies

@@ -49,7 +49,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -84,6 +84,9 @@ class GKDSection:
     only (supervised distillation)."""
     seq_kd: bool = False
     """Train on the teacher's sampled completions in place of the data's (sequence-level KD)."""
+    teacher_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The teacher's weights and logits (TRL's ``teacher_model_init_kwargs`` dtype): bfloat16
+    halves its memory on every rank; the divergence is still computed in float32."""
 
     def check(self) -> None:
         """Refuse out-of-range values, naming the flag."""
@@ -164,7 +167,8 @@ class GKDTrainer(SFTTrainer):
         start = time.perf_counter()
         self.teacher = build_teacher(config.gkd.teacher_model, model_spec, vocab_size=self.tokenizer.vocab_size,
                                      seq_len=config.training.seq_len, eos_token_id=self.tokenizer.eos_id,
-                                     device=self.engine.device, flag="--gkd.teacher_model")
+                                     device=self.engine.device, flag="--gkd.teacher_model",
+                                     dtype=getattr(torch, config.gkd.teacher_dtype))
         logger.info("teacher %s (%s parameters) loaded in %.1fs", config.gkd.teacher_model,
                     f"{sum(p.numel() for p in self.teacher.model.parameters()) / 1e6:.2f}M", time.perf_counter() - start)
         # The first rank of each replica (its TP, CP and PP ranks hold the same rows) generates

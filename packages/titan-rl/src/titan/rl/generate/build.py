@@ -109,10 +109,10 @@ def folder_architecture(folder: str, model_spec: ModelSpec, *, flag: str, role: 
 
 
 def build_teacher(path: str, model_spec: ModelSpec, *, vocab_size: int, seq_len: int, eos_token_id: int,
-                  device: torch.device, flag: str = "--rl.teacher_model") -> Any:
+                  device: torch.device, flag: str = "--rl.teacher_model", dtype: torch.dtype = torch.float32) -> Any:
     """A native generator holding the teacher at ``path`` (a Hugging Face folder or Hub id of
     ``model_spec``'s family, any size: its own ``config.json`` gives the architecture), with its
-    weights, for rescoring completions. Its vocabulary must cover the run's tokenizer
+    weights in ``dtype``, for rescoring completions. Its vocabulary must cover the run's tokenizer
     (``vocab_size`` ids): the two must share it, which the ids alone cannot prove."""
     from titan.ckpt.hf import load_hf
     from titan.ckpt.hub import resolve_hub_folder
@@ -122,7 +122,7 @@ def build_teacher(path: str, model_spec: ModelSpec, *, vocab_size: int, seq_len:
     spec, _ = folder_architecture(folder, model_spec, flag=flag, role="teacher", flavor="teacher", labels=0,
                                   vocab_size=vocab_size)
     teacher = NativeGenerator.from_model_spec(spec, "teacher", overrides={"max_seq_len": seq_len}, device=device,
-                                              eos_token_id=eos_token_id)
+                                              eos_token_id=eos_token_id, dtype=dtype)
     teacher.load_weights(load_hf(folder, spec.adapter(teacher.model)).items(), version=0)
     return teacher
 
