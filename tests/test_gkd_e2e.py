@@ -110,14 +110,14 @@ def _data_sequences(models, dump: Path) -> tuple[list[tuple[list[int], list[int]
     return out, tokenizer
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_the_first_step_loss_is_the_divergence_of_transformers_models_by_hand(tmp_path, models, beta):
+@pytest.mark.parametrize("beta, layout", [(0.0, "sharded"), (0.5, "sharded"), (1.0, "sharded"), (0.5, "whole")])
+def test_the_first_step_loss_is_the_divergence_of_transformers_models_by_hand(tmp_path, models, beta, layout):
     """Supervised distillation (--gkd.lmbda 0): step 1's loss is the mean over the data's
     completion tokens of the generalized JSD between the student and the teacher, both read
     by transformers from their folders (the student's vocabulary and the teacher's padded past
-    the tokenizer's: compared over its ids)."""
+    the tokenizer's: compared over its ids); the teacher on an engine of its own or whole."""
     records = _gkd(models, tmp_path / "run", "--gkd.lmbda", "0", "--gkd.beta", str(beta), "--validation.enable",
-                   "--sft_data.eval_path", str(models[2]), "--optimizer.lr", "1e-30")
+                   "--sft_data.eval_path", str(models[2]), "--optimizer.lr", "1e-30", "--gkd.teacher_layout", layout)
     sequences, tokenizer = _data_sequences(models, tmp_path / "run")
     want = _expected_loss(models, sequences, beta, tokenizer.vocab_size)
     assert records[0]["loss"] == pytest.approx(want, rel=1e-5), (records[0]["loss"], want)
@@ -131,7 +131,8 @@ def test_the_first_step_loss_is_the_divergence_of_transformers_models_by_hand(tm
     assert records[0]["validation_loss"] == pytest.approx(sum(nll) / sum(len(c) for _, c in sequences), rel=1e-5)
 
 
-@pytest.mark.parametrize("who, flags", [("student", ["--gkd.lmbda", "1"]), ("teacher", ["--gkd.lmbda", "0", "--gkd.seq_kd"])])
+@pytest.mark.parametrize("who, flags", [("student", ["--gkd.lmbda", "1"]),
+                                        ("teacher", ["--gkd.lmbda", "0", "--gkd.seq_kd", "--gkd.teacher_layout", "whole"])])
 def test_regenerated_steps_distill_on_greedy_completions_of_the_model_that_wrote_them(tmp_path, models, who, flags):
     """--gkd.lmbda 1 (on-policy: the student's own completions) or --gkd.seq_kd (the teacher's)
     with greedy sampling: every example's completion is transformers' greedy decoding of its
@@ -156,7 +157,7 @@ def test_a_bfloat16_teacher_gives_the_float32_teachers_loss_up_to_its_rounding(t
     """--gkd.teacher_dtype bfloat16: the teacher's weights and logits in bfloat16, the
     divergence in float32; the loss moves by bfloat16's rounding of the teacher, no more (and
     does move: the teacher ran in bfloat16). The dry run counts half the teacher's bytes."""
-    flags = ["--gkd.lmbda", "0"]
+    flags = ["--gkd.lmbda", "0", "--gkd.teacher_layout", "whole"]
     full = _gkd(models, tmp_path / "full", *flags)[0]["loss"]
     half = _gkd(models, tmp_path / "half", *flags, "--gkd.teacher_dtype", "bfloat16")[0]["loss"]
     assert half != full and half == pytest.approx(full, rel=5e-3), (half, full)  # 5e-4 measured
@@ -165,7 +166,7 @@ def test_a_bfloat16_teacher_gives_the_float32_teachers_loss_up_to_its_rounding(t
     teacher = transformers.LlamaForCausalLM.from_pretrained(str(models[1])).num_parameters()
     from titan.dist.dry_run import format_bytes
 
-    assert f"teacher {format_bytes(teacher * 2)}, teacher logits {format_bytes(4 * 24 * 320 * 2)}" in result.stdout
+    assert f"teacher (whole) {format_bytes(teacher * 2)}, teacher logits {format_bytes(4 * 24 * 320 * 2)}" in result.stdout
 
 
 def test_the_sampling_seed_flag_picks_the_students_samples(tmp_path, models):
@@ -191,16 +192,18 @@ def test_the_student_learns_the_teachers_distributions(tmp_path, models):
 
 
 # The 2-rank layouts, each against one process: FSDP (each rank generates its own rows'
-# completions), and TP with loss parallel (the student's vocab-sharded logits gathered), CP (the
-# teacher's logits sharded along the sequence with the batch) and PP (the teacher's logits reach
-# the last stage with each pipeline microbatch's rows), where the replica's first rank generates
-# and hands the rows to the other (the other has no student copy: without the hand-over the two
-# would train on different rows).
+# completions), and TP with loss parallel (the student's and the teacher's vocab-sharded logits
+# gathered), CP (each rank's share of the sequence from the sharded teacher) and PP (a whole
+# teacher on the last stage: its logits reach it with each pipeline microbatch's rows), where
+# the replica's first rank generates and hands the rows to the other (the other has no student
+# copy: without the hand-over the two would train on different rows). The teacher is sharded as
+# the student but under PP, where it is whole: the one-process run's is an engine of its own.
 LAYOUTS = {
     "fsdp": [],
     "tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
     "cp": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
-    "pp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "pp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+           "--gkd.teacher_layout", "whole"],
 }
 
 
@@ -251,17 +254,26 @@ def test_bad_input_is_one_line(tmp_path, models, extra, message):
 
 def test_the_dry_run_counts_the_teacher_its_logits_and_the_generating_copy(tmp_path, models):
     """`titan dry-run` of a GKD run adds what every rank holds beside the student's shards: the
-    teacher in float32, its logits of one microbatch, and the student's float32 copy that
-    generates (--gkd.lmbda above 0), by hand from transformers' parameter counts."""
+    teacher (whole in float32, or sharded as the student: half of it on each of 2 FSDP ranks),
+    its logits of one microbatch, and the student's float32 copy that generates (--gkd.lmbda
+    above 0), by hand from transformers' parameter counts."""
+    import re
+
     from titan.dist.dry_run import format_bytes
 
-    flags = _flags(models, tmp_path / "run")
-    result = run_titan(["dry-run", "--world_size", "2", *flags], env=ENV, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
     student, teacher = (transformers.LlamaForCausalLM.from_pretrained(str(f)).num_parameters() for f in models[:2])
     logits = 4 * 24 * 320 * 4  # local batch x seq x the teacher's vocabulary, float32
-    want = (f"(teacher {format_bytes(teacher * 4)}, teacher logits {format_bytes(logits)}, "
-            f"generating copy {format_bytes(student * 4)})")
-    assert want in result.stdout, result.stdout
-    result = run_titan(["dry-run", "--world_size", "2", *flags, "--gkd.lmbda", "0"], env=ENV, timeout=120)
-    assert "generating copy" not in result.stdout and "teacher logits" in result.stdout, result.stdout
+
+    def dry_run(*extra: str) -> str:
+        result = run_titan(["dry-run", "--world_size", "2", *_flags(models, tmp_path / "run", *extra)], env=ENV,
+                           timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout
+
+    out = dry_run("--gkd.teacher_layout", "whole")
+    assert (f"(teacher (whole) {format_bytes(teacher * 4)}, teacher logits {format_bytes(logits)}, "
+            f"generating copy {format_bytes(student * 4)})") in out, out
+    out = dry_run("--gkd.lmbda", "0")
+    assert "generating copy" not in out, out
+    held = re.search(r"teacher \(sharded\) ([\d.]+) KiB", out)
+    assert held and float(held.group(1)) * 1024 == pytest.approx(teacher * 4 / 2, rel=0.02), out

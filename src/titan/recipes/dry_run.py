@@ -307,15 +307,18 @@ def _is_gkd(config: Any) -> bool:
     return hasattr(getattr(config, "gkd", None), "lmbda")
 
 
-def gkd_model_copies(config: Any, params: int) -> list[tuple[str, int]]:
+def gkd_model_copies(config: Any, params: int, student_param_bytes: int) -> list[tuple[str, int]]:
     """What every rank of a ``titan gkd`` run of a ``params``-parameter student holds beside the
-    student's shards, each as (name, bytes): the teacher (a whole copy in ``--gkd.teacher_dtype``,
-    its size read from its folder's ``config.json``; a Hub id not yet downloaded is not counted),
-    its logits of one microbatch (``[local batch, seq, teacher vocab]`` in that dtype, whole
-    under CP and TP),
-    and with ``--gkd.lmbda`` above 0 the student's float32 copy that generates."""
+    student's shards, each as (name, bytes): the teacher (its size read from its folder's
+    ``config.json``; a Hub id not yet downloaded is not counted): sharded as the student
+    (``--gkd.teacher_layout sharded``: the student's ``student_param_bytes`` on this rank scaled
+    to the teacher's size) or a whole copy in ``--gkd.teacher_dtype``; its logits of one
+    microbatch (``[local batch, seq, teacher vocab]``, whole over the vocabulary and the
+    sequence, float32 or the whole teacher's dtype); and with ``--gkd.lmbda`` above 0 the
+    student's float32 copy that generates."""
     copies = []
-    folder = config.gkd.teacher_model
+    gkd = config.gkd
+    folder = gkd.teacher_model
     if folder and os.path.isfile(os.path.join(folder, "config.json")):
         from titan.rl.generate.build import folder_architecture
 
@@ -323,10 +326,12 @@ def gkd_model_copies(config: Any, params: int) -> list[tuple[str, int]]:
                                          flavor="teacher", labels=0)
         with torch.device("meta"):
             teacher = sum(p.numel() for p in spec.build("teacher").parameters())
-        training, size = config.training, _DTYPE_BYTES[config.gkd.teacher_dtype]
-        copies += [("teacher", teacher * size),
+        size = _DTYPE_BYTES[gkd.teacher_dtype] if gkd.teacher_layout == "whole" else 4
+        held = teacher * size if gkd.teacher_layout == "whole" else int(student_param_bytes * teacher / params)
+        training = config.training
+        copies += [(f"teacher ({gkd.teacher_layout})", held),
                    ("teacher logits", training.local_batch_size * training.seq_len * args.vocab_size * size)]
-    if config.gkd.lmbda > 0:
+    if gkd.lmbda > 0:
         copies.append(("generating copy", params * 4))
     return copies
 
@@ -338,7 +343,8 @@ def with_rl_models(config: Any, estimates: list[RankEstimate]) -> list[RankEstim
     loss); unchanged for other runs."""
     if _is_gkd(config):
         estimates = list(estimates)
-        estimates[-1] = _with_copies(estimates[-1], gkd_model_copies(config, _policy_params(config)))
+        last = estimates[-1]
+        estimates[-1] = _with_copies(last, gkd_model_copies(config, _policy_params(config), last.param_bytes))
         return estimates
     if not _is_rl(config):
         return estimates

@@ -25,14 +25,15 @@ completion that would overflow the row is cut at its end; an example left withou
 one completion token is dropped and counted in ``gkd_dropped``).
 
 The teacher (``--gkd.teacher_model``, TRL's ``teacher_model_name_or_path``) is a Hugging Face
-folder or Hub id of the student's family, of any size, sharing its tokenizer: a whole float32
-copy on every rank, run without gradients on that rank's rows before the student's forward.
-Its logits travel with the microbatch, so context parallel hands each rank its share of them
-like any ``[B, S, ...]`` key, pipeline parallel each pipeline microbatch's rows to the last
-stage (which alone runs the teacher), and under TP's loss parallel the student's vocab-sharded
-logits are gathered to meet them. The TP, CP and PP ranks of one replica hold the same rows:
-their first rank generates (it alone holds a student copy) and hands the rows to the others.
-The draws are keyed by (``--debug.seed``, step, global microbatch)
+folder or Hub id of the student's family, of any size, sharing its tokenizer: on an engine of
+its own laid out as the student, or a whole copy on every rank (``--gkd.teacher_layout``,
+:mod:`titan.rl.distill_teacher`), run without gradients just before the student's forward.
+Its logits travel with the microbatch: a whole teacher's are sharded along the sequence under
+context parallel like any ``[B, S, ...]`` key (a sharded teacher's come as this rank's share),
+pipeline parallel hands each pipeline microbatch's rows to the last stage (which alone runs
+the teacher), and vocab-sharded logits (TP's loss parallel) are gathered. The TP, CP and PP
+ranks of one replica hold the same rows: their first rank generates (it alone holds a student
+copy) and hands the rows to the others. The draws are keyed by (``--debug.seed``, step, global microbatch)
 and the sampling seeds by (``--sampling.seed``, step, global microbatch), so every layout of
 one global batch and a resumed run regenerate what the uninterrupted one-process run did.
 
@@ -54,10 +55,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from titan.rl.distill_loss import check_beta, gkd_loss_sum
+from titan.rl.distill_teacher import ShardedTeacher, WholeTeacher
 from titan.rl.generate.base import SamplingConfig
 from titan.train.data.chat import SFTExample
 from titan.train.data.sft import pack_row
-from titan.train.engine import MODEL_INPUT_KEYS
 from titan.train.loop import StepResult
 from titan.train.loss import IGNORE_INDEX
 from titan.train.sft import SFTConfig, SFTTrainer
@@ -84,9 +85,13 @@ class GKDSection:
     only (supervised distillation)."""
     seq_kd: bool = False
     """Train on the teacher's sampled completions in place of the data's (sequence-level KD)."""
+    teacher_layout: Literal["sharded", "whole"] = "sharded"
+    """sharded: the teacher on an engine of its own laid out as the student (FSDP, TP, CP: each
+    rank holds its shards, computing in the run's precision); whole: a copy on every rank,
+    which --gkd.seq_kd (the teacher samples) and pipeline parallel take."""
     teacher_dtype: Literal["float32", "bfloat16"] = "float32"
-    """The teacher's weights and logits (TRL's ``teacher_model_init_kwargs`` dtype): bfloat16
-    halves its memory on every rank; the divergence is still computed in float32."""
+    """A whole teacher's weights and logits (TRL's ``teacher_model_init_kwargs`` dtype):
+    bfloat16 halves its memory on every rank; the divergence is still computed in float32."""
 
     def check(self) -> None:
         """Refuse out-of-range values, naming the flag."""
@@ -96,6 +101,13 @@ class GKDSection:
         check_beta(self.beta)
         if not 0.0 <= self.lmbda <= 1.0:
             raise ValueError(f"--gkd.lmbda is the share of on-policy microbatches, in [0, 1]; got {self.lmbda}")
+        if self.teacher_layout == "sharded":
+            needs_whole = [flag for flag, on in (("--gkd.seq_kd (the teacher samples)", self.seq_kd),
+                                                 (f"--gkd.teacher_dtype {self.teacher_dtype}",
+                                                  self.teacher_dtype != "float32")) if on]
+            if needs_whole:
+                raise ValueError(f"{needs_whole[0]} takes a whole teacher on every rank: add --gkd.teacher_layout whole "
+                                 "(a sharded teacher computes in the run's precision)")
 
     @property
     def generates(self) -> bool:
@@ -162,15 +174,12 @@ class GKDTrainer(SFTTrainer):
 
     def __init__(self, config: GKDConfig, *, model_spec) -> None:
         super().__init__(config, model_spec=model_spec)
-        from titan.rl.generate.build import build_generator, build_teacher
+        from titan.rl.generate.build import build_generator
 
         start = time.perf_counter()
-        self.teacher = build_teacher(config.gkd.teacher_model, model_spec, vocab_size=self.tokenizer.vocab_size,
-                                     seq_len=config.training.seq_len, eos_token_id=self.tokenizer.eos_id,
-                                     device=self.engine.device, flag="--gkd.teacher_model",
-                                     dtype=getattr(torch, config.gkd.teacher_dtype))
-        logger.info("teacher %s (%s parameters) loaded in %.1fs", config.gkd.teacher_model,
-                    f"{sum(p.numel() for p in self.teacher.model.parameters()) / 1e6:.2f}M", time.perf_counter() - start)
+        self.teacher = self._build_teacher()
+        logger.info("teacher %s (%s parameters, %s) loaded in %.1fs", config.gkd.teacher_model,
+                    f"{self.teacher.num_params / 1e6:.2f}M", config.gkd.teacher_layout, time.perf_counter() - start)
         # The first rank of each replica (its TP, CP and PP ranks hold the same rows) generates
         # them with its own copy of the student, and hands them to the others.
         self.leads_replica = all(self._axis_rank(axis) == 0 for axis in REPLICA_AXES)
@@ -183,6 +192,20 @@ class GKDTrainer(SFTTrainer):
         self._stats = _GKDStats()
         # Held-out examples: the divergence to the teacher beside the NLL (the perplexity).
         self.validator.also_report("distill_loss", self._distill_loss, self.before_forward)
+
+    def _build_teacher(self) -> WholeTeacher | ShardedTeacher:
+        """The teacher, ``--gkd.teacher_layout`` (:mod:`titan.rl.distill_teacher`)."""
+        from titan.ckpt.hub import resolve_hub_folder
+        from titan.rl.generate.build import build_teacher
+
+        gkd = self.config.gkd
+        if gkd.teacher_layout == "sharded":
+            folder = resolve_hub_folder(gkd.teacher_model, flag="--gkd.teacher_model")
+            return ShardedTeacher.from_config(self.config, folder, model_spec=self.model_spec, tokenizer=self.tokenizer)
+        return WholeTeacher(build_teacher(gkd.teacher_model, self.model_spec, vocab_size=self.tokenizer.vocab_size,
+                                          seq_len=self.config.training.seq_len, eos_token_id=self.tokenizer.eos_id,
+                                          device=self.engine.device, flag="--gkd.teacher_model",
+                                          dtype=getattr(torch, gkd.teacher_dtype)))
 
     def check_config(self) -> None:
         """The SFT checks, the ``--gkd.*`` values and the teacher's folder, and the flags GKD cannot honour."""
@@ -198,6 +221,10 @@ class GKDTrainer(SFTTrainer):
         if cfg.training.loss_type != "nll":
             raise ValueError(f"--training.loss_type {cfg.training.loss_type} weighs titan sft's NLL; titan gkd's loss "
                              "is the divergence to the teacher (--gkd.beta): drop the flag")
+        if cfg.gkd.teacher_layout == "sharded" and cfg.parallelism.pipeline_parallel_degree > 1:
+            raise ValueError("a sharded teacher is laid out as the student, and under pipeline parallel its logits would "
+                             "stay on its last stage's ranks: add --gkd.teacher_layout whole (a copy on every rank; "
+                             "the last stage runs it)")
         if cfg.sampling.n != 1:
             raise ValueError(f"--sampling.n {cfg.sampling.n}: titan gkd regenerates one completion per example; "
                              "leave it at 1")
@@ -221,7 +248,8 @@ class GKDTrainer(SFTTrainer):
         chunks = [self._global_chunk(i) for i in range(len(microbatches))]
         lead = self.leads_replica
         if self.config.gkd.seq_kd and lead:
-            microbatches = [self._regenerate(mb, self.teacher, step, c) for mb, c in zip(microbatches, chunks, strict=True)]
+            microbatches = [self._regenerate(mb, self.teacher.generator, step, c)
+                            for mb, c in zip(microbatches, chunks, strict=True)]
         # Every rank draws for every microbatch of the global batch: they agree on the sync.
         draws = [self._draws_on_policy(step, c) for c in range(len(microbatches) * self.data_shard[1])]
         if any(draws):
@@ -319,11 +347,11 @@ class GKDTrainer(SFTTrainer):
 
     @torch.no_grad()
     def _with_teacher_logits(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``microbatch`` on this device with the teacher's logits of its rows (``[B, S, V]``),
-        under the same document masking and positions as the student's forward."""
+        """``microbatch`` on this device with the teacher's logits of its rows
+        (``teacher_logits``), under the same document masking and positions as the student's
+        forward."""
         batch = self.engine.to_device(microbatch)
-        kwargs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
-        batch["teacher_logits"] = self.teacher.model(batch["input_ids"], **kwargs)
+        batch["teacher_logits"] = self.teacher.logits(self.engine, batch)
         return batch
 
     # ---- metrics --------------------------------------------------------------------------

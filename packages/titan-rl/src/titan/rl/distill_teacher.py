@@ -1,0 +1,116 @@
+"""The teacher of ``titan gkd``, two ways (``--gkd.teacher_layout``):
+
+- ``sharded`` (the default): a second :class:`~titan.train.engine.TrainingEngine` on the
+  trainer's ranks, built from the run's config with the teacher's own architecture (its
+  folder's ``config.json``), so it is laid out as the student is (FSDP, TP, CP, compile) and a
+  teacher as large as the student costs each rank its share, as PPO's critic does. Its weights
+  are read from the folder, each rank slicing its own shards. It never trains: its logits come
+  from a no-grad forward of the student's microbatch through the engine (under CP each rank
+  gets its share of the sequence; under TP's loss parallel the vocab-sharded logits are
+  gathered);
+- ``whole``: a native float32 (or ``--gkd.teacher_dtype``) copy on every rank, which can also
+  sample (``--gkd.seq_kd``) and runs under pipeline parallel (on the last stage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from titan.train.engine import MODEL_INPUT_KEYS
+from torch.distributed.tensor import DTensor
+
+TEACHER_FLAVOR = "teacher"
+"""The flavor name of the teacher's architecture, read from its folder."""
+
+
+class WholeTeacher:
+    """A whole copy of the teacher on this rank (a native generator's model)."""
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+
+    @property
+    def num_params(self) -> int:
+        """The teacher's parameter count."""
+        return sum(p.numel() for p in self.generator.model.parameters())
+
+    @torch.no_grad()
+    def logits(self, engine: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[B, S, V]`` logits of ``batch``'s rows (on the device), with the document masking
+        and positions the student's forward sees; context parallel then shards them with the
+        batch."""
+        kwargs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
+        return self.generator.model(batch["input_ids"], **kwargs)
+
+
+class ShardedTeacher:
+    """The teacher on an engine of its own, laid out as the student's (module docstring)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.generator = None  # it cannot sample: --gkd.seq_kd takes a whole teacher
+        engine.train(False)
+
+    @property
+    def num_params(self) -> int:
+        """The teacher's parameter count."""
+        return self.engine.num_params
+
+    @classmethod
+    def from_config(cls, config: Any, folder: str, *, model_spec: Any, tokenizer: Any) -> ShardedTeacher:
+        """The teacher in ``folder`` (a local Hugging Face folder of the student's family) on
+        an engine built from the run's ``config`` (its layout, precision and compile; no
+        checkpoints, no float8 conversion), its weights loaded shard by shard."""
+        from titan.ckpt.config import CheckpointConfig
+        from titan.ckpt.hf import load_hf
+        from titan.rl.generate.build import folder_architecture
+        from titan.train.engine import TrainingEngine
+        from titan.train.quantize import QuantizeConfig
+
+        spec, args = folder_architecture(folder, model_spec, flag="--gkd.teacher_model", role="teacher",
+                                         flavor=TEACHER_FLAVOR, labels=0, vocab_size=tokenizer.vocab_size)
+        # The folder's architecture whole: no --model.* field of the student's applies to it.
+        model = dataclasses.replace(config.model, flavor=TEACHER_FLAVOR, n_layers=None, dim=None, n_heads=None,
+                                    n_kv_heads=None, vocab_size=None)
+        teacher_config = dataclasses.replace(config, model=model, checkpoint=CheckpointConfig(),
+                                             quantize=QuantizeConfig(),
+                                             training=dataclasses.replace(config.training, global_batch_size=-1))
+        engine = TrainingEngine.from_config(teacher_config, model_spec=spec, vocab_size=args.vocab_size,
+                                            tokenizer=tokenizer)
+        teacher = cls(engine)
+        teacher.load(folder, load_hf)
+        return teacher
+
+    @torch.no_grad()
+    def load(self, folder: str, load_hf: Any) -> None:
+        """Every weight from ``folder`` (read with the family's adapter by ``load_hf``), each
+        rank copying its own shards; a missing or misshaped weight raises."""
+        from titan.ckpt.stateful import shard_like
+
+        state = load_hf(folder, self.engine.hf_adapter)
+        for part in self.engine.model_parts:
+            for name, tensor in part.state_dict().items():
+                if name not in state or tuple(state[name].shape) != tuple(tensor.shape):
+                    raise ValueError(f"--gkd.teacher_model {folder}: {name} is missing or shaped otherwise than its "
+                                     "config.json says")
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                shard = shard_like(state[name], tensor)
+                local.copy_(shard.to_local() if isinstance(shard, DTensor) else shard)
+
+    def logits(self, engine: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``batch``'s logits by the teacher's engine: this rank's share of the sequence under
+        CP (``[B, S / cp, V]``, which the student's engine passes through unsharded: its own
+        split cuts only ``[B, S, ...]`` keys), whole over the vocabulary."""
+        captured: list[torch.Tensor] = []
+
+        def capture(logits: torch.Tensor, _batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            captured.append(logits.full_tensor() if isinstance(logits, DTensor) else logits)
+            return torch.zeros((), device=captured[-1].device)
+
+        self.engine.forward_only(batch, capture)
+        return captured[0]
+
+
+__all__ = ["ShardedTeacher", "TEACHER_FLAVOR", "WholeTeacher"]
