@@ -356,6 +356,23 @@ class GKDTrainer(SFTTrainer):
 
     # ---- metrics --------------------------------------------------------------------------
 
+    def _log(self, result: StepResult, validation: dict[str, float] | None = None) -> dict[str, Any]:
+        """The step's record, and on the console a line of what was regenerated and the
+        held-out figures (the progress line shows the loss only)."""
+        record = super()._log(result, validation)
+        if self.is_rank0:
+            logger.info("step %d: %s", record["step"], self.summary_line(record))
+        return record
+
+    @staticmethod
+    def summary_line(record: dict[str, Any]) -> str:
+        """The console line of a logged record's GKD fields."""
+        held_out = ("" if "validation_distill_loss" not in record else
+                    f" | held-out: divergence {record['validation_distill_loss']:.4f}  nll {record['validation_loss']:.4f}")
+        return (f"on-policy {record['on_policy']:.2f}  generated {record['gkd_generated_tokens']:.1f} tokens a "
+                f"completion  dropped {record['gkd_dropped']}  generation {record['generation_s']:.1f}s  teacher "
+                f"{record['teacher_s']:.1f}s{held_out}")
+
     def log_extras(self) -> dict[str, Any]:
         """The SFT fields, and what the steps since the last record generated (module
         docstring)."""
