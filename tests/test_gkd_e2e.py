@@ -84,7 +84,7 @@ def _hand_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: 
 def _expected_loss(models, sequences: list[tuple[list[int], list[int]]], beta: float, vocab: int) -> float:
     """The mean over completion tokens of the divergence between transformers' student and
     teacher at each position predicting a completion token."""
-    student, teacher = (transformers.LlamaForCausalLM.from_pretrained(str(f), dtype=torch.float32).eval()
+    student, teacher = (transformers.AutoModelForCausalLM.from_pretrained(str(f), dtype=torch.float32).eval()
                         for f in models[:2])
     total, count = 0.0, 0
     for prompt, completion in sequences:
@@ -167,6 +167,26 @@ def test_a_bfloat16_teacher_gives_the_float32_teachers_loss_up_to_its_rounding(t
     from titan.dist.dry_run import format_bytes
 
     assert f"teacher (whole) {format_bytes(teacher * 2)}, teacher logits {format_bytes(4 * 24 * 320 * 2)}" in result.stdout
+
+
+@pytest.mark.parametrize("layout", ["sharded", "whole"])
+def test_a_teacher_of_another_family_a_qwen3_moe_teaching_a_dense_qwen3(tmp_path, models, layout):
+    """The teacher's family is its folder's (`model_type`), not the student's: a Qwen3-MoE
+    teacher (4 experts, top 2) of a dense Qwen3 student, both transformers' and over the same
+    tokenizer; step 1's loss is their divergence by hand."""
+    common = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=10_000.0)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(intermediate_size=128, **common)).save_pretrained(
+        str(tmp_path / "student"))
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], initializer_range=0.2, **common)).save_pretrained(str(tmp_path / "teacher"))
+    qwen = (tmp_path / "student", tmp_path / "teacher", models[2])
+    records = _gkd(qwen, tmp_path / "run", "--model.name", "qwen3", "--gkd.lmbda", "0", "--gkd.teacher_layout", layout)
+    sequences, tokenizer = _data_sequences(qwen, tmp_path / "run")
+    want = _expected_loss(qwen, sequences, 0.5, tokenizer.vocab_size)
+    assert records[0]["loss"] == pytest.approx(want, rel=1e-5), (records[0]["loss"], want)
 
 
 def test_the_sampling_seed_flag_picks_the_students_samples(tmp_path, models):

@@ -322,8 +322,11 @@ def gkd_model_copies(config: Any, params: int, student_param_bytes: int) -> list
     if folder and os.path.isfile(os.path.join(folder, "config.json")):
         from titan.rl.generate.build import folder_architecture
 
-        spec, args = folder_architecture(folder, model_spec_for(config), flag="--gkd.teacher_model", role="teacher",
-                                         flavor="teacher", labels=0)
+        from titan.recipes.families import family_of_folder
+
+        student = model_spec_for(config)
+        spec, args = folder_architecture(folder, family_of_folder(folder, student), flag="--gkd.teacher_model",
+                                         role="teacher", flavor="teacher", labels=0)
         with torch.device("meta"):
             teacher = sum(p.numel() for p in spec.build("teacher").parameters())
         size = _DTYPE_BYTES[gkd.teacher_dtype] if gkd.teacher_layout == "whole" else 4

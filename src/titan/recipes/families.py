@@ -79,6 +79,23 @@ def model_spec_for(config: Any) -> ModelSpec:
     return spec.with_flavor(HF_FLAVOR, hf_flavor_args(spec, config.checkpoint))
 
 
+def family_of_folder(folder: str, default: ModelSpec) -> ModelSpec:
+    """The family of the Hugging Face model in ``folder``, by its ``config.json``'s
+    ``model_type`` (a distillation teacher may be of another family than the student: a
+    Qwen3-MoE teacher of a dense Qwen3); ``default`` when the folder has no readable
+    ``config.json`` (a Hub id not downloaded yet: the builder reports it) or a model type no
+    family reads (the builder's check names the families)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return default
+    if model_type == default.hf_model_type:
+        return default
+    return next((spec for spec in MODEL_FAMILIES.values()
+                 if spec.hf_model_type == model_type and spec.args_from_hf_config is not None), default)
+
+
 def hf_flavor_args(spec: ModelSpec, checkpoint: Any) -> Any:
     """The family's arguments for the Hugging Face checkpoint ``checkpoint`` starts from (its
     ``config.json``); a ValueError says what is missing or which family the file is."""

@@ -167,9 +167,10 @@ _register_reward()
 def _build_gkd(config) -> Loop:
     from titan.rl.gkd import GKDTrainer  # imported late: --help stays fast
 
-    from titan.recipes.families import model_spec_for
+    from titan.recipes.families import family_of_folder, model_spec_for
 
-    return GKDTrainer(config, model_spec=model_spec_for(config))
+    spec = model_spec_for(config)
+    return GKDTrainer(config, model_spec=spec, teacher_spec=family_of_folder(config.gkd.teacher_model, spec))
 
 
 def _register_gkd() -> None:

@@ -60,7 +60,7 @@ class ShardedTeacher:
 
     @classmethod
     def from_config(cls, config: Any, folder: str, *, model_spec: Any, tokenizer: Any) -> ShardedTeacher:
-        """The teacher in ``folder`` (a local Hugging Face folder of the student's family) on
+        """The teacher in ``folder`` (a local Hugging Face folder of ``model_spec``'s family) on
         an engine built from the run's ``config`` (its layout, precision and compile; no
         checkpoints, no float8 conversion), its weights loaded shard by shard."""
         from titan.ckpt.config import CheckpointConfig
@@ -72,8 +72,8 @@ class ShardedTeacher:
         spec, args = folder_architecture(folder, model_spec, flag="--gkd.teacher_model", role="teacher",
                                          flavor=TEACHER_FLAVOR, labels=0, vocab_size=tokenizer.vocab_size)
         # The folder's architecture whole: no --model.* field of the student's applies to it.
-        model = dataclasses.replace(config.model, flavor=TEACHER_FLAVOR, n_layers=None, dim=None, n_heads=None,
-                                    n_kv_heads=None, vocab_size=None)
+        model = dataclasses.replace(config.model, name=model_spec.name, flavor=TEACHER_FLAVOR, n_layers=None, dim=None,
+                                    n_heads=None, n_kv_heads=None, vocab_size=None, router_aux_loss_coef=None)
         teacher_config = dataclasses.replace(config, model=model, checkpoint=CheckpointConfig(),
                                              quantize=QuantizeConfig(),
                                              training=dataclasses.replace(config.training, global_batch_size=-1))

@@ -25,7 +25,8 @@ completion that would overflow the row is cut at its end; an example left withou
 one completion token is dropped and counted in ``gkd_dropped``).
 
 The teacher (``--gkd.teacher_model``, TRL's ``teacher_model_name_or_path``) is a Hugging Face
-folder or Hub id of the student's family, of any size, sharing its tokenizer: on an engine of
+folder or Hub id of any family titan builds (``teacher_spec``: a Qwen3-MoE teacher of a
+dense Qwen3 student), of any size, sharing the student's tokenizer: on an engine of
 its own laid out as the student, or a whole copy on every rank (``--gkd.teacher_layout``,
 :mod:`titan.rl.distill_teacher`), run without gradients just before the student's forward.
 Its logits travel with the microbatch: a whole teacher's are sharded along the sequence under
@@ -75,8 +76,8 @@ class GKDSection:
     """``--gkd.*``: the distillation (TRL's ``GKDConfig`` names)."""
 
     teacher_model: str = ""
-    """The teacher: a Hugging Face folder or Hub id of the student's family (any size, the same
-    tokenizer). Required."""
+    """The teacher: a Hugging Face folder or Hub id of a family titan builds (its
+    ``model_type``; any size, the student's tokenizer). Required."""
     beta: float = 0.5
     """The generalized JSD's interpolation: 0 the forward KL (teacher || student), 1 the
     reverse KL (student || teacher), between them the divergence to the mixture."""
@@ -97,7 +98,7 @@ class GKDSection:
         """Refuse out-of-range values, naming the flag."""
         if not self.teacher_model:
             raise ValueError("titan gkd distills a teacher: set --gkd.teacher_model (a Hugging Face folder or Hub id "
-                             "of the student's family)")
+                             "of a family titan builds)")
         check_beta(self.beta)
         if not 0.0 <= self.lmbda <= 1.0:
             raise ValueError(f"--gkd.lmbda is the share of on-policy microbatches, in [0, 1]; got {self.lmbda}")
@@ -172,7 +173,10 @@ class GKDTrainer(SFTTrainer):
 
     Config = GKDConfig
 
-    def __init__(self, config: GKDConfig, *, model_spec) -> None:
+    def __init__(self, config: GKDConfig, *, model_spec, teacher_spec=None) -> None:
+        """``teacher_spec``: the teacher's family (its folder's ``model_type``, e.g. a Qwen3-MoE
+        teacher of a Qwen3 student; the command line reads it); None: the student's."""
+        self.teacher_spec = teacher_spec or model_spec  # the config check reads it
         super().__init__(config, model_spec=model_spec)
         from titan.rl.generate.build import build_generator
 
@@ -201,8 +205,8 @@ class GKDTrainer(SFTTrainer):
         gkd = self.config.gkd
         if gkd.teacher_layout == "sharded":
             folder = resolve_hub_folder(gkd.teacher_model, flag="--gkd.teacher_model")
-            return ShardedTeacher.from_config(self.config, folder, model_spec=self.model_spec, tokenizer=self.tokenizer)
-        return WholeTeacher(build_teacher(gkd.teacher_model, self.model_spec, vocab_size=self.tokenizer.vocab_size,
+            return ShardedTeacher.from_config(self.config, folder, model_spec=self.teacher_spec, tokenizer=self.tokenizer)
+        return WholeTeacher(build_teacher(gkd.teacher_model, self.teacher_spec, vocab_size=self.tokenizer.vocab_size,
                                           seq_len=self.config.training.seq_len, eos_token_id=self.tokenizer.eos_id,
                                           device=self.engine.device, flag="--gkd.teacher_model",
                                           dtype=getattr(torch, gkd.teacher_dtype)))
@@ -216,8 +220,8 @@ class GKDTrainer(SFTTrainer):
         if os.path.isdir(teacher) or teacher.startswith(("/", ".", "~")):  # a local folder: read before any work
             from titan.rl.generate.build import folder_architecture
 
-            folder_architecture(teacher, self.model_spec, flag="--gkd.teacher_model", role="teacher", flavor="teacher",
-                                labels=0)
+            folder_architecture(teacher, self.teacher_spec, flag="--gkd.teacher_model", role="teacher",
+                                flavor="teacher", labels=0)
         if cfg.training.loss_type != "nll":
             raise ValueError(f"--training.loss_type {cfg.training.loss_type} weighs titan sft's NLL; titan gkd's loss "
                              "is the divergence to the teacher (--gkd.beta): drop the flag")
@@ -233,9 +237,8 @@ class GKDTrainer(SFTTrainer):
 
     def _distill_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The generalized JSD to the teacher's logits the microbatch carries, summed over its
-        completion tokens. Vocab-sharded logits (TP's loss parallel) are gathered first: the
-        divergence reads every column of both models, and the teacher's are whole on every rank
-        anyway."""
+        completion tokens. Vocab-sharded logits (TP's loss parallel) are gathered first, as the
+        teacher's are: the divergence reads every column of both models."""
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
         return gkd_loss_sum(logits, batch["teacher_logits"], batch["labels"], beta=self.config.gkd.beta,
