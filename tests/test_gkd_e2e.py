@@ -1,6 +1,7 @@
 """`titan gkd` end to end: the loss of a step against transformers' student and teacher by hand
-(the data's completions, and the student's own greedy completions), learning toward a teacher,
-FSDP against one process, an exact resume, and bad input."""
+(on the data's completions, the student's and the teacher's greedy completions; a teacher of
+another family; a bfloat16 teacher), held-out figures, learning toward a teacher, every 2-rank
+layout against one process, an exact resume, the dry run's bytes, and bad input."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def models(tmp_path_factory) -> tuple[Path, Path, Path]:
 
 
 def _flags(models, dump: Path, *extra: str) -> list[str]:
+    """`titan gkd` flags: the student from its Hugging Face folder, the data one example a row,
+    one step logged."""
     student, teacher, data = models
     return ["--config", "gkd_debug", "--model.flavor", "hf", "--checkpoint.initial_load_path", str(student),
             "--checkpoint.initial_load_in_hf", "--gkd.teacher_model", str(teacher), "--sft_data.path", str(data),
@@ -57,10 +60,12 @@ def _flags(models, dump: Path, *extra: str) -> list[str]:
 
 
 def _records(dump: Path) -> list[dict]:
+    """The run's metric records."""
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
 def _gkd(models, dump: Path, *extra: str) -> list[dict]:
+    """Run `titan gkd` in one process; its records."""
     result = run_titan(["gkd", *_flags(models, dump, *extra)], env=ENV, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return _records(dump)
