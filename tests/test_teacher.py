@@ -67,6 +67,29 @@ def test_what_cannot_be_a_teacher_is_refused(tmp_path):
     RLSection(teacher_model="org/teacher", kl_in_reward_coef=1.0, reward_weights=(0.0,), drop_zero_variance=False)
 
 
+def test_a_teacher_of_another_family_is_the_kl_reference(tmp_path):
+    """`--rl.teacher_model` of another family than the policy (its folder's `model_type`): a
+    transformers Qwen3-MoE teacher of a Qwen3 policy is built with titan's Qwen3-MoE code, and
+    the KL to it is logged."""
+    common = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], **common)).save_pretrained(str(tmp_path / "teacher"))
+    dump = tmp_path / "run"
+    result = run_titan(["rl", "--config", "grpo_debug", "--model.name", "qwen3", "--training.steps", "3",
+                        "--rl.sft_warmup_steps", "1", "--rl.prompts_per_step", "2", "--rl.group_size", "2",
+                        "--training.local_batch_size", "4", "--rl.eval_freq", "0", "--rl.kl_coef", "0.05",
+                        "--rl.teacher_model", str(tmp_path / "teacher"), "--metrics.log_freq", "1",
+                        "--metrics.no_enable_progress_bar", "--job.dump_folder", dump], env=ENV, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert re.search(r"teacher \S+ \([0-9.]+M parameters\) loaded as the KL reference", result.stderr)
+    rl = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rl if r.get("phase") == "rl"]
+    assert rl and all(r["kl"] > 0 for r in rl), rl
+
+
 @pytest.mark.slow
 def test_on_policy_distillation_teaches_the_task_with_no_task_reward(tmp_path):
     """A teacher fine-tuned on the sort task, a student from scratch, and no task reward (weight

@@ -99,9 +99,11 @@ def _build_rl(config) -> Loop:
     # become generator servers, the others the trainer.
     from titan.rl.controller import build_rl_loop
 
-    from titan.recipes.families import model_spec_for
+    from titan.recipes.families import family_of_folder, model_spec_for
 
-    return build_rl_loop(config, model_spec=model_spec_for(config))
+    spec = model_spec_for(config)
+    teacher = config.rl.teacher_model
+    return build_rl_loop(config, model_spec=spec, teacher_spec=family_of_folder(teacher, spec) if teacher else None)
 
 
 def _register_rl() -> None:

@@ -243,7 +243,10 @@ class RLTrainer(TrainingLoop):
     _kl_in_reward_kl = 0.0
     """The KL to the reference the last rollout measured (--rl.kl_in_reward_target steers it)."""
 
-    def __init__(self, config: RLConfig, *, model_spec: ModelSpec) -> None:
+    def __init__(self, config: RLConfig, *, model_spec: ModelSpec, teacher_spec: ModelSpec | None = None) -> None:
+        """``teacher_spec``: the family of ``--rl.teacher_model`` (its folder's ``model_type``,
+        which the command line reads); None: the policy's."""
+        self.teacher_spec = teacher_spec or model_spec
         super().__init__(config, model_spec=model_spec)
         cfg = config
         self._check_sequence_budget()
@@ -366,7 +369,7 @@ class RLTrainer(TrainingLoop):
         if not path:
             return self._build_generator()
         start = time.perf_counter()
-        teacher = build_teacher(path, self.model_spec, vocab_size=self.tokenizer.vocab_size,
+        teacher = build_teacher(path, self.teacher_spec, vocab_size=self.tokenizer.vocab_size,
                                 seq_len=self.config.training.seq_len, eos_token_id=self.tokenizer.eos_id,
                                 device=self.engine.device)
         logger.info("teacher %s (%s parameters) loaded as the KL reference in %.1fs", path,
@@ -1058,11 +1061,12 @@ class RLTrainer(TrainingLoop):
             logger.warning("could not tell the generator ranks to stop", exc_info=True)
 
 
-def build_rl_loop(config: Any, *, model_spec: ModelSpec) -> Any:
-    """The loop this process runs for ``config``: the trainer (:class:`RLTrainer`) or, with
-    --rl.generator_ranks N, on the launch's last N ranks a :class:`GeneratorServer`."""
+def build_rl_loop(config: Any, *, model_spec: ModelSpec, teacher_spec: ModelSpec | None = None) -> Any:
+    """The loop this process runs for ``config``: the trainer (:class:`RLTrainer`, with the
+    teacher's family ``teacher_spec``) or, with --rl.generator_ranks N, on the launch's last N
+    ranks a :class:`GeneratorServer`."""
     if config.rl.generator_ranks:
         split = split_for_generators(config.rl.generator_ranks, timeout_s=config.rl.generator_timeout_s)
         if split.part != TRAINER:
             return GeneratorServer(config, model_spec=model_spec, split=split)
-    return RLTrainer(config, model_spec=model_spec)
+    return RLTrainer(config, model_spec=model_spec, teacher_spec=teacher_spec)
