@@ -69,8 +69,8 @@ def test_what_cannot_be_a_teacher_is_refused(tmp_path):
 
 def test_a_teacher_of_another_family_is_the_kl_reference(tmp_path):
     """`--rl.teacher_model` of another family than the policy (its folder's `model_type`): a
-    transformers Qwen3-MoE teacher of a Qwen3 policy is built with titan's Qwen3-MoE code, and
-    the KL to it is logged."""
+    transformers Qwen3-MoE teacher of a Qwen3 policy is built with titan's Qwen3-MoE code, the
+    KL to it is logged, and the dry run counts its bytes."""
     common = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -88,6 +88,13 @@ def test_a_teacher_of_another_family_is_the_kl_reference(tmp_path):
     rl = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rl if r.get("phase") == "rl"]
     assert rl and all(r["kl"] > 0 for r in rl), rl
+    # The dry run counts it in place of the KL reference's copy: float32, its own size.
+    from titan.dist.dry_run import format_bytes
+
+    dry = run_titan(["dry-run", "--world_size", "2", "--config", "grpo_debug", "--model.name", "qwen3",
+                     "--rl.kl_coef", "0.05", "--rl.teacher_model", str(tmp_path / "teacher")], env=ENV, timeout=120)
+    params = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "teacher")).num_parameters()
+    assert f", teacher {format_bytes(params * 4)})" in dry.stdout and "KL reference" not in dry.stdout, dry.stdout
 
 
 @pytest.mark.slow

@@ -263,9 +263,9 @@ def rl_model_copies(config: Any, params: int) -> tuple[list[tuple[str, int]], li
     the trainer's shards: (those every trainer rank holds, those rank 0 adds), each as (name,
     bytes). Colocated, the generator (native: float32; vLLM: its dtype plus its KV cache) on
     rank 0, or on every rank with every_rank generation; the KL reference (a float32 native
-    copy) where the generator is. A teacher (another model) and the generators' activations
-    are not counted; PPO's critic is sharded as the policy is (:func:`with_rl_models` adds
-    it)."""
+    copy) where the generator is, or in its place the teacher (``--rl.teacher_model``, float32,
+    its size read from its folder: :func:`teacher_size`). The generators' activations are not
+    counted; PPO's critic is sharded as the policy is (:func:`with_rl_models` adds it)."""
     rl = config.rl
     gen = config.generator
     generator = params * 4 if gen.kind == "native" else params * _DTYPE_BYTES[gen.dtype] + gen.kv_cache_memory_bytes
@@ -274,6 +274,9 @@ def rl_model_copies(config: Any, params: int) -> tuple[list[tuple[str, int]], li
         where_generated.append(("generator", generator))
     if rl.uses_reference and not rl.teacher_model:
         where_generated.append(("KL reference", params * 4))
+    teacher = teacher_size(config, rl.teacher_model or "", flag="--rl.teacher_model")
+    if teacher is not None:
+        where_generated.append(("teacher", teacher[0] * 4))
     every_rank = rl.colocated_generation == "every_rank" and not rl.generator_ranks
     return (where_generated, []) if every_rank else ([], where_generated)
 
@@ -307,6 +310,22 @@ def _is_gkd(config: Any) -> bool:
     return hasattr(getattr(config, "gkd", None), "lmbda")
 
 
+def teacher_size(config: Any, folder: str, *, flag: str) -> tuple[int, int] | None:
+    """(parameters, vocabulary) of the teacher in ``folder`` (a local Hugging Face folder; its
+    family is its ``config.json``'s), built on the meta device; None without one (no teacher,
+    or a Hub id not downloaded yet)."""
+    if not folder or not os.path.isfile(os.path.join(folder, "config.json")):
+        return None
+    from titan.rl.generate.build import folder_architecture
+
+    from titan.recipes.families import family_of_folder
+
+    spec, args = folder_architecture(folder, family_of_folder(folder, model_spec_for(config)), flag=flag,
+                                     role="teacher", flavor="teacher", labels=0)
+    with torch.device("meta"):
+        return sum(p.numel() for p in spec.build("teacher").parameters()), args.vocab_size
+
+
 def gkd_model_copies(config: Any, params: int, student_param_bytes: int) -> list[tuple[str, int]]:
     """What every rank of a ``titan gkd`` run of a ``params``-parameter student holds beside the
     student's shards, each as (name, bytes): the teacher (its size read from its folder's
@@ -318,22 +337,14 @@ def gkd_model_copies(config: Any, params: int, student_param_bytes: int) -> list
     student's float32 copy that generates."""
     copies = []
     gkd = config.gkd
-    folder = gkd.teacher_model
-    if folder and os.path.isfile(os.path.join(folder, "config.json")):
-        from titan.rl.generate.build import folder_architecture
-
-        from titan.recipes.families import family_of_folder
-
-        student = model_spec_for(config)
-        spec, args = folder_architecture(folder, family_of_folder(folder, student), flag="--gkd.teacher_model",
-                                         role="teacher", flavor="teacher", labels=0)
-        with torch.device("meta"):
-            teacher = sum(p.numel() for p in spec.build("teacher").parameters())
+    found = teacher_size(config, gkd.teacher_model, flag="--gkd.teacher_model")
+    if found is not None:
+        teacher, vocab = found
         size = _DTYPE_BYTES[gkd.teacher_dtype] if gkd.teacher_layout == "whole" else 4
         held = teacher * size if gkd.teacher_layout == "whole" else int(student_param_bytes * teacher / params)
         training = config.training
         copies += [(f"teacher ({gkd.teacher_layout})", held),
-                   ("teacher logits", training.local_batch_size * training.seq_len * args.vocab_size * size)]
+                   ("teacher logits", training.local_batch_size * training.seq_len * vocab * size)]
     if gkd.lmbda > 0:
         copies.append(("generating copy", params * 4))
     return copies
