@@ -22,7 +22,9 @@ A microbatch's rows are packed SFT examples: each example's prompt is its tokens
 last completion span (a chat example's earlier assistant turns stay as context), and the
 regenerated examples are packed back into rows of the same length in the same order (a
 completion that would overflow the row is cut at its end; an example left without room for
-one completion token is dropped and counted in ``gkd_dropped``).
+one completion token is dropped and counted in ``gkd_dropped``; with one example a row,
+``--sft_data.no_packing``, none is: the new tokens are capped by the room the microbatch's
+longest prompt leaves).
 
 The teacher (``--gkd.teacher_model``, TRL's ``teacher_model_name_or_path``) is a Hugging Face
 folder or Hub id of any family titan builds (``teacher_spec``: a Qwen3-MoE teacher of a
