@@ -154,6 +154,7 @@ def test_regenerated_steps_distill_on_greedy_completions_of_the_model_that_wrote
     assert all(c != completion for (_, c), (_, completion) in zip(greedy, sequences, strict=True))
     want = _expected_loss(models, greedy, 0.5, tokenizer.vocab_size)
     assert records[0]["on_policy"] == (1.0 if who == "student" else 0.0)
+    assert records[0]["gkd_dropped"] == 0  # one example a row: the new tokens always fit
     assert records[0]["gkd_generated_tokens"] == pytest.approx(sum(len(c) for _, c in greedy) / len(greedy))
     assert records[0]["loss"] == pytest.approx(want, rel=1e-5), (records[0]["loss"], want)
 
