@@ -57,6 +57,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from titan.rl.distill_loss import check_beta, gkd_loss_sum
 from titan.rl.distill_teacher import ShardedTeacher, WholeTeacher
 from titan.rl.generate.base import SamplingConfig
@@ -275,11 +276,15 @@ class GKDTrainer(SFTTrainer):
         return mesh.get_local_rank() if mesh is not None and mesh.size() > 1 else 0
 
     def _share_within_replica(self, microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-        """The replica's first rank's ``microbatches`` on each of its ranks: taken from the
+        """The replica's first rank's ``microbatches`` on each of its ranks: broadcast from the
         first rank of each axis in turn (after all three, every rank holds what TP, CP and PP
         rank 0 generated). Collective over each axis."""
         for axis in REPLICA_AXES:
-            microbatches = self.engine.gather_over(microbatches, axis)[0]
+            mesh = self.parallel_dims.mesh(axis)
+            if mesh is not None and mesh.size() > 1:
+                box = [microbatches]
+                dist.broadcast_object_list(box, group=mesh.get_group(), group_src=0)
+                microbatches = box[0]
         return microbatches
 
     def before_forward(self, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
