@@ -115,3 +115,17 @@ def test_bench_dpo_packing_checks_both_sides_and_prints_a_ratio(capsys):
     out = capsys.readouterr().out
     assert "gradients agree" in out and "ratio unpacked/packed seconds" in out, out
     assert {name: len(s) for name, s in seconds.items()} == {"one pair per row": 2, "packed": 2}
+
+
+def test_bench_gkd_times_every_side_and_prints_ratios_to_sft(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)).save_pretrained(str(tmp_path / "t"))
+    times = load("bench_gkd").main(["--teacher", str(tmp_path / "t"), "--rounds", "2", "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert "ratio gkd lmbda 0 / sft step time" in out and "ratio gkd lmbda 1 / sft step time" in out, out
+    assert {side: len(t) for side, t in times.items()} == {"sft": 2, "gkd lmbda 0": 2, "gkd lmbda 1": 2}
