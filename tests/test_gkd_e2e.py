@@ -203,6 +203,34 @@ def test_the_sampling_seed_flag_picks_the_students_samples(tmp_path, models):
     assert runs["a"]["loss"] == runs["again"]["loss"] and runs["a"]["loss"] != runs["b"]["loss"]
 
 
+def test_the_students_completions_stop_at_its_folders_end_of_sequence_ids(tmp_path, models):
+    """The student's folder lists another end-of-sequence id in its `generation_config.json`
+    (an instruct model's end of turn): its own completions stop there too, as transformers'
+    `generate` (and titan rl's rollouts) stop."""
+    from titan.train.data.tokenizer import TokenizerConfig
+
+    student = tmp_path / "student"
+    shutil.copytree(models[0], student)
+    tokenizer = TokenizerConfig(kind="byte").build()
+    sequences, _ = _data_sequences(models, tmp_path / "probe")
+    model = transformers.LlamaForCausalLM.from_pretrained(str(student), dtype=torch.float32).eval()
+    first = int(model(torch.tensor([sequences[0][0]])).logits[0, -1].argmax())  # prompt 0's first greedy token
+    stops = [tokenizer.eos_id, first]
+    (student / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    flagged = (student, models[1], models[2])
+    records = _gkd(flagged, tmp_path / "run", "--gkd.lmbda", "1", "--sampling.temperature", "0",
+                   "--sampling.max_new_tokens", "5")
+    greedy = []
+    for prompt, _ in sequences:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, eos_token_id=stops,
+                             pad_token_id=tokenizer.pad_id)
+        greedy.append((prompt, out[0, len(prompt):].tolist()))
+    assert greedy[0][1] == [first]  # stopped at once
+    assert records[0]["gkd_generated_tokens"] == pytest.approx(sum(len(c) for _, c in greedy) / len(greedy))
+    want = _expected_loss(flagged, greedy, 0.5, tokenizer.vocab_size)
+    assert records[0]["loss"] == pytest.approx(want, rel=1e-5), (records[0]["loss"], want)
+
+
 @pytest.mark.slow
 def test_the_student_learns_the_teachers_distributions(tmp_path, models):
     """Half the microbatches on-policy, 30 steps over the same 4 examples: the divergence on the

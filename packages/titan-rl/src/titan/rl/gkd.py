@@ -18,6 +18,10 @@ What each microbatch trains on:
 - with ``--gkd.seq_kd``, the teacher's sampled completions in place of the data's
   (sequence-level KD), before the on-policy draw.
 
+Completions stop at the tokenizer's EOS, ``--sampling.stop_token_ids`` and the end-of-sequence
+ids of the writer's Hugging Face folder (its ``generation_config.json``: an instruct model's end
+of turn), as ``titan rl``'s rollouts and transformers' ``generate`` do.
+
 A microbatch's rows are packed SFT examples: each example's prompt is its tokens before its
 last completion span (a chat example's earlier assistant turns stay as context), and the
 regenerated examples are packed back into rows of the same length in the same order (a
@@ -197,6 +201,7 @@ class GKDTrainer(SFTTrainer):
         self._supervised_loss = self._distill_loss
         self._compiled_loss = comp.enable and comp.compiles_loss
         self._stats = _GKDStats()
+        self._stops = {writer: self._stop_token_ids(writer) for writer in ("student", "teacher")}
         # Held-out examples: the divergence to the teacher beside the NLL (the perplexity).
         self.validator.also_report("distill_loss", self._distill_loss, self.before_forward)
 
@@ -319,6 +324,21 @@ class GKDTrainer(SFTTrainer):
 
         sync_colocated(self.engine, self.student_copy, version=step, dtype=torch.float32)
 
+    def _stop_token_ids(self, writer: str) -> tuple[int, ...]:
+        """``--sampling.stop_token_ids`` and the end-of-sequence ids of the Hugging Face folder
+        of ``writer`` (``student``: the one the run starts from; ``teacher``), as RL's rollouts
+        and transformers' ``generate`` stop at them (an instruct model's end of turn)."""
+        from types import SimpleNamespace
+
+        from titan.rl.producer import hub_stop_token_ids
+
+        folder = (self.config.checkpoint if writer == "student" else
+                  SimpleNamespace(initial_load_in_hf=True, initial_load_path=self.config.gkd.teacher_model))
+        stops = self.config.sampling.stop_token_ids
+        extra = tuple(t for t in hub_stop_token_ids(folder, self.tokenizer.vocab_size)
+                      if t not in stops and t != self.tokenizer.eos_id)
+        return (*stops, *extra)
+
     def _regenerate(self, microbatch: dict[str, torch.Tensor], generator: Any, step: int,
                     chunk: int) -> dict[str, torch.Tensor]:
         """``microbatch`` with every example's completion replaced by one ``generator``
@@ -334,6 +354,7 @@ class GKDTrainer(SFTTrainer):
         if prompts:
             sampling = dataclasses.replace(
                 self.config.sampling, seed=self._sampling_seed(step, chunk),
+                stop_token_ids=self._stops["student" if generator is self.student_copy else "teacher"],
                 max_new_tokens=min(self.config.sampling.max_new_tokens, seq_len - max(len(p) for p in prompts)))
             completions = [group[0].token_ids for group in generator.generate(prompts, sampling)]
             self._stats.generated_tokens += sum(len(c) for c in completions)
