@@ -271,3 +271,22 @@ def test_save_now_keeps_a_saved_step_unless_told_to_resave_it(tmp_path):
     assert again.manager.load() == 2 and tensors_equal(again.model.state_dict(), moved)
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2"]
     run.manager.close(), check.manager.close(), again.manager.close()
+
+
+def test_copy_whole_weights_fills_every_entry_and_names_a_missing_or_misshaped_one():
+    """Whole tensors by name into a model (one process: the shard is the tensor); a missing
+    entry or another shape raises with the caller's message, built from the name and shapes."""
+    from titan.ckpt import copy_whole_weights
+
+    model = torch.nn.Linear(3, 2)
+    whole = {"weight": torch.arange(6.0).view(2, 3), "bias": torch.tensor([7.0, 8.0])}
+
+    def problem(name, found, want):
+        return f"{name}: {found} against {want}"
+
+    copy_whole_weights(model, whole, problem=problem)
+    assert torch.equal(model.weight, whole["weight"]) and torch.equal(model.bias, whole["bias"])
+    with pytest.raises(ValueError, match=r"^bias: None against \(2,\)$"):
+        copy_whole_weights(model, {"weight": whole["weight"]}, problem=problem)
+    with pytest.raises(ValueError, match=r"^weight: \(3, 2\) against \(2, 3\)$"):
+        copy_whole_weights([model], {**whole, "weight": torch.zeros(3, 2)}, problem=problem)

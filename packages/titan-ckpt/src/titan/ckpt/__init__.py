@@ -12,6 +12,7 @@ from titan.ckpt.stateful import (
     RankLocal,
     RNGState,
     TrainState,
+    copy_whole_weights,
     plain_tensor,
     shard_like,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "TrainState",
     "load_dcp_model",
     "plain_tensor",
+    "copy_whole_weights",
     "load_hf",
     "save_dcp_model",
     "save_hf",

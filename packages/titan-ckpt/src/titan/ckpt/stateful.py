@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["ModelWrapper", "OptimizerWrapper", "RNGState", "RankLocal", "TrainState", "plain_tensor"]
+__all__ = ["ModelWrapper", "OptimizerWrapper", "RNGState", "RankLocal", "TrainState", "copy_whole_weights", "plain_tensor",
+           "shard_like"]
 
 
 def shard_like(full: torch.Tensor, template: Any) -> Any:
@@ -37,6 +38,23 @@ def shard_like(full: torch.Tensor, template: Any) -> Any:
         # instead of broadcasting from rank 0.
         return distribute_tensor(full, template.device_mesh, template.placements, src_data_rank=None)
     return full.to(device=template.device, dtype=template.dtype)
+
+
+@torch.no_grad()
+def copy_whole_weights(parts: nn.Module | Sequence[nn.Module], whole: Mapping[str, torch.Tensor], *,
+                       problem: Callable[[str, tuple[int, ...] | None, tuple[int, ...]], str]) -> None:
+    """Copy ``whole`` tensors (every rank holds them, e.g. read from a Hugging Face folder) by
+    name into every state-dict entry of ``parts``, each rank slicing its own shard
+    (:func:`shard_like`); nothing is communicated. A missing or differently shaped tensor
+    raises ValueError with ``problem(name, its shape or None, the model's shape)``."""
+    for part in _as_list(parts):
+        for name, tensor in part.state_dict().items():
+            full = whole.get(name)
+            if full is None or tuple(full.shape) != tuple(tensor.shape):
+                raise ValueError(problem(name, None if full is None else tuple(full.shape), tuple(tensor.shape)))
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            shard = shard_like(full, tensor)
+            local.copy_(shard.to_local() if isinstance(shard, DTensor) else shard)
 
 
 def plain_tensor(value: Any) -> Any:

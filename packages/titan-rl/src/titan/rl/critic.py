@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from titan.ckpt.stateful import ModelWrapper, OptimizerWrapper, shard_like
+from titan.ckpt.stateful import ModelWrapper, OptimizerWrapper, copy_whole_weights
 from titan.rl.reward_trainer import with_score_head
 from titan.rl.rollouts import Row, build_packed_batch, split_rows
 from titan.train.lr_scheduler import LRSchedulerConfig
@@ -155,18 +155,15 @@ class Critic:
         """Start from a reward model's Hugging Face folder (``score.weight`` included), read
         with the family's adapter by ``load_hf`` (``titan.ckpt.hf.load_hf``), every rank
         copying its own shards."""
-        engine = self.engine
-        state = load_hf(folder, engine.hf_adapter)  # the adapter of the critic's own architecture
-        for part in engine.model_parts:
-            for name, tensor in part.state_dict().items():
-                if name not in state:
-                    raise ValueError(f"--rl.critic_model {folder} lacks {name}: give a reward model (a "
-                                     "...ForSequenceClassification folder with one label) of the policy's architecture")
-                full = state[name]
-                if tuple(full.shape) != tuple(tensor.shape):
-                    raise ValueError(f"--rl.critic_model {folder} is not shaped like the policy with one score column: "
-                                     f"{name} {tuple(full.shape)} (the critic's {tuple(tensor.shape)})")
-                _local(tensor).copy_(_local(shard_like(full, tensor)))  # this rank's shard, sliced locally
+        def problem(name: str, found: tuple[int, ...] | None, want: tuple[int, ...]) -> str:
+            if found is None:
+                return (f"--rl.critic_model {folder} lacks {name}: give a reward model (a ...ForSequenceClassification "
+                        "folder with one label) of the policy's architecture")
+            return (f"--rl.critic_model {folder} is not shaped like the policy with one score column: {name} {found} "
+                    f"(the critic's {want})")
+
+        # The adapter of the critic's own architecture; each rank slices its shards locally.
+        copy_whole_weights(self.engine.model_parts, load_hf(folder, self.engine.hf_adapter), problem=problem)
         self.taken = True
 
     # ---- values ---------------------------------------------------------------------------

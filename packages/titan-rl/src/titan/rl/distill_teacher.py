@@ -87,17 +87,11 @@ class ShardedTeacher:
     def load(self, folder: str, load_hf: Any) -> None:
         """Every weight from ``folder`` (read with the family's adapter by ``load_hf``), each
         rank copying its own shards; a missing or misshaped weight raises."""
-        from titan.ckpt.stateful import shard_like
+        from titan.ckpt.stateful import copy_whole_weights
 
-        state = load_hf(folder, self.engine.hf_adapter)
-        for part in self.engine.model_parts:
-            for name, tensor in part.state_dict().items():
-                if name not in state or tuple(state[name].shape) != tuple(tensor.shape):
-                    raise ValueError(f"--gkd.teacher_model {folder}: {name} is missing or shaped otherwise than its "
-                                     "config.json says")
-                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                shard = shard_like(state[name], tensor)
-                local.copy_(shard.to_local() if isinstance(shard, DTensor) else shard)
+        copy_whole_weights(self.engine.model_parts, load_hf(folder, self.engine.hf_adapter),
+                           problem=lambda name, found, want: f"--gkd.teacher_model {folder}: {name} is "
+                           f"{'missing' if found is None else f'shaped {found}'}, its config.json says {want}")
 
     def logits(self, engine: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``batch``'s logits by the teacher's engine: this rank's share of the sequence under
