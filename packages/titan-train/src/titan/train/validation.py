@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 from titan.train.data import DatasetConfig, build_dataloader
-from titan.train.engine import TrainingEngine
+from titan.train.engine import TrainingEngine, local_value
 from titan.train.loss import count_valid_tokens, supervised_loss
 
 
@@ -98,9 +98,9 @@ class Validator:
         self._extra: tuple[str, Callable, Callable] | None = None
 
     def also_report(self, name: str, loss_fn: Callable, prepare: Callable[[dict], dict]) -> None:
-        """Report ``validation_<name>`` too: ``loss_fn``'s sum over the held-out batches (a
-        second forward of each) divided by their label tokens, each batch first passed through
-        ``prepare`` (e.g. to add a teacher's logits), as the loop's training loss is."""
+        """Report ``validation_<name>`` too: ``loss_fn``'s sum over the held-out batches divided
+        by their label tokens, from the same forward as the loss, each batch first passed
+        through ``prepare`` (e.g. to add a teacher's logits), as the loop's training loss is."""
         self._extra = (name, loss_fn, prepare)
 
     def due(self, step: int, *, last_step: bool) -> bool:
@@ -155,10 +155,10 @@ class Validator:
         try:
             for batch in self._fixed_batches():
                 batch = engine.to_device(batch)
-                loss_sum += engine.forward_only(batch, self._loss)
-                if self._extra is not None:
-                    _, loss_fn, prepare = self._extra
-                    extra_sum += engine.forward_only(prepare(batch), loss_fn)
+                if self._extra is None:
+                    loss_sum += engine.forward_only(batch, self._loss)
+                else:
+                    loss_sum += engine.forward_only(self._extra[2](batch), self._both_losses(extra_sum))
                 tokens += count_valid_tokens(batch["labels"])
         finally:
             engine.train(True)
@@ -169,6 +169,17 @@ class Validator:
         if self._extra is not None:
             out[f"validation_{self._extra[0]}"] = float(self._global_sum(extra_sum) / tokens.clamp(min=1))
         return out
+
+    def _both_losses(self, extra_sum: torch.Tensor) -> Callable:
+        """The loss function of a pass that also reports :meth:`also_report`'s loss: the
+        loss's value, the other's added to ``extra_sum`` (one forward for both)."""
+        loss_fn = self._extra[1]
+
+        def both(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            extra_sum.add_(local_value(loss_fn(logits, batch).detach()))
+            return self._loss(logits, batch)
+
+        return both
 
     def _global_sum(self, rank_sum: torch.Tensor) -> torch.Tensor:
         """The sum over every rank of a loss summed on each (collective)."""
