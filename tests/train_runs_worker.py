@@ -28,9 +28,11 @@ from titan.dist import destroy_distributed
 from titan.recipes.cli import run
 
 
-def _keep_process_group() -> None:
-    """What a run's teardown does to the process group here: wait for every rank."""
-    if dist.is_initialized():
+def _keep_process_group(*, barrier: bool = True) -> None:
+    """What a run's teardown does to the process group here: wait for every rank (not after a
+    failed collective, as ``destroy_distributed(barrier=False)``: a peer is gone, and the run's
+    own error is the one to report)."""
+    if barrier and dist.is_initialized():
         dist.barrier()
 
 
