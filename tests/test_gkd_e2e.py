@@ -304,6 +304,10 @@ def test_every_layout_matches_one_process_and_a_resume_continues_exactly(tmp_pat
     (["--training.loss_type", "dft"], "titan gkd's loss is the divergence to the teacher"),
     (["--sampling.n", "2"], "regenerates one completion per example"),
     (["--gkd.lmbda", "2"], "--gkd.lmbda is the share of on-policy microbatches"),
+    (["--generator.kind", "vllm", "--gkd.lmbda", "0"], "--gkd.lmbda 0 draws none"),
+    (["--generator.kind", "vllm", "--parallelism.tensor_parallel_degree", "2"],
+     "--generator.kind vllm with --parallelism.tensor_parallel_degree 2"),
+    (["--generator.dtype", "bfloat16"], "--generator.dtype sets up the vLLM generator"),
 ])
 def test_bad_input_is_one_line(tmp_path, models, extra, message):
     result = run_titan(["gkd", *_flags(models, tmp_path / "run", *extra)], env=ENV, timeout=120)
@@ -332,6 +336,10 @@ def test_the_dry_run_counts_the_teacher_its_logits_and_the_generating_copy(tmp_p
     out = dry_run("--gkd.teacher_layout", "whole")
     assert (f"(teacher (whole) {format_bytes(teacher * 4)}, teacher logits {format_bytes(logits)}, "
             f"generating copy {format_bytes(student * 4)})") in out, out
+    # vLLM's copy in its dtype, with its paged KV cache (the dry run does not start vLLM).
+    out = dry_run("--gkd.teacher_layout", "whole", "--generator.kind", "vllm", "--generator.dtype", "bfloat16",
+                  "--generator.kv_cache_memory_bytes", str(1 << 20))
+    assert f"generating copy {format_bytes(student * 2 + (1 << 20))})" in out, out
     out = dry_run("--gkd.lmbda", "0")
     assert "generating copy" not in out, out
     held = re.search(r"teacher \(sharded\) ([\d.]+) KiB", out)

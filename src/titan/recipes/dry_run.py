@@ -267,8 +267,7 @@ def rl_model_copies(config: Any, params: int) -> tuple[list[tuple[str, int]], li
     its size read from its folder: :func:`teacher_size`). The generators' activations are not
     counted; PPO's critic is sharded as the policy is (:func:`with_rl_models` adds it)."""
     rl = config.rl
-    gen = config.generator
-    generator = params * 4 if gen.kind == "native" else params * _DTYPE_BYTES[gen.dtype] + gen.kv_cache_memory_bytes
+    generator = generator_bytes(config.generator, params)
     where_generated: list[tuple[str, int]] = []
     if not rl.generator_ranks:
         where_generated.append(("generator", generator))
@@ -279,6 +278,14 @@ def rl_model_copies(config: Any, params: int) -> tuple[list[tuple[str, int]], li
         where_generated.append(("teacher", teacher[0] * 4))
     every_rank = rl.colocated_generation == "every_rank" and not rl.generator_ranks
     return (where_generated, []) if every_rank else ([], where_generated)
+
+
+def generator_bytes(generator: Any, params: int) -> int:
+    """The bytes of one generating copy of a ``params``-parameter model under ``--generator.*``:
+    native float32 weights, or vLLM's in its dtype plus its KV cache (activations not counted)."""
+    if generator.kind == "native":
+        return params * 4
+    return params * _DTYPE_BYTES[generator.dtype] + generator.kv_cache_memory_bytes
 
 
 def _critic_scale(config: Any, params: int) -> float:
@@ -334,7 +341,7 @@ def gkd_model_copies(config: Any, params: int, student_param_bytes: int) -> list
     to the teacher's size) or a whole copy in ``--gkd.teacher_dtype``; its logits of one
     microbatch (``[local batch, seq, teacher vocab]``, whole over the vocabulary and the
     sequence, float32 or the whole teacher's dtype); and with ``--gkd.lmbda`` above 0 the
-    student's float32 copy that generates."""
+    student's copy that generates (:func:`generator_bytes`)."""
     copies = []
     gkd = config.gkd
     found = teacher_size(config, gkd.teacher_model, flag="--gkd.teacher_model")
@@ -346,7 +353,7 @@ def gkd_model_copies(config: Any, params: int, student_param_bytes: int) -> list
         copies += [(f"teacher ({gkd.teacher_layout})", held),
                    ("teacher logits", training.local_batch_size * training.seq_len * vocab * size)]
     if gkd.lmbda > 0:
-        copies.append(("generating copy", params * 4))
+        copies.append(("generating copy", generator_bytes(config.generator, params)))
     return copies
 
 

@@ -12,11 +12,16 @@ What each microbatch trains on:
 - the SFT data's completions (supervised distillation);
 - with probability ``--gkd.lmbda`` (drawn per microbatch, TRL's per-``training_step`` draw),
   the student's own completions of the same prompts, sampled with ``--sampling.*`` by a
-  native model copy holding the student's current weights (synced from the engine on every
-  step that needs it, checked tensor by tensor): on-policy distillation, where the teacher
-  grades the mistakes the student actually makes;
+  model copy holding the student's current weights (synced from the engine on every step
+  that needs it, checked tensor by tensor): on-policy distillation, where the teacher grades
+  the mistakes the student actually makes. The copy is native (``--generator.kind native``)
+  or a vLLM engine running the family's titan model code (``--generator.kind vllm``, TRL's
+  ``use_vllm`` in colocate mode): in the trainer's process on one rank, and on every rank of
+  a data-parallel run (FSDP, HSDP, DDP: each rank regenerates its own rows, vLLM's engines
+  under the trainer's process group, its ``external_launcher`` executor);
 - with ``--gkd.seq_kd``, the teacher's sampled completions in place of the data's
-  (sequence-level KD), before the on-policy draw.
+  (sequence-level KD), before the on-policy draw (sampled by the whole teacher's native
+  copy, whatever ``--generator.kind``).
 
 Completions stop at the tokenizer's EOS, ``--sampling.stop_token_ids`` and the end-of-sequence
 ids of the writer's Hugging Face folder (its ``generation_config.json``: an instruct model's end
@@ -62,6 +67,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.distributed as dist
+from titan.rl.config import GeneratorConfig
 from titan.rl.distill_loss import check_beta, gkd_loss_sum
 from titan.rl.distill_teacher import ShardedTeacher, WholeTeacher
 from titan.rl.generate.base import SamplingConfig
@@ -135,6 +141,10 @@ class GKDConfig(SFTConfig):
 
     gkd: GKDSection = field(default_factory=GKDSection)
     sampling: SamplingConfig = field(default_factory=_gkd_sampling)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    """What samples the student's on-policy completions (--gkd.lmbda): native (a model copy
+    in the trainer's process) or vLLM (one engine per rank, data-parallel layouts; module
+    docstring)."""
 
 
 def row_prompts(input_ids: np.ndarray, labels: np.ndarray, document_ids: np.ndarray) -> list[list[int]]:
@@ -185,7 +195,7 @@ class GKDTrainer(SFTTrainer):
         teacher of a Qwen3 student; the command line reads it); None: the student's."""
         self.teacher_spec = teacher_spec or model_spec  # the config check reads it
         super().__init__(config, model_spec=model_spec)
-        from titan.rl.generate.build import build_generator
+        from titan.rl.generate.build import build_generator, check_vllm_device
 
         start = time.perf_counter()
         self.teacher = self._build_teacher()
@@ -194,9 +204,17 @@ class GKDTrainer(SFTTrainer):
         # The first rank of each replica (its TP, CP and PP ranks hold the same rows) generates
         # them with its own copy of the student, and hands them to the others.
         self.leads_replica = all(self._axis_rank(axis) == 0 for axis in REPLICA_AXES)
-        self.student_copy = (build_generator(config, model_spec, vocab_size=self.vocab_size,
-                                             eos_token_id=self.tokenizer.eos_id, device=self.engine.device)
-                             if config.gkd.lmbda > 0 and self.leads_replica else None)
+        self.student_copy = None
+        if config.gkd.lmbda > 0 and self.leads_replica:
+            kind = config.generator.kind
+            check_vllm_device(kind, self.engine.device)
+            # vLLM on several ranks: every rank builds an engine under the trainer's group
+            # (collectively; check_config admits only layouts where every rank leads a replica).
+            self.student_copy = build_generator(config, model_spec, vocab_size=self.vocab_size,
+                                                eos_token_id=self.tokenizer.eos_id, device=self.engine.device,
+                                                kind=kind, every_rank=self.engine.dist_env.world_size > 1)
+            logger.info("the student's completions: %s generator%s", kind,
+                        " on every rank" if self.engine.dist_env.world_size > 1 else "")
         comp = config.compile
         self._supervised_loss = self._distill_loss
         self._compiled_loss = comp.enable and comp.compiles_loss
@@ -240,6 +258,31 @@ class GKDTrainer(SFTTrainer):
         if cfg.sampling.n != 1:
             raise ValueError(f"--sampling.n {cfg.sampling.n}: titan gkd regenerates one completion per example; "
                              "leave it at 1")
+        self._check_generator()
+
+    def _check_generator(self) -> None:
+        """Refuse a ``--generator.kind vllm`` run that would not use it, or that vLLM cannot
+        run: nothing the student generates (--gkd.lmbda 0), vLLM missing, or a layout whose
+        ranks share rows (TP, CP, PP: their first rank alone generates, and vLLM's engines
+        join the trainer's group on every rank or on none)."""
+        cfg = self.config
+        if cfg.generator.kind != "vllm":
+            return
+        from titan.rl.generate.build import check_generator_kind
+
+        if cfg.gkd.lmbda == 0:
+            raise ValueError("--generator.kind vllm samples the student's on-policy completions, and --gkd.lmbda 0 "
+                             "draws none (--gkd.seq_kd's teacher samples with its own native copy): set "
+                             "--gkd.lmbda above 0 or drop --generator.kind")
+        par = cfg.parallelism
+        shared = [f"--parallelism.{name}_parallel_degree {degree}" for name, degree in
+                  (("tensor", par.tensor_parallel_degree), ("context", par.context_parallel_degree),
+                   ("pipeline", par.pipeline_parallel_degree)) if degree > 1]
+        if shared:
+            raise ValueError(f"--generator.kind vllm with {shared[0]}: titan gkd runs one vLLM engine on every rank, "
+                             "each regenerating its own rows, and these ranks share theirs; use a data-parallel "
+                             "layout (FSDP, HSDP, DDP) or --generator.kind native")
+        check_generator_kind("vllm")
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -274,6 +317,14 @@ class GKDTrainer(SFTTrainer):
         self._stats.microbatches += len(draws)
         self._stats.on_policy += sum(draws)
         return super()._train_step(microbatches, sync=sync)
+
+    def close(self) -> None:
+        """Release vLLM's process groups inside the trainer's (before the engine destroys the
+        trainer's), then close as SFT does."""
+        close_generator = getattr(self.student_copy, "close", None)
+        if close_generator is not None:
+            close_generator()
+        super().close()
 
     def _axis_rank(self, axis: str) -> int:
         """This rank's place on mesh ``axis`` (0 without one)."""
