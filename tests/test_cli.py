@@ -441,3 +441,20 @@ def test_python_dash_m_titan_is_the_command_line():
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "llama3_debug" in result.stdout
+
+
+def test_a_native_crash_prints_every_threads_python_stack(monkeypatch):
+    """`titan` runs with faulthandler on (`cli.run` turns it on first): a process that dies of
+    a fatal signal (here glibc's abort, as on a corrupted heap) prints where each thread was
+    instead of one line from the C library."""
+    calls = []
+    monkeypatch.setattr(cli, "report_native_crashes", lambda: calls.append(1))
+    with pytest.raises(UsageError):  # the flags fail to parse after the handler is on
+        cli.run(["--no.such_flag", "1"])
+    assert calls == [1]
+    code = ("import os, titan.recipes.cli as cli\n"
+            "def dies_here():\n    os.abort()\n"
+            "cli.report_native_crashes()\ndies_here()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "Fatal Python error: Aborted" in done.stderr and "in dies_here" in done.stderr, done.stderr[-2000:]

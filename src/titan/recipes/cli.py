@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import faulthandler
 import io
 import logging
 import os
@@ -648,8 +649,23 @@ def preflight(config: Any, argv: Sequence[str] = ()) -> None:
         warn_beyond_context(config, getattr(spec.flavors[config.model.flavor], "max_seq_len", None))
 
 
+def report_native_crashes() -> None:
+    """On a fatal signal (a segfault, or an abort such as glibc's on a corrupted heap, in a
+    kernel, a collective or an extension) print every thread's Python stack to stderr before
+    the process dies: a rank's log then says where it died instead of one line from the C
+    library. Left as is where already on (``python -X faulthandler``, pytest) or where stderr
+    has no file descriptor to write to."""
+    if faulthandler.is_enabled():
+        return
+    try:
+        faulthandler.enable(all_threads=True)
+    except (AttributeError, ValueError, io.UnsupportedOperation, RuntimeError):
+        pass
+
+
 def run(argv: Sequence[str], *, command: str = "train") -> int:
     """Run ``titan train`` / ``titan sft`` / ``titan rl``: parse, check, build the recipe's loop and train."""
+    report_native_crashes()
     config = parse_train_args(argv, command=command)
     if fake_backend_requested():
         return dry_run_main(resolve_model_sources(config, argv, weights=False), world_size_from_env())
