@@ -394,8 +394,9 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
     where it was (restarting from 0 changes the resumed losses). PPO's critic (gae) resumes
     its weights and AdamW state from the checkpoint (rank 0's copy): its values, and so the
     advantages and losses, continue as if never stopped; its one warm-up rollout
-    (--rl.critic_warmup) is not repeated. The KL-in-reward coefficient adapts every rollout
-    (--rl.kl_in_reward_target) and resumes where it was."""
+    (--rl.critic_warmup) is not repeated, and its LR warmup (--rl.critic_lr_warmup_steps 8,
+    one critic step per rollout) goes on from its place. The KL-in-reward coefficient adapts
+    every rollout (--rl.kl_in_reward_target) and resumes where it was."""
     flags = list(RESUMED)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     if generator_ranks == "every_rank":  # the uninterrupted run is one of the shared 2-rank launch's
@@ -416,7 +417,7 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
     warmups = [[r["warmup_rollout"] for r in records(run) if r.get("phase") == "critic_warmup"] for run in (straight, resumed)]
     assert warmups == [[1], []]  # the resumed run's critic was warmed before step 5
     keys = ("loss", "reward_mean", "grad_norm", "logprob_diff_max", "kl", "entropy_coef", "value_loss", "values_mean",
-            "returns_mean", "kl_in_reward_coef")
+            "returns_mean", "kl_in_reward_coef", "value_lr")
     straight_rl = [r for r in records(straight) if r.get("phase") == "rl"]
     updates = list(itertools.accumulate(r["updates"] for r in straight_rl))
     assert [r["entropy_coef"] for r in straight_rl] == pytest.approx([0.005 * n for n in updates], abs=1e-12)
@@ -428,6 +429,11 @@ def test_rl_resume_continues_the_same_trajectory(request, tmp_path, generator_ra
     assert [r["kl_in_reward_coef"] for r in records(straight) if r.get("phase") == "critic_warmup"] == [0.05]
     coefs = [r["kl_in_reward_coef"] for r in straight_rl]
     assert len(set(coefs)) == len(coefs), coefs
+    # The critic's LR climbs 1e-3 / 8 per critic step: the warm-up rollout's step, then one per rollout.
+    critic_rows = [r for r in records(straight) if r.get("phase") in ("critic_warmup", "rl")]
+    assert critic_rows[0]["phase"] == "critic_warmup"
+    steps = list(itertools.accumulate(r["value_updates"] for r in critic_rows))
+    assert [r["value_lr"] for r in critic_rows] == pytest.approx([1e-3 * min(n, 8) / 8 for n in steps], rel=1e-9)
 
 
 # With the entropy bonus on, so that its gradient is part of every layout's comparison with one
@@ -441,7 +447,7 @@ GAE = ["--rl.advantage_estimator", "gae", "--rl.critic_lr", "1e-3", "--rl.gamma"
 RESUMED = [*SHORT, "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
            "--debug.deterministic", "--rl.kl_coef", "0.05", "--rl.adaptive_entropy", "--rl.entropy_target", "100",
            *GAE, "--rl.critic_warmup", "1", "--rl.kl_in_reward_coef", "0.05", "--rl.kl_in_reward_target", "1e-3",
-           "--rl.kl_in_reward_horizon", "50"]
+           "--rl.kl_in_reward_horizon", "50", "--rl.critic_lr_warmup_steps", "8"]
 # The critic on 2 FSDP ranks against one: RL from the initial weights (an SFT warm-up's batches
 # are sharded over the data-parallel ranks, so its weights would differ), every group trained.
 CRITIC_LAYOUT = [*SHORT, "--rl.sft_warmup_steps", "0", "--rl.no_drop_zero_variance", "--debug.deterministic", *GAE,

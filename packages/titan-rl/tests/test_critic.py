@@ -134,20 +134,35 @@ def test_update_fits_the_returns_and_reports_its_statistics(tmp_path):
         errors.append(error())
     assert errors[-1] < errors[0], errors  # a sign error or a step that never happens would not fall
     assert set(stats) == {"value_loss", "value_clipfrac", "value_grad_norm", "values_mean", "returns_mean",
-                          "value_explained_var", "value_updates"}
+                          "value_explained_var", "value_updates", "value_lr"}
+    assert stats["value_lr"] == 1e-2  # constant without --rl.critic_lr_warmup_steps
     assert stats["value_updates"] == 4 * len(_minibatches(rows))  # one optimizer step per minibatch and pass
     assert stats["value_clipfrac"] == 0.0 and stats["returns_mean"] == pytest.approx(0.5)
     assert stats["values_mean"] == pytest.approx(sum(sum(r.values) for r in rows) / 4)
     assert stats["value_loss"] > 0 and stats["value_grad_norm"] > 0
 
 
+def test_the_critic_lr_warms_up_over_its_optimizer_steps(tmp_path):
+    """--rl.critic_lr_warmup_steps 4: the critic's steps apply critic_lr x 1/4, 2/4, 3/4, then
+    critic_lr from the fourth on (every minibatch and pass is a step: two passes take two)."""
+    critic = _critic(tmp_path, "--rl.critic_lr", "1e-2", "--rl.critic_lr_warmup_steps", "4")
+    rows = _value_rows(critic, [[1, 2]], [[3, 4]], [[1.0, 0.5]])
+    lrs = []
+    for epochs in (1, 2, 1, 1):
+        stats = critic.update(_minibatches(rows), epochs=epochs, rows=rows)
+        lrs.append(stats["value_lr"])  # the last step's
+    assert lrs == pytest.approx([0.25e-2, 0.75e-2, 1e-2, 1e-2], rel=1e-12)
+
+
 def test_take_keeps_the_fresh_head_and_the_checkpoint_round_trips(tmp_path):
     """take() copies every body weight of the policy's engine and leaves the score head; a
-    state dict restores weights, AdamW's moments and the warm-up count, so the next update is
-    identical and a resumed warm-up does not start over."""
+    state dict restores weights, AdamW's moments, the warm-up count and the place in the LR
+    warmup (--rl.critic_lr_warmup_steps: a copy restarting it would take a smaller step), so
+    the next update is identical and a resumed warm-up does not start over."""
     from titan.models.llama3 import build_llama3
 
-    critic = _critic(tmp_path / "a")
+    warmup = ("--rl.critic_lr_warmup_steps", "3")
+    critic = _critic(tmp_path / "a", *warmup)
     policy = build_llama3("debugmodel_tiny", vocab_size=_model(critic).tok_embeddings.weight.shape[0], max_seq_len=32)
     head = _model(critic).output.weight.detach().clone()
     critic.take(types.SimpleNamespace(model_parts=[policy]))
@@ -161,12 +176,12 @@ def test_take_keeps_the_fresh_head_and_the_checkpoint_round_trips(tmp_path):
     rows = _value_rows(critic, prompts, completions, returns)
     critic.update(_minibatches(rows), epochs=1, rows=rows)
     critic.warmed_up = 2
-    copy = _critic(tmp_path / "c", "--debug.seed", "5")
+    copy = _critic(tmp_path / "c", "--debug.seed", "5", *warmup)
     copy.load_state_dict(_cloned(critic.state_dict()))
     assert copy.taken and copy.warmed_up == 2
     for one in (critic, copy):
         rows = _value_rows(one, prompts, completions, returns)
-        one.update(_minibatches(rows), epochs=1, rows=rows)
+        assert one.update(_minibatches(rows), epochs=1, rows=rows)["value_lr"] == pytest.approx(1e-5 * 2 / 3)
     for name, tensor in _model(critic).state_dict().items():
         torch.testing.assert_close(_model(copy).state_dict()[name], tensor, rtol=0, atol=0)
 
@@ -184,7 +199,7 @@ def test_critic_flags_are_refused_without_gae_and_checked_with_it():
     from titan.recipes.cli import parse_train_args
 
     for flag, value in (("gae_lambda", 0.95), ("critic_lr", 1e-4), ("value_clip", 0.2), ("critic_model", "rm"),
-                        ("critic_warmup", 2), ("critic_epochs", 2)):
+                        ("critic_warmup", 2), ("critic_epochs", 2), ("critic_lr_warmup_steps", 10)):
         with pytest.raises(ValueError, match=f"--rl.{flag} is read by the critic of --rl.advantage_estimator gae"):
             RLSection(**{flag: value})
     with pytest.raises(ValueError, match="--rl.gae_lambda must be in"):
@@ -197,6 +212,8 @@ def test_critic_flags_are_refused_without_gae_and_checked_with_it():
     assert RLSection(advantage_estimator="gae", ppo_epochs=2, critic_epochs=3).critic_passes == 3
     with pytest.raises(ValueError, match="--rl.critic_warmup counts rollouts and must be >= 0, got -1"):
         RLSection(advantage_estimator="gae", critic_warmup=-1)
+    with pytest.raises(ValueError, match="--rl.critic_lr_warmup_steps counts the critic's optimizer steps"):
+        RLSection(advantage_estimator="gae", critic_lr_warmup_steps=-1)
     with pytest.raises(ValueError, match="gae whitens over the rollout's tokens"):
         RLSection(advantage_estimator="gae", normalize_std=True)
     section = RLSection(advantage_estimator="gae", gamma=0.99, group_size=1, drop_zero_variance=False)

@@ -149,7 +149,13 @@ class RLSection:
     """gae: GAE's lambda (verl's algorithm.lam): 1, each token's advantage is its return less
     the critic's value; 0, the one-step TD error."""
     critic_lr: float = 1e-5
-    """gae: the critic's AdamW learning rate (verl's critic.optim.lr), constant."""
+    """gae: the critic's AdamW learning rate (verl's critic.optim.lr), constant after
+    --rl.critic_lr_warmup_steps."""
+    critic_lr_warmup_steps: int = 0
+    """gae: the critic's optimizer steps of linear warmup to --rl.critic_lr (verl's
+    critic.optim.lr_warmup_steps), from critic_lr / N at its first step; every critic step
+    counts (its --rl.critic_warmup rollouts, each of --rl.critic_epochs passes), and a resume
+    continues where it was. Logged as ``value_lr``."""
     value_clip: float = 0.5
     """gae: how far an update may move a value from the one the rollout was scored with before
     the clipped value loss takes over (verl's critic.cliprange_value)."""
@@ -502,7 +508,8 @@ class RLSection:
     def _check_critic(self) -> None:
         """The critic's flags are read with gae only, and must be in range."""
         gae = self.advantage_estimator == "gae"
-        for flag in ("gae_lambda", "critic_lr", "value_clip", "critic_model", "critic_epochs", "critic_warmup"):
+        for flag in ("gae_lambda", "critic_lr", "critic_lr_warmup_steps", "value_clip", "critic_model", "critic_epochs",
+                     "critic_warmup"):
             if not gae and getattr(self, flag) != getattr(RLSection, flag):
                 raise ValueError(f"--rl.{flag} is read by the critic of --rl.advantage_estimator gae, which this run "
                                  f"does not use (it uses {self.advantage_estimator}): set gae or drop the flag")
@@ -515,6 +522,9 @@ class RLSection:
             raise ValueError(f"--rl.critic_epochs must be >= 1, got {self.critic_epochs}")
         if self.critic_warmup < 0:
             raise ValueError(f"--rl.critic_warmup counts rollouts and must be >= 0, got {self.critic_warmup}")
+        if self.critic_lr_warmup_steps < 0:
+            raise ValueError(f"--rl.critic_lr_warmup_steps counts the critic's optimizer steps and must be >= 0, got "
+                             f"{self.critic_lr_warmup_steps}")
         if self.critic_lr <= 0 or self.value_clip <= 0:
             raise ValueError(f"--rl.critic_lr and --rl.value_clip must be > 0, got {self.critic_lr} and {self.value_clip}")
 

@@ -102,7 +102,8 @@ class Critic:
     def from_config(cls, config: Any, *, model_spec: Any, vocab_size: int, tokenizer: Any,
                     reward_model: str | None = None) -> Critic:
         """The critic of an RL run's ``config``: its engine built as the policy's is (same
-        layout, precision and seed) with the score head, ``--rl.critic_lr`` held constant, and
+        layout, precision and seed) with the score head, ``--rl.critic_lr`` (after a linear
+        warmup over ``--rl.critic_lr_warmup_steps`` of its optimizer steps) held constant, and
         a checkpointer only for the last step's Hugging Face export (the run's checkpoints
         hold its state). The policy's model, or with ``reward_model`` (a local folder) that
         model's architecture; load its weights with :meth:`load_reward_model`."""
@@ -120,12 +121,16 @@ class Critic:
             config,
             model=model,
             optimizer=dataclasses.replace(config.optimizer, lr=rl.critic_lr),
-            lr_scheduler=LRSchedulerConfig(warmup_steps=0, decay_ratio=0.0),
+            # Warmup, then constant (no decay) whatever the count of critic steps.
+            lr_scheduler=LRSchedulerConfig(warmup_steps=rl.critic_lr_warmup_steps, decay_ratio=0.0),
             checkpoint=CheckpointConfig(
                 enable=config.checkpoint.enable and config.checkpoint.last_save_in_hf,
                 folder=f"{config.checkpoint.folder.rstrip('/')}_critic", interval=config.training.steps,
                 last_save_in_hf=True, export_dtype=config.checkpoint.export_dtype),
-            training=dataclasses.replace(config.training, global_batch_size=-1),
+            # The schedule's length only bounds its warmup (the critic's steps are counted per
+            # minibatch and pass, not per policy step): never shorter than the warmup.
+            training=dataclasses.replace(config.training, global_batch_size=-1,
+                                         steps=max(config.training.steps, rl.critic_lr_warmup_steps)),
         )
         engine = TrainingEngine.from_config(critic_config, model_spec=with_score_head(model_spec, model.flavor),
                                             vocab_size=vocab_size, tokenizer=tokenizer)
@@ -246,19 +251,20 @@ class Critic:
         ``minibatches`` (each ``(normalizer, completion tokens, this rank's microbatches)``,
         whose batches carry ``returns`` and ``old_values``), one optimizer step each.
         Returns the token means of the loss and clip fraction over every pass, the mean
-        gradient norm, the optimizer steps taken, and from the trained ``rows`` the mean
+        gradient norm, the optimizer steps taken, the learning rate of the last, and from the trained ``rows`` the mean
         value, the mean return and the explained variance of the returns by the old values
         (the same on every rank)."""
         engine = self.engine
         device = engine.device
         totals = {"loss": torch.zeros((), dtype=torch.float64, device=device),
                   "clipped": torch.zeros((), dtype=torch.float64, device=device)}
-        tokens, norms = 0.0, []
+        tokens, norms, lr = 0.0, [], 0.0
         for _ in range(epochs):
             for _, completion_tokens, batches in minibatches:
                 for j, batch in enumerate(batches):
                     engine.forward_backward(batch, self._loss_fn(totals), global_token_count=completion_tokens,
                                             last_microbatch=j == len(batches) - 1)
+                lr = engine.lr_schedulers.last_lr()  # what this step applies
                 norms.append(float(engine.optimizer_step()))
                 tokens += completion_tokens
         sums = torch.stack([totals["loss"], totals["clipped"]])
@@ -271,7 +277,7 @@ class Critic:
         variance = returns.var(unbiased=False) if len(returns) else torch.zeros(())
         explained = 1.0 - float((returns - old).var(unbiased=False) / variance) if variance > 0 else 0.0
         return {"value_loss": float(sums[0]) / max(tokens, 1.0), "value_clipfrac": float(sums[1]) / max(tokens, 1.0),
-                "value_grad_norm": sum(norms) / max(len(norms), 1), "value_updates": len(norms),
+                "value_grad_norm": sum(norms) / max(len(norms), 1), "value_updates": len(norms), "value_lr": lr,
                 "values_mean": float(old.mean()) if len(old) else 0.0,
                 "returns_mean": float(returns.mean()) if len(returns) else 0.0, "value_explained_var": explained}
 
@@ -284,9 +290,10 @@ class Critic:
 
     def state_dict(self) -> dict[str, Any]:
         """Whether it was started, its warm-up rollouts so far, its model and its optimizer
-        (sharded as they live)."""
+        (sharded as they live), and its place in the LR schedule (--rl.critic_lr_warmup_steps)."""
         return {"taken": torch.tensor(int(self.taken)), "warmed_up": torch.tensor(self.warmed_up),
-                "model": self._model.state_dict(), "optimizer": self._optimizer.state_dict()}
+                "model": self._model.state_dict(), "optimizer": self._optimizer.state_dict(),
+                "lr_scheduler": self.engine.lr_schedulers.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`."""
@@ -294,5 +301,6 @@ class Critic:
         self.warmed_up = int(state["warmed_up"])
         self._model.load_state_dict(state["model"])
         self._optimizer.load_state_dict(state["optimizer"])
+        self.engine.lr_schedulers.load_state_dict(state["lr_scheduler"])
 
 __all__ = ["Critic", "clipped_value_loss"]
