@@ -305,8 +305,6 @@ def test_every_layout_matches_one_process_and_a_resume_continues_exactly(tmp_pat
     (["--sampling.n", "2"], "regenerates one completion per example"),
     (["--gkd.lmbda", "2"], "--gkd.lmbda is the share of on-policy microbatches"),
     (["--generator.kind", "vllm", "--gkd.lmbda", "0"], "--gkd.lmbda 0 draws none"),
-    (["--generator.kind", "vllm", "--parallelism.tensor_parallel_degree", "2"],
-     "--generator.kind vllm with --parallelism.tensor_parallel_degree 2"),
     (["--generator.dtype", "bfloat16"], "--generator.dtype sets up the vLLM generator"),
 ])
 def test_bad_input_is_one_line(tmp_path, models, extra, message):

@@ -16,9 +16,8 @@ What each microbatch trains on:
   that needs it, checked tensor by tensor): on-policy distillation, where the teacher grades
   the mistakes the student actually makes. The copy is native (``--generator.kind native``)
   or a vLLM engine running the family's titan model code (``--generator.kind vllm``, TRL's
-  ``use_vllm`` in colocate mode): in the trainer's process on one rank, and on every rank of
-  a data-parallel run (FSDP, HSDP, DDP: each rank regenerates its own rows, vLLM's engines
-  under the trainer's process group, its ``external_launcher`` executor);
+  ``use_vllm`` in colocate mode): in the trainer's process, on several ranks one engine per
+  rank under the trainer's process group (vLLM's ``external_launcher`` executor);
 - with ``--gkd.seq_kd``, the teacher's sampled completions in place of the data's
   (sequence-level KD), before the on-policy draw (sampled by the whole teacher's native
   copy, whatever ``--generator.kind``).
@@ -44,8 +43,9 @@ Its logits travel with the microbatch: a whole teacher's are sharded along the s
 context parallel like any ``[B, S, ...]`` key (a sharded teacher's come as this rank's share),
 pipeline parallel hands each pipeline microbatch's rows to the last stage (which alone runs
 the teacher), and vocab-sharded logits (TP's loss parallel) are gathered. The TP, CP and PP
-ranks of one replica hold the same rows: their first rank generates (it alone holds a student
-copy) and hands the rows to the others. The draws are keyed by (``--debug.seed``, step, global microbatch)
+ranks of one replica hold the same rows: their first rank generates (it alone holds a native
+student copy; with vLLM every rank generates, its engine joining the trainer's group as all
+must) and hands its rows to the others. The draws are keyed by (``--debug.seed``, step, global microbatch)
 and the sampling seeds by (``--sampling.seed``, step, global microbatch), so every layout of
 one global batch and a resumed run regenerate what the uninterrupted one-process run did.
 
@@ -202,14 +202,14 @@ class GKDTrainer(SFTTrainer):
         logger.info("teacher %s (%s parameters, %s) loaded in %.1fs", config.gkd.teacher_model,
                     f"{self.teacher.num_params / 1e6:.2f}M", config.gkd.teacher_layout, time.perf_counter() - start)
         # The first rank of each replica (its TP, CP and PP ranks hold the same rows) generates
-        # them with its own copy of the student, and hands them to the others.
+        # them with its own copy of the student, and hands them to the others. vLLM's engines
+        # join the trainer's group on every rank or on none: with vLLM every rank holds one and
+        # generates its replica's rows alike, and the first rank's are the ones kept.
         self.leads_replica = all(self._axis_rank(axis) == 0 for axis in REPLICA_AXES)
         self.student_copy = None
-        if config.gkd.lmbda > 0 and self.leads_replica:
-            kind = config.generator.kind
+        kind = config.generator.kind
+        if config.gkd.lmbda > 0 and (self.leads_replica or kind == "vllm"):
             check_vllm_device(kind, self.engine.device)
-            # vLLM on several ranks: every rank builds an engine under the trainer's group
-            # (collectively; check_config admits only layouts where every rank leads a replica).
             self.student_copy = build_generator(config, model_spec, vocab_size=self.vocab_size,
                                                 eos_token_id=self.tokenizer.eos_id, device=self.engine.device,
                                                 kind=kind, every_rank=self.engine.dist_env.world_size > 1)
@@ -261,10 +261,8 @@ class GKDTrainer(SFTTrainer):
         self._check_generator()
 
     def _check_generator(self) -> None:
-        """Refuse a ``--generator.kind vllm`` run that would not use it, or that vLLM cannot
-        run: nothing the student generates (--gkd.lmbda 0), vLLM missing, or a layout whose
-        ranks share rows (TP, CP, PP: their first rank alone generates, and vLLM's engines
-        join the trainer's group on every rank or on none)."""
+        """Refuse a ``--generator.kind vllm`` run that would not use it (--gkd.lmbda 0: the
+        student generates nothing) or where vLLM is missing."""
         cfg = self.config
         if cfg.generator.kind != "vllm":
             return
@@ -274,14 +272,6 @@ class GKDTrainer(SFTTrainer):
             raise ValueError("--generator.kind vllm samples the student's on-policy completions, and --gkd.lmbda 0 "
                              "draws none (--gkd.seq_kd's teacher samples with its own native copy): set "
                              "--gkd.lmbda above 0 or drop --generator.kind")
-        par = cfg.parallelism
-        shared = [f"--parallelism.{name}_parallel_degree {degree}" for name, degree in
-                  (("tensor", par.tensor_parallel_degree), ("context", par.context_parallel_degree),
-                   ("pipeline", par.pipeline_parallel_degree)) if degree > 1]
-        if shared:
-            raise ValueError(f"--generator.kind vllm with {shared[0]}: titan gkd runs one vLLM engine on every rank, "
-                             "each regenerating its own rows, and these ranks share theirs; use a data-parallel "
-                             "layout (FSDP, HSDP, DDP) or --generator.kind native")
         check_generator_kind("vllm")
 
     # ---- the step -------------------------------------------------------------------------
@@ -308,7 +298,7 @@ class GKDTrainer(SFTTrainer):
         draws = [self._draws_on_policy(step, c) for c in range(len(microbatches) * self.data_shard[1])]
         if any(draws):
             self._sync_student_copy(step)
-            if lead:
+            if self.student_copy is not None:  # the replica's first rank (with vLLM: every rank)
                 microbatches = [self._regenerate(mb, self.student_copy, step, c) if draws[c] else mb
                                 for mb, c in zip(microbatches, chunks, strict=True)]
         if self.config.gkd.seq_kd or any(draws):
