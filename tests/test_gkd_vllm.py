@@ -91,3 +91,17 @@ def vllm_one_process(models, tmp_path_factory) -> list[dict]:
     regenerated = [i for i, r in enumerate(one) if r["on_policy"]]
     assert any(native[i]["loss"] != pytest.approx(one[i]["loss"], rel=1e-5) for i in regenerated)
     return one
+
+
+def test_the_gkd_bench_times_vllm_regenerating(models, capsys, monkeypatch):
+    """`tools/bench/bench_gkd.py --vllm` adds the side regenerating with vLLM and its ratio to
+    native regeneration, from real timings (the student's teacher folder as the teacher)."""
+    from test_bench import BENCH, load
+
+    monkeypatch.syspath_prepend(str(BENCH))  # the script's sibling helpers, as from the command line
+    times = load("bench_gkd").main(["--teacher", str(models[1]), "--rounds", "2", "--warmup", "0", "--vllm"])
+    out = capsys.readouterr().out
+    assert "ratio gkd lmbda 1 vllm / gkd lmbda 1 step time" in out, out
+    assert {side: len(t) for side, t in times.items()} == {"sft": 2, "gkd lmbda 0": 2, "gkd lmbda 1": 2,
+                                                           "gkd lmbda 1 vllm": 2}
+    assert all(t > 0 for side in times.values() for t in side)
