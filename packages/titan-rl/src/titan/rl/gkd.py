@@ -143,8 +143,7 @@ class GKDConfig(SFTConfig):
     sampling: SamplingConfig = field(default_factory=_gkd_sampling)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     """What samples the student's on-policy completions (--gkd.lmbda): native (a model copy
-    in the trainer's process) or vLLM (one engine per rank, data-parallel layouts; module
-    docstring)."""
+    on the first rank of each replica) or vLLM (an engine on every rank; module docstring)."""
 
 
 def row_prompts(input_ids: np.ndarray, labels: np.ndarray, document_ids: np.ndarray) -> list[list[int]]:
