@@ -246,8 +246,9 @@ def test_the_student_learns_the_teachers_distributions(tmp_path, models):
 
 
 # The 2-rank layouts, each against one process: FSDP (each rank generates its own rows'
-# completions), and TP with loss parallel (the student's and the teacher's vocab-sharded logits
-# gathered), CP (each rank's share of the sequence from the sharded teacher) and PP (a whole
+# completions), and TP with loss parallel (the divergence from each rank's vocabulary columns
+# of the student's and the sharded teacher's logits, or of a whole teacher's; the launch
+# refuses any gathering of full logits: packages/titan-rl/tests/sitecustomize.py), CP (each rank's share of the sequence from the sharded teacher) and PP (a whole
 # teacher on the last stage: its logits reach it with each pipeline microbatch's rows), where
 # the replica's first rank generates and hands the rows to the other (the other has no student
 # copy: without the hand-over the two would train on different rows). The teacher is sharded as
@@ -255,6 +256,8 @@ def test_the_student_learns_the_teachers_distributions(tmp_path, models):
 LAYOUTS = {
     "fsdp": [],
     "tp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "tp_whole": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                 "--gkd.teacher_layout", "whole"],
     "cp": ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
     "pp": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
            "--gkd.teacher_layout", "whole"],
@@ -272,7 +275,10 @@ def test_every_layout_matches_one_process_and_a_resume_continues_exactly(tmp_pat
     common = ["--training.steps", "4", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
               "--validation.enable", "--sft_data.eval_path", str(models[2]), "--validation.freq", "4"]
     runs = [[name, _flags(models, tmp_path / name, *common, *flags), "gkd"] for name, flags in LAYOUTS.items()]
-    launch_runs(2, RUNS_WORKER, runs, tmp_path / "launch.log")
+    probes = str(Path(__file__).parents[1] / "packages" / "titan-rl" / "tests")  # sitecustomize.py
+    launch_runs(2, RUNS_WORKER, runs, tmp_path / "launch.log",
+                env={"PYTHONPATH": os.pathsep.join(filter(None, (probes, os.environ.get("PYTHONPATH")))),
+                     "TITAN_TEST_REFUSE_FULL_LOGITS": "1"})
     one = _gkd(models, tmp_path / "one", *common)
     assert 0 < sum(r["on_policy"] for r in one) < 4
     for name in LAYOUTS:

@@ -4,6 +4,7 @@ student's and the teacher's next-token distributions, against hand computations.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -164,3 +165,25 @@ def test_the_compiled_loss_equals_the_eager_one():
     (compiled_grad,) = torch.autograd.grad(compiled, student)
     assert compiled.item() == pytest.approx(eager.item(), rel=1e-5)
     torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-4, atol=1e-7)
+
+
+def test_the_vocab_parallel_loss_equals_the_whole_one_and_its_gradient(tmp_path):
+    """Under tensor parallel with loss parallel the divergence is taken from each rank's
+    vocabulary columns (vocab_parallel_worker.py, 2 gloo ranks): equal to the loss on the
+    whole logits and so is its gradient (float64 logits), for beta 0 / 0.5 / 1, in chunks or not, with the
+    teacher's columns sharded as the student's or sliced from a whole teacher of another
+    (padded) vocabulary; padding columns past the tokenizer's ids and a token the teacher
+    rules out (beta below 1) add nothing."""
+    from launching import launch  # the repository's tests/ (root conftest.py)
+
+    worker = Path(__file__).with_name("vocab_parallel_worker.py")
+    out = tmp_path / "results.pt"
+    launch(2, [str(worker), str(out)], tmp_path / "launch.log", timeout=300, torchrun=False)
+    results = torch.load(out)
+    assert len(results) == 12
+    for case, (loss, want, grad, want_grad) in results.items():
+        assert torch.isfinite(want) and want > 0, case
+        # In float64 (the loss keeps it): the same up to float64 summation order.
+        torch.testing.assert_close(loss, want, rtol=1e-12, atol=0, msg=str(case))
+        torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-13, msg=str(case))
+        assert grad[..., 10:].abs().max() == 0, case  # no gradient into the padding columns

@@ -50,6 +50,7 @@ class ShardedTeacher:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        self.vocab_size: int | None = None  # its padded vocabulary (from its folder)
         self.generator = None  # it cannot sample: --gkd.seq_kd takes a whole teacher
         engine.train(False)
 
@@ -80,6 +81,7 @@ class ShardedTeacher:
         engine = TrainingEngine.from_config(teacher_config, model_spec=spec, vocab_size=args.vocab_size,
                                             tokenizer=tokenizer)
         teacher = cls(engine)
+        teacher.vocab_size = args.vocab_size
         teacher.load(folder, load_hf)
         return teacher
 
@@ -93,14 +95,18 @@ class ShardedTeacher:
                            problem=lambda name, found, want: f"--gkd.teacher_model {folder}: {name} is "
                            f"{'missing' if found is None else f'shaped {found}'}, its config.json says {want}")
 
-    def logits(self, engine: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def logits(self, engine: Any, batch: dict[str, torch.Tensor], *, vocab_shards: bool = False) -> torch.Tensor:
         """``batch``'s logits by the teacher's engine: this rank's share of the sequence under
         CP (``[B, S / cp, V]``, which the student's engine passes through unsharded: its own
-        split cuts only ``[B, S, ...]`` keys), whole over the vocabulary."""
+        split cuts only ``[B, S, ...]`` keys), whole over the vocabulary; with ``vocab_shards``
+        this rank's columns of vocab-sharded logits (loss parallel: ``[..., V / tp]``, for the
+        vocab-parallel loss) instead of gathering them."""
         captured: list[torch.Tensor] = []
 
         def capture(logits: torch.Tensor, _batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            captured.append(logits.full_tensor() if isinstance(logits, DTensor) else logits)
+            if isinstance(logits, DTensor):
+                logits = logits.to_local() if vocab_shards else logits.full_tensor()
+            captured.append(logits)
             return torch.zeros((), device=captured[-1].device)
 
         self.engine.forward_only(batch, capture)

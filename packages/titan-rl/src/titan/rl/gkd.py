@@ -42,7 +42,11 @@ its own laid out as the student, or a whole copy on every rank (``--gkd.teacher_
 Its logits travel with the microbatch: a whole teacher's are sharded along the sequence under
 context parallel like any ``[B, S, ...]`` key (a sharded teacher's come as this rank's share),
 pipeline parallel hands each pipeline microbatch's rows to the last stage (which alone runs
-the teacher), and vocab-sharded logits (TP's loss parallel) are gathered. The TP, CP and PP
+the teacher), and under TP's loss parallel the divergence is taken vocab-parallel
+(:func:`~titan.rl.distill_loss.vocab_parallel_gkd_loss_sum`: each rank reads its columns of
+the student's logits and of the teacher's, a sharded teacher of the student's vocabulary
+keeping its own shard; only per-token sums cross ranks, the vocabulary is never gathered;
+eager, as SFT's vocab-parallel loss). The TP, CP and PP
 ranks of one replica hold the same rows: their first rank generates (it alone holds a native
 student copy; with vLLM every rank generates, its engine joining the trainer's group as all
 must) and hands its rows to the others. The draws are keyed by (``--debug.seed``, step, global microbatch)
@@ -68,7 +72,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from titan.rl.config import GeneratorConfig
-from titan.rl.distill_loss import check_beta, gkd_loss_sum
+from titan.rl.distill_loss import (
+    check_beta,
+    gkd_loss_sum,
+    vocab_parallel_gkd_loss_sum,
+    vocab_parallel_logits,
+)
 from titan.rl.distill_teacher import ShardedTeacher, WholeTeacher
 from titan.rl.generate.base import SamplingConfig
 from titan.train.data.chat import SFTExample
@@ -214,6 +223,12 @@ class GKDTrainer(SFTTrainer):
                                                 kind=kind, every_rank=self.engine.dist_env.world_size > 1)
             logger.info("the student's completions: %s generator%s", kind,
                         " on every rank" if self.engine.dist_env.world_size > 1 else "")
+        # Under loss parallel a sharded teacher of the student's vocabulary keeps its logits
+        # sharded as the student's: each rank's columns line up (``_distill_loss``).
+        par = config.parallelism
+        self._teacher_vocab_shards = (isinstance(self.teacher, ShardedTeacher) and self.parallel_dims.tp_enabled
+                                      and par.enable_loss_parallel and self.teacher.vocab_size == self.vocab_size
+                                      and self.vocab_size % par.tensor_parallel_degree == 0)
         comp = config.compile
         self._supervised_loss = self._distill_loss
         self._compiled_loss = comp.enable and comp.compiles_loss
@@ -277,8 +292,13 @@ class GKDTrainer(SFTTrainer):
 
     def _distill_loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The generalized JSD to the teacher's logits the microbatch carries, summed over its
-        completion tokens. Vocab-sharded logits (TP's loss parallel) are gathered first, as the
-        teacher's are: the divergence reads every column of both models."""
+        completion tokens. Vocab-sharded logits (TP's loss parallel) stay sharded: each rank
+        reads its columns of both models (a sharded teacher's own shard, a whole teacher's
+        slice) and only per-token sums cross ranks (``vocab_parallel_gkd_loss_sum``)."""
+        if vocab_parallel_logits(logits):
+            return vocab_parallel_gkd_loss_sum(logits, batch["teacher_logits"], batch["labels"], beta=self.config.gkd.beta,
+                                               vocab_size=self.tokenizer.vocab_size, teacher_sharded=self._teacher_vocab_shards,
+                                               chunk_tokens=self.config.training.loss_chunk_tokens)
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
         return gkd_loss_sum(logits, batch["teacher_logits"], batch["labels"], beta=self.config.gkd.beta,
@@ -422,7 +442,10 @@ class GKDTrainer(SFTTrainer):
         (``teacher_logits``), under the same document masking and positions as the student's
         forward."""
         batch = self.engine.to_device(microbatch)
-        batch["teacher_logits"] = self.teacher.logits(self.engine, batch)
+        if isinstance(self.teacher, ShardedTeacher):
+            batch["teacher_logits"] = self.teacher.logits(self.engine, batch, vocab_shards=self._teacher_vocab_shards)
+        else:
+            batch["teacher_logits"] = self.teacher.logits(self.engine, batch)
         return batch
 
     # ---- metrics --------------------------------------------------------------------------

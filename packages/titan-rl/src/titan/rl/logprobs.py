@@ -36,13 +36,13 @@ def _entropy_rows(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     its slice of the vocabulary, then the sums are reduced)."""
     rows = _scaled_rows(logits, temperature)
     if isinstance(rows, DTensor):
-        logp = _sharded_log_softmax(rows)
+        logp = sharded_log_softmax(rows)
     else:
         logp = F.log_softmax(rows, dim=-1)
     return _replicated(-(logp.exp() * logp).sum(-1))
 
 
-def _sharded_log_softmax(rows: DTensor) -> DTensor:
+def sharded_log_softmax(rows: DTensor) -> DTensor:
     """log_softmax of vocab-sharded ``[n, V]`` rows from max, exp, sum and log, each of which
     DTensor differentiates as written. Not ``log_softmax``: inside ``loss_parallel()`` its
     backward passes the incoming gradient through unchanged, which is right only when
