@@ -344,6 +344,9 @@ def test_the_dry_run_counts_the_teacher_its_logits_and_the_generating_copy(tmp_p
     out = dry_run("--gkd.teacher_layout", "whole", "--generator.kind", "vllm", "--generator.dtype", "bfloat16",
                   "--generator.kv_cache_memory_bytes", str(1 << 20))
     assert f"generating copy {format_bytes(student * 2 + (1 << 20))})" in out, out
+    # TP 2 with loss parallel: a sharded teacher keeps half its logits' columns on each rank.
+    out = dry_run("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
+    assert f"teacher logits {format_bytes(logits // 2)}," in out, out
     out = dry_run("--gkd.lmbda", "0")
     assert "generating copy" not in out, out
     held = re.search(r"teacher \(sharded\) ([\d.]+) KiB", out)

@@ -339,8 +339,9 @@ def gkd_model_copies(config: Any, params: int, student_param_bytes: int) -> list
     ``config.json``; a Hub id not yet downloaded is not counted): sharded as the student
     (``--gkd.teacher_layout sharded``: the student's ``student_param_bytes`` on this rank scaled
     to the teacher's size) or a whole copy in ``--gkd.teacher_dtype``; its logits of one
-    microbatch (``[local batch, seq, teacher vocab]``, whole over the vocabulary and the
-    sequence, float32 or the whole teacher's dtype); and with ``--gkd.lmbda`` above 0 the
+    microbatch (``[local batch, seq, teacher vocab]``, whole over the sequence, float32 or the
+    whole teacher's dtype; whole over the vocabulary, but for a sharded teacher of the
+    student's vocabulary under loss parallel, which keeps this rank's columns); and with ``--gkd.lmbda`` above 0 the
     student's copy that generates (:func:`generator_bytes`)."""
     copies = []
     gkd = config.gkd
@@ -349,9 +350,13 @@ def gkd_model_copies(config: Any, params: int, student_param_bytes: int) -> list
         teacher, vocab = found
         size = _DTYPE_BYTES[gkd.teacher_dtype] if gkd.teacher_layout == "whole" else 4
         held = teacher * size if gkd.teacher_layout == "whole" else int(student_param_bytes * teacher / params)
-        training = config.training
+        training, par = config.training, config.parallelism
+        tp = par.tensor_parallel_degree
+        vocab_shards = (gkd.teacher_layout == "sharded" and tp > 1 and par.enable_loss_parallel
+                        and vocab == model_builder(config)[1] and vocab % tp == 0)
         copies += [(f"teacher ({gkd.teacher_layout})", held),
-                   ("teacher logits", training.local_batch_size * training.seq_len * vocab * size)]
+                   ("teacher logits", training.local_batch_size * training.seq_len * vocab * size
+                    // (tp if vocab_shards else 1))]
     if gkd.lmbda > 0:
         copies.append(("generating copy", generator_bytes(config.generator, params)))
     return copies
