@@ -67,6 +67,7 @@ def main(out: Path, tokens: int, vocab: int, chunk: int) -> None:
     result = {"rank": rank, "peak_bytes": peak - 2 * hidden.numel() * hidden.element_size()}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if world > 1:
+        dist.barrier()  # no rank tears the group down while another still writes
         dist.destroy_process_group()
 
 
