@@ -310,7 +310,7 @@ def test_every_layout_matches_one_process_and_a_resume_continues_exactly(tmp_pat
     (["--training.loss_type", "dft"], "titan gkd's loss is the divergence to the teacher"),
     (["--sampling.n", "2"], "regenerates one completion per example"),
     (["--gkd.lmbda", "2"], "--gkd.lmbda is the share of on-policy microbatches"),
-    (["--generator.kind", "vllm", "--gkd.lmbda", "0"], "--gkd.lmbda 0 draws none"),
+    (["--generator.kind", "vllm", "--gkd.lmbda", "0"], "this run generates none"),
     (["--generator.dtype", "bfloat16"], "--generator.dtype sets up the vLLM generator"),
 ])
 def test_bad_input_is_one_line(tmp_path, models, extra, message):
@@ -344,6 +344,9 @@ def test_the_dry_run_counts_the_teacher_its_logits_and_the_generating_copy(tmp_p
     out = dry_run("--gkd.teacher_layout", "whole", "--generator.kind", "vllm", "--generator.dtype", "bfloat16",
                   "--generator.kv_cache_memory_bytes", str(1 << 20))
     assert f"generating copy {format_bytes(student * 2 + (1 << 20))})" in out, out
+    # --gkd.seq_kd under vLLM: an engine of the teacher's too.
+    out = dry_run("--gkd.seq_kd", "--generator.kind", "vllm", "--generator.kv_cache_memory_bytes", str(1 << 20))
+    assert f"teacher's generator {format_bytes(teacher * 4 + (1 << 20))})" in out, out
     # TP 2 with loss parallel: a sharded teacher keeps half its logits' columns on each rank.
     out = dry_run("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
     assert f"teacher logits {format_bytes(logits // 2)}," in out, out

@@ -28,24 +28,29 @@ models = test_gkd_e2e.models  # the fixture: (student folder, teacher folder, da
 VLLM = ["--generator.kind", "vllm", "--generator.kv_cache_memory_bytes", str(16 << 20)]
 
 
-def test_vllm_writes_the_students_greedy_completions(tmp_path, models):
-    """--gkd.lmbda 1 at temperature 0 with vLLM generating: every example's completion is
-    transformers' greedy decoding of its prompt by the student (5 new tokens at most), and
-    step 1's loss is the divergence over them."""
-    result = run_titan(["gkd", *_flags(models, tmp_path / "run", *VLLM, "--gkd.lmbda", "1", "--sampling.temperature",
-                                       "0", "--sampling.max_new_tokens", "5")], env=ENV, timeout=300)
+@pytest.mark.parametrize("who, flags", [("student", ["--gkd.lmbda", "1"]),
+                                        ("teacher", ["--gkd.lmbda", "0", "--gkd.seq_kd"])])
+def test_vllm_writes_the_greedy_completions_of_the_model_it_samples(tmp_path, models, who, flags):
+    """With vLLM generating at temperature 0, --gkd.lmbda 1 (the student's completions) or
+    --gkd.seq_kd (the teacher's, from an engine reading its folder, the teacher's logits from
+    its sharded engine: the layout the native generator cannot sample): every example's
+    completion is transformers' greedy decoding of its prompt by that model (5 new tokens at
+    most), and step 1's loss is the divergence over them."""
+    result = run_titan(["gkd", *_flags(models, tmp_path / "run", *VLLM, *flags, "--sampling.temperature", "0",
+                                       "--sampling.max_new_tokens", "5")], env=ENV, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "the student's completions: vllm generator\n" in result.stderr  # vLLM, not the native copy, wrote them
+    assert f"the {who}'s completions: vllm generator\n" in result.stderr  # vLLM, not a native copy, wrote them
     records = _records(tmp_path / "run")
     sequences, tokenizer = _data_sequences(models, tmp_path / "run")
-    student = transformers.LlamaForCausalLM.from_pretrained(str(models[0]), dtype=torch.float32).eval()
+    writer = transformers.LlamaForCausalLM.from_pretrained(str(models[0 if who == "student" else 1]),
+                                                           dtype=torch.float32).eval()
     greedy = []
     for prompt, _ in sequences:
-        out = student.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
-                               eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+        out = writer.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
+                              eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
         greedy.append((prompt, out[0, len(prompt):].tolist()))
     assert all(c != completion for (_, c), (_, completion) in zip(greedy, sequences, strict=True))
-    assert records[0]["on_policy"] == 1.0
+    assert records[0]["on_policy"] == (1.0 if who == "student" else 0.0)
     assert records[0]["gkd_generated_tokens"] == pytest.approx(sum(len(c) for _, c in greedy) / len(greedy))
     assert records[0]["loss"] == pytest.approx(_expected_loss(models, greedy, 0.5, tokenizer.vocab_size), rel=1e-5)
 
@@ -69,6 +74,28 @@ def test_every_rank_runs_its_own_engine_and_matches_one_process(tmp_path, models
     for mine, theirs in zip(got, one, strict=True):
         assert mine["on_policy"] == theirs["on_policy"]
         assert mine["gkd_generated_tokens"] == theirs["gkd_generated_tokens"]
+        for key in ("loss", "grad_norm"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (mine["step"], key)
+
+
+@pytest.mark.slow
+def test_two_engines_a_rank_sample_the_teacher_and_the_student_as_one_process(tmp_path, models):
+    """--gkd.seq_kd and --gkd.lmbda 0.5 with vLLM on 2 FSDP ranks: each rank runs two engines
+    under the trainer's group (the teacher's, reading its folder, and the student's, synced
+    every step that draws) and the run logs the one-process run's losses and gradient norms
+    at temperature 0.9; it ends without vLLM destroying the trainer's groups twice."""
+    flags = [*VLLM_LAYOUT, "--gkd.seq_kd"]
+    log = tmp_path / "launch.log"
+    launch_runs(2, RUNS_WORKER, [["seq_kd", _flags(models, tmp_path / "seq_kd", *flags), "gkd"]], log)
+    output = run_output(log, "seq_kd")
+    assert "the teacher's completions: vllm generator on every rank" in output
+    assert "the student's completions: vllm generator on every rank" in output
+    assert "Invalid process group" not in log.read_text()
+    one = _gkd(models, tmp_path / "one", *flags)
+    got = _records(tmp_path / "seq_kd")
+    assert [r["step"] for r in got] == [r["step"] for r in one] == [1, 2, 3, 4]
+    for mine, theirs in zip(got, one, strict=True):
+        assert (mine["on_policy"], mine["gkd_generated_tokens"]) == (theirs["on_policy"], theirs["gkd_generated_tokens"])
         for key in ("loss", "grad_norm"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (mine["step"], key)
 

@@ -145,12 +145,25 @@ def test_repack_row_places_examples_in_order_and_cuts_what_overflows():
     ({"teacher_model": ""}, "set --gkd.teacher_model"),
     ({"beta": -0.1}, r"--gkd.beta must be in \[0, 1\]"),
     ({"lmbda": 1.5}, r"--gkd.lmbda is the share of on-policy microbatches, in \[0, 1\]"),
+    ({"seq_kd": True}, "--gkd.seq_kd .* takes a whole teacher .* or --generator.kind vllm"),
+    ({"teacher_dtype": "bfloat16"}, "--gkd.teacher_dtype bfloat16 takes a whole teacher"),
 ])
 def test_gkd_flags_out_of_range_are_refused(flags, message):
     from titan.rl.gkd import GKDSection
 
     with pytest.raises(ValueError, match=message):
         GKDSection(**{"teacher_model": "teacher", **flags}).check()
+
+
+def test_a_sharded_teacher_samples_through_vllm():
+    """--gkd.seq_kd with a sharded teacher (the default layout) is refused with the native
+    generator, which samples a whole copy, and taken with vLLM, whose own engine samples."""
+    from titan.rl.gkd import GKDSection
+
+    section = GKDSection(teacher_model="teacher", seq_kd=True)
+    with pytest.raises(ValueError, match="takes a whole teacher"):
+        section.check("native")
+    section.check("vllm")
 
 
 def test_the_compiled_loss_equals_the_eager_one():

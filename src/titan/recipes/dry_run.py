@@ -341,8 +341,9 @@ def gkd_model_copies(config: Any, params: int, student_param_bytes: int) -> list
     to the teacher's size) or a whole copy in ``--gkd.teacher_dtype``; its logits of one
     microbatch (``[local batch, seq, teacher vocab]``, whole over the sequence, float32 or the
     whole teacher's dtype; whole over the vocabulary, but for a sharded teacher of the
-    student's vocabulary under loss parallel, which keeps this rank's columns); and with ``--gkd.lmbda`` above 0 the
-    student's copy that generates (:func:`generator_bytes`)."""
+    student's vocabulary under loss parallel, which keeps this rank's columns); with
+    ``--gkd.lmbda`` above 0 the student's copy that generates (:func:`generator_bytes`); and
+    with ``--gkd.seq_kd`` under vLLM the engine that samples the teacher."""
     copies = []
     gkd = config.gkd
     found = teacher_size(config, gkd.teacher_model, flag="--gkd.teacher_model")
@@ -359,6 +360,8 @@ def gkd_model_copies(config: Any, params: int, student_param_bytes: int) -> list
                     // (tp if vocab_shards else 1))]
     if gkd.lmbda > 0:
         copies.append(("generating copy", generator_bytes(config.generator, params)))
+    if gkd.seq_kd and config.generator.kind == "vllm" and found is not None:  # vLLM's own copy of the teacher
+        copies.append(("teacher's generator", generator_bytes(config.generator, found[0])))
     return copies
 
 

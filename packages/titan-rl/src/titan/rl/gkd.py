@@ -19,8 +19,9 @@ What each microbatch trains on:
   ``use_vllm`` in colocate mode): in the trainer's process, on several ranks one engine per
   rank under the trainer's process group (vLLM's ``external_launcher`` executor);
 - with ``--gkd.seq_kd``, the teacher's sampled completions in place of the data's
-  (sequence-level KD), before the on-policy draw (sampled by the whole teacher's native
-  copy, whatever ``--generator.kind``).
+  (sequence-level KD), before the on-policy draw: sampled by the whole teacher's native copy,
+  or with ``--generator.kind vllm`` by a vLLM engine reading the teacher's folder (one per
+  rank; the teacher's logits then come from either layout).
 
 Completions stop at the tokenizer's EOS, ``--sampling.stop_token_ids`` and the end-of-sequence
 ids of the writer's Hugging Face folder (its ``generation_config.json``: an instruct model's end
@@ -116,8 +117,9 @@ class GKDSection:
     """A whole teacher's weights and logits (TRL's ``teacher_model_init_kwargs`` dtype):
     bfloat16 halves its memory on every rank; the divergence is still computed in float32."""
 
-    def check(self) -> None:
-        """Refuse out-of-range values, naming the flag."""
+    def check(self, generator_kind: str = "native") -> None:
+        """Refuse out-of-range values, naming the flag (``generator_kind``: --generator.kind,
+        vllm samples a sharded teacher's completions with an engine of its own)."""
         if not self.teacher_model:
             raise ValueError("titan gkd distills a teacher: set --gkd.teacher_model (a Hugging Face folder or Hub id "
                              "of a family titan builds)")
@@ -125,12 +127,15 @@ class GKDSection:
         if not 0.0 <= self.lmbda <= 1.0:
             raise ValueError(f"--gkd.lmbda is the share of on-policy microbatches, in [0, 1]; got {self.lmbda}")
         if self.teacher_layout == "sharded":
-            needs_whole = [flag for flag, on in (("--gkd.seq_kd (the teacher samples)", self.seq_kd),
+            native_seq_kd = self.seq_kd and generator_kind == "native"
+            needs_whole = [flag for flag, on in (("--gkd.seq_kd (the teacher samples)", native_seq_kd),
                                                  (f"--gkd.teacher_dtype {self.teacher_dtype}",
                                                   self.teacher_dtype != "float32")) if on]
             if needs_whole:
                 raise ValueError(f"{needs_whole[0]} takes a whole teacher on every rank: add --gkd.teacher_layout whole "
-                                 "(a sharded teacher computes in the run's precision)")
+                                 "(a sharded teacher computes in the run's precision"
+                                 + ("; or --generator.kind vllm, whose own engine samples the teacher)"
+                                    if needs_whole[0].startswith("--gkd.seq_kd") else ")"))
 
     @property
     def generates(self) -> bool:
@@ -223,6 +228,7 @@ class GKDTrainer(SFTTrainer):
                                                 kind=kind, every_rank=self.engine.dist_env.world_size > 1)
             logger.info("the student's completions: %s generator%s", kind,
                         " on every rank" if self.engine.dist_env.world_size > 1 else "")
+        self.teacher_sampler = self._build_teacher_sampler() if config.gkd.seq_kd else None
         # Under loss parallel a sharded teacher of the student's vocabulary keeps its logits
         # sharded as the student's: each rank's columns line up (``_distill_loss``).
         par = config.parallelism
@@ -251,11 +257,29 @@ class GKDTrainer(SFTTrainer):
                                           device=self.engine.device, flag="--gkd.teacher_model",
                                           dtype=getattr(torch, gkd.teacher_dtype)))
 
+    def _build_teacher_sampler(self) -> Any:
+        """What samples --gkd.seq_kd's teacher completions on this rank: the whole teacher's
+        native copy on the first rank of each replica, or with --generator.kind vllm an engine
+        of its own reading the teacher's folder on every rank (then any teacher layout);
+        None where this rank does not generate."""
+        cfg = self.config
+        if cfg.generator.kind != "vllm":
+            return self.teacher.generator if self.leads_replica else None
+        from titan.ckpt.hub import resolve_hub_folder
+        from titan.rl.generate.build import build_vllm_teacher
+
+        folder = resolve_hub_folder(cfg.gkd.teacher_model, flag="--gkd.teacher_model")
+        logger.info("the teacher's completions: vllm generator%s",
+                    " on every rank" if self.engine.dist_env.world_size > 1 else "")
+        return build_vllm_teacher(folder, self.teacher_spec, cfg.generator, seq_len=cfg.training.seq_len,
+                                  eos_token_id=self.tokenizer.eos_id, seed=cfg.debug.seed,
+                                  every_rank=self.engine.dist_env.world_size > 1)
+
     def check_config(self) -> None:
         """The SFT checks, the ``--gkd.*`` values and the teacher's folder, and the flags GKD cannot honour."""
         super().check_config()
         cfg = self.config
-        cfg.gkd.check()
+        cfg.gkd.check(cfg.generator.kind)
         teacher = cfg.gkd.teacher_model
         if os.path.isdir(teacher) or teacher.startswith(("/", ".", "~")):  # a local folder: read before any work
             from titan.rl.generate.build import folder_architecture
@@ -275,17 +299,17 @@ class GKDTrainer(SFTTrainer):
         self._check_generator()
 
     def _check_generator(self) -> None:
-        """Refuse a ``--generator.kind vllm`` run that would not use it (--gkd.lmbda 0: the
-        student generates nothing) or where vLLM is missing."""
+        """Refuse a ``--generator.kind vllm`` run that would not use it (--gkd.lmbda 0 without
+        --gkd.seq_kd: nothing is generated) or where vLLM is missing."""
         cfg = self.config
         if cfg.generator.kind != "vllm":
             return
         from titan.rl.generate.build import check_generator_kind
 
-        if cfg.gkd.lmbda == 0:
-            raise ValueError("--generator.kind vllm samples the student's on-policy completions, and --gkd.lmbda 0 "
-                             "draws none (--gkd.seq_kd's teacher samples with its own native copy): set "
-                             "--gkd.lmbda above 0 or drop --generator.kind")
+        if not cfg.gkd.generates:
+            raise ValueError("--generator.kind vllm samples the student's on-policy completions (--gkd.lmbda) and the "
+                             "teacher's (--gkd.seq_kd), and this run generates none: set --gkd.lmbda above 0 or "
+                             "--gkd.seq_kd, or drop --generator.kind")
         check_generator_kind("vllm")
 
     # ---- the step -------------------------------------------------------------------------
@@ -309,9 +333,8 @@ class GKDTrainer(SFTTrainer):
         step = self.step + 1
         started = time.perf_counter()
         chunks = [self._global_chunk(i) for i in range(len(microbatches))]
-        lead = self.leads_replica
-        if self.config.gkd.seq_kd and lead:
-            microbatches = [self._regenerate(mb, self.teacher.generator, step, c)
+        if self.teacher_sampler is not None:  # --gkd.seq_kd, where this rank generates
+            microbatches = [self._regenerate(mb, self.teacher_sampler, step, c)
                             for mb, c in zip(microbatches, chunks, strict=True)]
         # Every rank draws for every microbatch of the global batch: they agree on the sync.
         draws = [self._draws_on_policy(step, c) for c in range(len(microbatches) * self.data_shard[1])]
@@ -330,9 +353,10 @@ class GKDTrainer(SFTTrainer):
     def close(self) -> None:
         """Release vLLM's process groups inside the trainer's (before the engine destroys the
         trainer's), then close as SFT does."""
-        close_generator = getattr(self.student_copy, "close", None)
-        if close_generator is not None:
-            close_generator()
+        for sampler in (getattr(self, "student_copy", None), getattr(self, "teacher_sampler", None)):
+            close_generator = getattr(sampler, "close", None)
+            if close_generator is not None:
+                close_generator()
         super().close()
 
     def _axis_rank(self, axis: str) -> int:

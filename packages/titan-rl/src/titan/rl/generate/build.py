@@ -127,4 +127,27 @@ def build_teacher(path: str, model_spec: ModelSpec, *, vocab_size: int, seq_len:
     return teacher
 
 
-__all__ = ["build_generator", "build_teacher", "check_generator_kind", "check_vllm_device", "folder_architecture"]
+def build_vllm_teacher(folder: str, model_spec: ModelSpec, generator: Any, *, seq_len: int, eos_token_id: int,
+                       seed: int, every_rank: bool = False) -> Any:
+    """A vLLM engine sampling from the teacher in the Hugging Face ``folder`` (of
+    ``model_spec``'s family; vLLM reads its config and weights through the family's titan
+    class), for sequences of ``seq_len`` tokens, set up by ``generator`` (``--generator.*``:
+    dtype, KV cache bytes, sequences decoded together). ``every_rank``: one engine per rank of
+    the trainer's process group (built collectively), as :func:`build_generator`'s."""
+    from titan.rl.generate.vllm import VLLMGenerator
+    from titan.rl.generate.vllm.plugin import FAMILY_ARCHITECTURES
+
+    if model_spec.name not in FAMILY_ARCHITECTURES:
+        raise ValueError(f"--generator.kind vllm runs the families {', '.join(FAMILY_ARCHITECTURES)}; the teacher is "
+                         f"a {model_spec.name} model")
+    engine_args: dict[str, Any] = {"max_model_len": seq_len}  # not the folder's (often far longer) limit
+    if every_rank:
+        engine_args["distributed_executor_backend"] = "external_launcher"
+    return VLLMGenerator(None, architecture=FAMILY_ARCHITECTURES[model_spec.name], checkpoint=folder,
+                         eos_token_id=eos_token_id, dtype=generator.dtype,
+                         kv_cache_memory_bytes=generator.kv_cache_memory_bytes, max_num_seqs=generator.max_num_seqs,
+                         seed=seed, engine_args=engine_args)
+
+
+__all__ = ["build_generator", "build_teacher", "build_vllm_teacher", "check_generator_kind", "check_vllm_device",
+           "folder_architecture"]
