@@ -143,7 +143,14 @@ def test_regenerated_steps_distill_on_greedy_completions_of_the_model_that_wrote
     with greedy sampling: every example's completion is transformers' greedy decoding of its
     prompt by that model (5 new tokens at most), and the loss is the divergence over them."""
     records = _gkd(models, tmp_path / "run", *flags, "--sampling.temperature", "0", "--sampling.max_new_tokens", "5")
-    sequences, tokenizer = _data_sequences(models, tmp_path / "run")
+    check_first_step_on_greedy_completions(models, tmp_path / "run", records[0], who)
+
+
+def check_first_step_on_greedy_completions(models, dump: Path, record: dict, who: str) -> None:
+    """Assert that step 1 (``record``, of the run writing to ``dump`` with 5 new tokens at
+    temperature 0) trained on transformers' greedy completions of every prompt by ``who``
+    (student or teacher): their mean length, and the divergence over them by hand."""
+    sequences, tokenizer = _data_sequences(models, dump)
     writer = transformers.LlamaForCausalLM.from_pretrained(str(models[0 if who == "student" else 1]),
                                                            dtype=torch.float32).eval()
     greedy = []
@@ -153,10 +160,10 @@ def test_regenerated_steps_distill_on_greedy_completions_of_the_model_that_wrote
         greedy.append((prompt, out[0, len(prompt):].tolist()))
     assert all(c != completion for (_, c), (_, completion) in zip(greedy, sequences, strict=True))
     want = _expected_loss(models, greedy, 0.5, tokenizer.vocab_size)
-    assert records[0]["on_policy"] == (1.0 if who == "student" else 0.0)
-    assert records[0]["gkd_dropped"] == 0  # one example a row: the new tokens always fit
-    assert records[0]["gkd_generated_tokens"] == pytest.approx(sum(len(c) for _, c in greedy) / len(greedy))
-    assert records[0]["loss"] == pytest.approx(want, rel=1e-5), (records[0]["loss"], want)
+    assert record["on_policy"] == (1.0 if who == "student" else 0.0)
+    assert record["gkd_dropped"] == 0  # one example a row: the new tokens always fit
+    assert record["gkd_generated_tokens"] == pytest.approx(sum(len(c) for _, c in greedy) / len(greedy))
+    assert record["loss"] == pytest.approx(want, rel=1e-5), (record["loss"], want)
 
 
 def test_a_bfloat16_teacher_gives_the_float32_teachers_loss_up_to_its_rounding(tmp_path, models):

@@ -11,7 +11,6 @@ its index in the call).
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.vllm
 
@@ -21,7 +20,14 @@ transformers = pytest.importorskip("transformers")
 import test_gkd_e2e  # noqa: E402
 from forked_cli import run_titan  # noqa: E402
 from launching import RUNS_WORKER, launch_runs, run_output  # noqa: E402
-from test_gkd_e2e import ENV, LAYOUTS, _data_sequences, _expected_loss, _flags, _gkd, _records  # noqa: E402
+from test_gkd_e2e import (  # noqa: E402
+    ENV,
+    LAYOUTS,
+    _flags,
+    _gkd,
+    _records,
+    check_first_step_on_greedy_completions,
+)
 
 models = test_gkd_e2e.models  # the fixture: (student folder, teacher folder, data file)
 
@@ -40,19 +46,7 @@ def test_vllm_writes_the_greedy_completions_of_the_model_it_samples(tmp_path, mo
                                        "--sampling.max_new_tokens", "5")], env=ENV, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     assert f"the {who}'s completions: vllm generator\n" in result.stderr  # vLLM, not a native copy, wrote them
-    records = _records(tmp_path / "run")
-    sequences, tokenizer = _data_sequences(models, tmp_path / "run")
-    writer = transformers.LlamaForCausalLM.from_pretrained(str(models[0 if who == "student" else 1]),
-                                                           dtype=torch.float32).eval()
-    greedy = []
-    for prompt, _ in sequences:
-        out = writer.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
-                              eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
-        greedy.append((prompt, out[0, len(prompt):].tolist()))
-    assert all(c != completion for (_, c), (_, completion) in zip(greedy, sequences, strict=True))
-    assert records[0]["on_policy"] == (1.0 if who == "student" else 0.0)
-    assert records[0]["gkd_generated_tokens"] == pytest.approx(sum(len(c) for _, c in greedy) / len(greedy))
-    assert records[0]["loss"] == pytest.approx(_expected_loss(models, greedy, 0.5, tokenizer.vocab_size), rel=1e-5)
+    check_first_step_on_greedy_completions(models, tmp_path / "run", _records(tmp_path / "run")[0], who)
 
 
 @pytest.mark.slow
