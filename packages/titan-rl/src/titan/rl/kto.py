@@ -135,8 +135,9 @@ class KTOTrainer(DPOTrainer):
 
     def __init__(self, config: KTOConfig, *, model_spec) -> None:
         super().__init__(config, model_spec=model_spec)
-        self.baseline = RunningBaseline(self.engine.device)
-        if config.kto.uses_baseline:
+        # BCO's running baseline (None for the other losses, which never read one).
+        self.baseline = RunningBaseline(self.engine.device) if config.kto.uses_baseline else None
+        if self.baseline is not None:
             self.engine.add_state("kto_bco_baseline", self.baseline)
 
     def _new_stats(self) -> torch.Tensor:
