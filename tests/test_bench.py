@@ -129,3 +129,12 @@ def test_bench_gkd_times_every_side_and_prints_ratios_to_sft(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "ratio gkd lmbda 0 / sft step time" in out and "ratio gkd lmbda 1 / sft step time" in out, out
     assert {side: len(t) for side, t in times.items()} == {"sft": 2, "gkd lmbda 0": 2, "gkd lmbda 1": 2}
+
+
+def test_bench_gkd_tp_memory_prints_both_peaks_and_their_ratio(capsys):
+    """The vocab-parallel divergence keeps less than gathering both models' logits (TP 2: at
+    most its own columns of each, plus per-token sums), measured on 2 gloo ranks."""
+    peaks = load("bench_gkd_tp_memory").main(["--tokens", "64", "--vocab", "4096", "--chunk-tokens", "32"])
+    out = capsys.readouterr().out
+    assert "ratio vocab-parallel / gathered peak memory" in out, out
+    assert 0 < peaks["vocab-parallel"] < peaks["gathered"], peaks
