@@ -190,6 +190,7 @@ rank = dist.get_rank()
 chat._TEMPLATE_CLOCK = datetime.datetime(2026, 12, 6, 23, 59, 59) + datetime.timedelta(seconds=2 * rank)
 shared = chat.share_template_clock()
 print("CLOCK", rank, shared.isoformat(), chat._strftime_now("%d %b %Y"))
+dist.barrier()  # no rank tears the group down while another is still in it
 dist.destroy_process_group()
 """
 
@@ -199,7 +200,8 @@ def test_every_rank_renders_chat_templates_with_rank_0s_date(tmp_path):
     template's date (strftime_now) is rank 0's on every rank, also across midnight."""
     script = tmp_path / "clock_worker.py"
     script.write_text(CLOCK_WORKER)
-    result = run_script_ranks(script, [], 2, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    # Under the test's limit: a hung rank fails with what every rank printed.
+    result = run_script_ranks(script, [], 2, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:]
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("CLOCK"))
     assert lines == [f"CLOCK {rank} 2026-12-06T23:59:59 06 Dec 2026" for rank in (0, 1)], result.stdout[-3000:]
