@@ -221,13 +221,16 @@ class GKDTrainer(SFTTrainer):
         self.leads_replica = all(self._axis_rank(axis) == 0 for axis in REPLICA_AXES)
         self.student_copy = None
         kind = config.generator.kind
-        if config.gkd.lmbda > 0 and (self.leads_replica or kind == "vllm"):
+        every_rank = self.engine.dist_env.world_size > 1
+        if not every_rank:
+            # One process: vLLM's own engine takes the first device. On several ranks its
+            # engines run under the trainer's group, each on its rank's LOCAL_RANK device.
             check_vllm_device(kind, self.engine.device)
+        if config.gkd.lmbda > 0 and (self.leads_replica or kind == "vllm"):
             self.student_copy = build_generator(config, model_spec, vocab_size=self.vocab_size,
                                                 eos_token_id=self.tokenizer.eos_id, device=self.engine.device,
-                                                kind=kind, every_rank=self.engine.dist_env.world_size > 1)
-            logger.info("the student's completions: %s generator%s", kind,
-                        " on every rank" if self.engine.dist_env.world_size > 1 else "")
+                                                kind=kind, every_rank=every_rank)
+            logger.info("the student's completions: %s generator%s", kind, " on every rank" if every_rank else "")
         self.teacher_sampler = self._build_teacher_sampler() if config.gkd.seq_kd else None
         # Under loss parallel a sharded teacher of the student's vocabulary keeps its logits
         # sharded as the student's: each rank's columns line up (``_distill_loss``).
