@@ -200,3 +200,21 @@ def test_the_vocab_parallel_loss_equals_the_whole_one_and_its_gradient(tmp_path)
         torch.testing.assert_close(loss, want, rtol=1e-12, atol=0, msg=str(case))
         torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-13, msg=str(case))
         assert grad[..., 10:].abs().max() == 0, case  # no gradient into the padding columns
+
+
+def test_a_sharded_teacher_keeps_its_vocabulary_shards_only_where_they_line_up():
+    """Under TP with loss parallel a sharded teacher hands over this rank's columns when its
+    padded vocabulary is the student's and splits evenly; otherwise its logits are gathered."""
+    from types import SimpleNamespace
+
+    from titan.rl.distill_teacher import WholeTeacher, keeps_vocab_shards
+
+    def par(tp: int, loss_parallel: bool = True):
+        return SimpleNamespace(tensor_parallel_degree=tp, enable_loss_parallel=loss_parallel)
+
+    assert keeps_vocab_shards(par(2), 320, 320)
+    assert not keeps_vocab_shards(par(1), 320, 320)  # no tensor parallel
+    assert not keeps_vocab_shards(par(2, loss_parallel=False), 320, 320)  # the student's are whole too
+    assert not keeps_vocab_shards(par(2), 384, 320)  # another vocabulary: other columns per rank
+    assert not keeps_vocab_shards(par(3), 320, 320)  # uneven shards
+    assert WholeTeacher.vocab_shards is False

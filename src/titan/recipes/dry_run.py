@@ -351,13 +351,13 @@ def gkd_model_copies(config: Any, params: int, student_param_bytes: int) -> list
         teacher, vocab = found
         size = _DTYPE_BYTES[gkd.teacher_dtype] if gkd.teacher_layout == "whole" else 4
         held = teacher * size if gkd.teacher_layout == "whole" else int(student_param_bytes * teacher / params)
+        from titan.rl.distill_teacher import keeps_vocab_shards
+
         training, par = config.training, config.parallelism
-        tp = par.tensor_parallel_degree
-        vocab_shards = (gkd.teacher_layout == "sharded" and tp > 1 and par.enable_loss_parallel
-                        and vocab == model_builder(config)[1] and vocab % tp == 0)
+        shards = gkd.teacher_layout == "sharded" and keeps_vocab_shards(par, vocab, model_builder(config)[1])
         copies += [(f"teacher ({gkd.teacher_layout})", held),
                    ("teacher logits", training.local_batch_size * training.seq_len * vocab * size
-                    // (tp if vocab_shards else 1))]
+                    // (par.tensor_parallel_degree if shards else 1))]
     if gkd.lmbda > 0:
         copies.append(("generating copy", generator_bytes(config.generator, params)))
     if gkd.seq_kd and config.generator.kind == "vllm" and found is not None:  # vLLM's own copy of the teacher

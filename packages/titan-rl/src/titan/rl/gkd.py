@@ -112,7 +112,7 @@ class GKDSection:
     teacher_layout: Literal["sharded", "whole"] = "sharded"
     """sharded: the teacher on an engine of its own laid out as the student (FSDP, TP, CP: each
     rank holds its shards, computing in the run's precision); whole: a copy on every rank,
-    which --gkd.seq_kd (the teacher samples) and pipeline parallel take."""
+    which pipeline parallel and --gkd.seq_kd with the native generator take."""
     teacher_dtype: Literal["float32", "bfloat16"] = "float32"
     """A whole teacher's weights and logits (TRL's ``teacher_model_init_kwargs`` dtype):
     bfloat16 halves its memory on every rank; the divergence is still computed in float32."""
@@ -126,16 +126,15 @@ class GKDSection:
         check_beta(self.beta)
         if not 0.0 <= self.lmbda <= 1.0:
             raise ValueError(f"--gkd.lmbda is the share of on-policy microbatches, in [0, 1]; got {self.lmbda}")
-        if self.teacher_layout == "sharded":
-            native_seq_kd = self.seq_kd and generator_kind == "native"
-            needs_whole = [flag for flag, on in (("--gkd.seq_kd (the teacher samples)", native_seq_kd),
-                                                 (f"--gkd.teacher_dtype {self.teacher_dtype}",
-                                                  self.teacher_dtype != "float32")) if on]
-            if needs_whole:
-                raise ValueError(f"{needs_whole[0]} takes a whole teacher on every rank: add --gkd.teacher_layout whole "
-                                 "(a sharded teacher computes in the run's precision"
-                                 + ("; or --generator.kind vllm, whose own engine samples the teacher)"
-                                    if needs_whole[0].startswith("--gkd.seq_kd") else ")"))
+        if self.teacher_layout != "sharded":
+            return
+        if self.seq_kd and generator_kind == "native":
+            raise ValueError("--gkd.seq_kd (the teacher samples) takes a whole teacher on every rank with the native "
+                             "generator: add --gkd.teacher_layout whole, or --generator.kind vllm (whose own engine "
+                             "samples the teacher)")
+        if self.teacher_dtype != "float32":
+            raise ValueError(f"--gkd.teacher_dtype {self.teacher_dtype} takes a whole teacher on every rank: add "
+                             "--gkd.teacher_layout whole (a sharded teacher computes in the run's precision)")
 
     @property
     def generates(self) -> bool:
@@ -156,8 +155,9 @@ class GKDConfig(SFTConfig):
     gkd: GKDSection = field(default_factory=GKDSection)
     sampling: SamplingConfig = field(default_factory=_gkd_sampling)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
-    """What samples the student's on-policy completions (--gkd.lmbda): native (a model copy
-    on the first rank of each replica) or vLLM (an engine on every rank; module docstring)."""
+    """What samples the student's on-policy completions (--gkd.lmbda) and --gkd.seq_kd's
+    teacher completions: native (a model copy on the first rank of each replica) or vLLM (an
+    engine on every rank; module docstring)."""
 
 
 def row_prompts(input_ids: np.ndarray, labels: np.ndarray, document_ids: np.ndarray) -> list[list[int]]:
@@ -232,12 +232,6 @@ class GKDTrainer(SFTTrainer):
                                                 kind=kind, every_rank=every_rank)
             logger.info("the student's completions: %s generator%s", kind, " on every rank" if every_rank else "")
         self.teacher_sampler = self._build_teacher_sampler() if config.gkd.seq_kd else None
-        # Under loss parallel a sharded teacher of the student's vocabulary keeps its logits
-        # sharded as the student's: each rank's columns line up (``_distill_loss``).
-        par = config.parallelism
-        self._teacher_vocab_shards = (isinstance(self.teacher, ShardedTeacher) and self.parallel_dims.tp_enabled
-                                      and par.enable_loss_parallel and self.teacher.vocab_size == self.vocab_size
-                                      and self.vocab_size % par.tensor_parallel_degree == 0)
         comp = config.compile
         self._supervised_loss = self._distill_loss
         self._compiled_loss = comp.enable and comp.compiles_loss
@@ -254,7 +248,8 @@ class GKDTrainer(SFTTrainer):
         gkd = self.config.gkd
         if gkd.teacher_layout == "sharded":
             folder = resolve_hub_folder(gkd.teacher_model, flag="--gkd.teacher_model")
-            return ShardedTeacher.from_config(self.config, folder, model_spec=self.teacher_spec, tokenizer=self.tokenizer)
+            return ShardedTeacher.from_config(self.config, folder, model_spec=self.teacher_spec, tokenizer=self.tokenizer,
+                                              student_vocab=self.vocab_size)
         return WholeTeacher(build_teacher(gkd.teacher_model, self.teacher_spec, vocab_size=self.tokenizer.vocab_size,
                                           seq_len=self.config.training.seq_len, eos_token_id=self.tokenizer.eos_id,
                                           device=self.engine.device, flag="--gkd.teacher_model",
@@ -324,7 +319,7 @@ class GKDTrainer(SFTTrainer):
         slice) and only per-token sums cross ranks (``vocab_parallel_gkd_loss_sum``)."""
         if vocab_parallel_logits(logits):
             return vocab_parallel_gkd_loss_sum(logits, batch["teacher_logits"], batch["labels"], beta=self.config.gkd.beta,
-                                               vocab_size=self.tokenizer.vocab_size, teacher_sharded=self._teacher_vocab_shards,
+                                               vocab_size=self.tokenizer.vocab_size, teacher_sharded=self.teacher.vocab_shards,
                                                chunk_tokens=self.config.training.loss_chunk_tokens)
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
@@ -469,10 +464,7 @@ class GKDTrainer(SFTTrainer):
         (``teacher_logits``), under the same document masking and positions as the student's
         forward."""
         batch = self.engine.to_device(microbatch)
-        if isinstance(self.teacher, ShardedTeacher):
-            batch["teacher_logits"] = self.teacher.logits(self.engine, batch, vocab_shards=self._teacher_vocab_shards)
-        else:
-            batch["teacher_logits"] = self.teacher.logits(self.engine, batch)
+        batch["teacher_logits"] = self.teacher.logits(self.engine, batch)
         return batch
 
     # ---- metrics --------------------------------------------------------------------------

@@ -58,12 +58,10 @@ def build_generator(config: Any, model_spec: ModelSpec, *, vocab_size: int, eos_
     if kind == "vllm":
         from titan.rl.generate.vllm import VLLMGenerator
 
-        gen = config.generator
-        return VLLMGenerator.from_model_spec(
-            model_spec, config.model.flavor, overrides=overrides, eos_token_id=eos_token_id, dtype=gen.dtype,
-            kv_cache_memory_bytes=gen.kv_cache_memory_bytes, max_num_seqs=gen.max_num_seqs, seed=config.debug.seed,
-            engine_args={"distributed_executor_backend": "external_launcher"} if every_rank else None,
-        )
+        return VLLMGenerator.from_model_spec(model_spec, config.model.flavor, overrides=overrides,
+                                             eos_token_id=eos_token_id,
+                                             **vllm_options(config.generator, seed=config.debug.seed,
+                                                            every_rank=every_rank))
     from titan.rl.generate.native import NativeGenerator
 
     return NativeGenerator.from_model_spec(
@@ -140,14 +138,20 @@ def build_vllm_teacher(folder: str, model_spec: ModelSpec, generator: Any, *, se
     if model_spec.name not in FAMILY_ARCHITECTURES:
         raise ValueError(f"--generator.kind vllm runs the families {', '.join(FAMILY_ARCHITECTURES)}; the teacher is "
                          f"a {model_spec.name} model")
-    engine_args: dict[str, Any] = {"max_model_len": seq_len}  # not the folder's (often far longer) limit
-    if every_rank:
-        engine_args["distributed_executor_backend"] = "external_launcher"
+    options = vllm_options(generator, seed=seed, every_rank=every_rank)
+    options["engine_args"]["max_model_len"] = seq_len  # not the folder's (often far longer) limit
     return VLLMGenerator(None, architecture=FAMILY_ARCHITECTURES[model_spec.name], checkpoint=folder,
-                         eos_token_id=eos_token_id, dtype=generator.dtype,
-                         kv_cache_memory_bytes=generator.kv_cache_memory_bytes, max_num_seqs=generator.max_num_seqs,
-                         seed=seed, engine_args=engine_args)
+                         eos_token_id=eos_token_id, **options)
+
+
+def vllm_options(generator: Any, *, seed: int, every_rank: bool) -> dict[str, Any]:
+    """``VLLMGenerator``'s keyword arguments from ``--generator.*`` (dtype, KV cache bytes,
+    sequences decoded together), the sampling ``seed``, and with ``every_rank`` the executor
+    that runs one engine per rank under the trainer's process group."""
+    return {"dtype": generator.dtype, "kv_cache_memory_bytes": generator.kv_cache_memory_bytes,
+            "max_num_seqs": generator.max_num_seqs, "seed": seed,
+            "engine_args": {"distributed_executor_backend": "external_launcher"} if every_rank else {}}
 
 
 __all__ = ["build_generator", "build_teacher", "build_vllm_teacher", "check_generator_kind", "check_vllm_device",
-           "folder_architecture"]
+           "folder_architecture", "vllm_options"]
