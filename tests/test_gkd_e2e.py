@@ -319,6 +319,7 @@ def test_every_layout_matches_one_process_and_a_resume_continues_exactly(tmp_pat
     (["--gkd.lmbda", "2"], "--gkd.lmbda is the share of on-policy microbatches"),
     (["--generator.kind", "vllm", "--gkd.lmbda", "0"], "this run generates none"),
     (["--generator.dtype", "bfloat16"], "--generator.dtype sets up the vLLM generator"),
+    (["--generator.tensor_parallel_size", "2"], "--generator.tensor_parallel_size sets up the vLLM generator"),
 ])
 def test_bad_input_is_one_line(tmp_path, models, extra, message):
     result = run_titan(["gkd", *_flags(models, tmp_path / "run", *extra)], env=ENV, timeout=120)
@@ -354,6 +355,11 @@ def test_the_dry_run_counts_the_teacher_its_logits_and_the_generating_copy(tmp_p
     # --gkd.seq_kd under vLLM: an engine of the teacher's too.
     out = dry_run("--gkd.seq_kd", "--generator.kind", "vllm", "--generator.kv_cache_memory_bytes", str(1 << 20))
     assert f"teacher's generator {format_bytes(teacher * 4 + (1 << 20))})" in out, out
+    # vLLM's tensor parallel over the 2 ranks: each holds half of each engine's weights.
+    out = dry_run("--gkd.seq_kd", "--gkd.teacher_layout", "whole", "--generator.kind", "vllm",
+                  "--generator.kv_cache_memory_bytes", str(1 << 20), "--generator.tensor_parallel_size", "2")
+    assert f"generating copy {format_bytes(student * 4 // 2 + (1 << 20))}" in out, out
+    assert f"teacher's generator {format_bytes(teacher * 4 // 2 + (1 << 20))})" in out, out
     # TP 2 with loss parallel: a sharded teacher keeps half its logits' columns on each rank.
     out = dry_run("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
     assert f"teacher logits {format_bytes(logits // 2)}," in out, out

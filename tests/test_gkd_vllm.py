@@ -10,6 +10,8 @@ its index in the call).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytestmark = pytest.mark.vllm
@@ -92,6 +94,31 @@ def test_two_engines_a_rank_sample_the_teacher_and_the_student_as_one_process(tm
         assert (mine["on_policy"], mine["gkd_generated_tokens"]) == (theirs["on_policy"], theirs["gkd_generated_tokens"])
         for key in ("loss", "grad_norm"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (mine["step"], key)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engines_shard_the_student_and_match_one_process(tmp_path, models, vllm_one_process):
+    """--generator.tensor_parallel_size 2 on 2 ranks: one vLLM engine sharded over both (each
+    rank holds about half its weights). Under FSDP the ranks' different rows are generated
+    together and handed back; under TP both submit the replica's same rows, run once. Both
+    log the one-process vLLM run's losses, gradient norms and completion lengths."""
+    log = tmp_path / "launch.log"
+    tp2 = ["--generator.tensor_parallel_size", "2"]
+    launch_runs(2, RUNS_WORKER, [[layout, _flags(models, tmp_path / layout, *VLLM_LAYOUT, *tp2, *LAYOUTS[layout]),
+                                  "gkd"] for layout in ("fsdp", "tp")], log)
+    assert "Invalid process group" not in log.read_text()
+    for layout in ("fsdp", "tp"):
+        output = run_output(log, layout)
+        held = re.search(r"vLLM tensor parallel 2: this rank holds (\d+) of the model's (\d+) weight elements", output)
+        assert held, output[-3000:]
+        assert 0.5 <= int(held.group(1)) / int(held.group(2)) < 0.6  # half, but the replicated norms
+        got = _records(tmp_path / layout)
+        assert [r["step"] for r in got] == [1, 2, 3, 4]
+        for mine, theirs in zip(got, vllm_one_process, strict=True):
+            assert (mine["on_policy"], mine["gkd_generated_tokens"]) == (theirs["on_policy"],
+                                                                         theirs["gkd_generated_tokens"])
+            for key in ("loss", "grad_norm"):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (layout, mine["step"], key)
 
 
 # 4 steps of 2 microbatches, half regenerated on average, sampled with a fixed seed.

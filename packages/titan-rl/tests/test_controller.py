@@ -245,12 +245,43 @@ def test_sft_warmup_accumulates_to_the_global_batch(tmp_path, monkeypatch):
 def test_vllm_only_generator_flags_are_refused_with_the_native_generator():
     from titan.rl.config import GeneratorConfig
 
-    for flag, value in (("dtype", "bfloat16"), ("kv_cache_memory_bytes", 1 << 20), ("max_num_seqs", 8)):
+    for flag, value in (("dtype", "bfloat16"), ("kv_cache_memory_bytes", 1 << 20), ("max_num_seqs", 8),
+                        ("tensor_parallel_size", 2)):
         with pytest.raises(ValueError, match=f"--generator.{flag} sets up the vLLM generator"):
             GeneratorConfig(**{flag: value})
         GeneratorConfig(kind="vllm", **{flag: value})
     with pytest.raises(ValueError, match="--generator.max_num_seqs must be >= 1"):
         GeneratorConfig(kind="vllm", max_num_seqs=0)
+    with pytest.raises(ValueError, match="--generator.tensor_parallel_size must be >= 1"):
+        GeneratorConfig(kind="vllm", tensor_parallel_size=0)
+
+
+def test_vllm_tensor_parallel_needs_an_engine_on_every_rank_and_a_rank_count_it_divides():
+    """N ranks run one sharded engine together: every rank must run vLLM, and N divide the ranks."""
+    from titan.rl.config import GeneratorConfig
+    from titan.rl.generate.build import check_generator_tensor_parallel
+
+    tp2 = GeneratorConfig(kind="vllm", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="needs an engine on every rank of a multi-rank run.*has 1 rank"):
+        check_generator_tensor_parallel(tp2, 1, every_rank=False)
+    with pytest.raises(ValueError, match="has 4 rank.*on one rank or on generator ranks"):
+        check_generator_tensor_parallel(tp2, 4, every_rank=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 must divide the run's 3 ranks"):
+        check_generator_tensor_parallel(tp2, 3, every_rank=True)
+    for ranks in (2, 4):
+        check_generator_tensor_parallel(tp2, ranks, every_rank=True)
+    check_generator_tensor_parallel(GeneratorConfig(kind="vllm"), 1, every_rank=False)
+
+
+def test_refill_rounds_are_refused_with_a_shared_vllm_engine():
+    """DAPO's refill rounds run as often as each rank's share needs, and ranks sharing an
+    engine must generate together."""
+    from titan.recipes.cli import UsageError, parse_train_args
+
+    flags = ["--config", "grpo_debug", "--generator.kind", "vllm", "--generator.tensor_parallel_size", "2"]
+    with pytest.raises(UsageError, match="--rl.max_refill_rounds refills each rank's share on its own"):
+        parse_train_args([*flags, "--rl.max_refill_rounds", "2"], command="rl")
+    assert parse_train_args(flags, command="rl").generator.tensor_parallel_size == 2
 
 
 @pytest.mark.vllm

@@ -82,6 +82,39 @@ def test_a_share_of_no_prompts_generates_nothing():
     assert (empty.groups, empty.rewards) == ([], [])
 
 
+class CollectiveEchoGenerator(EchoGenerator):
+    """An engine shared with other ranks (vLLM's tensor parallel): records every call."""
+
+    collective = True
+
+    def __init__(self) -> None:
+        self.calls: list[list[list[int]]] = []
+
+    def generate(self, prompt_ids, sampling: SamplingConfig):
+        self.calls.append(list(prompt_ids))
+        return super().generate(prompt_ids, sampling)
+
+
+def test_a_share_of_no_prompts_still_takes_part_in_a_shared_engine():
+    """A rank without prompts calls an engine it shares with others (collective) with none, as
+    often as the ranks with prompts call it, and produces an empty part; a rank's own engine is
+    not called for nothing."""
+    calls = {}
+    for shard in (3, 6):
+        part = producer(shard, 8)
+        part.generator = CollectiveEchoGenerator()
+        rollout, totals = part.produce(0), part.held_out_totals()  # 3 held-out prompts: shard 3 and 6 have none
+        calls[shard] = part.generator.calls
+    assert len(calls[3]) == len(calls[6]) == 2 and calls[6] == [[], []]
+    assert len(calls[3][0]) == 1 and calls[3][1] == []  # a rollout prompt; no held-out one
+    assert (rollout.groups, totals["count"]) == ([], 0)
+    lone = producer(6, 8)
+    lone.generator = recording = CollectiveEchoGenerator()
+    recording.collective = False
+    lone.produce(0)
+    assert recording.calls == []
+
+
 def test_parts_of_different_rollouts_do_not_merge():
     a = Rollout(index=1, version=2, groups=[], rewards=[])
     b = Rollout(index=2, version=2, groups=[], rewards=[])

@@ -281,11 +281,14 @@ def rl_model_copies(config: Any, params: int) -> tuple[list[tuple[str, int]], li
 
 
 def generator_bytes(generator: Any, params: int) -> int:
-    """The bytes of one generating copy of a ``params``-parameter model under ``--generator.*``:
-    native float32 weights, or vLLM's in its dtype plus its KV cache (activations not counted)."""
+    """The bytes of one generating copy of a ``params``-parameter model under ``--generator.*``
+    on one rank: native float32 weights, or vLLM's in its dtype (this rank's 1/N under
+    ``--generator.tensor_parallel_size`` N) plus its KV cache (a bound per rank; activations
+    not counted)."""
     if generator.kind == "native":
         return params * 4
-    return params * _DTYPE_BYTES[generator.dtype] + generator.kv_cache_memory_bytes
+    weights = params * _DTYPE_BYTES[generator.dtype] // generator.tensor_parallel_size
+    return weights + generator.kv_cache_memory_bytes
 
 
 def _critic_scale(config: Any, params: int) -> float:

@@ -588,6 +588,12 @@ class GeneratorConfig:
     memory, which the colocated trainer needs)."""
     max_num_seqs: int = 256
     """vllm: the most sequences decoded together."""
+    tensor_parallel_size: int = 1
+    """vllm: the ranks each engine's model is sharded over (TRL's vllm_tensor_parallel_size,
+    verl's rollout.tensor_model_parallel_size), for a model too large for one device's share:
+    consecutive ranks of the trainer's group, N by N, run one engine together, each holding
+    1/N of its weights and KV cache. Needs an engine on every rank (titan rl
+    --rl.colocated_generation every_rank, titan gkd on several ranks) and a rank count it divides."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("native", "vllm"):
@@ -598,8 +604,10 @@ class GeneratorConfig:
             raise ValueError(f"--generator.kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--generator.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--generator.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kind == "native":
-            changed = [name for name in ("dtype", "kv_cache_memory_bytes", "max_num_seqs")
+            changed = [name for name in ("dtype", "kv_cache_memory_bytes", "max_num_seqs", "tensor_parallel_size")
                        if getattr(self, name) != getattr(GeneratorConfig, name)]
             if changed:
                 raise ValueError(
@@ -657,6 +665,11 @@ class RLConfig(RunConfig):
                 f"--training.steps {self.training.steps} minus --rl.sft_warmup_steps {self.rl.sft_warmup_steps} is "
                 f"not a multiple of the {updates} optimizer steps each rollout trains (--rl.ppo_epochs x "
                 "--rl.minibatches_per_rollout)"
+            )
+        if self.generator.tensor_parallel_size > 1 and self.rl.max_refill_rounds:
+            raise ValueError(
+                "--rl.max_refill_rounds refills each rank's share on its own, as often as it needs, and the ranks "
+                "sharing a vLLM engine (--generator.tensor_parallel_size) must generate together: drop one of the two"
             )
         if self.rl.sft_warmup_steps >= self.training.steps:
             raise ValueError(

@@ -59,7 +59,12 @@ from titan.rl.config import RLConfig
 from titan.rl.critic import Critic
 from titan.rl.data import build_prompts
 from titan.rl.disaggregated import TRAINER, GeneratorServer, RemoteGenerators, split_for_generators
-from titan.rl.generate.build import build_generator, build_teacher, check_generator_kind
+from titan.rl.generate.build import (
+    build_generator,
+    build_teacher,
+    check_generator_kind,
+    check_generator_tensor_parallel,
+)
 from titan.rl.losses import adapted_entropy_coef, entropy_threshold, stat_means
 from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts, share
 from titan.rl.rollout_loss import MAX_STATS, SUMMED_STATS, RolloutLoss, combine_stats
@@ -250,9 +255,11 @@ class RLTrainer(TrainingLoop):
         super().__init__(config, model_spec=model_spec)
         cfg = config
         self._check_sequence_budget()
+        every_rank_engines = not cfg.rl.generator_ranks and cfg.rl.colocated_generation == "every_rank"
         if not cfg.rl.generator_ranks:  # disaggregated: vLLM runs on the generator ranks, one each
             check_generator_kind(cfg.generator.kind, world_size=self.engine.dist_env.world_size,
-                                 every_rank=cfg.rl.colocated_generation == "every_rank")
+                                 every_rank=every_rank_engines)
+        check_generator_tensor_parallel(cfg.generator, self.engine.dist_env.world_size, every_rank=every_rank_engines)
         train_prompts, self.eval_prompts = build_prompts(cfg.rl_data, self.tokenizer,
                                                          max_prompt_tokens=cfg.max_prompt_tokens)
         if cfg.rl.eval_freq > 0 and not self.eval_prompts:

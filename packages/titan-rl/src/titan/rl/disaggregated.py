@@ -30,7 +30,12 @@ from typing import Any
 import torch
 from titan.dist import JobSplit, current_split, split_job
 from titan.rl.data import build_prompts
-from titan.rl.generate.build import build_generator, check_generator_kind, check_vllm_device
+from titan.rl.generate.build import (
+    build_generator,
+    check_generator_kind,
+    check_generator_tensor_parallel,
+    check_vllm_device,
+)
 from titan.rl.producer import RolloutProducer, held_out_means, merge_rollouts
 from titan.rl.rollouts import Rollout
 from titan.rl.weight_sync import SyncStats, WeightBroadcaster
@@ -131,6 +136,7 @@ class GeneratorServer:
         self.config, self.split = config, split
         setup_logging(split.global_rank)
         check_generator_kind(config.generator.kind)
+        check_generator_tensor_parallel(config.generator, split.size, every_rank=False)  # one engine a generator rank
         check_vllm_device(config.generator.kind, split.device)
         model_spec.check_flavor(config.model.flavor)
         tokenizer = config.tokenizer.build()

@@ -208,7 +208,11 @@ class GKDTrainer(SFTTrainer):
         teacher of a Qwen3 student; the command line reads it); None: the student's."""
         self.teacher_spec = teacher_spec or model_spec  # the config check reads it
         super().__init__(config, model_spec=model_spec)
-        from titan.rl.generate.build import build_generator, check_vllm_device
+        from titan.rl.generate.build import (
+            build_generator,
+            check_generator_tensor_parallel,
+            check_vllm_device,
+        )
 
         start = time.perf_counter()
         self.teacher = self._build_teacher()
@@ -222,6 +226,7 @@ class GKDTrainer(SFTTrainer):
         self.student_copy = None
         kind = config.generator.kind
         every_rank = self.engine.dist_env.world_size > 1
+        check_generator_tensor_parallel(config.generator, self.engine.dist_env.world_size, every_rank=every_rank)
         if not every_rank:
             # One process: vLLM's own engine takes the first device. On several ranks its
             # engines run under the trainer's group, each on its rank's LOCAL_RANK device.
@@ -339,7 +344,8 @@ class GKDTrainer(SFTTrainer):
         if any(draws):
             self._sync_student_copy(step)
             if self.student_copy is not None:  # the replica's first rank (with vLLM: every rank)
-                microbatches = [self._regenerate(mb, self.student_copy, step, c) if draws[c] else mb
+                microbatches = [self._regenerate(mb, self.student_copy, step, c) if draws[c]
+                                else self._take_part(self.student_copy, mb)
                                 for mb, c in zip(microbatches, chunks, strict=True)]
         if self.config.gkd.seq_kd or any(draws):
             microbatches = self._share_within_replica(microbatches)
@@ -433,11 +439,11 @@ class GKDTrainer(SFTTrainer):
         dropped = sum(len(row) for row in rows) - len(slots)
         prompts = [p for _, p in slots]
         completions: list[list[int]] = []
-        if prompts:
+        if prompts or getattr(generator, "collective", False):  # a collective call needs every rank
             sampling = dataclasses.replace(
                 self.config.sampling, seed=self._sampling_seed(step, chunk),
                 stop_token_ids=self._stops["student" if generator is self.student_copy else "teacher"],
-                max_new_tokens=min(self.config.sampling.max_new_tokens, seq_len - max(len(p) for p in prompts)))
+                max_new_tokens=min(self.config.sampling.max_new_tokens, seq_len - max(map(len, prompts), default=0)))
             completions = [group[0].token_ids for group in generator.generate(prompts, sampling)]
             self._stats.generated_tokens += sum(len(c) for c in completions)
             self._stats.completions += len(completions)
@@ -450,6 +456,14 @@ class GKDTrainer(SFTTrainer):
             packed.append(new_row)
         self._stats.dropped += dropped
         return {key: torch.from_numpy(np.stack([row[key] for row in packed])) for key in packed[0]}
+
+    def _take_part(self, generator: Any, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``microbatch`` unchanged, after taking part with no prompts in ``generator``'s call
+        when it is collective (a vLLM engine sharded over ranks that drew other microbatches:
+        each rank calls it once per microbatch)."""
+        if getattr(generator, "collective", False):
+            generator.generate([], self.config.sampling)
+        return microbatch
 
     def _sampling_seed(self, step: int, chunk: int) -> int | None:
         """The sampling seed of global microbatch ``chunk`` of step ``step``, from

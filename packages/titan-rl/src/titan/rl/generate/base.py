@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 FinishReason = Literal["stop", "length"]
 
@@ -148,11 +149,22 @@ def copy_weights_by_name(
                 f"weight {name!r} has shape {tuple(tensor.shape)}, the generator's model "
                 f"expects {tuple(target.shape)}"
             )
-        target.data.copy_(tensor)
+        _copy_whole_into(target, tensor)
         loaded.add(id(target))
     missing = [name for name, t in targets.items() if id(t) not in loaded]
     if missing:
         raise ValueError(f"weight sync left {len(missing)} state_dict entries unset: {missing[:5]}")
+
+
+def _copy_whole_into(target: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Copy the whole ``tensor`` into ``target``; a DTensor target (a tensor-parallel model)
+    takes only its own shard, cut on this rank without communication."""
+    if isinstance(target, DTensor):
+        shard = distribute_tensor(tensor.to(device=target.device, dtype=target.dtype), target.device_mesh,
+                                  target.placements, src_data_rank=None)
+        target.data.to_local().copy_(shard.to_local())
+    else:
+        target.data.copy_(tensor)
 
 
 __all__ = ["Completion", "FinishReason", "Generator", "SamplingConfig", "check_prompts", "copy_weights_by_name"]

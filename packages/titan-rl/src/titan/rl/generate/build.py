@@ -35,6 +35,25 @@ def check_generator_kind(kind: str, world_size: int = 1, *, every_rank: bool = F
         )
 
 
+def check_generator_tensor_parallel(generator: Any, world_size: int, *, every_rank: bool) -> None:
+    """Refuse ``--generator.tensor_parallel_size`` N > 1 where vLLM's engines cannot be
+    sharded: N ranks of the trainer's group run one engine together, so every rank must run
+    vLLM (``every_rank``) and N must divide the ``world_size`` ranks."""
+    tp = generator.tensor_parallel_size
+    if tp == 1:
+        return
+    if not every_rank or world_size == 1:
+        raise ValueError(
+            f"--generator.tensor_parallel_size {tp} shards each vLLM engine over {tp} ranks of the trainer's group; "
+            "it needs an engine on every rank of a multi-rank run (titan rl --rl.colocated_generation every_rank, "
+            f"titan gkd on several ranks); this run has {world_size} rank(s)"
+            + ("" if every_rank else " and generates on one rank or on generator ranks (one engine each)")
+        )
+    if world_size % tp:
+        raise ValueError(f"--generator.tensor_parallel_size {tp} must divide the run's {world_size} ranks (N "
+                         "consecutive ranks run one engine together)")
+
+
 def check_vllm_device(kind: str, device: torch.device) -> None:
     """Refuse a vLLM generator on a GPU other than its process's first: vLLM's in-process
     engine places itself on device index 0 whatever the process's current device, which on
@@ -146,12 +165,13 @@ def build_vllm_teacher(folder: str, model_spec: ModelSpec, generator: Any, *, se
 
 def vllm_options(generator: Any, *, seed: int, every_rank: bool) -> dict[str, Any]:
     """``VLLMGenerator``'s keyword arguments from ``--generator.*`` (dtype, KV cache bytes,
-    sequences decoded together), the sampling ``seed``, and with ``every_rank`` the executor
+    sequences decoded together, tensor parallel size), the sampling ``seed``, and with ``every_rank`` the executor
     that runs one engine per rank under the trainer's process group."""
     return {"dtype": generator.dtype, "kv_cache_memory_bytes": generator.kv_cache_memory_bytes,
-            "max_num_seqs": generator.max_num_seqs, "seed": seed,
+            "max_num_seqs": generator.max_num_seqs, "tensor_parallel_size": generator.tensor_parallel_size, "seed": seed,
             "engine_args": {"distributed_executor_backend": "external_launcher"} if every_rank else {}}
 
 
-__all__ = ["build_generator", "build_teacher", "build_vllm_teacher", "check_generator_kind", "check_vllm_device",
+__all__ = ["build_generator", "build_teacher", "build_vllm_teacher", "check_generator_kind",
+           "check_generator_tensor_parallel", "check_vllm_device",
            "folder_architecture", "vllm_options"]

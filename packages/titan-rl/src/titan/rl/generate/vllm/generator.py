@@ -13,6 +13,13 @@ when top-k / top-p are off. With top-k or top-p on, vLLM's log-prob is under the
 distribution (renormalized over the kept tokens), which is the distribution the token was
 actually drawn from; the native generator reports the unfiltered one. The difference is then
 visible in ``logprob_diff_max``.
+
+Tensor parallel (``tensor_parallel_size`` N > 1, TRL's ``vllm_tensor_parallel_size``): under the
+trainer's process group (``external_launcher``) vLLM groups consecutive ranks N by N into one
+engine whose model is sharded over them (`titan.rl.generate.vllm.models`). The ranks of such a
+group must submit the same requests, so `generate` first gathers every rank's prompts and
+sampling within the group, runs them all (once, when they are the same, as on the ranks of one
+trainer replica), and hands each rank its own completions, seeded as without TP.
 """
 
 from __future__ import annotations
@@ -46,7 +53,9 @@ class VLLMGenerator:
     `eos_token_id` always ends a completion. `dtype` is the
     dtype vLLM runs the model in; `kv_cache_memory_bytes` bounds the paged KV cache (vLLM's
     default takes most of the device's memory); `max_num_seqs` bounds the sequences decoded
-    together; `engine_args` are passed on to `vllm.LLM` unchanged (e.g. `enforce_eager`).
+    together; `tensor_parallel_size` shards the model over that many consecutive ranks of the
+    trainer's group (module docstring; needs the ``external_launcher`` executor in
+    `engine_args`); `engine_args` are passed on to `vllm.LLM` unchanged (e.g. `enforce_eager`).
     """
 
     def __init__(
@@ -59,6 +68,7 @@ class VLLMGenerator:
         dtype: str = "float32",
         kv_cache_memory_bytes: int = 256 << 20,
         max_num_seqs: int = 256,
+        tensor_parallel_size: int = 1,
         seed: int = 0,
         work_dir: str | os.PathLike[str] | None = None,
         engine_args: dict[str, Any] | None = None,
@@ -91,14 +101,24 @@ class VLLMGenerator:
             "kv_cache_memory_bytes": kv_cache_memory_bytes,
             "logprobs_mode": "processed_logprobs",  # after temperature (module docstring)
             "enforce_eager": True,
+            "tensor_parallel_size": tensor_parallel_size,
         }
         utilization = _gpu_memory_utilization()
         if utilization is not None:
             args["gpu_memory_utilization"] = utilization
         args.update(engine_args or {})
         self._in_trainer_group = args.get("distributed_executor_backend") == "external_launcher"
+        if tensor_parallel_size > 1 and not self._in_trainer_group:
+            raise ValueError(f"tensor_parallel_size {tensor_parallel_size} runs vLLM's engine over the trainer's ranks "
+                             "(the external_launcher executor); this engine runs alone in its process")
         self.llm = LLM(model=model, **args)
         self._version = 0
+        self._tp_group = None
+        if tensor_parallel_size > 1:
+            self._tp_group = _tensor_parallel_group()
+            held, whole = self.llm.apply_model(lambda model: model.weight_elements())[0]
+            logger.info("vLLM tensor parallel %d: this rank holds %d of the model's %d weight elements (%.0f%%)",
+                        tensor_parallel_size, held, whole, 100 * held / whole)
 
     @classmethod
     def from_model_spec(
@@ -153,7 +173,14 @@ class VLLMGenerator:
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The model's weights by titan name (for checks after a sync)."""
-        return self.llm.apply_model(lambda model: model.titan_state_dict())[0].items()
+        return self.llm.apply_model(lambda model: model.full_titan_state_dict())[0].items()
+
+    @property
+    def collective(self) -> bool:
+        """Whether `generate` is collective over the ranks sharing this engine (tensor
+        parallel): each of them must call it as often as the others, with no prompts where it
+        has none to generate."""
+        return self._tp_group is not None
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -161,16 +188,51 @@ class VLLMGenerator:
         """`sampling.n` completions per prompt (prompt order) with the sampled tokens'
         log-probs (module docstring). A fixed `sampling.seed` gives every prompt a seed of its
         own derived from it and the prompt's index, so the same call reproduces."""
-        from vllm import SamplingParams, TokensPrompt
-
         check_prompts(prompts, sampling, self.max_seq_len)
+        base = sampling.seed if sampling.seed is not None else random.randrange(_MAX_SEED)
+        if self._tp_group is None:
+            return self._generate([(prompts, sampling, base)])[0]
+        import torch.distributed as dist
+
+        group, rank = self._tp_group
+        requests: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(requests, (prompts, sampling, base), group=group)
+        if all(r == requests[0] for r in requests):  # the ranks of one trainer replica: run them once
+            return self._generate(requests[:1])[0]
+        return self._generate(requests)[rank]
+
+    def _generate(self, requests: list[tuple[list[list[int]], SamplingConfig, int]]) -> list[list[list[Completion]]]:
+        """Completions of several callers' ``(prompts, sampling, base seed)`` in one vLLM call,
+        split back by caller."""
+        from vllm import TokensPrompt
+
+        params = [p for prompts, sampling, base in requests for p in self._sampling_params(len(prompts), sampling, base)]
+        everything = [p for prompts, _, _ in requests for p in prompts]
+        if not everything:
+            return [[] for _ in requests]
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in everything], params, use_tqdm=False
+        )
+        results, start = [], 0
+        for prompts, sampling, _ in requests:
+            # vLLM refuses n > 1 when greedy; the n greedy completions are one completion n times.
+            copies = sampling.n if sampling.temperature == 0 else 1
+            mine = outputs[start:start + len(prompts)]
+            start += len(prompts)
+            groups = [self._completions(prompt, output) for prompt, output in zip(prompts, mine, strict=True)]
+            results.append([[dataclasses.replace(c) for c in group for _ in range(copies)] for group in groups])
+        return results
+
+    def _sampling_params(self, count: int, sampling: SamplingConfig, base: int) -> list[Any]:
+        """vLLM's sampling parameters of ``count`` prompts sampled as ``sampling`` says, prompt
+        ``index`` seeded from ``base`` and its index."""
+        from vllm import SamplingParams
+
         stop = set(sampling.stop_token_ids)
         if self.eos_token_id is not None:
             stop.add(self.eos_token_id)
-        base = sampling.seed if sampling.seed is not None else random.randrange(_MAX_SEED)
-        # vLLM refuses n > 1 when greedy; the n greedy completions are one completion n times.
         copies = sampling.n if sampling.temperature == 0 else 1
-        params = [
+        return [
             SamplingParams(
                 n=sampling.n // copies,
                 temperature=sampling.temperature,
@@ -187,13 +249,8 @@ class VLLMGenerator:
                 logprobs=0,  # the sampled token's log-prob only
                 detokenize=False,
             )
-            for index in range(len(prompts))
+            for index in range(count)
         ]
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
-        )
-        groups = [self._completions(prompt, output) for prompt, output in zip(prompts, outputs, strict=True)]
-        return [[dataclasses.replace(c) for c in group for _ in range(copies)] for group in groups]
 
     def _completions(self, prompt: list[int], output: Any) -> list[Completion]:
         """One `Completion` per vLLM sequence of a request (in vLLM's index order)."""
@@ -211,6 +268,15 @@ class VLLMGenerator:
                 )
             )
         return out
+
+
+def _tensor_parallel_group() -> tuple[Any, int]:
+    """vLLM's tensor-parallel group of this rank (a CPU group, for gathering Python objects)
+    and this rank's index in it."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    return group.cpu_group, group.rank_in_group
 
 
 def _prompt_seed(base: int, index: int) -> int:

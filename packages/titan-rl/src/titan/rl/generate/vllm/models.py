@@ -10,6 +10,14 @@ sequence boundaries live. Projections, norms, RoPE, the MoE and the weights' nam
 titan's: `load_weights` takes titan names (the trainer's `full_state_dict`, buffers included)
 or, when vLLM loads a Hub checkpoint from disk, Hugging Face names through the family's adapter.
 
+Under vLLM's tensor parallel (``tensor_parallel_size`` N > 1, ranks run by the
+``external_launcher`` executor) the decoder is sharded over vLLM's TP group by the family's
+own sharding plan, as titan's trainer shards it (`titan.dist.tensor_parallel`, without
+sequence or loss parallel): each rank holds 1/N of the attention and MLP projections and of
+the vocabulary, runs N-th of the heads through the paged kernel (so each caches 1/N of the
+keys and values), and the output's logits are gathered whole, identical on every rank, so each
+rank's sampler draws the same tokens. Full weights are cut to each rank's shard as they load.
+
 Each class is registered with vLLM under its own name (`titan.rl.generate.vllm.plugin`) and
 chosen by the `architectures` entry of the model folder's `config.json`.
 """
@@ -18,10 +26,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from titan.dist.plan import sharding_plan
+from titan.dist.tensor_parallel import apply_tensor_parallel
 from titan.models.common.decoder import Decoder
 from titan.models.deepseek_v3 import DeepseekV3Model, DeepseekV3StateDictAdapter
 from titan.models.llama3 import Llama3Model, Llama3StateDictAdapter
@@ -29,6 +40,8 @@ from titan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter
 from titan.models.qwen3_moe import Qwen3MoeModel, Qwen3MoeStateDictAdapter
 from titan.rl.generate.base import copy_weights_by_name
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from vllm.model_executor.layers.attention import Attention
 
 
@@ -94,6 +107,8 @@ class TitanForCausalLM(nn.Module):
         self.adapter = self.ADAPTER(args)
         # The titan names, taken before vLLM's attention (which has scale buffers) moves in.
         self._titan_names = tuple(self.model.state_dict())
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        self.tp_mesh = shard_over_vllm_tensor_parallel(self.model, tp, vllm_config.device_config.device.type)
         # Multi-head latent attention runs here as the per-head attention it expands to (the
         # cache holds per-head keys and values): values may be narrower than queries/keys.
         widest = max(args.head_dim, getattr(args, "v_head_dim", args.head_dim))
@@ -102,10 +117,10 @@ class TitanForCausalLM(nn.Module):
             name = f"{prefix}model.layers.{index}.attention.inner_attention.attn"
             block.attention.inner_attention = PagedAttention(
                 Attention(
-                    args.n_heads,
+                    args.n_heads // tp,  # this rank's heads (all of them without TP)
                     head_size,
                     scale=args.head_dim**-0.5,  # the model's head_dim, even when padded
-                    num_kv_heads=args.n_kv_heads,
+                    num_kv_heads=args.n_kv_heads // tp,
                     cache_config=vllm_config.cache_config,
                     prefix=name,
                 ),
@@ -116,10 +131,10 @@ class TitanForCausalLM(nn.Module):
     def _check_supported(vllm_config: Any) -> None:
         """Refuse, by name, what this wrapper does not implement (rather than run it wrong)."""
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        if parallel.pipeline_parallel_size != 1:
             raise ValueError(
-                "titan's vLLM models run unsharded: tensor_parallel_size and pipeline_parallel_size "
-                f"must be 1 (got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size})"
+                "titan's vLLM models run without vLLM's pipeline parallel: pipeline_parallel_size must be 1 "
+                f"(got {parallel.pipeline_parallel_size})"
             )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -165,9 +180,51 @@ class TitanForCausalLM(nn.Module):
         return {name for name, _ in self.named_parameters()}
 
     def titan_state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        """The titan model's state dict by titan name (without vLLM's attention buffers)."""
+        """The titan model's state dict by titan name (without vLLM's attention buffers);
+        under tensor parallel each entry is a DTensor holding this rank's shard."""
         state = self.model.state_dict(keep_vars=keep_vars)
         return {name: state[name] for name in self._titan_names}
+
+    def weight_elements(self) -> tuple[int, int]:
+        """(elements this rank holds, elements of the whole model) over the titan weights:
+        equal without tensor parallel, about 1/N of them held under N ranks."""
+        tensors = self.titan_state_dict().values()
+        held = sum((t.to_local() if isinstance(t, DTensor) else t).numel() for t in tensors)
+        return held, sum(t.numel() for t in tensors)
+
+    def full_titan_state_dict(self) -> dict[str, torch.Tensor]:
+        """The titan model's whole tensors by titan name (under tensor parallel gathered from
+        the TP group's shards: every rank of the group must call it)."""
+        return {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in self.titan_state_dict().items()}
+
+
+_INFERENCE_TP = SimpleNamespace(enable_sequence_parallel=False, enable_loss_parallel=False,
+                                enable_async_tensor_parallel=False)
+"""Tensor parallel as vLLM runs it: replicated activations between blocks (vLLM's packed
+token stream is one row whose length no rank count divides) and whole logits."""
+
+
+def shard_over_vllm_tensor_parallel(model: Decoder, tp: int, device_type: str) -> DeviceMesh | None:
+    """Shard ``model`` over vLLM's tensor-parallel group of ``tp`` ranks by its sharding plan
+    (module docstring) and return that group's mesh; None (the model untouched) when ``tp`` is
+    1. Refused, naming the sizes, when ``tp`` does not divide the heads or hidden units the
+    plan splits."""
+    if tp == 1:
+        return None
+    plan = sharding_plan(model)
+    uneven = {name: size for name, size in plan.tensor_parallel_divisible.items() if size % tp}
+    if uneven:
+        raise ValueError(f"vLLM's tensor_parallel_size {tp} must divide the sizes tensor parallel splits evenly; "
+                         f"it does not divide {uneven}")
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group().device_group
+    # Named after its group: DTensor caches collectives by mesh, and meshes of the same ranks
+    # and names compare equal, so a later engine's (the same process's next run) would
+    # otherwise reuse an earlier engine's destroyed group.
+    mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"vllm_tp_{group.group_name}",))
+    apply_tensor_parallel(model, mesh, _INFERENCE_TP)
+    return mesh
 
 
 class TitanLlama3ForCausalLM(TitanForCausalLM):

@@ -1,0 +1,62 @@
+"""One vLLM engine sharded over the 2 ranks of this launch (`--generator.tensor_parallel_size
+2`), checked against the native generator on each rank (run by test_vllm_generator.py):
+writes ``<out>/rank<r>.json`` with each rank's greedy and sampled completions, the shard shape
+it holds and whether the weights gathered back equal the ones loaded."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from titan.rl.generate import NativeGenerator, SamplingConfig
+from titan.rl.generate.vllm import VLLMGenerator
+
+from titan.recipes.families import model_spec
+
+OVERRIDES = {"vocab_size": 320, "max_seq_len": 64, "dim": 128, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2}
+# Each rank its own prompts: the engine runs both ranks' at once and hands each its own.
+PROMPTS = [[[5, 17, 33, 2, 9], [100, 101, 102]], [[7, 8, 9, 10], [1, 2, 3]]]
+
+
+def main(out: str, tensor_parallel_size: int) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    spec = model_spec("llama3")
+    torch.manual_seed(0)
+    model = spec.build("debugmodel_tiny", **OVERRIDES)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    engine = VLLMGenerator.from_model_spec(
+        spec, "debugmodel_tiny", overrides=OVERRIDES, kv_cache_memory_bytes=16 << 20, max_num_seqs=8,
+        tensor_parallel_size=tensor_parallel_size, engine_args={"distributed_executor_backend": "external_launcher"})
+    engine.load_weights(model.state_dict().items(), version=1)
+    held = engine.llm.apply_model(lambda m: m.model.layers["0"].attention.wq.weight)[0]
+    native = NativeGenerator.from_model_spec(spec, "debugmodel_tiny", overrides=OVERRIDES, device=torch.device("cpu"))
+    native.load_weights(model.state_dict().items(), version=1)
+    greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=8)
+    sampled = SamplingConfig(n=2, temperature=0.9, max_new_tokens=8, seed=3)
+    prompts = PROMPTS[rank]
+    mine, reference = engine.generate(prompts, greedy), native.generate(prompts, greedy)
+    gathered = dict(engine.named_weights())
+    result = {
+        "collective": engine.collective,
+        "wq_held": list((held.to_local() if hasattr(held, "to_local") else held).shape),
+        "greedy": [g[0].token_ids for g in mine], "native": [g[0].token_ids for g in reference],
+        "logprob_diff": max(abs(a - b) for g, r in zip(mine, reference, strict=True)
+                            for a, b in zip(g[0].logprobs, r[0].logprobs, strict=True)),
+        "sampled": [c.token_ids for g in engine.generate(prompts, sampled) for c in g],
+        "gathered_equal": all(torch.equal(gathered[k], v) for k, v in model.state_dict().items()),
+        "nothing": engine.generate([], greedy),
+    }
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    engine.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
