@@ -33,10 +33,14 @@ from titan.rl.generate.vllm.plugin import FAMILY_ARCHITECTURES  # noqa: E402
 
 from titan.recipes.families import model_spec  # noqa: E402
 
-# fp32 log-probs of the same weights on the same tokens: vLLM's paged CPU kernel and titan's
-# SDPA sum in different orders; both are float32 softmaxes over 320 logits of O(1), so they
-# agree to a few ulps of the logsumexp (~1e-6); 1e-5 is the issue's bound.
-LOGPROB_ATOL = 1e-5
+# fp32 log-probs of the same weights on the same tokens: vLLM's paged CPU kernels and titan's
+# SDPA and GEMMs sum in different orders, with the host's vector width. A token's log-prob is a
+# difference of logits of magnitude ~10 and their logsumexp, each the end of a chain of ~10
+# reductions (2 blocks' projections, attention and MLP, then the head) whose relative rounding
+# differences (a few fp32 ulps, 1.2e-7 each) add up: tens of ulps at magnitude 10, i.e. 1e-5 to
+# 5e-5. Measured max: under 1e-5 on AVX-512 hosts, 1.1e-5 (one engine) and 1.6e-5 (the trainer
+# after updates) on an AVX2 AMD EPYC (2026-12-07), where 1e-5, the bound first used, failed.
+LOGPROB_ATOL = 5e-5
 TINY = {"vocab_size": 320, "max_seq_len": 64, "dim": 64, "n_heads": 2, "n_kv_heads": 1, "n_layers": 2}
 # Llama keeps debugmodel_tiny's 4 heads of 16 channels: below the CPU kernels' smallest head
 # size (32), so vLLM runs it zero-padded (checked below); the Qwen families run 2 heads of 32.
@@ -205,7 +209,7 @@ def load_sync_worker():
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "deepseek_v3"])
 def test_weight_updates_from_a_training_engine_move_vllms_logprobs(family, tmp_path, monkeypatch):
     """vLLM generates with the trainer's weights after each sync (optimizer steps between
-    syncs): its log-probs equal the trainer's forward within 1e-5 and differ from the old
+    syncs): its log-probs equal the trainer's forward within LOGPROB_ATOL and differ from the old
     weights'; a partial update raises and leaves the version where it was.
 
     MoE: after training, the balancing bias (a buffer the optimizer step moves) must be in
@@ -287,7 +291,7 @@ def test_grpo_debug_with_vllm_raises_held_out_reward(tmp_path):
     generates every rollout and the held-out greedy evals (through the padded head size:
     the recipe's heads have 16 channels). Held-out reward rises from the start of RL
     (step 60) to the end (measured at seed 0: 0.455 -> 0.540; the native generator's test
-    asserts the same +0.05), and trainer and vLLM log-probs agree to 1e-5 in fp32 on every
+    asserts the same +0.05), and trainer and vLLM log-probs agree to LOGPROB_ATOL in fp32 on every
     logged step (measured: at most 2.6e-6)."""
     dump = tmp_path / "rl"
     cmd = [sys.executable, "-m", "titan.recipes.cli", "rl", "--config", "grpo_debug", "--generator.kind", "vllm",
@@ -302,7 +306,7 @@ def test_grpo_debug_with_vllm_raises_held_out_reward(tmp_path):
     assert evals[-1]["eval_reward"] >= evals[0]["eval_reward"] + 0.05, evals
     assert [r["step"] for r in rl] == list(range(62, 121, 2))  # every rollout's record (2 updates each)
     assert all("logprob_diff_max" in r for r in rl)
-    assert max(r["logprob_diff_max"] for r in rl) <= 1e-5
+    assert max(r["logprob_diff_max"] for r in rl) <= LOGPROB_ATOL
 
 
 # A short `titan rl --config grpo_debug --generator.kind vllm` under torchrun: 2 warm-up and 6 RL steps.
@@ -332,39 +336,37 @@ def test_disaggregated_vllm_generator_rank_serves_two_fsdp_trainer_ranks(tmp_pat
     rl = [r for r in rows if r.get("phase") == "rl"]
     evals = [r for r in rows if r.get("phase") == "eval"]
     assert [r["step"] for r in rl] == list(range(3, 9))
-    assert max(r["logprob_diff_max"] for r in rl) <= 1e-5
+    assert max(r["logprob_diff_max"] for r in rl) <= LOGPROB_ATOL
     assert [e["step"] for e in evals] == [2, 6, 8] and all("eval_reward" in e for e in evals)
 
 
-def run_tp_worker(out: Path, tensor_parallel_size: int, family: str) -> list[dict]:
-    """tests' vllm_tp_worker.py on 2 gloo ranks; each rank's results."""
+def run_tp_worker(out: Path, tensor_parallel_size: int, families: list[str]) -> dict[str, list[dict]]:
+    """tests' vllm_tp_worker.py on 2 gloo ranks; each family's results, by rank."""
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
            "--rdzv_endpoint", "localhost:0", str(Path(__file__).with_name("vllm_tp_worker.py")), str(out),
-           str(tensor_parallel_size), family]
+           str(tensor_parallel_size), ",".join(families)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return {family: [json.loads((out / f"{family}-rank{r}.json").read_text()) for r in range(2)] for family in families}
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3_moe", "deepseek_v3"])
 def test_an_engine_sharded_over_two_ranks_decodes_as_the_native_generator(tmp_path, family):
     """One vLLM engine over 2 ranks (tensor_parallel_size 2): each rank holds half of every
     attention output projection's input columns, its greedy tokens of its own prompts are the
-    native generator's (log-probs within 1e-5) and the weights gathered back are the ones
-    loaded; for Llama its sampled tokens are those of an engine of its own (the same seeds).
-    Qwen3-MoE: per-head norms and replicated experts; DeepSeek-V3: latent attention."""
-    sharded = run_tp_worker(tmp_path / "tp2", 2, family)
-    alone = run_tp_worker(tmp_path / "tp1", 1, family) if family == "llama3" else None
-    for rank, got in enumerate(sharded):
+    native generator's (log-probs within LOGPROB_ATOL), the weights gathered back are the ones
+    loaded, and a call without prompts returns none. Qwen3-MoE: per-head norms and replicated
+    experts; DeepSeek-V3: latent attention. (That the sampled tokens are an engine per rank's:
+    the RL test below.) One family a launch: a third engine built after two were closed in the
+    same processes failed to connect its gloo groups once (vLLM's group set-up, not a run's path)."""
+    ranks = run_tp_worker(tmp_path / "tp2", 2, [family])[family]
+    for got in ranks:
         assert got["collective"]
         assert got["wo_held"] == [got["wo_whole"][0], got["wo_whole"][1] // 2]
         assert got["greedy"] == got["native"] and got["logprob_diff"] <= LOGPROB_ATOL
         assert got["gathered_equal"] and got["nothing"] == []
-        if alone is not None:
-            assert not alone[rank]["collective"] and alone[rank]["wo_held"] == got["wo_whole"]
-            assert got["sampled"] == alone[rank]["sampled"]
-    assert sharded[0]["greedy"] != sharded[1]["greedy"]  # each rank got its own prompts' back
+    assert ranks[0]["greedy"] != ranks[1]["greedy"]  # each rank got its own prompts' back
 
 
 def test_a_tensor_parallel_size_that_splits_heads_unevenly_is_refused():
@@ -397,7 +399,7 @@ def test_tensor_parallel_engine_generates_each_ranks_share_as_two_engines_do(tmp
         assert mine["reward_mean"] == theirs["reward_mean"] and mine["response_length_mean"] == theirs["response_length_mean"]
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
         assert mine["staleness"] == theirs["staleness"]
-        assert mine["logprob_diff_max"] <= 1e-5 or mine["staleness"] > 0
+        assert mine["logprob_diff_max"] <= LOGPROB_ATOL or mine["staleness"] > 0
     evals = [[{k: v for k, v in r.items() if k.startswith("eval_")} for r in rows if r.get("phase") == "eval"]
              for rows in (two_engines, sharded)]
     assert evals[1] == evals[0] and len(evals[0]) >= 2, evals
@@ -421,7 +423,7 @@ def test_every_rank_runs_its_own_vllm_engine_in_the_trainers_group(tmp_path):
     rl = [r for r in rows if r.get("phase") == "rl"]
     evals = [r for r in rows if r.get("phase") == "eval"]
     assert [r["step"] for r in rl] == list(range(3, 9))
-    assert max(r["logprob_diff_max"] for r in rl) <= 1e-5
+    assert max(r["logprob_diff_max"] for r in rl) <= LOGPROB_ATOL
     assert rl[-1]["kl"] > 0  # each rank's reference rescored its half
     assert all(r["value_loss"] > 0 for r in rl) and len({r["values_mean"] for r in rl}) == len(rl)
     warmup = [r for r in rows if r.get("phase") == "critic_warmup"]
