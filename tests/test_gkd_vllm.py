@@ -121,6 +121,28 @@ def test_tensor_parallel_engines_shard_the_student_and_match_one_process(tmp_pat
                 assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (layout, mine["step"], key)
 
 
+@pytest.mark.slow
+def test_tensor_parallel_teacher_and_student_engines_match_one_process(tmp_path, models):
+    """--gkd.seq_kd and --gkd.lmbda 0.5 with --generator.tensor_parallel_size 2 on 2 FSDP ranks:
+    the teacher's engine and the student's are each one engine sharded over both ranks (the
+    teacher is the model too large for one device's share, in practice), and the run logs the
+    one-process run's losses and gradient norms."""
+    flags = [*VLLM_LAYOUT, "--gkd.seq_kd"]
+    log = tmp_path / "launch.log"
+    launch_runs(2, RUNS_WORKER, [["seq_kd", _flags(models, tmp_path / "seq_kd", *flags,
+                                                     "--generator.tensor_parallel_size", "2"), "gkd"]], log)
+    output = run_output(log, "seq_kd")
+    assert output.count("vLLM tensor parallel 2: this rank holds") == 2, output[-3000:]  # rank 0's two engines
+    assert "Invalid process group" not in log.read_text()
+    one = _gkd(models, tmp_path / "one", *flags)
+    got = _records(tmp_path / "seq_kd")
+    assert [r["step"] for r in got] == [r["step"] for r in one] == [1, 2, 3, 4]
+    for mine, theirs in zip(got, one, strict=True):
+        assert (mine["on_policy"], mine["gkd_generated_tokens"]) == (theirs["on_policy"], theirs["gkd_generated_tokens"])
+        for key in ("loss", "grad_norm"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (mine["step"], key)
+
+
 # 4 steps of 2 microbatches, half regenerated on average, sampled with a fixed seed.
 VLLM_LAYOUT = [*VLLM, "--training.steps", "4", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
                "--sampling.seed", "3"]
