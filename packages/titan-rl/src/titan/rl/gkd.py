@@ -80,7 +80,7 @@ from titan.rl.distill_loss import (
     vocab_parallel_logits,
 )
 from titan.rl.distill_teacher import ShardedTeacher, WholeTeacher
-from titan.rl.generate.base import SamplingConfig
+from titan.rl.generate.base import SamplingConfig, is_collective, take_part
 from titan.train.data.chat import SFTExample
 from titan.train.data.sft import pack_row
 from titan.train.loop import StepResult
@@ -439,7 +439,7 @@ class GKDTrainer(SFTTrainer):
         dropped = sum(len(row) for row in rows) - len(slots)
         prompts = [p for _, p in slots]
         completions: list[list[int]] = []
-        if prompts or getattr(generator, "collective", False):  # a collective call needs every rank
+        if prompts or is_collective(generator):  # a collective call needs every rank
             sampling = dataclasses.replace(
                 self.config.sampling, seed=self._sampling_seed(step, chunk),
                 stop_token_ids=self._stops["student" if generator is self.student_copy else "teacher"],
@@ -458,11 +458,9 @@ class GKDTrainer(SFTTrainer):
         return {key: torch.from_numpy(np.stack([row[key] for row in packed])) for key in packed[0]}
 
     def _take_part(self, generator: Any, microbatch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``microbatch`` unchanged, after taking part with no prompts in ``generator``'s call
-        when it is collective (a vLLM engine sharded over ranks that drew other microbatches:
-        each rank calls it once per microbatch)."""
-        if getattr(generator, "collective", False):
-            generator.generate([], self.config.sampling)
+        """``microbatch`` unchanged, after joining ``generator``'s call with no prompts when it is
+        collective (ranks sharing it drew other microbatches: each calls it once per microbatch)."""
+        take_part(generator, self.config.sampling)
         return microbatch
 
     def _sampling_seed(self, step: int, chunk: int) -> int | None:

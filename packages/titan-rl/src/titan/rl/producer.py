@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from titan.rl.data import Prompt, PromptSampler
-from titan.rl.generate.base import SamplingConfig
+from titan.rl.generate.base import SamplingConfig, take_part
 from titan.rl.rewards import build_reward, overlong_penalty
 from titan.rl.rollouts import Rollout
 
@@ -136,7 +136,7 @@ class RolloutProducer:
         values per group."""
         rl, sampling = self.config.rl, self.sampling
         if not prompts:  # a share of none: more shards than prompts
-            self._take_part(sampling)
+            take_part(self.generator, sampling)  # a shared engine still needs this rank
             return [], [], [], []
         if sampling.seed is not None:
             seed = sampling.seed + index + round_ * 2**32 + self.shard * SHARD_SEED_STRIDE
@@ -159,12 +159,6 @@ class RolloutProducer:
         terms = [{label: values[a:b] for label, values in by_term.items()} for a, b in spans]
         return groups, rewards, texts, terms
 
-    def _take_part(self, sampling: SamplingConfig) -> None:
-        """Call a collective generator (a vLLM engine sharded over this rank and others) with
-        no prompts: the ranks sharing it must call it alike, and this shard has none."""
-        if getattr(self.generator, "collective", False):
-            self.generator.generate([], sampling)
-
     def decode(self, token_ids: list[int]) -> str:
         """A completion's text without its stop token."""
         ids = [t for t in token_ids if t != self.tokenizer.eos_id and t not in self.sampling.stop_token_ids]
@@ -180,7 +174,7 @@ class RolloutProducer:
         greedy = SamplingConfig(temperature=0.0, max_new_tokens=self.sampling.max_new_tokens,
                                 stop_token_ids=self.sampling.stop_token_ids, n=1, seed=0)
         if not prompts:
-            self._take_part(greedy)
+            take_part(self.generator, greedy)
             return {"reward": 0.0, "exact_match": 0.0, "count": 0}
         groups = self.generator.generate([p.ids for p in prompts], greedy)
         texts = [self.decode(g[0].token_ids) for g in groups]

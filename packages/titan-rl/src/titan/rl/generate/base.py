@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -156,6 +156,19 @@ def copy_weights_by_name(
         raise ValueError(f"weight sync left {len(missing)} state_dict entries unset: {missing[:5]}")
 
 
+def is_collective(generator: Any) -> bool:
+    """Whether ``generator``'s calls are collective over ranks sharing it (a vLLM engine under
+    tensor parallel): each of them must call it alike, with no prompts where it has none."""
+    return bool(getattr(generator, "collective", False))
+
+
+def take_part(generator: Any, sampling: SamplingConfig) -> None:
+    """Join a collective ``generator``'s call with no prompts (this rank has none to generate
+    while the ranks sharing it do); nothing for a generator of this rank's own."""
+    if is_collective(generator):
+        generator.generate([], sampling)
+
+
 def _copy_whole_into(target: torch.Tensor, tensor: torch.Tensor) -> None:
     """Copy the whole ``tensor`` into ``target``; a DTensor target (a tensor-parallel model)
     takes only its own shard, cut on this rank without communication."""
@@ -167,4 +180,5 @@ def _copy_whole_into(target: torch.Tensor, tensor: torch.Tensor) -> None:
         target.data.copy_(tensor)
 
 
-__all__ = ["Completion", "FinishReason", "Generator", "SamplingConfig", "check_prompts", "copy_weights_by_name"]
+__all__ = ["Completion", "FinishReason", "Generator", "SamplingConfig", "check_prompts", "copy_weights_by_name",
+           "is_collective", "take_part"]
