@@ -257,15 +257,20 @@ def test_vllm_only_generator_flags_are_refused_with_the_native_generator():
 
 
 def test_vllm_tensor_parallel_needs_an_engine_on_every_rank_and_a_rank_count_it_divides():
-    """N ranks run one sharded engine together: every rank must run vLLM, and N divide the ranks."""
+    """N ranks run one sharded engine together: every rank must run vLLM, and N divide the
+    ranks; or the generator ranks of a disaggregated run run them, and N divides those."""
     from titan.rl.config import GeneratorConfig
     from titan.rl.generate.build import check_generator_tensor_parallel
 
     tp2 = GeneratorConfig(kind="vllm", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="needs an engine on every rank of a multi-rank run.*has 1 rank"):
         check_generator_tensor_parallel(tp2, 1, every_rank=False)
-    with pytest.raises(ValueError, match="has 4 rank.*on one rank or on generator ranks"):
+    with pytest.raises(ValueError, match="or generator ranks .*has 4 rank.*generates on its first rank"):
         check_generator_tensor_parallel(tp2, 4, every_rank=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 must divide the run's 3 generator ranks"):
+        check_generator_tensor_parallel(tp2, 1, every_rank=False, generator_ranks=3)
+    for trainer_ranks in (1, 3):  # the trainer's layout is its own: the engines live on the generator ranks
+        check_generator_tensor_parallel(tp2, trainer_ranks, every_rank=False, generator_ranks=4)
     with pytest.raises(ValueError, match="tensor_parallel_size 2 must divide the run's 3 ranks"):
         check_generator_tensor_parallel(tp2, 3, every_rank=True)
     for ranks in (2, 4):
@@ -282,6 +287,15 @@ def test_refill_rounds_are_refused_with_a_shared_vllm_engine():
     with pytest.raises(UsageError, match="--rl.max_refill_rounds refills each rank's share on its own"):
         parse_train_args([*flags, "--rl.max_refill_rounds", "2"], command="rl")
     assert parse_train_args(flags, command="rl").generator.tensor_parallel_size == 2
+
+
+def test_generator_ranks_must_be_a_multiple_of_the_vllm_tensor_parallel_size():
+    from titan.recipes.cli import UsageError, parse_train_args
+
+    flags = ["--config", "grpo_debug", "--generator.kind", "vllm", "--generator.tensor_parallel_size", "2"]
+    with pytest.raises(UsageError, match="--generator.tensor_parallel_size 2 must divide --rl.generator_ranks 3"):
+        parse_train_args([*flags, "--rl.generator_ranks", "3"], command="rl")
+    assert parse_train_args([*flags, "--rl.generator_ranks", "4"], command="rl").rl.generator_ranks == 4
 
 
 @pytest.mark.vllm
@@ -1217,6 +1231,8 @@ def test_vllm_generator_ranks_must_own_the_first_gpu_of_their_process():
     check_vllm_device("native", torch.device("cuda", 3))
     with pytest.raises(ValueError, match="would take cuda:0, another rank's GPU"):
         check_vllm_device("vllm", torch.device("cuda", 2))
+    # Engines sharded over the generator ranks run under their group: vLLM takes LOCAL_RANK's GPU.
+    check_vllm_device("vllm", torch.device("cuda", 2), in_group=True)
 
 
 @pytest.mark.slow

@@ -379,6 +379,22 @@ def test_a_tensor_parallel_size_that_splits_heads_unevenly_is_refused():
     assert shard_over_vllm_tensor_parallel(model, 1, "cpu") is None
 
 
+def assert_same_rollouts(sharded: list[dict], two_engines: list[dict]) -> None:
+    """A run with one engine sharded over 2 ranks logged the RL steps 3-5 (rewards, completion
+    lengths, losses, staleness) and the held-out scores of the run with an engine each; its
+    on-policy log-probs agree with the trainer's."""
+    rows = [[r for r in rows if r.get("phase") == "rl"] for rows in (two_engines, sharded)]
+    assert [r["step"] for r in rows[1]] == [r["step"] for r in rows[0]] == [3, 4, 5]
+    for mine, theirs in zip(rows[1], rows[0], strict=True):
+        assert mine["reward_mean"] == theirs["reward_mean"] and mine["response_length_mean"] == theirs["response_length_mean"]
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
+        assert mine["staleness"] == theirs["staleness"]
+        assert mine["logprob_diff_max"] <= LOGPROB_ATOL or mine["staleness"] > 0
+    evals = [[{k: v for k, v in r.items() if k.startswith("eval_")} for r in rows if r.get("phase") == "eval"]
+             for rows in (two_engines, sharded)]
+    assert evals[1] == evals[0] and len(evals[0]) >= 2, evals
+
+
 def test_tensor_parallel_engine_generates_each_ranks_share_as_two_engines_do(tmp_path):
     """--generator.tensor_parallel_size 2 with --rl.colocated_generation every_rank on 2 FSDP
     ranks: one vLLM engine sharded over both ranks (each holds about half its weights) takes
@@ -393,16 +409,28 @@ def test_tensor_parallel_engine_generates_each_ranks_share_as_two_engines_do(tmp
     output, sharded = run_vllm_rl(2, tmp_path / "sharded", *flags, "--generator.tensor_parallel_size", "2")
     held = re.search(r"vLLM tensor parallel 2: this rank holds (\d+) of the model's (\d+) weight elements", output)
     assert held and 0.5 <= int(held.group(1)) / int(held.group(2)) < 0.6, output[-3000:]
-    rows = [[r for r in rows if r.get("phase") == "rl"] for rows in (two_engines, sharded)]
-    assert [r["step"] for r in rows[1]] == [r["step"] for r in rows[0]] == [3, 4, 5]
-    for mine, theirs in zip(rows[1], rows[0], strict=True):
-        assert mine["reward_mean"] == theirs["reward_mean"] and mine["response_length_mean"] == theirs["response_length_mean"]
-        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
-        assert mine["staleness"] == theirs["staleness"]
-        assert mine["logprob_diff_max"] <= LOGPROB_ATOL or mine["staleness"] > 0
-    evals = [[{k: v for k, v in r.items() if k.startswith("eval_")} for r in rows if r.get("phase") == "eval"]
-             for rows in (two_engines, sharded)]
-    assert evals[1] == evals[0] and len(evals[0]) >= 2, evals
+    assert_same_rollouts(sharded, two_engines)
+
+
+def test_generator_ranks_share_a_sharded_engine_as_two_engines_do(tmp_path):
+    """--rl.generator_ranks 2 --generator.tensor_parallel_size 2 (verl's and OpenRLHF's layout):
+    the launch's last 2 ranks run one vLLM engine sharded over them, under a process group of
+    their own, while the first rank trains; each generates its share of every rollout, a
+    rollout ahead (--rl.max_policy_staleness 1), and of the held-out prompts (one prompt: the
+    second generator rank takes part with none). The rollouts' rewards and completion lengths,
+    the losses and the held-out scores are those of 2 generator ranks with an engine each, and
+    every sync's weights check out on both shards (a mismatch stops the run)."""
+    flags = ["--rl.generator_ranks", "2", "--sampling.seed", "7", "--training.steps", "5", "--rl.eval_freq", "3",
+             "--rl.eval_prompts", "1", "--rl.kl_coef", "0", "--rl.max_policy_staleness", "1"]
+    _, two_engines = run_vllm_rl(3, tmp_path / "two", *flags)
+    output, sharded = run_vllm_rl(3, tmp_path / "sharded", *flags, "--generator.tensor_parallel_size", "2")
+    # The first generator rank logs at INFO, under its own prefix.
+    held = re.findall(r"\[titan generator [0-9:]+\] vLLM tensor parallel 2: this rank holds (\d+) of the model's (\d+) "
+                      "weight elements", output)
+    assert len(held) == 1 and 0.5 <= int(held[0][0]) / int(held[0][1]) < 0.6, output[-3000:]
+    assert re.search(r"\[titan generator [0-9:]+\] generator rank 0: done \(\{'sync': \d+, 'rollout': \d+, 'eval': 3\}\)",
+                     output), output[-3000:]
+    assert_same_rollouts(sharded, two_engines)
 
 
 def test_every_rank_runs_its_own_vllm_engine_in_the_trainers_group(tmp_path):

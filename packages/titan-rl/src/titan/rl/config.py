@@ -593,7 +593,9 @@ class GeneratorConfig:
     verl's rollout.tensor_model_parallel_size), for a model too large for one device's share:
     consecutive ranks of the trainer's group, N by N, run one engine together, each holding
     1/N of its weights and KV cache. Needs an engine on every rank (titan rl
-    --rl.colocated_generation every_rank, titan gkd on several ranks) and a rank count it divides."""
+    --rl.colocated_generation every_rank, titan gkd on several ranks) and a rank count it divides,
+    or generator ranks (titan rl --rl.generator_ranks, a multiple of N): the engines are then
+    sharded over those, verl's and OpenRLHF's layout."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("native", "vllm"):
@@ -665,6 +667,11 @@ class RLConfig(RunConfig):
                 f"--training.steps {self.training.steps} minus --rl.sft_warmup_steps {self.rl.sft_warmup_steps} is "
                 f"not a multiple of the {updates} optimizer steps each rollout trains (--rl.ppo_epochs x "
                 "--rl.minibatches_per_rollout)"
+            )
+        if self.rl.generator_ranks % self.generator.tensor_parallel_size:
+            raise ValueError(
+                f"--generator.tensor_parallel_size {self.generator.tensor_parallel_size} must divide --rl.generator_ranks "
+                f"{self.rl.generator_ranks} (N consecutive generator ranks run one vLLM engine together)"
             )
         if self.generator.tensor_parallel_size > 1 and self.rl.max_refill_rounds:
             raise ValueError(

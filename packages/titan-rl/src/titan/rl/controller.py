@@ -256,10 +256,11 @@ class RLTrainer(TrainingLoop):
         cfg = config
         self._check_sequence_budget()
         every_rank_engines = not cfg.rl.generator_ranks and cfg.rl.colocated_generation == "every_rank"
-        if not cfg.rl.generator_ranks:  # disaggregated: vLLM runs on the generator ranks, one each
+        if not cfg.rl.generator_ranks:  # disaggregated: vLLM runs on the generator ranks (GeneratorServer)
             check_generator_kind(cfg.generator.kind, world_size=self.engine.dist_env.world_size,
                                  every_rank=every_rank_engines)
-        check_generator_tensor_parallel(cfg.generator, self.engine.dist_env.world_size, every_rank=every_rank_engines)
+        check_generator_tensor_parallel(cfg.generator, self.engine.dist_env.world_size, every_rank=every_rank_engines,
+                                        generator_ranks=cfg.rl.generator_ranks)
         train_prompts, self.eval_prompts = build_prompts(cfg.rl_data, self.tokenizer,
                                                          max_prompt_tokens=cfg.max_prompt_tokens)
         if cfg.rl.eval_freq > 0 and not self.eval_prompts:
@@ -1073,7 +1074,8 @@ def build_rl_loop(config: Any, *, model_spec: ModelSpec, teacher_spec: ModelSpec
     teacher's family ``teacher_spec``) or, with --rl.generator_ranks N, on the launch's last N
     ranks a :class:`GeneratorServer`."""
     if config.rl.generator_ranks:
-        split = split_for_generators(config.rl.generator_ranks, timeout_s=config.rl.generator_timeout_s)
+        split = split_for_generators(config.rl.generator_ranks, timeout_s=config.rl.generator_timeout_s,
+                                     generator_group=config.generator.tensor_parallel_size > 1)
         if split.part != TRAINER:
             return GeneratorServer(config, model_spec=model_spec, split=split)
     return RLTrainer(config, model_spec=model_spec, teacher_spec=teacher_spec)

@@ -28,7 +28,7 @@ import os
 from typing import Any
 
 import torch
-from titan.dist import JobSplit, current_split, split_job
+from titan.dist import JobSplit, current_split, destroy_distributed, split_job
 from titan.rl.data import build_prompts
 from titan.rl.generate.build import (
     build_generator,
@@ -52,9 +52,11 @@ class GeneratorError(RuntimeError):
     """A generator rank failed to produce its part of a rollout or an evaluation."""
 
 
-def split_for_generators(generator_ranks: int, *, timeout_s: float) -> JobSplit:
+def split_for_generators(generator_ranks: int, *, timeout_s: float, generator_group: bool = False) -> JobSplit:
     """Split this launch into its trainer ranks and its last ``generator_ranks`` ranks (every
-    process of the launch calls this once), with a clear error for a launch too small."""
+    process of the launch calls this once), with a clear error for a launch too small.
+    ``generator_group``: the generator ranks get a default process group of their own, for
+    vLLM engines sharded over them (``--generator.tensor_parallel_size``)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if generator_ranks >= world:
         raise ValueError(
@@ -67,9 +69,9 @@ def split_for_generators(generator_ranks: int, *, timeout_s: float) -> JobSplit:
         if split.part_sizes[1] != generator_ranks:
             raise ValueError(f"this launch was split for {split.part_sizes[1]} generator ranks, not {generator_ranks}")
         return split
-    # The generator ranks get no group of their own: nothing of theirs is collective, and an
-    # in-process vLLM engine starts its own default group on each of them.
-    return split_job(world - generator_ranks, timeout_s=timeout_s, part_groups=(True, False))
+    # Without sharded engines the generator ranks get no group of their own: nothing of theirs
+    # is collective, and an in-process vLLM engine starts its own default group on each of them.
+    return split_job(world - generator_ranks, timeout_s=timeout_s, part_groups=(True, generator_group))
 
 
 class RemoteGenerators:
@@ -134,15 +136,18 @@ class GeneratorServer:
         from titan.train.engine import setup_logging
 
         self.config, self.split = config, split
-        setup_logging(split.global_rank)
+        setup_logging(split.rank, prefix="titan generator")  # the first generator rank at INFO
         check_generator_kind(config.generator.kind)
-        check_generator_tensor_parallel(config.generator, split.size, every_rank=False)  # one engine a generator rank
-        check_vllm_device(config.generator.kind, split.device)
+        check_generator_tensor_parallel(config.generator, split.size, every_rank=False, generator_ranks=split.size)
+        # Sharded engines run under the generator ranks' own group (vLLM's external_launcher);
+        # otherwise each generator rank runs an engine alone.
+        sharded = config.generator.tensor_parallel_size > 1
+        check_vllm_device(config.generator.kind, split.device, in_group=sharded)
         model_spec.check_flavor(config.model.flavor)
         tokenizer = config.tokenizer.build()
         vocab_size = config.model.resolve_vocab_size(tokenizer.vocab_size)
         self.generator = build_generator(config, model_spec, vocab_size=vocab_size, eos_token_id=tokenizer.eos_id,
-                                         device=split.device, kind=config.generator.kind)
+                                         device=split.device, kind=config.generator.kind, every_rank=sharded)
         train_prompts, eval_prompts = build_prompts(config.rl_data, tokenizer,
                                                     max_prompt_tokens=config.max_prompt_tokens)
         self.producer = RolloutProducer(config, generator=self.generator, tokenizer=tokenizer,
@@ -196,8 +201,15 @@ class GeneratorServer:
         self.bridge.send_object(result, 0)
 
     def close(self) -> None:
-        """Nothing to release: the generator ranks start no process group of titan's (an
-        in-process vLLM engine owns its own)."""
+        """Release the generator ranks' process group when they have one (engines sharded over
+        them): vLLM's groups inside it first. Without one there is nothing to release (an
+        in-process vLLM engine alone on its rank owns its own group)."""
+        if not self.split.has_group:
+            return
+        close = getattr(self.generator, "close", None)
+        if close is not None:
+            close()
+        destroy_distributed()
 
 
 __all__ = [

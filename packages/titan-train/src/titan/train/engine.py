@@ -103,12 +103,13 @@ MODEL_INPUT_KEYS = ("positions", "document_ids")
 """Batch keys the model's forward takes besides the token ids (when document masking is on)."""
 
 
-def setup_logging(rank: int) -> None:
-    """INFO on rank 0, warnings only elsewhere, one compact format. A record a library has
-    already printed through its own console handler (``datasets`` and ``huggingface_hub``
-    install one) is not printed a second time."""
+def setup_logging(rank: int, *, prefix: str = "titan") -> None:
+    """INFO on rank 0, warnings only elsewhere, one compact format that opens with ``prefix``
+    (a disaggregated run's generator ranks log as "titan generator", their first rank at INFO
+    beside the trainer's). A record a library has already printed through its own console
+    handler (``datasets`` and ``huggingface_hub`` install one) is not printed a second time."""
     level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format="[titan %(asctime)s] %(message)s", datefmt="%H:%M:%S", force=True)
+    logging.basicConfig(level=level, format=f"[{prefix} %(asctime)s] %(message)s", datefmt="%H:%M:%S", force=True)
     for handler in logging.getLogger().handlers:
         handler.addFilter(not_printed_by_a_library)
 

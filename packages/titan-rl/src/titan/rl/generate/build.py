@@ -35,30 +35,39 @@ def check_generator_kind(kind: str, world_size: int = 1, *, every_rank: bool = F
         )
 
 
-def check_generator_tensor_parallel(generator: Any, world_size: int, *, every_rank: bool) -> None:
+def check_generator_tensor_parallel(generator: Any, world_size: int, *, every_rank: bool, generator_ranks: int = 0) -> None:
     """Refuse ``--generator.tensor_parallel_size`` N > 1 where vLLM's engines cannot be
-    sharded: N ranks of the trainer's group run one engine together, so every rank must run
-    vLLM (``every_rank``) and N must divide the ``world_size`` ranks."""
+    sharded: N ranks of one process group run one engine together, so every rank of the
+    ``world_size`` trainer ranks must run vLLM (``every_rank``) and N must divide them; or the
+    run's ``generator_ranks`` (a disaggregated run's, ``--rl.generator_ranks``) run the
+    engines among themselves, and N must divide those."""
     tp = generator.tensor_parallel_size
     if tp == 1:
         return
+    if generator_ranks:
+        if generator_ranks % tp:
+            raise ValueError(f"--generator.tensor_parallel_size {tp} must divide the run's {generator_ranks} generator "
+                             "ranks (--rl.generator_ranks; N consecutive generator ranks run one engine together)")
+        return
     if not every_rank or world_size == 1:
         raise ValueError(
-            f"--generator.tensor_parallel_size {tp} shards each vLLM engine over {tp} ranks of the trainer's group; "
-            "it needs an engine on every rank of a multi-rank run (titan rl --rl.colocated_generation every_rank, "
-            f"titan gkd on several ranks); this run has {world_size} rank(s)"
-            + ("" if every_rank else " and generates on one rank or on generator ranks (one engine each)")
+            f"--generator.tensor_parallel_size {tp} shards each vLLM engine over {tp} ranks; it needs an engine on "
+            "every rank of a multi-rank run (titan rl --rl.colocated_generation every_rank, titan gkd on several "
+            f"ranks) or generator ranks (titan rl --rl.generator_ranks {tp} or a multiple); this run has "
+            f"{world_size} rank(s)" + ("" if every_rank else " and generates on its first rank")
         )
     if world_size % tp:
         raise ValueError(f"--generator.tensor_parallel_size {tp} must divide the run's {world_size} ranks (N "
                          "consecutive ranks run one engine together)")
 
 
-def check_vllm_device(kind: str, device: torch.device) -> None:
+def check_vllm_device(kind: str, device: torch.device, *, in_group: bool = False) -> None:
     """Refuse a vLLM generator on a GPU other than its process's first: vLLM's in-process
     engine places itself on device index 0 whatever the process's current device, which on
-    a generator rank with LOCAL_RANK > 0 is another rank's GPU."""
-    if kind == "vllm" and device.type == "cuda" and (device.index or 0) != 0:
+    a generator rank with LOCAL_RANK > 0 is another rank's GPU. ``in_group``: the engine runs
+    under the process's default group (the ``external_launcher`` executor), which takes the
+    device LOCAL_RANK names, as the trainer's ranks do."""
+    if kind == "vllm" and not in_group and device.type == "cuda" and (device.index or 0) != 0:
         raise ValueError(
             f"--generator.kind vllm on a generator rank whose GPU is {device} (LOCAL_RANK {device.index}): vLLM's "
             "in-process engine would take cuda:0, another rank's GPU. Give each generator process one visible GPU "
@@ -70,9 +79,10 @@ def build_generator(config: Any, model_spec: ModelSpec, *, vocab_size: int, eos_
                     device: torch.device, kind: str = "native", every_rank: bool = False) -> Any:
     """A generator of ``config``'s model (``--generator.kind``), from the same model spec as the
     trainer: a single-device model copy (native) or vLLM running the family's model code.
-    ``every_rank``: every rank of the trainer's process group builds one (collectively), and
-    vLLM then runs under that group (its ``external_launcher`` executor, as TRL's colocate mode
-    runs it: one engine per rank, on the rank's own device)."""
+    ``every_rank``: every rank of this process's default group (the trainer's, or a
+    disaggregated run's generator ranks') builds one (collectively), and vLLM then runs under
+    that group (its ``external_launcher`` executor, as TRL's colocate mode runs it: one engine
+    per rank, or per ``--generator.tensor_parallel_size`` ranks, on the rank's own device)."""
     overrides = {**config.model.overrides(), "vocab_size": vocab_size, "max_seq_len": config.training.seq_len}
     if kind == "vllm":
         from titan.rl.generate.vllm import VLLMGenerator

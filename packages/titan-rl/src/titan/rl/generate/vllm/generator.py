@@ -15,7 +15,8 @@ actually drawn from; the native generator reports the unfiltered one. The differ
 visible in ``logprob_diff_max``.
 
 Tensor parallel (``tensor_parallel_size`` N > 1, TRL's ``vllm_tensor_parallel_size``): under the
-trainer's process group (``external_launcher``) vLLM groups consecutive ranks N by N into one
+process's default group (``external_launcher``: the trainer's, or a disaggregated run's generator
+ranks') vLLM groups consecutive ranks N by N into one
 engine whose model is sharded over them (`titan.rl.generate.vllm.models`). The ranks of such a
 group must submit the same requests, so `generate` first gathers every rank's prompts and
 sampling within the group, runs them all (once, when they are the same, as on the ranks of one
@@ -24,13 +25,14 @@ trainer replica), and hands each rank its own completions, seeded as without TP.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import random
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,7 @@ class VLLMGenerator:
     dtype vLLM runs the model in; `kv_cache_memory_bytes` bounds the paged KV cache (vLLM's
     default takes most of the device's memory); `max_num_seqs` bounds the sequences decoded
     together; `tensor_parallel_size` shards the model over that many consecutive ranks of the
-    trainer's group (module docstring; needs the ``external_launcher`` executor in
+    default process group (module docstring; needs the ``external_launcher`` executor in
     `engine_args`); `engine_args` are passed on to `vllm.LLM` unchanged (e.g. `enforce_eager`).
     """
 
@@ -109,9 +111,10 @@ class VLLMGenerator:
         args.update(engine_args or {})
         self._in_trainer_group = args.get("distributed_executor_backend") == "external_launcher"
         if tensor_parallel_size > 1 and not self._in_trainer_group:
-            raise ValueError(f"tensor_parallel_size {tensor_parallel_size} runs vLLM's engine over the trainer's ranks "
-                             "(the external_launcher executor); this engine runs alone in its process")
-        self.llm = LLM(model=model, **args)
+            raise ValueError(f"tensor_parallel_size {tensor_parallel_size} runs vLLM's engine over ranks of the default "
+                             "process group (the external_launcher executor); this engine runs alone in its process")
+        with _launcher_rank_of_default_group(self._in_trainer_group):
+            self.llm = LLM(model=model, **args)
         self._version = 0
         self._tp_group = None
         if tensor_parallel_size > 1:
@@ -268,6 +271,29 @@ class VLLMGenerator:
                 )
             )
         return out
+
+
+@contextlib.contextmanager
+def _launcher_rank_of_default_group(in_group: bool) -> Iterator[None]:
+    """While vLLM starts under the process's default group (``in_group``: the
+    ``external_launcher`` executor), RANK names this process's rank in that group: vLLM reads
+    RANK, which torchrun sets to the launch's rank, and on a split launch's generator ranks
+    (`titan.dist.split_job`) the default group is theirs alone (rank 0 is the launch's first
+    generator rank)."""
+    import torch.distributed as dist
+
+    if not in_group or not dist.is_initialized():
+        yield
+        return
+    launch_rank = os.environ.get("RANK")
+    os.environ["RANK"] = str(dist.get_rank())
+    try:
+        yield
+    finally:
+        if launch_rank is None:
+            del os.environ["RANK"]
+        else:
+            os.environ["RANK"] = launch_rank
 
 
 def _tensor_parallel_group() -> tuple[Any, int]:
