@@ -125,6 +125,32 @@ def test_an_rl_dry_run_lists_the_models_beside_the_policy(monkeypatch, capsys):
                      r"[\d.]+ \w+, KL reference [\d.]+ \w+\): total", out), out
 
 
+def test_a_disaggregated_rl_dry_run_trains_on_the_first_ranks_and_shows_the_generator_ranks(capsys):
+    """--rl.generator_ranks G on W ranks: the layout is the W - G trainer ranks' (FSDP over 2 of
+    4 here), and each generator rank holds its generating copy: vLLM's weights (1/N of them
+    under --generator.tensor_parallel_size N) plus its KV cache bound, or a native float32 copy."""
+    from titan.dist.dry_run import format_bytes
+
+    from titan.recipes.dry_run import _policy_params
+
+    flags = ["dry-run", "--world_size", "4", "--config", "grpo_debug", "--rl.generator_ranks", "2"]
+    kv = 64 << 20
+    assert main([*flags, "--generator.kind", "vllm", "--generator.dtype", "bfloat16", "--generator.tensor_parallel_size",
+                 "2", "--generator.kv_cache_memory_bytes", str(kv)]) == 0
+    out = capsys.readouterr().out
+    params = _policy_params(parse_train_args(["--config", "grpo_debug"], command="rl"))
+    assert "on 2 ranks: pp 1 x dp_replicate 1 x dp_shard 2 x" in out, out
+    assert (f"dry run: generator ranks 2-3 each hold {format_bytes(params * 2 // 2 + kv)} (--rl.generator_ranks 2): 1/2 "
+            "of a vLLM engine's bfloat16 weights and its 64.00 MiB KV cache; the first 2 rank(s) train") in out, out
+    assert main([*flags[:-1], "1"]) == 0
+    out = capsys.readouterr().out
+    assert "on 3 ranks: pp 1 x dp_replicate 1 x dp_shard 3 x" in out, out
+    assert (f"dry run: generator rank 3 holds {format_bytes(params * 4)} (--rl.generator_ranks 1): a native float32 "
+            "model copy; the first 3 rank(s) train") in out, out
+    assert main([*flags[:-1], "4"]) == 2
+    assert "--rl.generator_ranks 4 leaves no trainer rank in a launch of 4 rank(s)" in capsys.readouterr().err
+
+
 def test_bad_tp_names_the_kv_heads_and_the_fix():
     cfg = parse_train_args(["--config", "llama3_405b", "--parallelism.tensor_parallel_degree", "16"])
     with pytest.raises(ValueError, match=r"tensor_parallel_degree=16 must divide the model's n_kv_heads=8"):

@@ -393,11 +393,43 @@ def with_rl_models(config: Any, estimates: list[RankEstimate]) -> list[RankEstim
     return estimates
 
 
+def generator_ranks_of(config: Any, world_size: int) -> int:
+    """The ranks of a ``world_size``-rank launch that generate rather than train: a
+    disaggregated ``titan rl`` run's last ``--rl.generator_ranks``; 0 for other runs. A launch
+    with no rank left to train is refused, as the run would refuse it."""
+    generators = config.rl.generator_ranks if _is_rl(config) else 0
+    if generators and generators >= world_size:
+        raise ValueError(f"--rl.generator_ranks {generators} leaves no trainer rank in a launch of {world_size} "
+                         f"rank(s); plan {generators + 1} or more ranks")
+    return generators
+
+
+def generator_rank_line(config: Any, trainer_ranks: int, generator_ranks: int) -> str:
+    """What each generator rank of a disaggregated ``titan rl`` run holds: its generating copy
+    (:func:`generator_bytes`: a native float32 copy, or vLLM's share of the weights in its
+    dtype plus its KV cache bound), activations not counted."""
+    generator = config.generator
+    held = generator_bytes(generator, _policy_params(config))
+    if generator.kind == "native":
+        what = "a native float32 model copy"
+    else:
+        tp = generator.tensor_parallel_size
+        share = f"1/{tp} of a vLLM engine's {generator.dtype} weights" if tp > 1 else f"vLLM's {generator.dtype} weights"
+        what = f"{share} and its {format_bytes(generator.kv_cache_memory_bytes)} KV cache"
+    last = trainer_ranks + generator_ranks - 1
+    ranks = f"rank {last} holds" if generator_ranks == 1 else f"ranks {trainer_ranks}-{last} each hold"
+    return (f"dry run: generator {ranks} {format_bytes(held)} (--rl.generator_ranks {generator_ranks}): {what}; "
+            f"the first {trainer_ranks} rank(s) train")
+
+
 def dry_run_main(config: TrainerConfig, world_size: int) -> int:
-    """Run the dry run for the CLI: a user error prints its message and returns 2."""
+    """Run the dry run for the CLI: a user error prints its message and returns 2. A
+    disaggregated ``titan rl`` run trains on the launch's first ranks and generates on the
+    rest: the layout is checked over the trainer ranks, and the generator ranks' share shown."""
     start = time.perf_counter()
     try:
-        estimates = with_rl_models(config, run_dry_run(config, world_size))
+        generators = generator_ranks_of(config, world_size)
+        estimates = with_rl_models(config, run_dry_run(config, world_size - generators))
     except ValueError as err:
         print(f"titan dry-run: {err}", file=sys.stderr)
         return 2
@@ -405,6 +437,8 @@ def dry_run_main(config: TrainerConfig, world_size: int) -> int:
         if estimate.copy_bytes:
             print(f"dry run: pp rank {estimate.pp_rank} also holds {format_bytes(estimate.copy_bytes)} of other models "
                   f"({estimate.copies}): total {format_bytes(estimate.total_bytes)}")
+    if generators:
+        print(generator_rank_line(config, world_size - generators, generators))
     peak = max(estimates, key=lambda e: e.total_bytes)
     print(
         f"dry run OK in {time.perf_counter() - start:.1f} s: {len(estimates)} pipeline rank(s), "
