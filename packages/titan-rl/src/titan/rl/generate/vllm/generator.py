@@ -209,17 +209,16 @@ class VLLMGenerator:
         split back by caller."""
         from vllm import TokensPrompt
 
-        params = [p for prompts, sampling, base in requests for p in self._sampling_params(len(prompts), sampling, base)]
         everything = [p for prompts, _, _ in requests for p in prompts]
         if not everything:
             return [[] for _ in requests]
+        params = [p for prompts, sampling, base in requests for p in self._sampling_params(len(prompts), sampling, base)]
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in everything], params, use_tqdm=False
         )
         results, start = [], 0
         for prompts, sampling, _ in requests:
-            # vLLM refuses n > 1 when greedy; the n greedy completions are one completion n times.
-            copies = sampling.n if sampling.temperature == 0 else 1
+            copies = _greedy_copies(sampling)
             mine = outputs[start:start + len(prompts)]
             start += len(prompts)
             groups = [self._completions(prompt, output) for prompt, output in zip(prompts, mine, strict=True)]
@@ -234,10 +233,9 @@ class VLLMGenerator:
         stop = set(sampling.stop_token_ids)
         if self.eos_token_id is not None:
             stop.add(self.eos_token_id)
-        copies = sampling.n if sampling.temperature == 0 else 1
         return [
             SamplingParams(
-                n=sampling.n // copies,
+                n=sampling.n // _greedy_copies(sampling),
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
@@ -294,6 +292,12 @@ def _launcher_rank_of_default_group(in_group: bool) -> Iterator[None]:
             del os.environ["RANK"]
         else:
             os.environ["RANK"] = launch_rank
+
+
+def _greedy_copies(sampling: SamplingConfig) -> int:
+    """How many times each completion vLLM returns is repeated: vLLM refuses n > 1 when greedy,
+    and the n greedy completions of a prompt are one completion n times (1 when sampling)."""
+    return sampling.n if sampling.temperature == 0 else 1
 
 
 def _tensor_parallel_group() -> tuple[Any, int]:
