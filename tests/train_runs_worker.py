@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import time
 from collections.abc import Iterator
 
 import titan.train.engine as engine_module
@@ -55,8 +56,11 @@ def main(runs_file: str) -> int:
             # One write (atomic on a pipe), so the ranks' announcements never interleave.
             sys.stderr.write(f"{RUN_MARKER}{name}\n")
             sys.stderr.flush()
+            started = time.perf_counter()
             if run(flags, command=command) != 0:
                 raise SystemExit(f"train_runs_worker: {name} failed")
+            # Where a launch's time goes (the suite's slowest fixtures are such launches).
+            sys.stderr.write(f"train_runs_worker: {name} took {time.perf_counter() - started:.1f} s\n")
     return 0
 
 
