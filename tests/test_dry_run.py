@@ -131,14 +131,14 @@ def test_a_disaggregated_rl_dry_run_trains_on_the_first_ranks_and_shows_the_gene
     under --generator.tensor_parallel_size N) plus its KV cache bound, or a native float32 copy."""
     from titan.dist.dry_run import format_bytes
 
-    from titan.recipes.dry_run import _policy_params
+    from titan.recipes.dry_run import policy_params
 
     flags = ["dry-run", "--world_size", "4", "--config", "grpo_debug", "--rl.generator_ranks", "2"]
     kv = 64 << 20
     assert main([*flags, "--generator.kind", "vllm", "--generator.dtype", "bfloat16", "--generator.tensor_parallel_size",
                  "2", "--generator.kv_cache_memory_bytes", str(kv)]) == 0
     out = capsys.readouterr().out
-    params = _policy_params(parse_train_args(["--config", "grpo_debug"], command="rl"))
+    params = policy_params(parse_train_args(["--config", "grpo_debug"], command="rl"))
     assert "on 2 ranks: pp 1 x dp_replicate 1 x dp_shard 2 x" in out, out
     assert (f"dry run: generator ranks 2-3 each hold {format_bytes(params * 2 // 2 + kv)} (--rl.generator_ranks 2): 1/2 "
             "of a vLLM engine's bfloat16 weights and its 64.00 MiB KV cache; the first 2 rank(s) train") in out, out

@@ -8,6 +8,7 @@ import re
 
 import pytest
 from forked_cli import run_titan
+from titan.dist.dry_run import format_bytes
 
 import titan.recipes.memory_check as memory_check
 from titan.recipes.cli import parse_train_args
@@ -145,3 +146,77 @@ def test_a_critic_from_a_smaller_reward_model_is_counted_at_its_size(tmp_path, m
     same, smaller = estimate(), estimate("--rl.critic_model", str(tmp_path))
     ratio = sum(p.numel() for p in small.parameters()) / policy
     assert smaller.copy_bytes - same.copy_bytes == int(same.state_bytes * ratio) - same.state_bytes
+
+
+def _rl_config(*flags: str):
+    return parse_train_args(["--config", "grpo_debug", *flags], command="rl")
+
+
+def _as_rank(monkeypatch, rank: int, world_size: int, limit: int) -> None:
+    """This process as ``rank`` of a ``world_size``-rank launch on a device of ``limit`` bytes
+    (the process's own memory left out, so that the figures are the estimate's alone)."""
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setattr(memory_check, "device_memory", lambda: (limit, "test RAM"))
+    monkeypatch.setattr(memory_check, "_process_bytes", lambda: 0)
+
+
+def test_a_generator_rank_checks_its_generating_copy_not_the_trainer_s_estimate(monkeypatch):
+    """A disaggregated run's generator rank holds its generating copy alone: a device between
+    that copy and the trainer's estimate refuses the trainer rank and passes the generator
+    rank; below the copy, the generator rank is refused with its own figures (the model's
+    parameters in float32, by hand)."""
+    from titan.models.llama3 import build_llama3
+
+    flags = ("--rl.generator_ranks", "1")
+    config = _rl_config(*flags)
+    vocab = config.model.resolve_vocab_size(config.tokenizer.build().vocab_size)
+    copy = 4 * sum(p.numel() for p in build_llama3("debugmodel_tiny", vocab_size=vocab, max_seq_len=32).parameters())
+    _as_rank(monkeypatch, 0, 3, 2**40)
+    trainer = check_memory(config).estimate.total_bytes
+    assert trainer > 2 * copy
+    _as_rank(monkeypatch, 2, 3, copy)
+    assert check_memory(config) is None  # fits exactly
+    _as_rank(monkeypatch, 0, 3, copy)
+    with pytest.raises(MemoryCheckError, match="per rank"):
+        check_memory(config)
+    _as_rank(monkeypatch, 2, 3, copy - 1)
+    with pytest.raises(MemoryCheckError, match=re.escape(
+            f"generator rank 2 (--rl.generator_ranks 1) needs about {format_bytes(copy)} (a native float32 model "
+            f"copy {format_bytes(copy)}), more than the {format_bytes(copy - 1)} of test RAM")):
+        check_memory(config)
+    assert check_memory(_rl_config(*flags, "--debug.skip_memory_check")) is None
+
+
+def test_a_generator_rank_that_cannot_fit_names_the_generator_flags_that_would(monkeypatch):
+    """Llama 3 8B's generator ranks (6.98e9 parameters with the recipe's small vocabulary,
+    counted by hand on the meta device): a native float32 copy (27.9 GB) does not fit 20 GiB,
+    vLLM in bfloat16 (14.0 GB plus its KV cache) does; vLLM's bfloat16 engine does not fit 10
+    GiB on one rank, sharded over the 2 generator ranks it does, and one rank's weights leave
+    the KV cache what the device has beyond them."""
+    import torch
+    from titan.models.llama3 import build_llama3
+
+    flags = ("--model.flavor", "8B", "--rl.generator_ranks", "2")
+    config = _rl_config(*flags)
+    with torch.device("meta"):
+        model = build_llama3("8B", vocab_size=config.model.resolve_vocab_size(config.tokenizer.build().vocab_size))
+    params = sum(p.numel() for p in model.parameters())
+    assert 6.9e9 < params < 7.0e9
+    _as_rank(monkeypatch, 3, 4, 20 * 2**30)
+    with pytest.raises(MemoryCheckError, match=r"a native float32 model copy .* it fits with --generator.kind vllm "
+                                               r"--generator.dtype bfloat16; --debug.skip_memory_check"):
+        check_memory(_rl_config(*flags))
+    limit = 10 * 2**30
+    _as_rank(monkeypatch, 2, 4, limit)
+    kv_room = (limit - params * 2 // 2) >> 20 << 20  # one rank's share of 2 ranks' bfloat16 weights
+    assert kv_room > 256 << 20
+    vllm = (*flags, "--generator.kind", "vllm", "--generator.dtype", "bfloat16")
+    with pytest.raises(MemoryCheckError, match=r"vLLM's bfloat16 weights and its 256.00 MiB KV cache .* it fits with "
+                                               r"--generator.tensor_parallel_size 2; --debug"):
+        check_memory(_rl_config(*vllm))
+    assert check_memory(_rl_config(*vllm, "--generator.tensor_parallel_size", "2")) is None
+    with pytest.raises(MemoryCheckError, match=r"it fits with --generator.kv_cache_memory_bytes "
+                                               f"{kv_room}; --debug"):
+        check_memory(_rl_config(*vllm, "--generator.tensor_parallel_size", "2",
+                                "--generator.kv_cache_memory_bytes", str(kv_room + (1 << 20))))

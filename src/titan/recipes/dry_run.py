@@ -251,7 +251,7 @@ def _is_rl(config: Any) -> bool:
     return hasattr(getattr(config, "rl", None), "advantage_estimator")
 
 
-def _policy_params(config: Any) -> int:
+def policy_params(config: Any) -> int:
     """The parameter count of the recipe's model (built on the meta device)."""
     build, _, _ = model_builder(config)
     with torch.device("meta"):
@@ -376,11 +376,11 @@ def with_rl_models(config: Any, estimates: list[RankEstimate]) -> list[RankEstim
     if _is_gkd(config):
         estimates = list(estimates)
         last = estimates[-1]
-        estimates[-1] = _with_copies(last, gkd_model_copies(config, _policy_params(config), last.param_bytes))
+        estimates[-1] = _with_copies(last, gkd_model_copies(config, policy_params(config), last.param_bytes))
         return estimates
     if not _is_rl(config):
         return estimates
-    params = _policy_params(config)
+    params = policy_params(config)
     shared, rank0 = rl_model_copies(config, params)
     if config.rl.advantage_estimator == "gae":
         # PPO's critic: a second model sharded as the policy, with its gradients and optimizer
@@ -404,22 +404,24 @@ def generator_ranks_of(config: Any, world_size: int) -> int:
     return generators
 
 
+def generator_copy_description(generator: Any) -> str:
+    """What one generator rank's generating copy is under ``--generator.*``, in words."""
+    if generator.kind == "native":
+        return "a native float32 model copy"
+    tp = generator.tensor_parallel_size
+    share = f"1/{tp} of a vLLM engine's {generator.dtype} weights" if tp > 1 else f"vLLM's {generator.dtype} weights"
+    return f"{share} and its {format_bytes(generator.kv_cache_memory_bytes)} KV cache"
+
+
 def generator_rank_line(config: Any, trainer_ranks: int, generator_ranks: int) -> str:
     """What each generator rank of a disaggregated ``titan rl`` run holds: its generating copy
     (:func:`generator_bytes`: a native float32 copy, or vLLM's share of the weights in its
     dtype plus its KV cache bound), activations not counted."""
-    generator = config.generator
-    held = generator_bytes(generator, _policy_params(config))
-    if generator.kind == "native":
-        what = "a native float32 model copy"
-    else:
-        tp = generator.tensor_parallel_size
-        share = f"1/{tp} of a vLLM engine's {generator.dtype} weights" if tp > 1 else f"vLLM's {generator.dtype} weights"
-        what = f"{share} and its {format_bytes(generator.kv_cache_memory_bytes)} KV cache"
+    held = generator_bytes(config.generator, policy_params(config))
     last = trainer_ranks + generator_ranks - 1
     ranks = f"rank {last} holds" if generator_ranks == 1 else f"ranks {trainer_ranks}-{last} each hold"
-    return (f"dry run: generator {ranks} {format_bytes(held)} (--rl.generator_ranks {generator_ranks}): {what}; "
-            f"the first {trainer_ranks} rank(s) train")
+    return (f"dry run: generator {ranks} {format_bytes(held)} (--rl.generator_ranks {generator_ranks}): "
+            f"{generator_copy_description(config.generator)}; the first {trainer_ranks} rank(s) train")
 
 
 def dry_run_main(config: TrainerConfig, world_size: int) -> int:

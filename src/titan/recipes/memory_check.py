@@ -7,6 +7,12 @@ dry run's estimator (`titan.dist.dry_run`: parameters, gradients, optimizer stat
 activations, the block a checkpointed backward recomputes), adds what the process already
 holds (on CPU), compares it with the device's memory and refuses with one line that names the
 flags that would fit; ``--debug.skip_memory_check`` runs it anyway.
+
+A generator rank of a disaggregated ``titan rl`` run (the launch's last ``--rl.generator_ranks``)
+trains nothing: it checks its generating copy instead (the dry run's ``generator_bytes``: a
+native float32 copy, or vLLM's share of the weights plus its KV cache bound), and its refusal
+names the ``--generator.*`` flags that would fit (a vLLM engine that does not fit its GPU
+otherwise fails minutes later in vLLM's own start-up).
 """
 
 from __future__ import annotations
@@ -21,7 +27,14 @@ import torch
 import torch.distributed as dist
 from titan.dist.dry_run import RankEstimate, format_bytes
 
-from titan.recipes.dry_run import run_dry_run, with_rl_models
+from titan.recipes.dry_run import (
+    generator_bytes,
+    generator_copy_description,
+    generator_ranks_of,
+    policy_params,
+    run_dry_run,
+    with_rl_models,
+)
 
 
 class MemoryCheckError(ValueError):
@@ -65,9 +78,70 @@ def device_memory() -> tuple[int, str] | None:
 
 
 def trainer_world_size(config: Any) -> int:
-    """The ranks that train: the launch's, less the generator ranks of a disaggregated RL run."""
+    """The ranks that train: the launch's, less the generator ranks of a disaggregated RL run
+    (a launch with none left to train is refused: ValueError)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return world_size - generator_ranks_of(config, world_size)
+
+
+def generator_rank_of(config: Any) -> int | None:
+    """This process's rank when it is one of a disaggregated ``titan rl`` run's generator ranks
+    (the launch's last ``--rl.generator_ranks``); None on a rank that trains."""
     generators = getattr(getattr(config, "rl", None), "generator_ranks", 0) or 0
-    return max(1, int(os.environ.get("WORLD_SIZE", "1")) - generators)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    return rank if generators and world > generators and rank >= world - generators else None
+
+
+def _generator_fitting_flags(generator: Any, params: int, generator_ranks: int, budget: int) -> list[str]:
+    """``--generator.*`` flags under which one generator rank's copy of a ``params``-parameter
+    model fits ``budget`` bytes: vLLM (bfloat16, sharded as little as fits) in place of the
+    native float32 copy; for vLLM,
+    the least engine sharding the generator ranks allow that fits (in the engine's dtype, and
+    in bfloat16 for a float32 engine), and the largest KV cache bound (whole MiB) that fits
+    beside the weights."""
+
+    def fits(**changes: Any) -> bool:
+        return generator_bytes(dataclasses.replace(generator, **changes), params) <= budget
+
+    def shardings(start: int) -> list[int]:
+        return [n for n in range(start, generator_ranks + 1) if generator_ranks % n == 0 or n == start]
+
+    if generator.kind == "native":
+        n = next((n for n in shardings(1) if fits(kind="vllm", dtype="bfloat16", tensor_parallel_size=n)), None)
+        return [] if n is None else [
+            "--generator.kind vllm --generator.dtype bfloat16" + (f" --generator.tensor_parallel_size {n}" if n > 1 else "")]
+    flags = []
+    current = generator.tensor_parallel_size
+    for dtype in dict.fromkeys([generator.dtype, "bfloat16" if generator.dtype == "float32" else generator.dtype]):
+        # The least sharding that fits in this dtype (the current one only in another dtype).
+        n = next((n for n in shardings(current) if (dtype, n) != (generator.dtype, current)
+                  and fits(dtype=dtype, tensor_parallel_size=n)), None)
+        if n is not None:
+            flags.append(" ".join([f"--generator.tensor_parallel_size {n}"] * (n != current)
+                                  + [f"--generator.dtype {dtype}"] * (dtype != generator.dtype)))
+    room = budget - (generator_bytes(generator, params) - generator.kv_cache_memory_bytes)  # beside the weights
+    if room >= 1 << 20:
+        flags.append(f"--generator.kv_cache_memory_bytes {room >> 20 << 20}")
+    return flags
+
+
+def _check_generator_rank(config: Any, rank: int, limit: int, source: str, process: int) -> None:
+    """Refuse a generator rank whose generating copy does not fit ``limit`` bytes (with what
+    the process already holds), naming the ``--generator.*`` flags that would."""
+    generator = config.generator
+    params = policy_params(config)
+    held = generator_bytes(generator, params)
+    if held + process <= limit:
+        return
+    flags = _generator_fitting_flags(generator, params, config.rl.generator_ranks, limit - process)
+    fits = f"it fits with {' or '.join(flags)}; " if flags else "a larger device or a smaller model is needed; "
+    parts = f"{generator_copy_description(generator)} {format_bytes(held)}" + (
+        f", process {format_bytes(process)}" if process else "")
+    raise MemoryCheckError(
+        f"generator rank {rank} (--rl.generator_ranks {config.rl.generator_ranks}) needs about "
+        f"{format_bytes(held + process)} ({parts}), more than the {format_bytes(limit)} of {source}: {fits}"
+        "--debug.skip_memory_check runs it anyway"
+    )
 
 
 def _largest_rank(config: Any, world_size: int) -> RankEstimate:
@@ -192,10 +266,10 @@ class MemoryEstimate:
 
 
 def check_memory(config: Any) -> MemoryEstimate | None:
-    """This run's `MemoryEstimate` (None where the device's memory cannot be read, or in a
-    process whose process group is already started); raises
-    `MemoryCheckError` (one line, with the flags that would fit) when it does not fit, unless
-    ``--debug.skip_memory_check``."""
+    """This run's `MemoryEstimate` (None where the device's memory cannot be read, in a
+    process whose process group is already started, or on a generator rank, which checks its
+    generating copy alone); raises `MemoryCheckError` (one line, with the flags that would fit)
+    when it does not fit, unless ``--debug.skip_memory_check``."""
     if dist.is_initialized():
         # The estimator parallelizes on a fake process group of its own; a process that runs
         # several trainings in one group (a test harness) checked before its first.
@@ -206,6 +280,11 @@ def check_memory(config: Any) -> MemoryEstimate | None:
     limit, source = device
     process = _process_bytes()
     skip = config.debug.skip_memory_check
+    generator_rank = generator_rank_of(config)
+    if generator_rank is not None:
+        if not skip:
+            _check_generator_rank(config, generator_rank, limit, source, process)
+        return None
     try:
         estimate, flags = _isolated(_verdict, config, trainer_world_size(config), None if skip else limit - process)
     except ValueError:
@@ -243,4 +322,4 @@ def warn_beyond_context(config: Any, max_seq_len: int | None) -> None:
 
 
 __all__ = ["MemoryCheckError", "MemoryEstimate", "check_memory", "device_memory", "estimate_peak_bytes", "fitting_flags",
-           "trainer_world_size", "warn_beyond_context"]
+           "generator_rank_of", "trainer_world_size", "warn_beyond_context"]
