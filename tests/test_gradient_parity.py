@@ -54,11 +54,21 @@ LAYOUTS["qwen3_moe-pp2_aux_loss"] = (2, "qwen3_moe", [*AUX, *NO_DP, "--paralleli
 LAYOUTS["qwen3_moe-interleaved_pp2_aux_loss"] = (2, "qwen3_moe", [
     *AUX, *NO_DP, "--parallelism.pipeline_parallel_degree", "2",
     "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage", "1"])
+# The zero-bubble schedules split each backward into an input pass and a weight pass; torch's
+# input pass detaches the stage's outputs in place, which the view the stage's auxiliary loss
+# rode on refused (a step failed on one rank and hung the other until 2026-12-07).
+LAYOUTS["qwen3_moe-zbv_pp2_aux_loss"] = (2, "qwen3_moe", [
+    *AUX, *NO_DP, "--parallelism.pipeline_parallel_degree", "2",
+    "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.pipeline_parallel_layers_per_stage", "1"])
 # DeepSeek-V3's sequence-wise balance loss: each layer's own, so pipeline stages add up to one
 # process exactly; under CP its per-sequence statistics are summed over the ranks holding the
 # sequence's positions.
 DSV3_AUX = ["--model.router_aux_loss_coef", "0.01"]
 LAYOUTS["deepseek_v3-pp2_aux_loss"] = (2, "deepseek_v3", [*DSV3_AUX, *NO_DP, "--parallelism.pipeline_parallel_degree", "2"])
+# DualPipeV (DeepSeek-V3's own schedule): 4 stages of one layer over 2 ranks, a V each.
+LAYOUTS["deepseek_v3-dualpipev_pp2_aux_loss"] = (2, "deepseek_v3", [
+    *DSV3_AUX, "--model.n_layers", "4", *NO_DP, "--parallelism.pipeline_parallel_degree", "2",
+    "--parallelism.pipeline_parallel_schedule", "DualPipeV"])
 LAYOUTS["deepseek_v3-cp2_aux_loss"] = (2, "deepseek_v3", [*DSV3_AUX, *NO_DP, "--parallelism.context_parallel_degree", "2"])
 # One matrix for the embedding and the output projection: TP shards it for both.
 TIED = ["--model.flavor", "debugmodel_tiny_tied"]
@@ -79,10 +89,14 @@ REFERENCES = {**{family: (family, [], 1) for family in FAMILIES},
               "qwen3_moe_aux_loss_1f1b_stages": ("qwen3_moe", [*AUX, "--test.aux_loss_stages", "1|2,3"], 8),
               "qwen3_moe_aux_loss_layer_stages": ("qwen3_moe", [*AUX, "--test.aux_loss_stages", "1|2|3"], 8),
               "qwen3_moe_aux_loss_whole": ("qwen3_moe", AUX, 1),
-              "deepseek_v3_aux_loss": ("deepseek_v3", DSV3_AUX, 8), "deepseek_v3_aux_loss_whole": ("deepseek_v3", DSV3_AUX, 1),
+              "deepseek_v3_aux_loss": ("deepseek_v3", DSV3_AUX, 8),
+              "deepseek_v3_aux_loss_4_layers": ("deepseek_v3", [*DSV3_AUX, "--model.n_layers", "4"], 8),
+              "deepseek_v3_aux_loss_whole": ("deepseek_v3", DSV3_AUX, 1),
               "llama3_tied": ("llama3", TIED, 1), "llama3_dft": ("llama3", DFT, 1)}
 REFERENCE_OF = {"qwen3_moe-pp2_aux_loss": "qwen3_moe_aux_loss_1f1b_stages",
                 "qwen3_moe-interleaved_pp2_aux_loss": "qwen3_moe_aux_loss_layer_stages",
+                "qwen3_moe-zbv_pp2_aux_loss": "qwen3_moe_aux_loss_layer_stages",
+                "deepseek_v3-dualpipev_pp2_aux_loss": "deepseek_v3_aux_loss_4_layers",
                 "qwen3_moe-tp2_sp_aux_loss": "qwen3_moe_aux_loss_whole", "qwen3_moe-cp2_aux_loss": "qwen3_moe_aux_loss_whole",
                 "deepseek_v3-pp2_aux_loss": "deepseek_v3_aux_loss", "deepseek_v3-cp2_aux_loss": "deepseek_v3_aux_loss_whole",
                 **{layout: "llama3_tied" for layout in LAYOUTS if layout.startswith("llama3_tied")},

@@ -25,7 +25,6 @@ from titan.dist.config import ActivationCheckpointConfig
 from titan.dist.dry_run import (
     TIMED_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
-    check_auxiliary_loss_schedule,
     measure_block_units,
     validate_against_model,
     zero_bubble_timeable,
@@ -422,7 +421,6 @@ def plan(argv: Sequence[str], parse_train_args) -> int:
     facts, n_experts, probe = model_facts(config)
     work = workload_for(config, gpus, opts.global_batch_tokens, opts.memory_headroom)
     pinned = pinned_choices(rest, config)
-    check_auxiliary_loss_schedule(probe, pinned.get("schedule"))  # the planner leaves them out otherwise
     bounds = enumeration_for(pinned)
     stage_sizes = configured_stage_sizes(probe, config.parallelism)
     bounds["stage_weights"] = stage_weights(config.parallelism)

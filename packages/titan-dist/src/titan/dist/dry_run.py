@@ -896,8 +896,7 @@ def dry_run(model_fn: Callable[[], nn.Module], parallelism, *, world_size: int,
     with torch.device("meta"):
         probe = model_fn()
     validate_against_model(dims, probe, seq_len=seq_len, global_batch_size=global_batch_size,
-                           local_batch_size=local_batch_size,
-                           pipeline_schedule=getattr(parallelism, "pipeline_parallel_schedule", None))
+                           local_batch_size=local_batch_size)
     per_pp = world_size // dims.pp
     # What one block keeps, measured at the real shapes on fake tensors (None: the rules).
     measured = measure_block_units(measure_fn or model_fn, seq_len=min(seq_len, 64), dtype=DTYPES[activation_dtype],
@@ -947,20 +946,8 @@ def has_auxiliary_loss(model: nn.Module) -> bool:
     return bool(glob) and next(iter(match_modules(model, glob)), None) is not None
 
 
-def check_auxiliary_loss_schedule(model: nn.Module, schedule: str | None, *, pipelined: bool = True) -> None:
-    """Refuse a zero-bubble pipeline schedule for a model with an auxiliary loss: each stage
-    adds its layers' auxiliary loss through its output's backward, which the schedules that
-    split the backward into input and weight passes do not run as one (a step hung)."""
-    if pipelined and schedule in ZERO_BUBBLE_SCHEDULES and has_auxiliary_loss(model):
-        raise ValueError(
-            f"--parallelism.pipeline_parallel_schedule {schedule} splits each backward into input and "
-            f"weight passes, which the model's auxiliary (router balancing) loss does not support yet; use "
-            f"1F1B, Interleaved1F1B, GPipe or LoopedBFS, or --model.router_aux_loss_coef 0")
-
-
 def validate_against_model(dims: ParallelDims, model: nn.Module, *, seq_len: int,
-                           global_batch_size: int, local_batch_size: int,
-                           pipeline_schedule: str | None = None) -> None:
+                           global_batch_size: int, local_batch_size: int) -> None:
     """ParallelDims.validate_model with what the (meta) model's sharding plan declares (sizes
     the TP / EP degrees must divide, the blocks PP splits, tied parameters, expert modules
     for EP), before any parallelization: raises ValueError naming the values and the fix."""
@@ -972,7 +959,6 @@ def validate_against_model(dims: ParallelDims, model: nn.Module, *, seq_len: int
             f"expert_parallel_degree={dims.ep} needs an MoE model whose sharding plan names "
             f"its expert_modules; {type(model).__name__} declares none. Set "
             f"--parallelism.expert_parallel_degree 1")
-    check_auxiliary_loss_schedule(model, pipeline_schedule, pipelined=dims.pp_enabled)
     dims.validate_model(
         n_layers=len(list(blocks_of(model))), seq_len=seq_len, global_batch_size=global_batch_size,
         local_batch_size=local_batch_size,

@@ -88,7 +88,6 @@ from titan.dist.dry_run import (
     ZERO_BUBBLE_SCHEDULES,
     checkpointed_blocks,
     float8_gathered_units,
-    has_auxiliary_loss,
     fsdp_buffer_bytes,
     gathered_bytes_per_param,
     held_block_microbatches,
@@ -376,9 +375,6 @@ class ModelFacts:
     float8_tp_grad_gathers: float = 0.0
     """Of a block's two backward gathers of its row-parallel outputs' gradients, those of
     converted linears (in float8 under float8 tensor parallel; mean over the blocks)."""
-    auxiliary_loss: bool = False
-    """The model leaves an auxiliary loss (`has_auxiliary_loss`): the zero-bubble schedules
-    cannot run it."""
     tp_collectives: TPCollectives = dataclasses.field(default_factory=lambda: TPCollectives())
     """A block's tensor-parallel collectives by kind (`tp_block_collectives`; the default is a
     Llama block's)."""
@@ -465,7 +461,6 @@ class ModelFacts:
                    float8_cast_width=sum(m.in_features + m.out_features for m in linears),
                    float8_tp_input_gathers=input_gathers, float8_tp_grad_gathers=grad_gathers,
                    tp_collectives=tp_block_collectives(model, plan, int(dim)) if dim else TPCollectives(),
-                   auxiliary_loss=has_auxiliary_loss(model),
                    float8_tp_block_units=float8_tp_block_units,
                    **(block_units and _unit_fields(block_units)
                       or {"selective_units": sum(selective_op_units(b, int(dim)) for b in selective)
@@ -1331,9 +1326,8 @@ def enumerate_layouts(facts: ModelFacts, world_size: int, work: Workload, *, n_e
     bounds are pruning for speed: a flag the user pins widens them. The model's own
     constraints (heads, hidden sizes, ties) are checked by `ParallelDims.validate_model`
     through `valid`. A compiled model leaves out the zero-bubble schedules, which the engine
-    refuses for it (`check_compile_options`), and so does a model with an auxiliary loss
-    (`check_auxiliary_loss_schedule`)."""
-    if work.compile or facts.auxiliary_loss:
+    refuses for it (`check_compile_options`)."""
+    if work.compile:
         schedules = [s for s in schedules if s not in ZERO_BUBBLE_SCHEDULES]
     for pp in divisors(world_size):
         if pp > facts.n_layers or (stage_sizes and pp == 1):

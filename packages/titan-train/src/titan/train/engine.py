@@ -205,7 +205,10 @@ class _AddAuxiliaryLoss(torch.autograd.Function):
     def forward(ctx: Any, output: torch.Tensor, aux: torch.Tensor, weight: Any) -> torch.Tensor:
         ctx.aux_like = (aux.shape, aux.dtype, aux.device)
         ctx.weight = weight
-        return output.view_as(output)
+        # A new tensor, not a view of `output`: the zero-bubble schedules' input pass
+        # (torch's `stage_backward_input`) detaches the stage's outputs in place, which a view
+        # refuses. One copy of the stage's output per microbatch.
+        return output.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
@@ -441,7 +444,6 @@ class TrainingEngine:
             seq_len=seq_len,
             global_batch_size=global_batch_size,
             local_batch_size=local_batch_size,
-            pipeline_schedule=self.parallelism.pipeline_parallel_schedule,
         )
         self.num_params = model.num_params()
         self.num_labels = int(getattr(getattr(model, "args", None), "num_labels", 0) or 0)
