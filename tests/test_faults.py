@@ -66,6 +66,46 @@ def test_a_rank_that_withholds_a_collective_fails_the_run_within_the_timeout(tmp
     assert "in withheld_step" in output, output[-6000:]  # rank 1's stack, where it hangs
 
 
+# `titan train` whose rank 1 fails on its own at its fourth step (a data source that breaks on
+# one host), while rank 0 goes on into the step's collectives.
+RAISING_ENTRY = """
+import os, sys
+from titan.recipes.cli import main
+from titan.train.trainer import Trainer
+
+real_next = Trainer.next_microbatches
+
+def failing_next(self, data_iter):
+    if os.environ.get("RANK") == "1" and self.step == 3:
+        raise RuntimeError("rank 1's data source failed at step 4")
+    return real_next(self, data_iter)
+
+Trainer.next_microbatches = failing_next
+sys.exit(main())
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_s_own_error_ends_the_run_without_waiting_for_a_timeout(tmp_path):
+    """The failing rank leaves without its teardown's barrier, which rank 0, waiting in the
+    step's all-reduce, would never join: the run ends with rank 1's error and rank 0 losing
+    its peer, not after the 30-minute collective timeout given here (until 2026-12-07 the run
+    waited --comm.train_timeout_seconds, then reported rank 0's timeout as its failure). The
+    subprocess limit, far below that timeout, is what a hang would hit."""
+    script = tmp_path / "raising.py"
+    script.write_text(RAISING_ENTRY)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", str(script), "train", "--config", "llama3_debug_synthetic",
+           "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
+           "--training.steps", "10", "--metrics.no_enable_progress_bar", "--comm.train_timeout_seconds", "1800",
+           "--job.dump_folder", str(tmp_path / "run")]
+    done = run_command(cmd, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-4000:]
+    assert "RuntimeError: rank 1's data source failed at step 4" in output, output[-6000:]
+    assert "timed out" not in output, output[-6000:]
+
+
 def test_comm_flags_are_checked():
     from titan.dist import CommConfig
 

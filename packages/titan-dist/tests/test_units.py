@@ -1,5 +1,7 @@
 """Pure-function pieces: pipeline splitting and its errors, CP sharding, TP flag errors."""
 
+import contextlib
+
 import pytest
 import titan_dist_testlib as lib
 import torch
@@ -96,6 +98,35 @@ def test_a_lost_peer_is_told_apart_from_other_errors():
     assert is_peer_lost(RuntimeError(gloo))
     assert not is_peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_peer_lost(ValueError(gloo))
+
+
+def test_a_lost_peer_is_reported_in_one_line_naming_its_cause(monkeypatch):
+    import titan.dist.comm as comm
+
+    monkeypatch.setattr(comm, "flight_recorder_dump", lambda: {})
+    gloo = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234. This is\ntypically..."
+    error = comm.PeerLostError.from_error(RuntimeError(gloo), rank=3)
+    assert str(error) == ("rank 3 lost a peer in a collective ([gloo/transport/tcp/pair.cc:553] Connection closed by "
+                          "peer [127.0.0.1]:1234. This is): another rank left the run; its own error, printed above, "
+                          "is the cause")
+    assert comm.PeerLostError.from_error(RuntimeError("Timed out waiting 5000ms for recv"), rank=3) is None
+
+
+def test_a_rank_leaving_after_its_own_error_skips_the_barrier(monkeypatch):
+    """`destroy_distributed` waits for every rank, except when this rank closes after an
+    error of its own (a peer may wait in a collective it will never join)."""
+    import titan.dist.env as env
+
+    calls = []
+    monkeypatch.setattr(env.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(env.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(env.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    for failed in (False, True):
+        monkeypatch.setattr(env, "_started_default_group", True)
+        with env.leaving_after_failure() if failed else contextlib.nullcontext():
+            env.destroy_distributed()
+    assert calls == ["barrier", "destroy", "destroy"]
+    assert not env._leaving_after_failure  # restored on leaving the block
 
 
 def test_the_hang_watchdog_runs_where_stderr_has_no_descriptor(monkeypatch):

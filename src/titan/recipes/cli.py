@@ -34,7 +34,7 @@ from typing import Any
 
 import tyro
 from titan.ckpt import CheckpointError
-from titan.dist import CollectiveTimeoutError
+from titan.dist import CollectiveTimeoutError, PeerLostError, leaving_after_failure
 from titan.train.config import RunConfig, TrainerConfig
 from titan.train.data.config import BUILTIN_DATASETS, DatasetConfig
 from titan.train.data.sft_config import SyntheticTaskConfig
@@ -681,8 +681,16 @@ def run(argv: Sequence[str], *, command: str = "train") -> int:
             log.warning("%s: running anyway (--debug.skip_memory_check)", memory.summary())
     try:
         loop.train()
-    finally:
-        loop.close()
+    except BaseException:
+        # This rank's own error: close without waiting for peers that may be stuck in a
+        # collective it will not join (the error, not their timeout, ends the run).
+        with leaving_after_failure():
+            try:
+                loop.close()
+            except Exception:  # the run's error is the one to report
+                logging.getLogger("titan").warning("closing the run after its error failed too", exc_info=True)
+        raise
+    loop.close()
     return 0
 
 
@@ -709,7 +717,7 @@ def _one_line(err: BaseException) -> str:
 
 def _exit_code(err: BaseException) -> int | None:
     """The exit code for an error reported as one line, or None for a bug (traceback)."""
-    if isinstance(err, (NonFiniteLossError, CheckpointError, CollectiveTimeoutError)):
+    if isinstance(err, (NonFiniteLossError, CheckpointError, CollectiveTimeoutError, PeerLostError)):
         return EXIT_RUN_FAILED
     if isinstance(err, (UsageError, ValueError, MissingExtraError, *PATH_ERRORS)):
         return EXIT_USAGE

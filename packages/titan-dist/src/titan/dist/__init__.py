@@ -3,7 +3,8 @@
 Public API (everything else is internal):
 
 - configs: `ParallelismConfig`, `ActivationCheckpointConfig`, `CompileConfig`
-- process group: `DistEnv`, `init_distributed`, `destroy_distributed`; a job split in two parts with
+- process group: `DistEnv`, `init_distributed`, `destroy_distributed` (`leaving_after_failure`: without
+  its barrier); a job split in two parts with
   a bridge between them: `split_job`, `current_split`, `JobSplit`, `Bridge`
 - mesh: `ParallelDims` (with expert parallel also the "ep" and "expert_fsdp" views)
 - transformation: `parallelize` (fixed order CP -> TP/SP -> EP -> AC -> compile -> FSDP2),
@@ -17,10 +18,16 @@ Public API (everything else is internal):
 
 from titan.dist.activation_checkpoint import apply_activation_checkpointing
 from titan.dist.compile import apply_compile, check_compile_options
-from titan.dist.comm import CollectiveTimeoutError, HangWatchdog, enable_flight_recorder, set_collective_timeout
+from titan.dist.comm import (
+    CollectiveTimeoutError,
+    HangWatchdog,
+    PeerLostError,
+    enable_flight_recorder,
+    set_collective_timeout,
+)
 from titan.dist.config import ActivationCheckpointConfig, CommConfig, CompileConfig, ParallelismConfig
 from titan.dist.dims import ParallelDims
-from titan.dist.env import DistEnv, destroy_distributed, init_distributed
+from titan.dist.env import DistEnv, destroy_distributed, init_distributed, leaving_after_failure
 from titan.dist.split import Bridge, JobSplit, current_split, split_job
 from titan.dist.context_parallel import (
     apply_context_parallel,
@@ -44,6 +51,7 @@ from titan.dist.reduce import clip_grad_norm_, reduce_max, reduce_mean
 __all__ = [
     "ActivationCheckpointConfig",
     "CollectiveTimeoutError",
+    "PeerLostError",
     "CommConfig",
     "HangWatchdog",
     "enable_flight_recorder",
@@ -73,6 +81,7 @@ __all__ = [
     "check_reshard_under_zero_bubble",
     "clip_grad_norm_",
     "destroy_distributed",
+    "leaving_after_failure",
     "Bridge",
     "JobSplit",
     "current_split",

@@ -107,16 +107,40 @@ class CollectiveTimeoutError(RuntimeError):
             return None
         record = flight_recorder_dump()
         entries = record.get("entries", [])
-        waited = f"waiting on {_describe(entries[-1], record.get('pg_config', {}))}" if entries else "in a collective"
+        waited = _waited_on(record)
         where = ""
         if entries and trace_folder is not None:
             path = Path(trace_folder) / f"rank_{rank}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(entries, indent=1))
             where = f"; its last {len(entries)} collectives are in {path}"
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return cls(f"rank {rank} timed out {waited} ({timeout_flag}; {first_line}){where}; another rank stopped "
+        return cls(f"rank {rank} timed out {waited} ({timeout_flag}; {_first_line(err)}){where}; another rank stopped "
                    "taking part (its stack is printed above: every rank prints its own when a step nears the timeout)")
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because a peer rank left the run: that rank's own error (printed
+    by it) is the run's cause, this one only its consequence."""
+
+    @classmethod
+    def from_error(cls, err: BaseException, *, rank: int) -> PeerLostError | None:
+        """The one-line error for a backend's lost-peer ``err`` (None when ``err`` is not one),
+        naming the collective this rank waited on (flight recorder)."""
+        if not is_peer_lost(err):
+            return None
+        return cls(f"rank {rank} lost a peer {_waited_on(flight_recorder_dump())} ({_first_line(err)}): another "
+                   "rank left the run; its own error, printed above, is the cause")
+
+
+def _waited_on(record: dict[str, Any]) -> str:
+    """What this rank was waiting on, from a flight-recorder dump."""
+    entries = record.get("entries", [])
+    return f"waiting on {_describe(entries[-1], record.get('pg_config', {}))}" if entries else "in a collective"
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (its type's name when empty)."""
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def _stderr_with_fileno() -> Any:
@@ -157,4 +181,4 @@ class HangWatchdog:
 
 
 __all__ = ["TRACE_FOLDER", "CollectiveTimeoutError", "HangWatchdog", "enable_flight_recorder",
-           "flight_recorder_dump", "is_peer_lost", "set_collective_timeout"]
+           "PeerLostError", "flight_recorder_dump", "is_peer_lost", "set_collective_timeout"]

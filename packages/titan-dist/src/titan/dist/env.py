@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -113,6 +115,26 @@ def mark_default_group_started() -> None:
     _started_default_group = True
 
 
+_leaving_after_failure = False
+"""Set by `leaving_after_failure`: `destroy_distributed` then skips its barrier."""
+
+
+@contextlib.contextmanager
+def leaving_after_failure() -> Iterator[None]:
+    """Within: this rank is closing after an error of its own, so `destroy_distributed` leaves
+    without its barrier. A peer may be waiting in a collective this rank will never join; the
+    barrier would hold this rank, and its error, until that collective's timeout (and the
+    peer would then report the timeout as the run's failure). Leaving at once ends the peers'
+    collectives with a closed connection, and the launcher stops the others at this rank's
+    exit, naming it."""
+    global _leaving_after_failure
+    previous, _leaving_after_failure = _leaving_after_failure, True
+    try:
+        yield
+    finally:
+        _leaving_after_failure = previous
+
+
 def destroy_distributed(*, barrier: bool = True) -> None:
     """Tear down the default process group `init_distributed` started (no-op otherwise: a
     group another library started in this process, such as an in-process vLLM engine's, is
@@ -120,11 +142,12 @@ def destroy_distributed(*, barrier: bool = True) -> None:
 
     The barrier first makes sure no rank leaves while another still waits on a collective;
     ``barrier=False`` leaves at once (after a collective timed out: a peer is gone or hung,
-    and a barrier would only time out again).
+    and a barrier would only time out again), as does a rank closing after its own error
+    (`leaving_after_failure`).
     """
     global _started_default_group
     if _started_default_group and dist.is_initialized():
         _started_default_group = False
-        if barrier:
+        if barrier and not _leaving_after_failure:
             dist.barrier()
         dist.destroy_process_group()

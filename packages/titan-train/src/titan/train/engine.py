@@ -47,6 +47,7 @@ from titan.dist import (
     CompileConfig,
     ParallelDims,
     ParallelismConfig,
+    PeerLostError,
     build_pipeline,
     check_compile_options,
     check_reshard_under_zero_bubble,
@@ -62,7 +63,7 @@ from titan.dist import (
     shard_batch_dict_for_context_parallel,
     validate_against_model,
 )
-from titan.dist.comm import TRACE_FOLDER, is_peer_lost
+from titan.dist.comm import TRACE_FOLDER
 from titan.dist.dry_run import has_auxiliary_loss
 from titan.train.device_copy import BatchCopier
 from titan.train.fault_tolerance import FaultToleranceConfig, ReplicaGroups
@@ -420,13 +421,15 @@ class TrainingEngine:
         ``--comm.init_timeout_seconds``)."""
         set_collective_timeout(self.comm.train_timeout_seconds, self.parallel_dims.process_groups())
 
-    def timeout_error(self, err: BaseException, timeout_flag: str) -> CollectiveTimeoutError | None:
-        """The one-line error naming the collective ``err`` timed out in (None when ``err`` is
-        not a collective timeout); writes this rank's flight-recorder trace under the run. A
-        timeout or a lost peer also makes `close` skip everything collective."""
+    def timeout_error(self, err: BaseException, timeout_flag: str) -> RuntimeError | None:
+        """The one-line error naming the collective ``err`` timed out in, or lost a peer in
+        (`PeerLostError`: another rank left the run); None when ``err`` is neither. A timeout
+        writes this rank's flight-recorder trace under the run. Either makes `close` skip
+        everything collective."""
         error = CollectiveTimeoutError.from_error(err, rank=self.dist_env.rank, timeout_flag=timeout_flag,
                                                   trace_folder=self.trace_folder)
-        self.collectives_failed = self.collectives_failed or error is not None or is_peer_lost(err)
+        error = error or PeerLostError.from_error(err, rank=self.dist_env.rank)
+        self.collectives_failed = self.collectives_failed or error is not None
         return error
 
     # ---- construction -------------------------------------------------------------------
