@@ -40,21 +40,29 @@ sys.exit(main())
 """
 
 
+def _two_rank_train(tmp_path: Path, name: str, entry: str, *flags: str, env: dict[str, str] | None = None
+                    ) -> subprocess.CompletedProcess:
+    """`titan train` of the tiny synthetic-data model (10 steps) on 2 ranks under torchrun,
+    started through ``entry`` (a script written to ``tmp_path/name`` that patches titan, then
+    runs its CLI) with ``flags`` added; 240 s at most (what a hang would hit)."""
+    script = tmp_path / name
+    script.write_text(entry)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", str(script), "train", "--config", "llama3_debug_synthetic",
+           "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
+           "--training.steps", "10", "--metrics.no_enable_progress_bar", *flags]
+    return run_command(cmd, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
 @pytest.mark.slow
 def test_a_rank_that_withholds_a_collective_fails_the_run_within_the_timeout(tmp_path):
     """gloo's default is 30 minutes; with --comm.train_timeout_seconds 5 the run stops with the
     collective named (flight recorder), its trace written, and the hung rank's stack printed
     (the watchdog fires at 90% of the timeout, while every rank is alive). The subprocess
     limit is what a hang would hit."""
-    script = tmp_path / "withholding.py"
-    script.write_text(WITHHOLDING_ENTRY)
     dump = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", str(script), "train", "--config", "llama3_debug_synthetic",
-           "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-           "--training.steps", "10", "--metrics.no_enable_progress_bar", "--comm.train_timeout_seconds", "5",
-           "--job.dump_folder", str(dump)]
-    done = run_command(cmd, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1", "TITAN_TEST_DUMP": str(dump)})
+    done = _two_rank_train(tmp_path, "withholding.py", WITHHOLDING_ENTRY, "--comm.train_timeout_seconds", "5",
+                           "--job.dump_folder", str(dump), env={"TITAN_TEST_DUMP": str(dump)})
     output = done.stdout + done.stderr
     assert done.returncode != 0, output[-4000:]
     line = next((line for line in output.splitlines() if "rank 0 timed out waiting on" in line), None)
@@ -92,14 +100,8 @@ def test_a_rank_s_own_error_ends_the_run_without_waiting_for_a_timeout(tmp_path)
     its peer, not after the 30-minute collective timeout given here (until 2026-12-07 the run
     waited --comm.train_timeout_seconds, then reported rank 0's timeout as its failure). The
     subprocess limit, far below that timeout, is what a hang would hit."""
-    script = tmp_path / "raising.py"
-    script.write_text(RAISING_ENTRY)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", str(script), "train", "--config", "llama3_debug_synthetic",
-           "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-           "--training.steps", "10", "--metrics.no_enable_progress_bar", "--comm.train_timeout_seconds", "1800",
-           "--job.dump_folder", str(tmp_path / "run")]
-    done = run_command(cmd, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = _two_rank_train(tmp_path, "raising.py", RAISING_ENTRY, "--comm.train_timeout_seconds", "1800",
+                           "--job.dump_folder", str(tmp_path / "run"))
     output = done.stdout + done.stderr
     assert done.returncode != 0, output[-4000:]
     assert "RuntimeError: rank 1's data source failed at step 4" in output, output[-6000:]
@@ -139,14 +141,8 @@ def test_a_straggling_rank_is_named(tmp_path):
     """Both ranks' step 8 takes 2 s more than the others (rank 0 waits for rank 1 in the
     step's collectives); the warning on rank 0 names rank 1, whose own data loading explains
     it. A 2 s sleep against steps of milliseconds is far beyond the factor 5 on a loaded machine."""
-    script = tmp_path / "slow_loader.py"
-    script.write_text(SLOW_LOADER_ENTRY)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", str(script), "train", "--config", "llama3_debug_synthetic",
-           "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-           "--training.steps", "10", "--metrics.log_freq", "1", "--metrics.no_enable_progress_bar",
-           "--job.dump_folder", str(tmp_path / "run")]
-    done = run_command(cmd, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = _two_rank_train(tmp_path, "slow_loader.py", SLOW_LOADER_ENTRY, "--metrics.log_freq", "1",
+                           "--job.dump_folder", str(tmp_path / "run"))
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     warnings = [line for line in output.splitlines() if "straggler: step 8 took" in line]
