@@ -125,8 +125,8 @@ def leaving_after_failure() -> Iterator[None]:
     without its barrier. A peer may be waiting in a collective this rank will never join; the
     barrier would hold this rank, and its error, until that collective's timeout (and the
     peer would then report the timeout as the run's failure). Leaving at once ends the peers'
-    collectives with a closed connection, and the launcher stops the others at this rank's
-    exit, naming it."""
+    collectives with a closed connection, and the launcher stops the others when this rank
+    exits."""
     global _leaving_after_failure
     previous, _leaving_after_failure = _leaving_after_failure, True
     try:
