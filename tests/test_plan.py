@@ -928,6 +928,9 @@ def test_a_router_auxiliary_loss_keeps_the_zero_bubble_schedules(capsys):
     stage adds through its output's backward; the schedules that split a backward into input
     and weight passes run it (tests/test_gradient_parity.py), so the planner ranks them for it
     and a pinned one plans and passes the dry run (they were refused until 2026-12-07)."""
+    from titan.models.qwen3_moe import QWEN3_MOE_FLAVORS
+
+    assert QWEN3_MOE_FLAVORS["30B-A3B"].router_aux_loss_coef > 0  # the recipe's model has the loss
     with_loss = {lay["layout"]["schedule"] for lay in _plan_json(capsys, "--config", "qwen3_moe_30b_a3b", "--gpus",
                                                                   "16xH100", "--top", "100000")["layouts"]}
     assert with_loss & set(ZERO_BUBBLE_SCHEDULES), with_loss

@@ -87,9 +87,12 @@ def trainer_world_size(config: Any) -> int:
 def generator_rank_of(config: Any) -> int | None:
     """This process's rank when it is one of a disaggregated ``titan rl`` run's generator ranks
     (the launch's last ``--rl.generator_ranks``); None on a rank that trains."""
-    generators = getattr(getattr(config, "rl", None), "generator_ranks", 0) or 0
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    return rank if generators and world > generators and rank >= world - generators else None
+    try:
+        trainers = trainer_world_size(config)
+    except ValueError:  # no rank left to train: the run refuses it with that message
+        return None
+    rank = int(os.environ.get("RANK", "0"))
+    return rank if rank >= trainers else None
 
 
 def _generator_fitting_flags(generator: Any, params: int, generator_ranks: int, budget: int) -> list[str]:
@@ -112,7 +115,8 @@ def _generator_fitting_flags(generator: Any, params: int, generator_ranks: int, 
             "--generator.kind vllm --generator.dtype bfloat16" + (f" --generator.tensor_parallel_size {n}" if n > 1 else "")]
     flags = []
     current = generator.tensor_parallel_size
-    for dtype in dict.fromkeys([generator.dtype, "bfloat16" if generator.dtype == "float32" else generator.dtype]):
+    dtypes = [generator.dtype] + (["bfloat16"] if generator.dtype == "float32" else [])
+    for dtype in dtypes:
         # The least sharding that fits in this dtype (the current one only in another dtype).
         n = next((n for n in shardings(current) if (dtype, n) != (generator.dtype, current)
                   and fits(dtype=dtype, tensor_parallel_size=n)), None)
