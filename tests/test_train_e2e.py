@@ -34,6 +34,32 @@ def read_metrics(folder) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_a_fresh_run_in_a_used_folder_sets_the_earlier_runs_metrics_aside(tmp_path):
+    """Two runs without checkpoints in one folder: the second starts afresh, so the first's
+    metrics.jsonl and config.json go to earlier_runs/1 (an interleaved metrics.jsonl would
+    mix the two runs' steps); a run that resumes from a checkpoint appends to its records."""
+    tiny = ["--config", "llama3_debug_synthetic", "--model.flavor", "debugmodel_tiny", "--job.dump_folder", str(tmp_path),
+            "--metrics.log_freq", "1", "--training.seq_len", "32"]
+    for steps in (3, 2):
+        result = run_titan(*tiny, "--training.steps", str(steps))
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "held an earlier run's metrics (steps 1-3) and this run starts afresh" in result.stderr
+    earlier = tmp_path / "earlier_runs" / "1"
+    assert [r["step"] for r in read_metrics(earlier)] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert json.loads((earlier / "config.json").read_text())["training"]["steps"] == 3
+    assert json.loads((tmp_path / "config.json").read_text())["training"]["steps"] == 2
+    # Resumed from the checkpoint of step 2 (the first of these runs starts afresh: its
+    # predecessor's records go to earlier_runs/2), the next run appends steps 3-4.
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]
+    for steps in (2, 4):
+        result = run_titan(*tiny, *ckpt, "--training.steps", str(steps))
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from step 2" in result.stderr and "earlier run" not in result.stderr
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(tmp_path / "earlier_runs" / "2")] == [1, 2]
+
+
 @pytest.mark.slow
 def test_synthetic_run_learns_and_logs_every_key(tmp_path):
     # Half the debug model's width, 2 of its 6 layers: the same approach to the floor in 80 steps

@@ -128,6 +128,70 @@ def test_a_resumed_run_replaces_the_rolled_back_steps_in_tensorboard(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 2.5), (2, 20.0), (3, 30.0)]
 
 
+def _log_one_step(log: MetricsLogger, step: int, loss: float, **start) -> Path | None:
+    """Start ``log`` at ``step - 1`` (``start``: its keywords), log ``step`` and close; returns
+    the folder `start` set an earlier run's records aside in."""
+    aside = log.start(step - 1, **start)
+    log.record_tokens(10)
+    log.clock.now += 1.0
+    log.log(step=step, loss=loss, grad_norm=1.0, lr=1e-3)
+    log.close()
+    return aside
+
+
+def test_a_fresh_start_sets_an_earlier_runs_records_aside(tmp_path, caplog):
+    """A run that starts afresh in a folder an earlier run logged to (no checkpoint to
+    continue) moves that run's JSONL file and TensorBoard events to earlier_runs/<n>/ instead
+    of interleaving its steps with them; each is kept whole, and TensorBoard reads both."""
+    pytest.importorskip("tensorboard")
+    first = _run_three_steps(_logger(tmp_path, enable_tensorboard=True))
+    with caplog.at_level("INFO", logger="titan"):
+        aside = _log_one_step(_logger(tmp_path, enable_tensorboard=True), 1, 7.0)
+    assert aside == tmp_path / "earlier_runs" / "1"
+    assert f"{tmp_path} held an earlier run's metrics (steps 1-3) and this run starts afresh: moved them to {aside}" \
+        in caplog.text
+    assert [(r["step"], r["loss"]) for r in _jsonl(tmp_path / "metrics.jsonl")] == [(1, 7.0)]
+    assert [r["loss"] for r in _jsonl(aside / "metrics.jsonl")] == [r["loss"] for r in first]
+    assert _tensorboard_series(tmp_path / "tb" / "rank0")["loss"] == {1: 7.0}
+    _assert_same_series(_tensorboard_series(aside / "tb" / "rank0"), _expected_series(_jsonl(aside / "metrics.jsonl")))
+    # The next fresh start takes the next folder; the one before is left as it was.
+    assert _log_one_step(_logger(tmp_path, enable_tensorboard=True), 1, 8.0) == tmp_path / "earlier_runs" / "2"
+    assert [r["loss"] for r in _jsonl(tmp_path / "earlier_runs" / "2" / "metrics.jsonl")] == [7.0]
+    assert [r["loss"] for r in _jsonl(tmp_path / "earlier_runs" / "1" / "metrics.jsonl")] == [r["loss"] for r in first]
+
+
+def test_a_run_that_continues_appends_and_an_empty_folder_sets_nothing_aside(tmp_path):
+    """A resumed run (step > 0, or step 0 with progress: ``continues``) appends to the
+    earlier records, as before; a first run has nothing to set aside."""
+    assert _log_one_step(_logger(tmp_path), 1, 1.0) is None
+    assert _log_one_step(_logger(tmp_path), 2, 2.0) is None
+    assert _log_one_step(_logger(tmp_path), 1, 3.0, continues=True) is None
+    assert [r["loss"] for r in _jsonl(tmp_path / "metrics.jsonl")] == [1.0, 2.0, 3.0]
+    assert not (tmp_path / "earlier_runs").exists()
+
+
+def test_every_writing_rank_sets_its_own_records_aside_in_the_same_folder(tmp_path):
+    """Under --metrics.save_for_all_ranks each rank moves its own file, into the same
+    earlier_runs/<n> as rank 0; a rank that writes nothing moves nothing."""
+    for rank in (0, 1):
+        _log_one_step(_logger(tmp_path, rank=rank, save_for_all_ranks=True), 1, 1.0 + rank)
+    assert _log_one_step(_logger(tmp_path, rank=2), 1, 5.0) is None
+    for rank, name in ((0, "metrics.jsonl"), (1, "metrics_rank1.jsonl")):
+        aside = _log_one_step(_logger(tmp_path, rank=rank, save_for_all_ranks=True), 1, 10.0 + rank)
+        assert aside == tmp_path / "earlier_runs" / "1"
+        assert [r["loss"] for r in _jsonl(aside / name)] == [1.0 + rank]
+        assert [r["loss"] for r in _jsonl(tmp_path / name)] == [10.0 + rank]
+
+
+def test_the_logged_step_range_reads_the_ends_of_a_file(tmp_path):
+    """First and last step, the last read from the file's end past a cut last line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "pad": "x" * 100}) + "\n" for s in range(5, 2000, 5)) + '{"step": 20')
+    assert metrics_mod.logged_step_range(path) == (5, 1995)
+    path.write_text("not json\n")
+    assert metrics_mod.logged_step_range(path) is None
+
+
 # ---- W&B: a real offline run, read back from its .wandb file ------------------------------
 
 def _wandb_records(run_file: Path) -> list:

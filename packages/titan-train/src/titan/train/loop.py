@@ -68,15 +68,19 @@ class StepResult:
     balancing loss; ``TrainingEngine.aux_loss_share``); None when it had none."""
 
 
-def save_run_config(config: Any, *, rank: int) -> None:
+def save_run_config(config: Any, *, rank: int) -> str | None:
     """The resolved config as ``<dump_folder>/config.json`` (rank 0), so a run folder says
-    how it was made (every loop writes it: train, SFT, RL)."""
+    how it was made (every loop writes it: train, SFT, RL); returns the config.json it
+    replaced (None: none, or not rank 0), which belongs with an earlier run's records."""
     if rank != 0:
-        return
+        return None
     folder = Path(config.job.dump_folder)
     folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.json"
+    replaced = path.read_text() if path.is_file() else None
     record = {"type": type(config).__name__, **dataclasses.asdict(config)}
-    (folder / "config.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return replaced
 
 
 def grad_accum_steps(training: TrainingConfig, dp_world_size: int) -> int:
@@ -373,16 +377,20 @@ class TrainingLoop:
         if self.config.checkpoint.create_seed_checkpoint:
             self.save_seed_checkpoint()
             return []
-        save_run_config(self.config, rank=self.dist_env.rank)
+        replaced_config = save_run_config(self.config, rank=self.dist_env.rank)
         resumed = self.engine.load_checkpoint() is not None  # step 0 too: a seed checkpoint, an initial load
-        if resumed and (self.step or self.progressed_before_step_1()):
+        continues = resumed and bool(self.step or self.progressed_before_step_1())
+        if continues:
             logger.info("resumed from step %d (%s)", self.step, self.resume_position())
         elif resumed:  # an initial load or a seed checkpoint: weights, no progress yet
             logger.info("training starts at step 0 from the loaded weights")
         self._report_restart(resumed)
         records: list[dict[str, Any]] = []
         self._run_start = (time.perf_counter(), self.step, self.train_state.tokens_seen)
-        self.metrics.start(self.step)
+        # A run that starts afresh sets an earlier run's metrics aside, with its config.
+        aside = self.metrics.start(self.step, continues=continues)
+        if aside is not None and replaced_config is not None:
+            (aside / "config.json").write_text(replaced_config)
         guard = PreemptionGuard(self.engine.device)
         training = self.config.training
         collector = GarbageCollection(training.gc_freq, debug=training.gc_debug, rank=self.dist_env.rank)

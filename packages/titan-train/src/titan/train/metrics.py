@@ -169,6 +169,24 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+def logged_step_range(path: Path) -> tuple[int, int] | None:
+    """The first and last ``step`` of a metrics JSONL file (read from its first line and its
+    end, whatever its length); None when they cannot be read."""
+    try:
+        with path.open("rb") as f:
+            first = json.loads(f.readline())["step"]
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            lines = [line for line in f.read().splitlines() if line.strip()]
+        for line in reversed(lines):  # a run killed mid-write may leave its last line cut
+            try:
+                return int(first), int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
 class JsonlBackend:
     """Appends each record as one JSON object per line."""
 
@@ -355,9 +373,12 @@ class MetricsLogger:
         suffix = "" if is_rank0 else f"_rank{self.rank}"
         self.jsonl_path = dump_folder / f"metrics{suffix}.jsonl"
         self.tb_dir = dump_folder / cfg.save_tb_folder / f"rank{self.rank}"
+        self.dump_folder = dump_folder
         self._skipped: set[str] = set()
         self._jsonl: JsonlBackend | None = None
         self._backends: list[TensorBoardBackend | WandbBackend] = []
+        # The event files an earlier run left here (this run's writer adds its own below).
+        self._earlier_tb_files = sorted(self.tb_dir.glob("events.out.tfevents.*")) if self.tb_dir.is_dir() else []
         if is_rank0 or cfg.save_for_all_ranks:
             self._open_backends(dump_folder, run_config)
         self._tokens_since_log = 0
@@ -384,9 +405,16 @@ class MetricsLogger:
 
         return tqdm(total=self.total_steps, desc="train", unit="step", dynamic_ncols=True, leave=False)
 
-    def start(self, step: int) -> None:
+    def start(self, step: int, *, continues: bool | None = None) -> Path | None:
         """Mark the beginning of training at ``step`` (after a resume, throughput and ETA count
-        from here)."""
+        from here). ``continues``: whether this run continues the records the dump folder
+        holds (default: ``step > 0``, a resumed run, which appends to them). A run that does
+        not (it starts afresh) first moves an earlier run's records out of its way
+        (:meth:`set_aside_earlier_run`), so that metrics.jsonl and TensorBoard show this run
+        alone; returns the folder they went to (None: there were none)."""
+        aside = None
+        if not (step > 0 if continues is None else continues):
+            aside = self.set_aside_earlier_run()
         self._start_step = step
         self._start_time = self._last_log_time = self.clock()
         for backend in self._backends:
@@ -396,6 +424,38 @@ class MetricsLogger:
                 backend.start(step)
         if self._bar is not None:
             self._bar.update(step)
+        return aside
+
+    def set_aside_earlier_run(self) -> Path | None:
+        """Move the records an earlier run left in the dump folder (this rank's metrics JSONL
+        file and TensorBoard event files) to ``<dump_folder>/earlier_runs/<n>/``, the first
+        ``n`` that holds none of them yet, keeping their names (``tensorboard --logdir`` on
+        the dump folder then shows that run beside this one, and ``titan plot`` reads the
+        folder). Appending instead would interleave two runs' steps in one series. Only the
+        writing ranks hold records; returns the folder (None: nothing to move)."""
+        jsonl = self.jsonl_path if self.jsonl_path.is_file() and self.jsonl_path.stat().st_size else None
+        tb_files = [f for f in self._earlier_tb_files if f.is_file()]
+        if not (self.is_rank0 or self.cfg.save_for_all_ranks) or (jsonl is None and not tb_files):
+            return None
+        tb_rel = self.tb_dir.relative_to(self.dump_folder)
+        n = 1
+        while (self.dump_folder / "earlier_runs" / str(n) / self.jsonl_path.name).exists() or \
+                (self.dump_folder / "earlier_runs" / str(n) / tb_rel).exists():
+            n += 1
+        aside = self.dump_folder / "earlier_runs" / str(n)
+        aside.mkdir(parents=True, exist_ok=True)
+        if jsonl is not None:
+            steps = logged_step_range(jsonl)
+            jsonl.rename(aside / jsonl.name)
+        if tb_files:
+            (aside / tb_rel).mkdir(parents=True, exist_ok=True)
+            for event_file in tb_files:
+                event_file.rename(aside / tb_rel / event_file.name)
+        self._earlier_tb_files = []
+        what = f"metrics (steps {steps[0]}-{steps[1]})" if jsonl is not None and steps else "metrics"
+        logger.info("%s held an earlier run's %s and this run starts afresh: moved them to %s, so that its "
+                    "metrics show this run alone", self.dump_folder, what, aside)
+        return aside
 
     def should_log(self, step: int) -> bool:
         """Whether ``step`` is a logging step."""
