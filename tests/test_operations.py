@@ -5,6 +5,7 @@ resumes), the resolved config saved in the run folder and the closing summary.""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -45,9 +46,10 @@ def records(dump: Path) -> list[dict]:
 
 def test_validation_loss_is_the_mean_cross_entropy_of_held_out_batches(tmp_path):
     """In process: the logged validation loss equals a hand-written evaluation of the same
-    batches with the trained weights; passes run at steps 2 and 4, logged on those steps.
-    Training with --training.loss_type dft, validation still reports the NLL, while the
-    training loss is DFT's: each token's p (-log p) is at most 1/e."""
+    batches with the trained weights; passes run at steps 2 and 4, logged on those steps, and
+    each pass prints its figures on the console. Training with --training.loss_type dft,
+    validation still reports the NLL, while the training loss is DFT's: each token's p
+    (-log p) is at most 1/e."""
     import tyro
     from titan.train.config import TrainerConfig
     from titan.train.trainer import Trainer
@@ -59,6 +61,10 @@ def test_validation_loss_is_the_mean_cross_entropy_of_held_out_batches(tmp_path)
                    args=[*TINY[2:], *VALIDATION, "--training.loss_type", "dft", "--job.dump_folder", str(tmp_path)],
                    use_underscores=True)
     trainer = Trainer(cfg, model_spec=model_spec("llama3"))
+    printed = []  # what the titan logger prints (its own console handler; pytest's sees none)
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: printed.append(record.getMessage())
+    logging.getLogger("titan").addHandler(handler)
     try:
         logged = trainer.train()
         model = trainer.model_parts[0]
@@ -68,12 +74,16 @@ def test_validation_loss_is_the_mean_cross_entropy_of_held_out_batches(tmp_path)
         labels = torch.cat([b["labels"] for b in batches])
         expected = float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100))
     finally:
+        logging.getLogger("titan").removeHandler(handler)
         trainer.close()
     validated = [r for r in logged if "validation_loss" in r]
     assert [r["step"] for r in validated] == [2, 4]
     assert validated[-1]["validation_loss"] == pytest.approx(expected, rel=1e-6)
     assert validated[-1]["validation_perplexity"] == pytest.approx(torch.tensor(expected).exp().item(), rel=1e-6)
     assert validated[0]["validation_loss"] != validated[-1]["validation_loss"]  # weights changed in between
+    for r in validated:
+        assert (f"step {r['step']}: held-out loss {r['validation_loss']:.4f}  perplexity "
+                f"{r['validation_perplexity']:.2f}  ({r['validation_tokens']:,} tokens)") in printed
     assert all(r["loss"] <= math.exp(-1) for r in logged) and expected > 1  # the NLL is log(vocab)-ish
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["type"] == "TrainerConfig" and saved["validation"]["freq"] == 2

@@ -457,6 +457,10 @@ class DPOTrainer(Trainer):
             logger.info("step %d: %s", record["step"], self.summary_line(record))
         return record
 
+    def validation_line(self, validation: dict[str, float]) -> str | None:
+        """None: the held-out figures are in :meth:`summary_line`'s line."""
+        return None
+
     def summary_line(self, record: dict[str, Any]) -> str:
         """The console line of a logged record's statistics (and its held-out ones)."""
         held_out = ("" if "validation_loss" not in record else

@@ -489,6 +489,10 @@ class GKDTrainer(SFTTrainer):
             logger.info("step %d: %s", record["step"], self.summary_line(record))
         return record
 
+    def validation_line(self, validation: dict[str, float]) -> str | None:
+        """None: the held-out figures are in :meth:`summary_line`'s line."""
+        return None
+
     @staticmethod
     def summary_line(record: dict[str, Any]) -> str:
         """The console line of a logged record's GKD fields."""

@@ -155,7 +155,7 @@ class Trainer(TrainingLoop):
         aux = {"aux_loss": self.global_aux_loss(result)} if self._has_aux_loss else {}
         env = self.engine.dist_env
         self.stragglers.check(env.rank, env.world_size, self.engine.device)
-        return self.log_step(
+        record = self.log_step(
             self.step,
             loss=loss,
             grad_norm=float(result.grad_norm),
@@ -168,6 +168,20 @@ class Trainer(TrainingLoop):
                 **self.log_extras(),
             },
         )
+        line = self.validation_line(validation) if validation and self.is_rank0 else None
+        if line:
+            logger.info("step %d: %s", self.step, line)
+        return record
+
+    def validation_line(self, validation: dict[str, float]) -> str | None:
+        """The console line of a validation pass's figures (the progress line shows the
+        training loss only): the held-out loss, its perplexity and tokens, and any other
+        figure the pass reports (e.g. GKD's ``validation_distill_loss``)."""
+        line = (f"held-out loss {validation['validation_loss']:.4f}  perplexity "
+                f"{validation['validation_perplexity']:.2f}  ({validation['validation_tokens']:,} tokens)")
+        others = [f"  {key.removeprefix('validation_')} {value:.4f}" for key, value in validation.items()
+                  if key not in ("validation_loss", "validation_perplexity", "validation_tokens")]
+        return line + "".join(others)
 
     def log_extras(self) -> dict[str, Any]:
         """Loop-specific fields of each logged record: the model's own figures when it reports
