@@ -90,6 +90,21 @@ def test_retention_keeps_exactly_k(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-5", "step-6", "step-7"]
 
 
+def test_retention_keeps_the_newest_step_a_run_can_continue_from(tmp_path):
+    """keep_latest_k 1 with a weights-only last save (the default): the full step before it
+    stays, so the run extended past its last step resumes from it instead of being refused."""
+    cfg = _cfg(interval=2, keep_latest_k=1, last_save_model_only=True)
+    run = Run(cfg, str(tmp_path))
+    run.train(5, last=5)
+    run.manager.close()
+    assert run.manager.steps() == [4, 5]
+    extended = Run(cfg, str(tmp_path), seed=3)
+    assert extended.manager.load() == 4  # step 5 holds the weights only
+    extended.train(2)  # steps 5 (again; off the interval) and 6: a full step, so the older ones go
+    extended.manager.close()
+    assert extended.manager.steps() == [6]
+
+
 def test_resaving_an_existing_step_replaces_it(tmp_path):
     first = Run(_cfg(interval=2), str(tmp_path))
     first.train(4)

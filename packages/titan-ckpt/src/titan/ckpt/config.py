@@ -32,7 +32,9 @@ class CheckpointConfig:
     keep_latest_k: int = 10
     """Keep only this many most recent complete steps, purging older ones in the background
     (0 keeps all). Older steps are purged only after the newer one is complete, so a crash
-    during a save always leaves a loadable step."""
+    during a save always leaves a loadable step; and while the kept steps are weights only (a
+    last save under --checkpoint.last_save_model_only), the newest full step stays too, so the
+    run can still be continued past its end."""
 
     load_step: int = -1
     """Step to resume from; -1 means the latest complete step in `folder`."""

@@ -91,6 +91,16 @@ def read_manifest(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def resumable(folder: str, step: int) -> bool:
+    """Whether complete step `step` holds what a run continues from (the optimizer, data
+    position and counters beside the weights): not a seed checkpoint (step 0) nor a
+    weights-only last save."""
+    try:
+        return step > 0 and not read_manifest(step_path(folder, step)).get("model_only")
+    except (OSError, ValueError):
+        return False
+
+
 def make_manifest(step: int, *, fmt: str, states: list[str], model_only: bool,
                   world_size: int, dtype: str | None = None) -> dict[str, Any]:
     """What a step holds: its format ("dcp" or "hf"), state names, and how it was written."""
@@ -162,13 +172,20 @@ def purge(folder: str, *, keep_latest_k: int, up_to_step: int) -> list[int]:
     """Delete complete steps beyond the newest `keep_latest_k` (0 keeps all) and leftovers of
     crashed saves at or below `up_to_step`; return the complete steps deleted.
 
-    Leftovers above `up_to_step` are kept: one may be the save in flight.
+    Leftovers above `up_to_step` are kept: one may be the save in flight. When none of the
+    newest `keep_latest_k` steps can be resumed from (a run's last save holds the weights only:
+    ``--checkpoint.last_save_model_only``, or Hugging Face safetensors), the newest step that
+    can is kept too: without it the run could never be continued past its last step.
     """
     for step, name in _scan(folder, _TMP_RE):
         if step <= up_to_step:
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
     steps = complete_steps(folder)
     doomed = steps[:-keep_latest_k] if keep_latest_k > 0 else []
+    if doomed and not any(resumable(folder, step) for step in steps[len(doomed):]):
+        last_full = [step for step in doomed if resumable(folder, step)]
+        if last_full:
+            doomed.remove(last_full[-1])
     for step in doomed:
         # Rename first so a half-deleted folder never looks like a complete step.
         path = step_path(folder, step)
