@@ -105,6 +105,15 @@ def test_a_file_datasets_cannot_parse_is_named_with_its_line(name, content, mess
         _first_stream(_config(name, folder, tmp_path), ByteTokenizer(), 8)
 
 
+@pytest.mark.parametrize("name, content", [("json", ""), ("json", "\n  \n"), ("text", "")])
+def test_an_empty_file_is_named(name, content, tmp_path):
+    """`datasets` stops with a bare StopIteration on an empty JSON Lines or text file."""
+    empty = tmp_path / f"empty.{'jsonl' if name == 'json' else 'txt'}"
+    empty.write_text(content)
+    with pytest.raises(ValueError, match=rf"--dataset.path: \S+{empty.name} is empty \(no records\)"):
+        _first_stream(_config(name, empty, tmp_path), ByteTokenizer(), 8)
+
+
 def test_json_with_hf_tokenizer_resumes(data_files, tmp_path, hf_tokenizer_file):
     tok = HFTokenizer(hf_tokenizer_file)
     cfg = _config("json", data_files["json"], tmp_path, text_sample_by="line")

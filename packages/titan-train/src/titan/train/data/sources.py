@@ -244,7 +244,10 @@ def why_unreadable(kind: str, files: list[str], err: BaseException) -> str | Non
 
     finder = {"json": _bad_json_line, "parquet": _bad_parquet_file, "text": _bad_text_file}.get(kind)
     for path in files:
-        problem = finder(path) if finder else None
+        # `datasets` infers the schema from the first file and stops with a bare StopIteration
+        # when that one has nothing in it.
+        problem = _empty_text_file(path) if kind in ("json", "text") else None
+        problem = problem or (finder(path) if finder else None)
         if problem:
             return problem
     if not isinstance(err, datasets.exceptions.DatasetGenerationError):
@@ -257,6 +260,19 @@ def why_unreadable(kind: str, files: list[str], err: BaseException) -> str | Non
 
 def _open_text(path: str):
     return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+
+
+def _empty_text_file(path: str) -> str | None:
+    """`path`'s problem when it holds nothing but whitespace (read up to its first other
+    character), else None."""
+    try:
+        with _open_text(path) as f:
+            while chunk := f.read(1 << 16):
+                if chunk.strip():
+                    return None
+    except (OSError, UnicodeDecodeError):
+        return None  # the format's own check names what is wrong
+    return f"{path} is empty (no records); remove it or leave it out of the path"
 
 
 def _bad_json_line(path: str) -> str | None:
