@@ -107,7 +107,7 @@ def test_pairs_longer_than_a_row_are_dropped_and_counted():
     too_long = {i for i in range(len(source)) if len(source.example(i)) - 1 > 40}
     assert too_long and not (seen & too_long)
     assert loader.dropped_examples >= len(too_long)
-    with pytest.raises(ValueError, match="no preference pair fits"):
+    with pytest.raises(ValueError, match=r"none of the 30 preference pairs fits in seq_len 8 \(chosen and rejected"):
         next(_loader(cfg, seq_len=8))
 
 

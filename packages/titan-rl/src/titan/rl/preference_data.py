@@ -379,8 +379,9 @@ class PreferencePacker(SFTPacker):
         return pair
 
     def _nothing_fits(self) -> ValueError:
-        return ValueError(f"no preference pair fits in seq_len {self.seq_len} (chosen and rejected together, "
-                          f"{self.dropped} dropped): raise --training.seq_len")
+        # Not `self.dropped`: the search reads on into the next pass, so it counts some twice.
+        return ValueError(f"none of the {self.num_examples} preference pairs fits in seq_len {self.seq_len} (chosen "
+                          "and rejected together): raise --training.seq_len")
 
     def _row(self, pairs: Sequence[PreferencePair]) -> dict[str, np.ndarray]:
         """A row of ``pairs`` end to end (each its chosen then its rejected sequence), then

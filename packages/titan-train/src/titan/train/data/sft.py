@@ -257,8 +257,9 @@ class SFTPacker:
 
     def _nothing_fits(self) -> ValueError:
         """The error of a pass over every example that placed none."""
-        return ValueError(f"no SFT example fits in seq_len {self.seq_len} with a token to train on ({self.dropped} "
-                          "dropped); raise --training.seq_len or use --sft_data.overlong truncate")
+        # Not `self.dropped`: the search reads on into the next pass, so it counts some twice.
+        return ValueError(f"none of the {self.num_examples} SFT examples fits in seq_len {self.seq_len} with a token "
+                          "to train on; raise --training.seq_len or use --sft_data.overlong truncate")
 
     def _prepare(self, example: SFTExample) -> SFTExample | None:
         """Apply the overlong policy; None if the example cannot be used."""
