@@ -83,6 +83,12 @@ def test_two_runs_give_one_png_per_default_metric_with_both_runs(tmp_path):
     assert run_labels(runs) == ["lr_1e-3", "lr_3e-4"]
 
 
+def test_an_earlier_run_a_folder_set_aside_is_labelled_by_its_folder(tmp_path):
+    _fake_run(tmp_path / "run", steps=range(1, 4), lr=1e-3)
+    _fake_run(tmp_path / "run" / "earlier_runs" / "2", steps=range(1, 4), lr=1e-3)
+    assert run_labels([tmp_path / "run", tmp_path / "run" / "earlier_runs" / "2"]) == ["run", "run earlier run 2"]
+
+
 def test_the_figure_holds_each_run_as_a_labelled_line(tmp_path, monkeypatch):
     """What is drawn is the data read: capture the figure before it is saved."""
     from matplotlib.figure import Figure

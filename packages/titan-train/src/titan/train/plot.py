@@ -84,10 +84,17 @@ def read_series(run: str | Path) -> dict[str, Series]:
 
 
 def run_labels(runs: Sequence[str | Path]) -> list[str]:
-    """Legend labels: each run folder's name, or its full path where names repeat."""
+    """Legend labels: each run folder's name (an earlier run a folder set aside,
+    ``RUN/earlier_runs/<n>``, as ``RUN earlier run <n>``), or its full path where names repeat."""
     folders = [Path(r) if Path(r).is_dir() else Path(r).parent for r in runs]
-    names = [f.resolve().name or str(f) for f in folders]
+    names = [_run_name(f.resolve()) or str(f) for f in folders]
     return [name if names.count(name) == 1 else str(folder) for name, folder in zip(names, folders, strict=True)]
+
+
+def _run_name(folder: Path) -> str:
+    if folder.parent.name == "earlier_runs" and folder.name.isdigit():  # MetricsLogger.set_aside_earlier_run
+        return f"{folder.parent.parent.name} earlier run {folder.name}"
+    return folder.name
 
 
 def choose_keys(series: Sequence[dict[str, Series]], keys: Sequence[str] | None) -> list[str]:
