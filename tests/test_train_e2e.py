@@ -60,6 +60,26 @@ def test_a_fresh_run_in_a_used_folder_sets_the_earlier_runs_metrics_aside(tmp_pa
     assert [r["step"] for r in read_metrics(tmp_path / "earlier_runs" / "2")] == [1, 2]
 
 
+def test_a_finished_run_launched_again_trains_nothing_and_leaves_its_folder(tmp_path):
+    """Its last save holds the weights only (the default): launched again with the same
+    --training.steps, the run says it is complete and writes nothing (it used to resume from
+    the step before and train the last interval again); with more steps it trains on."""
+    flags = ["--config", "llama3_debug_synthetic", "--model.flavor", "debugmodel_tiny", "--job.dump_folder", str(tmp_path),
+             "--metrics.log_freq", "1", "--training.seq_len", "32", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    assert run_titan(*flags, "--training.steps", "3").returncode == 0
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != ".titan-run.lock"}
+    again = run_titan(*flags, "--training.steps", "3")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "this run is complete: its last step (3, --training.steps) is saved" in again.stderr
+    assert "resumed" not in again.stderr
+    after = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != ".titan-run.lock"}
+    assert {p: t for p, t in after.items() if p in before} == before
+    assert not [p for p in after if p not in before and "tb" not in p.parts]
+    longer = run_titan(*flags, "--training.steps", "4")
+    assert longer.returncode == 0 and "resuming from step 2" in longer.stderr, longer.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 3, 4]
+
+
 @pytest.mark.slow
 def test_synthetic_run_learns_and_logs_every_key(tmp_path):
     # Half the debug model's width, 2 of its 6 layers: the same approach to the floor in 80 steps

@@ -169,6 +169,19 @@ class CheckpointManager:
             return 0
         return None
 
+    def finished_run_step(self, last_step: int) -> int | None:
+        """``last_step`` when the folder already holds it as a finished run's last save (the
+        weights only: ``--checkpoint.last_save_model_only`` or Hugging Face safetensors), so the
+        same run launched again has nothing left to train; None otherwise (resume as usual).
+        Resuming would go back to the newest full step and run the steps after it again, only to
+        save the same last step (hours on a cluster, for a requeued job that had finished)."""
+        if not (self.config.enable and self.config.load_step == -1 and last_step > 0 and os.path.isdir(self.folder)):
+            return None
+        complete = layout.complete_steps(self.folder)
+        if complete and complete[-1] == last_step and self._weights_only(last_step):
+            return last_step
+        return None
+
     def _resolve_step(self, requested: int) -> int | None:
         """The complete step to resume from, None if there is none, or a clear error."""
         if os.path.exists(self.folder) and not os.path.isdir(self.folder):

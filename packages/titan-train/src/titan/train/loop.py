@@ -377,6 +377,13 @@ class TrainingLoop:
         if self.config.checkpoint.create_seed_checkpoint:
             self.save_seed_checkpoint()
             return []
+        finished = self.engine.checkpointer.finished_run_step(self.config.training.steps)
+        if finished is not None:  # before anything is written: the folder stays the finished run's
+            logger.info("this run is complete: its last step (%d, --training.steps) is saved in %s; nothing to "
+                        "train (raise --training.steps to train on from the step before it)", finished,
+                        self.engine.checkpointer.folder)
+            self.metrics.close()
+            return []
         replaced_config = save_run_config(self.config, rank=self.dist_env.rank)
         resumed = self.engine.load_checkpoint() is not None  # step 0 too: a seed checkpoint, an initial load
         continues = resumed and bool(self.step or self.progressed_before_step_1())
