@@ -105,20 +105,25 @@ def test_retention_keeps_the_newest_step_a_run_can_continue_from(tmp_path):
     assert extended.manager.steps() == [6]
 
 
-def test_a_finished_runs_weights_only_last_save_is_recognised(tmp_path):
+def test_a_finished_runs_weights_only_last_save_is_recognised_and_loaded(tmp_path):
     """The folder holds the run's target step as its weights-only last save: the same run
-    launched again is finished. A full last step, another target, or a pinned load step: not."""
+    launched again is finished, with those weights loaded. A full last step, another target,
+    or a pinned load step: not (nothing is loaded)."""
     cfg = _cfg(interval=2, last_save_model_only=True)
     run = Run(cfg, str(tmp_path))
     run.train(5, last=5)
     run.manager.close()
-    assert run.manager.finished_run_step(5) == 5
-    assert run.manager.finished_run_step(7) is None and run.manager.finished_run_step(4) is None
-    assert Run(_cfg(interval=2, load_step=4), str(tmp_path)).manager.finished_run_step(5) is None
+    again = Run(cfg, str(tmp_path), seed=3)
+    assert again.manager.load_finished_run(7) is None and again.manager.load_finished_run(4) is None
+    assert not tensors_equal(run.model.state_dict(), again.model.state_dict())
+    assert again.manager.load_finished_run(5) == 5
+    assert tensors_equal(run.model.state_dict(), again.model.state_dict())
+    again.manager.close()
+    assert Run(_cfg(interval=2, load_step=4), str(tmp_path)).manager.load_finished_run(5) is None
     full = Run(_cfg(interval=2), str(tmp_path / "full"))
     full.train(4, last=4)
     full.manager.close()
-    assert full.manager.finished_run_step(4) is None  # resumes (and trains nothing) as before
+    assert full.manager.load_finished_run(4) is None  # resumes (and trains nothing) as before
 
 
 def test_resaving_an_existing_step_replaces_it(tmp_path):

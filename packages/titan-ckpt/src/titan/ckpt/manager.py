@@ -169,18 +169,23 @@ class CheckpointManager:
             return 0
         return None
 
-    def finished_run_step(self, last_step: int) -> int | None:
-        """``last_step`` when the folder already holds it as a finished run's last save (the
-        weights only: ``--checkpoint.last_save_model_only`` or Hugging Face safetensors), so the
-        same run launched again has nothing left to train; None otherwise (resume as usual).
-        Resuming would go back to the newest full step and run the steps after it again, only to
-        save the same last step (hours on a cluster, for a requeued job that had finished)."""
+    def load_finished_run(self, last_step: int) -> int | None:
+        """Load and return ``last_step`` when the folder already holds it as a finished run's
+        last save (the weights only: ``--checkpoint.last_save_model_only`` or Hugging Face
+        safetensors), so the same run launched again has nothing left to train; None otherwise
+        (resume as usual). Resuming would go back to the newest full step and run the steps
+        after it again, only to save the same last step (hours on a cluster, for a requeued job
+        that had finished). Loading the weights checks that they are this run's model (a
+        checkpoint of another size fails as on any load)."""
         if not (self.config.enable and self.config.load_step == -1 and last_step > 0 and os.path.isdir(self.folder)):
             return None
+        self.wait()
         complete = layout.complete_steps(self.folder)
-        if complete and complete[-1] == last_step and self._weights_only(last_step):
-            return last_step
-        return None
+        if not (complete and complete[-1] == last_step and self._weights_only(last_step)):
+            return None
+        self._load_step(last_step)
+        self._last_saved = last_step
+        return last_step
 
     def _resolve_step(self, requested: int) -> int | None:
         """The complete step to resume from, None if there is none, or a clear error."""

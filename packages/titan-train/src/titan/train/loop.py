@@ -377,7 +377,7 @@ class TrainingLoop:
         if self.config.checkpoint.create_seed_checkpoint:
             self.save_seed_checkpoint()
             return []
-        finished = self.engine.checkpointer.finished_run_step(self.config.training.steps)
+        finished = self.engine.checkpointer.load_finished_run(self.config.training.steps)
         if finished is not None:  # before anything is written: the folder stays the finished run's
             logger.info("this run is complete: its last step (%d, --training.steps) is saved in %s; nothing to "
                         "train (raise --training.steps to train on from the step before it)", finished,
