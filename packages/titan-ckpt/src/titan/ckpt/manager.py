@@ -180,6 +180,7 @@ class CheckpointManager:
         if not (self.config.enable and self.config.load_step == -1 and last_step > 0 and os.path.isdir(self.folder)):
             return None
         self.wait()
+        self._refuse_foreign_steps()  # as a resume would
         complete = layout.complete_steps(self.folder)
         if not (complete and complete[-1] == last_step and self._weights_only(last_step)):
             return None
@@ -240,7 +241,7 @@ class CheckpointManager:
         newest = complete[-1]
         if newest == 0 or not self._weights_only(newest):
             return newest
-        full = [step for step in complete if step and not self._weights_only(step)]
+        full = [step for step in complete if layout.resumable(self.folder, step)]
         if not full:
             raise CheckpointError(self._weights_only_message(newest))
         logger.warning(
