@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -78,6 +79,34 @@ def test_a_finished_run_launched_again_trains_nothing_and_leaves_its_folder(tmp_
     longer = run_titan(*flags, "--training.steps", "4")
     assert longer.returncode == 0 and "resuming from step 2" in longer.stderr, longer.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 3, 4]
+
+
+def test_a_resume_with_another_batch_warns_and_names_the_flag_that_keeps_it(tmp_path):
+    """Each checkpoint records the run's optimizer batch. With --training.global_batch_size -1
+    the batch follows the local batch and the data-parallel degree, so a resume on fewer
+    ranks (here: a smaller local batch, the same arithmetic) halves it without a flag saying
+    so: the resumed run warns, naming the flag that keeps the checkpoint's batch; with that
+    flag (two accumulated microbatches of 4) it says nothing."""
+    flags = ["--config", "llama3_debug_synthetic", "--model.flavor", "debugmodel_tiny", "--job.dump_folder", str(tmp_path),
+             "--training.seq_len", "32", "--checkpoint.enable", "--checkpoint.interval", "2",
+             "--checkpoint.no_last_save_model_only"]
+    first = run_titan(*flags, "--training.steps", "2", "--training.local_batch_size", "8")
+    assert first.returncode == 0, first.stderr[-3000:]
+    manifest = json.loads((tmp_path / "checkpoint" / "step-2" / "titan_checkpoint.json").read_text())
+    assert manifest["run"]["batch"] == {"global_batch_size": 8, "local_batch_size": 8, "data_parallel_degree": 1,
+                                        "gradient_accumulation_steps": 1, "seq_len": 32}
+    halved = run_titan(*flags, "--training.steps", "3", "--training.local_batch_size", "4")
+    assert halved.returncode == 0, halved.stderr[-3000:]
+    assert "resumed from step 2" in halved.stderr
+    assert ("step 2 was trained with a global batch of 8 sequences (local batch 8 x data-parallel 1 x 1 accumulated); "
+            "this run's is 4 sequences (local batch 4 x data-parallel 1 x 1 accumulated): each optimizer step now takes "
+            "0.5x the sequences") in halved.stderr
+    assert "to keep the checkpoint's batch pass --training.global_batch_size 8" in halved.stderr
+    shutil.rmtree(tmp_path / "checkpoint" / "step-3")
+    kept = run_titan(*flags, "--training.steps", "3", "--training.local_batch_size", "4",
+                     "--training.global_batch_size", "8")
+    assert kept.returncode == 0, kept.stderr[-3000:]
+    assert "resumed from step 2" in kept.stderr and "global batch of" not in kept.stderr
 
 
 @pytest.mark.slow

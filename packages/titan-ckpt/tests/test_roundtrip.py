@@ -288,6 +288,42 @@ def test_an_optimizer_saved_before_its_first_step_stays_fresh(tmp_path):
     assert tensors_equal(trained(loaded_model, loaded_opt), untouched)
 
 
+def test_the_runs_facts_travel_in_every_manifest_and_a_resume_reads_them(tmp_path, caplog):
+    """What the trainer says about its run (its batch) is written into each step's manifest
+    and read back by the load; a step written without them (an older titan) reads None, and a
+    step written by another number of ranks says it was resharded."""
+    import json
+
+    from titan.ckpt import layout
+
+    run = Run(_cfg(interval=2), str(tmp_path))
+    run.manager.run_facts = {"batch": {"global_batch_size": 16, "seq_len": 32}}
+    run.train(2)
+    run.manager.close()
+    manifest_path = os.path.join(layout.step_path(run.manager.folder, 2), layout.MANIFEST)
+    manifest = json.loads(open(manifest_path).read())
+    assert manifest["run"] == {"batch": {"global_batch_size": 16, "seq_len": 32}}
+    again = Run(_cfg(interval=2), str(tmp_path))
+    assert again.manager.loaded_run_facts is None
+    with caplog.at_level("INFO", logger="titan"):
+        assert again.manager.load() == 2
+    again.manager.close()
+    assert again.manager.loaded_run_facts == manifest["run"]
+    assert "resharded" not in caplog.text
+    # As an older titan wrote it, by 2 ranks.
+    manifest.pop("run")
+    manifest["world_size"] = 2
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    caplog.clear()
+    older = Run(_cfg(interval=2), str(tmp_path))
+    with caplog.at_level("INFO", logger="titan"):
+        assert older.manager.load() == 2
+    older.manager.close()
+    assert older.manager.loaded_run_facts is None
+    assert "(written by 2 ranks, resharded onto 1)" in caplog.text
+
+
 def test_save_now_keeps_a_saved_step_unless_told_to_resave_it(tmp_path):
     """A preemption save of a step this run saved already keeps that checkpoint (nothing
     moved); with ``resave`` (work done since without a step: an RL critic's warm-up) it

@@ -102,9 +102,11 @@ def resumable(folder: str, step: int) -> bool:
 
 
 def make_manifest(step: int, *, fmt: str, states: list[str], model_only: bool,
-                  world_size: int, dtype: str | None = None) -> dict[str, Any]:
-    """What a step holds: its format ("dcp" or "hf"), state names, and how it was written."""
-    return {
+                  world_size: int, dtype: str | None = None, run: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a step holds: its format ("dcp" or "hf"), state names, and how it was written;
+    ``run``: what the writing run says about itself (plain JSON values, e.g. its batch shape,
+    which a resume compares with its own), stored under "run" when given."""
+    manifest = {
         "version": MANIFEST_VERSION,
         "step": step,
         "format": fmt,
@@ -114,6 +116,9 @@ def make_manifest(step: int, *, fmt: str, states: list[str], model_only: bool,
         "dtype": dtype,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if run is not None:
+        manifest["run"] = dict(run)
+    return manifest
 
 
 def write_manifest(path: str, manifest: dict[str, Any]) -> None:

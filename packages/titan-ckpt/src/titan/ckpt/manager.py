@@ -98,6 +98,12 @@ class CheckpointManager:
         self._pending: tuple[int, Future] | None = None
         self._purges: list[Future] = []
         self._last_saved: int | None = None
+        self.run_facts: dict[str, Any] | None = None
+        """What the run says about itself in every step's manifest (plain JSON values, e.g. its
+        batch shape; set by the trainer before its first save; None: nothing)."""
+        self.loaded_run_facts: dict[str, Any] | None = None
+        """The ``run_facts`` of the step :meth:`load` resumed from (None: nothing loaded, or a
+        step written without them)."""
 
     # ----------------------------------------------------------------------------- setup
 
@@ -305,7 +311,11 @@ class CheckpointManager:
             self._dcp_load(path, ["model"])
         else:
             self._dcp_load(path, self._names_to_load())
-        logger.info("loaded step %d from %s in %.2fs", step, path, time.monotonic() - start)
+        self.loaded_run_facts = manifest.get("run")
+        saved_by = manifest.get("world_size")
+        resharded = (f" (written by {saved_by} ranks, resharded onto {self._world_size})"
+                     if isinstance(saved_by, int) and saved_by != self._world_size else "")
+        logger.info("loaded step %d from %s in %.2fs%s", step, path, time.monotonic() - start, resharded)
 
     def _initial_load(self, path: str) -> None:
         """Warm start from `--checkpoint.initial_load_path`."""
@@ -743,7 +753,7 @@ class CheckpointManager:
     def _manifest(self, step: int, fmt: str, states: list[str], model_only: bool,
                   dtype: str | None) -> dict[str, Any]:
         return layout.make_manifest(step, fmt=fmt, states=states, model_only=model_only,
-                                    world_size=self._world_size, dtype=dtype)
+                                    world_size=self._world_size, dtype=dtype, run=self.run_facts)
 
     def _barrier(self) -> None:
         if self._pg is not None:

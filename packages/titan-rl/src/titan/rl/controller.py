@@ -248,6 +248,11 @@ class RLTrainer(TrainingLoop):
     _kl_in_reward_kl = 0.0
     """The KL to the reference the last rollout measured (--rl.kl_in_reward_target steers it)."""
 
+    def batch_facts(self) -> None:
+        """None: an RL step's batch is its rollout (--rl.prompts_per_step x --rl.group_size,
+        whatever the ranks), not the data-parallel batch a resume compares."""
+        return None
+
     def __init__(self, config: RLConfig, *, model_spec: ModelSpec, teacher_spec: ModelSpec | None = None) -> None:
         """``teacher_spec``: the family of ``--rl.teacher_model`` (its folder's ``model_type``,
         which the command line reads); None: the policy's."""

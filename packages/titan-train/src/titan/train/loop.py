@@ -142,6 +142,9 @@ class TrainingLoop:
         self._watchdog = HangWatchdog(self.engine.comm.init_timeout_seconds)
         self.is_rank0 = self.engine.dist_env.rank == 0
         self.grad_accum_steps = grad_accum_steps(config.training, self.parallel_dims.dp_world_size)
+        batch = self.batch_facts()
+        if batch is not None:  # every step's manifest records it; a resume compares (_report_batch_change)
+            self.engine.checkpointer.run_facts = {"batch": batch}
         self._supervised_loss = supervised_loss(chunk_tokens=config.training.loss_chunk_tokens,
                                                 compiled=config.compile.compiles_loss,
                                                 loss_type=config.training.loss_type)
@@ -170,6 +173,46 @@ class TrainingLoop:
     def check_config(self) -> None:
         """Refuse flags this loop cannot honour, before the engine is built (raises
         ValueError naming the flag). The base checks nothing beyond the flavor."""
+
+    def batch_facts(self) -> dict[str, int] | None:
+        """This run's optimizer batch as its checkpoints record it, for a resume to compare
+        (:meth:`_report_batch_change`): sequences per optimizer step (``global_batch_size``)
+        and how they are made up. None where the batch does not follow ``--training.*``'s
+        batch flags (RL's comes from its rollouts)."""
+        training, dp = self.config.training, self.parallel_dims.dp_world_size
+        return {"global_batch_size": training.local_batch_size * dp * self.grad_accum_steps,
+                "local_batch_size": training.local_batch_size, "data_parallel_degree": dp,
+                "gradient_accumulation_steps": self.grad_accum_steps, "seq_len": training.seq_len}
+
+    def _report_batch_change(self) -> None:
+        """Say so when a resumed run's optimizer batch differs from the one its checkpoint was
+        trained with. With ``--training.global_batch_size -1`` the batch follows the
+        data-parallel degree, so resuming on another number of ranks changes it without a
+        flag saying so (a warning, with the flag that keeps it); a batch set explicitly is
+        only noted. Checkpoints written before titan recorded the batch say nothing."""
+        saved = (self.engine.checkpointer.loaded_run_facts or {}).get("batch")
+        mine = self.batch_facts()
+        if not isinstance(saved, dict) or mine is None or saved.get("global_batch_size") == mine["global_batch_size"]:
+            return
+
+        def shape(facts: dict[str, Any]) -> str:
+            return (f"{facts.get('global_batch_size')} sequences (local batch {facts.get('local_batch_size')} x "
+                    f"data-parallel {facts.get('data_parallel_degree')} x {facts.get('gradient_accumulation_steps')} "
+                    "accumulated)")
+
+        was, now = saved["global_batch_size"], mine["global_batch_size"]
+        change = (f"step {self.step} was trained with a global batch of {shape(saved)}; this run's is {shape(mine)}: "
+                  f"each optimizer step now takes {now / was:.3g}x the sequences, while the learning-rate schedule "
+                  "and --training.steps count steps")
+        if self.config.training.global_batch_size != -1:
+            logger.info("%s (--training.global_batch_size %d)", change, now)
+            return
+        per_step = mine["local_batch_size"] * mine["data_parallel_degree"]
+        keep = (f"--training.global_batch_size {was}" if was % per_step == 0 else
+                f"--training.global_batch_size {was} with a --training.local_batch_size that divides it by the "
+                f"data-parallel degree {mine['data_parallel_degree']}")
+        logger.warning("%s. --training.global_batch_size -1 follows the local batch and the data-parallel degree; "
+                       "to keep the checkpoint's batch pass %s (gradient accumulation makes up the rest)", change, keep)
 
     # ---- what the engine owns, under the names loops and tests use ----------------------
 
@@ -389,6 +432,7 @@ class TrainingLoop:
         continues = resumed and bool(self.step or self.progressed_before_step_1())
         if continues:
             logger.info("resumed from step %d (%s)", self.step, self.resume_position())
+            self._report_batch_change()
         elif resumed:  # an initial load or a seed checkpoint: weights, no progress yet
             logger.info("training starts at step 0 from the loaded weights")
         self._report_restart(resumed)
