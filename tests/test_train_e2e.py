@@ -110,6 +110,35 @@ def test_a_resume_with_another_batch_warns_and_names_the_flag_that_keeps_it(tmp_
 
 
 @pytest.mark.slow
+def test_an_extended_run_trains_on_the_longer_schedule_as_if_uninterrupted(tmp_path):
+    """A 2-step run resumed with --training.steps 4 trains steps 3-4 with the LR (and so the
+    losses) of an uninterrupted 4-step run, and warns that the saved run's schedule had
+    another LR for step 3 (its end: 0; step 3 used to train at LR 0). Resumed instead with
+    another --optimizer.lr, the LR is that flag's (the saved peak used to override it)."""
+    flags = ["--config", "llama3_debug_synthetic", "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32",
+             "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.5",
+             "--debug.deterministic"]
+    straight = run_titan(*flags, "--job.dump_folder", str(tmp_path / "straight"), "--training.steps", "4")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    ckpt = ["--job.dump_folder", str(tmp_path / "extended"), "--checkpoint.enable", "--checkpoint.interval", "2",
+            "--checkpoint.no_last_save_model_only"]
+    assert run_titan(*flags, *ckpt, "--training.steps", "2").returncode == 0
+    snapshot = tmp_path / "step-2"
+    shutil.copytree(tmp_path / "extended" / "checkpoint" / "step-2", snapshot)
+    extended = run_titan(*flags, *ckpt, "--training.steps", "4")
+    assert extended.returncode == 0, extended.stderr[-3000:]
+    want = {r["step"]: (r["loss"], r["lr"]) for r in read_metrics(tmp_path / "straight")}
+    got = {r["step"]: (r["loss"], r["lr"]) for r in read_metrics(tmp_path / "extended")}
+    assert got == want, (got, want)
+    assert ("the learning rate follows this run's schedule: step 3 trains at 0.002, where the run that saved step 2 "
+            "had set 0") in extended.stderr
+    lower = ["--job.dump_folder", str(tmp_path / "lower"), "--checkpoint.enable", "--checkpoint.interval", "2"]
+    shutil.copytree(snapshot, tmp_path / "lower" / "checkpoint" / "step-2")
+    resumed = run_titan(*flags, *lower, "--training.steps", "4", "--optimizer.lr", "1e-4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["lr"] for r in read_metrics(tmp_path / "lower")] == pytest.approx([want[s][1] / 20 for s in (3, 4)], rel=1e-12)
+
+
 def test_synthetic_run_learns_and_logs_every_key(tmp_path):
     # Half the debug model's width, 2 of its 6 layers: the same approach to the floor in 80 steps
     # (last losses 1.74, 1.75, 1.69, 1.67 against a floor of 1.42) in half the time.

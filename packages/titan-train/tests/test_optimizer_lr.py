@@ -100,6 +100,38 @@ def test_scheduler_drives_optimizer_lr():
     assert seen[4:] == pytest.approx([1.0, 0.75, 0.5, 0.25])
 
 
+def test_a_resumed_schedule_follows_this_runs_flags_not_the_checkpoints():
+    """Saved after 3 steps of a 3-step run at LR 1, loaded by a run of 8 steps at LR 0.5: the
+    position (3 steps) comes from the checkpoint, the peak and the schedule from this run. The
+    loaded optimizer state held the old schedule's LR for step 4 (its end: 0), and the loaded
+    scheduler state the old peak (1.0); both are replaced by this run's 0.5 x factor(4 of 8)."""
+    from titan.train.engine import LRSchedulers
+
+    model = TinyLM()
+    opt = build_optimizer(OptimizerConfig(lr=1.0), [model], "cpu")
+    old = LRSchedulers([build_lr_scheduler(LRSchedulerConfig(warmup_steps=2), opt, total_steps=3)])
+    for _ in range(3):
+        opt.step()
+        old.step()
+    assert opt.param_groups[0]["lr"] == 0.0  # the 3-step schedule's virtual last step
+    saved_opt, saved_sched = opt.state_dict(), old.state_dict()
+    cfg = LRSchedulerConfig(warmup_steps=2)
+    resumed_opt = build_optimizer(OptimizerConfig(lr=0.5), [TinyLM()], "cpu")
+    resumed = LRSchedulers([build_lr_scheduler(cfg, resumed_opt, total_steps=8)])
+    resumed_opt.load_state_dict(saved_opt)
+    resumed.load_state_dict(saved_sched)
+    assert resumed_opt.param_groups[0]["lr"] == 0.0  # what torch alone would train step 4 with
+    assert resumed.follow_this_runs_schedule() == (0.0, 0.5 * wsd_factor(4, cfg=cfg, total_steps=8))
+    seen = []
+    for _ in range(5):
+        seen.append(resumed_opt.param_groups[0]["lr"])
+        assert resumed.last_lr() == seen[-1]
+        resumed_opt.step()
+        resumed.step()
+    assert seen == pytest.approx([0.5 * wsd_factor(s, cfg=cfg, total_steps=8) for s in range(4, 9)])
+    assert resumed_opt.param_groups[0]["initial_lr"] == 0.5
+
+
 def test_the_schedule_is_torchtitans_step_for_step():
     """torchtitan's linear_warmup_stable_decay, written out by hand for 10 steps, warmup 2:
     warmup 1/2, 2/2; decay_ratio None: 8 decay steps with a virtual last one, the first held

@@ -180,9 +180,29 @@ class LRSchedulers:
         return self.schedulers[0].state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore every scheduler to the saved position."""
+        """Restore every scheduler to the saved position (the steps taken). The peak LR stays
+        this run's ``--optimizer.lr``: torch's state also holds the writing run's (``base_lrs``),
+        which would silently override the flag of a run resumed with another LR."""
         for scheduler in self.schedulers:
+            peaks = list(scheduler.base_lrs)
             scheduler.load_state_dict(state)
+            scheduler.base_lrs = peaks
+
+    def follow_this_runs_schedule(self) -> tuple[float, float]:
+        """Set every parameter group's LR to this run's schedule at the restored position; call
+        after a checkpoint's optimizer and scheduler states are loaded. The optimizer's state
+        holds the LR the writing run's schedule set for the next step, which differs where
+        this run's ``--optimizer.lr``, ``--lr_scheduler.*`` or ``--training.steps`` do (a run
+        extended from 3 to 5 steps took its step 4 at the old schedule's end, LR 0). Returns
+        (that LR, this run's) of the first group."""
+        loaded = float(self.schedulers[0].optimizer.param_groups[0]["lr"])
+        for scheduler in self.schedulers:
+            step = scheduler.last_epoch
+            lrs = [peak * factor(step) for factor, peak in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
+            for group, lr, peak in zip(scheduler.optimizer.param_groups, lrs, scheduler.base_lrs, strict=True):
+                group["lr"], group["initial_lr"] = lr, peak
+            scheduler._last_lr = lrs  # what get_last_lr() reports, as step() would have set it
+        return loaded, self.last_lr()
 
 
 @dataclass
@@ -986,8 +1006,18 @@ class TrainingEngine:
 
     def load_checkpoint(self) -> int | None:
         """Resume from the newest checkpoint (or the initial load path): the step loaded (0 for
-        a seed checkpoint or an initial load), None when there was nothing to load."""
-        return self.checkpointer.load()
+        a seed checkpoint or an initial load), None when there was nothing to load. The LR
+        then follows this run's schedule at the restored step (`LRSchedulers.follow_this_runs_schedule`),
+        with a warning where it differs from the one the checkpoint's run had set."""
+        step = self.checkpointer.load()
+        if step is not None:
+            loaded, now = self.lr_schedulers.follow_this_runs_schedule()
+            if not math.isclose(loaded, now, rel_tol=1e-9, abs_tol=0.0) and step > 0:
+                logger.warning(
+                    "the learning rate follows this run's schedule: step %d trains at %.3g, where the run that saved "
+                    "step %d had set %.3g (its --optimizer.lr, --lr_scheduler.* or --training.steps differed)",
+                    step + 1, now, step, loaded)
+        return step
 
     def maybe_save(self, *, last_step: bool = False, since: int | None = None) -> None:
         """Save a checkpoint when the interval (or ``last_step``) says so; ``since``: the step
