@@ -114,7 +114,8 @@ def test_an_extended_run_trains_on_the_longer_schedule_as_if_uninterrupted(tmp_p
     """A 2-step run resumed with --training.steps 4 trains steps 3-4 with the LR (and so the
     losses) of an uninterrupted 4-step run, and warns that the saved run's schedule had
     another LR for step 3 (its end: 0; step 3 used to train at LR 0). Resumed instead with
-    another --optimizer.lr, the LR is that flag's (the saved peak used to override it)."""
+    another --optimizer.lr and weight decay, both are the flags' (the saved ones used to
+    override them, silently)."""
     flags = ["--config", "llama3_debug_synthetic", "--model.flavor", "debugmodel_tiny", "--training.seq_len", "32",
              "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.5",
              "--debug.deterministic"]
@@ -134,8 +135,10 @@ def test_an_extended_run_trains_on_the_longer_schedule_as_if_uninterrupted(tmp_p
             "had set 0") in extended.stderr
     lower = ["--job.dump_folder", str(tmp_path / "lower"), "--checkpoint.enable", "--checkpoint.interval", "2"]
     shutil.copytree(snapshot, tmp_path / "lower" / "checkpoint" / "step-2")
-    resumed = run_titan(*flags, *lower, "--training.steps", "4", "--optimizer.lr", "1e-4")
+    resumed = run_titan(*flags, *lower, "--training.steps", "4", "--optimizer.lr", "1e-4",
+                        "--optimizer.weight_decay", "0.05")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "the optimizer's hyperparameters are this run's, not the checkpoint's: weight_decay 0.1 -> 0.05" in resumed.stderr
     assert [r["lr"] for r in read_metrics(tmp_path / "lower")] == pytest.approx([want[s][1] / 20 for s in (3, 4)], rel=1e-12)
 
 

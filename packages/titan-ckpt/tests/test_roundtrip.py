@@ -288,6 +288,39 @@ def test_an_optimizer_saved_before_its_first_step_stays_fresh(tmp_path):
     assert tensors_equal(trained(loaded_model, loaded_opt), untouched)
 
 
+def test_a_resumed_optimizer_keeps_this_runs_hyperparameters_and_the_saved_moments(caplog):
+    """torch's load takes the saving run's weight decay, betas, eps and kernel choice, so a
+    run resumed with other flags silently kept the old ones. The moments and step counts come
+    from the checkpoint, the LR with the scheduler's position, the rest is this run's; the
+    difference is logged. A resume with the same hyperparameters logs nothing."""
+    from titan.ckpt import OptimizerWrapper
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    model(torch.randint(0, 32, (2, 8))).float().square().mean().backward()
+    opt.step()
+    saved = OptimizerWrapper(model, opt).state_dict()
+    other = TinyLM()
+    resumed = torch.optim.AdamW(other.parameters(), lr=5e-3, weight_decay=0.0, betas=(0.8, 0.99), eps=1e-6,
+                                foreach=True)
+    with caplog.at_level("WARNING", logger="titan"):
+        OptimizerWrapper(other, resumed).load_state_dict(saved)
+    group = resumed.param_groups[0]
+    assert (group["weight_decay"], group["betas"], group["eps"], group["foreach"]) == (0.0, (0.8, 0.99), 1e-6, True)
+    assert group["lr"] == 1e-2  # the schedule's: restored with the scheduler's position
+    for mine, theirs in zip(other.parameters(), model.parameters(), strict=True):
+        assert torch.equal(resumed.state[mine]["exp_avg"], opt.state[theirs]["exp_avg"])
+        assert float(resumed.state[mine]["step"]) == 1.0
+    assert ("the optimizer's hyperparameters are this run's, not the checkpoint's: betas (0.9, 0.95) -> (0.8, 0.99), "
+            "eps 1e-08 -> 1e-06, foreach None -> True, weight_decay 0.1 -> 0.0") in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="titan"):
+        OptimizerWrapper(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95),
+                                                  eps=1e-8)).load_state_dict(saved)
+    assert "hyperparameters" not in caplog.text
+
+
 def test_the_runs_facts_travel_in_every_manifest_and_a_resume_reads_them(tmp_path, caplog):
     """What the trainer says about its run (its batch) is written into each step's manifest
     and read back by the load; a step written without them (an older titan) reads None, and a

@@ -7,6 +7,7 @@ checkpoint written under one parallel layout (FSDP, TP, PP) loads under another.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+logger = logging.getLogger("titan")
 
 __all__ = ["ModelWrapper", "OptimizerWrapper", "RNGState", "RankLocal", "TrainState", "copy_whole_weights", "plain_tensor",
            "shard_like"]
@@ -175,9 +178,25 @@ class OptimizerWrapper:
         return _plain_state(merged)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Give each optimizer the entries of its own parameters."""
+        """Give each optimizer the entries of its own parameters: the moments and step
+        counts. The hyperparameters stay this run's (weight decay, betas, eps, the kernel
+        choice: torch's load would take the saving run's and silently override the flags of
+        a run resumed with others); the LR is the schedule's (`SCHEDULE_KEYS`), which the
+        scheduler's own state restores."""
+        changed: dict[str, tuple[Any, Any]] = {}
         for part, opt in zip(self.model_parts, self.optimizers, strict=True):
+            own = [{k: v for k, v in group.items() if k not in ("params", *SCHEDULE_KEYS)} for group in opt.param_groups]
             set_optimizer_state_dict(part, opt, state_dict, options=self._options())
+            for group, mine in zip(opt.param_groups, own, strict=True):
+                changed.update({k: (group[k], v) for k, v in mine.items() if k in group and group[k] != v})
+                group.update(mine)
+        if changed:
+            logger.warning("the optimizer's hyperparameters are this run's, not the checkpoint's: %s",
+                           ", ".join(f"{k} {saved} -> {mine}" for k, (saved, mine) in sorted(changed.items())))
+
+
+SCHEDULE_KEYS = ("lr", "initial_lr")
+"""The parameter-group entries an LR scheduler owns (restored with the scheduler's position)."""
 
 
 class RankLocal:
