@@ -81,12 +81,12 @@ def test_a_finished_run_launched_again_trains_nothing_and_leaves_its_folder(tmp_
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 3, 4]
 
 
-def test_a_resume_with_another_batch_warns_and_names_the_flag_that_keeps_it(tmp_path):
+def test_a_resume_with_another_batch_warns_and_another_seed_is_refused(tmp_path):
     """Each checkpoint records the run's optimizer batch. With --training.global_batch_size -1
     the batch follows the local batch and the data-parallel degree, so a resume on fewer
     ranks (here: a smaller local batch, the same arithmetic) halves it without a flag saying
     so: the resumed run warns, naming the flag that keeps the checkpoint's batch; with that
-    flag (two accumulated microbatches of 4) it says nothing."""
+    flag (two accumulated microbatches of 4) it says nothing. Another --debug.seed is refused."""
     flags = ["--config", "llama3_debug_synthetic", "--model.flavor", "debugmodel_tiny", "--job.dump_folder", str(tmp_path),
              "--training.seq_len", "32", "--checkpoint.enable", "--checkpoint.interval", "2",
              "--checkpoint.no_last_save_model_only"]
@@ -107,6 +107,16 @@ def test_a_resume_with_another_batch_warns_and_names_the_flag_that_keeps_it(tmp_
                      "--training.global_batch_size", "8")
     assert kept.returncode == 0, kept.stderr[-3000:]
     assert "resumed from step 2" in kept.stderr and "global batch of" not in kept.stderr
+    # Another seed is refused: the resume would restore the saved run's random states and data
+    # order while what is drawn afresh followed the new seed. The folder's config stays.
+    config = (tmp_path / "config.json").read_text()
+    reseeded = run_titan(*flags, "--training.steps", "4", "--training.local_batch_size", "4",
+                         "--training.global_batch_size", "8", "--debug.seed", "5")
+    assert reseeded.returncode == 2
+    assert "--debug.seed 5 is not the seed of the run this one resumes (0, step 3 in" in reseeded.stderr
+    assert "resume with --debug.seed 0, or train with another seed as a new run" in reseeded.stderr
+    assert (tmp_path / "config.json").read_text() == config
+    assert json.loads((tmp_path / "checkpoint" / "step-3" / "titan_checkpoint.json").read_text())["run"]["seed"] == 0
 
 
 @pytest.mark.slow

@@ -142,9 +142,9 @@ class TrainingLoop:
         self._watchdog = HangWatchdog(self.engine.comm.init_timeout_seconds)
         self.is_rank0 = self.engine.dist_env.rank == 0
         self.grad_accum_steps = grad_accum_steps(config.training, self.parallel_dims.dp_world_size)
+        # Every step's manifest records them; a resume compares (_report_changes_since_checkpoint).
         batch = self.batch_facts()
-        if batch is not None:  # every step's manifest records it; a resume compares (_report_batch_change)
-            self.engine.checkpointer.run_facts = {"batch": batch}
+        self.engine.checkpointer.run_facts = {"seed": config.debug.seed, **({"batch": batch} if batch else {})}
         self._supervised_loss = supervised_loss(chunk_tokens=config.training.loss_chunk_tokens,
                                                 compiled=config.compile.compiles_loss,
                                                 loss_type=config.training.loss_type)
@@ -176,13 +176,32 @@ class TrainingLoop:
 
     def batch_facts(self) -> dict[str, int] | None:
         """This run's optimizer batch as its checkpoints record it, for a resume to compare
-        (:meth:`_report_batch_change`): sequences per optimizer step (``global_batch_size``)
+        (:meth:`_report_changes_since_checkpoint`): sequences per optimizer step (``global_batch_size``)
         and how they are made up. None where the batch does not follow ``--training.*``'s
         batch flags (RL's comes from its rollouts)."""
         training, dp = self.config.training, self.parallel_dims.dp_world_size
         return {"global_batch_size": training.local_batch_size * dp * self.grad_accum_steps,
                 "local_batch_size": training.local_batch_size, "data_parallel_degree": dp,
                 "gradient_accumulation_steps": self.grad_accum_steps, "seq_len": training.seq_len}
+
+    def _report_changes_since_checkpoint(self) -> None:
+        """Check what a resumed run's flags change against the run that saved its step: another
+        seed is refused (`_check_seed`), another batch reported (`_report_batch_change`)."""
+        self._check_seed()
+        self._report_batch_change()
+
+    def _check_seed(self) -> None:
+        """Refuse another ``--debug.seed`` than the saved run's. A resume restores that run's
+        random states and data order, while what is drawn from the flag afresh (held-out
+        batches, RL's prompt and generation draws, GKD's on-policy draws) would follow the new
+        one: neither that run continued nor a run of the new seed."""
+        saved = (self.engine.checkpointer.loaded_run_facts or {}).get("seed")
+        if saved is None or saved == self.config.debug.seed:
+            return
+        raise ValueError(f"--debug.seed {self.config.debug.seed} is not the seed of the run this one resumes "
+                         f"({saved}, step {self.step} in {self.engine.checkpointer.folder}): a resume continues that "
+                         f"run, its random states and data order included; resume with --debug.seed {saved}, or train "
+                         "with another seed as a new run (another --job.dump_folder, or --checkpoint.folder)")
 
     def _report_batch_change(self) -> None:
         """Say so when a resumed run's optimizer batch differs from the one its checkpoint was
@@ -427,14 +446,16 @@ class TrainingLoop:
                         self.engine.checkpointer.folder)
             self.metrics.close()
             return []
-        replaced_config = save_run_config(self.config, rank=self.dist_env.rank)
         resumed = self.engine.load_checkpoint() is not None  # step 0 too: a seed checkpoint, an initial load
         continues = resumed and bool(self.step or self.progressed_before_step_1())
         if continues:
             logger.info("resumed from step %d (%s)", self.step, self.resume_position())
-            self._report_batch_change()
+            self._report_changes_since_checkpoint()
         elif resumed:  # an initial load or a seed checkpoint: weights, no progress yet
             logger.info("training starts at step 0 from the loaded weights")
+        # Once the checkpoint is loaded and accepted: a run refused there leaves the folder's
+        # config.json (the run it would have resumed) as it was.
+        replaced_config = save_run_config(self.config, rank=self.dist_env.rank)
         self._report_restart(resumed)
         records: list[dict[str, Any]] = []
         self._run_start = (time.perf_counter(), self.step, self.train_state.tokens_seen)
