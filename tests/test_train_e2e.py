@@ -143,6 +143,12 @@ def test_an_extended_run_trains_on_the_longer_schedule_as_if_uninterrupted(tmp_p
     assert got == want, (got, want)
     assert ("the learning rate follows this run's schedule: step 3 trains at 0.002, where the run that saved step 2 "
             "had set 0") in extended.stderr
+    # Its full last save launched again, with the same steps or fewer: nothing to train, said so.
+    again = run_titan(*flags, *ckpt, "--training.steps", "4")
+    assert "this run is complete: step 4 (--training.steps) is saved; nothing to train" in again.stderr
+    fewer = run_titan(*flags, *ckpt, "--training.steps", "3")
+    assert fewer.returncode == 0 and "the checkpoint's step 4 is past --training.steps 3: nothing to train" in fewer.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "extended")] == [1, 2, 3, 4]
     lower = ["--job.dump_folder", str(tmp_path / "lower"), "--checkpoint.enable", "--checkpoint.interval", "2"]
     shutil.copytree(snapshot, tmp_path / "lower" / "checkpoint" / "step-2")
     resumed = run_titan(*flags, *lower, "--training.steps", "4", "--optimizer.lr", "1e-4",

@@ -190,6 +190,18 @@ class TrainingLoop:
         self._check_seed()
         self._report_batch_change()
 
+    def _report_nothing_left(self) -> None:
+        """Say so when the resumed step already reaches ``--training.steps``: the run trains
+        nothing (its summary line alone would read as a run that did)."""
+        steps = self.config.training.steps
+        if self.step == steps:
+            logger.info("this run is complete: step %d (--training.steps) is saved; nothing to train (raise "
+                        "--training.steps to train on)", self.step)
+        elif self.step > steps:
+            logger.warning("the checkpoint's step %d is past --training.steps %d: nothing to train; raise "
+                           "--training.steps to train on, or pick an earlier step with --checkpoint.load_step",
+                           self.step, steps)
+
     def _check_seed(self) -> None:
         """Refuse another ``--debug.seed`` than the saved run's. A resume restores that run's
         random states and data order, while what is drawn from the flag afresh (held-out
@@ -451,6 +463,7 @@ class TrainingLoop:
         if continues:
             logger.info("resumed from step %d (%s)", self.step, self.resume_position())
             self._report_changes_since_checkpoint()
+            self._report_nothing_left()
         elif resumed:  # an initial load or a seed checkpoint: weights, no progress yet
             logger.info("training starts at step 0 from the loaded weights")
         # Once the checkpoint is loaded and accepted: a run refused there leaves the folder's
