@@ -203,7 +203,7 @@ def test_exclude_from_loading_keeps_fresh_state(tmp_path):
     fresh.manager.close()
 
 
-def test_seed_checkpoint_then_initial_load(tmp_path):
+def test_seed_checkpoint_then_initial_load(tmp_path, caplog):
     seed = Run(_cfg(create_seed_checkpoint=True), str(tmp_path / "seed"), seed=11)
     path = seed.manager.save_seed_checkpoint()
     seed.manager.close()
@@ -214,7 +214,14 @@ def test_seed_checkpoint_then_initial_load(tmp_path):
     run = Run(cfg, str(tmp_path / "run"), seed=12)
     assert run.manager.load() == 0
     assert tensors_equal(seed.model.state_dict(), run.model.state_dict())
+    run.train(2)
     run.manager.close()
+    # Launched again, it resumes from its own step 2 and says the initial load is not read.
+    again = Run(cfg, str(tmp_path / "run"), seed=13)
+    with caplog.at_level("INFO", logger="titan"):
+        assert again.manager.load() == 2
+    again.manager.close()
+    assert "--checkpoint.initial_load_path" in caplog.text and "resumes from its own step 2" in caplog.text
 
 
 def test_nothing_to_load_returns_none(tmp_path):

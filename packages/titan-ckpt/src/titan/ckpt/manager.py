@@ -165,6 +165,10 @@ class CheckpointManager:
         if self.config.enable:
             chosen = self._resolve_step(requested)
             if chosen is not None:
+                if self.config.initial_load_path:  # torchtitan's rule: the initial load starts a run
+                    logger.info("--checkpoint.initial_load_path %s is not read: the run resumes from its own step %d "
+                                "in %s (an initial load only starts a run)", self.config.initial_load_path, chosen,
+                                self.folder)
                 self._load_step(chosen)
                 self._last_saved = chosen  # already on disk: no need to save it again
                 if requested != -1:  # sent back: later steps belong to the abandoned continuation
