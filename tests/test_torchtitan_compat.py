@@ -162,6 +162,7 @@ def parsed(*flags):
     (["--parallelism.no_enable_compiled_autograd"], "parallelism.enable_compiled_autograd", None),
     (["--parallelism.expert_tensor_parallel_degree", "1"], "parallelism.expert_tensor_parallel_degree", None),
     (["--float8.force_recompute_fp8_weight_in_bwd", "false"], "float8.force_recompute_fp8_weight_in_bwd", None),
+    (["--training.dtype", "float32"], "training.dtype", None),
     # The MoE experts' float8 grouped GEMMs: `moe_fqns` (its DeepSeek-V3 job files), earlier
     # `moe_fqns_prototype`; read under the float8 converter only, as torchtitan does.
     (["--model.converters", "float8", "--float8.moe_fqns", "experts"], "quantize.grouped_mm.float8.fqns", ["experts"]),
@@ -176,7 +177,7 @@ def parsed(*flags):
 def test_a_torchtitan_spelling_sets_the_field_it_means(flags, field, expected):
     config = parsed(*flags)
     if field in ("parallelism.enable_compiled_autograd", "parallelism.expert_tensor_parallel_degree",
-                 "float8.force_recompute_fp8_weight_in_bwd"):
+                 "float8.force_recompute_fp8_weight_in_bwd", "training.dtype"):
         # accepted (asks for nothing), not a titan field
         assert translate(flags) == []
         return
@@ -205,6 +206,7 @@ def test_an_every_nth_block_option_is_not_per_op():
     (["--parallelism.disable_loss_parallel", "maybe"], "takes true or false"),
     (["--float8.force_recompute_fp8_weight_in_bwd"], "no titan equivalent"),
     (["--model.attn_mask_type", "sliding"], "causal or block_causal"),
+    (["--training.dtype", "bfloat16"], "computes in --training.mixed_precision_param bfloat16 (mixed precision)"),
 ])
 def test_what_titan_cannot_honour_is_refused_with_the_reason(flags, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):

@@ -102,6 +102,9 @@ NOTHING_ASKED: dict[str, tuple[tuple[Any, ...], str]] = {
                                                    "torch.distributed all-to-alls (torchtitan's standard backend), "
                                                    "not DeepEP's or HybridEP's kernels"),
     "--experimental.custom_args_module": (("",), "titan's flags come from the recipe's config type"),
+    # Its full-bf16 training (parameters, gradients and optimizer states in bf16, no fp32 copy).
+    "--training.dtype": (("float32",), "titan keeps parameters, gradients and optimizer states in float32 and "
+                         "computes in --training.mixed_precision_param bfloat16 (mixed precision)"),
 }
 
 JOB_FILE_DEFAULTS: tuple[str, ...] = (
