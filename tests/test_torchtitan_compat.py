@@ -163,6 +163,14 @@ def parsed(*flags):
     (["--parallelism.expert_tensor_parallel_degree", "1"], "parallelism.expert_tensor_parallel_degree", None),
     (["--float8.force_recompute_fp8_weight_in_bwd", "false"], "float8.force_recompute_fp8_weight_in_bwd", None),
     (["--training.dtype", "float32"], "training.dtype", None),
+    # Lists of names, comma-separated on torchtitan's command line (its documented spelling).
+    (["--checkpoint.enable", "--checkpoint.exclude_from_loading", "optimizer,lr_scheduler"],
+     "checkpoint.exclude_from_loading", ["optimizer", "lr_scheduler"]),
+    (["--compile.enable", "--compile.components", "model,loss"], "compile.components", ["model", "loss"]),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.2,layers.4"],
+     "parallelism.pipeline_parallel_split_points", ["layers.2", "layers.4"]),
+    (["--mx.recipe_name", "mxfp8_emulated_rceil", "--mx.filter_fqns", "output,attention.wq"],
+     "quantize.linear.mx.filter_fqns", ["output", "attention.wq"]),
     # The MoE experts' float8 grouped GEMMs: `moe_fqns` (its DeepSeek-V3 job files), earlier
     # `moe_fqns_prototype`; read under the float8 converter only, as torchtitan does.
     (["--model.converters", "float8", "--float8.moe_fqns", "experts"], "quantize.grouped_mm.float8.fqns", ["experts"]),
@@ -207,10 +215,32 @@ def test_an_every_nth_block_option_is_not_per_op():
     (["--float8.force_recompute_fp8_weight_in_bwd"], "no titan equivalent"),
     (["--model.attn_mask_type", "sliding"], "causal or block_causal"),
     (["--training.dtype", "bfloat16"], "computes in --training.mixed_precision_param bfloat16 (mixed precision)"),
+    (["--training.max_steps", "100"], "titan's LR schedule spans --training.steps"),
+    (["--activation_checkpoint.memory_budget", "0.3"], "no memory-budget AC mode"),
+    (["--fault_tolerance.semi_sync_method", "diloco"], "no LocalSGD or DiLoCo"),
+    (["--parallelism.context_parallel_load_balancer", "ptrr"], "head-and-tail"),
+    (["--checkpoint.no_enable_ft_dataloader_checkpoints"], "always checkpoints the data position"),
 ])
+
 def test_what_titan_cannot_honour_is_refused_with_the_reason(flags, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         parsed(*flags)
+
+@pytest.mark.parametrize("flags", [
+    # torchtitan's fields at the values that ask for nothing titan lacks: accepted, dropped.
+    ["--training.max_steps", "-1"], ["--parallelism.pipeline_parallel_schedule_csv", ""],
+    ["--parallelism.context_parallel_load_balancer", "headtail"], ["--checkpoint.no_load_only"],
+    ["--checkpoint.enable_ft_dataloader_checkpoints"], ["--activation_checkpoint.no_early_stop"],
+    ["--activation_checkpoint.memory_budget", "0.5"], ["--activation_checkpoint.no_visualize_memory_budget_pareto"],
+    ["--activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns", "moe.router.gate"],
+    ["--mx.mxfp8_dim1_cast_kernel_choice", "triton"], ["--comm.save_traces_folder", "comm_traces"],
+    ["--fault_tolerance.process_group", "nccl"], ["--fault_tolerance.process_group_timeout_ms", "10000"],
+    ["--fault_tolerance.sync_steps", "5"], ["--fault_tolerance.no_should_quantize"],
+    ["--fault_tolerance.fragment_sync_delay", "0"], ["--fault_tolerance.fragment_update_alpha", "0.0"],
+])
+def test_torchtitan_fields_at_values_that_ask_for_nothing_are_accepted(flags):
+    assert translate(flags) == []
+    parsed(*flags)
 
 
 def test_a_torchtitan_job_file_sets_every_field_and_the_command_line_overrides_it(tmp_path):

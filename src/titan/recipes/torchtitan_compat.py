@@ -58,6 +58,7 @@ RENAMED: dict[str, str] = {
 
 RENAMED_SECTIONS: dict[str, str] = {
     "--profiler.": "--profiling.",  # titan's own name for the section before it took torchtitan's
+    "--mx.": "--quantize.linear.mx.",  # torchtitan's section before [quantize.linear.mx]
 }
 
 INVERTED: dict[str, str] = {
@@ -102,6 +103,32 @@ NOTHING_ASKED: dict[str, tuple[tuple[Any, ...], str]] = {
                                                    "torch.distributed all-to-alls (torchtitan's standard backend), "
                                                    "not DeepEP's or HybridEP's kernels"),
     "--experimental.custom_args_module": (("",), "titan's flags come from the recipe's config type"),
+    "--training.max_steps": (("-1",), "titan's LR schedule spans --training.steps"),
+    "--parallelism.pipeline_parallel_schedule_csv": (("",), "titan runs torch's named schedules "
+                                                     "(--parallelism.pipeline_parallel_schedule)"),
+    "--parallelism.context_parallel_load_balancer": (("headtail",), "titan's context parallel balances the causal "
+                                                     "load head-and-tail (its default)"),
+    "--checkpoint.load_only": ((False,), "titan saves where --checkpoint.enable is on"),
+    "--checkpoint.enable_ft_dataloader_checkpoints": ((True,), "titan always checkpoints the data position"),
+    "--activation_checkpoint.early_stop": ((False,), "titan's checkpointed blocks recompute their whole forward"),
+    "--activation_checkpoint.memory_budget": (("0.5",), "titan has no memory-budget AC mode (--activation_checkpoint"
+                                              ".mode none|selective|full)"),
+    "--activation_checkpoint.visualize_memory_budget_pareto": ((False,), "titan has no memory-budget AC mode"),
+    "--activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": (
+        ("moe.router.gate",), "titan's per-op policy saves a block's matmuls by its own rule"),
+    # torchao's kernel choice for a cast (the [mx] section's, renamed with it): the same numbers.
+    "--quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": (("triton", "cuda", "torch"), ""),
+    "--comm.save_traces_folder": (("comm_traces",), "titan writes the flight recorder's traces to "
+                                  "<dump_folder>/comm_traces"),
+    "--fault_tolerance.process_group": (("gloo", "nccl"), ""),  # titan picks the device's backend
+    "--fault_tolerance.process_group_timeout_ms": (("10000",), "titan's replica group times out after "
+                                                   "--comm.train_timeout_seconds"),
+    "--fault_tolerance.semi_sync_method": (("", "None"), "titan's replicas synchronize every step (no LocalSGD or "
+                                           "DiLoCo)"),
+    "--fault_tolerance.sync_steps": (("5",), "see --fault_tolerance.semi_sync_method"),
+    "--fault_tolerance.should_quantize": ((False,), "see --fault_tolerance.semi_sync_method"),
+    "--fault_tolerance.fragment_sync_delay": (("0",), "see --fault_tolerance.semi_sync_method"),
+    "--fault_tolerance.fragment_update_alpha": (("0.0", "0"), "see --fault_tolerance.semi_sync_method"),
     # Its full-bf16 training (parameters, gradients and optimizer states in bf16, no fp32 copy).
     "--training.dtype": (("float32",), "titan keeps parameters, gradients and optimizer states in float32 and "
                          "computes in --training.mixed_precision_param bfloat16 (mixed precision)"),
@@ -336,10 +363,22 @@ def _translate_into(argv: Sequence[str], groups: _Groups) -> list[str]:
             out += _attention_mask(values)
         elif base in NOTHING_ASKED:
             _nothing_asked(flag, values)
+        elif flag in COMMA_LISTS:
+            out += [flag, *_list_values(values)]
         else:
             out += ([flag] if flag else []) + values
             groups.titan_recipe |= flag == TITAN_FLOAT8_RECIPE
     return out
+
+
+COMMA_LISTS = frozenset({
+    # titan's lists of names that torchtitan's command line takes comma-separated
+    # ("--checkpoint.exclude_from_loading optimizer,lr_scheduler"); titan's own spelling,
+    # space-separated, passes through unchanged. Free-text lists (stop strings) are not here.
+    "--checkpoint.exclude_from_loading", "--compile.components", "--parallelism.pipeline_parallel_split_points",
+    "--quantize.linear.float8.filter_fqns", "--quantize.linear.mx.filter_fqns", "--quantize.grouped_mm.float8.fqns",
+    "--quantize.grouped_mm.mx.fqns",
+})
 
 
 def translate(argv: Sequence[str], *, defaults: Sequence[str] = ()) -> list[str]:
