@@ -66,7 +66,8 @@ def test_a_finished_run_launched_again_trains_nothing_and_leaves_its_folder(tmp_
     --training.steps, the run says it is complete and writes nothing (it used to resume from
     the step before and train the last interval again); with more steps it trains on."""
     flags = ["--config", "llama3_debug_synthetic", "--model.flavor", "debugmodel_tiny", "--job.dump_folder", str(tmp_path),
-             "--metrics.log_freq", "1", "--training.seq_len", "32", "--checkpoint.enable", "--checkpoint.interval", "2"]
+             "--metrics.log_freq", "1", "--training.seq_len", "32", "--checkpoint.enable", "--checkpoint.interval", "2",
+             "--metrics.enable_tensorboard"]
     assert run_titan(*flags, "--training.steps", "3").returncode == 0
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != ".titan-run.lock"}
     again = run_titan(*flags, "--training.steps", "3")
@@ -75,7 +76,7 @@ def test_a_finished_run_launched_again_trains_nothing_and_leaves_its_folder(tmp_
     assert "resumed" not in again.stderr
     after = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != ".titan-run.lock"}
     assert {p: t for p, t in after.items() if p in before} == before
-    assert not [p for p in after if p not in before and "tb" not in p.parts]
+    assert not [p for p in after if p not in before]  # no empty TensorBoard event file either
     longer = run_titan(*flags, "--training.steps", "4")
     assert longer.returncode == 0 and "resuming from step 2" in longer.stderr, longer.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 3, 4]

@@ -204,22 +204,30 @@ class JsonlBackend:
 
 
 class TensorBoardBackend:
-    """Writes each numeric metric as a TensorBoard scalar at the record's step."""
+    """Writes each numeric metric as a TensorBoard scalar at the record's step. The event file
+    is opened at the first record, so a run that logs nothing (a finished run launched again,
+    a run refused after its checkpoint loads) leaves no empty event file behind."""
 
     def __init__(self, log_dir: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         self.log_dir = log_dir
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self._writer: Any = None
+        self._purge_step: int | None = None
+
+    @property
+    def writer(self) -> Any:
+        """The open ``SummaryWriter`` (opened on first use)."""
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=self._purge_step)
+        return self._writer
 
     def resume_at(self, step: int) -> None:
         """Training continues after ``step`` (a resumed run): TensorBoard drops the events an
         earlier attempt logged past it (``purge_step``), whose training was rolled back, so
         the curves do not double back over the redone steps."""
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer.close()
-        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=step + 1)
+        self.close()
+        self._purge_step = step + 1
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         """Add one scalar per metric and flush, so a live TensorBoard sees every log step."""
@@ -228,8 +236,10 @@ class TensorBoardBackend:
         self.writer.flush()
 
     def close(self) -> None:
-        """Flush and close the event file."""
-        self.writer.close()
+        """Flush and close the event file (if one was opened)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 class WandbBackend:
