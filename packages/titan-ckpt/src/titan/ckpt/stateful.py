@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -190,7 +191,7 @@ class OptimizerWrapper:
             for group, mine in zip(opt.param_groups, own, strict=True):
                 changed.update({k: (group[k], v) for k, v in mine.items() if k in group and group[k] != v})
                 group.update(mine)
-        if changed:
+        if changed and not (dist.is_initialized() and dist.get_rank()):  # once: every rank has the same
             logger.warning("the optimizer's hyperparameters are this run's, not the checkpoint's: %s",
                            ", ".join(f"{k} {saved} -> {mine}" for k, (saved, mine) in sorted(changed.items())))
 

@@ -1012,7 +1012,7 @@ class TrainingEngine:
         step = self.checkpointer.load()
         if step is not None:
             loaded, now = self.lr_schedulers.follow_this_runs_schedule()
-            if not math.isclose(loaded, now, rel_tol=1e-9, abs_tol=0.0) and step > 0:
+            if not math.isclose(loaded, now, rel_tol=1e-9, abs_tol=0.0) and step > 0 and self.dist_env.rank == 0:
                 logger.warning(
                     "the learning rate follows this run's schedule: step %d trains at %.3g, where the run that saved "
                     "step %d had set %.3g (its --optimizer.lr, --lr_scheduler.* or --training.steps differed)",

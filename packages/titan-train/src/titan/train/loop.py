@@ -194,6 +194,8 @@ class TrainingLoop:
         """Say so when the resumed step already reaches ``--training.steps``: the run trains
         nothing (its summary line alone would read as a run that did)."""
         steps = self.config.training.steps
+        if not self.is_rank0:
+            return
         if self.step == steps:
             logger.info("this run is complete: step %d (--training.steps) is saved; nothing to train (raise "
                         "--training.steps to train on)", self.step)
@@ -223,7 +225,8 @@ class TrainingLoop:
         only noted. Checkpoints written before titan recorded the batch say nothing."""
         saved = (self.engine.checkpointer.loaded_run_facts or {}).get("batch")
         mine = self.batch_facts()
-        if not isinstance(saved, dict) or mine is None or saved.get("global_batch_size") == mine["global_batch_size"]:
+        if (not self.is_rank0 or not isinstance(saved, dict) or mine is None
+                or saved.get("global_batch_size") == mine["global_batch_size"]):
             return
 
         def shape(facts: dict[str, Any]) -> str:
