@@ -236,3 +236,25 @@ def test_a_save_never_replaces_a_step_folder_titan_did_not_write(tmp_path):
         run.train(1)
     assert sorted(os.listdir(foreign)) == before
     run.manager.close()
+
+
+def test_a_state_the_writing_run_kept_empty_is_named_as_unused_not_as_another_layout(tmp_path):
+    """An RL run without a KL reference saves an empty 'rl_reference'; resumed with the penalty
+    on, the error said "probably written under a different parallel layout, or in an older
+    format". It now says the writing run did not use the state, and names both ways on."""
+
+    def manager(state, **kw):
+        return CheckpointManager(_cfg(**kw), dump_folder=str(tmp_path),
+                                 states={"reference": Plain(state)}, model_parts=[TinyLM()])
+
+    saver = manager({})
+    saver.maybe_save(1)
+    saver.close()
+    mgr = manager({"taken": 0, "weights": {"w": 1}})
+    with pytest.raises(CheckpointError) as info:
+        mgr.load()
+    mgr.close()
+    message = str(info.value)
+    assert "holds nothing of state 'reference': the run that wrote it did not use it" in message
+    assert "Resume with the flags that wrote it, or pass --checkpoint.exclude_from_loading reference" in message
+    assert "parallel layout" not in message

@@ -835,6 +835,13 @@ def _check_entries(name: str, expected: dict[str, Any], saved: Any, path: str) -
     if name not in RESERVED:
         if any(k not in saved for k in expected):
             held, wanted = _differing_keys(name, expected, saved)
+            if not held:  # the writing run kept nothing there: not a layout or format question
+                raise CheckpointError(
+                    f"{path} holds nothing of state '{name}': the run that wrote it did not use it (a feature "
+                    f"this run turns on, e.g. RL's KL reference with --rl.kl_coef), or an older titan did not save "
+                    f"it. Resume with the flags that wrote it, or pass --checkpoint.exclude_from_loading {name} to "
+                    f"start '{name}' fresh in this run."
+                )
             raise CheckpointError(
                 f"{path}: the saved entries of state '{name}' do not match what this run's "
                 f"'{name}' expects: saved keys {_shown(held)}, expected {_shown(wanted)}. It was "
