@@ -364,6 +364,28 @@ def test_the_runs_facts_travel_in_every_manifest_and_a_resume_reads_them(tmp_pat
     assert "(written by 2 ranks, resharded onto 1)" in caplog.text
 
 
+def test_a_step_another_kind_of_run_wrote_is_refused_before_loading(tmp_path):
+    """A `titan sft` folder resumed by `titan train` failed on the data loader's entries, "probably
+    written under a different parallel layout". The manifest names the writing trainer; another
+    trainer is refused before anything loads, naming the initial load that takes the weights."""
+    sft = Run(_cfg(interval=2), str(tmp_path))
+    sft.manager.run_facts = {"trainer": "SFTTrainer"}
+    sft.train(2)
+    sft.manager.close()
+    pretrain = Run(_cfg(interval=2), str(tmp_path), seed=5)
+    pretrain.manager.run_facts = {"trainer": "Trainer"}
+    before = {k: v.clone() for k, v in pretrain.model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"written by another kind of run \(SFTTrainer\) than this one "
+                                              r"\(Trainer\).*--checkpoint.initial_load_path .*step-2"):
+        pretrain.manager.load()
+    pretrain.manager.close()
+    assert tensors_equal(pretrain.model.state_dict(), before)
+    again = Run(_cfg(interval=2), str(tmp_path), seed=5)
+    again.manager.run_facts = {"trainer": "SFTTrainer"}
+    assert again.manager.load() == 2
+    again.manager.close()
+
+
 def test_save_now_keeps_a_saved_step_unless_told_to_resave_it(tmp_path):
     """A preemption save of a step this run saved already keeps that checkpoint (nothing
     moved); with ``resave`` (work done since without a step: an RL critic's warm-up) it

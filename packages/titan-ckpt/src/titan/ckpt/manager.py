@@ -304,6 +304,7 @@ class CheckpointManager:
         """Load a complete step of this run's folder."""
         path = layout.step_path(self.folder, step)
         manifest = layout.read_manifest(path)
+        self._refuse_another_trainers_step(path, manifest)
         start = time.monotonic()
         if manifest["format"] == "hf":
             self._load_hf_model(path)
@@ -320,6 +321,20 @@ class CheckpointManager:
         resharded = (f" (written by {saved_by} ranks, resharded onto {self._world_size})"
                      if isinstance(saved_by, int) and saved_by != self._world_size else "")
         logger.info("loaded step %d from %s in %.2fs%s", step, path, time.monotonic() - start, resharded)
+
+    def _refuse_another_trainers_step(self, path: str, manifest: dict[str, Any]) -> None:
+        """Stop before loading a step another kind of run wrote (its manifest's and this run's
+        ``run_facts["trainer"]`` differ: e.g. a `titan sft` folder resumed by `titan train`):
+        its states are not this run's, and the mismatch would surface as entries of another
+        layout or format. Steps written without the fact load as before."""
+        saved = (manifest.get("run") or {}).get("trainer")
+        mine = (self.run_facts or {}).get("trainer")
+        if saved and mine and saved != mine:
+            raise CheckpointError(
+                f"{path} was written by another kind of run ({saved}) than this one ({mine}): its optimizer, data "
+                f"position and counters are not this run's to continue. Give this run its own --job.dump_folder "
+                f"(or --checkpoint.folder), and start from those weights with --checkpoint.initial_load_path {path}."
+            )
 
     def _initial_load(self, path: str) -> None:
         """Warm start from `--checkpoint.initial_load_path`."""

@@ -144,7 +144,8 @@ class TrainingLoop:
         self.grad_accum_steps = grad_accum_steps(config.training, self.parallel_dims.dp_world_size)
         # Every step's manifest records them; a resume compares (_report_changes_since_checkpoint).
         batch = self.batch_facts()
-        self.engine.checkpointer.run_facts = {"seed": config.debug.seed, **({"batch": batch} if batch else {})}
+        self.engine.checkpointer.run_facts = {"trainer": type(self).__name__, "seed": config.debug.seed,
+                                              **({"batch": batch} if batch else {})}
         self._supervised_loss = supervised_loss(chunk_tokens=config.training.loss_chunk_tokens,
                                                 compiled=config.compile.compiles_loss,
                                                 loss_type=config.training.loss_type)
