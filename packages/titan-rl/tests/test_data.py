@@ -111,7 +111,7 @@ def test_a_rows_tools_are_listed_in_its_prompt_as_transformers_lists_them(tmp_pa
                                              return_dict=False)
     assert train[0].ids == list(expected) and train[0].text.startswith('<|im_start|>system\n{"type": "function"')
     text_row = _write_jsonl(tmp_path / "t.jsonl", [{"prompt": "2+2=", "tools": TOOLS}])
-    with pytest.raises(ValueError, match="row 0: the row lists tools, and a text prompt has no chat template"):
+    with pytest.raises(ValueError, match=r"row 0 \(the 1st\): the row lists tools, and a text prompt has no chat template"):
         build_prompts(RLDataConfig(format="jsonl", path=text_row), HFTokenizer(tokenizer_file))
 
 

@@ -136,7 +136,7 @@ def test_margin_columns_are_checked(tmp_path):
     tokenizer = TokenizerConfig(kind="byte").build()
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b", "margin": "big"}) + "\n")
-    with pytest.raises(ValueError, match="row 0: the margin 'big' is not a number"):
+    with pytest.raises(ValueError, match=r"row 0 \(the 1st\): the margin 'big' is not a number"):
         RewardDataConfig(path=str(bad)).source(tokenizer)
     _margin_rows(tmp_path / "prefs.jsonl")
     with pytest.raises(ValueError, match="rows have no 'gap' column"):

@@ -501,7 +501,7 @@ def test_content_as_a_list_of_text_parts_reads_as_its_text(tmp_path):
     want = example([plain], chat_template="builtin")
     assert builtin.ids.tolist() == want.ids.tolist() and builtin.targets.tolist() == want.targets.tolist()
     image = [{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "what?"}]}, plain[1]]
-    with pytest.raises(ValueError, match="row 0: message 0's content part 0 is a 'image' part, not"):
+    with pytest.raises(ValueError, match=r"row 0 \(the 1st\): message 0's content part 0 is a 'image' part, not"):
         example([image])
     with pytest.raises(ValueError, match="message 1 has an empty list of content parts"):
         example([[plain[0], {"role": "assistant", "content": []}]])
@@ -711,7 +711,7 @@ def test_text_rows_train_every_token_as_pretraining_frames_a_document(tmp_path):
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(cfg, **flags)
     bad = _write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}, {"text": 3}])
-    with pytest.raises(ValueError, match="row 1: 'text' holds int, not a string"):
+    with pytest.raises(ValueError, match=r"row 1 \(the 2nd\): 'text' holds int, not a string"):
         build_sft_source(dataclasses.replace(cfg, path=str(bad)), ByteTokenizer()).example(1)
 
 
@@ -771,7 +771,7 @@ def test_conversational_prompt_completion_trains_only_the_completion(tmp_path):
     labels = batch["labels"][0, :n]
     assert labels[labels != -100].tolist() == list(b"6") + [EOS]  # the few-shot "4" is context
     bad = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": prompt, "completion": "6"}])
-    with pytest.raises(ValueError, match="row 0: prompt and completion must both be strings, or both lists"):
+    with pytest.raises(ValueError, match=r"row 0 \(the 1st\): prompt and completion must both be strings, or both lists"):
         next(_loader(SFTDataConfig(format="prompt_completion", path=str(bad), cache_dir=str(tmp_path / "c2")), batch=1))
 
 
@@ -1079,3 +1079,14 @@ def test_loader_resumes_either_strategy_and_refuses_the_other(strategy, packing)
     if strategy == "greedy":  # a state saved before strategies existed was greedy
         old = {k: v for k, v in state.items() if k not in ("packing_strategy", "packing_window", "emitted")}
         _loader(cfg, rank=1, world=2, seed=3).load_state_dict(old)
+
+
+def test_a_bad_row_is_named_by_its_index_and_its_place():
+    """Errors named "row 6" (an index from 0), which a user looked for on line 6 of the JSONL
+    file; the place from 1 is said too."""
+    from titan.train.data.records import row_name
+
+    assert [row_name(i) for i in (0, 1, 2, 3, 6, 10, 11, 12, 20, 101, 110)] == [
+        "row 0 (the 1st)", "row 1 (the 2nd)", "row 2 (the 3rd)", "row 3 (the 4th)", "row 6 (the 7th)",
+        "row 10 (the 11th)", "row 11 (the 12th)", "row 12 (the 13th)", "row 20 (the 21st)", "row 101 (the 102nd)",
+        "row 110 (the 111th)"]

@@ -34,7 +34,7 @@ from titan.train.data.chat import (
     parse_template_kwargs,
     resolve_chat_template,
 )
-from titan.train.data.records import RecordSplitsConfig, load_records
+from titan.train.data.records import RecordSplitsConfig, load_records, row_name
 from titan.train.data.sft_config import (
     SFTDataConfig,
     SyntheticTaskConfig,
@@ -175,7 +175,7 @@ def _file_prompts(path: str, cfg: RLDataConfig, tokenizer: Tokenizer, *, flag: s
     templates: list[ChatTemplate | None] = []  # resolved on the first conversational row
     out = []
     for index, row in enumerate(rows):
-        where = f"{path} row {index}"
+        where = f"{path} {row_name(index)}"
         answer = _field(row, cfg.answer_field, where=where, flag="answer_field") if has_answer else None
         value = _field(row, cfg.prompt_field, where=where, flag="prompt_field")
         messages = None

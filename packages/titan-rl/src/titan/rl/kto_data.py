@@ -34,6 +34,7 @@ from titan.rl.preference_data import (
     open_rows,
     refuse_template_flags_for_text,
 )
+from titan.train.data.records import row_name
 from titan.train.data.tokenizer import Tokenizer
 
 KL_SHIFT = 2
@@ -173,7 +174,7 @@ def _naming(where: str, index: int, *, cfg: KTODataConfig):
     try:
         yield
     except ValueError as e:
-        raise ValueError(f"{where}: row {index}: {e}; unpaired rows hold {cfg.prompt_field!r} and "
+        raise ValueError(f"{where}: {row_name(index)}: {e}; unpaired rows hold {cfg.prompt_field!r} and "
                          f"{cfg.completion_field!r} (both strings, or both lists of messages) and a boolean "
                          f"{cfg.label_field!r}") from None
 

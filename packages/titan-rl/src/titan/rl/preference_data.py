@@ -42,7 +42,7 @@ from titan.train.data.chat import (
     resolve_chat_template,
 )
 from titan.train.data.loader import document_layout
-from titan.train.data.records import RecordSplitsConfig, load_records
+from titan.train.data.records import RecordSplitsConfig, load_records, row_name
 from titan.train.data.resumable import ResumableLoader, check_loader_args
 from titan.train.data.sft import SFTBatches, SFTDataLoader, SFTPacker
 from titan.train.data.sft_config import (
@@ -284,7 +284,7 @@ class FilePreferenceSource(PreferenceSource):
         try:
             yield
         except ValueError as e:
-            raise ValueError(f"{self.where}: row {index}: {e}; preference rows hold {cfg.prompt_field!r}, "
+            raise ValueError(f"{self.where}: {row_name(index)}: {e}; preference rows hold {cfg.prompt_field!r}, "
                              f"{cfg.chosen_field!r} and {cfg.rejected_field!r}: all strings, or all lists of "
                              "{role, content} messages") from None
 

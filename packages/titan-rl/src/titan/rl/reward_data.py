@@ -33,6 +33,7 @@ from titan.rl.preference_data import (
     open_rows,
 )
 from titan.train.data.chat import ChatTemplate, SFTExample, encode_chat
+from titan.train.data.records import row_name
 from titan.train.data.tokenizer import Tokenizer
 
 
@@ -70,7 +71,7 @@ class RewardDataConfig(PreferenceDataConfig):
 def _margin(value: Any, index: int, flag: str) -> float:
     """A row's margin as a float; anything else fails naming the row."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{flag}: row {index}: the margin {value!r} is not a number")
+        raise ValueError(f"{flag}: {row_name(index)}: the margin {value!r} is not a number")
     return float(value)
 
 

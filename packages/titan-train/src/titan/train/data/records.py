@@ -246,3 +246,13 @@ def _split_files(directory: str, *, flag: str, section: str, held_out: bool, spl
                              f"{'validation or test' if held_out else TRAIN_SPLIT} split; pick one with "
                              f"{_split_flag(section, held_out)}, or point {flag} at the files to read")
     return sorted(str(f) for f in splits[wanted])
+
+
+def row_name(index: int) -> str:
+    """How an error names row ``index`` of a record file: its index counted from 0, as
+    `datasets` indexes it, and its place counted from 1 (a JSONL file's line number when the
+    file has no blank lines), so "row 6" is not looked for on line 6."""
+    place = index + 1
+    suffix = "th" if 10 <= place % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(place % 10, "th")
+    return f"row {index} (the {place}{suffix})"
+

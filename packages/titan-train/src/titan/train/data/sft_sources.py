@@ -17,7 +17,7 @@ from titan.train.data.chat import (
     parse_template_kwargs,
     resolve_chat_template,
 )
-from titan.train.data.records import load_records
+from titan.train.data.records import load_records, row_name
 from titan.train.data.sft_config import SFTDataConfig
 from titan.train.data.tokenizer import Tokenizer
 
@@ -159,7 +159,7 @@ class JSONLSFTSource(SFTSource):
             )
         except ValueError as e:
             raise ValueError(
-                f"{self.where}: row {index}: {e}; --sft_data.format "
+                f"{self.where}: {row_name(index)}: {e}; --sft_data.format "
                 f"{self.cfg.format} reads {_format_needs(self.cfg)}: fix the row"
             ) from None
 
