@@ -61,6 +61,22 @@ def test_a_fresh_run_in_a_used_folder_sets_the_earlier_runs_metrics_aside(tmp_pa
     assert [r["step"] for r in read_metrics(tmp_path / "earlier_runs" / "2")] == [1, 2]
 
 
+def test_a_fresh_run_sets_an_earlier_runs_profiler_traces_aside_with_its_metrics(tmp_path):
+    """Two profiled runs in one folder: the second starts afresh, and its iteration_2 trace
+    would have replaced the first run's (and left its iteration_4 beside it). The first run's
+    traces go to earlier_runs/1 with its metrics."""
+    flags = ["--config", "llama3_debug_synthetic", "--model.flavor", "debugmodel_tiny", "--job.dump_folder", str(tmp_path),
+             "--training.seq_len", "32", "--profiling.enable_profiling", "--profiling.profile_freq", "2"]
+    for steps in (4, 2):
+        result = run_titan(*flags, "--training.steps", str(steps))
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "held an earlier run's profiles (profile_traces) and this run starts afresh" in result.stderr
+    earlier = tmp_path / "earlier_runs" / "1"
+    assert sorted(p.name for p in (earlier / "profile_traces").iterdir()) == ["iteration_2", "iteration_4"]
+    assert sorted(p.name for p in (tmp_path / "profile_traces").iterdir()) == ["iteration_2"]
+    assert (earlier / "metrics.jsonl").is_file()
+
+
 def test_a_finished_run_launched_again_trains_nothing_and_leaves_its_folder(tmp_path):
     """Its last save holds the weights only (the default): launched again with the same
     --training.steps, the run says it is complete and writes nothing (it used to resume from

@@ -191,6 +191,35 @@ class TrainingLoop:
         self._check_seed()
         self._report_batch_change()
 
+    def _set_aside_earlier_profiles(self, aside: Path | None) -> Path | None:
+        """On rank 0 of a run that starts afresh: move the profiler traces and memory
+        snapshots an earlier run left in the dump folder (``--profiling.save_traces_folder``,
+        ``--profiling.save_memory_snapshot_folder``) beside its metrics in ``aside`` (or the
+        next ``earlier_runs/<n>/``), so that this run's iterations do not overwrite or mix
+        with that run's. Folders outside the dump folder are left where they are. The other
+        ranks write their traces only after the first steps, which wait for this rank."""
+        dump = Path(self.config.job.dump_folder)
+        profiling = self.config.profiling
+        found = []
+        for name in (profiling.save_traces_folder, profiling.save_memory_snapshot_folder):
+            folder = dump / name
+            if not Path(name).is_absolute() and ".." not in Path(name).parts and folder.is_dir() and any(folder.iterdir()):
+                found.append(folder)
+        if not found:
+            return aside
+        if aside is None or any((aside / folder.relative_to(dump)).exists() for folder in found):
+            n = 1
+            while (dump / "earlier_runs" / str(n)).exists():
+                n += 1
+            aside = dump / "earlier_runs" / str(n)
+        for folder in found:
+            target = aside / folder.relative_to(dump)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            folder.rename(target)
+        logger.info("%s held an earlier run's profiles (%s) and this run starts afresh: moved them to %s", dump,
+                    ", ".join(str(folder.relative_to(dump)) for folder in found), aside)
+        return aside
+
     def _report_nothing_left(self) -> None:
         """Say so when the resumed step already reaches ``--training.steps``: the run trains
         nothing (its summary line alone would read as a run that did)."""
@@ -478,6 +507,8 @@ class TrainingLoop:
         self._run_start = (time.perf_counter(), self.step, self.train_state.tokens_seen)
         # A run that starts afresh sets an earlier run's metrics aside, with its config.
         aside = self.metrics.start(self.step, continues=continues)
+        if not continues and self.is_rank0:
+            aside = self._set_aside_earlier_profiles(aside)
         if aside is not None and replaced_config is not None:
             (aside / "config.json").write_text(replaced_config)
         guard = PreemptionGuard(self.engine.device)
