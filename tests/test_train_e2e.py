@@ -115,9 +115,9 @@ def test_a_resume_with_another_batch_warns_and_another_seed_is_refused(tmp_path)
     halved = run_titan(*flags, "--training.steps", "3", "--training.local_batch_size", "4")
     assert halved.returncode == 0, halved.stderr[-3000:]
     assert "resumed from step 2" in halved.stderr
-    assert ("step 2 was trained with a global batch of 8 sequences (local batch 8 x data-parallel 1 x 1 accumulated); "
-            "this run's is 4 sequences (local batch 4 x data-parallel 1 x 1 accumulated): each optimizer step now takes "
-            "0.5x the sequences") in halved.stderr
+    assert ("step 2 was trained with a global batch of 8 (local batch 8 x data-parallel 1 x 1 accumulated); "
+            "this run's is 4 (local batch 4 x data-parallel 1 x 1 accumulated): each optimizer step now takes "
+            "0.5x the batch") in halved.stderr
     assert "to keep the checkpoint's batch pass --training.global_batch_size 8" in halved.stderr
     shutil.rmtree(tmp_path / "checkpoint" / "step-3")
     kept = run_titan(*flags, "--training.steps", "3", "--training.local_batch_size", "4",

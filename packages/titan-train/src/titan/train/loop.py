@@ -177,7 +177,7 @@ class TrainingLoop:
 
     def batch_facts(self) -> dict[str, int] | None:
         """This run's optimizer batch as its checkpoints record it, for a resume to compare
-        (:meth:`_report_changes_since_checkpoint`): sequences per optimizer step (``global_batch_size``)
+        (:meth:`_report_changes_since_checkpoint`): rows (pairs, for DPO) per optimizer step (``global_batch_size``)
         and how they are made up. None where the batch does not follow ``--training.*``'s
         batch flags (RL's comes from its rollouts)."""
         training, dp = self.config.training, self.parallel_dims.dp_world_size
@@ -260,13 +260,13 @@ class TrainingLoop:
             return
 
         def shape(facts: dict[str, Any]) -> str:
-            return (f"{facts.get('global_batch_size')} sequences (local batch {facts.get('local_batch_size')} x "
+            return (f"{facts.get('global_batch_size')} (local batch {facts.get('local_batch_size')} x "
                     f"data-parallel {facts.get('data_parallel_degree')} x {facts.get('gradient_accumulation_steps')} "
                     "accumulated)")
 
         was, now = saved["global_batch_size"], mine["global_batch_size"]
         change = (f"step {self.step} was trained with a global batch of {shape(saved)}; this run's is {shape(mine)}: "
-                  f"each optimizer step now takes {now / was:.3g}x the sequences, while the learning-rate schedule "
+                  f"each optimizer step now takes {now / was:.3g}x the batch, while the learning-rate schedule "
                   "and --training.steps count steps")
         if self.config.training.global_batch_size != -1:
             logger.info("%s (--training.global_batch_size %d)", change, now)
