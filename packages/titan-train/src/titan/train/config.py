@@ -175,7 +175,8 @@ class DebugConfig:
     """Reproducibility switches (``--debug.*``)."""
 
     seed: int = 0
-    """Seed for weight init, data order and dropout-free randomness."""
+    """Seed for weight init, data order and dropout-free randomness.
+    A resume keeps the saved run's seed (its checkpoint records it; another is refused)."""
     deterministic: bool = False
     """Use deterministic kernels only (slower; bitwise-reproducible runs on the same layout)."""
     skip_memory_check: bool = False
