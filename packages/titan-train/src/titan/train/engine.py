@@ -180,29 +180,29 @@ class LRSchedulers:
         return self.schedulers[0].state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore every scheduler to the saved position (the steps taken). The peak LR stays
-        this run's ``--optimizer.lr``: torch's state also holds the writing run's (``base_lrs``),
-        which would silently override the flag of a run resumed with another LR."""
+        """Restore the position (the steps taken) and set every parameter group's LR to this
+        run's schedule there (after the optimizer's load, which the checkpoint manager does
+        first, as Critic.load_state_dict does). torch's state also holds the saving run's peaks (``base_lrs``)
+        and the LR its schedule set for the next step (``_last_lr``): kept, they silently
+        overrode a resumed run's ``--optimizer.lr``, and a run extended past its old
+        ``--training.steps`` trained its next step at the old schedule's end (LR 0). Warns
+        (once, on rank 0) where this run's LR differs from the saved one."""
+        saved = state.get("_last_lr")
         for scheduler in self.schedulers:
             peaks = list(scheduler.base_lrs)
             scheduler.load_state_dict(state)
             scheduler.base_lrs = peaks
-
-    def follow_this_runs_schedule(self) -> tuple[float, float]:
-        """Set every parameter group's LR to this run's schedule at the restored position; call
-        after a checkpoint's optimizer and scheduler states are loaded. The optimizer's state
-        holds the LR the writing run's schedule set for the next step, which differs where
-        this run's ``--optimizer.lr``, ``--lr_scheduler.*`` or ``--training.steps`` do (a run
-        extended from 3 to 5 steps took its step 4 at the old schedule's end, LR 0). Returns
-        (that LR, this run's) of the first group."""
-        loaded = float(self.schedulers[0].optimizer.param_groups[0]["lr"])
-        for scheduler in self.schedulers:
-            step = scheduler.last_epoch
-            lrs = [peak * factor(step) for factor, peak in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
+            lrs = [peak * factor(scheduler.last_epoch)
+                   for factor, peak in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
             for group, lr, peak in zip(scheduler.optimizer.param_groups, lrs, scheduler.base_lrs, strict=True):
                 group["lr"], group["initial_lr"] = lr, peak
             scheduler._last_lr = lrs  # what get_last_lr() reports, as step() would have set it
-        return loaded, self.last_lr()
+        step, now = self.schedulers[0].last_epoch, self.last_lr()
+        if saved and step > 0 and not math.isclose(float(saved[0]), now, rel_tol=1e-9, abs_tol=0.0) \
+                and not (dist.is_initialized() and dist.get_rank()):
+            logger.warning("the learning rate follows this run's schedule: step %d trains at %.3g, where the run that "
+                           "saved step %d had set %.3g (its --optimizer.lr, --lr_scheduler.* or --training.steps "
+                           "differed)", step + 1, now, step, float(saved[0]))
 
 
 @dataclass
@@ -1007,17 +1007,8 @@ class TrainingEngine:
     def load_checkpoint(self) -> int | None:
         """Resume from the newest checkpoint (or the initial load path): the step loaded (0 for
         a seed checkpoint or an initial load), None when there was nothing to load. The LR
-        then follows this run's schedule at the restored step (`LRSchedulers.follow_this_runs_schedule`),
-        with a warning where it differs from the one the checkpoint's run had set."""
-        step = self.checkpointer.load()
-        if step is not None:
-            loaded, now = self.lr_schedulers.follow_this_runs_schedule()
-            if not math.isclose(loaded, now, rel_tol=1e-9, abs_tol=0.0) and step > 0 and self.dist_env.rank == 0:
-                logger.warning(
-                    "the learning rate follows this run's schedule: step %d trains at %.3g, where the run that saved "
-                    "step %d had set %.3g (its --optimizer.lr, --lr_scheduler.* or --training.steps differed)",
-                    step + 1, now, step, loaded)
-        return step
+        follows this run's schedule at the restored step (`LRSchedulers.load_state_dict`)."""
+        return self.checkpointer.load()
 
     def maybe_save(self, *, last_step: bool = False, since: int | None = None) -> None:
         """Save a checkpoint when the interval (or ``last_step``) says so; ``since``: the step
